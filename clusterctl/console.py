@@ -1,0 +1,46 @@
+"""Rendering shared by the CLI and fabfile: consoles, prefixed output lines, and error exits."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.markup import escape
+
+from .plan import Host
+
+__all__ = ["out", "err", "setup_logging", "LinePrinter", "error"]
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Send clusterctl's log records (warnings by default) to stderr."""
+    handler = RichHandler(console=err, show_time=False, show_path=False, markup=False)
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, handlers=[handler], format="%(message)s")
+    logging.getLogger("paramiko").setLevel(logging.CRITICAL)  # its failures reach the user as our messages
+
+
+def error(message: str) -> None:
+    """Print an error message, one `clusterctl: error:` line per line of `message`."""
+    for line in str(message).splitlines() or [""]:
+        err.print(f"[bold red]clusterctl: error:[/] {escape(line)}")
+
+
+class LinePrinter:
+    """Prints remote output lines as `[host] line`, stdout to stdout and stderr to stderr, never interleaved."""
+
+    def __init__(self, width: int = 0):
+        self._lock = threading.Lock()
+        self.width = width
+
+    def __call__(self, host: Host, stream: str, line: str) -> None:
+        prefix = f"[{host.label}]".ljust(self.width + 2)
+        target = sys.stdout if stream == "out" else sys.stderr
+        with self._lock:
+            target.write(f"{prefix} {line}\n")
+            target.flush()

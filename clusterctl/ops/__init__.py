@@ -1,0 +1,27 @@
+"""Operations: plain functions over (plan, remote). They return results; they never print or exit."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from ..plan import JobPlan, make_plan
+from ..remote import Remote, SshOptions
+from ..spec import ClusterSpec, load_spec
+
+__all__ = ["Session", "open_session"]
+
+
+class Session:
+    """A loaded spec, its plan, and a Remote to its hosts: what every operation works on."""
+
+    def __init__(self, spec: ClusterSpec, plan: JobPlan, remote: Remote):
+        self.spec, self.plan, self.remote = spec, plan, remote
+
+
+@contextmanager
+def open_session(spec_path: str):
+    """Load and plan the spec at `spec_path`, open a Remote to its hosts, close it afterwards."""
+    spec = load_spec(spec_path)
+    plan = make_plan(spec)
+    with Remote(plan.hosts, SshOptions.from_spec(spec)) as remote:
+        yield Session(spec, plan, remote)

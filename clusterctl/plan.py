@@ -1,0 +1,288 @@
+"""The plan: a pure function from a spec to every process, ID, endpoint, env var and argv.
+
+Deterministic: hosts in spec order, then local slot. The same spec always gives the same plan.
+No I/O here; every decision is unit-tested without a network.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+
+from .errors import ClusterctlError
+from .spec import ClusterSpec, PserversPerHost
+
+__all__ = ["Host", "Process", "JobPlan", "PlanError", "make_plan", "render_args"]
+
+
+class PlanError(ClusterctlError):
+    """The spec is well-formed but cannot be laid out (e.g. two endpoints on one host:port)."""
+
+    exit_code = 2
+
+    def __init__(self, path: tuple, message: str):
+        super().__init__(message)
+        self.path, self.message = path, message
+
+
+@dataclass(frozen=True)
+class Host:
+    """A host as the remote layer needs it: where to connect and as whom."""
+
+    address: str
+    port: int
+    user: str
+    index: int
+
+    @property
+    def label(self) -> str:
+        """Short name used to prefix output lines: the address, plus the port when it is not 22."""
+        return self.address if self.port == 22 else f"{self.address}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process of the job, fully decided."""
+
+    host: Host
+    role: str  # "pserver" | "trainer"
+    id: int
+    rank: int | None
+    local_rank: int
+    endpoint: str
+    gpus: tuple[int, ...]
+    env: dict[str, str] = field(hash=False)
+    argv: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """`role.id`, the process's name in logs and status."""
+        return f"{self.role}.{self.id}"
+
+    @property
+    def port(self) -> int:
+        """The process's own port (from its endpoint)."""
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+    def to_json(self) -> dict:
+        """The JSON shape printed by `clusterctl plan --json`."""
+        return {
+            "host": self.host.address,
+            "role": self.role,
+            "id": self.id,
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "endpoint": self.endpoint,
+            "gpus": list(self.gpus),
+            "env": dict(self.env),
+            "argv": list(self.argv),
+        }
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Every process of one job, plus the job-wide facts operations need."""
+
+    job: str
+    mode: str
+    hosts: tuple[Host, ...]
+    processes: tuple[Process, ...]
+    workdir: str
+    log_dir: str
+    control_endpoint: str
+    on_failure: str
+    grace: float
+
+    @property
+    def trainers(self) -> tuple[Process, ...]:
+        """Trainer processes in id order."""
+        return tuple(p for p in self.processes if p.role == "trainer")
+
+    @property
+    def pservers(self) -> tuple[Process, ...]:
+        """Pserver processes in id order."""
+        return tuple(p for p in self.processes if p.role == "pserver")
+
+    def on_host(self, host: Host) -> tuple[Process, ...]:
+        """The processes planned on `host`."""
+        return tuple(p for p in self.processes if p.host == host)
+
+    def log_path(self, proc: Process) -> str:
+        """Where `proc`'s stdout+stderr go on its host: `<log_dir>/<role>.<id>.log`."""
+        return posixpath.join(self.log_dir, f"{proc.role}.{proc.id}.log")
+
+    def to_json(self) -> dict:
+        """The JSON shape printed by `clusterctl plan --json`."""
+        return {"job": self.job, "mode": self.mode, "processes": [p.to_json() for p in self.processes]}
+
+
+def make_plan(spec: ClusterSpec) -> JobPlan:
+    """Lay out every process of `spec`'s job; raise PlanError when the layout is impossible."""
+    job = spec.job
+    hosts = tuple(
+        Host(address=h.address, port=h.port or spec.ssh.port, user=h.user or spec.ssh.user, index=i)
+        for i, h in enumerate(spec.hosts)
+    )
+    pserver_hosts = _pserver_hosts(spec, hosts)
+    trainer_slots = _trainer_slots(spec, hosts)
+
+    used: dict[tuple[str, int], str] = {}
+
+    def claim(host: Host, port: int, what: str, path: tuple) -> str:
+        key = (host.address, port)
+        if port > 65535:
+            raise PlanError(path, f"{what} needs port {port} on {host.address}, beyond 65535; lower the base port")
+        if key in used:
+            raise PlanError(
+                ("job", "ports"), f"two planned endpoints on {host.address}:{port}: {used[key]} and {what}"
+            )
+        used[key] = what
+        return f"{host.address}:{port}"
+
+    control = claim(hosts[0], job.ports.control, "the job's control port", ("job", "ports", "control"))
+
+    pservers: list[tuple[Host, int, str]] = []
+    local_count: dict[Host, int] = {}
+    for pid, host in enumerate(pserver_hosts):
+        local = local_count.get(host, 0)
+        local_count[host] = local + 1
+        ep = claim(host, job.ports.pserver + local, f"pserver.{pid}", ("job", "ports", "pserver"))
+        pservers.append((host, local, ep))
+
+    trainers: list[tuple[Host, int, str, tuple[int, ...]]] = []
+    for host, n, gpus in trainer_slots:
+        for local in range(n):
+            tid = len(trainers)
+            ep = claim(host, job.ports.trainer + local, f"trainer.{tid}", ("job", "ports", "trainer"))
+            trainers.append((host, local, ep, _gpu_share(gpus, n, local, host)))
+
+    master_addr = trainers[0][0].address if trainers else hosts[0].address
+    if trainers:
+        claim(trainers[0][0], job.ports.master, "the trainers' master (rendezvous) port", ("job", "ports", "master"))
+
+    pserver_eps = ",".join(ep for _, _, ep in pservers)
+    trainer_eps = ",".join(ep for _, _, ep, _ in trainers)
+    per_host_trainers = {h: n for h, n, _ in trainer_slots}
+    common = {
+        "CLUSTERCTL_JOB": spec.name,
+        "PADDLE_TRAINERS_NUM": str(len(trainers)),
+        "PADDLE_TRAINER_ENDPOINTS": trainer_eps,
+    }
+    if job.mode == "pserver":
+        common["PADDLE_PSERVERS_IP_PORT_LIST"] = pserver_eps
+        common["CLUSTERCTL_PS_MODE"] = job.sync
+        common["CLUSTERCTL_PS_K_STEPS"] = str(job.k_steps)
+
+    processes: list[Process] = []
+    for pid, (host, local, ep) in enumerate(pservers):
+        env = _env(job.env, common, role="pserver", endpoint=ep)
+        env["PADDLE_PSERVER_ID"] = str(pid)
+        fmt = _placeholders(spec, "pserver", pid, pid, len(trainers), pserver_eps, trainer_eps, ep, host, local)
+        processes.append(
+            Process(host, "pserver", pid, None, local, ep, (), env, tuple(job.entrypoint) + render_args(job.args, fmt))
+        )
+    for tid, (host, local, ep, gpus) in enumerate(trainers):
+        env = _env(job.env, common, role="trainer", endpoint=ep)
+        env.update(
+            PADDLE_TRAINER_ID=str(tid),
+            RANK=str(tid),
+            WORLD_SIZE=str(len(trainers)),
+            LOCAL_RANK=str(local),
+            LOCAL_WORLD_SIZE=str(per_host_trainers[host]),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(job.ports.master),
+        )
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+            # Inside the process the visible GPUs are renumbered from 0.
+            env["FLAGS_selected_gpus"] = ",".join(str(i) for i in range(len(gpus)))
+        fmt = _placeholders(spec, "trainer", tid, tid, len(trainers), pserver_eps, trainer_eps, ep, host, local)
+        processes.append(
+            Process(host, "trainer", tid, tid, local, ep, gpus, env, tuple(job.entrypoint) + render_args(job.args, fmt))
+        )
+
+    workdir = spec.workspace.remote
+    log_dir = job.log_dir if posixpath.isabs(job.log_dir) else posixpath.join(workdir, job.log_dir)
+    return JobPlan(
+        job=spec.name,
+        mode=job.mode,
+        hosts=hosts,
+        processes=tuple(processes),
+        workdir=workdir,
+        log_dir=log_dir,
+        control_endpoint=control,
+        on_failure=job.on_failure,
+        grace=job.grace,
+    )
+
+
+def render_args(args: tuple[str, ...], values: dict[str, str]) -> tuple[str, ...]:
+    """Substitute `{placeholder}`s in each arg; `{{`/`}}` are literal braces. Values are never re-parsed."""
+    return tuple(arg.format_map(values) for arg in args)
+
+
+def _placeholders(spec, role, pid, trainer_id, trainers, pserver_eps, trainer_eps, ep, host, local) -> dict[str, str]:
+    return {
+        "role": role,
+        "id": str(pid),
+        "trainer_id": str(trainer_id),
+        "trainers": str(trainers),
+        "pserver_endpoints": pserver_eps,
+        "trainer_endpoints": trainer_eps,
+        "current_endpoint": ep,
+        "host": host.address,
+        "local_rank": str(local),
+        "job": spec.name,
+    }
+
+
+def _env(user_env: dict[str, str], common: dict[str, str], *, role: str, endpoint: str) -> dict[str, str]:
+    ip, port = endpoint.rsplit(":", 1)
+    env = dict(user_env)
+    env.update(common)
+    env.update(
+        CLUSTERCTL_ROLE=role,
+        TRAINING_ROLE=role.upper(),
+        POD_IP=ip,
+        PADDLE_PORT=port,
+        PADDLE_CURRENT_ENDPOINT=endpoint,
+    )
+    return env
+
+
+def _pserver_hosts(spec: ClusterSpec, hosts: tuple[Host, ...]) -> list[Host]:
+    p = spec.job.pservers
+    if spec.job.mode != "pserver":
+        return []
+    if isinstance(p, int):
+        return [hosts[i % len(hosts)] for i in range(p)]
+    if isinstance(p, PserversPerHost):
+        return [h for h in hosts for _ in range(p.per_host)]
+    by_addr = {h.address: h for h in reversed(hosts)}  # first host with that address wins
+    return [by_addr[a] for a in p]
+
+
+def _trainer_slots(spec: ClusterSpec, hosts: tuple[Host, ...]) -> list[tuple[Host, int, tuple[int, ...]]]:
+    slots = []
+    for h, hs in zip(hosts, spec.hosts):
+        if hs.slots is not None:
+            n = hs.slots
+        elif spec.job.trainers == "gpu":
+            n = len(hs.gpus)
+        else:
+            n = int(spec.job.trainers)
+        slots.append((h, n, hs.gpus))
+    if sum(n for _, n, _ in slots) == 0:
+        raise PlanError(("job", "trainers"), "the job has no trainers")
+    return slots
+
+
+def _gpu_share(gpus: tuple[int, ...], n: int, local: int, host: Host) -> tuple[int, ...]:
+    """Split a host's GPUs evenly and contiguously among its `n` trainers."""
+    if not gpus:
+        return ()
+    if n > len(gpus):
+        raise PlanError(("hosts", host.index, "gpus"), f"{n} trainers on {host.address} but only {len(gpus)} GPUs")
+    per = len(gpus) // n
+    return gpus[local * per : (local + 1) * per]
+

@@ -1,0 +1,532 @@
+"""The cluster spec: YAML → validated, typed, frozen objects. Knows YAML, nothing about SSH.
+
+Every problem is reported at once as ``FILE:LINE:COL: dotted.key.path: message``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import shlex
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .errors import SpecError, SpecProblem
+from .yamlpos import Located, YamlSyntaxError, load_located
+
+__all__ = [
+    "ClusterSpec",
+    "HostSpec",
+    "JobSpec",
+    "SshSpec",
+    "WorkspaceSpec",
+    "DataSpec",
+    "PortsSpec",
+    "load_spec",
+    "parse_spec",
+    "parse_hostfile",
+    "PLACEHOLDERS",
+]
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+PASSWORD_KEY_RE = re.compile(r"(^|[_-])(password|passwd|passphrase|pass)$", re.IGNORECASE)
+
+# Placeholders allowed in job.args (see docs/spec.md).
+PLACEHOLDERS = (
+    "role",
+    "id",
+    "trainer_id",
+    "trainers",
+    "pserver_endpoints",
+    "trainer_endpoints",
+    "current_endpoint",
+    "host",
+    "local_rank",
+    "job",
+)
+
+# Env names the plan owns; a user setting one in job.env would silently break the contract.
+CONTRACT_ENV = frozenset(
+    """CLUSTERCTL_JOB CLUSTERCTL_ROLE TRAINING_ROLE POD_IP PADDLE_PORT PADDLE_CURRENT_ENDPOINT
+    PADDLE_TRAINER_ID PADDLE_PSERVER_ID PADDLE_TRAINERS_NUM PADDLE_TRAINER_ENDPOINTS
+    PADDLE_PSERVERS_IP_PORT_LIST RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
+    CUDA_VISIBLE_DEVICES FLAGS_selected_gpus CLUSTERCTL_DATA_FILES""".split()
+)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class SshSpec(_Model):
+    """How to reach the hosts. Keys or ssh-agent only: there is no password field."""
+
+    user: str = "root"
+    port: Port = 22
+    identity_file: str | None = None
+    known_hosts: str = "~/.ssh/known_hosts"
+    host_key_policy: Literal["strict", "accept-new", "off"] = "strict"
+    connect_timeout: float = Field(10.0, gt=0, le=600)
+    keepalive: int = Field(15, ge=0, le=3600)
+    forward_agent: bool = False
+
+
+class HostSpec(_Model):
+    """One machine: where to reach it and what it offers."""
+
+    address: str = Field(min_length=1)
+    port: Port | None = None
+    user: str | None = None
+    gpus: tuple[int, ...] = ()
+    slots: int | None = Field(None, ge=1, le=1024)
+    labels: dict[str, str] = {}
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+", v):
+            raise ValueError(f"not a host name or IP address: {v!r}")
+        return v
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("expected a GPU count or a list of GPU indices")
+        if isinstance(v, int):
+            if v < 0:
+                raise ValueError("GPU count must be >= 0")
+            return tuple(range(v))
+        if isinstance(v, list):
+            if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in v):
+                raise ValueError("GPU indices must be integers >= 0")
+            if len(set(v)) != len(v):
+                raise ValueError("GPU indices must be distinct")
+        return v
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _labels(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            return {str(k): _scalar_str(x) for k, x in v.items()}
+        return v
+
+
+class WorkspaceSpec(_Model):
+    """What to ship: a local directory, where it lands on every host, and what to leave out."""
+
+    local: str = "."
+    remote: str = ""
+    exclude: tuple[str, ...] = (".git/", "__pycache__/", "*.pyc", ".venv/")
+
+    @field_validator("remote")
+    @classmethod
+    def _remote(cls, v: str) -> str:
+        if v.startswith("~/"):
+            v = v[2:]  # ssh sessions start in $HOME: relative paths are relative to it
+        if ".." in Path(v).parts:
+            raise ValueError("must not contain '..'")
+        return v
+
+
+class DataSpec(_Model):
+    """Optional data shards: files matching `pattern` are dealt to trainers by index % trainers."""
+
+    local: str
+    pattern: str = "*"
+    remote: str = "data"
+
+
+class PortsSpec(_Model):
+    """Base ports. A process's port is its base plus its local index on the host."""
+
+    pserver: Port = 6170
+    trainer: Port = 6180
+    master: Port = 6169
+    control: Port = 6168
+
+
+class PserversPerHost(_Model):
+    per_host: int = Field(ge=0, le=256)
+
+
+class JobSpec(_Model):
+    """What to run and how processes are laid out."""
+
+    mode: Literal["pserver", "collective"] = "collective"
+    launcher: Literal["ssh", "mpi"] = "ssh"
+    entrypoint: tuple[str, ...] = Field(min_length=1)
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    pservers: Union[int, PserversPerHost, tuple[str, ...]] = 0
+    trainers: Union[int, Literal["gpu"]] = 1
+    ports: PortsSpec = PortsSpec()
+    log_dir: str = "log"
+    on_failure: Literal["stop", "continue"] = "stop"
+    grace: float = Field(10.0, ge=0, le=3600)
+    sync: Literal["sync", "async", "geo"] = "sync"
+    k_steps: int = Field(100, ge=1)
+
+    @field_validator("entrypoint", mode="before")
+    @classmethod
+    def _entrypoint(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return shlex.split(v)
+        if isinstance(v, list):
+            return [_scalar_str(x) for x in v]
+        return v
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _args(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [_scalar_str(x) for x in v]
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _placeholders(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in v:
+            for name in _placeholder_names(arg):
+                if name not in PLACEHOLDERS:
+                    hint = _did_you_mean(name, PLACEHOLDERS)
+                    raise ValueError(f"unknown placeholder {{{name}}} in {arg!r}{hint}")
+        return v
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for k, x in v.items():
+            k = str(k)
+            if not ENV_NAME_RE.match(k):
+                raise ValueError(f"{k!r} is not a valid environment variable name")
+            if k in CONTRACT_ENV:
+                raise ValueError(f"{k} is set by clusterctl from the plan; remove it from job.env")
+            out[k] = _scalar_str(x)
+        return out
+
+    @field_validator("pservers", mode="before")
+    @classmethod
+    def _pservers(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("expected a count, {per_host: N} or a list of host addresses")
+        if isinstance(v, int) and v < 0:
+            raise ValueError("pserver count must be >= 0")
+        return v
+
+    @field_validator("trainers", mode="before")
+    @classmethod
+    def _trainers(cls, v: Any) -> Any:
+        if isinstance(v, bool) or (not isinstance(v, int) and v != "gpu"):
+            raise ValueError("expected trainers per host (an integer) or 'gpu' (one per GPU)")
+        if isinstance(v, int) and not 0 <= v <= 1024:
+            raise ValueError("trainers per host must be between 0 and 1024")
+        return v
+
+
+class ClusterSpec(_Model):
+    """A whole cluster spec. `source` is the file it came from (for messages and relative paths)."""
+
+    name: str
+    ssh: SshSpec = SshSpec()
+    hosts: tuple[HostSpec, ...] = ()
+    hostfile: str | None = None
+    workspace: WorkspaceSpec = WorkspaceSpec()
+    data: DataSpec | None = None
+    job: JobSpec
+    provision: dict[str, Any] | None = None
+    source: str = Field("<spec>", exclude=True)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return v
+
+    @model_validator(mode="after")
+    def _defaults(self) -> "ClusterSpec":
+        if not self.workspace.remote:
+            ws = self.workspace.model_copy(update={"remote": f"clusterctl/{self.name}"})
+            object.__setattr__(self, "workspace", ws)
+        return self
+
+    @property
+    def base_dir(self) -> Path:
+        """Directory that relative paths in the spec are resolved against."""
+        return Path(self.source).resolve().parent if self.source != "<spec>" else Path.cwd()
+
+    def local_path(self, value: str) -> Path:
+        """Resolve a controller-side path from the spec (`~` expanded, relative to the spec file)."""
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else self.base_dir / p
+
+
+def _scalar_str(v: Any) -> Any:
+    """YAML scalars become strings (`1` → "1", `true` → "true"); anything else is left for the type check."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(v)
+    return v
+
+
+def _placeholder_names(arg: str) -> list[str]:
+    """Names inside single braces; `{{` and `}}` are literal braces."""
+    stripped = arg.replace("{{", "").replace("}}", "")
+    return re.findall(r"\{([^{}]*)\}", stripped)
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def parse_hostfile(text: str) -> list[dict]:
+    """Parse the common `host slots=N` hostfile format into host dicts; raise ValueError(lineno, msg)."""
+    hosts = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        entry: dict[str, Any] = {"address": parts[0]}
+        for opt in parts[1:]:
+            key, sep, value = opt.partition("=")
+            if key in ("slots", "max_slots", "max-slots") and sep and value.isdigit():
+                if key == "slots":
+                    entry["slots"] = int(value)
+            else:
+                raise ValueError(lineno, f"cannot parse {opt!r} (expected slots=N)")
+        hosts.append(entry)
+    return hosts
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+
+def load_spec(path: str | Path) -> ClusterSpec:
+    """Read, parse and validate the spec at `path`; raise SpecError with every problem found."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError([SpecProblem(str(path), 1, 1, "", f"cannot read spec: {exc.strerror or exc}")]) from None
+    except UnicodeDecodeError:
+        raise SpecError([SpecProblem(str(path), 1, 1, "", "spec is not UTF-8 text")]) from None
+    return parse_spec(text, str(path))
+
+
+def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
+    """Validate spec `text` (named `source` in messages); raise SpecError with every problem found."""
+    try:
+        loc = load_located(text)
+    except YamlSyntaxError as exc:
+        raise SpecError([SpecProblem(source, exc.line, exc.column, "", exc.message)]) from None
+    data = loc.data
+    if not isinstance(data, dict):
+        raise SpecError([SpecProblem(source, 1, 1, "", "a spec is a YAML mapping (name:, hosts:, job:, ...)")])
+
+    problems = [_problem(loc, source, p, "key given twice") for p in loc.duplicates]
+    problems += _password_problems(loc, source, data, ())
+    if problems:
+        raise SpecError(problems)
+
+    data = dict(data)
+    problems += _load_hostfile(loc, source, data)
+    try:
+        spec = ClusterSpec.model_validate({**data, "source": source})
+    except pydantic.ValidationError as exc:
+        problems += [_pydantic_problem(loc, source, err) for err in exc.errors()]
+        raise SpecError(sorted(_dedupe(problems), key=lambda p: (p.file != source, p.line, p.column))) from None
+    problems += _semantic_problems(loc, source, spec)
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def _problem(loc: Located, source: str, path: tuple, message: str) -> SpecProblem:
+    line, col = loc.position(path)
+    return SpecProblem(source, line, col, _dotted(path), message)
+
+
+def _dotted(path: tuple) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _password_problems(loc: Located, source: str, node: Any, path: tuple) -> list[SpecProblem]:
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            child = path + (key,)
+            if isinstance(key, str) and PASSWORD_KEY_RE.search(key):
+                found.append(
+                    _problem(loc, source, child, "passwords are not allowed in a spec: use ssh.identity_file or an ssh-agent")
+                )
+            else:
+                found += _password_problems(loc, source, value, child)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += _password_problems(loc, source, value, path + (i,))
+    return found
+
+
+def _load_hostfile(loc: Located, source: str, data: dict) -> list[SpecProblem]:
+    hostfile = data.get("hostfile")
+    if hostfile is None:
+        return []
+    if "hosts" in data:
+        return [_problem(loc, source, ("hostfile",), "give either hosts or hostfile, not both")]
+    if not isinstance(hostfile, str):
+        return []  # the type check reports it
+    base = Path(source).resolve().parent if source != "<spec>" else Path.cwd()
+    path = Path(hostfile).expanduser()
+    path = path if path.is_absolute() else base / path
+    try:
+        data["hosts"] = parse_hostfile(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        return [_problem(loc, source, ("hostfile",), f"cannot read {path}: {exc.strerror or exc}")]
+    except ValueError as exc:
+        lineno, msg = exc.args
+        return [SpecProblem(str(path), lineno, 1, "hostfile", msg)]
+    return []
+
+
+_PYDANTIC_MESSAGES = {
+    "missing": "required key is missing",
+    "int_type": "expected an integer",
+    "int_parsing": "expected an integer",
+    "float_type": "expected a number",
+    "float_parsing": "expected a number",
+    "string_type": "expected a string",
+    "bool_type": "expected true or false",
+    "bool_parsing": "expected true or false",
+    "dict_type": "expected a mapping",
+    "list_type": "expected a list",
+    "tuple_type": "expected a list",
+    "model_type": "expected a mapping",
+    "model_attributes_type": "expected a mapping",
+}
+
+
+def _pydantic_problem(loc: Located, source: str, err: dict) -> SpecProblem:
+    path = tuple(p for p in err["loc"] if not _is_union_tag(p))
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = path[:-1]
+        allowed = _allowed_keys(parent)
+        return _problem(loc, source, path, f"unknown key{_did_you_mean(path[-1], allowed)}")
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than") and path and path[-1] in (
+        "port", "pserver", "trainer", "master", "control"
+    ):
+        return _problem(loc, source, path, f"port out of range (1-65535): {err.get('input')!r}")
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        return _problem(loc, source, path, f"expected one of {expected}, got {err.get('input')!r}")
+    if kind == "value_error":
+        msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        return _problem(loc, source, path, msg)
+    if kind == "too_short" and path and path[-1] == "entrypoint":
+        return _problem(loc, source, path, "must name a program to run")
+    message = _PYDANTIC_MESSAGES.get(kind, err["msg"][0].lower() + err["msg"][1:])
+    return _problem(loc, source, path, message)
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic adds the union member it tried ('int', 'PserversPerHost', "literal['gpu']", 'tuple[str, ...]')
+    return isinstance(part, str) and (
+        part in ("int", "str", "float") or part[:1].isupper() or "[" in part or part.startswith("literal")
+    )
+
+
+_SECTION_MODELS: dict[str, type[BaseModel]] = {
+    "ssh": SshSpec,
+    "workspace": WorkspaceSpec,
+    "job": JobSpec,
+    "data": DataSpec,
+    "hosts": HostSpec,
+}
+
+
+def _allowed_keys(parent: tuple) -> list[str]:
+    model: type[BaseModel] = ClusterSpec
+    for part in parent:
+        if isinstance(part, int):
+            continue
+        sub = _SECTION_MODELS.get(part) if model is ClusterSpec else None
+        if sub is None and part == "ports":
+            sub = PortsSpec
+        if sub is None and part == "pservers":
+            sub = PserversPerHost
+        if sub is None:
+            return []
+        model = sub
+    return [k for k in model.model_fields if k != "source"]
+
+
+def _dedupe(problems: list[SpecProblem]) -> list[SpecProblem]:
+    seen, out = set(), []
+    for p in problems:
+        key = (p.path, p.message)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def _semantic_problems(loc: Located, source: str, spec: ClusterSpec) -> list[SpecProblem]:
+    problems = []
+    if not spec.hosts:
+        where = ("hostfile",) if spec.hostfile else ("hosts",)
+        problems.append(_problem(loc, source, where, "no hosts: list at least one host"))
+    seen: dict[tuple[str, int], int] = {}
+    for i, host in enumerate(spec.hosts):
+        key = (host.address, host.port or spec.ssh.port)
+        if key in seen:
+            problems.append(
+                _problem(loc, source, ("hosts", i), f"duplicate host {key[0]}:{key[1]} (also hosts[{seen[key]}])")
+            )
+        else:
+            seen[key] = i
+        if spec.job.trainers == "gpu" and not host.gpus:
+            problems.append(_problem(loc, source, ("hosts", i), "job.trainers is 'gpu' but this host lists no gpus"))
+    if isinstance(spec.job.pservers, tuple):
+        addresses = {h.address for h in spec.hosts}
+        for i, addr in enumerate(spec.job.pservers):
+            if addr not in addresses:
+                hint = _did_you_mean(addr, sorted(addresses))
+                problems.append(_problem(loc, source, ("job", "pservers", i), f"{addr} is not in hosts{hint}"))
+    if spec.job.mode == "pserver" and _pserver_count(spec) == 0:
+        problems.append(_problem(loc, source, ("job", "pservers"), "pserver mode needs at least one pserver"))
+    if spec.job.mode == "collective" and _pserver_count(spec) > 0:
+        problems.append(_problem(loc, source, ("job", "pservers"), "collective mode runs no pservers; set mode: pserver"))
+    if problems:
+        return problems
+    # Late import: plan depends on spec, not the other way round at import time.
+    from .plan import PlanError, make_plan
+
+    try:
+        make_plan(spec)
+    except PlanError as exc:
+        problems.append(_problem(loc, source, exc.path, exc.message))
+    return problems
+
+
+def _pserver_count(spec: ClusterSpec) -> int:
+    p = spec.job.pservers
+    if isinstance(p, int):
+        return p
+    if isinstance(p, PserversPerHost):
+        return p.per_host * len(spec.hosts)
+    return len(p)
