@@ -342,6 +342,8 @@ def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
 
     data = dict(data)
     problems += _load_hostfile(loc, source, data)
+    if problems:
+        raise SpecError(problems)
     try:
         spec = ClusterSpec.model_validate({**data, "source": source})
     except pydantic.ValidationError as exc:

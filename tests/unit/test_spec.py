@@ -1,0 +1,190 @@
+"""Spec validation: a table of bad specs and the exact messages they produce."""
+
+import subprocess
+import sys
+
+import pytest
+
+from clusterctl.errors import SpecError
+from clusterctl.spec import load_spec, parse_hostfile
+
+GOOD = """\
+name: demo
+ssh:
+  identity_file: id_ed25519
+hosts:
+  - address: 10.0.0.1
+  - address: 10.0.0.2
+job:
+  mode: pserver
+  entrypoint: [python3, train.py]
+  pservers: 1
+"""
+
+# (spec text, [expected "LINE:COL: path: message" suffixes]) — each problem on its own line.
+BAD = [
+    pytest.param(
+        GOOD.replace("  identity_file", "  identiy_file"),
+        ["3:3: ssh.identiy_file: unknown key (did you mean 'identity_file'?)"],
+        id="misspelt-key",
+    ),
+    pytest.param(GOOD + "colour: red\n", ["11:1: colour: unknown key"], id="unknown-section"),
+    pytest.param(
+        GOOD.replace("ssh:\n", "ssh:\n  password: s3cret\n"),
+        ["3:3: ssh.password: passwords are not allowed in a spec: use ssh.identity_file or an ssh-agent"],
+        id="password",
+    ),
+    pytest.param(
+        GOOD.replace("  - address: 10.0.0.2", "  - address: 10.0.0.2\n    labels: {db_passwd: x}"),
+        ["7:14: hosts[1].labels.db_passwd: passwords are not allowed in a spec: use ssh.identity_file or an ssh-agent"],
+        id="password-nested",
+    ),
+    pytest.param(
+        GOOD.replace("ssh:\n", "ssh:\n  port: 70000\n"),
+        ["3:3: ssh.port: port out of range (1-65535): 70000"],
+        id="port-range",
+    ),
+    pytest.param(
+        GOOD.replace("  pservers: 1", "  pservers: 1\n  ports: {pserver: 0}"),
+        ["11:11: job.ports.pserver: port out of range (1-65535): 0"],
+        id="base-port-range",
+    ),
+    pytest.param(
+        GOOD.replace("hosts:\n  - address: 10.0.0.1\n  - address: 10.0.0.2\n", "hosts: []\n"),
+        ["4:1: hosts: no hosts: list at least one host"],
+        id="empty-hosts",
+    ),
+    pytest.param(
+        GOOD.replace("10.0.0.2", "10.0.0.1"),
+        ["6:5: hosts[1]: duplicate host 10.0.0.1:22 (also hosts[0])"],
+        id="duplicate-host",
+    ),
+    pytest.param(
+        GOOD.replace("  pservers: 1", "  pservers: 1\n  ports: {pserver: 6180, trainer: 6180}"),
+        ["11:3: job.ports: two planned endpoints on 10.0.0.1:6180: pserver.0 and trainer.0"],
+        id="endpoint-collision",
+    ),
+    pytest.param(
+        GOOD.replace("  pservers: 1", "  pservers: 1\n  trainers: 2\n  ports: {trainer: 6169}"),
+        ["12:3: job.ports: two planned endpoints on 10.0.0.1:6170: pserver.0 and trainer.1"],
+        id="endpoint-collision-range",
+    ),
+    pytest.param(
+        GOOD.replace("  mode: pserver", "  mode: pserver\n  trainers: three"),
+        ["9:3: job.trainers: expected trainers per host (an integer) or 'gpu' (one per GPU)"],
+        id="wrong-type-trainers",
+    ),
+    pytest.param(
+        GOOD.replace("name: demo", "name: [demo]"),
+        ["1:1: name: expected a string"],
+        id="wrong-type-name",
+    ),
+    pytest.param(
+        GOOD.replace("  mode: pserver", "  mode: psever"),
+        ["8:3: job.mode: expected one of 'pserver' or 'collective', got 'psever'"],
+        id="bad-literal",
+    ),
+    pytest.param(
+        GOOD.replace("  pservers: 1", "  pservers: 1\n  args: ['{trainer_idx}']"),
+        ["11:3: job.args: unknown placeholder {trainer_idx} in '{trainer_idx}' (did you mean 'trainer_id'?)"],
+        id="bad-placeholder",
+    ),
+    pytest.param(
+        GOOD.replace("  pservers: 1", "  pservers: [10.0.0.9]"),
+        ["10:14: job.pservers[0]: 10.0.0.9 is not in hosts (did you mean '10.0.0.2'?)"],
+        id="pserver-unknown-host",
+    ),
+    pytest.param(
+        GOOD.replace("  pservers: 1", "  pservers: 1\n  env: {RANK: '3'}"),
+        ["11:3: job.env: RANK is set by clusterctl from the plan; remove it from job.env"],
+        id="env-contract-clash",
+    ),
+    pytest.param(
+        GOOD.replace("  pservers: 1", "  pservers: 0"),
+        ["10:3: job.pservers: pserver mode needs at least one pserver"],
+        id="pserver-mode-no-pservers",
+    ),
+    pytest.param(GOOD.replace("job:", "job:\n  x: [1,"), ["10:13: YAML syntax error: expected ',' or ']', but got ':'"], id="yaml-syntax"),
+    pytest.param(GOOD + "name: other\n", ["11:1: name: key given twice"], id="duplicate-key"),
+    pytest.param(
+        GOOD.replace("    pservers: 1", "") .replace("job:\n  mode: pserver\n  entrypoint: [python3, train.py]\n  pservers: 1\n", "job:\n  mode: collective\n  entrypoint: [python3, train.py]\n  trainers: gpu\n"),
+        [
+            "5:5: hosts[0]: job.trainers is 'gpu' but this host lists no gpus",
+            "6:5: hosts[1]: job.trainers is 'gpu' but this host lists no gpus",
+        ],
+        id="gpu-trainers-without-gpus",
+    ),
+    pytest.param(
+        GOOD.replace("  - address: 10.0.0.1", "  - address: 10.0.0.1\n    gpus: 1").replace(
+            "  pservers: 1", "  pservers: 1\n  trainers: 2"
+        ),
+        ["6:5: hosts[0].gpus: 2 trainers on 10.0.0.1 but only 1 GPUs"],
+        id="more-trainers-than-gpus",
+    ),
+    pytest.param("- just\n- a list\n", ["1:1: a spec is a YAML mapping"], id="not-a-mapping"),
+    pytest.param(
+        "name: x\nhosts: [{address: a}]\n",
+        ["1:1: job: required key is missing"],
+        id="missing-job",
+    ),
+]
+
+
+@pytest.mark.parametrize("text, expected", BAD)
+def test_bad_spec_messages(write_spec, text, expected):
+    path = write_spec(text)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    lines = [str(p) for p in info.value.problems]
+    assert len(lines) == len(expected), lines
+    for line, want in zip(lines, expected):
+        assert line.startswith(f"{path}:{want}"), (line, want)
+
+
+def test_good_spec_is_frozen_and_typed(write_spec):
+    spec = load_spec(write_spec(GOOD))
+    assert spec.name == "demo"
+    assert spec.ssh.host_key_policy == "strict"
+    assert [h.address for h in spec.hosts] == ["10.0.0.1", "10.0.0.2"]
+    assert spec.job.entrypoint == ("python3", "train.py")
+    assert spec.workspace.remote == "clusterctl/demo"
+    with pytest.raises(Exception):
+        spec.name = "other"
+
+
+def test_scalar_env_values_become_strings(write_spec):
+    spec = load_spec(write_spec(GOOD.replace("  pservers: 1", "  pservers: 1\n  env: {OMP_NUM_THREADS: 1, DEBUG: true}")))
+    assert spec.job.env == {"OMP_NUM_THREADS": "1", "DEBUG": "true"}
+
+
+def test_hostfile(write_spec, tmp_path):
+    (tmp_path / "hosts.txt").write_text("# comment\n10.0.0.5 slots=2\n10.0.0.6   # trailing\n")
+    spec = load_spec(write_spec(GOOD.replace("hosts:\n  - address: 10.0.0.1\n  - address: 10.0.0.2\n", "hostfile: hosts.txt\n")))
+    assert [(h.address, h.slots) for h in spec.hosts] == [("10.0.0.5", 2), ("10.0.0.6", None)]
+
+
+def test_hostfile_errors_name_the_hostfile_line(write_spec, tmp_path):
+    (tmp_path / "hosts.txt").write_text("10.0.0.5 slots=2\n10.0.0.6 cpus=4\n")
+    path = write_spec(GOOD.replace("hosts:\n  - address: 10.0.0.1\n  - address: 10.0.0.2\n", "hostfile: hosts.txt\n"))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert [str(p) for p in info.value.problems] == [f"{tmp_path / 'hosts.txt'}:2:1: hostfile: cannot parse 'cpus=4' (expected slots=N)"]
+
+
+def test_parse_hostfile_max_slots_ignored():
+    assert parse_hostfile("a slots=4 max_slots=8\nb\n") == [{"address": "a", "slots": 4}, {"address": "b"}]
+
+
+def test_cli_validate_exit_codes_and_no_traceback(write_spec):
+    good = write_spec(GOOD, "good.yaml")
+    bad = write_spec(GOOD.replace("ssh:\n", "ssh:\n  usr: root\n  port: 0\n"), "bad.yaml")
+    ok = subprocess.run([sys.executable, "-m", "clusterctl.cli", "validate", str(good)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == f"{good}: valid: job demo (pserver), 2 host(s), 1 pserver(s), 2 trainer(s)"
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "validate", str(bad)], capture_output=True, text=True)
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [
+        f"{bad}:3:3: ssh.usr: unknown key (did you mean 'user'?)",
+        f"{bad}:4:3: ssh.port: port out of range (1-65535): 0",
+    ]
+    assert "Traceback" not in res.stderr and res.stdout == ""
