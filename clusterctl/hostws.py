@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Host side of `clusterctl dispatch`: apply a workspace update atomically, report state, detect drift.
+
+Stdlib only (Python >= 3.9): this file is uploaded to every host and run there with `python3`.
+
+Layout on the host, for workspace ROOT:
+    ROOT                  symlink -> ROOT.d/<gen>   (switched atomically with rename)
+    ROOT.d/<gen>/         one generation of the workspace
+    ROOT.d/<gen>.json     its manifest {path: {"s": size, "h": sha256, "m": mode, "t": mtime_ns}}
+
+`apply` reads from stdin: one line of JSON header {"gen", "manifest", "delete"} then a tar stream of the
+changed files. It hard-links the current generation into a staging directory, replaces changed files
+(unlink first, so the old generation is never modified), deletes removed ones, checks every changed
+file against the manifest, and only then switches the symlink. Any failure removes the staging
+directory and leaves the previous workspace untouched.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tarfile
+
+CHUNK = 1 << 20
+
+
+def fail(msg, code=1):
+    sys.stderr.write(msg.rstrip() + "\n")
+    sys.exit(code)
+
+
+def paths(root):
+    root = os.path.normpath(os.path.expanduser(root))
+    return root, root + ".d"
+
+
+def current_gen(root):
+    if os.path.islink(root):
+        target = os.readlink(root)
+        return os.path.basename(target.rstrip("/"))
+    if os.path.exists(root):
+        fail(f"{root} exists and is not a clusterctl workspace (not a symlink); move it away or change workspace.remote")
+    return None
+
+
+def load_manifest(gens, gen):
+    if gen is None:
+        return {}
+    try:
+        with open(os.path.join(gens, gen + ".json"), encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        return {}
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(CHUNK)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def cmd_state(root):
+    root, gens = paths(root)
+    gen = current_gen(root)
+    manifest = load_manifest(gens, gen)
+    drift = find_drift(os.path.join(gens, gen), manifest) if gen else []
+    print(json.dumps({"gen": gen, "manifest": manifest, "drift": drift}))
+
+
+def link_tree(src, dst):
+    """Copy a tree as hard links (directories are created, files linked)."""
+    for dirpath, dirnames, filenames in os.walk(src):
+        rel = os.path.relpath(dirpath, src)
+        target = os.path.join(dst, rel) if rel != "." else dst
+        os.makedirs(target, exist_ok=True)
+        for name in filenames:
+            s = os.path.join(dirpath, name)
+            if os.path.islink(s):
+                os.symlink(os.readlink(s), os.path.join(target, name))
+            else:
+                os.link(s, os.path.join(target, name))
+
+
+def safe_rel(name):
+    norm = os.path.normpath(name)
+    if norm.startswith("/") or norm == ".." or norm.startswith("../") or "\x00" in norm:
+        fail(f"refusing unsafe path in archive: {name!r}")
+    return norm
+
+
+def extract(stream, staging):
+    """Extract regular files from a tar stream, unlinking any existing file first."""
+    count = 0
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        for member in tar:
+            rel = safe_rel(member.name)
+            dest = os.path.join(staging, rel)
+            if member.isdir():
+                os.makedirs(dest, exist_ok=True)
+                continue
+            if not member.isfile():
+                fail(f"refusing non-regular file in archive: {member.name!r}")
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            if os.path.lexists(dest):
+                os.unlink(dest)
+            src = tar.extractfile(member)
+            with open(dest, "wb") as out:
+                shutil.copyfileobj(src, out, CHUNK)
+            os.chmod(dest, member.mode & 0o7777)
+            os.utime(dest, ns=(member.mtime * 10**9, member.mtime * 10**9))
+            count += 1
+    return count
+
+
+def cmd_apply(root):
+    root, gens = paths(root)
+    header = json.loads(sys.stdin.buffer.readline())
+    gen, manifest, delete = header["gen"], header["manifest"], header["delete"]
+    old = current_gen(root)
+    os.makedirs(gens, exist_ok=True)
+    staging = os.path.join(gens, gen + ".tmp")
+    if os.path.exists(staging):
+        shutil.rmtree(staging)
+    try:
+        if old is not None and os.path.isdir(os.path.join(gens, old)):
+            link_tree(os.path.join(gens, old), staging)
+        else:
+            os.makedirs(staging)
+        written = extract(sys.stdin.buffer, staging)
+        for rel in delete:
+            p = os.path.join(staging, safe_rel(rel))
+            if os.path.lexists(p) and not os.path.isdir(p):
+                os.unlink(p)
+        bad = [rel for rel in header.get("changed", []) if sha256(os.path.join(staging, rel)) != manifest[rel]["h"]]
+        if bad:
+            raise OSError(f"content check failed after transfer: {', '.join(bad[:5])}")
+        with open(os.path.join(gens, gen + ".json.tmp"), "w", encoding="utf-8") as fh:
+            json.dump(manifest, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(os.path.join(gens, gen + ".json.tmp"), os.path.join(gens, gen + ".json"))
+        os.replace(staging, os.path.join(gens, gen))
+        link = root + ".link.tmp"
+        if os.path.lexists(link):
+            os.unlink(link)
+        os.symlink(os.path.join(os.path.basename(gens), gen), link)
+        os.replace(link, root)  # the atomic switch
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        for leftover in (os.path.join(gens, gen + ".json.tmp"),):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+        fail(f"dispatch failed, previous workspace kept: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
+    prune(gens, keep={gen, old})
+    print(json.dumps({"gen": gen, "previous": old, "written": written, "deleted": len(delete)}))
+
+
+def prune(gens, keep):
+    for name in os.listdir(gens):
+        base = name[:-5] if name.endswith(".json") else name
+        if base not in keep:
+            p = os.path.join(gens, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.unlink(p)
+
+
+def cmd_verify(root):
+    root, gens = paths(root)
+    gen = current_gen(root)
+    if gen is None:
+        print(json.dumps({"gen": None, "drift": [{"path": "", "problem": "never dispatched"}]}))
+        return
+    drift = find_drift(os.path.join(gens, gen), load_manifest(gens, gen))
+    print(json.dumps({"gen": gen, "drift": drift}))
+
+
+def find_drift(base, manifest):
+    """Files of `manifest` that are missing or whose content changed under `base`."""
+    drift = []
+    for rel, entry in sorted(manifest.items()):
+        p = os.path.join(base, rel)
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            drift.append({"path": rel, "problem": "missing"})
+            continue
+        if st.st_size == entry["s"] and st.st_mtime_ns == entry["t"]:
+            continue
+        if st.st_size != entry["s"] or sha256(p) != entry["h"]:
+            drift.append({"path": rel, "problem": "modified"})
+    return drift
+
+
+def main(argv):
+    if len(argv) != 3 or argv[1] not in ("state", "apply", "verify"):
+        fail("usage: hostws.py state|apply|verify ROOT", 2)
+    {"state": cmd_state, "apply": cmd_apply, "verify": cmd_verify}[argv[1]](argv[2])
+
+
+if __name__ == "__main__":
+    main(sys.argv)

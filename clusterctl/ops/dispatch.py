@@ -1,0 +1,269 @@
+"""`clusterctl dispatch`: ship the workspace (and data shards) to every host, incrementally and atomically.
+
+Each host keeps the manifest of its last dispatch; only files whose content differs travel, as one tar
+stream per distinct change set (built once, streamed to every host that needs it). The host applies it
+to a hard-linked staging copy and switches a symlink (see clusterctl/hostws.py).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import io
+import json
+import os
+import posixpath
+import secrets
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pathspec
+
+from ..errors import HostFailure, JobError, RemoteError
+from ..plan import Host, JobPlan
+from ..quoting import join
+from ..spec import ClusterSpec
+from . import Session
+from .hosttools import ensure_tools
+
+__all__ = ["LocalFile", "scan_workspace", "data_shards", "dispatch", "verify", "HostDispatch", "DATA_ENV"]
+
+DATA_ENV = "CLUSTERCTL_DATA_FILES"
+_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "clusterctl" / "hashes"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """One file to ship: where it is here, and its manifest entry on the host."""
+
+    source: str
+    size: int
+    sha256: str
+    mode: int
+    mtime: int  # whole seconds: what tar carries
+
+    def entry(self) -> dict:
+        """The manifest entry, as hostws.py stores and checks it."""
+        return {"s": self.size, "h": self.sha256, "m": self.mode, "t": self.mtime * 10**9}
+
+
+@dataclass(frozen=True)
+class HostDispatch:
+    """What one host received."""
+
+    host: Host
+    files_sent: int
+    bytes_sent: int
+    deleted: int
+    generation: str
+
+
+class _HashCache:
+    """sha256 of local files, remembered by (path, size, mtime_ns, inode) so unchanged files are not re-read."""
+
+    def __init__(self, root: Path):
+        key = hashlib.sha256(str(root).encode()).hexdigest()[:16]
+        self.path = _CACHE_DIR / f"{key}.json"
+        try:
+            self.data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.data = {}
+        self.fresh: dict[str, list] = {}
+
+    def sha256(self, rel: str, full: Path, st: os.stat_result) -> str:
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+        hit = self.data.get(rel)
+        if hit and hit[:3] == stamp:
+            digest = hit[3]
+        else:
+            h = hashlib.sha256()
+            with open(full, "rb") as fh:
+                while block := fh.read(_CHUNK):
+                    h.update(block)
+            digest = h.hexdigest()
+        self.fresh[rel] = stamp + [digest]
+        return digest
+
+    def save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.fresh))
+            tmp.replace(self.path)
+        except OSError:
+            pass  # a cache that cannot be written only costs re-hashing next time
+
+
+def scan_workspace(root: Path, exclude: tuple[str, ...], *, prefix: str = "") -> dict[str, LocalFile]:
+    """Every file under `root` not matched by the gitignore-style `exclude` patterns, with its hash."""
+    if not root.is_dir():
+        raise JobError(f"workspace.local {root} is not a directory")
+    spec = pathspec.PathSpec.from_lines("gitwildmatch", exclude)
+    cache = _HashCache(root)
+    files: dict[str, LocalFile] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/")
+        dirnames[:] = sorted(d for d in dirnames if not spec.match_file(posixpath.join(rel_dir, d) + "/"))
+        for name in sorted(filenames):
+            rel = posixpath.join(rel_dir, name)
+            full = Path(dirpath) / name
+            if spec.match_file(rel) or full.is_symlink() or not full.is_file():
+                continue
+            st = full.stat()
+            files[prefix + rel] = LocalFile(str(full), st.st_size, cache.sha256(rel, full, st), st.st_mode & 0o777, int(st.st_mtime))
+    cache.save()
+    return files
+
+
+def data_shards(spec: ClusterSpec, trainers: int) -> list[list[str]]:
+    """Data file names (relative to data.local) dealt to trainers: file i goes to trainer i % trainers."""
+    if spec.data is None or trainers == 0:
+        return [[] for _ in range(trainers)]
+    root = spec.local_path(spec.data.local)
+    if not root.is_dir():
+        raise JobError(f"data.local {root} is not a directory")
+    names = sorted(
+        str(p.relative_to(root)).replace(os.sep, "/")
+        for p in root.rglob("*")
+        if p.is_file() and fnmatch.fnmatch(p.name, spec.data.pattern)
+    )
+    shards: list[list[str]] = [[] for _ in range(trainers)]
+    for i, name in enumerate(names):
+        shards[i % trainers].append(name)
+    return shards
+
+
+def _host_files(session: Session, workspace: dict[str, LocalFile]) -> dict[Host, dict[str, LocalFile]]:
+    """The full file set each host should have: the workspace plus its trainers' data shards."""
+    spec, plan = session.spec, session.plan
+    per_host = {h: dict(workspace) for h in plan.hosts}
+    if spec.data is None:
+        return per_host
+    shards = data_shards(spec, len(plan.trainers))
+    data_prefix = spec.data.remote.strip("/") + "/"
+    data_files = scan_workspace(spec.local_path(spec.data.local), (), prefix=data_prefix)
+    for trainer, names in zip(plan.trainers, shards):
+        for name in names:
+            per_host[trainer.host][data_prefix + name] = data_files[data_prefix + name]
+    return per_host
+
+
+def _tar_spool(files: dict[str, LocalFile], changed: list[str]) -> tempfile.SpooledTemporaryFile:
+    spool = tempfile.SpooledTemporaryFile(max_size=64 << 20)
+    with tarfile.open(fileobj=spool, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for rel in changed:
+            f = files[rel]
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode, info.mtime = f.size, f.mode, f.mtime
+            with open(f.source, "rb") as fh:
+                tar.addfile(info, fh)
+    spool.seek(0, io.SEEK_END)
+    return spool
+
+
+def _stream(spool, header: bytes) -> Iterator[bytes]:
+    yield header
+    offset = 0
+    while True:
+        spool.seek(offset)  # several hosts read the same spool: each keeps its own offset
+        block = spool.read(_CHUNK)
+        if not block:
+            return
+        offset += len(block)
+        yield block
+
+
+def dispatch(session: Session) -> list[HostDispatch]:
+    """Bring every host's workspace to the local content; raise RemoteError naming hosts that failed."""
+    spec, plan, remote = session.spec, session.plan, session.remote
+    workspace = scan_workspace(spec.local_path(spec.workspace.local), spec.workspace.exclude)
+    wanted = _host_files(session, workspace)
+    tools = ensure_tools(remote, ("hostws",))
+    root = plan.workdir
+    states = remote.run(join(["python3", tools["hostws"], "state", root]), what="reading workspace state")
+    gen = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(4)
+
+    plans: dict[Host, tuple[bytes, list[str], list[str]]] = {}
+    for host, res in states.items():
+        state = json.loads(res.stdout)
+        current, drifted = state["manifest"], {d["path"] for d in state["drift"]}
+        files = wanted[host]
+        manifest = {rel: f.entry() for rel, f in files.items()}
+        changed = sorted(rel for rel, e in manifest.items() if rel in drifted or _differs(current.get(rel), e))
+        delete = sorted(set(current) - set(manifest))
+        header = json.dumps({"gen": gen, "manifest": manifest, "delete": delete, "changed": changed}).encode() + b"\n"
+        plans[host] = (header, changed, delete)
+
+    spools: dict[tuple, tempfile.SpooledTemporaryFile] = {}
+    try:
+        for host, (_, changed, _) in plans.items():
+            key = tuple((rel, wanted[host][rel].sha256) for rel in changed)
+            if key not in spools:
+                spools[key] = _tar_spool(wanted[host], changed)
+
+        def feed(host: Host):
+            header, changed, _ = plans[host]
+            key = tuple((rel, wanted[host][rel].sha256) for rel in changed)
+            return _stream(spools[key], header)
+
+        busy = [h for h, (_, changed, delete) in plans.items() if changed or delete]
+        results = remote.run(
+            join(["python3", tools["hostws"], "apply", root]), hosts=busy, stdin=feed, check=False, what="dispatch"
+        )
+        sizes = {key: _size(spool) for key, spool in spools.items()}
+    finally:
+        for spool in spools.values():
+            spool.close()
+
+    out, failures = [], []
+    for host in plans:
+        header, changed, delete = plans[host]
+        res = results.get(host)
+        if res is None:  # already up to date: nothing was sent
+            out.append(HostDispatch(host, 0, 0, 0, json.loads(states[host].stdout)["gen"]))
+            continue
+        if not res.ok:
+            failures.append(host)
+            continue
+        key = tuple((rel, wanted[host][rel].sha256) for rel in changed)
+        out.append(HostDispatch(host, len(changed), len(header) + sizes[key], len(delete), gen))
+    if failures:
+        raise RemoteError(
+            [_failure(results[h]) for h in failures], {h: r for h, r in results.items() if r.ok}, what="dispatch"
+        )
+    return out
+
+
+def _size(spool) -> int:
+    spool.seek(0, io.SEEK_END)
+    return spool.tell()
+
+
+def _failure(res) -> HostFailure:
+    return HostFailure(res.host.label, res.command, res.exit_code, res.stderr[-2000:])
+
+
+def _differs(old: dict | None, new: dict) -> bool:
+    return old is None or old["h"] != new["h"] or old["m"] != new["m"] or old["s"] != new["s"]
+
+
+def verify(session: Session) -> dict[Host, list[dict]]:
+    """Each host's drift from its last dispatch: [{'path', 'problem'}]; an empty list means verified."""
+    tools = ensure_tools(session.remote, ("hostws",))
+    results = session.remote.run(join(["python3", tools["hostws"], "verify", session.plan.workdir]), what="verifying workspaces")
+    return {host: json.loads(res.stdout)["drift"] for host, res in results.items()}
+
+
+def data_env(spec: ClusterSpec, plan: JobPlan) -> dict[int, str]:
+    """CLUSTERCTL_DATA_FILES per trainer id: its shard's paths relative to the workspace, os.pathsep-joined."""
+    if spec.data is None:
+        return {}
+    prefix = spec.data.remote.strip("/")
+    shards = data_shards(spec, len(plan.trainers))
+    return {t.id: ":".join(posixpath.join(prefix, n) for n in shard) for t, shard in zip(plan.trainers, shards)}
