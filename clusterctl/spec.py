@@ -15,6 +15,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .errors import SpecError, SpecProblem
+from .provision.schema import ProvisionSpec
 from .yamlpos import Located, YamlSyntaxError, load_located
 
 __all__ = [
@@ -220,6 +221,14 @@ class JobSpec(_Model):
             raise ValueError("expected a count, {per_host: N} or a list of host addresses")
         if isinstance(v, int) and v < 0:
             raise ValueError("pserver count must be >= 0")
+        if isinstance(v, dict):
+            unknown = [k for k in v if k != "per_host"]
+            if unknown:
+                raise ValueError(f"unknown key {unknown[0]!r}{_did_you_mean(unknown[0], ['per_host'])}; expected {{per_host: N}}")
+            if not isinstance(v.get("per_host"), int) or isinstance(v.get("per_host"), bool):
+                raise ValueError("expected {per_host: N} with N an integer")
+        elif not isinstance(v, (int, list, tuple)):
+            raise ValueError("expected a count, {per_host: N} or a list of host addresses")
         return v
 
     @field_validator("trainers", mode="before")
@@ -242,7 +251,7 @@ class ClusterSpec(_Model):
     workspace: WorkspaceSpec = WorkspaceSpec()
     data: DataSpec | None = None
     job: JobSpec
-    provision: dict[str, Any] | None = None
+    provision: ProvisionSpec | None = None
     source: str = Field("<spec>", exclude=True)
 
     @field_validator("name")
@@ -452,29 +461,26 @@ def _is_union_tag(part: Any) -> bool:
     )
 
 
-_SECTION_MODELS: dict[str, type[BaseModel]] = {
-    "ssh": SshSpec,
-    "workspace": WorkspaceSpec,
-    "job": JobSpec,
-    "data": DataSpec,
-    "hosts": HostSpec,
-}
-
-
 def _allowed_keys(parent: tuple) -> list[str]:
-    model: type[BaseModel] = ClusterSpec
+    """Keys allowed in the mapping at `parent`, found by walking the models' field annotations."""
+    model: type[BaseModel] | None = ClusterSpec
     for part in parent:
-        if isinstance(part, int):
+        if isinstance(part, int) or model is None:
             continue
-        sub = _SECTION_MODELS.get(part) if model is ClusterSpec else None
-        if sub is None and part == "ports":
-            sub = PortsSpec
-        if sub is None and part == "pservers":
-            sub = PserversPerHost
-        if sub is None:
-            return []
-        model = sub
-    return [k for k in model.model_fields if k != "source"]
+        field = model.model_fields.get(part)
+        model = _model_in(field.annotation) if field else None
+    return [k for k in model.model_fields if k != "source"] if model else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel inside an annotation like `X | None`, `tuple[X, ...]` or `Union[int, X]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _dedupe(problems: list[SpecProblem]) -> list[SpecProblem]:

@@ -1,0 +1,1 @@
+"""Provisioning: bring hosts to the state the spec's `provision` section asks for."""
