@@ -22,11 +22,11 @@ _PLUGINS = ("clusterctl.testcluster", "clusterctl.ops.lifecycle_cli", "clusterct
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate a spec; print a one-line summary."""
-    from .plan import make_plan
+    from .ops import plan_for
     from .spec import load_spec
 
     spec = load_spec(args.spec)
-    plan = make_plan(spec)
+    plan = plan_for(spec)
     out.print(
         f"{escape(args.spec)}: valid: job {spec.name} ({spec.job.mode}), {len(plan.hosts)} host(s), "
         f"{len(plan.pservers)} pserver(s), {len(plan.trainers)} trainer(s)"
@@ -36,10 +36,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan as a table or as JSON."""
-    from .plan import make_plan
+    from .ops import plan_for
     from .spec import load_spec
 
-    plan = make_plan(load_spec(args.spec))
+    plan = plan_for(load_spec(args.spec))
     if args.json:
         sys.stdout.write(json.dumps(plan.to_json(), indent=2) + "\n")
         return 0

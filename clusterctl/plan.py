@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from .errors import ClusterctlError
 from .spec import ClusterSpec, PserversPerHost
 
-__all__ = ["Host", "Process", "JobPlan", "PlanError", "make_plan", "render_args"]
+__all__ = ["Host", "Process", "JobPlan", "PlanError", "make_plan", "render_args", "deal_shards", "DATA_ENV"]
+
+DATA_ENV = "CLUSTERCTL_DATA_FILES"
 
 
 class PlanError(ClusterctlError):
@@ -116,8 +118,19 @@ class JobPlan:
         return {"job": self.job, "mode": self.mode, "processes": [p.to_json() for p in self.processes]}
 
 
-def make_plan(spec: ClusterSpec) -> JobPlan:
-    """Lay out every process of `spec`'s job; raise PlanError when the layout is impossible."""
+def deal_shards(names: list[str], trainers: int) -> list[list[str]]:
+    """Deal data files to trainers as seed 004 does: sorted file i goes to trainer i % trainers."""
+    shards: list[list[str]] = [[] for _ in range(trainers)]
+    for i, name in enumerate(sorted(names)):
+        shards[i % trainers].append(name)
+    return shards
+
+
+def make_plan(spec: ClusterSpec, *, data_files: list[str] | None = None) -> JobPlan:
+    """Lay out every process of `spec`'s job; raise PlanError when the layout is impossible.
+
+    `data_files` are the names (relative to `data.local`) of the spec's data shards, listed by the caller.
+    """
     job = spec.job
     hosts = tuple(
         Host(address=h.address, port=h.port or spec.ssh.port, user=h.user or spec.ssh.user, index=i)
@@ -173,6 +186,7 @@ def make_plan(spec: ClusterSpec) -> JobPlan:
         common["CLUSTERCTL_PS_MODE"] = job.sync
         common["CLUSTERCTL_PS_K_STEPS"] = str(job.k_steps)
 
+    shards = deal_shards(data_files or [], len(trainers))
     processes: list[Process] = []
     for pid, (host, local, ep) in enumerate(pservers):
         env = _env(job.env, common, role="pserver", endpoint=ep)
@@ -192,6 +206,8 @@ def make_plan(spec: ClusterSpec) -> JobPlan:
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(job.ports.master),
         )
+        if spec.data is not None:
+            env[DATA_ENV] = ":".join(posixpath.join(spec.data.remote.strip("/"), n) for n in shards[tid])
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
             # Inside the process the visible GPUs are renumbered from 0.

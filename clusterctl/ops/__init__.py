@@ -8,7 +8,7 @@ from ..plan import JobPlan, make_plan
 from ..remote import Remote, SshOptions
 from ..spec import ClusterSpec, load_spec
 
-__all__ = ["Session", "open_session"]
+__all__ = ["Session", "open_session", "plan_for"]
 
 
 class Session:
@@ -18,10 +18,17 @@ class Session:
         self.spec, self.plan, self.remote = spec, plan, remote
 
 
+def plan_for(spec: ClusterSpec) -> JobPlan:
+    """The plan of `spec`, with its data files listed from the controller's disk."""
+    from .dispatch import list_data_files
+
+    return make_plan(spec, data_files=list_data_files(spec))
+
+
 @contextmanager
 def open_session(spec_path: str):
     """Load and plan the spec at `spec_path`, open a Remote to its hosts, close it afterwards."""
     spec = load_spec(spec_path)
-    plan = make_plan(spec)
+    plan = plan_for(spec)
     with Remote(plan.hosts, SshOptions.from_spec(spec)) as remote:
         yield Session(spec, plan, remote)

@@ -24,15 +24,14 @@ from pathlib import Path
 import pathspec
 
 from ..errors import HostFailure, JobError, RemoteError
-from ..plan import Host, JobPlan
+from ..plan import DATA_ENV, Host
 from ..quoting import join
 from ..spec import ClusterSpec
 from . import Session
 from .hosttools import ensure_tools
 
-__all__ = ["LocalFile", "scan_workspace", "data_shards", "dispatch", "verify", "HostDispatch", "DATA_ENV"]
+__all__ = ["LocalFile", "scan_workspace", "list_data_files", "dispatch", "verify", "HostDispatch"]
 
-DATA_ENV = "CLUSTERCTL_DATA_FILES"
 _CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "clusterctl" / "hashes"
 _CHUNK = 1 << 20
 
@@ -121,22 +120,18 @@ def scan_workspace(root: Path, exclude: tuple[str, ...], *, prefix: str = "") ->
     return files
 
 
-def data_shards(spec: ClusterSpec, trainers: int) -> list[list[str]]:
-    """Data file names (relative to data.local) dealt to trainers: file i goes to trainer i % trainers."""
-    if spec.data is None or trainers == 0:
-        return [[] for _ in range(trainers)]
+def list_data_files(spec: ClusterSpec) -> list[str]:
+    """Names (relative to data.local, sorted) of the files matching data.pattern; [] without a data section."""
+    if spec.data is None:
+        return []
     root = spec.local_path(spec.data.local)
     if not root.is_dir():
         raise JobError(f"data.local {root} is not a directory")
-    names = sorted(
+    return sorted(
         str(p.relative_to(root)).replace(os.sep, "/")
         for p in root.rglob("*")
         if p.is_file() and fnmatch.fnmatch(p.name, spec.data.pattern)
     )
-    shards: list[list[str]] = [[] for _ in range(trainers)]
-    for i, name in enumerate(names):
-        shards[i % trainers].append(name)
-    return shards
 
 
 def _host_files(session: Session, workspace: dict[str, LocalFile]) -> dict[Host, dict[str, LocalFile]]:
@@ -145,12 +140,11 @@ def _host_files(session: Session, workspace: dict[str, LocalFile]) -> dict[Host,
     per_host = {h: dict(workspace) for h in plan.hosts}
     if spec.data is None:
         return per_host
-    shards = data_shards(spec, len(plan.trainers))
     data_prefix = spec.data.remote.strip("/") + "/"
     data_files = scan_workspace(spec.local_path(spec.data.local), (), prefix=data_prefix)
-    for trainer, names in zip(plan.trainers, shards):
-        for name in names:
-            per_host[trainer.host][data_prefix + name] = data_files[data_prefix + name]
+    for trainer in plan.trainers:
+        for path in filter(None, trainer.env[DATA_ENV].split(":")):
+            per_host[trainer.host][path] = data_files[path]
     return per_host
 
 
@@ -259,11 +253,3 @@ def verify(session: Session) -> dict[Host, list[dict]]:
     results = session.remote.run(join(["python3", tools["hostws"], "verify", session.plan.workdir]), what="verifying workspaces")
     return {host: json.loads(res.stdout)["drift"] for host, res in results.items()}
 
-
-def data_env(spec: ClusterSpec, plan: JobPlan) -> dict[int, str]:
-    """CLUSTERCTL_DATA_FILES per trainer id: its shard's paths relative to the workspace, os.pathsep-joined."""
-    if spec.data is None:
-        return {}
-    prefix = spec.data.remote.strip("/")
-    shards = data_shards(spec, len(plan.trainers))
-    return {t.id: ":".join(posixpath.join(prefix, n) for n in shard) for t, shard in zip(plan.trainers, shards)}

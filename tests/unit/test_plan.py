@@ -135,3 +135,16 @@ def test_plan_json_cli(tmp_path):
     assert len(data["processes"]) == 8
     assert set(data["processes"][0]) == {"host", "role", "id", "rank", "local_rank", "endpoint", "gpus", "env", "argv"}
     assert data["processes"][2]["gpus"] == [0] and data["processes"][0]["rank"] is None
+
+
+def test_data_shards_dealt_by_index_mod_trainers():
+    spec = parse_spec(
+        "name: d\nhosts: [{address: a}, {address: b}]\ndata: {local: shards, pattern: 'part-*'}\n"
+        "job: {entrypoint: [x], trainers: 1}\n"
+    )
+    names = [f"part-{i:05d}" for i in range(5)]
+    plan = make_plan(spec, data_files=list(reversed(names)))  # order given does not matter
+    assert [t.env["CLUSTERCTL_DATA_FILES"] for t in plan.trainers] == [
+        "data/part-00000:data/part-00002:data/part-00004",
+        "data/part-00001:data/part-00003",
+    ]
