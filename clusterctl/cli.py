@@ -17,7 +17,7 @@ from .errors import ClusterctlError, SpecError
 __all__ = ["main", "build_parser"]
 
 # Modules that add their own subcommands with `add_cli(subparsers)`; missing ones are skipped.
-_PLUGINS = ("clusterctl.testcluster", "clusterctl.ops.lifecycle_cli", "clusterctl.ops.provision_cli")
+_PLUGINS = ("clusterctl.testcluster", "clusterctl.ops.lifecycle_cli", "clusterctl.ops.provision_cli", "clusterctl.demo")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -44,8 +44,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(plan.to_json(), indent=2) + "\n")
         return 0
     table = Table(title=f"job {plan.job} ({plan.mode})", title_justify="left")
-    for col in ("host", "role", "id", "rank", "local", "endpoint", "gpus", "argv"):
-        table.add_column(col, overflow="fold")
+    for col in ("host", "role", "id", "rank", "local", "endpoint", "gpus"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("argv", overflow="fold", min_width=20)
     for p in plan.processes:
         table.add_row(
             p.host.label,

@@ -40,7 +40,7 @@ for path, size in sizes:
 """
 
 
-def ensure_tools(remote: Remote, modules: tuple[str, ...], hosts=None) -> dict[str, str]:
+def ensure_tools(remote: Remote, modules: tuple[str, ...], hosts=None, *, check: bool = True) -> dict[str, str]:
     """Make sure each host has the current version of each tool; one round trip. Returns module → path."""
     paths = {m: tool_path(m) for m in modules}
     sources = [_source(m) for m in modules]
@@ -49,6 +49,7 @@ def ensure_tools(remote: Remote, modules: tuple[str, ...], hosts=None) -> dict[s
         f"python3 -c {quote(_INSTALL)}",
         hosts=hosts,
         stdin=header + b"".join(sources),
+        check=check,
         what="installing clusterctl's host tools (needs python3 on the host)",
     )
     return paths

@@ -1,0 +1,313 @@
+"""start · status · logs · stop: the job lifecycle, driven through the per-host agent (clusterctl/agent.py).
+
+The controller decides everything (the plan) and writes one job file per host; each host's agent
+supervises its processes, and the agents talk to each other (through the coordinator on the first
+host) so that a failed trainer stops the whole job and a finished job stops its pservers, also when
+nobody is watching from the controller.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import HostFailure, JobError, RemoteError
+from ..plan import Host, JobPlan
+from ..quoting import join, quote
+from ..remote import LineCallback, Remote
+from . import Session
+from .hosttools import ensure_tools
+
+__all__ = [
+    "STATE_ROOT",
+    "job_files",
+    "start",
+    "status",
+    "stop",
+    "logs",
+    "JobStatus",
+    "ProcessStatus",
+    "overall_state",
+]
+
+STATE_ROOT = ".clusterctl/jobs"  # relative to each host's home
+WAIT_PSERVERS_S = 120.0
+
+
+def _abs(home: str, path: str) -> str:
+    return path if posixpath.isabs(path) else posixpath.join(home, path)
+
+
+def job_dir(plan: JobPlan, home: str) -> str:
+    """The job's directory on a host whose home is `home`."""
+    return posixpath.join(home, STATE_ROOT, plan.job)
+
+
+def job_files(plan: JobPlan, homes: dict[Host, str], token: str, *, extra_env: dict[int, dict] | None = None) -> dict[Host, dict]:
+    """The agent's job file for every host (pure): processes, coordinator, ordering, paths made absolute."""
+    ctl_addr, ctl_port = plan.control_endpoint.rsplit(":", 1)
+    pserver_eps = [p.endpoint for p in plan.pservers]
+    files = {}
+    for host in plan.hosts:
+        home = homes[host]
+        procs = []
+        for p in plan.on_host(host):
+            procs.append(
+                {
+                    "role": p.role,
+                    "id": p.id,
+                    "argv": list(p.argv),
+                    "env": dict(p.env),
+                    "cwd": _abs(home, plan.workdir),
+                    "log": _abs(home, plan.log_path(p)),
+                    "ports": [p.endpoint],
+                }
+            )
+        files[host] = {
+            "job": plan.job,
+            "host": host.address,
+            "state_root": posixpath.join(home, STATE_ROOT),
+            "on_failure": plan.on_failure,
+            "grace": plan.grace,
+            "start_trainers_after": {"endpoints": pserver_eps, "timeout": WAIT_PSERVERS_S} if pserver_eps else None,
+            "coordinator": {
+                "address": ctl_addr,
+                "port": int(ctl_port),
+                "token": token,
+                "is_coordinator": host == plan.hosts[0],
+                "hosts": len(plan.hosts),
+                "trainers_total": len(plan.trainers),
+            },
+            "processes": procs,
+        }
+    return files
+
+
+# ------------------------------------------------------------------------------------------ status
+
+
+@dataclass(frozen=True)
+class ProcessStatus:
+    """One process as its host's agent reports it."""
+
+    host: str
+    role: str
+    id: int
+    pid: int | None
+    state: str  # running | exited | failed | stopped | lost
+    exit_code: int | None
+    uptime_s: float | None
+    error: str | None = None
+
+
+@dataclass
+class JobStatus:
+    """The whole job: overall state, per-process rows, per-host problems."""
+
+    job: str
+    state: str  # running | succeeded | failed | stopped | lost | not running
+    reason: str | None = None
+    processes: list[ProcessStatus] = field(default_factory=list)
+    unreachable: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """JSON form for `clusterctl status --json`."""
+        return {
+            "job": self.job,
+            "state": self.state,
+            "reason": self.reason,
+            "processes": [vars(p) for p in self.processes],
+            "unreachable": self.unreachable,
+        }
+
+
+def overall_state(host_states: list[str]) -> str:
+    """Fold per-host job states into the job's state (pure)."""
+    states = set(host_states)
+    if not states or states <= {"unknown"}:
+        return "not running"
+    for s in ("failed", "lost", "running", "starting", "stopping"):
+        if s in states:
+            return "running" if s in ("starting",) else s
+    if "stopped" in states:
+        return "stopped"
+    if states <= {"succeeded", "unknown"}:
+        return "succeeded"
+    return sorted(states)[0]
+
+
+def _homes(remote: Remote) -> dict[Host, str]:
+    results = remote.run('printf %s "$HOME"', what="finding home directories")
+    return {h: r.stdout.strip() for h, r in results.items()}
+
+
+def _jobdir(plan: JobPlan) -> str:
+    # relative to the home directory, where every ssh session starts
+    return posixpath.join(STATE_ROOT, plan.job)
+
+
+def _agent_cmd(tool: str, *args: str) -> str:
+    return join(["python3", tool, *args])
+
+
+def _parse(res) -> dict:
+    try:
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"ok": False, "error": (res.stderr or res.stdout).strip()[-500:] or f"exit {res.exit_code}"}
+
+
+def status(session: Session) -> JobStatus:
+    """Every process's state on every host; unreachable hosts are reported, not fatal."""
+    plan, remote = session.plan, session.remote
+    tool = ensure_tools(remote, ("agent",), check=False)["agent"]
+    results = remote.run(_agent_cmd(tool, "status", _jobdir(plan)), check=False, what="status")
+    procs: list[ProcessStatus] = []
+    host_states: list[str] = []
+    unreachable: dict[str, str] = {}
+    reasons: list[str] = []
+    for host, res in results.items():
+        if res.exit_code == 255 and not res.stdout:
+            unreachable[host.label] = res.stderr.strip()
+            host_states.append("lost")
+            continue
+        data = _parse(res)
+        host_states.append(data.get("state") or "unknown")
+        if data.get("reason") and data.get("state") not in ("running", "succeeded"):
+            reasons.append(f"{host.label}: {data['reason']}")
+        for p in data.get("processes", []):
+            procs.append(
+                ProcessStatus(
+                    host.label, p["role"], p["id"], p.get("pid"), p.get("state"), p.get("exit_code"),
+                    p.get("uptime_s"), p.get("error"),
+                )
+            )
+    procs.sort(key=lambda p: (p.role != "pserver", p.id))
+    state = overall_state(host_states)
+    reason = "; ".join(reasons) or (
+        "unreachable: " + ", ".join(unreachable) if unreachable else None
+    )
+    return JobStatus(plan.job, state, reason, procs, unreachable)
+
+
+def stop(session: Session, *, grace: float | None = None) -> dict[Host, dict]:
+    """Stop the job everywhere: SIGTERM, SIGKILL after grace, sweep by CLUSTERCTL_JOB. Idempotent."""
+    plan, remote = session.plan, session.remote
+    tool = ensure_tools(remote, ("agent",))["agent"]
+    g = plan.grace if grace is None else grace
+    results = remote.run(
+        _agent_cmd(tool, "stop", _jobdir(plan), "--grace", f"{g:g}", "--job", plan.job),
+        timeout=g + 60,
+        check=False,
+        what="stop",
+    )
+    failures = [HostFailure(h.label, r.command, r.exit_code, r.stderr) for h, r in results.items() if r.exit_code not in (0, 1)]
+    parsed = {h: _parse(r) for h, r in results.items()}
+    failures += [
+        HostFailure(h.label, results[h].command, 1, d.get("error") or json.dumps(d.get("left", ""))[:500])
+        for h, d in parsed.items()
+        if results[h].exit_code == 1
+    ]
+    if failures:
+        raise RemoteError(failures, what="stop")
+    return parsed
+
+
+def preflight(session: Session, tool: str, jobfiles: dict[Host, str]) -> list[str]:
+    """Problems that would stop the job from starting, one line each (`host:port in use`, ...)."""
+    results = session.remote.run(lambda h: _agent_cmd(tool, "preflight", jobfiles[h]), check=False, what="preflight")
+    problems = []
+    for host, res in results.items():
+        if res.exit_code not in (0, 1):
+            problems.append(f"{host.label}: {res.stderr.strip() or 'preflight failed'}")
+            continue
+        for p in _parse(res).get("problems", []):
+            problems.append(f"{host.label}: {p.get('message') or p}")
+    return problems
+
+
+def start(session: Session, *, on_progress: Callable[[str], None] | None = None) -> JobStatus:
+    """Verify workspaces, preflight every host, then launch; on a partial start stop what started."""
+    from .dispatch import verify
+
+    plan, remote = session.plan, session.remote
+    say = on_progress or (lambda msg: None)
+    homes = _homes(remote)
+    tools = ensure_tools(remote, ("agent", "hostws"))
+    tool = tools["agent"]
+
+    current = status(session)
+    if current.state in ("running", "stopping"):
+        raise JobError(f"job {plan.job} is already running; stop it first (clusterctl stop)")
+
+    say("verifying workspaces")
+    drift = verify(session)
+    problems = [
+        f"{h.label}: workspace {'not dispatched' if not d['path'] else d['path'] + ' ' + d['problem']} since the last dispatch"
+        for h, items in drift.items()
+        for d in items
+    ]
+    if problems:
+        raise JobError("workspace drift; run clusterctl dispatch first:\n" + "\n".join(problems))
+
+    token = secrets.token_hex(16)
+    files = job_files(plan, homes, token)
+    paths = {h: posixpath.join(homes[h], STATE_ROOT, plan.job, "job.json") for h in plan.hosts}
+    say("writing job files")
+    remote.run(
+        lambda h: f"umask 077 && mkdir -p {quote(posixpath.dirname(paths[h]))} && cat > {quote(paths[h])}",
+        stdin=lambda h: [json.dumps(files[h]).encode()],
+        what="writing job files",
+    )
+    say("preflight")
+    problems = preflight(session, tool, paths)
+    if problems:
+        raise JobError("preflight failed, nothing started:\n" + "\n".join(problems))
+
+    say("launching")
+    results = remote.run(lambda h: _agent_cmd(tool, "launch", paths[h]), check=False, timeout=WAIT_PSERVERS_S + 60, what="launch")
+    failed = {h: r for h, r in results.items() if r.exit_code != 0}
+    if failed:
+        reasons = [f"{h.label}: {_parse(r).get('error') or r.stderr.strip()}" for h, r in failed.items()]
+        try:
+            stop(session)
+        except RemoteError as exc:
+            reasons.append(f"(cleanup also failed: {exc})")
+        raise JobError("start failed; everything started was stopped, logs kept:\n" + "\n".join(reasons))
+    return status(session)
+
+
+def logs(
+    session: Session,
+    *,
+    on_line: LineCallback,
+    follow: bool = False,
+    role: str | None = None,
+    id: int | None = None,
+    host: str | None = None,
+    lines: int | None = None,
+) -> dict[Host, int]:
+    """Stream `[host role.id] line` from every selected log; with follow, until the job ends everywhere."""
+    plan, remote = session.plan, session.remote
+    targets = [h for h in plan.hosts if host in (None, h.address, h.label)]
+    if not targets:
+        raise JobError(f"no host {host!r} in this spec")
+    tool = ensure_tools(remote, ("agent",), hosts=targets)["agent"]
+
+    def cmd(h: Host) -> str:
+        args = ["logs", _jobdir(plan), "--host-label", h.label]
+        if follow:
+            args.append("--follow")
+        if role:
+            args += ["--role", role]
+        if id is not None:
+            args += ["--id", str(id)]
+        if lines is not None:
+            args += ["-n", str(lines)]
+        return _agent_cmd(tool, *args)
+
+    results = remote.run(cmd, hosts=targets, on_line=on_line, check=False, what="logs")
+    return {h: r.exit_code for h, r in results.items()}
