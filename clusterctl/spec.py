@@ -271,7 +271,7 @@ class ClusterSpec(_Model):
     @property
     def base_dir(self) -> Path:
         """Directory that relative paths in the spec are resolved against."""
-        return Path(self.source).resolve().parent if self.source != "<spec>" else Path.cwd()
+        return Path.cwd() if self.source.startswith("<") else Path(self.source).resolve().parent
 
     def local_path(self, value: str) -> Path:
         """Resolve a controller-side path from the spec (`~` expanded, relative to the spec file)."""

@@ -26,9 +26,9 @@ def plan_for(spec: ClusterSpec) -> JobPlan:
 
 
 @contextmanager
-def open_session(spec_path: str):
-    """Load and plan the spec at `spec_path`, open a Remote to its hosts, close it afterwards."""
-    spec = load_spec(spec_path)
+def open_session(spec_or_path: "str | ClusterSpec"):
+    """Load (if given a path) and plan a spec, open a Remote to its hosts, close it afterwards."""
+    spec = spec_or_path if isinstance(spec_or_path, ClusterSpec) else load_spec(spec_or_path)
     plan = plan_for(spec)
     with Remote(plan.hosts, SshOptions.from_spec(spec)) as remote:
         yield Session(spec, plan, remote)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 
 from rich.markup import escape
 from rich.table import Table
 
-from ..console import out
+from ..console import err, out
 
 __all__ = ["add_cli"]
 
@@ -38,8 +40,153 @@ def cmd_dispatch(args: argparse.Namespace) -> int:
     return 0
 
 
+_STATE_STYLE = {"running": "green", "succeeded": "bold green", "exited": "green", "failed": "bold red",
+                "lost": "bold red", "stopped": "yellow", "not running": "dim"}
+
+
+def _styled(state: str) -> str:
+    style = _STATE_STYLE.get(state, "")
+    return f"[{style}]{escape(state)}[/]" if style else escape(state)
+
+
+def render_status(st) -> None:
+    """Print a job's status as a table plus its overall state."""
+    table = Table(title=f"job {st.job}: {_styled(st.state)}", title_justify="left")
+    for col in ("host", "role", "id", "pid", "state", "exit", "uptime"):
+        table.add_column(col, no_wrap=True)
+    for p in st.processes:
+        table.add_row(
+            escape(p.host), p.role, str(p.id), str(p.pid or ""), _styled(p.state or "?"),
+            "" if p.exit_code is None else str(p.exit_code),
+            "" if p.uptime_s is None else f"{p.uptime_s:.1f}s",
+        )
+    out.print(table)
+    if st.reason:
+        out.print(f"reason: {escape(st.reason)}")
+    for host, why in st.unreachable.items():
+        out.print(f"[red]{escape(host)}: {escape(why)}[/]")
+
+
+def _raw_line(host, stream, line) -> None:
+    # the agent already prefixes each line with [host role.id]
+    (sys.stdout if stream == "out" else sys.stderr).write(line + "\n")
+    (sys.stdout if stream == "out" else sys.stderr).flush()
+
+
+def run_status(spec, *, as_json: bool = False) -> int:
+    """Print the job's status; exit 0 unless a host is unreachable."""
+    from . import open_session
+    from .job import status
+
+    with open_session(spec) as session:
+        st = status(session)
+    if as_json:
+        sys.stdout.write(json.dumps(st.to_json(), indent=2) + "\n")
+    else:
+        render_status(st)
+    return 1 if st.unreachable else 0
+
+
+def run_stop(spec) -> int:
+    """Stop the job everywhere; say so when it was not running."""
+    from . import open_session
+    from .job import stop
+
+    with open_session(spec) as session:
+        results = stop(session)
+    was_running = any(r.get("was_running") for r in results.values())
+    killed = sum(len(r.get("killed") or []) for r in results.values())
+    if was_running:
+        out.print(f"job {escape(session.plan.job)} stopped on {len(results)} host(s)" + (f" ({killed} process(es) killed)" if killed else ""))
+    else:
+        out.print(f"job {escape(session.plan.job)} is not running")
+    return 0
+
+
+def run_logs(spec, *, follow=False, role=None, id=None, host=None, lines=None) -> int:
+    """Print `[host role.id] line` for every selected log, optionally following."""
+    from . import open_session
+    from .job import logs
+
+    with open_session(spec) as session:
+        codes = logs(session, on_line=_raw_line, follow=follow, role=role, id=id, host=host, lines=lines)
+    return max(codes.values(), default=0)
+
+
+def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> int:
+    """(Dispatch,) start, print the status; with follow, stream logs until the end and exit with the job's state."""
+    from . import open_session
+    from .dispatch import dispatch
+    from .job import logs, start, status, stop
+
+    with open_session(spec) as session:
+        if dispatch_first:
+            sent = dispatch(session)
+            out.print(f"dispatched: {sum(d.files_sent for d in sent)} file(s), {_human(sum(d.bytes_sent for d in sent))}")
+        t0 = time.monotonic()
+        st = start(session, on_progress=lambda m: err.print(f"[dim]{escape(m)}…[/]"))
+        out.print(f"started in {time.monotonic() - t0:.1f}s")
+        render_status(st)
+        if not follow:
+            return 0
+        try:
+            logs(session, on_line=_raw_line, follow=True)
+        except KeyboardInterrupt:
+            err.print("[yellow]interrupted: stopping the job…[/]")
+            stop(session)
+            render_status(status(session))
+            return 130
+        final = status(session)
+        render_status(final)
+        return 0 if final.state == "succeeded" else 1
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    """clusterctl start."""
+    return run_start(args.spec, dispatch_first=args.dispatch, follow=args.follow)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """clusterctl status."""
+    return run_status(args.spec, as_json=args.json)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    """clusterctl logs."""
+    return run_logs(args.spec, follow=args.follow, role=args.role, id=args.id, host=args.host, lines=args.lines)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """clusterctl stop."""
+    return run_stop(args.spec)
+
+
 def add_cli(sub) -> None:
     """Register the lifecycle subcommands."""
     p = sub.add_parser("dispatch", help="ship the workspace (and data shards) to every host")
     p.add_argument("spec")
     p.set_defaults(func=cmd_dispatch)
+
+    p = sub.add_parser("start", help="start pservers, then trainers, on every host")
+    p.add_argument("spec")
+    p.add_argument("--follow", action="store_true", help="stream logs and exit with the job's status")
+    p.add_argument("--dispatch", action="store_true", help="dispatch the workspace first")
+    p.set_defaults(func=cmd_start)
+
+    p = sub.add_parser("status", help="every process's state")
+    p.add_argument("spec")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("logs", help="prefixed logs of every process")
+    p.add_argument("spec")
+    p.add_argument("--follow", "-f", action="store_true")
+    p.add_argument("--role", choices=("pserver", "trainer"))
+    p.add_argument("--id", type=int)
+    p.add_argument("--host")
+    p.add_argument("-n", dest="lines", type=int, default=None, help="last LINES lines of each log")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("stop", help="stop the job everywhere (idempotent)")
+    p.add_argument("spec")
+    p.set_defaults(func=cmd_stop)
