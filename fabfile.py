@@ -72,8 +72,9 @@ def _run(fn) -> None:
         sys.exit(code)
 
 
-def _opts(entrypoint, workspace, remote_dir, port, name, accept_new) -> dict:
+def _opts(entrypoint, workspace, remote_dir, port, name, accept_new, known_hosts=None) -> dict:
     return {
+        "known_hosts": known_hosts,
         "entrypoint": entrypoint,
         "workspace": workspace,
         "remote_dir": remote_dir,
@@ -90,49 +91,59 @@ _HELP = {
     "remote_dir": "where it lands (default: /root/work)",
     "port": "pserver port (default: 6173)",
     "name": "job name (default: fabjob)",
-    "accept_new": "record unknown host keys in ~/.ssh/known_hosts (default: refuse them)",
+    "accept_new": "record unknown host keys in the known_hosts file (default: refuse them)",
+    "known_hosts": "the known_hosts file host keys are checked against (default: ~/.ssh/known_hosts)",
+    "lines": "lines per log (default 10)",
+    "follow": "keep following the logs until the job ends",
 }
 
 
-@task(help=_HELP)
-def start(c, spec=None, entrypoint=None, workspace=None, remote_dir=None, port=None, name=None, accept_new=False, follow=False):
+def _help(*names: str) -> dict:
+    return {n: _HELP[n] for n in names}
+
+
+@task(help=_help("spec", "entrypoint", "workspace", "remote_dir", "port", "name", "accept_new", "known_hosts", "follow"))
+def start(
+    c, spec=None, entrypoint=None, workspace=None, remote_dir=None, port=None, name=None, accept_new=False,
+    known_hosts=None, follow=False,
+):
     """Dispatch the workspace and start pservers then trainers on every host (detached unless --follow)."""
     if not _once("start"):
         return
     from clusterctl.ops.lifecycle_cli import run_start
 
-    s = _spec(c, spec, _opts(entrypoint, workspace, remote_dir, int(port) if port else None, name, accept_new))
+    s = _spec(c, spec, _opts(entrypoint, workspace, remote_dir, int(port) if port else None, name, accept_new, known_hosts))
     _run(lambda: run_start(s, dispatch_first=True, follow=follow))
 
 
-@task(name="tail-log", help={**_HELP, "lines": "lines per log (default 10)", "follow": "keep following"})
-def tail_log(c, spec=None, name=None, lines=10, follow=False, accept_new=False):
+@task(name="tail-log", help=_help("spec", "name", "lines", "follow", "accept_new", "known_hosts"))
+def tail_log(c, spec=None, name=None, lines=10, follow=False, accept_new=False, known_hosts=None):
     """Show the last lines of every process's log, prefixed [host role.id]."""
     if not _once("tail-log"):
         return
     from clusterctl.ops.lifecycle_cli import run_logs
 
-    s = _spec(c, spec, _opts(None, None, None, None, name, accept_new))
+    s = _spec(c, spec, _opts(None, None, None, None, name, accept_new, known_hosts))
     _run(lambda: run_logs(s, lines=int(lines), follow=follow))
 
 
-@task(help=_HELP)
-def status(c, spec=None, name=None, accept_new=False):
+@task(help=_help("spec", "name", "accept_new", "known_hosts"))
+def status(c, spec=None, name=None, accept_new=False, known_hosts=None):
     """Show every process's state."""
     if not _once("status"):
         return
     from clusterctl.ops.lifecycle_cli import run_status
 
-    s = _spec(c, spec, _opts(None, None, None, None, name, accept_new))
+    s = _spec(c, spec, _opts(None, None, None, None, name, accept_new, known_hosts))
     _run(lambda: run_status(s))
 
 
-@task(help=_HELP)
-def kill(c, spec=None, name=None, accept_new=False):
+@task(help=_help("spec", "name", "accept_new", "known_hosts"))
+def kill(c, spec=None, name=None, accept_new=False, known_hosts=None):
     """Stop the job on every host: SIGTERM, SIGKILL after the grace period, no orphan left."""
     if not _once("kill"):
         return
     from clusterctl.ops.lifecycle_cli import run_stop
 
-    s = _spec(c, spec, _opts(None, None, None, None, name, accept_new))
+    s = _spec(c, spec, _opts(None, None, None, None, name, accept_new, known_hosts))
     _run(lambda: run_stop(s))

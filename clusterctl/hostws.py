@@ -39,6 +39,8 @@ def current_gen(root):
     if os.path.islink(root):
         target = os.readlink(root)
         return os.path.basename(target.rstrip("/"))
+    if os.path.isdir(root) and not os.listdir(root):
+        return None  # an empty directory is adopted: apply replaces it with the symlink
     if os.path.exists(root):
         fail(f"{root} exists and is not a clusterctl workspace (not a symlink); move it away or change workspace.remote")
     return None
@@ -149,6 +151,8 @@ def cmd_apply(root):
         if os.path.lexists(link):
             os.unlink(link)
         os.symlink(os.path.join(os.path.basename(gens), gen), link)
+        if os.path.isdir(root) and not os.path.islink(root):
+            os.rmdir(root)  # the empty directory adopted above
         os.replace(link, root)  # the atomic switch
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)

@@ -309,5 +309,21 @@ def logs(
             args += ["-n", str(lines)]
         return _agent_cmd(tool, *args)
 
-    results = remote.run(cmd, hosts=targets, on_line=on_line, check=False, what="logs")
+    problems: list[str] = []
+
+    def relay(h: Host, stream: str, line: str) -> None:
+        if line.startswith("{"):  # the agent's own JSON message, not a log line
+            try:
+                problems.append(f"{h.label}: {json.loads(line).get('error', line)}")
+                return
+            except ValueError:
+                pass
+        on_line(h, stream, line)
+
+    results = remote.run(cmd, hosts=targets, on_line=relay, check=False, what="logs")
+    unreachable = [f"{h.label}: {r.stderr.strip()}" for h, r in results.items() if r.exit_code == 255 and not r.stdout]
+    if len(problems) == len(targets) and problems:
+        raise JobError(f"job {plan.job} has no logs on any host (never started?)")
+    if problems or unreachable:
+        raise JobError("logs incomplete:\n" + "\n".join(problems + unreachable))
     return {h: r.exit_code for h, r in results.items()}

@@ -51,6 +51,9 @@ def _styled(state: str) -> str:
 
 def render_status(st) -> None:
     """Print a job's status as a table plus its overall state."""
+    if not st.processes and not st.unreachable:
+        out.print(f"job {escape(st.job)} is not running (no state on any host)")
+        return
     table = Table(title=f"job {st.job}: {_styled(st.state)}", title_justify="left")
     for col in ("host", "role", "id", "pid", "state", "exit", "uptime"):
         table.add_column(col, no_wrap=True)
