@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Dispatch of a 2,000-file, 200 MB workspace to 8 test-cluster nodes: clusterctl vs parallel rsync over ssh.
+
+Both start from empty targets, then re-send after 1% of the files changed. rsync runs one process per
+node, all at once, with the same key and pinned known_hosts. Bytes: clusterctl's own count of what it
+streamed per node; rsync's `--stats` "Total bytes sent". Also: time from `start` to all processes
+running, 8 nodes × 2 processes.
+
+    .venv/bin/python benchmarks/dispatch.py [--nodes 8] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from clusterctl import testcluster as tc  # noqa: E402
+from clusterctl.ops import open_session  # noqa: E402
+from clusterctl.ops.dispatch import dispatch  # noqa: E402
+from clusterctl.ops.job import start, stop  # noqa: E402
+
+FILES, TOTAL = 2000, 200 * 1024 * 1024
+
+
+def make_workspace(root: Path) -> list[Path]:
+    rng = random.Random(0)
+    size = TOTAL // FILES
+    paths = []
+    for i in range(FILES):
+        p = root / f"d{i // 100:02d}" / f"f{i:04d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rng.randbytes(size))
+        paths.append(p)
+    return paths
+
+
+def touch_one_percent(paths: list[Path], round_: int) -> None:
+    rng = random.Random(round_)
+    for p in rng.sample(paths, len(paths) // 100):
+        data = bytearray(p.read_bytes())
+        data[:16] = rng.randbytes(16)
+        p.write_bytes(bytes(data))
+
+
+def rsync_all(ws: Path, ips: list[str], info, dest: str) -> tuple[float, int]:
+    ssh = (
+        f"ssh -i {info.key_path} -o UserKnownHostsFile={info.known_hosts_path} "
+        "-o StrictHostKeyChecking=yes -o BatchMode=yes"
+    )
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            ["rsync", "-a", "--delete", "--stats", "-e", ssh, f"{ws}/", f"root@{ip}:{dest}/"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for ip in ips
+    ]
+    sent = 0
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode:
+            raise SystemExit(f"rsync failed: {err}")
+        sent += int(re.search(r"Total bytes sent: ([\d,]+)", out).group(1).replace(",", ""))
+    return time.perf_counter() - t0, sent
+
+
+def ours(spec: Path) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    with open_session(str(spec)) as s:
+        res = dispatch(s)
+    return time.perf_counter() - t0, sum(r.bytes_sent for r in res)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--name", default="clusterctl-bench")
+    args = ap.parse_args()
+
+    info = tc.up(args.nodes, name=args.name)
+    base = yaml.safe_load(Path(info.spec_path).read_text())
+    ips = [n.ip for n in info.nodes][: args.nodes]
+    with tempfile.TemporaryDirectory() as tmp:
+        ws = Path(tmp) / "ws"
+        paths = make_workspace(ws)
+        results: dict[str, list[tuple[float, int]]] = {k: [] for k in ("ours-first", "rsync-first", "ours-1%", "rsync-1%")}
+        for r in range(args.repeat):
+            remote = f"bench/ws{r}"
+            spec = Path(tmp) / "bench.yaml"
+            spec.write_text(yaml.safe_dump({**base, "name": "bench", "hosts": base["hosts"][: args.nodes],
+                                            "workspace": {"local": str(ws), "remote": remote}}))
+            subprocess.run(["pdsh", "-R", "ssh", "-l", "root", "-w", ",".join(ips), f"rm -rf bench/ws{r}* bench/rs{r}"],
+                           env={**os.environ, "PDSH_SSH_ARGS_APPEND": f"-i {info.key_path} -o UserKnownHostsFile={info.known_hosts_path}"},
+                           capture_output=True)
+            results["ours-first"].append(ours(spec))
+            results["rsync-first"].append(rsync_all(ws, ips, info, f"bench/rs{r}"))
+            touch_one_percent(paths, r)
+            results["ours-1%"].append(ours(spec))
+            results["rsync-1%"].append(rsync_all(ws, ips, info, f"bench/rs{r}"))
+            print({k: v[-1] for k, v in results.items()}, flush=True)
+
+        med = {k: (statistics.median(t for t, _ in v), statistics.median(b for _, b in v)) for k, v in results.items()}
+        print(f"\n{args.nodes} nodes, {FILES} files, {TOTAL >> 20} MiB; medians of {args.repeat}\n")
+        print("| case | clusterctl (s) | rsync ×N (s) | ours ÷ rsync | clusterctl bytes | rsync bytes |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for case in ("first", "1%"):
+            o, r_ = med[f"ours-{case}"], med[f"rsync-{case}"]
+            print(f"| {case} | {o[0]:.2f} | {r_[0]:.2f} | {o[0] / r_[0]:.2f} | {o[1]:,} | {r_[1]:,} |")
+
+        # start latency: 8 nodes x 2 trainers of a sleeper
+        (ws / "sleep.py").write_text("import time; time.sleep(60)\n")
+        spec.write_text(yaml.safe_dump({**base, "name": "benchstart", "hosts": base["hosts"][: args.nodes],
+                                        "workspace": {"local": str(ws / 'd00'), "remote": "bench/start"},
+                                        "job": {"mode": "collective", "entrypoint": ["python3", "-c", "import time; time.sleep(60)"],
+                                                "trainers": 2, "grace": 1}}))
+        starts = []
+        for _ in range(args.repeat):
+            with open_session(str(spec)) as s:
+                dispatch(s)
+                t0 = time.perf_counter()
+                st = start(s)
+                starts.append(time.perf_counter() - t0)
+                assert sum(p.state == "running" for p in st.processes) == 2 * args.nodes, st
+                stop(s)
+        print(f"\nstart → all {2 * args.nodes} processes running on {args.nodes} nodes: median {statistics.median(starts):.2f}s "
+              f"(runs: {', '.join(f'{x:.2f}' for x in starts)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

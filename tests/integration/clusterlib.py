@@ -1,0 +1,88 @@
+"""Helpers for integration tests: specs derived from the session cluster, CLI runs, docker, orphan checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_spec(info, path: Path, *, name: str, hosts: int | None = None, **sections) -> Path:
+    """A spec for the session cluster: its ssh section and first `hosts` nodes, plus `sections`."""
+    base = yaml.safe_load(Path(info.spec_path).read_text())
+    spec = {"name": name, "ssh": dict(base["ssh"]), "hosts": base["hosts"][: hosts or len(base["hosts"])]}
+    for key, value in sections.items():
+        if key == "ssh":
+            spec["ssh"].update(value)
+        else:
+            spec[key] = value
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def clusterctl(*args: str, timeout: float = 120, check: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (stdin closed unless `input`), capturing text output."""
+    res = subprocess.run(
+        [sys.executable, "-m", "clusterctl.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL if input is None else None,
+        input=input,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    if check and res.returncode != 0:
+        raise AssertionError(f"clusterctl {' '.join(map(str, args))} exited {res.returncode}\n{res.stdout}\n{res.stderr}")
+    return res
+
+
+def docker(*args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the docker CLI."""
+    return subprocess.run(["docker", *args], capture_output=True, text=True, check=check, timeout=timeout)
+
+
+def node_exec(container: str, script: str, *, check: bool = True, timeout: float = 60) -> str:
+    """Run a shell script inside a node (as root) and return its stdout."""
+    return docker("exec", container, "sh", "-c", script, check=check, timeout=timeout).stdout
+
+
+# Lists pids whose environment carries CLUSTERCTL_JOB=<job> exactly (GUIDE §3's definition of an orphan).
+_FIND_TAGGED = r"""
+import os, sys
+job = sys.argv[1].encode()
+for pid in os.listdir("/proc"):
+    if not pid.isdigit():
+        continue
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read().split(b"\0")
+    except OSError:
+        continue
+    if b"CLUSTERCTL_JOB=" + job in env:
+        print(pid)
+"""
+
+
+def tagged_pids(container: str, job: str) -> list[int]:
+    """Pids in `container` whose environment has CLUSTERCTL_JOB=<job>."""
+    out = docker("exec", container, "python3", "-c", _FIND_TAGGED, job).stdout
+    return [int(x) for x in out.split()]
+
+
+def listening(container: str, port: int) -> bool:
+    """True when something in `container` listens on TCP `port`."""
+    out = node_exec(container, "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null")
+    want = f":{port:04X}"
+    return any(line.split()[1].endswith(want) and line.split()[3] == "0A" for line in out.splitlines()[1:] if len(line.split()) > 3)
+
+
+def status_json(spec: Path) -> dict:
+    """`clusterctl status --json` parsed."""
+    res = clusterctl("status", spec, "--json")
+    return json.loads(res.stdout)

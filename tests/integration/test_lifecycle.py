@@ -1,0 +1,352 @@
+"""The job lifecycle over real SSH: dispatch → start → status → logs → stop, failures, and no orphans."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clusterlib import ROOT, clusterctl, docker, listening, node_exec, status_json, tagged_pids, write_spec
+
+pytestmark = pytest.mark.integration
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+_ports = itertools.count(7000, 20)  # each test gets its own port range
+
+
+def job_spec(info, tmp_path, name, *, hosts=3, mode="pserver", pservers=2, trainers=1, env=None, grace=3, **job):
+    base = next(_ports)
+    spec_job = {
+        "mode": mode,
+        "entrypoint": ["python3", "job.py"],
+        "args": ["{role}", "{id}"],
+        "trainers": trainers,
+        "env": env or {},
+        "grace": grace,
+        "ports": {"control": base, "master": base + 1, "pserver": base + 2, "trainer": base + 10},
+        **job,
+    }
+    if mode == "pserver":
+        spec_job["pservers"] = pservers
+    return write_spec(
+        info, tmp_path / f"{name}.yaml", name=name, hosts=hosts,
+        workspace={"local": str(JOBS), "remote": f"clusterctl-it/{name}"}, job=spec_job,
+    )
+
+
+def nodes_of(info, n):
+    return info.nodes[:n]
+
+
+def assert_no_orphans(info, job, ports=(), hosts=None, within=10.0):
+    """GUIDE §3: no process carrying CLUSTERCTL_JOB=<job> on any node, and the job's ports are free."""
+    deadline = time.monotonic() + within
+    while True:
+        left = {n.container: tagged_pids(n.container, job) for n in (hosts or info.nodes)}
+        busy = [(n.container, p) for n in (hosts or info.nodes) for p in ports if listening(n.container, p)]
+        if not any(left.values()) and not busy:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"orphans of {job}: {left}, ports still listening: {busy}")
+        time.sleep(0.5)
+
+
+def wait_state(spec, want, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        st = status_json(spec)
+        if st["state"] in want:
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job never reached {want}: {st}")
+        time.sleep(0.5)
+
+
+def job_ports(spec_path):
+    import yaml
+
+    p = yaml.safe_load(Path(spec_path).read_text())["job"]["ports"]
+    return [p["pserver"], p["pserver"] + 1, p["trainer"], p["control"]]
+
+
+@pytest.mark.timeout(180)
+def test_full_cycle_pserver_mode(testcluster, tmp_path):
+    spec = job_spec(testcluster, tmp_path, "it-cycle", hosts=3, pservers=2, env={"STEPS": "600", "STEP_S": "0.1"})
+    clusterctl("dispatch", spec, check=True)
+    try:
+        res = clusterctl("start", spec, check=True)
+        assert "job it-cycle: running" in res.stdout
+        st = status_json(spec)
+        assert st["state"] == "running"
+        rows = sorted((p["role"], p["id"], p["host"], p["state"]) for p in st["processes"])
+        ips = [n.ip for n in testcluster.nodes[:3]]
+        assert rows == [
+            ("pserver", 0, ips[0], "running"),
+            ("pserver", 1, ips[1], "running"),
+            ("trainer", 0, ips[0], "running"),
+            ("trainer", 1, ips[1], "running"),
+            ("trainer", 2, ips[2], "running"),
+        ]
+        assert all(isinstance(p["pid"], int) for p in st["processes"])
+        time.sleep(1)
+        logs = clusterctl("logs", spec, "-n", "50", check=True).stdout.splitlines()
+        assert f"[{ips[2]} trainer.2] trainer 2 argv=['trainer', '2'] endpoint={ips[2]}:{job_ports(spec)[2]}" in logs
+        assert f"[{ips[1]} pserver.1] pserver listening" in logs
+        only = clusterctl("logs", spec, "--role", "trainer", "--id", "1", "-n", "1", check=True).stdout.splitlines()
+        assert len(only) == 1 and only[0].startswith(f"[{ips[1]} trainer.1] step=")
+    finally:
+        res = clusterctl("stop", spec)
+    assert res.returncode == 0, res.stderr
+    assert "job it-cycle stopped on 3 host(s)" in res.stdout
+    assert_no_orphans(testcluster, "it-cycle", job_ports(spec))
+    assert status_json(spec)["state"] in ("stopped", "failed")
+    again = clusterctl("stop", spec, check=True)
+    assert again.stdout.strip() == "job it-cycle is not running"
+
+
+@pytest.mark.timeout(180)
+def test_all_trainers_succeed_then_pservers_are_stopped(testcluster, tmp_path):
+    spec = job_spec(testcluster, tmp_path, "it-success", hosts=3, env={"STEPS": "3"})
+    clusterctl("dispatch", spec, check=True)
+    clusterctl("start", spec, check=True)
+    st = wait_state(spec, {"succeeded", "failed"})
+    assert st["state"] == "succeeded", st
+    by = {(p["role"], p["id"]): p for p in st["processes"]}
+    assert all(by[("trainer", i)]["state"] == "exited" and by[("trainer", i)]["exit_code"] == 0 for i in range(3))
+    assert all(by[("pserver", i)]["state"] == "stopped" for i in range(2))
+    assert_no_orphans(testcluster, "it-success", job_ports(spec))
+
+
+@pytest.mark.timeout(180)
+def test_failed_trainer_stops_the_whole_job(testcluster, tmp_path):
+    env = {"STEPS": "600", "STEP_S": "0.1", "FAIL_TRAINER": "1", "FAIL_CODE": "3", "FAIL_AFTER": "3"}
+    spec = job_spec(testcluster, tmp_path, "it-fail", hosts=3, env=env)
+    clusterctl("dispatch", spec, check=True)
+    t0 = time.monotonic()
+    clusterctl("start", spec, check=True)
+    st = wait_state(spec, {"failed"}, timeout=30)
+    assert time.monotonic() - t0 < 30  # the others would have run for a minute
+    by = {(p["role"], p["id"]): p for p in st["processes"]}
+    assert by[("trainer", 1)]["state"] == "failed" and by[("trainer", 1)]["exit_code"] == 3
+    assert {by[("trainer", i)]["state"] for i in (0, 2)} == {"stopped"}
+    assert "trainer.1" in (st["reason"] or ""), st
+    assert_no_orphans(testcluster, "it-fail", job_ports(spec))
+
+
+@pytest.mark.timeout(120)
+def test_missing_entrypoint_starts_nothing_anywhere(testcluster, tmp_path):
+    spec = job_spec(testcluster, tmp_path, "it-noentry", hosts=2, entrypoint=["python3", "no_such_script.py"])
+    clusterctl("dispatch", spec, check=True)
+    res = clusterctl("start", spec)
+    assert res.returncode == 1
+    ips = [n.ip for n in testcluster.nodes[:2]]
+    assert "preflight failed, nothing started" in res.stderr
+    for ip in ips:
+        assert f"{ip}: " in res.stderr and "no_such_script.py" in res.stderr
+    assert_no_orphans(testcluster, "it-noentry", job_ports(spec), within=1)
+
+
+@pytest.mark.timeout(120)
+def test_port_held_on_one_host_is_named_and_nothing_starts(testcluster, tmp_path):
+    spec = job_spec(testcluster, tmp_path, "it-port", hosts=2)
+    clusterctl("dispatch", spec, check=True)
+    node = testcluster.nodes[1]
+    trainer_port = job_ports(spec)[2]
+    holder = subprocess.Popen(
+        ["docker", "exec", node.container, "python3", "-c",
+         f"import socket,time; s=socket.socket(); s.bind(('{node.ip}', {trainer_port})); s.listen(); time.sleep(60)"],
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not listening(node.container, trainer_port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        res = clusterctl("start", spec)
+    finally:
+        holder.kill()
+        node_exec(node.container, f"pkill -f 's.bind..{node.ip}., {trainer_port}' || true", check=False)
+    assert res.returncode == 1
+    assert f"{node.ip}:{trainer_port}" in res.stderr
+    assert "nothing started" in res.stderr
+    assert_no_orphans(testcluster, "it-port", [job_ports(spec)[0]], within=1)
+
+
+@pytest.mark.timeout(150)
+def test_setsid_child_that_ignores_sigterm_is_still_swept(testcluster, tmp_path):
+    spec = job_spec(testcluster, tmp_path, "it-setsid", hosts=2, grace=2, env={"STEPS": "600", "SETSID_CHILD": "1"})
+    clusterctl("dispatch", spec, check=True)
+    clusterctl("start", spec, check=True)
+    node = testcluster.nodes[0]
+    deadline = time.monotonic() + 10
+    while len(tagged_pids(node.container, "it-setsid")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.3)  # pserver, trainer, and the trainer's escaped grandchild
+    assert len(tagged_pids(node.container, "it-setsid")) >= 3
+    t0 = time.monotonic()
+    clusterctl("stop", spec, check=True)
+    assert_no_orphans(testcluster, "it-setsid", job_ports(spec), within=2 + 5)
+    assert time.monotonic() - t0 < 2 + 8
+
+
+@pytest.mark.timeout(150)
+def test_other_jobs_process_with_the_same_script_survives_stop(testcluster, tmp_path):
+    mine = job_spec(testcluster, tmp_path, "it-mine", hosts=1, env={"STEPS": "600"})
+    node = testcluster.nodes[0]
+    clusterctl("dispatch", mine, check=True)
+    # Another job's trainer running the same script name, by hand, tagged with its own job id.
+    other = subprocess.Popen(
+        ["docker", "exec", "-e", "CLUSTERCTL_JOB=it-other", "-e", "TRAINING_ROLE=TRAINER", "-e", "PADDLE_TRAINER_ID=0",
+         "-e", f"PADDLE_CURRENT_ENDPOINT={node.ip}:1", "-e", "STEPS=600", "-w", "/root/clusterctl-it/it-mine",
+         node.container, "python3", "job.py", "trainer", "0"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        clusterctl("start", mine, check=True)
+        time.sleep(1)
+        clusterctl("stop", mine, check=True)
+        assert_no_orphans(testcluster, "it-mine", job_ports(mine), hosts=[node])
+        assert tagged_pids(node.container, "it-other"), "the other job's process was killed"
+        assert other.poll() is None
+    finally:
+        other.kill()
+        for pid in tagged_pids(node.container, "it-other"):
+            node_exec(node.container, f"kill -9 {pid}", check=False)
+
+
+@pytest.mark.timeout(150)
+def test_sigint_on_start_follow_stops_everything(testcluster, tmp_path):
+    spec = job_spec(testcluster, tmp_path, "it-sigint", hosts=2, env={"STEPS": "600"})
+    clusterctl("dispatch", spec, check=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clusterctl.cli", "start", str(spec), "--follow"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+    )
+    seen = []
+    deadline = time.monotonic() + 60
+    for line in proc.stdout:
+        seen.append(line)
+        if "step=" in line or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "interrupted: stopping the job" in rest
+    assert_no_orphans(testcluster, "it-sigint", job_ports(spec))
+    again = clusterctl("stop", spec, check=True)
+    assert again.stdout.strip() == "job it-sigint is not running"
+
+
+@pytest.mark.timeout(120)
+def test_paused_host_fails_start_within_connect_timeout(testcluster, tmp_path):
+    spec = job_spec(testcluster, tmp_path, "it-paused", hosts=2)
+    clusterctl("dispatch", spec, check=True)
+    import yaml
+
+    data = yaml.safe_load(spec.read_text())
+    data["ssh"]["connect_timeout"] = 3
+    spec.write_text(yaml.safe_dump(data))
+    node = testcluster.nodes[1]
+    docker("pause", node.container)
+    try:
+        t0 = time.monotonic()
+        res = clusterctl("start", spec, timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        docker("unpause", node.container)
+    assert res.returncode != 0
+    assert f"cannot connect to {node.ip}: timed out after 3s" in res.stderr
+    assert elapsed < 3 + 10
+    assert_no_orphans(testcluster, "it-paused", job_ports(spec))
+
+
+@pytest.mark.timeout(150)
+def test_drift_makes_start_refuse_naming_host_and_file(testcluster, tmp_path):
+    spec = job_spec(testcluster, tmp_path, "it-drift", hosts=2)
+    clusterctl("dispatch", spec, check=True)
+    node = testcluster.nodes[1]
+    node_exec(node.container, "echo '# edited by hand' >> /root/clusterctl-it/it-drift/job.py")
+    res = clusterctl("start", spec)
+    assert res.returncode == 1
+    assert f"{node.ip}: workspace job.py modified since the last dispatch" in res.stderr
+    assert_no_orphans(testcluster, "it-drift", job_ports(spec), within=1)
+    clusterctl("dispatch", spec, check=True)  # repairs the drift
+    assert node_exec(node.container, "tail -n1 /root/clusterctl-it/it-drift/job.py").strip() == "sys.exit(0)"
+
+
+@pytest.mark.timeout(300)
+def test_incremental_dispatch_of_2000_files(testcluster, tmp_path):
+    ws = tmp_path / "ws"
+    for d in range(20):
+        (ws / f"d{d:02d}").mkdir(parents=True)
+        for f in range(100):
+            (ws / f"d{d:02d}" / f"f{f:03d}.txt").write_text(f"file {d}/{f}\n" * 20)
+    spec = write_spec(
+        testcluster, tmp_path / "inc.yaml", name="it-inc", hosts=2,
+        workspace={"local": str(ws), "remote": "clusterctl-it/inc"}, job={"entrypoint": ["true"]},
+    )
+    first = clusterctl("dispatch", spec, check=True, timeout=240).stdout
+    assert first.count("│ 2000 ") == 2, first
+    second = clusterctl("dispatch", spec, check=True, timeout=240).stdout
+    assert second.count("│ 0          │ 0 B") == 2, second
+    (ws / "d03" / "f007.txt").write_text("changed\n")
+    third = clusterctl("dispatch", spec, check=True, timeout=240).stdout
+    assert third.count("│ 1          │") == 2, third
+    for n in testcluster.nodes[:2]:
+        assert node_exec(n.container, "cat /root/clusterctl-it/inc/d03/f007.txt") == "changed\n"
+        assert node_exec(n.container, "find -L /root/clusterctl-it/inc -type f | wc -l").strip() == "2000"
+
+
+@pytest.mark.timeout(240)
+def test_stock_torch_gloo_script_trains_on_two_nodes(testcluster, tmp_path):
+    base = next(_ports)
+    spec = write_spec(
+        testcluster, tmp_path / "torch.yaml", name="it-torch", hosts=2,
+        workspace={"local": str(ROOT / "examples" / "torch_gloo"), "remote": "clusterctl-it/torch"},
+        job={"mode": "collective", "entrypoint": ["/opt/venv/bin/python", "train.py"], "trainers": 1,
+             "env": {"STEPS": "30"}, "ports": {"control": base, "master": base + 1, "trainer": base + 10}},
+    )
+    clusterctl("dispatch", spec, check=True)
+    res = clusterctl("start", spec, "--follow", timeout=200)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ips = [n.ip for n in testcluster.nodes[:2]]
+    assert f"[{ips[0]} trainer.0] done rank=0 world=2 allreduce=3" in res.stdout
+    assert f"[{ips[1]} trainer.1] done rank=1 world=2 allreduce=3" in res.stdout
+    assert "job it-torch: succeeded" in res.stdout
+
+
+@pytest.mark.timeout(180)
+def test_fab_workflow_with_the_seed_positional_script(testcluster, tmp_path):
+    ips = [n.ip for n in testcluster.nodes[:2]]
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "dist_train_demo.py").write_text(
+        "import sys, time\n"
+        "role, eps, cur, tid, n = sys.argv[1:6]\n"
+        "print(f'{role} endpoints={eps} current={cur} trainer_id={tid} trainers={n}', flush=True)\n"
+        "time.sleep(30 if role == 'pserver' else 1)\n"
+    )
+    fab = [sys.executable, "-m", "fabric", "-r", str(ROOT), "-i", str(testcluster.key_path), "-H", ",".join(ips)]
+    common = ["--known-hosts", str(testcluster.known_hosts_path)]
+
+    def run(*task):
+        return subprocess.run(fab + list(task) + common, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+    try:
+        start = run("start", "--workspace", str(ws), "--remote-dir", "/root/clusterctl-it/fab")
+        assert start.returncode == 0, start.stdout + start.stderr
+        time.sleep(2)
+        tail = run("tail-log").stdout.splitlines()
+        eps = f"{ips[0]}:6173,{ips[1]}:6173"
+        assert f"[{ips[1]} trainer.1] trainer endpoints={eps} current={ips[1]}:6174 trainer_id=1 trainers=2" in tail
+        assert f"[{ips[0]} pserver.0] pserver endpoints={eps} current={ips[0]}:6173 trainer_id=0 trainers=2" in tail
+        status = run("status")
+        assert "job fabjob" in status.stdout
+    finally:
+        kill = run("kill")
+    assert kill.returncode == 0, kill.stderr
+    assert_no_orphans(testcluster, "fabjob", [6173, 6174], hosts=testcluster.nodes[:2])
+    assert run("kill").stdout.strip() == "job fabjob is not running"

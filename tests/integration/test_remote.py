@@ -1,0 +1,126 @@
+"""The remote layer over real SSH to the dockerized test cluster: fan-out, host keys, faults, quoting."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+from clusterctl.ops import open_session
+from clusterctl.ops.execute import execute
+
+from clusterlib import clusterctl, docker, node_exec, write_spec
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(60)
+def test_exec_on_four_nodes_returns_four_distinct_hostnames(testcluster, tmp_path):
+    spec = write_spec(testcluster, tmp_path / "c.yaml", name="fanout", job={"entrypoint": ["true"]})
+    res = clusterctl("exec", spec, "--", "hostname", check=True)
+    lines = sorted(res.stdout.splitlines())
+    expected = sorted(f"[{n.ip}] {n.hostname}" for n in testcluster.nodes)
+    assert len(testcluster.nodes) == 4
+    assert [line.split(maxsplit=1)[0] for line in lines] == sorted(f"[{n.ip}]" for n in testcluster.nodes)
+    assert lines == expected
+    assert len({line.split()[1] for line in lines}) == 4
+
+
+@pytest.mark.timeout(60)
+def test_exit_code_is_the_worst_hosts(testcluster, tmp_path):
+    spec = write_spec(testcluster, tmp_path / "c.yaml", name="worst", job={"entrypoint": ["true"]})
+    script = 'case "$(hostname)" in *node1) exit 3;; *node2) exit 7;; esac'
+    res = clusterctl("exec", spec, "--", "sh", "-c", script)
+    assert res.returncode == 7
+    assert "exit 3" in res.stderr and "exit 7" in res.stderr
+
+
+NASTY = ["a b", "semi;colon", "$(touch /tmp/pwned)", "`touch /tmp/pwned`", "it's", 'dq"', "new\nline", "*", "$HOME", "-n", ""]
+
+
+@pytest.mark.timeout(60)
+def test_metacharacters_arrive_verbatim(testcluster, tmp_path):
+    spec = write_spec(testcluster, tmp_path / "c.yaml", name="quote", hosts=2, job={"entrypoint": ["true"]})
+    with open_session(str(spec)) as session:
+        results = execute(session.remote, ["python3", "-c", "import sys, json; print(json.dumps(sys.argv[1:]))", *NASTY])
+    import json
+
+    for res in results.values():
+        assert res.exit_code == 0, res.stderr
+        assert json.loads(res.stdout) == NASTY
+    for node in testcluster.nodes[:2]:
+        assert node_exec(node.container, "ls /tmp/pwned 2>/dev/null || echo absent").strip() == "absent"
+
+
+@pytest.mark.timeout(60)
+def test_unknown_host_key_fails_without_prompting(testcluster, tmp_path):
+    (tmp_path / "empty_known_hosts").write_text("")
+    spec = write_spec(
+        testcluster, tmp_path / "c.yaml", name="unknownkey", hosts=1,
+        ssh={"known_hosts": str(tmp_path / "empty_known_hosts")}, job={"entrypoint": ["true"]},
+    )
+    t0 = time.monotonic()
+    res = clusterctl("exec", spec, "--", "true", timeout=30)
+    ip = testcluster.nodes[0].ip
+    assert res.returncode == 255
+    assert f"unknown host key for {ip} (ssh-ed25519 SHA256:" in res.stderr
+    assert time.monotonic() - t0 < 15
+    assert (tmp_path / "empty_known_hosts").read_text() == ""  # strict records nothing
+
+
+@pytest.mark.timeout(60)
+def test_accept_new_records_the_key_then_verifies_it(testcluster, tmp_path):
+    kh = tmp_path / "kh"
+    spec = write_spec(
+        testcluster, tmp_path / "c.yaml", name="acceptnew", hosts=1,
+        ssh={"known_hosts": str(kh), "host_key_policy": "accept-new"}, job={"entrypoint": ["true"]},
+    )
+    assert clusterctl("exec", spec, "--", "true").returncode == 0
+    recorded = kh.read_text().split()
+    assert recorded[0] == testcluster.nodes[0].ip and recorded[1] == "ssh-ed25519"
+    assert clusterctl("exec", spec, "--", "true").returncode == 0
+    assert len(kh.read_text().splitlines()) == 1
+
+
+@pytest.mark.timeout(90)
+def test_changed_host_key_is_refused_with_both_fingerprints(testcluster, tmp_path):
+    node = testcluster.nodes[3]
+    spec = write_spec(testcluster, tmp_path / "c.yaml", name="changedkey", job={"entrypoint": ["true"]})
+    spec_data = yaml.safe_load(spec.read_text())
+    spec_data["hosts"] = [{"address": node.ip}]
+    spec.write_text(yaml.safe_dump(spec_data))
+    rotate = (
+        "mkdir -p /root/keybak && cp -a /etc/ssh/ssh_host_* /root/keybak/ && rm /etc/ssh/ssh_host_* && "
+        "ssh-keygen -A >/dev/null && kill -HUP $(cat /run/sshd.pid 2>/dev/null || pidof sshd | cut -d' ' -f1)"
+    )
+    restore = "cp -a /root/keybak/ssh_host_* /etc/ssh/ && kill -HUP $(cat /run/sshd.pid 2>/dev/null || pidof sshd | cut -d' ' -f1)"
+    node_exec(node.container, rotate)
+    try:
+        time.sleep(1)
+        res = clusterctl("exec", spec, "--", "true", timeout=30)
+        assert res.returncode == 255
+        assert f"host key for {node.ip} CHANGED: server offers SHA256:" in res.stderr
+        assert "has SHA256:" in res.stderr
+    finally:
+        node_exec(node.container, restore)
+        time.sleep(1)
+    assert clusterctl("exec", spec, "--", "true").returncode == 0  # restored
+
+
+@pytest.mark.timeout(60)
+def test_paused_node_fails_within_connect_timeout_and_is_named(testcluster, tmp_path):
+    node = testcluster.nodes[2]
+    spec = write_spec(testcluster, tmp_path / "c.yaml", name="paused", ssh={"connect_timeout": 3}, job={"entrypoint": ["true"]})
+    docker("pause", node.container)
+    try:
+        t0 = time.monotonic()
+        res = clusterctl("exec", spec, "--", "hostname", timeout=40)
+        elapsed = time.monotonic() - t0
+    finally:
+        docker("unpause", node.container)
+    assert res.returncode == 255
+    assert f"cannot connect to {node.ip}: timed out after 3s" in res.stderr
+    others = {n.hostname for n in testcluster.nodes if n is not node}
+    assert {line.split()[1] for line in res.stdout.splitlines()} == others
+    assert elapsed < 3 + 6
