@@ -1,0 +1,49 @@
+"""Stand-in training process for tests/unit/test_agent.py.
+
+usage: worker.py sleep                 run until signalled
+       worker.py exit CODE DELAY       sleep DELAY seconds, exit with CODE
+       worker.py serve HOST PORT       listen on HOST:PORT until signalled (a pserver)
+       worker.py escape PIDFILE        fork a child that setsid()s, ignores SIGTERM and
+                                       writes its pid to PIDFILE; both sleep forever
+"""
+import os
+import signal
+import socket
+import sys
+import time
+
+
+def forever():
+    while True:
+        time.sleep(3600)
+
+
+def main(argv):
+    mode = argv[1]
+    if mode == "sleep":
+        forever()
+    elif mode == "exit":
+        time.sleep(float(argv[3]))
+        sys.exit(int(argv[2]))
+    elif mode == "serve":
+        srv = socket.create_server((argv[2], int(argv[3])))
+        while True:
+            conn, _ = srv.accept()
+            conn.close()
+    elif mode == "escape":
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            tmp = argv[2] + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(tmp, argv[2])
+            forever()
+        forever()
+    else:
+        sys.exit("unknown mode %r" % mode)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
