@@ -1,0 +1,261 @@
+"""Initialisation and the per-communicator engine (topology, shared window, worker thread, timeouts).
+
+``init()`` works in two situations:
+
+* under ``mpiexec`` (or ``srun``/any MPI launcher): the world communicator is ``MPI.COMM_WORLD``;
+* under ``clusterctl start`` with the ssh launcher (RANK, WORLD_SIZE, ... but no MPI launcher):
+  not supported yet; :mod:`clusterctl.collective.rendezvous` explains why and makes ``init()`` fail
+  loudly instead of silently running WORLD_SIZE unrelated one-process worlds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from .errors import CollectiveError
+
+__all__ = ["Communicator", "init", "finalize", "is_initialized", "default", "get_mpi",
+           "TIMEOUT_ENV", "ON_TIMEOUT_ENV", "FUSION_ENV", "SHM_ENV", "DEFAULT_FUSION_THRESHOLD",
+           "DEFAULT_TIMEOUT"]
+
+log = logging.getLogger("clusterctl.collective")
+
+TIMEOUT_ENV = "CLUSTERCTL_COLLECTIVE_TIMEOUT"
+ON_TIMEOUT_ENV = "CLUSTERCTL_COLLECTIVE_ON_TIMEOUT"
+FUSION_ENV = "CLUSTERCTL_COLLECTIVE_FUSION_THRESHOLD"
+SHM_ENV = "CLUSTERCTL_COLLECTIVE_SHM"
+
+DEFAULT_TIMEOUT = 300.0
+#: Chosen from benchmarks/allreduce.py (docs/benchmarks.md, "Collective allreduce (issue 5)").
+DEFAULT_FUSION_THRESHOLD = 8 * 1024 * 1024
+
+_lock = threading.Lock()
+_default: "Communicator | None" = None
+_wrapped: dict[int, "Communicator"] = {}
+
+
+def get_mpi():
+    """Import and return ``mpi4py.MPI`` (initialising MPI; the ssh-launcher rendezvous runs first)."""
+    from . import rendezvous
+    rendezvous.prepare_environment()
+    from mpi4py import MPI
+    return MPI
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise CollectiveError(f"{name}={raw!r}: expected a number of seconds") from None
+    if value <= 0:
+        raise CollectiveError(f"{name}={raw!r}: must be positive")
+    return value
+
+
+def _env_size(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    mult = units.get(raw[-1].lower(), 1)
+    digits = raw[:-1] if raw[-1].lower() in units else raw
+    try:
+        value = int(float(digits) * mult)
+    except ValueError:
+        raise CollectiveError(f"{name}={raw!r}: expected bytes, e.g. 33554432 or 32M") from None
+    if value < 0:
+        raise CollectiveError(f"{name}={raw!r}: must not be negative")
+    return value
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise CollectiveError(f"{name}={raw!r}: expected 0 or 1")
+
+
+class Communicator:
+    """An MPI intracommunicator plus everything the collectives need: topology, shm window, timeouts."""
+
+    def __init__(self, comm, *, timeout: float | None = None, on_timeout: str | None = None,
+                 fusion_threshold: int | None = None, shm: bool | None = None):
+        MPI = get_mpi()
+        self.MPI = MPI
+        self.timeout = float(timeout) if timeout is not None else _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+        if self.timeout <= 0:
+            raise CollectiveError(f"timeout={timeout!r}: must be positive seconds")
+        self.on_timeout = on_timeout or os.environ.get(ON_TIMEOUT_ENV, "abort").strip() or "abort"
+        if self.on_timeout not in ("abort", "raise"):
+            raise CollectiveError(f"on_timeout={self.on_timeout!r}: expected 'abort' or 'raise'")
+        self.fusion_threshold = (int(fusion_threshold) if fusion_threshold is not None
+                                 else _env_size(FUSION_ENV, DEFAULT_FUSION_THRESHOLD))
+        if self.fusion_threshold < 0:
+            raise CollectiveError(f"fusion_threshold={fusion_threshold!r}: must not be negative")
+        from .topology import discover
+        from ._progress import Progress
+        self.comm = comm.Dup()
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.ctl = comm.Dup()
+        self.topo, self.local, self.cross = discover(self.comm, MPI)
+        self.progress = Progress(self.ctl, self.topo, MPI, timeout=self.timeout, on_timeout=self.on_timeout)
+        use_shm = _env_bool(SHM_ENV, True) if shm is None else bool(shm)
+        # Hierarchical slices need equal ranks per node; otherwise fall back to MPI for everything.
+        self.arena = None
+        if use_shm and self.topo.local_size > 1 and self.topo.homogeneous:
+            from .shm import ShmArena
+            capacity = max(self.fusion_threshold, 1 << 20)
+            self.arena = ShmArena(self.local, self.cross if self.topo.node_count > 1 else None,
+                                  self.progress, MPI, capacity=capacity)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clusterctl-collective")
+        self._closed = False
+        path = "shared-memory window" if self.arena else "MPI"
+        log.debug("collective ready: rank %d/%d local %d/%d nodes %d via %s", self.topo.rank,
+                  self.topo.size, self.topo.local_rank, self.topo.local_size, self.topo.node_count, path)
+
+    # -- properties --------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """Rank of this process."""
+        return self.topo.rank
+
+    @property
+    def size(self) -> int:
+        """Number of processes."""
+        return self.topo.size
+
+    @property
+    def uses_shm(self) -> bool:
+        """True when same-node ranks reduce through the shared-memory window."""
+        return self.arena is not None
+
+    # -- execution ---------------------------------------------------------------------------------
+    def submit(self, fn, *args) -> Future:
+        """Run ``fn(*args)`` on the communicator's single worker thread (keeps collective order)."""
+        if self._closed:
+            raise CollectiveError("communicator already finalized")
+        self.progress.check()
+        return self._pool.submit(fn, *args)
+
+    def run(self, fn, *args):
+        """Run ``fn(*args)`` on the worker thread and wait for its result."""
+        return self.submit(fn, *args).result()
+
+    # -- flat kernels (worker thread only) -----------------------------------------------------------
+    def allreduce_flat(self, src: np.ndarray, dst: np.ndarray, average: bool, what: str = "allreduce") -> None:
+        """Sum/average 1-D contiguous host ``src`` into ``dst`` (``dst`` may be ``src``)."""
+        from .shm import shm_supported
+        self.progress.check()
+        self.progress.seq += 1
+        self.progress.what = what
+        MPI = self.MPI
+        if self.size == 1:
+            if dst is not src:
+                np.copyto(dst, src)
+            return
+        if self.arena is not None and shm_supported(src.dtype):
+            self.arena.allreduce(src, dst, average=average, world_size=self.size)
+            return
+        sendbuf = MPI.IN_PLACE if dst is src else src
+        self.progress.wait(self.comm.Iallreduce(sendbuf, dst, MPI.SUM))
+        if average and dst.dtype.kind == "f":
+            np.multiply(dst, dst.dtype.type(1.0 / self.size), out=dst)
+
+    def allreduce_device(self, buf, what: str = "allreduce") -> None:
+        """Sum a device buffer in place handing it straight to a CUDA-aware MPI."""
+        self.progress.check()
+        self.progress.seq += 1
+        self.progress.what = what
+        self.progress.wait(self.comm.Iallreduce(self.MPI.IN_PLACE, buf, self.MPI.SUM))
+
+    def bcast_flat(self, buf, root: int, what: str = "broadcast") -> None:
+        """Broadcast a buffer (host array or CUDA-aware device buffer) from ``root``."""
+        self.progress.check()
+        self.progress.seq += 1
+        self.progress.what = what
+        if self.size > 1:
+            self.progress.wait(self.comm.Ibcast(buf, root=root))
+
+    def barrier_flat(self) -> None:
+        """Deadline-bounded barrier."""
+        self.progress.check()
+        self.progress.seq += 1
+        self.progress.what = "barrier"
+        if self.size > 1:
+            self.progress.wait(self.comm.Ibarrier())
+
+    def close(self) -> None:
+        """Stop the worker thread and free the window and communicators (collective)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        if self.progress.broken is not None:
+            return  # peers are gone; freeing collectively would hang
+        self.progress.close()
+        if self.arena is not None:
+            self.arena.free()
+        for c in (self.cross, self.local, self.ctl, self.comm):
+            c.Free()
+
+
+def init(*, comm=None, timeout: float | None = None, on_timeout: str | None = None,
+         fusion_threshold: int | None = None, shm: bool | None = None) -> Communicator:
+    """Initialise the collective backend (idempotent) and return the default :class:`Communicator`."""
+    global _default
+    with _lock:
+        if _default is not None and comm is None:
+            return _default
+        MPI = get_mpi()
+        if comm is None:
+            from .rendezvous import check_world
+            check_world(MPI)
+        base = MPI.COMM_WORLD if comm is None else comm
+        c = Communicator(base, timeout=timeout, on_timeout=on_timeout,
+                         fusion_threshold=fusion_threshold, shm=shm)
+        if comm is None:
+            _default = c
+        else:
+            _wrapped[id(comm)] = c
+        return c
+
+
+def is_initialized() -> bool:
+    """True once :func:`init` has created the default communicator."""
+    return _default is not None
+
+
+def default(comm=None) -> Communicator:
+    """Resolve ``comm=``: None -> the default (initialised on first use), a Communicator, or an mpi4py comm."""
+    if comm is None:
+        return _default if _default is not None else init()
+    if isinstance(comm, Communicator):
+        return comm
+    c = _wrapped.get(id(comm))
+    if c is None:
+        c = init(comm=comm)
+    return c
+
+
+def finalize() -> None:
+    """Release the default communicator's resources (collective); MPI itself is finalized at exit."""
+    global _default
+    with _lock:
+        for c in list(_wrapped.values()):
+            c.close()
+        _wrapped.clear()
+        if _default is not None:
+            _default.close()
+            _default = None

@@ -1,0 +1,185 @@
+"""Tensor fusion: many small buffers packed into fusion buffers and reduced together.
+
+Buffers are taken in the order given (every rank must pass the same shapes and dtypes in the same order),
+grouped by dtype into buckets of at most ``threshold`` bytes (one buffer larger than the threshold is a
+bucket of its own).  Buckets run on the communicator's worker thread with non-blocking collectives
+(``Iallreduce`` polled against the deadline), so the caller keeps computing, and packing bucket k+1
+overlaps reducing bucket k.  With the shared-memory window a bucket is packed straight into the window
+and unpacked straight out of the peers' segments (one copy each way).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from .buffers import OPS, prepare
+from .errors import CollectiveError
+from .shm import shm_supported
+
+__all__ = ["Bucket", "plan_buckets", "FusedAllreduce"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Indices of the buffers fused together, their dtype and total element count."""
+
+    indices: tuple[int, ...]
+    dtype: np.dtype
+    count: int
+
+
+def plan_buckets(sizes: list[int], dtypes: list, threshold: int) -> list[Bucket]:
+    """Pure bucketing: consecutive same-dtype buffers up to ``threshold`` bytes per bucket, order kept."""
+    buckets: list[Bucket] = []
+    open_: dict[str, tuple[list[int], int]] = {}
+    order: list[str] = []
+    for i, (n, dt) in enumerate(zip(sizes, dtypes)):
+        dt = np.dtype(dt)
+        key = dt.str
+        nbytes = n * dt.itemsize
+        idx, count = open_.get(key, ([], 0))
+        if idx and (count + n) * dt.itemsize > threshold:
+            buckets.append(Bucket(tuple(idx), dt, count))
+            order.remove(key)
+            idx, count = [], 0
+        idx.append(i)
+        count += n
+        open_[key] = (idx, count)
+        if key not in order:
+            order.append(key)
+        if nbytes >= threshold:
+            buckets.append(Bucket(tuple(idx), dt, count))
+            order.remove(key)
+            open_.pop(key)
+    for key in order:
+        idx, count = open_[key]
+        buckets.append(Bucket(tuple(idx), np.dtype(key), count))
+    return buckets
+
+
+_PLANS: dict[tuple, list[Bucket]] = {}   # same shapes every training step: plan once
+
+
+def _host_view(x):
+    """1-D contiguous NumPy view of a host buffer that can be fused, else None."""
+    if isinstance(x, np.ndarray):
+        if x.flags.c_contiguous and x.dtype.kind in "fiu":
+            return x.reshape(-1)
+        return None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.is_cuda or not x.is_contiguous() or x.dtype in (torch.bfloat16, torch.bool) or x.is_complex():
+            return None
+        return x.detach().reshape(-1).numpy()
+    return None
+
+
+def _empty_like(x):
+    if isinstance(x, np.ndarray):
+        out = np.empty(x.shape, dtype=x.dtype)
+        return out, out.reshape(-1)
+    import torch
+    out = torch.empty(x.shape, dtype=x.dtype)
+    return out, out.reshape(-1).numpy()
+
+
+class FusedAllreduce:
+    """One fused allreduce of a list of buffers; reusable (keeps its fusion buffers) for repeated calls."""
+
+    def __init__(self, xs: list, *, op: str = "sum", comm, threshold: int | None = None,
+                 compression: str | None = None):
+        if op not in OPS:
+            raise CollectiveError(f"op={op!r}: expected one of {', '.join(OPS)}")
+        self.comm = comm
+        self.op = op
+        self.compression = compression
+        self.threshold = comm.fusion_threshold if threshold is None else int(threshold)
+        if comm.arena is not None:
+            self.threshold = min(max(self.threshold, 1), comm.arena.capacity)
+        self.xs = xs
+        views = [_host_view(x) for x in xs]
+        int_avg = [op == "avg" and v is not None and v.dtype.kind in "iu" for v in views]
+        self.fusable = [i for i, v in enumerate(views)
+                        if v is not None and not int_avg[i] and compression is None]
+        fusable_set = set(self.fusable)
+        self.single = [i for i in range(len(xs)) if i not in fusable_set]
+        self.views = views
+        key = (tuple(views[i].size for i in self.fusable), tuple(views[i].dtype.str for i in self.fusable),
+               max(self.threshold, 1))
+        self.buckets = _PLANS.get(key)
+        if self.buckets is None:
+            if len(_PLANS) > 64:
+                _PLANS.clear()
+            self.buckets = _PLANS[key] = plan_buckets(list(key[0]), list(key[1]), key[2])
+        self._buffers: dict[int, np.ndarray] = {}
+
+    def _buffer(self, k: int, dtype, count: int) -> np.ndarray:
+        buf = self._buffers.get(k)
+        if buf is None or buf.dtype != dtype or buf.size < count:
+            buf = np.empty(count, dtype=dtype)
+            self._buffers[k] = buf
+        return buf[:count]
+
+    def _reduce_bucket(self, ins: list, outs: list, buf) -> None:
+        c = self.comm
+        avg = self.op == "avg"
+        if c.size == 1:
+            for a, b in zip(ins, outs):
+                if a is not b:
+                    np.copyto(b, a)
+            return
+        fits = c.arena is not None and sum(a.size for a in ins) * ins[0].itemsize <= c.arena.capacity
+        if fits and shm_supported(ins[0].dtype):
+            c.progress.check()
+            c.progress.seq += 1
+            c.progress.what = f"fused allreduce ({len(ins)} buffers)"
+            c.arena.reduce_pieces(ins, outs, average=avg, world_size=c.size)
+            return
+        if len(ins) == 1:                 # one big buffer: no packing (the window path chunks it)
+            c.allreduce_flat(ins[0], outs[0], avg, "fused allreduce")
+            return
+        np.concatenate(ins, out=buf)
+        c.allreduce_flat(buf, buf, avg, f"fused allreduce ({len(ins)} buffers)")
+        offset = 0
+        for o in outs:
+            np.copyto(o, buf[offset: offset + o.size])
+            offset += o.size
+
+    def start(self, *, inplace: bool = False):
+        """Submit every bucket (and unfusable buffer) to the worker; returns (results, futures)."""
+        c = self.comm
+        results = list(self.xs) if inplace else [None] * len(self.xs)
+        futures = []
+        fusable = self.fusable
+        for k, b in enumerate(self.buckets):
+            ins, outs = [], []
+            for j in b.indices:
+                i = fusable[j]
+                ins.append(self.views[i])
+                if inplace:
+                    outs.append(self.views[i])
+                else:
+                    res, flat = _empty_like(self.xs[i])
+                    results[i] = res
+                    outs.append(flat)
+            buf = None if (c.arena is not None or len(ins) == 1) else self._buffer(k, b.dtype, b.count)
+            futures.append(c.submit(self._reduce_bucket, ins, outs, buf))
+        from .ops import _reduce_one
+        singles = []
+        for i in self.single:
+            x = self.xs[i]
+            prepared = prepare(x, self.op, x if inplace else None, c.size, self.compression, c)
+            singles.append((i, c.submit(_reduce_one, c, prepared, self.op, "allreduce")))
+        return results, futures, singles
+
+    def run(self, *, inplace: bool = False) -> list:
+        """Reduce every buffer and return the results in input order (the inputs when ``inplace``)."""
+        results, futures, singles = self.start(inplace=inplace)
+        for f in futures:
+            f.result()
+        for i, f in singles:
+            results[i] = f.result()
+        return results

@@ -1,0 +1,131 @@
+"""Stdlib-shaped collectives: allreduce, broadcast, barrier, and their non-blocking / grouped forms."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+
+from ._mpi import default
+from .buffers import kind_of, prepare
+from .errors import CollectiveError
+
+__all__ = ["Handle", "allreduce", "allreduce_async", "grouped_allreduce", "broadcast",
+           "broadcast_object", "barrier"]
+
+
+class Handle:
+    """A pending collective: ``wait()`` returns its result, ``done()`` polls."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def done(self) -> bool:
+        """True once the collective has completed (or failed)."""
+        return self._future.done()
+
+    def wait(self):
+        """Block until the collective completes (bounded by the communicator's timeout); return the result."""
+        return self._future.result()
+
+
+def _reduce_one(c, prepared, op: str, what: str):
+    if prepared.device is not None:
+        c.allreduce_device(prepared.device, what)
+    else:
+        c.allreduce_flat(prepared.src, prepared.dst, op == "avg" and prepared.average_here, what)
+    return prepared.finish()
+
+
+def allreduce_async(x, op: str = "sum", *, out=None, comm=None, compression: str | None = None) -> Handle:
+    """Start an allreduce of ``x`` on the communicator's worker thread; returns a :class:`Handle`."""
+    c = default(comm)
+    prepared = prepare(x, op, out, c.size, compression, c)
+    return Handle(c.submit(_reduce_one, c, prepared, op, "allreduce"))
+
+
+def allreduce(x, op: str = "sum", *, out=None, comm=None, compression: str | None = None):
+    """Sum or average ``x`` over all ranks; ``out=x`` reduces in place. Returns the result."""
+    return allreduce_async(x, op, out=out, comm=comm, compression=compression).wait()
+
+
+def grouped_allreduce(xs, op: str = "sum", *, inplace: bool = False, comm=None,
+                      threshold: int | None = None, compression: str | None = None) -> list:
+    """Allreduce many buffers at once, fused into buckets of at most ``threshold`` bytes."""
+    from .fusion import FusedAllreduce
+    c = default(comm)
+    fused = FusedAllreduce(list(xs), op=op, comm=c, threshold=threshold, compression=compression)
+    return fused.run(inplace=inplace)
+
+
+def broadcast(x, root: int = 0, *, comm=None):
+    """Overwrite ``x`` on every rank with ``root``'s values (in place); returns ``x``."""
+    c = default(comm)
+    if not 0 <= root < c.size:
+        raise CollectiveError(f"root={root} out of range for {c.size} rank(s)")
+    kind = kind_of(x)
+    if kind == "numpy":
+        if x.flags.c_contiguous:
+            c.run(c.bcast_flat, x.reshape(-1), root)
+        else:
+            tmp = np.ascontiguousarray(x)
+            c.run(c.bcast_flat, tmp.reshape(-1), root)
+            x[...] = tmp
+        return x
+    if kind == "torch":
+        t = x.detach()
+        import torch
+        if t.dtype == torch.bfloat16:
+            tmp = t.contiguous().view(torch.int16)
+        else:
+            tmp = t.contiguous()
+        c.run(c.bcast_flat, tmp.reshape(-1).numpy(), root)
+        if tmp.data_ptr() != t.data_ptr():
+            t.copy_(tmp.view(t.dtype))
+        return x
+    # device buffers: straight to a CUDA-aware MPI, else through host memory
+    from .cuda import cuda_aware, note_staging
+    if cuda_aware(c):
+        if kind == "torch-cuda":
+            import torch
+            torch.cuda.current_stream(x.device).synchronize()
+            buf = x.detach().contiguous()
+        else:
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()
+            buf = cupy.ascontiguousarray(x)
+        c.run(c.bcast_flat, buf, root)
+        if buf is not x and kind == "cupy":
+            x[...] = buf
+        elif kind == "torch-cuda" and buf.data_ptr() != x.data_ptr():
+            x.detach().copy_(buf)
+        return x
+    note_staging()
+    if kind == "torch-cuda":
+        import torch
+        host = x.detach().to("cpu").contiguous()
+        c.run(c.bcast_flat, host.reshape(-1).view(torch.uint8).numpy(), root)
+        x.detach().copy_(host)
+        return x
+    host = x.get()
+    c.run(c.bcast_flat, np.ascontiguousarray(host).reshape(-1), root)
+    x.set(host)
+    return x
+
+
+def broadcast_object(obj, root: int = 0, *, comm=None):
+    """Broadcast any picklable object from ``root`` and return it on every rank."""
+    import pickle
+    c = default(comm)
+    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if c.rank == root else None
+    n = np.array([data.size if data is not None else 0], dtype=np.int64)
+    c.run(c.bcast_flat, n, root)
+    buf = data.copy() if data is not None else np.empty(int(n[0]), dtype=np.uint8)
+    c.run(c.bcast_flat, buf, root)
+    return pickle.loads(buf.tobytes())
+
+
+def barrier(*, comm=None) -> None:
+    """Wait until every rank arrives (bounded by the communicator's timeout)."""
+    c = default(comm)
+    c.run(c.barrier_flat)

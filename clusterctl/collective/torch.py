@@ -1,0 +1,176 @@
+"""PyTorch integration: a DistributedOptimizer that allreduces gradients in buckets during backward."""
+
+from __future__ import annotations
+
+import torch as _torch
+
+from ._mpi import default
+from .errors import CollectiveError
+from .fusion import plan_buckets
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
+
+
+def broadcast_parameters(params, root: int = 0, *, comm=None) -> None:
+    """Copy ``root``'s values into every rank's tensors: a state_dict, named_parameters() or a list."""
+    from .ops import broadcast
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    else:
+        items = list(params)
+        if items and isinstance(items[0], tuple):
+            items = sorted(items)
+        else:
+            items = list(enumerate(items))
+    for _, t in items:
+        if isinstance(t, _torch.Tensor):
+            broadcast(t, root, comm=comm)
+
+
+def broadcast_optimizer_state(optimizer, root: int = 0, *, comm=None) -> None:
+    """Make every rank's optimizer state (and hyper-parameters) equal to ``root``'s."""
+    from .ops import broadcast_object
+    state = broadcast_object(optimizer.state_dict(), root, comm=comm)
+    optimizer.load_state_dict(state)
+
+
+class _Bucket:
+    __slots__ = ("params", "flat", "views", "offsets", "ready", "handle")
+
+    def __init__(self, params, dtype):
+        total = sum(p.numel() for p in params)
+        self.params = params
+        self.flat = _torch.zeros(total, dtype=dtype)
+        self.views = []
+        off = 0
+        for p in params:
+            self.views.append(self.flat[off: off + p.numel()].view(p.shape))
+            off += p.numel()
+        self.ready = 0
+        self.handle = None
+
+
+class DistributedOptimizer:
+    """Wrap ``optimizer`` so gradients are averaged across ranks, overlapping backward (Horovod-style).
+
+    Gradients are copied into fusion buckets (``fusion_threshold`` bytes) from per-parameter
+    post-accumulate hooks; a bucket starts its non-blocking allreduce as soon as it is full and every
+    earlier bucket has started (the same order on every rank).  ``step()`` waits for the buckets,
+    writes the averaged gradients back into ``.grad`` and runs the wrapped optimizer.
+    """
+
+    def __init__(self, optimizer, named_parameters=None, *, op: str = "avg", comm=None,
+                 fusion_threshold: int | None = None, compression: str | None = None,
+                 backward_passes_per_step: int = 1):
+        if op not in ("sum", "avg"):
+            raise CollectiveError(f"op={op!r}: expected 'sum' or 'avg'")
+        if backward_passes_per_step != 1:
+            raise CollectiveError("backward_passes_per_step != 1 is not supported yet")
+        if compression not in (None, "fp16", "bf16"):
+            raise CollectiveError(f"compression={compression!r}: expected None, 'fp16' or 'bf16'")
+        self.optimizer = optimizer
+        self.comm = default(comm)
+        self.op = op
+        self.compression = compression
+        if named_parameters is None:
+            named = [(f"param.{i}", p) for i, p in
+                     enumerate(p for g in optimizer.param_groups for p in g["params"])]
+        else:
+            named = list(named_parameters)
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            raise CollectiveError("named_parameters has duplicate names")
+        params = [p for _, p in named if p.requires_grad]
+        for p in params:
+            if p.is_cuda or p.is_sparse:
+                raise CollectiveError("DistributedOptimizer buckets are CPU-only for now; "
+                                      "use allreduce() per tensor for CUDA parameters")
+        threshold = self.comm.fusion_threshold if fusion_threshold is None else int(fusion_threshold)
+        # Gradients become ready roughly in reverse registration order: bucket in that order.
+        order = list(reversed(params))
+        plan = plan_buckets([p.numel() for p in order],
+                            [_torch.empty(0, dtype=p.dtype).numpy().dtype
+                             if p.dtype != _torch.bfloat16 else "float32" for p in order],
+                            max(threshold, 1))
+        self._buckets = [_Bucket([order[i] for i in b.indices], order[b.indices[0]].dtype) for b in plan]
+        self._where = {}
+        for bi, b in enumerate(self._buckets):
+            for pi, p in enumerate(b.params):
+                self._where[p] = (bi, pi)
+        self._next = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+
+    # optimizer facade
+    @property
+    def param_groups(self):
+        """The wrapped optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        """The wrapped optimizer's state."""
+        return self.optimizer.state
+
+    def state_dict(self):
+        """The wrapped optimizer's state_dict."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load into the wrapped optimizer."""
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the wrapped optimizer's gradients."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # hooks and launching
+    def _hook(self, p) -> None:
+        bi, pi = self._where[p]
+        b = self._buckets[bi]
+        b.views[pi].copy_(p.grad.detach())
+        b.ready += 1
+        self._launch_ready()
+
+    def _launch(self, b) -> None:
+        from .ops import allreduce_async
+        b.handle = allreduce_async(b.flat, self.op, out=b.flat, comm=self.comm, compression=self.compression)
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._buckets):
+            b = self._buckets[self._next]
+            if b.ready < len(b.params):
+                return
+            self._launch(b)
+            self._next += 1
+
+    def synchronize(self) -> None:
+        """Finish every bucket's allreduce and write the results into ``.grad``."""
+        while self._next < len(self._buckets):
+            b = self._buckets[self._next]
+            # Parameters without a gradient this step (unused) contribute zeros, like DDP.
+            for pi, p in enumerate(b.params):
+                if p.grad is None:
+                    b.views[pi].zero_()
+            self._launch(b)
+            self._next += 1
+        for b in self._buckets:
+            b.handle.wait()
+            for p, v in zip(b.params, b.views):
+                if p.grad is None:
+                    p.grad = v.clone()
+                else:
+                    p.grad.copy_(v)
+            b.ready = 0
+            b.handle = None
+        self._next = 0
+
+    def step(self, closure=None):
+        """Average gradients across ranks, then take the wrapped optimizer's step."""
+        self.synchronize()
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the wrapped optimizer keeps working locally)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,228 @@
+"""Collective assertions run under ``mpiexec -n N python -m pytest tests/collective/mpi_cases.py``.
+
+Every rank runs every test (mpi4py's own style); the expected values are computed locally with NumPy.
+test_mpi.py launches this file for N = 1..4 and for the shm / non-shm / fake-multi-node layouts.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import clusterctl.collective as cc
+
+C = cc.init(timeout=float(os.environ.get("CLUSTERCTL_COLLECTIVE_TIMEOUT", "30")))
+RANK, SIZE = C.rank, C.size
+
+DTYPES = ["float32", "float64", "float16", "int32"]
+SHAPES = [(0,), (1,), (7,), (3, 5), (1001,), (2, 3, 4), (300_007,)]
+
+
+def data(shape, dtype, rank):
+    """Small exact-ish values per rank: ((i % 13) - 6 + rank)."""
+    n = int(np.prod(shape))
+    return ((np.arange(n) % 13) - 6 + rank).reshape(shape).astype(dtype)
+
+
+def expected(shape, dtype, op):
+    stack = np.stack([data(shape, dtype, r).astype(np.float64) for r in range(SIZE)])
+    return stack.sum(axis=0) if op == "sum" else stack.mean(axis=0)
+
+
+def close(got, want, dtype):
+    tol = {"float16": 1e-2, "float32": 1e-6, "float64": 1e-12}.get(str(dtype), 0)
+    np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want, rtol=tol, atol=tol)
+
+
+def test_layout_matches_env():
+    fake = os.environ.get("CLUSTERCTL_COLLECTIVE_FAKE_NODES")
+    topo = cc.topology()
+    assert (topo.rank, topo.size) == (RANK, SIZE)
+    if fake:
+        assert topo.node_count == min(int(fake), SIZE)
+    else:
+        assert topo.node_count == 1 and topo.local_size == SIZE
+    want_shm = os.environ.get("CLUSTERCTL_COLLECTIVE_SHM", "1") != "0" and topo.local_size > 1 \
+        and topo.homogeneous
+    assert C.uses_shm == want_shm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_allreduce_sum_out_of_place(shape, dtype):
+    x = data(shape, dtype, RANK)
+    before = x.copy()
+    y = cc.allreduce(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    close(y, expected(shape, dtype, "sum"), dtype)
+    np.testing.assert_array_equal(x, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_allreduce_avg(shape, dtype):
+    y = cc.allreduce(data(shape, dtype, RANK), "avg")
+    close(y, expected(shape, dtype, "avg"), dtype if dtype != "int32" else "float64")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+def test_allreduce_in_place_and_non_contiguous(dtype):
+    x = data((40, 31), dtype, RANK)
+    assert cc.allreduce(x, out=x) is x
+    close(x, expected((40, 31), dtype, "sum"), dtype)
+    base = data((40, 62), dtype, RANK)
+    view = base[:, ::2]
+    cc.allreduce(view, out=view)
+    close(view, expected((40, 62), dtype, "sum")[:, ::2], dtype)
+    close(base[:, 1::2], data((40, 62), dtype, RANK)[:, 1::2], dtype)
+
+
+def test_allreduce_larger_than_window_is_chunked():
+    n = C.fusion_threshold // 4 + 12_345
+    x = np.full(n, RANK + 1, dtype=np.float32)
+    cc.allreduce(x, out=x)
+    assert np.all(x == SIZE * (SIZE + 1) / 2)
+
+
+def test_results_identical_on_every_rank():
+    rng = np.random.default_rng(RANK)
+    y = cc.allreduce(rng.standard_normal(100_003).astype(np.float32))
+    ys = C.comm.allgather(y.tobytes())
+    assert all(b == ys[0] for b in ys)
+
+
+@pytest.mark.parametrize("threshold", [1, 4096, 1 << 20, None])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_grouped_many_buckets(threshold, inplace):
+    shapes = [(3,), (256,), (0,), (17, 5), (70_000,), (1,)] * 20
+    dtypes = ["float32", "float64", "int32"]
+    xs = [data(s, dtypes[i % 3], RANK) for i, s in enumerate(shapes)]
+    out = cc.grouped_allreduce(xs, inplace=inplace, threshold=threshold)
+    if inplace:
+        assert all(a is b for a, b in zip(out, xs))
+    for i, (s, y) in enumerate(zip(shapes, out)):
+        assert y.shape == s
+        close(y, expected(s, dtypes[i % 3], "sum"), dtypes[i % 3])
+
+
+def test_async_overlaps_and_keeps_order():
+    hs = [cc.allreduce_async(np.full(1000, float(RANK + i), np.float64)) for i in range(8)]
+    for i, h in enumerate(hs):
+        assert np.all(h.wait() == sum(r + i for r in range(SIZE)))
+
+
+@pytest.mark.parametrize("root", [0, "last"])
+def test_broadcast(root):
+    root = SIZE - 1 if root == "last" else root
+    x = data((5, 7), "float32", RANK)
+    assert cc.broadcast(x, root) is x
+    np.testing.assert_array_equal(x, data((5, 7), "float32", root))
+    assert cc.broadcast_object({"r": RANK}, root) == {"r": root}
+
+
+def test_bad_input_raises():
+    with pytest.raises(cc.CollectiveError, match="op="):
+        cc.allreduce(np.ones(3), "max")
+    with pytest.raises(cc.CollectiveError, match="unsupported buffer type"):
+        cc.allreduce([1, 2, 3])
+    with pytest.raises(cc.CollectiveError, match="integer"):
+        x = np.ones(3, np.int32)
+        cc.allreduce(x, "avg", out=x)
+    with pytest.raises(cc.CollectiveError, match="root"):
+        cc.broadcast(np.ones(3), SIZE)
+
+
+def test_gradient_buffer_numpy_training_equivalent():
+    from clusterctl.collective.numpy_opt import DistributedOptimizer, GradientBuffer
+    buf = GradientBuffer({"w": (4, 3), "b": (3,)})
+    assert buf.in_window == C.uses_shm
+    buf.grads["w"][...] = RANK
+    buf.grads["b"][...] = 2 * RANK
+    buf.allreduce()
+    assert np.allclose(buf.grads["w"], (SIZE - 1) / 2) and np.allclose(buf.grads["b"], SIZE - 1)
+    # plain least squares: data-parallel halves == full batch
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((8 * SIZE, 4)), rng.standard_normal(8 * SIZE)
+    w_ref, w = np.zeros(4), {"w": np.zeros(4)}
+
+    def sgd(params, grads):
+        params["w"] -= 0.1 * grads["w"]
+    opt = DistributedOptimizer(sgd, w)
+    for _ in range(5):
+        w_ref -= 0.1 * (2 * X.T @ (X @ w_ref - Y) / len(Y))
+        Xs, Ys = X[RANK * 8:(RANK + 1) * 8], Y[RANK * 8:(RANK + 1) * 8]
+        opt.step({"w": 2 * Xs.T @ (Xs @ w["w"] - Ys) / len(Ys)})
+    np.testing.assert_allclose(w["w"], w_ref, rtol=1e-10)
+
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32"])
+def test_torch_cpu(dtype):
+    dt = getattr(torch, dtype)
+    base = torch.arange(1001, dtype=torch.float64) % 13 - 6
+    x = (base + RANK).to(dt)
+    want = sum(base + r for r in range(SIZE))
+    y = cc.allreduce(x)
+    assert y.dtype == dt and torch.allclose(y.double(), want.to(dt).double(), atol=1e-2)
+    cc.allreduce(x, out=x)
+    assert torch.allclose(x.double(), want.to(dt).double(), atol=1e-2)
+    if dt.is_floating_point:
+        z = cc.allreduce((base + RANK).to(dt), "avg")
+        assert torch.allclose(z.double(), (want / SIZE).to(dt).double(), atol=2e-2)
+    t = (base + RANK).to(dt).reshape(7, 143)
+    assert cc.broadcast(t, 0) is t and torch.equal(t, base.to(dt).reshape(7, 143))
+
+
+def test_torch_compression_fp16():
+    x = torch.full((1000,), 1.0 + RANK, dtype=torch.float32)
+    y = cc.allreduce(x, "avg", compression="fp16")
+    assert y.dtype == torch.float32 and torch.allclose(y, torch.full((1000,), (SIZE + 1) / 2))
+
+
+def test_distributed_optimizer_matches_single_process():
+    from clusterctl.collective.torch import DistributedOptimizer, broadcast_parameters
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    g = torch.Generator().manual_seed(1)
+    X, Y = torch.randn(6 * SIZE, 10, generator=g), torch.randint(0, 3, (6 * SIZE,), generator=g)
+    ref, m = model(), model()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(RANK)                 # diverge, then broadcast_parameters must re-align
+    broadcast_parameters(m.state_dict(), root=0)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                               named_parameters=m.named_parameters(), fusion_threshold=512)
+    assert len(opt._buckets) > 1
+    for _ in range(6):
+        ropt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(X), Y).backward()
+        ropt.step()
+        opt.zero_grad()
+        sl = slice(RANK * 6, (RANK + 1) * 6)
+        torch.nn.functional.cross_entropy(m(X[sl]), Y[sl]).backward()
+        opt.step()
+    for (name, a), (_, b) in zip(ref.named_parameters(), m.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-5), name
+    opt.remove_hooks()
+
+
+def test_cuda_tensor():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    x = torch.full((1000,), float(RANK), device="cuda")
+    y = cc.allreduce(x)
+    assert y.is_cuda and torch.allclose(y.cpu(), torch.full((1000,), float(sum(range(SIZE)))))
+
+
+def test_cupy_array():
+    cupy = pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    x = cupy.full((1000,), float(RANK), dtype=cupy.float32)
+    y = cc.allreduce(x)
+    assert float(y[0]) == sum(range(SIZE))
