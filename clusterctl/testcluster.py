@@ -1,0 +1,940 @@
+"""A cluster of real sshd nodes in Docker containers on this machine, for integration tests and demos.
+
+``up`` builds (and caches) a node image, starts N containers on a private docker network, pins every
+node's own host key in a generated known_hosts, installs a per-cluster client key and writes a
+cluster spec that clusterctl can use as is. ``down`` removes only what carries this cluster's label.
+See docs/testcluster.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import io
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import yaml
+
+from . import docker
+from .errors import ClusterctlError
+
+__all__ = [
+    "ClusterInfo",
+    "DockerClusterError",
+    "Node",
+    "NodeStatus",
+    "DEFAULT_NAME",
+    "LABEL",
+    "up",
+    "status",
+    "down",
+    "state_dir",
+    "ensure_docker",
+    "add_cli",
+    "main",
+]
+
+DEFAULT_NAME = "clusterctl-test"
+LABEL = "clusterctl.testcluster"
+INDEX_LABEL = "clusterctl.testcluster.index"
+IMAGE_LABEL = "clusterctl.testcluster.image"
+BUILD_LABEL = "clusterctl.testcluster.build"
+NODE_IMAGE_REPO = "clusterctl/testcluster-node"
+LOCAL_BASE_REPO = "clusterctl/bookworm-base"
+REGISTRY_BASE_IMAGE = "debian:bookworm-slim"
+DEBIAN_SUITE = "bookworm"
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+DEBOOTSTRAP_INCLUDE = (
+    "openssh-server",
+    "python3",
+    "python3-venv",
+    "python3-pip",
+    "procps",
+    "iproute2",
+    "rsync",
+    "ca-certificates",
+    "netbase",
+    "iputils-ping",
+)
+# Local wheel directories searched before any index; a requirement they satisfy is never downloaded
+# (torch==2.13.0 must come from the local +cpu wheel, not from an index).
+LOCAL_WHEEL_DIRS = ("/opt/wheels",)
+# The node's interpreter (Debian bookworm): wheels are downloaded for it, not for the controller.
+NODE_PYTHON_VERSION = "3.11"
+NODE_GLIBC_MINOR = 36
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates" / "testcluster"
+TEMPLATE_FILES = ("Dockerfile", "sshd_config", "entrypoint.sh", "ensure-packages.sh")
+
+PULL_TIMEOUT = 20.0  # a registry that does not answer in this long is treated as absent
+SSH_WAIT_TIMEOUT = 60.0  # per node, for sshd to generate host keys and answer
+INTERNAL_PROBE_TIMEOUT = 15.0  # how long an --internal network gets to prove the host reaches nodes
+BUILD_TIMEOUT = 1800.0
+DEBOOTSTRAP_TIMEOUT = 1800.0
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,40}$")
+
+Progress = Callable[[str], None]
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class DockerClusterError(ClusterctlError):
+    """The test cluster could not be built, started, inspected or removed as asked."""
+
+
+class Node(NamedTuple):
+    """One node: its container name, its address on the cluster network, and its hostname."""
+
+    container: str
+    ip: str
+    hostname: str
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """What `up` made: nodes in index order, and where the key, pins and spec live."""
+
+    name: str
+    nodes: list[Node]
+    spec_path: Path
+    key_path: Path
+    known_hosts_path: Path
+    state_dir: Path
+    image: str = ""
+    network: str = ""
+    packages: list[str] = field(default_factory=list)  # pip requirements installed in /opt/venv
+    image_built: bool = False  # True if this call built the node image (False: cache hit)
+    reused: bool = False  # True if this call kept already running containers
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """One container of a cluster as docker and a TCP probe of port 22 see it."""
+
+    container: str
+    hostname: str
+    ip: str
+    state: str
+    ssh: bool
+
+
+def _noop(_: str) -> None:
+    return None
+
+
+# --------------------------------------------------------------------------------------------- paths
+
+
+def state_root() -> Path:
+    """Directory holding every test cluster's state (override with CLUSTERCTL_TESTCLUSTER_HOME)."""
+    env = os.environ.get("CLUSTERCTL_TESTCLUSTER_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "clusterctl" / "testcluster"
+
+
+def state_dir(name: str) -> Path:
+    """Directory holding one cluster's client key, known_hosts and default spec."""
+    return state_root() / _checked_name(name)
+
+
+def _checked_name(name: str) -> str:
+    if not NAME_RE.match(name):
+        raise DockerClusterError(
+            f"invalid test cluster name {name!r}: use lowercase letters, digits, '.', '_' or '-' "
+            "(at most 41 characters, starting with a letter or digit)"
+        )
+    return name
+
+
+@contextlib.contextmanager
+def _locked(what: str) -> Iterator[None]:
+    """Hold an exclusive flock on state_root()/locks/<what> (serialises concurrent up/down/builds)."""
+    locks = state_root() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{what}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _network_name(name: str) -> str:
+    return f"{name}-net"
+
+
+def _container_name(name: str, index: int) -> str:
+    return f"{name}-node{index}"
+
+
+# ---------------------------------------------------------------------------------------- parallel
+
+
+def _parallel(fn: Callable[[T], R], items: Sequence[T], what: str) -> list[R]:
+    """Run fn over items in threads; return results in order or raise one error naming every failure."""
+    if not items:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(items))) as pool:
+        futures = [pool.submit(fn, item) for item in items]
+    results: list[R] = []
+    failures: list[str] = []
+    for item, fut in zip(items, futures, strict=True):
+        exc = fut.exception()
+        if exc is None:
+            results.append(fut.result())
+        elif isinstance(exc, ClusterctlError):
+            failures.append(f"  {item}: {exc}")
+        else:
+            raise exc
+    if failures:
+        raise DockerClusterError(f"{what} failed for {len(failures)} of {len(items)}:\n" + "\n".join(failures))
+    return results
+
+
+# -------------------------------------------------------------------------------------- base image
+
+
+def _apt_mirror() -> str:
+    """The Debian mirror apt uses on this machine (CLUSTERCTL_DEBIAN_MIRROR overrides it)."""
+    override = os.environ.get("CLUSTERCTL_DEBIAN_MIRROR")
+    if override:
+        return override
+    for text in _apt_source_texts():
+        mirror = _mirror_from_sources(text)
+        if mirror:
+            return mirror
+    return DEFAULT_MIRROR
+
+
+def _apt_source_texts() -> Iterable[str]:
+    candidates = [Path("/etc/apt/sources.list")]
+    parts = Path("/etc/apt/sources.list.d")
+    if parts.is_dir():
+        candidates += sorted(parts.glob("*.sources")) + sorted(parts.glob("*.list"))
+    for path in candidates:
+        if path.is_file():
+            yield path.read_text(errors="replace")
+
+
+def _mirror_from_sources(text: str) -> str | None:
+    """The first URI serving the plain Debian suite, in one-line (.list) or deb822 (.sources) format."""
+    for stanza in re.split(r"\n\s*\n", text):
+        fields = dict(re.findall(r"^(URIs|Suites):\s*(.+)$", stanza, re.MULTILINE))
+        if fields and DEBIAN_SUITE in fields.get("Suites", "").split():
+            uri = fields.get("URIs", "").split()
+            if uri and not uri[0].rstrip("/").endswith("-security"):
+                return uri[0].rstrip("/")
+    for line in text.splitlines():
+        words = re.sub(r"\[[^]]*\]", "", line.split("#", 1)[0]).split()
+        if len(words) >= 3 and words[0] == "deb" and words[2] == DEBIAN_SUITE:
+            return words[1].rstrip("/")
+    return None
+
+
+def _local_base_tag() -> str:
+    digest = hashlib.sha256(" ".join((DEBIAN_SUITE, *DEBOOTSTRAP_INCLUDE)).encode()).hexdigest()[:12]
+    return f"{LOCAL_BASE_REPO}:{DEBIAN_SUITE}-{digest}"
+
+
+def _resolve_base_image(requested: str | None, progress: Progress) -> str:
+    """The base image to build nodes FROM: requested, else local debootstrap build, else registry."""
+    if requested:
+        if docker.image_exists(requested):
+            return requested
+        progress(f"pulling {requested} (at most {PULL_TIMEOUT:g}s)")
+        if docker.pull(requested, timeout=PULL_TIMEOUT):
+            return requested
+        raise DockerClusterError(
+            f"base image {requested!r} is not present locally and could not be pulled; "
+            "leave out --base-image to build a Debian base locally with debootstrap"
+        )
+    local = _local_base_tag()
+    if docker.image_exists(local):
+        return local
+    if docker.image_exists(REGISTRY_BASE_IMAGE):
+        return REGISTRY_BASE_IMAGE
+    progress(f"trying to pull {REGISTRY_BASE_IMAGE} (at most {PULL_TIMEOUT:g}s)")
+    if docker.pull(REGISTRY_BASE_IMAGE, timeout=PULL_TIMEOUT):
+        return REGISTRY_BASE_IMAGE
+    progress("no registry reachable: building the base image with debootstrap (about a minute)")
+    _build_local_base(local)
+    return local
+
+
+def _build_local_base(tag: str) -> None:
+    """debootstrap a minimal bookworm with the node's packages and `docker import` it as tag."""
+    debootstrap = shutil.which("debootstrap")
+    if debootstrap is None:
+        raise DockerClusterError("no registry is reachable and debootstrap is missing: apt-get install debootstrap")
+    if os.geteuid() != 0:
+        raise DockerClusterError("building the base image with debootstrap needs root")
+    work = state_root() / "base-build"
+    work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        rootfs = Path(tmp) / "rootfs"
+        argv = [
+            debootstrap,
+            "--variant=minbase",
+            "--include=" + ",".join(DEBOOTSTRAP_INCLUDE),
+            DEBIAN_SUITE,
+            str(rootfs),
+            _apt_mirror(),
+        ]
+        _checked_run(argv, timeout=DEBOOTSTRAP_TIMEOUT, what="debootstrap")
+        _scrub_rootfs(rootfs)
+        _import_rootfs(rootfs, tag)
+
+
+def _scrub_rootfs(rootfs: Path) -> None:
+    """Remove what must not be shared by every node (host keys) and what only costs space."""
+    for key in (rootfs / "etc" / "ssh").glob("ssh_host_*"):
+        key.unlink()
+    for cache in (rootfs / "var" / "cache" / "apt" / "archives").glob("*.deb"):
+        cache.unlink()
+    lists = rootfs / "var" / "lib" / "apt" / "lists"
+    for entry in lists.glob("*"):
+        if entry.is_file():
+            entry.unlink()
+
+
+def _import_rootfs(rootfs: Path, tag: str) -> None:
+    """`tar -C rootfs -c . | docker import - tag`, as two argv processes joined by a pipe."""
+    tar = subprocess.Popen(
+        ["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert tar.stdout is not None  # for the type checker: stdout=PIPE above
+    imp = subprocess.run(
+        [
+            docker.docker_binary(),
+            "import",
+            "--change",
+            f"LABEL {LABEL}.base={DEBIAN_SUITE}",
+            "--change",
+            'CMD ["/bin/bash"]',
+            "-",
+            tag,
+        ],
+        stdin=tar.stdout,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT,
+        check=False,
+    )
+    tar.stdout.close()
+    tar_err = tar.stderr.read().decode(errors="replace") if tar.stderr else ""
+    tar_rc = tar.wait(timeout=60)
+    if tar_rc != 0:
+        raise DockerClusterError(f"tar of {rootfs} exited {tar_rc}: {tar_err.strip()[-500:]}")
+    if imp.returncode != 0:
+        raise docker.DockerError(["docker", "import", "-", tag], imp.returncode, imp.stderr)
+
+
+def _checked_run(
+    argv: list[str], *, timeout: float, what: str, shown: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run argv (no shell); raise DockerClusterError naming `shown` (default: argv) with the output's tail."""
+    command = shown or " ".join(argv)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise DockerClusterError(f"{what} timed out after {timeout:g}s: {command}") from exc
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-10:]
+        raise DockerClusterError(f"{what} exited {proc.returncode}: {command}\n" + "\n".join(tail))
+    return proc
+
+
+# -------------------------------------------------------------------------------------- node image
+
+
+def _node_image_tag(base: str, packages: Sequence[str]) -> str:
+    """Content-addressed tag: templates + base image ID + package list decide it."""
+    digest = hashlib.sha256()
+    for name in TEMPLATE_FILES:
+        digest.update(name.encode() + b"\0" + (TEMPLATE_DIR / name).read_bytes() + b"\0")
+    digest.update((docker.image_id(base) or base).encode() + b"\0")
+    digest.update("\n".join(packages).encode())
+    return f"{NODE_IMAGE_REPO}:{digest.hexdigest()[:16]}"
+
+
+def _ensure_node_image(base: str, packages: Sequence[str], progress: Progress) -> tuple[str, bool]:
+    """The node image tag, building it if absent; the flag says whether a build happened."""
+    tag = _node_image_tag(base, packages)
+    if docker.image_exists(tag):
+        return tag, False
+    with tempfile.TemporaryDirectory(prefix="clusterctl-node-") as tmp:
+        context = Path(tmp)
+        for name in TEMPLATE_FILES:
+            shutil.copy2(TEMPLATE_DIR / name, context / name)
+        (context / "requirements.txt").write_text("".join(f"{p}\n" for p in packages))
+        wheels = context / "wheels"
+        wheels.mkdir()
+        (wheels / "README").write_text("wheels for /opt/venv, downloaded on the controller\n")
+        if packages:
+            progress(f"downloading wheels for {', '.join(packages)}")
+            _download_wheels(packages, wheels)
+        progress(f"building node image {tag} FROM {base}")
+        _build_image(context, tag, base)
+    return tag, True
+
+
+def _download_wheels(packages: Sequence[str], dest: Path) -> None:
+    """`pip download --only-binary=:all:` for the node's Python; local wheels win over any index."""
+    local_dirs = [d for d in _local_wheel_dirs() if d.is_dir()]
+    wanted = [_local_wheel(req, local_dirs) or req for req in packages]
+    argv = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--dest", str(dest)]
+    argv += ["--python-version", NODE_PYTHON_VERSION, "--implementation", "cp"]
+    argv += ["--abi", "cp" + NODE_PYTHON_VERSION.replace(".", "")]
+    argv += _node_platform_args()
+    for d in local_dirs:
+        argv += ["--find-links", str(d)]
+    argv += ["--", *wanted]
+    shown = f"pip download --only-binary=:all: (for the nodes' cp311 manylinux) -- {' '.join(wanted)}"
+    _checked_run(argv, timeout=BUILD_TIMEOUT, what="pip download", shown=shown)
+
+
+def _local_wheel_dirs() -> list[Path]:
+    extra = os.environ.get("CLUSTERCTL_WHEEL_DIRS", "")
+    return [Path(d) for d in (*LOCAL_WHEEL_DIRS, *extra.split(os.pathsep)) if d]
+
+
+def _node_platform_args() -> list[str]:
+    """--platform for every manylinux tag a bookworm node (glibc 2.36, x86_64) accepts."""
+    tags = [f"manylinux_2_{minor}_x86_64" for minor in range(NODE_GLIBC_MINOR, 4, -1)]
+    tags += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+    return [arg for tag in tags for arg in ("--platform", tag)]
+
+
+def _local_wheel(requirement: str, dirs: Sequence[Path]) -> str | None:
+    """Path of a local wheel that satisfies requirement, preferring the highest version, or None."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+
+    try:
+        req = Requirement(requirement)
+    except InvalidRequirement as exc:
+        raise DockerClusterError(f"invalid package requirement {requirement!r}: {exc}") from exc
+    best: tuple[Any, Path] | None = None
+    for wheel in (w for d in dirs for w in d.glob("*.whl")):
+        try:
+            name, version, _build, _tags = parse_wheel_filename(wheel.name)
+        except InvalidWheelFilename:
+            continue
+        if name != canonicalize_name(req.name) or not req.specifier.contains(version, prereleases=True):
+            continue
+        if best is None or version > best[0]:
+            best = (version, wheel)
+    return str(best[1]) if best else None
+
+
+def _build_image(context: Path, tag: str, base: str) -> None:
+    """docker build the node image, then drop the wheels stage's image (a GB with torch) it leaves."""
+    env = {} if docker.buildkit_available() else {"DOCKER_BUILDKIT": "0"}
+    build_id = tag.rsplit(":", 1)[1]
+    args = ["build", "--tag", tag, "--label", f"{IMAGE_LABEL}=1"]
+    args += ["--build-arg", f"BASE_IMAGE={base}", "--build-arg", f"BUILD_ID={build_id}"]
+    docker.run([*args, str(context)], env=env, timeout=BUILD_TIMEOUT)
+    docker.run(["image", "prune", "--force", "--filter", f"label={BUILD_LABEL}={build_id}"], timeout=120)
+
+
+# --------------------------------------------------------------------------------- containers, net
+
+
+def _cluster_containers(name: str) -> list[dict[str, Any]]:
+    """Inspect data of this cluster's containers, in node-index order."""
+    found = docker.inspect("container", docker.ids_with_label("container", f"{LABEL}={name}"))
+    return sorted(found, key=lambda c: int(c["Config"]["Labels"].get(INDEX_LABEL, "0")))
+
+
+def _ensure_network(name: str, internal: bool = True) -> str:
+    """Create the cluster's network if absent (internal: no route out of the host)."""
+    net = _network_name(name)
+    if docker.inspect("network", [net]):
+        return net
+    args = ["network", "create", "--driver", "bridge", "--label", f"{LABEL}={name}"]
+    if internal:
+        args.append("--internal")
+    docker.run([*args, net])
+    return net
+
+
+def _network_is_internal(net: str) -> bool:
+    found = docker.inspect("network", [net])
+    return bool(found and found[0].get("Internal"))
+
+
+def _start_node(name: str, index: int, image: str, net: str) -> str:
+    """`docker run` one node detached, with docker's init as PID 1 so zombies are reaped."""
+    container = _container_name(name, index)
+    docker.run(
+        [
+            "run",
+            "--detach",
+            "--init",  # tini as PID 1: reaps orphans that tests' kill -9 leave behind
+            "--name", container,
+            "--hostname", container,
+            "--network", net,
+            "--label", f"{LABEL}={name}",
+            "--label", f"{INDEX_LABEL}={index}",
+            "--label", f"{IMAGE_LABEL}={image}",
+            image,
+        ]
+    )  # fmt: skip
+    return container
+
+
+def _node_ip(info: dict[str, Any], net: str) -> str:
+    networks = info.get("NetworkSettings", {}).get("Networks") or {}
+    ip = (networks.get(net) or {}).get("IPAddress", "")
+    if not ip:
+        raise DockerClusterError(f"container {info['Name'].lstrip('/')} has no address on network {net}")
+    return str(ip)
+
+
+def _ssh_banner(ip: str, port: int = 22, timeout: float = 1.0) -> bool:
+    """True if something at ip:port answers with an SSH banner."""
+    try:
+        with socket.create_connection((ip, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            return sock.recv(8).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def _wait_ssh(ip: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _ssh_banner(ip):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _sshd_listening_inside(container: str) -> bool:
+    """True if sshd answers on the container's own loopback (the host may still not reach it)."""
+    proc = docker.run(
+        ["exec", container, "/usr/bin/timeout", "2", "/usr/bin/ssh-keyscan", "-T", "1", "127.0.0.1"],
+        check=False,
+        timeout=30,
+    )
+    return "ssh-ed25519" in proc.stdout
+
+
+def _switch_to_bridge(name: str, containers: Sequence[str]) -> str:
+    """Replace an --internal network the host cannot reach by a plain bridge network."""
+    net = _network_name(name)
+    for container in containers:
+        docker.run(["network", "disconnect", "--force", net, container], check=False)
+    docker.run(["network", "rm", net])
+    _ensure_network(name, internal=False)
+    for container in containers:
+        docker.run(["network", "connect", net, container])
+    return net
+
+
+def _wait_nodes(name: str, containers: Sequence[str], net: str, progress: Progress) -> list[Node]:
+    """Addresses of the nodes once each one's sshd answers from the host (bridge fallback if needed)."""
+    nodes = _nodes_of(containers, net)
+    if _network_is_internal(net) and not _wait_ssh(nodes[0].ip, INTERNAL_PROBE_TIMEOUT):
+        if not _sshd_listening_inside(containers[0]):
+            raise DockerClusterError(_not_answering(containers[0], nodes[0].ip))
+        progress(f"host cannot reach containers on --internal network {net}: using a plain bridge")
+        net = _switch_to_bridge(name, containers)
+        nodes = _nodes_of(containers, net)
+
+    def wait(node: Node) -> Node:
+        if not _wait_ssh(node.ip, SSH_WAIT_TIMEOUT):
+            raise DockerClusterError(_not_answering(node.container, node.ip))
+        return node
+
+    return _parallel(wait, nodes, "waiting for sshd")
+
+
+def _nodes_of(containers: Sequence[str], net: str) -> list[Node]:
+    infos = {c["Name"].lstrip("/"): c for c in docker.inspect("container", list(containers))}
+    missing = [c for c in containers if c not in infos]
+    if missing:
+        raise DockerClusterError(f"containers vanished while starting: {', '.join(missing)}")
+    return [Node(c, _node_ip(infos[c], net), infos[c]["Config"]["Hostname"]) for c in containers]
+
+
+def _not_answering(container: str, ip: str) -> str:
+    logs = docker.run(["logs", "--tail", "20", container], check=False, timeout=30)
+    tail = (logs.stdout + logs.stderr).strip()
+    return f"sshd in {container} ({ip}) did not answer within {SSH_WAIT_TIMEOUT:g}s; its log:\n{tail}"
+
+
+# ------------------------------------------------------------------------------------ keys & pins
+
+
+def _ensure_client_key(state: Path) -> tuple[Path, str]:
+    """The cluster's ed25519 client key (made on first use, mode 0600) and its public line."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key_path = state / "id_ed25519"
+    pub_path = state / "id_ed25519.pub"
+    if key_path.is_file() and pub_path.is_file():
+        key_path.chmod(0o600)
+        return key_path, pub_path.read_text().strip()
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    pub_line = f"{public.decode()} clusterctl-testcluster-{state.name}"
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(private)
+    key_path.chmod(0o600)
+    pub_path.write_text(pub_line + "\n")
+    return key_path, pub_line
+
+
+def _host_key(container: str) -> str:
+    """`TYPE BASE64` of the node's own ed25519 host key, read through docker exec."""
+    proc = docker.run(["exec", container, "cat", "/etc/ssh/ssh_host_ed25519_key.pub"], timeout=30)
+    fields = proc.stdout.split()
+    if len(fields) < 2 or fields[0] != "ssh-ed25519":
+        raise DockerClusterError(f"{container}: unexpected host key {proc.stdout.strip()!r}")
+    return f"{fields[0]} {fields[1]}"
+
+
+def _known_hosts(nodes: Sequence[Node], keys: Sequence[str], with_names: bool) -> str:
+    """known_hosts text pinning each node's key to its address (and hostname, for use inside)."""
+    lines = []
+    for node, key in zip(nodes, keys, strict=True):
+        host = f"{node.ip},{node.hostname}" if with_names else node.ip
+        lines.append(f"{host} {key}\n")
+    return "".join(lines)
+
+
+def _ssh_tar(files: dict[str, tuple[str, int]]) -> bytes:
+    """A tar holding .ssh/ (0700, root) and the given files (name -> (text, mode))."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        folder = tarfile.TarInfo(".ssh")
+        folder.type, folder.mode, folder.mtime = tarfile.DIRTYPE, 0o700, int(time.time())
+        tar.addfile(folder)
+        for name, (text, mode) in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f".ssh/{name}")
+            info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _install_ssh_files(container: str, tar_bytes: bytes) -> None:
+    """Unpack the .ssh tar into the node's /root with `docker cp -` (no shell involved)."""
+    argv = [docker.docker_binary(), "cp", "-", f"{container}:/root"]
+    proc = subprocess.run(argv, input=tar_bytes, capture_output=True, timeout=60, check=False)
+    if proc.returncode != 0:
+        raise docker.DockerError(argv, proc.returncode, proc.stderr.decode(errors="replace"))
+
+
+def _pin_and_authorize(nodes: Sequence[Node], state: Path) -> tuple[Path, Path]:
+    """Pin host keys in state/known_hosts and give every node the cluster key (node-to-node ssh too)."""
+    key_path, pub_line = _ensure_client_key(state)
+    keys = _parallel(_host_key, [n.container for n in nodes], "reading host keys")
+    known_hosts = state / "known_hosts"
+    known_hosts.write_text(_known_hosts(nodes, keys, with_names=False))
+    payload = _ssh_tar(
+        {
+            "authorized_keys": (pub_line + "\n", 0o600),
+            # mpiexec and friends ssh from node to node: same key, same pins, names included.
+            "id_ed25519": (key_path.read_text(), 0o600),
+            "id_ed25519.pub": (pub_line + "\n", 0o644),
+            "known_hosts": (_known_hosts(nodes, keys, with_names=True), 0o644),
+        }
+    )
+    _parallel(lambda c: _install_ssh_files(c, payload), [n.container for n in nodes], "installing keys")
+    return key_path, known_hosts
+
+
+def _spec_dict(name: str, nodes: Sequence[Node], key_path: Path, known_hosts: Path) -> dict[str, Any]:
+    return {
+        "name": name,
+        "ssh": {
+            "user": "root",
+            "port": 22,
+            "identity_file": str(key_path),
+            "known_hosts": str(known_hosts),
+            "host_key_policy": "strict",
+            "connect_timeout": 5,
+        },
+        "hosts": [{"address": n.ip} for n in nodes],
+        "workspace": {"local": ".", "remote": "/root/work"},
+        "job": {
+            "mode": "pserver",
+            "entrypoint": ["/opt/venv/bin/python", "train.py"],
+            "pservers": 1,
+            "trainers": 1,
+        },
+    }
+
+
+def _write_spec(path: Path, spec: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = "# Written by `clusterctl testcluster up`; workspace.local is relative to this file.\n"
+    path.write_text(header + yaml.safe_dump(spec, sort_keys=False, default_flow_style=False))
+
+
+# -------------------------------------------------------------------------------------- public API
+
+
+def ensure_docker() -> None:
+    """Make sure docker answers (starting dockerd if installed); raise DockerUnavailable if it cannot."""
+    log = state_root() / "dockerd.log"
+    try:
+        docker.ensure_daemon(log)
+    except docker.DockerError as exc:
+        raise docker.DockerUnavailable(f"docker is not usable: {exc}") from exc
+
+
+def _reusable(existing: Sequence[dict[str, Any]], nodes: int, image: str, name: str) -> bool:
+    """True if the existing containers are exactly this cluster's nodes 0..N-1 on this image."""
+    if len(existing) != nodes or not docker.inspect("network", [_network_name(name)]):
+        return False
+    for index, info in enumerate(existing):
+        labels = info["Config"]["Labels"]
+        if labels.get(INDEX_LABEL) != str(index) or labels.get(IMAGE_LABEL) != image:
+            return False
+        if info["Name"].lstrip("/") != _container_name(name, index):
+            return False
+        if _network_name(name) not in (info.get("NetworkSettings", {}).get("Networks") or {}):
+            return False
+    return True
+
+
+def _wake(info: dict[str, Any]) -> str:
+    """Start or unpause a node that a test stopped or paused; return its name."""
+    container = str(info["Name"]).lstrip("/")
+    state = info["State"]
+    if state.get("Paused"):
+        docker.run(["unpause", container])
+    elif not state.get("Running"):
+        docker.run(["start", container])
+    return container
+
+
+def up(
+    nodes: int,
+    name: str = DEFAULT_NAME,
+    spec_out: Path | None = None,
+    base_image: str | None = None,
+    packages: list[str] | None = None,
+    *,
+    progress: Progress | None = None,
+) -> ClusterInfo:
+    """Bring up (or reuse) an N-node sshd cluster named name and write its spec; see module docs."""
+    say = progress or _noop
+    _checked_name(name)
+    if not 1 <= nodes <= 64:
+        raise DockerClusterError(f"--nodes must be between 1 and 64, not {nodes}")
+    pkgs = [p.strip() for p in (packages or []) if p.strip()]
+    started = time.monotonic()
+    ensure_docker()
+    state = state_dir(name)
+    state.mkdir(parents=True, exist_ok=True)
+    state.chmod(0o700)
+    with _locked("images"):  # two sessions must not debootstrap or build the same image at once
+        base = _resolve_base_image(base_image, say)
+        image, built = _ensure_node_image(base, pkgs, say)
+    images_done = time.monotonic()
+    with _locked(f"cluster-{name}"):
+        node_list, reused = _start_or_reuse(name, nodes, image, say)
+        key_path, known_hosts = _pin_and_authorize(node_list, state)
+        spec_path = (Path(spec_out) if spec_out else state / "cluster.yaml").resolve()
+        _write_spec(spec_path, _spec_dict(name, node_list, key_path, known_hosts))
+    done = time.monotonic()
+    return ClusterInfo(
+        name=name,
+        nodes=node_list,
+        spec_path=spec_path,
+        key_path=key_path,
+        known_hosts_path=known_hosts,
+        state_dir=state,
+        image=image,
+        network=_network_name(name),
+        packages=pkgs,
+        image_built=built,
+        reused=reused,
+        timings={"images": images_done - started, "containers": done - images_done, "total": done - started},
+    )
+
+
+def _start_or_reuse(name: str, nodes: int, image: str, say: Progress) -> tuple[list[Node], bool]:
+    """Reuse the cluster's containers if they match (waking stopped ones), else recreate them."""
+    existing = _cluster_containers(name)
+    reused = _reusable(existing, nodes, image, name)
+    if reused:
+        say(f"reusing the {nodes} node(s) of {name}")
+        containers = _parallel(_wake, existing, "waking nodes")
+    else:
+        if existing or docker.ids_with_label("network", f"{LABEL}={name}"):
+            say(f"recreating {name}: it has {len(existing)} node(s) or another image")
+            _remove(name)
+        net = _ensure_network(name)
+        say(f"starting {nodes} node(s) on network {net}")
+        containers = _parallel(lambda i: _start_node(name, i, image, net), list(range(nodes)), "starting nodes")
+    return _wait_nodes(name, containers, _network_name(name), say), reused
+
+
+def status(name: str = DEFAULT_NAME) -> list[NodeStatus]:
+    """The cluster's containers with their state, address and whether sshd answers from the host."""
+    _checked_name(name)
+    ensure_docker()
+    net = _network_name(name)
+    result: list[NodeStatus] = []
+    for info in _cluster_containers(name):
+        networks = info.get("NetworkSettings", {}).get("Networks") or {}
+        ip = (networks.get(net) or {}).get("IPAddress", "")
+        state = "paused" if info["State"].get("Paused") else str(info["State"].get("Status", "unknown"))
+        result.append(NodeStatus(info["Name"].lstrip("/"), info["Config"]["Hostname"], ip, state, False))
+    probed = _parallel(lambda s: bool(s.ip) and s.state == "running" and _ssh_banner(s.ip), result, "probing")
+    return [NodeStatus(s.container, s.hostname, s.ip, s.state, ok) for s, ok in zip(result, probed, strict=True)]
+
+
+def down(name: str = DEFAULT_NAME, *, keep_state: bool = False) -> int:
+    """Remove this cluster's containers and network (found by label only); idempotent. Returns count."""
+    _checked_name(name)
+    ensure_docker()
+    with _locked(f"cluster-{name}"):
+        removed = _remove(name)
+        state = state_dir(name)
+        if not keep_state and state.is_dir():
+            shutil.rmtree(state)
+    return removed
+
+
+def _remove(name: str) -> int:
+    """Remove the containers and networks labelled with this cluster's name; return how many."""
+    label = f"{LABEL}={name}"
+    containers = docker.ids_with_label("container", label)
+    if containers:
+        docker.run(["rm", "--force", "--volumes", *containers], timeout=120)
+    networks = docker.ids_with_label("network", label)
+    for net in networks:
+        docker.run(["network", "rm", net], timeout=60)
+    return len(containers) + len(networks)
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(log_path=False)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """`testcluster up`: bring the cluster up and print its nodes and spec path."""
+    from rich.table import Table
+
+    console = _console()
+    packages = [p for p in (args.packages or "").split(",") if p.strip()]
+    info = up(
+        args.nodes,
+        name=args.name,
+        spec_out=Path(args.spec_out) if args.spec_out else None,
+        base_image=args.base_image,
+        packages=packages,
+        progress=lambda msg: console.log(msg, markup=False, highlight=False),
+    )
+    table = Table(title=f"test cluster {info.name}")
+    for column in ("container", "ip", "hostname"):
+        table.add_column(column)
+    for node in info.nodes:
+        table.add_row(node.container, node.ip, node.hostname)
+    console.print(table)
+    how = "reused" if info.reused else "started"
+    image = f"{info.image} ({'built' if info.image_built else 'cached'})"
+    console.print(f"{how} in {info.timings['total']:.1f}s; image {image}")
+    console.print(f"spec:        {info.spec_path}")
+    console.print(f"key:         {info.key_path}")
+    console.print(f"known_hosts: {info.known_hosts_path}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """`testcluster status`: print each node's state; exit 1 if a node is down or absent."""
+    from rich.table import Table
+
+    console = _console()
+    nodes = status(args.name)
+    if not nodes:
+        console.print(f"no test cluster named {args.name}")
+        return 1
+    table = Table(title=f"test cluster {args.name}")
+    for column in ("container", "ip", "state", "ssh"):
+        table.add_column(column)
+    for node in nodes:
+        table.add_row(node.container, node.ip, node.state, "yes" if node.ssh else "[red]no[/red]")
+    console.print(table)
+    return 0 if all(n.ssh for n in nodes) else 1
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """`testcluster down`: remove the cluster's containers and network."""
+    removed = down(args.name)
+    _console().print(f"removed {removed} docker object(s) of test cluster {args.name}")
+    return 0
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `testcluster up|status|down` on an argparse subparsers object; handlers in args.func."""
+    parser = subparsers.add_parser("testcluster", help="a cluster of sshd containers on this machine")
+    sub = parser.add_subparsers(dest="testcluster_command", required=True, metavar="{up,status,down}")
+
+    p_up = sub.add_parser("up", help="create or reuse the cluster and write its spec")
+    p_up.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    p_up.add_argument("--name", default=DEFAULT_NAME, help=f"cluster name (default {DEFAULT_NAME})")
+    p_up.add_argument("--spec-out", help="where to write the spec (default: <state dir>/cluster.yaml)")
+    p_up.add_argument("--base-image", help="base image to build nodes FROM (default: local debootstrap build)")
+    p_up.add_argument("--packages", help="comma-separated pip requirements to put in /opt/venv")
+    p_up.set_defaults(func=cmd_up)
+
+    p_status = sub.add_parser("status", help="show the cluster's nodes")
+    p_status.add_argument("--name", default=DEFAULT_NAME)
+    p_status.set_defaults(func=cmd_status)
+
+    p_down = sub.add_parser("down", help="remove the cluster's containers and network")
+    p_down.add_argument("--name", default=DEFAULT_NAME)
+    p_down.set_defaults(func=cmd_down)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry point: `python -m clusterctl.testcluster up --nodes 3`."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if not words or words[0] != "testcluster":
+        words.insert(0, "testcluster")  # reuse add_cli's parser without making users type it twice
+    parser = argparse.ArgumentParser(prog="python -m clusterctl.testcluster")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(words)
+    try:
+        return int(args.func(args))
+    except ClusterctlError as exc:
+        console = _console()
+        console.print("error:", style="bold red", end=" ")
+        console.print(str(exc), markup=False, highlight=False)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
