@@ -8,8 +8,9 @@ Layout on the host, for workspace ROOT:
     ROOT.d/<gen>/         one generation of the workspace
     ROOT.d/<gen>.json     its manifest {path: {"s": size, "h": sha256, "m": mode, "t": mtime_ns}}
 
-`apply` reads from stdin: one line of JSON header {"gen", "manifest", "delete"} then a tar stream of the
-changed files. It hard-links the current generation into a staging directory, replaces changed files
+`apply` reads from stdin: one line of JSON header {"gen", "base", "changes", "delete"} then a tar stream
+of the changed files. `changes` holds only the manifest entries that differ from generation `base` (the
+one the controller read), so what travels is proportional to what changed. It hard-links the current generation into a staging directory, replaces changed files
 (unlink first, so the old generation is never modified), deletes removed ones, checks every changed
 file against the manifest, and only then switches the symlink. Any failure removes the staging
 directory and leaves the previous workspace untouched.
@@ -122,8 +123,14 @@ def extract(stream, staging):
 def cmd_apply(root):
     root, gens = paths(root)
     header = json.loads(sys.stdin.buffer.readline())
-    gen, manifest, delete = header["gen"], header["manifest"], header["delete"]
+    gen, changes, delete = header["gen"], header["changes"], header["delete"]
     old = current_gen(root)
+    if old != header["base"]:
+        fail(f"{root} changed during dispatch (now {old}, expected {header['base']}); dispatch again")
+    manifest = load_manifest(gens, old)
+    manifest.update(changes)
+    for rel in delete:
+        manifest.pop(rel, None)
     os.makedirs(gens, exist_ok=True)
     staging = os.path.join(gens, gen + ".tmp")
     if os.path.exists(staging):
@@ -133,12 +140,12 @@ def cmd_apply(root):
             link_tree(os.path.join(gens, old), staging)
         else:
             os.makedirs(staging)
-        written = extract(sys.stdin.buffer, staging)
+        written = extract(sys.stdin.buffer, staging) if sys.stdin.buffer.peek(1) else 0  # no tar: deletions only
         for rel in delete:
             p = os.path.join(staging, safe_rel(rel))
             if os.path.lexists(p) and not os.path.isdir(p):
                 os.unlink(p)
-        bad = [rel for rel in header.get("changed", []) if sha256(os.path.join(staging, rel)) != manifest[rel]["h"]]
+        bad = [rel for rel in changes if sha256(os.path.join(staging, rel)) != manifest[rel]["h"]]
         if bad:
             raise OSError(f"content check failed after transfer: {', '.join(bad[:5])}")
         with open(os.path.join(gens, gen + ".json.tmp"), "w", encoding="utf-8") as fh:

@@ -188,6 +188,7 @@ class Remote:
                 },
             )
             conn.client = self._client()
+            t0 = time.monotonic()
             try:
                 conn.open()
             except paramiko.BadHostKeyException as exc:
@@ -205,6 +206,8 @@ class Remote:
             except (socket.timeout, TimeoutError):
                 raise ClusterctlError(f"cannot connect to {host.label}: timed out after {timeout:g}s") from None
             except (OSError, paramiko.SSHException, EOFError) as exc:
+                if time.monotonic() - t0 >= timeout * 0.9:  # e.g. a frozen host: TCP accepted, no SSH banner
+                    raise ClusterctlError(f"cannot connect to {host.label}: timed out after {timeout:g}s") from None
                 reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
                 raise ClusterctlError(f"cannot connect to {host.label}: {reason}") from None
             if opts.keepalive:

@@ -150,6 +150,8 @@ def _host_files(session: Session, workspace: dict[str, LocalFile]) -> dict[Host,
 
 def _tar_spool(files: dict[str, LocalFile], changed: list[str]) -> tempfile.SpooledTemporaryFile:
     spool = tempfile.SpooledTemporaryFile(max_size=64 << 20)
+    if not changed:
+        return spool  # deletions only: no archive at all
     with tarfile.open(fileobj=spool, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for rel in changed:
             f = files[rel]
@@ -191,7 +193,8 @@ def dispatch(session: Session) -> list[HostDispatch]:
         manifest = {rel: f.entry() for rel, f in files.items()}
         changed = sorted(rel for rel, e in manifest.items() if rel in drifted or _differs(current.get(rel), e))
         delete = sorted(set(current) - set(manifest))
-        header = json.dumps({"gen": gen, "manifest": manifest, "delete": delete, "changed": changed}).encode() + b"\n"
+        header = {"gen": gen, "base": state["gen"], "changes": {rel: manifest[rel] for rel in changed}, "delete": delete}
+        header = json.dumps(header).encode() + b"\n"
         plans[host] = (header, changed, delete)
 
     spools: dict[tuple, tempfile.SpooledTemporaryFile] = {}

@@ -292,9 +292,13 @@ def logs(
 ) -> dict[Host, int]:
     """Stream `[host role.id] line` from every selected log; with follow, until the job ends everywhere."""
     plan, remote = session.plan, session.remote
-    targets = [h for h in plan.hosts if host in (None, h.address, h.label)]
+    def wanted(p) -> bool:
+        return role in (None, p.role) and id in (None, p.id)
+
+    targets = [h for h in plan.hosts if host in (None, h.address, h.label) and any(map(wanted, plan.on_host(h)))]
     if not targets:
-        raise JobError(f"no host {host!r} in this spec")
+        what = " ".join(f"{k}={v}" for k, v in (("host", host), ("role", role), ("id", id)) if v is not None)
+        raise JobError(f"no process of job {plan.job} matches {what}")
     tool = ensure_tools(remote, ("agent",), hosts=targets)["agent"]
 
     def cmd(h: Host) -> str:

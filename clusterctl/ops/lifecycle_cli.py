@@ -136,8 +136,10 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
             logs(session, on_line=_raw_line, follow=True)
         except KeyboardInterrupt:
             err.print("[yellow]interrupted: stopping the job…[/]")
-            stop(session)
-            render_status(status(session))
+            session.remote.close()  # ends the follow channels, which hold the worker threads
+            with open_session(session.spec) as fresh:
+                stop(fresh)
+                render_status(status(fresh))
             return 130
         final = status(session)
         render_status(final)
