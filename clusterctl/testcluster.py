@@ -53,6 +53,10 @@ DEFAULT_NAME = "clusterctl-test"
 LABEL = "clusterctl.testcluster"
 INDEX_LABEL = "clusterctl.testcluster.index"
 IMAGE_LABEL = "clusterctl.testcluster.image"
+LAYOUT_LABEL = "clusterctl.testcluster.layout"
+# `docker run` options beyond the image; bump LAYOUT when they change so running clusters are recreated.
+SMALL_TMPFS = "/mnt/small"  # a 2 MiB tmpfs on every node: lets tests fill a disk for real
+LAYOUT = "tmpfs2m-v1"
 BUILD_LABEL = "clusterctl.testcluster.build"
 NODE_IMAGE_REPO = "clusterctl/testcluster-node"
 LOCAL_BASE_REPO = "clusterctl/bookworm-base"
@@ -491,6 +495,8 @@ def _start_node(name: str, index: int, image: str, net: str) -> str:
             "--label", f"{LABEL}={name}",
             "--label", f"{INDEX_LABEL}={index}",
             "--label", f"{IMAGE_LABEL}={image}",
+            "--label", f"{LAYOUT_LABEL}={LAYOUT}",
+            "--tmpfs", f"{SMALL_TMPFS}:rw,size=2m,mode=1777",
             image,
         ]
     )  # fmt: skip
@@ -712,6 +718,8 @@ def _reusable(existing: Sequence[dict[str, Any]], nodes: int, image: str, name: 
     for index, info in enumerate(existing):
         labels = info["Config"]["Labels"]
         if labels.get(INDEX_LABEL) != str(index) or labels.get(IMAGE_LABEL) != image:
+            return False
+        if labels.get(LAYOUT_LABEL) != LAYOUT:
             return False
         if info["Name"].lstrip("/") != _container_name(name, index):
             return False

@@ -355,3 +355,32 @@ def test_fab_workflow_with_the_seed_positional_script(testcluster, tmp_path):
     assert kill.returncode == 0, kill.stderr
     assert_no_orphans(testcluster, "fabjob", [6173, 6174], hosts=testcluster.nodes[:2])
     assert run("kill").stdout.strip() == "job fabjob is not running"
+
+
+@pytest.mark.timeout(150)
+def test_disk_full_during_dispatch_keeps_the_old_workspace(testcluster, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("print('v1')\n")
+    node = testcluster.nodes[1]
+    remote = f"/mnt/small/{tmp_path.name}"
+    spec = write_spec(
+        testcluster, tmp_path / "full.yaml", name="it-full", hosts=2,
+        workspace={"local": str(ws), "remote": remote}, job={"entrypoint": ["python3", "train.py"]},
+    )
+    clusterctl("dispatch", spec, check=True)
+    # 3 MiB cannot fit in the node's 2 MiB tmpfs
+    (ws / "train.py").write_text("print('v2')\n")
+    (ws / "big.bin").write_bytes(os.urandom(3 * 1024 * 1024))
+    res = clusterctl("dispatch", spec)
+    assert res.returncode == 1
+    assert f"dispatch failed on 2 host(s)" in res.stderr
+    assert f"{node.ip}: exit 1: dispatch failed, previous workspace kept: No space left on device" in res.stderr
+    for n in testcluster.nodes[:2]:
+        assert node_exec(n.container, f"cat {remote}/train.py") == "print('v1')\n"
+        assert node_exec(n.container, f"ls {remote}.d | grep -c tmp || true").strip() == "0"  # staging removed
+    # the old workspace still verifies: start would accept it
+    (ws / "big.bin").unlink()
+    (ws / "train.py").write_text("print('v1')\n")
+    again = clusterctl("dispatch", spec, check=True)
+    assert again.stdout.count("│ 0          │ 0 B") == 2, again.stdout
