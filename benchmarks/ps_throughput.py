@@ -1,0 +1,292 @@
+"""Parameter-server throughput on one machine (loopback), side by side with raw TCP (iperf3).
+
+    python benchmarks/ps_throughput.py                    # everything, defaults below
+    python benchmarks/ps_throughput.py --repeats 5 --params 10000000 --steps 10
+
+Part 1, transport: one trainer and one pserver (separate processes, async mode, SGD applied on the
+server). A step pushes a 4*N-byte gradient and pulls the 4*N-byte parameter back; MB/s counts both
+directions (2 * 4 * N bytes per step). The peer is ``iperf3`` on 127.0.0.1 (one TCP stream, 3 s),
+and bare pyzmq doing the same exchange (DEALER/ROUTER, zero-copy, one copy into the output array, no
+optimizer) are run in the same repeat loop, interleaved; ratios are computed per repeat and the
+medians reported.
+
+Part 2, modes: 2 pservers and 4 trainers (local processes) on an N-parameter model (two 2-D
+tensors, each split in two blocks over the pservers); trainers send ready-made gradients, so the
+number is the runtime's steps/s, not a model's. Geo uses k_steps (default 4) and does the local SGD
+step on the trainer. Reported: steps/s of the job (steps per trainer / slowest trainer's wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from clusterctl.ps import SGD, PSClient
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _env(role: str, idx: int, pservers: list[str], trainers: int, mode: str, k_steps: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "CLUSTERCTL_", "TRAINING_"))}
+    own = pservers[idx] if role == "pserver" else f"127.0.0.1:{40000 + idx}"
+    env.update({
+        "TRAINING_ROLE": "PSERVER" if role == "pserver" else "TRAINER",
+        "PADDLE_PSERVERS_IP_PORT_LIST": ",".join(pservers),
+        "PADDLE_CURRENT_ENDPOINT": own,
+        "POD_IP": "127.0.0.1",
+        "PADDLE_PORT": own.rsplit(":", 1)[1],
+        "PADDLE_TRAINERS_NUM": str(trainers),
+        "CLUSTERCTL_JOB": "ps-bench",
+        "CLUSTERCTL_PS_MODE": mode,
+        "CLUSTERCTL_PS_K_STEPS": str(k_steps),
+        "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+    })
+    env["PADDLE_PSERVER_ID" if role == "pserver" else "PADDLE_TRAINER_ID"] = str(idx)
+    return env
+
+
+def _start_pservers(n: int, trainers: int, mode: str, k_steps: int = 1) -> tuple[list[str], list[subprocess.Popen]]:
+    eps = [f"127.0.0.1:{p}" for p in _free_ports(n)]
+    procs = [subprocess.Popen([sys.executable, "-m", "clusterctl.ps", "server", "--log-level", "WARNING"],
+                              env=_env("pserver", i, eps, trainers, mode, k_steps), cwd=REPO)
+             for i in range(n)]
+    return eps, procs
+
+
+def _model(n: int) -> dict[str, np.ndarray]:
+    rows = max(1, int((n // 2) ** 0.5))
+    cols = (n // 2) // rows
+    rng = np.random.default_rng(0)
+    return {"fc1.w": rng.standard_normal((rows, cols), np.float32),
+            "fc2.w": rng.standard_normal((cols, rows), np.float32)}
+
+
+# --------------------------------------------------------------------------- part 1
+
+def iperf3_mbps(seconds: int = 2) -> float:
+    """Raw TCP throughput over 127.0.0.1 in MB/s (iperf3, one stream, receiver side)."""
+    port = _free_ports(1)[0]
+    server = subprocess.Popen(["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)  # let it listen (no probe: a probe connection would be its one client)
+        out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J"],
+                             capture_output=True, text=True, timeout=seconds + 20, check=True).stdout
+        return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8 / 1e6
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
+
+
+def zmq_echo_main(argv: list[str]) -> int:
+    """Internal: a bare pyzmq ROUTER that answers each message with an equally large array."""
+    import zmq
+
+    port, n = int(argv[0]), int(argv[1])
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    reply = np.ones(n, np.float32)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) < 3:
+            break
+        sock.send_multipart([frames[0], b"h", reply], copy=False)
+    sock.close()
+    ctx.term()
+    return 0
+
+
+def zmq_raw_mbps(n: int, steps: int) -> float:
+    """Bare pyzmq, same pattern as push_pull (N floats out, N floats back, zero-copy), in MB/s."""
+    import zmq
+
+    port = _free_ports(1)[0]
+    server = subprocess.Popen([sys.executable, __file__, "_zmq_echo", str(port), str(n)], cwd=REPO)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    grad = np.ones(n, np.float32)
+    out = np.empty(n, np.float32)
+
+    def one() -> None:
+        sock.send_multipart([b"h", grad], copy=False)
+        frames = sock.recv_multipart(copy=False)
+        np.copyto(out, np.frombuffer(frames[1].buffer, np.float32))  # same one copy as the ps client
+
+    try:
+        one()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            one()
+        wall = time.perf_counter() - t0
+        sock.send(b"stop")
+        server.wait(30)
+        return 2 * 4 * n * steps / wall / 1e6
+    finally:
+        sock.close()
+        ctx.term()
+        if server.poll() is None:
+            server.kill()
+
+
+def ps_push_pull_mbps(n: int, steps: int) -> float:
+    """One trainer <-> one pserver push_pull throughput in MB/s (both directions counted)."""
+    eps, procs = _start_pservers(1, 1, "async")
+    try:
+        with PSClient(eps, trainer_id=0, num_trainers=1, mode="async", optimizer=SGD(1e-6), timeout=120) as c:
+            params = {"w": np.zeros(n, np.float32)}
+            c.init(params)
+            grad = {"w": np.ones(n, np.float32)}
+            out = {"w": np.empty(n, np.float32)}
+            c.push_pull(grad, out=out)  # warm-up: page faults, TCP window
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                c.push_pull(grad, out=out)
+            wall = time.perf_counter() - t0
+            c.complete()
+        for p in procs:
+            p.wait(30)
+        return 2 * 4 * n * steps / wall / 1e6
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+# --------------------------------------------------------------------------- part 2
+
+def trainer_main(argv: list[str]) -> int:
+    """Internal: one benchmark trainer (env from the plan contract); prints a JSON result line."""
+    n, steps = int(argv[0]), int(argv[1])  # argv[2] (k_steps) reaches the client via the env
+    from clusterctl.ps import client_from_env
+    model = _model(n)
+    c = client_from_env(optimizer=SGD(1e-6))
+    params = c.init(model)
+    grads = {k: np.full(v.shape, 1e-3, np.float32) for k, v in model.items()}
+    scaled = {k: np.float32(1e-6) * g for k, g in grads.items()}  # the local SGD step, precomputed
+
+    def one(step: int) -> None:
+        nonlocal params
+        if c.mode == "geo":
+            for k, s in scaled.items():
+                params[k] -= s
+            c.geo_step(params, step=step)
+        else:
+            params = c.push_pull(grads, step=step, out=params)
+
+    one(0)  # warm-up (and, in sync mode, lines the trainers up)
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        one(step)
+    wall = time.perf_counter() - t0
+    c.complete(params if c.mode == "geo" else None)
+    c.close()
+    print(json.dumps({"trainer": int(os.environ["PADDLE_TRAINER_ID"]), "steps": steps, "wall": wall}), flush=True)
+    return 0
+
+
+def mode_steps_per_s(mode: str, n: int, steps: int, trainers: int = 4, pservers: int = 2, k_steps: int = 4) -> float:
+    """Job steps/s: ``steps`` per trainer divided by the slowest trainer's wall time."""
+    eps, procs = _start_pservers(pservers, trainers, mode, k_steps)
+    tprocs = [subprocess.Popen([sys.executable, __file__, "_trainer", str(n), str(steps), str(k_steps)],
+                               env=_env("trainer", i, eps, trainers, mode, k_steps), cwd=REPO,
+                               stdout=subprocess.PIPE, text=True) for i in range(trainers)]
+    try:
+        walls = []
+        for p in tprocs:
+            out, _ = p.communicate(timeout=600)
+            if p.returncode != 0:
+                raise RuntimeError(f"benchmark trainer exited {p.returncode}")
+            walls.append(json.loads(out.strip().splitlines()[-1])["wall"])
+        for p in procs:
+            if p.wait(60) != 0:
+                raise RuntimeError(f"pserver exited {p.returncode}")
+        return steps / max(walls)
+    finally:
+        for p in tprocs + procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def main() -> int:
+    """Run both parts and print markdown tables plus one JSON summary line."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--params", type=int, default=10_000_000, help="model size in float32 parameters")
+    ap.add_argument("--transport-params", type=int, default=10_000_000, help="tensor size for part 1")
+    ap.add_argument("--transport-steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per trainer in part 2")
+    ap.add_argument("--k-steps", type=int, default=4)
+    ap.add_argument("--skip-modes", action="store_true")
+    args = ap.parse_args()
+    if shutil.which("iperf3") is None:
+        print("iperf3 is not installed (apt-get install iperf3)", file=sys.stderr)
+        return 2
+
+    rows = []
+    for r in range(args.repeats):
+        raw = iperf3_mbps()
+        zq = zmq_raw_mbps(args.transport_params, args.transport_steps)
+        ps = ps_push_pull_mbps(args.transport_params, args.transport_steps)
+        rows.append((raw, zq, ps, ps / raw, ps / zq))
+        print(f"# repeat {r}: iperf3 {raw:.0f} MB/s, bare pyzmq {zq:.0f} MB/s, ps push+pull {ps:.0f} MB/s, "
+              f"ps/iperf3 {ps / raw:.2f}, ps/pyzmq {ps / zq:.2f}", flush=True)
+    med = [statistics.median(c) for c in zip(*rows, strict=True)]
+    print()
+    size_mb = args.transport_params * 4 / 1e6
+    print(f"| transport (1 trainer, 1 pserver, {size_mb:.0f} MB tensor) | MB/s (median of {args.repeats}) |")
+    print("| --- | ---: |")
+    print(f"| iperf3, 1 TCP stream, 127.0.0.1 | {med[0]:.0f} |")
+    print(f"| bare pyzmq DEALER/ROUTER, same exchange (both directions counted) | {med[1]:.0f} |")
+    print(f"| clusterctl.ps push+pull, SGD applied (both directions counted) | {med[2]:.0f} |")
+    print(f"| ratio ps / iperf3 (median of per-repeat ratios) | {med[3]:.2f} |")
+    print(f"| ratio ps / bare pyzmq (median of per-repeat ratios) | {med[4]:.2f} |")
+
+    result = {"iperf3_MBps": med[0], "pyzmq_MBps": med[1], "ps_push_pull_MBps": med[2],
+              "ratio_iperf3": med[3], "ratio_pyzmq": med[4], "repeats": rows}
+    if not args.skip_modes:
+        print()
+        title = f"mode (2 pservers, 4 trainers, {args.params / 1e6:.0f}M params)"
+        print(f"| {title} | steps/s (median of {args.repeats}) |")
+        print("| --- | ---: |")
+        for mode in ("sync", "async", "geo"):
+            vals = [mode_steps_per_s(mode, args.params, args.steps, k_steps=args.k_steps) for _ in range(args.repeats)]
+            label = f"geo (k_steps={args.k_steps})" if mode == "geo" else mode
+            print(f"| {label} | {statistics.median(vals):.2f} |", flush=True)
+            result[f"{mode}_steps_per_s"] = statistics.median(vals)
+            result[f"{mode}_runs"] = vals
+    print()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_trainer":
+        sys.exit(trainer_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "_zmq_echo":
+        sys.exit(zmq_echo_main(sys.argv[2:]))
+    sys.exit(main())

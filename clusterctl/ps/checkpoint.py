@@ -1,0 +1,196 @@
+"""On-disk checkpoints of pserver shards (the seed's ``save_persistables`` / ``load_persistables``).
+
+Layout of a checkpoint directory::
+
+    DIR/pserver-<id>/manifest.json   # step, server id/count, mode, optimizer, block table
+    DIR/pserver-<id>/tensors.npz     # every block and its optimizer state
+    DIR/checkpoint.json              # commit record written by the trainer that asked for the save,
+                                     # only after every pserver reported success
+
+Each pserver writes its own subdirectory atomically (temporary directory, then rename). Loading checks
+the manifest against the server's identity and, where the commit record or sibling manifests are
+visible (shared or local filesystem), that they all carry the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import CheckpointError
+
+__all__ = [
+    "FORMAT",
+    "ServerCheckpoint",
+    "has_server_checkpoint",
+    "load_server",
+    "read_commit",
+    "save_server",
+    "server_dir",
+    "write_commit",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "clusterctl.ps/1"
+
+
+@dataclass
+class ServerCheckpoint:
+    """What one pserver saves: its blocks, their optimizer state, and where in training it was."""
+
+    server_id: int
+    num_servers: int
+    step: int
+    mode: str
+    optimizer: dict[str, Any] | None
+    blocks: dict[str, np.ndarray]
+    states: dict[str, dict[str, np.ndarray]]
+
+
+def server_dir(root: str | os.PathLike[str], server_id: int) -> Path:
+    """The subdirectory pserver ``server_id`` writes under ``root``."""
+    return Path(root) / f"pserver-{server_id}"
+
+
+def has_server_checkpoint(root: str | os.PathLike[str], server_id: int) -> bool:
+    """Whether ``root`` holds a manifest for pserver ``server_id``."""
+    return (server_dir(root, server_id) / "manifest.json").is_file()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def save_server(root: str | os.PathLike[str], ckpt: ServerCheckpoint, *, job: str = "") -> Path:
+    """Write ``ckpt`` atomically to ``root/pserver-<id>``; return that directory."""
+    final = server_dir(root, ckpt.server_id)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    arrays: dict[str, np.ndarray] = {}
+    table = []
+    for i, (key, arr) in enumerate(ckpt.blocks.items()):
+        arrays[f"p{i}"] = arr
+        names = sorted(ckpt.states.get(key, {}))
+        for name in names:
+            arrays[f"s{i}_{name}"] = ckpt.states[key][name]
+        table.append({"key": key, "dtype": arr.dtype.name, "size": int(arr.size), "state": names})
+    with open(tmp / "tensors.npz", "wb") as fh:
+        np.savez(fh, **arrays)
+        fh.flush()
+        os.fsync(fh.fileno())
+    manifest = {
+        "format": FORMAT,
+        "job": job,
+        "server_id": ckpt.server_id,
+        "num_servers": ckpt.num_servers,
+        "step": ckpt.step,
+        "mode": ckpt.mode,
+        "optimizer": ckpt.optimizer,
+        "blocks": table,
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    _fsync_file(tmp / "manifest.json")
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+    log.info("saved %d block(s) at step %d to %s", len(table), ckpt.step, final)
+    return final
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} file")
+    return data
+
+
+def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int) -> ServerCheckpoint:
+    """Read and verify pserver ``server_id``'s shard of the checkpoint in ``root``."""
+    sdir = server_dir(root, server_id)
+    manifest = _read_json(sdir / "manifest.json")
+    if manifest.get("server_id") != server_id or manifest.get("num_servers") != num_servers:
+        raise CheckpointError(
+            f"{sdir}: saved by pserver {manifest.get('server_id')} of {manifest.get('num_servers')}, "
+            f"cannot load into pserver {server_id} of {num_servers}"
+        )
+    step = manifest.get("step")
+    if not isinstance(step, int):
+        raise CheckpointError(f"{sdir}/manifest.json: step is not an integer")
+    _check_siblings(Path(root), step, num_servers)
+    try:
+        with np.load(sdir / "tensors.npz", allow_pickle=False) as npz:
+            data = {name: npz[name] for name in npz.files}
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{sdir}/tensors.npz: unreadable: {exc}") from None
+    blocks: dict[str, np.ndarray] = {}
+    states: dict[str, dict[str, np.ndarray]] = {}
+    for i, entry in enumerate(manifest.get("blocks", [])):
+        arr = data.get(f"p{i}")
+        if arr is None or arr.dtype.name != entry["dtype"] or arr.size != entry["size"]:
+            raise CheckpointError(f"{sdir}: block {entry.get('key')!r} does not match its manifest entry")
+        blocks[entry["key"]] = arr.reshape(-1).copy()
+        st = {}
+        for name in entry.get("state", []):
+            if f"s{i}_{name}" not in data:
+                raise CheckpointError(f"{sdir}: optimizer state {name!r} of {entry['key']!r} is missing")
+            st[name] = data[f"s{i}_{name}"].copy()
+        states[entry["key"]] = st
+    log.info("loaded %d block(s) at step %d from %s", len(blocks), step, sdir)
+    return ServerCheckpoint(server_id, num_servers, step, str(manifest.get("mode", "")),
+                            manifest.get("optimizer"), blocks, states)
+
+
+def _check_siblings(root: Path, step: int, num_servers: int) -> None:
+    """Every commit record and sibling manifest visible from here must agree on ``step``."""
+    commit = root / "checkpoint.json"
+    if commit.is_file():
+        rec = _read_json(commit)
+        if rec.get("step") != step or rec.get("num_servers") != num_servers:
+            raise CheckpointError(
+                f"{root}: commit record says step {rec.get('step')} with {rec.get('num_servers')} "
+                f"pserver(s), but this shard is step {step} of {num_servers}"
+            )
+    for other in sorted(root.glob("pserver-*/manifest.json")):
+        rec = _read_json(other)
+        if rec.get("step") != step:
+            raise CheckpointError(
+                f"{root}: inconsistent checkpoint: {other.parent.name} is at step {rec.get('step')}, "
+                f"expected {step}"
+            )
+
+
+def write_commit(root: str | os.PathLike[str], step: int, endpoints: list[str], *, job: str = "") -> Path:
+    """Record that every pserver saved ``step`` under ``root`` (written by the requesting trainer)."""
+    path = Path(root) / "checkpoint.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".checkpoint.json.tmp-{os.getpid()}")
+    rec = {"format": FORMAT, "job": job, "step": step, "num_servers": len(endpoints), "endpoints": endpoints}
+    tmp.write_text(json.dumps(rec, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def read_commit(root: str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The commit record of the checkpoint in ``root``."""
+    return _read_json(Path(root) / "checkpoint.json")

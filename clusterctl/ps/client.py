@@ -1,0 +1,287 @@
+"""The trainer side: shard parameters over pservers, push gradients (or geo deltas), pull parameters.
+
+Every call talks to all pservers at once (one DEALER socket each: send to all, then collect replies),
+so one step costs one round trip to the slowest pserver. Tensors are sent as views of the caller's
+arrays (no copy) and received as frames that are copied once, into the assembled parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+
+from . import checkpoint as ckpt
+from .endpoints import zmq_address
+from .errors import BarrierTimeoutError, CheckpointError, PsConfigError, PsTimeoutError, RemoteOpError
+from .optim import SGD, OptimizerConfig
+from .protocol import Message, decode, encode
+from .server import MODES
+from .sharding import DEFAULT_MIN_BLOCK_SIZE, ShardPlan, plan_shards
+
+__all__ = ["PSClient"]
+
+log = logging.getLogger(__name__)
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    """A NumPy view of ``x`` (NumPy array, or a CPU torch tensor via ``detach()``)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+class PSClient:
+    """A trainer's connection to every pserver of the job."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        trainer_id: int,
+        num_trainers: int,
+        mode: str = "sync",
+        k_steps: int = 1,
+        optimizer: OptimizerConfig | None = None,
+        min_block_size: int = DEFAULT_MIN_BLOCK_SIZE,
+        timeout: float = 360.0,
+        job: str = "",
+        context: zmq.Context | None = None,
+    ):
+        if mode not in MODES:
+            raise PsConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if not 0 <= trainer_id < num_trainers:
+            raise PsConfigError(f"trainer_id {trainer_id} is outside 0..{num_trainers - 1}")
+        if k_steps < 1:
+            raise PsConfigError(f"k_steps must be >= 1, got {k_steps}")
+        if timeout <= 0:
+            raise PsConfigError(f"timeout must be > 0, got {timeout}")
+        self.endpoints = tuple(endpoints)
+        if not self.endpoints:
+            raise PsConfigError("the pserver endpoint list is empty")
+        self.trainer_id = trainer_id
+        self.num_trainers = num_trainers
+        self.mode = mode
+        self.k_steps = k_steps
+        self.optimizer = optimizer or SGD()
+        self.min_block_size = min_block_size
+        self.timeout = float(timeout)
+        self.job = job
+        self.plan: ShardPlan | None = None
+        self.start_step = 0
+        self.step = 0
+        self._dtypes: dict[str, np.dtype] = {}
+        self._geo_base: dict[str, np.ndarray] = {}
+        self._geo_pending = 0
+        self._seq = 0
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._socks: list[zmq.Socket] = []
+        for ep in self.endpoints:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)  # every request waits for its reply; nothing to flush
+            s.connect(zmq_address(ep))
+            self._socks.append(s)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the sockets (and the context if this client created it)."""
+        for s in self._socks:
+            s.close()
+        self._socks = []
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.term()
+
+    def _request(self, op: str, per_server: Mapping[int, tuple[dict[str, Any], Mapping[str, np.ndarray]]],
+                 timeout: float | None = None) -> dict[int, Message]:
+        """Send one request to each listed pserver, wait for every reply; raise on errors or timeout."""
+        self._seq += 1
+        seq = self._seq
+        for i, (fields, tensors) in per_server.items():
+            head = {"op": op, "seq": seq, "tid": self.trainer_id, **fields}
+            self._socks[i].send_multipart(encode(head, tensors), copy=False)
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        replies: dict[int, Message] = {}
+        poller = zmq.Poller()
+        for i in per_server:
+            poller.register(self._socks[i], zmq.POLLIN)
+        while len(replies) < len(per_server):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [self.endpoints[i] for i in per_server if i not in replies]
+                raise PsTimeoutError(missing, op, wait)
+            for sock, _ in poller.poll(int(left * 1000) + 1):
+                i = self._socks.index(sock)
+                msg = decode(sock.recv_multipart(copy=False), request=False)
+                if msg.seq != seq:
+                    log.warning("dropping a stale reply (seq %d, want %d) from %s", msg.seq, seq, self.endpoints[i])
+                    continue
+                replies[i] = msg
+                poller.unregister(sock)
+        for i, msg in sorted(replies.items()):
+            if not msg.header.get("ok"):
+                code = str(msg.header.get("code", "error"))
+                if code == "barrier_timeout":
+                    h = msg.header
+                    raise BarrierTimeoutError(h.get("missing", []), h.get("timeout", 0.0), h.get("step", self.step))
+                raise RemoteOpError(self.endpoints[i], code, str(msg.header.get("error", "")))
+        return replies
+
+    def _need_plan(self) -> ShardPlan:
+        if self.plan is None:
+            raise PsConfigError("call init(params) before talking to the pservers")
+        return self.plan
+
+    def _split(self, arrays: Mapping[str, Any]) -> dict[int, dict[str, np.ndarray]]:
+        """Per-server ``{block key: flat view}`` of ``arrays`` (a name -> tensor mapping)."""
+        plan = self._need_plan()
+        out: dict[int, dict[str, np.ndarray]] = {i: {} for i in range(len(self.endpoints))}
+        for name, value in arrays.items():
+            shape = plan.shape(name)
+            arr = _as_numpy(value)
+            if arr.shape != shape:
+                raise PsConfigError(f"{name}: shape {arr.shape} differs from the registered {shape}")
+            flat = np.ascontiguousarray(arr, dtype=self._dtypes[name]).reshape(-1)
+            for b in plan.for_param(name):
+                out[b.server][b.key] = flat[b.start:b.stop]
+        return out
+
+    def _assemble(self, replies: Mapping[int, Message], out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        plan = self._need_plan()
+        result: dict[str, np.ndarray] = {}
+        for name, shape in plan.shapes:
+            target = out.get(name) if out is not None else None
+            if target is None:
+                target = np.empty(shape, self._dtypes[name])
+            elif target.shape != shape or not target.flags.c_contiguous or target.dtype != self._dtypes[name]:
+                raise PsConfigError(f"out[{name!r}] must be a C-contiguous {self._dtypes[name]} array of shape {shape}")
+            flat = target.reshape(-1)
+            for b in plan.for_param(name):
+                t = replies[b.server].tensors.get(b.key)
+                if t is None or t.size != b.size or t.dtype != target.dtype:
+                    raise RemoteOpError(self.endpoints[b.server], "bad_reply", f"reply lacks block {b.key!r}")
+                t.to_array(out=flat[b.start:b.stop])
+            result[name] = target
+        return result
+
+    def _all(self, fields: dict[str, Any]) -> dict[int, tuple[dict[str, Any], Mapping[str, np.ndarray]]]:
+        return {i: (fields, {}) for i in range(len(self.endpoints))}
+
+    # ------------------------------------------------------------------ API
+
+    def ping(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Every pserver's status header (mode, step, request counters)."""
+        replies = self._request("ping", self._all({}), timeout)
+        return [replies[i].header for i in sorted(replies)]
+
+    def init(self, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Register ``params`` (name -> initial array), first init wins; return the pservers' values."""
+        arrays = {n: _as_numpy(v) for n, v in params.items()}
+        for name, arr in arrays.items():
+            if arr.dtype.name not in ("float16", "float32", "float64"):
+                raise PsConfigError(f"{name}: dtype {arr.dtype} is not supported (float16/32/64)")
+        self.plan = plan_shards(((n, a.shape) for n, a in arrays.items()), self.endpoints,
+                                min_block_size=self.min_block_size)
+        self._dtypes = {n: a.dtype for n, a in arrays.items()}
+        parts = self._split(arrays)
+        fields = {"mode": self.mode, "optimizer": self.optimizer.to_dict(), "k_steps": self.k_steps,
+                  "plan": self.plan.fingerprint}
+        replies = self._request("init", {i: (fields, parts[i]) for i in parts})
+        loaded = {replies[i].header.get("loaded_step", 0) for i in replies}
+        if len(loaded) != 1:
+            raise CheckpointError(f"pservers resumed from different checkpoint steps: {sorted(loaded)}")
+        self.start_step = self.step = int(loaded.pop())
+        if self.start_step:
+            log.info("trainer %d resumes at step %d", self.trainer_id, self.start_step)
+        values = self.pull()
+        if self.mode == "geo":
+            self._geo_base = {n: v.copy() for n, v in values.items()}
+        return values
+
+    def pull(self, out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Current parameters from every pserver (written into ``out``'s arrays when given)."""
+        plan = self._need_plan()
+        per = {i: ({"keys": [b.key for b in plan.for_server(i)]}, {}) for i in range(len(self.endpoints))}
+        return self._assemble(self._request("pull", per), out)
+
+    def push(self, grads: Mapping[str, Any], *, step: int | None = None) -> None:
+        """Push gradients (sync: returns once the round's update is applied)."""
+        self._push("push", grads, step, pull=False)
+
+    def push_pull(self, grads: Mapping[str, Any], *, step: int | None = None,
+                  out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Push gradients and get the updated parameters back in the same round trip."""
+        return self._push("push_pull", grads, step, pull=True, out=out)
+
+    def _push(self, op: str, tensors: Mapping[str, Any], step: int | None, *, pull: bool,
+              out: Mapping[str, np.ndarray] | None = None) -> Any:
+        if self.mode == "geo":
+            raise PsConfigError("geo mode pushes parameter deltas: call geo_step(params) instead")
+        s = self.step if step is None else step
+        parts = self._split(tensors)
+        replies = self._request("push_pull" if pull else "push",
+                                {i: ({"step": s, "pull": pull}, parts[i]) for i in parts})
+        self.step = s + 1
+        return self._assemble(replies, out) if pull else None
+
+    def geo_step(self, params: Mapping[str, np.ndarray], *, step: int | None = None) -> Mapping[str, np.ndarray]:
+        """Geo mode, once per local step: every ``k_steps`` push ``params - last_synced`` and pull, in place."""
+        if self.mode != "geo":
+            raise PsConfigError(f"geo_step() is for geo mode; this client runs {self.mode!r}")
+        self._geo_pending += 1
+        self.step = (self.step if step is None else step) + 1
+        if self._geo_pending >= self.k_steps:
+            self.geo_flush(params)
+        return params
+
+    def geo_flush(self, params: Mapping[str, np.ndarray]) -> None:
+        """Geo mode: send the pending local deltas now and refresh ``params`` (and the base) in place."""
+        if not self._geo_pending:
+            return
+        deltas = {n: _as_numpy(p) - self._geo_base[n] for n, p in params.items()}
+        parts = self._split(deltas)
+        replies = self._request("push_pull", {i: ({"step": self.step - 1, "pull": True}, parts[i]) for i in parts})
+        self._assemble(replies, self._geo_base)  # the merged values become the new base, in place
+        for name, base in self._geo_base.items():
+            np.copyto(_as_numpy(params[name]), base)
+        self._geo_pending = 0
+
+    def save(self, root: str, step: int | None = None) -> int:
+        """Ask every pserver to save its shards under ``root`` at ``step``; write the commit record."""
+        s = self.step if step is None else step
+        replies = self._request("save", self._all({"dir": str(root), "step": s}))
+        steps = {r.header.get("step") for r in replies.values()}
+        if steps != {s}:
+            raise CheckpointError(f"pservers saved inconsistent steps {sorted(map(str, steps))}, want {s}")
+        try:
+            ckpt.write_commit(root, s, list(self.endpoints), job=self.job)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write the commit record under {root}: {exc}") from None
+        return s
+
+    def load(self, root: str) -> int:
+        """Ask every pserver to load its shards from ``root``; return the (common) step to resume at."""
+        replies = self._request("load", self._all({"dir": str(root)}))
+        steps = {r.header.get("loaded_step") for r in replies.values()}
+        if len(steps) != 1:
+            raise CheckpointError(f"pservers loaded different steps {sorted(map(str, steps))} from {root}")
+        self.start_step = self.step = int(steps.pop())
+        return self.start_step
+
+    def complete(self, params: Mapping[str, np.ndarray] | None = None) -> None:
+        """Tell every pserver this trainer is done (geo: flushes pending deltas of ``params`` first)."""
+        if self.mode == "geo" and params is not None:
+            self.geo_flush(params)
+        self._request("complete", self._all({}))

@@ -1,0 +1,55 @@
+"""Parsing ``ip:port`` endpoints into ZeroMQ addresses, refusing wildcard binds."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+from .errors import PsConfigError
+
+__all__ = ["parse_endpoint_list", "split_endpoint", "zmq_address"]
+
+_WILDCARDS = {"", "*", "0.0.0.0", "::", "[::]"}
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``"10.0.0.2:6170"`` (optionally ``tcp://``-prefixed) -> ``("10.0.0.2", 6170)``."""
+    text = endpoint.strip()
+    text = text.removeprefix("tcp://")
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise PsConfigError(f"endpoint {endpoint!r} is not HOST:PORT")
+    host = host.strip("[]")
+    if host in _WILDCARDS:
+        raise PsConfigError(f"endpoint {endpoint!r}: a pserver binds its planned address, not a wildcard")
+    return host, int(port)
+
+
+def _resolve(host: str) -> str:
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        return socket.gethostbyname(host)
+    except OSError as exc:
+        raise PsConfigError(f"cannot resolve pserver host {host!r}: {exc}") from None
+
+
+def zmq_address(endpoint: str) -> str:
+    """The ``tcp://IP:PORT`` ZeroMQ address of ``endpoint``, with the host resolved to an IP."""
+    host, port = split_endpoint(endpoint)
+    ip = _resolve(host)
+    if ip in _WILDCARDS:
+        raise PsConfigError(f"endpoint {endpoint!r} resolves to a wildcard address")
+    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+
+
+def parse_endpoint_list(text: str) -> tuple[str, ...]:
+    """Split a comma-separated ``ip:port`` list (PADDLE_PSERVERS_IP_PORT_LIST), validating each."""
+    eps = tuple(e.strip() for e in text.split(",") if e.strip())
+    if not eps:
+        raise PsConfigError("the pserver endpoint list is empty")
+    for ep in eps:
+        split_endpoint(ep)
+    return eps

@@ -1,0 +1,131 @@
+"""Server-side optimizers applied to one parameter block: SGD, Momentum and Adam (Paddle's update rules).
+
+Updates are out-of-place for the parameter (the result goes to a separate buffer that then replaces
+the block), so a block still being sent zero-copy to a trainer is never modified under the sender's
+feet; the server recycles buffers once ZeroMQ reports them sent. Optimizer state (velocity, moments)
+is private to the server and updated in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import PsConfigError
+
+__all__ = ["SGD", "Adam", "Momentum", "OptimizerConfig", "apply_update", "init_state"]
+
+_KINDS = ("sgd", "momentum", "adam")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Which optimizer the pservers run and its hyper-parameters; sent by trainers in ``init``."""
+
+    kind: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise PsConfigError(f"optimizer must be one of {', '.join(_KINDS)}, got {self.kind!r}")
+        for name in ("lr", "momentum", "beta1", "beta2", "epsilon"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise PsConfigError(f"optimizer {name} must be a finite number, got {value!r}")
+        if self.lr < 0:
+            raise PsConfigError(f"optimizer lr must be >= 0, got {self.lr}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise PsConfigError("adam betas must lie in [0, 1)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (the wire and manifest form)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OptimizerConfig:
+        """Parse the wire form; unknown keys are an error."""
+        if not isinstance(data, Mapping):
+            raise PsConfigError(f"optimizer config must be an object, got {type(data).__name__}")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise PsConfigError(f"unknown optimizer field(s): {', '.join(sorted(unknown))}")
+        return cls(**dict(data))
+
+
+def SGD(lr: float = 0.01) -> OptimizerConfig:
+    """Plain SGD: ``p -= lr * g``."""
+    return OptimizerConfig("sgd", lr)
+
+
+def Momentum(lr: float = 0.01, momentum: float = 0.9) -> OptimizerConfig:
+    """Momentum SGD as Paddle's ``momentum`` op: ``v = mu * v + g; p -= lr * v``."""
+    return OptimizerConfig("momentum", lr, momentum=momentum)
+
+
+def Adam(lr: float = 0.001, beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8) -> OptimizerConfig:
+    """Adam with bias correction folded into the learning rate, as Paddle's ``adam`` op."""
+    return OptimizerConfig("adam", lr, beta1=beta1, beta2=beta2, epsilon=epsilon)
+
+
+def init_state(cfg: OptimizerConfig, param: np.ndarray) -> dict[str, np.ndarray]:
+    """Fresh optimizer state for one block."""
+    if cfg.kind == "momentum":
+        return {"velocity": np.zeros_like(param)}
+    if cfg.kind == "adam":
+        return {"m": np.zeros_like(param), "v": np.zeros_like(param), "t": np.zeros(1, np.float64)}
+    return {}
+
+
+def _pieces(grad: Any) -> Iterable[tuple[int, np.ndarray]]:
+    """``(element offset, 1-D array)`` pieces of ``grad``: a NumPy array, or a received protocol Tensor."""
+    pieces = getattr(grad, "pieces", None)
+    return pieces if pieces is not None else ((0, np.asarray(grad).reshape(-1)),)
+
+
+def apply_update(cfg: OptimizerConfig, param: np.ndarray, grad: Any, state: dict[str, np.ndarray],
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """One optimizer step written to ``out`` (a fresh array if None); ``param`` itself is left untouched.
+
+    ``grad`` is a 1-D array of ``param``'s size or a received ``Tensor`` (processed piece by piece, as
+    its frames arrived, without assembling it). SGD computes ``param + (-lr * grad)``, bit-identical to
+    ``param - lr * grad``.
+    """
+    dtype = param.dtype
+    if out is None:
+        out = np.empty_like(param)
+    if cfg.kind == "adam":
+        t = state["t"]
+        t[0] += 1  # once per update, not per piece
+        corr2 = math.sqrt(1 - cfg.beta2 ** t[0])
+        lr_t = dtype.type(cfg.lr * corr2 / (1 - cfg.beta1 ** t[0]))
+        eps = dtype.type(cfg.epsilon * corr2)
+    for off, g in _pieces(grad):
+        end = off + g.size
+        o = out[off:end]
+        if cfg.kind == "sgd":
+            np.multiply(g, -dtype.type(cfg.lr), out=o)
+        elif cfg.kind == "momentum":
+            vel = state["velocity"][off:end]
+            vel *= dtype.type(cfg.momentum)
+            vel += g
+            np.multiply(vel, -dtype.type(cfg.lr), out=o)
+        else:  # adam, as Paddle: lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t); eps scaled by sqrt(1 - b2^t)
+            m, v = state["m"][off:end], state["v"][off:end]
+            m *= dtype.type(cfg.beta1)
+            m += dtype.type(1 - cfg.beta1) * g
+            v *= dtype.type(cfg.beta2)
+            v += dtype.type(1 - cfg.beta2) * np.square(g)
+            np.sqrt(v, out=o)
+            o += eps
+            np.divide(m, o, out=o)
+            o *= -lr_t
+        o += param[off:end]
+    return out

@@ -1,0 +1,464 @@
+"""The pserver: holds parameter blocks, applies trainers' updates in sync / async / geo mode.
+
+One ZeroMQ ROUTER socket bound to the planned endpoint, one thread, one event loop. Requests are
+answered in arrival order except sync-mode pushes, whose replies are held until every active trainer
+has pushed for the round (the barrier); the round then sums the gradients in trainer-id order, divides
+by the number of contributors, applies one optimizer step, and replies to all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from . import checkpoint as ckpt
+from .endpoints import split_endpoint, zmq_address
+from .errors import BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError
+from .optim import OptimizerConfig, apply_update, init_state
+from .protocol import PROTOCOL_VERSION, Message, Tensor, decode, encode, error_frames
+
+__all__ = ["MODES", "ParameterServer"]
+
+log = logging.getLogger(__name__)
+
+MODES = ("sync", "async", "geo")
+
+
+@dataclass
+class _Waiting:
+    """A sync-mode push whose reply is held until the round completes."""
+
+    envelope: list[Any]
+    msg: Message
+    pull: list[str]
+
+
+class _RejectError(Exception):
+    """Internal: answer the current request with an error reply of this code."""
+
+    def __init__(self, code: str, message: str, **extra: Any):
+        super().__init__(message)
+        self.code = code
+        self.extra = extra
+
+
+class ParameterServer:
+    """A pserver bound to exactly ``endpoint`` (``ip:port``) serving ``num_trainers`` trainers."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        server_id: int = 0,
+        num_servers: int = 1,
+        num_trainers: int = 1,
+        mode: str = "sync",
+        k_steps: int = 1,
+        barrier_timeout: float = 300.0,
+        checkpoint_dir: str | None = None,
+        job: str = "",
+        context: zmq.Context | None = None,
+    ):
+        if mode not in MODES:
+            raise PsConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if num_trainers < 1:
+            raise PsConfigError(f"num_trainers must be >= 1, got {num_trainers}")
+        if not 0 <= server_id < num_servers:
+            raise PsConfigError(f"server_id {server_id} is outside 0..{num_servers - 1}")
+        if k_steps < 1:
+            raise PsConfigError(f"k_steps must be >= 1, got {k_steps}")
+        if barrier_timeout <= 0:
+            raise PsConfigError(f"barrier_timeout must be > 0, got {barrier_timeout}")
+        self.endpoint = endpoint
+        self.address = zmq_address(endpoint)
+        self.server_id = server_id
+        self.num_servers = num_servers
+        self.num_trainers = num_trainers
+        self.mode = mode
+        self.k_steps = k_steps
+        self.barrier_timeout = float(barrier_timeout)
+        self.job = job
+        self.step = 0  # sync: rounds applied; async/geo: highest trainer step seen + 1
+        self.loaded_step = 0  # step of the checkpoint this server started from (0: fresh)
+        self.blocks: dict[str, np.ndarray] = {}
+        self.states: dict[str, dict[str, np.ndarray]] = {}
+        self.optimizer: OptimizerConfig | None = None
+        self.plan_id: str | None = None  # placement fingerprint of the first trainer's init
+        self.completed: set[int] = set()
+        self.stats = {"requests": 0, "rejected": 0, "updates": 0, "bytes_in": 0, "bytes_out": 0,
+                      "buffers_allocated": 0}
+        self._round: dict[int, _Waiting] = {}
+        self._acc: dict[str, np.ndarray] = {}
+        self._pool: dict[str, list[np.ndarray]] = {}
+        self._inflight: list[tuple[list[zmq.MessageTracker], list[np.ndarray]]] = []
+        self._round_started = 0.0
+        self._stop = threading.Event()
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._sock: zmq.Socket | None = None
+        if checkpoint_dir and ckpt.has_server_checkpoint(checkpoint_dir, server_id):
+            self._load(checkpoint_dir)
+        elif checkpoint_dir:
+            log.info("no checkpoint for pserver %d under %s; starting fresh", server_id, checkpoint_dir)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def bind(self) -> str:
+        """Bind the ROUTER socket to the planned address; return the bound ``tcp://`` address."""
+        if self._sock is not None:
+            return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 5000)  # let the final replies flush on close
+        if self.address.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.bind(self.address)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise PsConfigError(f"pserver {self.server_id} cannot bind {self.address}: {exc}") from None
+        self._sock = sock
+        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        host, _ = split_endpoint(self.endpoint)
+        self.endpoint = f"{host}:{bound.rsplit(':', 1)[1]}"  # the real port when the plan said 0
+        log.info("pserver %d of %d listening on %s (mode=%s, trainers=%d)",
+                 self.server_id, self.num_servers, bound, self.mode, self.num_trainers)
+        return bound
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return at its next poll (thread-safe)."""
+        self._stop.set()
+
+    def serve(self) -> None:
+        """Serve until every trainer sent ``complete`` or :meth:`stop`; raise BarrierTimeoutError on a stuck barrier."""
+        self.bind()
+        sock = self._sock
+        assert sock is not None  # bound just above
+        try:
+            while not self._stop.is_set():
+                if sock.poll(self._poll_ms(), zmq.POLLIN):
+                    frames = sock.recv_multipart(copy=False)
+                    self._dispatch(frames)
+                    if len(self.completed) >= self.num_trainers:
+                        log.info("all %d trainer(s) completed; pserver %d exiting", self.num_trainers, self.server_id)
+                        return
+                self._check_barrier()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the socket (flushing pending replies) and the context if this server created it."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._own_ctx:
+            self._ctx.term()
+
+    # ------------------------------------------------------------------ barrier
+
+    def _poll_ms(self) -> int:
+        if not self._round:
+            return 200
+        left = self._round_started + self.barrier_timeout - time.monotonic()
+        return max(1, min(200, int(left * 1000) + 1))
+
+    def _active(self) -> set[int]:
+        return set(range(self.num_trainers)) - self.completed
+
+    def _check_barrier(self) -> None:
+        if not self._round or time.monotonic() - self._round_started < self.barrier_timeout:
+            return
+        missing = sorted(self._active() - set(self._round))
+        err = BarrierTimeoutError(missing, self.barrier_timeout, self.step)
+        log.error("pserver %d: %s", self.server_id, err)
+        for waiting in self._round.values():
+            self._send(waiting.envelope, encode({"ok": False, "seq": waiting.msg.seq, "code": "barrier_timeout",
+                                                 "error": str(err), "missing": missing,
+                                                 "timeout": self.barrier_timeout, "step": self.step}))
+        self._round.clear()
+        raise err
+
+    def _maybe_finish_round(self) -> None:
+        active = self._active()
+        if not self._round or not active.issubset(self._round):
+            return
+        tids = sorted(self._round)
+        keys = [k for k in self.blocks if any(k in self._round[t].msg.tensors for t in tids)]
+        for key in keys:
+            grads = [self._round[t].msg.tensors[key] for t in tids if key in self._round[t].msg.tensors]
+            block = self.blocks[key]
+            acc = self._acc.get(key)
+            if acc is None or acc.shape != block.shape:
+                acc = self._acc[key] = np.empty_like(block)  # private: never sent, reused every round
+            grads[0].to_array(out=acc)
+            for g in grads[1:]:  # fixed trainer-id order: the sum is reproducible bit for bit
+                for off, piece in g.pieces:
+                    acc[off:off + piece.size] += piece
+            acc /= block.dtype.type(len(grads))
+            self._apply(key, acc)
+        self.step += 1
+        for t in tids:
+            waiting = self._round[t]
+            self._reply(waiting.envelope, waiting.msg, {"step": self.step}, waiting.pull)
+        self._round.clear()
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        self.stats["requests"] += 1
+        envelope: list[Any] = [frames[0]]
+        body = frames[1:]
+        if body and len(body[0]) == 0:  # REQ-style envelope: identity, empty delimiter, body
+            envelope.append(b"")
+            body = body[1:]
+        seq = 0
+        try:
+            msg = decode(body)
+            seq = msg.seq
+            self.stats["bytes_in"] += sum(t.nbytes for t in msg.tensors.values())
+            handler = getattr(self, f"_op_{msg.op}")
+            handler(envelope, msg)
+        except ProtocolError as exc:
+            self._reject(envelope, seq, "bad_request", str(exc), frames[0])
+        except _RejectError as exc:
+            self._reject(envelope, seq, exc.code, str(exc), frames[0], **exc.extra)
+        except (PsError, OSError) as exc:
+            self._reject(envelope, seq, type(exc).__name__, str(exc), frames[0])
+        except Exception as exc:  # a bug must not take the pserver (and the whole job) down
+            log.exception("pserver %d: internal error handling a request", self.server_id)
+            self._reject(envelope, seq, "internal", f"{type(exc).__name__}: {exc}", frames[0])
+
+    def _reject(self, envelope: list[Any], seq: int, code: str, message: str, ident: Any, **extra: Any) -> None:
+        self.stats["rejected"] += 1
+        peer = "?"
+        try:
+            peer = ident.get("Peer-Address")
+        except (zmq.ZMQError, AttributeError):
+            pass
+        log.warning("pserver %d rejected a request from %s (%s): %s", self.server_id, peer, code, message)
+        frames = error_frames(seq, code, message)
+        if extra:
+            frames = encode({"ok": False, "seq": seq, "code": code, "error": message, **extra})
+        self._send(envelope, frames)
+
+    def _send(self, envelope: list[Any], frames: list[Any]) -> None:
+        if self._sock is not None:
+            self._sock.send_multipart(envelope + frames, copy=False)
+
+    def _reply(self, envelope: list[Any], msg: Message, fields: dict[str, Any], pull: Sequence[str] = ()) -> None:
+        tensors = {k: self.blocks[k] for k in pull}
+        head = {"v": PROTOCOL_VERSION, "ok": True, "seq": msg.seq, "op": msg.op, **fields}
+        frames = encode(head, tensors)
+        if not tensors or self._sock is None:
+            self._send(envelope, frames)
+            return
+        self.stats["bytes_out"] += sum(t.nbytes for t in tensors.values())
+        # Zero-copy send of the live blocks; remember them until ZeroMQ releases them, so _spare()
+        # never recycles a buffer that is still being written to a socket.
+        for part in envelope + frames[:1]:
+            self._sock.send(part, zmq.SNDMORE, copy=False)
+        body = frames[1:]
+        trackers = [self._sock.send(f, zmq.SNDMORE if i < len(body) - 1 else 0, copy=False, track=True)
+                    for i, f in enumerate(body)]
+        self._reap()
+        self._inflight.append((trackers, list(tensors.values())))
+
+    def _reap(self) -> None:
+        """Forget replies whose every frame ZeroMQ has released."""
+        self._inflight = [(trs, arrs) for trs, arrs in self._inflight if not all(tr.done for tr in trs)]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _tid(self, msg: Message) -> int:
+        tid = msg.header.get("tid")
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < self.num_trainers:
+            raise ProtocolError(f"tid must be a trainer id in 0..{self.num_trainers - 1}, got {tid!r}")
+        return tid
+
+    def _pull_keys(self, msg: Message, field: str = "pull") -> list[str]:
+        want = msg.header.get(field, False)
+        if want is True:
+            return list(self.blocks)
+        if want is False or want is None:
+            return []
+        if not isinstance(want, list) or not all(isinstance(k, str) for k in want):
+            raise ProtocolError(f"{field} must be true, false or a list of block keys")
+        unknown = [k for k in want if k not in self.blocks]
+        if unknown:
+            raise _RejectError("unknown_key", f"unknown block(s): {', '.join(unknown[:5])}")
+        return list(want)
+
+    def _check_pushed(self, msg: Message) -> None:
+        for key, t in msg.tensors.items():
+            block = self.blocks.get(key)
+            if block is None:
+                raise _RejectError("unknown_key", f"block {key!r} was never initialised on pserver {self.server_id}")
+            if t.dtype != block.dtype or t.size != block.size:
+                raise _RejectError("shape_mismatch", f"block {key!r}: got {t.dtype.name}[{t.size}], "
+                              f"holds {block.dtype.name}[{block.size}]")
+
+    def _apply(self, key: str, grad: Tensor | np.ndarray) -> None:
+        if self.optimizer is None:
+            raise _RejectError("not_initialised", "no trainer has sent init (optimizer unknown)")
+        old = self.blocks[key]
+        self.blocks[key] = apply_update(self.optimizer, old, grad, self.states[key], out=self._spare(key))
+        self._retire(key, old)
+        self.stats["updates"] += 1
+
+    def _spare(self, key: str) -> np.ndarray:
+        """A buffer for the next value of block ``key``: a recycled one ZeroMQ is done sending, or new."""
+        pool = self._pool.get(key, [])
+        if pool:
+            self._reap()
+            busy = {id(a) for _, arrs in self._inflight for a in arrs}
+            for i, arr in enumerate(pool):
+                if id(arr) not in busy:
+                    return pool.pop(i)
+        self.stats["buffers_allocated"] += 1
+        return np.empty_like(self.blocks[key])
+
+    def _retire(self, key: str, old: np.ndarray) -> None:
+        pool = self._pool.setdefault(key, [])
+        if len(pool) < 4:
+            pool.append(old)
+
+    def _note_step(self, msg: Message) -> None:
+        step = msg.header.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            self.step = max(self.step, step + 1)
+
+    # ------------------------------------------------------------------ ops
+
+    def _op_ping(self, envelope: list[Any], msg: Message) -> None:
+        self._reply(envelope, msg, {"server_id": self.server_id, "mode": self.mode, "step": self.step,
+                                    "stats": dict(self.stats)})
+
+    def _op_init(self, envelope: list[Any], msg: Message) -> None:
+        self._tid(msg)
+        mode = msg.header.get("mode")
+        if mode != self.mode:
+            raise _RejectError("mode_mismatch",
+                               f"trainer runs mode {mode!r}, pserver {self.server_id} runs {self.mode!r}")
+        try:
+            opt = OptimizerConfig.from_dict(msg.header.get("optimizer") or {})
+        except PsConfigError as exc:
+            raise ProtocolError(str(exc)) from None
+        if self.optimizer is not None and opt != self.optimizer:
+            raise _RejectError("optimizer_mismatch", f"trainer optimizer {opt.to_dict()} differs from the "
+                          f"pserver's {self.optimizer.to_dict()}")
+        plan = msg.header.get("plan")
+        if not isinstance(plan, str):
+            raise ProtocolError("init needs the trainer's placement fingerprint 'plan'")
+        if self.plan_id is not None and plan != self.plan_id:
+            raise _RejectError("plan_mismatch", f"trainer {msg.header['tid']} placed the parameters differently "
+                               f"(plan {plan}, pserver has {self.plan_id}): same names, shapes and order "
+                               "on every trainer?")
+        fresh = {}
+        for key, t in msg.tensors.items():
+            have = self.blocks.get(key)
+            if have is None:
+                fresh[key] = t.to_array()
+            elif have.dtype != t.dtype or have.size != t.size:
+                raise _RejectError("shape_mismatch", f"block {key!r}: trainer has {t.dtype.name}[{t.size}], "
+                              f"pserver holds {have.dtype.name}[{have.size}]")
+        self.optimizer = opt
+        self.plan_id = plan
+        for key, arr in fresh.items():
+            self.blocks[key] = arr
+            self.states[key] = init_state(opt, arr)
+        log.info("pserver %d: trainer %d init, %d new block(s), %d total", self.server_id,
+                 msg.header["tid"], len(fresh), len(self.blocks))
+        self._reply(envelope, msg, {"step": self.step, "loaded_step": self.loaded_step})
+
+    def _op_pull(self, envelope: list[Any], msg: Message) -> None:
+        self._reply(envelope, msg, {"step": self.step}, self._pull_keys(msg, "keys"))
+
+    def _op_push(self, envelope: list[Any], msg: Message) -> None:
+        self._push(envelope, msg, [])
+
+    def _op_push_pull(self, envelope: list[Any], msg: Message) -> None:
+        self._push(envelope, msg, self._pull_keys(msg))
+
+    def _push(self, envelope: list[Any], msg: Message, pull: list[str]) -> None:
+        tid = self._tid(msg)
+        if tid in self.completed:
+            raise _RejectError("completed", f"trainer {tid} already sent complete")
+        self._check_pushed(msg)
+        if self.mode == "sync":
+            if tid in self._round:
+                raise _RejectError("duplicate", f"trainer {tid} pushed twice in round {self.step}")
+            if not self._round:
+                self._round_started = time.monotonic()
+            self._round[tid] = _Waiting(envelope, msg, pull)
+            self._maybe_finish_round()
+            return
+        if self.mode == "async":
+            for key, grad in msg.tensors.items():
+                self._apply(key, grad)
+        else:  # geo: the pushed tensors are parameter deltas, averaged over trainers as Paddle's GeoSGD
+            for key, delta in msg.tensors.items():
+                block = self.blocks[key]
+                new = self._spare(key)
+                for off, piece in delta.pieces:
+                    np.divide(piece, block.dtype.type(self.num_trainers), out=new[off:off + piece.size])
+                new += block
+                self.blocks[key] = new
+                self._retire(key, block)
+                self.stats["updates"] += 1
+        self._note_step(msg)
+        self._reply(envelope, msg, {"step": self.step}, pull)
+
+    def _op_save(self, envelope: list[Any], msg: Message) -> None:
+        root = msg.header.get("dir")
+        if not isinstance(root, str) or not root:
+            raise ProtocolError("save needs a non-empty 'dir'")
+        step = msg.header.get("step", self.step)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ProtocolError(f"save step must be a non-negative integer, got {step!r}")
+        path = ckpt.save_server(root, ckpt.ServerCheckpoint(
+            self.server_id, self.num_servers, step, self.mode,
+            self.optimizer.to_dict() if self.optimizer else None, dict(self.blocks), self.states,
+        ), job=self.job)
+        self._reply(envelope, msg, {"step": step, "path": str(path)})
+
+    def _op_load(self, envelope: list[Any], msg: Message) -> None:
+        root = msg.header.get("dir")
+        if not isinstance(root, str) or not root:
+            raise ProtocolError("load needs a non-empty 'dir'")
+        if self._round:
+            raise _RejectError("busy", "cannot load while a sync round is open")
+        self._load(root)
+        self._reply(envelope, msg, {"step": self.step, "loaded_step": self.loaded_step})
+
+    def _load(self, root: str) -> None:
+        loaded = ckpt.load_server(root, self.server_id, self.num_servers)
+        if loaded.mode and loaded.mode != self.mode:
+            log.warning("checkpoint %s was saved in mode %s, pserver runs %s", root, loaded.mode, self.mode)
+        opt = OptimizerConfig.from_dict(loaded.optimizer) if loaded.optimizer else None
+        if opt is not None:
+            for key, arr in loaded.blocks.items():
+                want = set(init_state(opt, arr))
+                if set(loaded.states.get(key, {})) != want:
+                    raise CheckpointError(f"{root}: block {key!r} lacks {opt.kind} optimizer state")
+        self.blocks = loaded.blocks
+        self.states = loaded.states
+        self._pool.clear()  # recycled buffers may have other sizes than the loaded blocks
+        self._acc.clear()
+        self.optimizer = opt
+        self.step = self.loaded_step = loaded.step
+
+    def _op_complete(self, envelope: list[Any], msg: Message) -> None:
+        tid = self._tid(msg)
+        if tid in self._round:
+            raise _RejectError("busy", f"trainer {tid} has a push pending in this round")
+        self.completed.add(tid)
+        log.info("pserver %d: trainer %d complete (%d/%d)", self.server_id, tid, len(self.completed),
+                 self.num_trainers)
+        self._reply(envelope, msg, {"step": self.step, "completed": len(self.completed)})
+        self._maybe_finish_round()

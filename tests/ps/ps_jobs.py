@@ -1,0 +1,103 @@
+"""Helpers for the ps tests: free loopback ports and local jobs launched with the plan's env contract."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["REPO", "LocalJob", "free_ports", "job_env"]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free on ``host`` a moment ago."""
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((host, 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def job_env(role: str, index: int, pserver_eps: Sequence[str], trainer_eps: Sequence[str],
+            extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment GUIDE section 2 gives process ``index`` of ``role`` ("pserver" or "trainer")."""
+    own = (pserver_eps if role == "pserver" else trainer_eps)[index]
+    ip, port = own.rsplit(":", 1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "CLUSTERCTL_", "TRAINING_"))}
+    env.update({
+        "CLUSTERCTL_JOB": "pstest",
+        "CLUSTERCTL_ROLE": role,
+        "TRAINING_ROLE": role.upper() if role == "pserver" else "TRAINER",
+        "POD_IP": ip,
+        "PADDLE_PORT": port,
+        "PADDLE_CURRENT_ENDPOINT": own,
+        "PADDLE_TRAINERS_NUM": str(len(trainer_eps)),
+        "PADDLE_TRAINER_ENDPOINTS": ",".join(trainer_eps),
+        "PADDLE_PSERVERS_IP_PORT_LIST": ",".join(pserver_eps),
+        "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if role == "pserver":
+        env["PADDLE_PSERVER_ID"] = str(index)
+    else:
+        env["PADDLE_TRAINER_ID"] = str(index)
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class LocalJob:
+    """A pserver job as local processes (pservers first, then trainers), all on 127.0.0.1."""
+
+    argv: Sequence[str]
+    pservers: int = 2
+    trainers: int = 3
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    trainer_argv: Sequence[str] = ()
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ports = free_ports(self.pservers + self.trainers)
+        self.pserver_eps = [f"127.0.0.1:{p}" for p in ports[:self.pservers]]
+        self.trainer_eps = [f"127.0.0.1:{p}" for p in ports[self.pservers:]]
+
+    def start(self) -> LocalJob:
+        """Start every process."""
+        for role, n in (("pserver", self.pservers), ("trainer", self.trainers)):
+            for i in range(n):
+                env = job_env(role, i, self.pserver_eps, self.trainer_eps, self.extra_env)
+                argv = list(self.argv) + (list(self.trainer_argv) if role == "trainer" else [])
+                self.procs[f"{role}{i}"] = subprocess.Popen(
+                    [sys.executable, *argv], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return self
+
+    def wait(self, timeout: float) -> dict[str, tuple[int, str]]:
+        """Wait for every process; return ``{name: (exit code, output)}``; kill all on timeout."""
+        deadline = time.monotonic() + timeout
+        out: dict[str, tuple[int, str]] = {}
+        try:
+            for name, p in self.procs.items():
+                text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                out[name] = (p.returncode, text)
+        finally:
+            self.kill()
+        return out
+
+    def kill(self) -> None:
+        """SIGKILL whatever is still running."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()

@@ -1,0 +1,143 @@
+"""Checkpoints: save/load of every shard, consistency checks, and a restarted job that continues."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from clusterctl.ps import Adam, CheckpointError, PSClient, RemoteOpError
+from clusterctl.ps import checkpoint as ckpt
+
+pytestmark = pytest.mark.timeout(30)
+
+T = 3
+
+
+def _init():
+    rng = np.random.default_rng(3)
+    return {"W": rng.normal(size=(4000, 5)).astype(np.float32), "b": np.zeros(5, np.float32)}
+
+
+def _grads(p, tid, step):
+    rng = np.random.default_rng(100 * step + tid)
+    x = rng.normal(size=(3, 4000)).astype(np.float32)
+    err = x @ p["W"] + p["b"] - np.float32(1.0)
+    return {"W": np.float32(2 / 3) * (x.T @ err), "b": np.float32(2 / 3) * err.sum(axis=0)}
+
+
+def _job(eps, steps, *, save_at=None, root=None, load_root=None):
+    """T sync trainers from their start step to ``steps``; trainer 0 saves after ``save_at`` steps."""
+    out: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+    errors: list[BaseException] = []
+
+    def trainer(tid):
+        try:
+            with PSClient(eps, trainer_id=tid, num_trainers=T, mode="sync", optimizer=Adam(0.01), timeout=20) as c:
+                p = c.init(_init())
+                if load_root is not None and tid == 0:
+                    c.load(load_root)
+                start = c.start_step
+                for step in range(start, steps):
+                    p = c.push_pull(_grads(p, tid, step), step=step)
+                    if tid == 0 and save_at == step + 1:
+                        assert c.save(root, step + 1) == step + 1
+                c.complete()
+                out[tid] = (start, p)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=trainer, args=(t,)) for t in range(T)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(25)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_restart_from_checkpoint_continues_exactly(servers, tmp_path):
+    root = tmp_path / "ckpt"
+    g = servers(2, num_trainers=T, mode="sync", barrier_timeout=20)
+    straight = _job(g.endpoints, 8, save_at=4, root=str(root))
+    assert g.join(5) and not g.errors
+    commit = ckpt.read_commit(root)
+    assert (commit["step"], commit["num_servers"]) == (4, 2)
+    manifests = [json.loads((root / f"pserver-{i}" / "manifest.json").read_text()) for i in (0, 1)]
+    assert [m["step"] for m in manifests] == [4, 4]
+    assert [[b["key"] for b in m["blocks"]] for m in manifests] == [["W.block0", "b.block0"], ["W.block1"]]
+    assert manifests[0]["optimizer"]["kind"] == "adam" and manifests[0]["blocks"][0]["state"] == ["m", "t", "v"]
+
+    # a new job whose pservers start from the checkpoint: trainers resume at step 4
+    g2 = servers(2, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_dir=str(root))
+    assert [s.loaded_step for s in g2.servers] == [4, 4]
+    resumed = _job(g2.endpoints, 8)
+    for tid in range(T):
+        assert resumed[tid][0] == 4
+        for k in ("W", "b"):
+            np.testing.assert_array_equal(resumed[tid][1][k], straight[tid][1][k])
+
+
+def test_load_on_request_from_a_trainer(servers, tmp_path):
+    root = tmp_path / "ckpt"
+    g = servers(1, num_trainers=T, mode="sync", barrier_timeout=20)
+    straight = _job(g.endpoints, 5, save_at=2, root=str(root))
+    g2 = servers(1, num_trainers=T, mode="sync", barrier_timeout=20)  # fresh, no checkpoint_dir
+    # trainer 0 asks the running pservers to load; trainers that init afterwards resume at its step
+    with PSClient(g2.endpoints, trainer_id=0, num_trainers=T, mode="sync", optimizer=Adam(0.01), timeout=5) as c:
+        c.init(_init())
+        assert c.load(str(root)) == 2
+    resumed = _job(g2.endpoints, 5)
+    assert all(resumed[t][0] == 2 for t in range(T))
+    np.testing.assert_array_equal(resumed[0][1]["W"], straight[0][1]["W"])
+
+
+def _save_two(tmp_path, steps=(7, 7), commit=7):
+    root = tmp_path / "c"
+    for i, s in enumerate(steps):
+        ckpt.save_server(root, ckpt.ServerCheckpoint(i, 2, s, "sync", {"kind": "sgd", "lr": 0.1, "momentum": 0.9,
+                         "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, {f"k{i}": np.arange(3, dtype=np.float32)},
+                         {f"k{i}": {}}))
+    if commit is not None:
+        ckpt.write_commit(root, commit, ["a:1", "b:2"])
+    return root
+
+
+def test_load_round_trip(tmp_path):
+    root = _save_two(tmp_path)
+    got = ckpt.load_server(root, 1, 2)
+    assert got.step == 7 and list(got.blocks) == ["k1"]
+    np.testing.assert_array_equal(got.blocks["k1"], np.arange(3, dtype=np.float32))
+
+
+def test_inconsistent_steps_across_pservers_are_refused(tmp_path):
+    root = _save_two(tmp_path, steps=(7, 9), commit=None)
+    with pytest.raises(CheckpointError, match="inconsistent checkpoint: pserver-1 is at step 9, expected 7"):
+        ckpt.load_server(root, 0, 2)
+
+
+def test_shard_newer_than_commit_record_is_refused(tmp_path):
+    root = _save_two(tmp_path, steps=(9, 9), commit=7)
+    want = "commit record says step 7 with 2 pserver.s., but this shard is step 9 of 2"
+    with pytest.raises(CheckpointError, match=want):
+        ckpt.load_server(root, 0, 2)
+
+
+def test_wrong_server_count_is_refused(tmp_path):
+    root = _save_two(tmp_path)
+    with pytest.raises(CheckpointError, match="saved by pserver 0 of 2, cannot load into pserver 0 of 3"):
+        ckpt.load_server(root, 0, 3)
+
+
+def test_missing_shard_reported_through_the_client(servers, tmp_path):
+    g = servers(1, num_trainers=1, mode="sync")
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=5) as c:
+        c.init({"w": np.zeros(3, np.float32)})
+        with pytest.raises(RemoteOpError) as err:
+            c.load(str(tmp_path / "nowhere"))
+        c.complete()
+    assert err.value.code == "CheckpointError"
+    assert "pserver-0/manifest.json: missing" in str(err.value)

@@ -1,0 +1,63 @@
+"""from_env: the GUIDE section 2 contract parsed into PsEnv, with errors that name the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from clusterctl.ps import PsConfigError, PsEnv, from_env
+
+pytestmark = pytest.mark.timeout(10)
+
+BASE = {
+    "PADDLE_PSERVERS_IP_PORT_LIST": "10.0.0.2:6170,10.0.0.3:6170",
+    "PADDLE_TRAINERS_NUM": "3",
+    "CLUSTERCTL_JOB": "j1",
+}
+
+
+def test_pserver_env():
+    env = {**BASE, "TRAINING_ROLE": "PSERVER", "PADDLE_CURRENT_ENDPOINT": "10.0.0.3:6170", "PADDLE_PSERVER_ID": "1",
+           "CLUSTERCTL_PS_MODE": "geo", "CLUSTERCTL_PS_K_STEPS": "8", "CLUSTERCTL_PS_BARRIER_TIMEOUT": "30"}
+    assert from_env(env) == PsEnv("pserver", ("10.0.0.2:6170", "10.0.0.3:6170"), "10.0.0.3:6170", 0, 3, 1,
+                                  "geo", 8, "j1", 30.0, 90.0, None)
+
+
+def test_trainer_env_defaults():
+    env = {**BASE, "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "2", "POD_IP": "10.0.0.9", "PADDLE_PORT": "7000"}
+    pe = from_env(env)
+    assert (pe.role, pe.trainer_id, pe.current_endpoint, pe.mode, pe.k_steps, pe.timeout) == (
+        "trainer", 2, "10.0.0.9:7000", "sync", 1, 360.0)
+
+
+def test_pserver_id_falls_back_to_position():
+    env = {**BASE, "TRAINING_ROLE": "PSERVER", "POD_IP": "10.0.0.3", "PADDLE_PORT": "6170"}
+    assert from_env(env).pserver_id == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"TRAINING_ROLE": "WORKER"}, "TRAINING_ROLE must be TRAINER or PSERVER, got 'WORKER'"),
+        ({"TRAINING_ROLE": "TRAINER", "PADDLE_PSERVERS_IP_PORT_LIST": ""},
+         "environment variable PADDLE_PSERVERS_IP_PORT_LIST is not set"),
+        ({"TRAINING_ROLE": "TRAINER"}, "environment variable PADDLE_TRAINER_ID is not set"),
+        ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "3"}, "PADDLE_TRAINER_ID=3 is outside 0..2"),
+        ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "x"},
+         "environment variable PADDLE_TRAINER_ID='x' is not an integer"),
+        ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "0", "CLUSTERCTL_PS_MODE": "hogwild"},
+         "CLUSTERCTL_PS_MODE must be sync, async or geo, got 'hogwild'"),
+        ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "0", "CLUSTERCTL_PS_K_STEPS": "0"},
+         "CLUSTERCTL_PS_K_STEPS must be >= 1, got 0"),
+        ({"TRAINING_ROLE": "PSERVER"}, "a pserver needs PADDLE_CURRENT_ENDPOINT (or POD_IP and PADDLE_PORT)"),
+        ({"TRAINING_ROLE": "PSERVER", "PADDLE_CURRENT_ENDPOINT": "10.0.0.3:6170", "PADDLE_PSERVER_ID": "0"},
+         "PADDLE_PSERVER_ID=0 does not name 10.0.0.3:6170 in PADDLE_PSERVERS_IP_PORT_LIST=10.0.0.2:6170,10.0.0.3:6170"),
+        ({"TRAINING_ROLE": "PSERVER", "PADDLE_CURRENT_ENDPOINT": "10.0.0.4:6170"},
+         "environment variable PADDLE_PSERVER_ID is not set"),
+        ({"TRAINING_ROLE": "TRAINER", "PADDLE_PSERVERS_IP_PORT_LIST": "10.0.0.2"},
+         "endpoint '10.0.0.2' is not HOST:PORT"),
+    ],
+)
+def test_env_errors(extra, message):
+    with pytest.raises(PsConfigError) as err:
+        from_env({**BASE, **extra})
+    assert str(err.value) == message

@@ -1,0 +1,210 @@
+"""Pserver robustness: garbage input, planned-address binding, barrier timeouts, clean exits."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+from ps_jobs import REPO, free_ports, job_env
+
+from clusterctl.ps import (
+    SGD,
+    BarrierTimeoutError,
+    ParameterServer,
+    PSClient,
+    PsConfigError,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _params():
+    return {"w": np.arange(6, dtype=np.float32).reshape(3, 2), "b": np.ones(1, np.float32)}
+
+
+def _listening(ip: str, port: int) -> list[str]:
+    """Local addresses in LISTEN state on ``port``, read from /proc/net/tcp (no psutil, no ss)."""
+    found = []
+    with open("/proc/net/tcp") as fh:
+        next(fh)
+        for line in fh:
+            local, state = line.split()[1], line.split()[3]
+            hexip, hexport = local.split(":")
+            if state == "0A" and int(hexport, 16) == port:
+                found.append(socket.inet_ntoa(bytes.fromhex(hexip)[::-1]))
+    return found
+
+
+def test_binds_only_the_planned_address(servers):
+    port = free_ports(1, "127.0.0.2")[0]
+    srv = ParameterServer(f"127.0.0.2:{port}", num_trainers=1)
+    try:
+        assert srv.bind() == f"tcp://127.0.0.2:{port}"
+        assert _listening("127.0.0.2", port) == ["127.0.0.2"]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        socket.create_connection(("127.0.0.2", port), timeout=2).close()
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("endpoint", ["0.0.0.0:6170", "*:6170", ":6170", "[::]:6170"])
+def test_wildcard_endpoints_are_refused(endpoint):
+    with pytest.raises(PsConfigError, match="binds its planned address, not a wildcard"):
+        ParameterServer(endpoint, num_trainers=1)
+
+
+def test_port_already_taken_is_a_config_error():
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    srv = ParameterServer(f"127.0.0.1:{port}", num_trainers=1)
+    try:
+        want = f"pserver 0 cannot bind tcp://127.0.0.1:{port}: Address already in use"
+        with pytest.raises(PsConfigError, match=want):
+            srv.bind()
+    finally:
+        srv.close()
+        holder.close()
+
+
+def test_garbage_does_not_crash_the_server(servers):
+    g = servers(1, num_trainers=1, mode="async")
+    ip, port = g.endpoints[0].rsplit(":", 1)
+    # 1. raw TCP garbage (not even a ZMTP greeting)
+    with socket.create_connection((ip, int(port)), timeout=2) as raw:
+        raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(range(256)) * 64)
+        time.sleep(0.3)
+    # (libzmq speaks ZMTP/1.0 to peers without a modern greeting, so those bytes may surface as
+    # garbage "messages": each must be rejected, none may crash the server.)
+    rejected_raw = g.servers[0].stats["rejected"]
+    # 2. well-framed ZeroMQ messages with bad content, from DEALER and REQ sockets
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://{g.endpoints[0]}")
+    cases = [
+        ([b"\x00\x01\x02garbage"], "bad_request", "header is not UTF-8 JSON"),
+        ([json.dumps({"v": 1, "op": "drop_tables", "seq": 4}).encode()], "bad_request", "unknown op 'drop_tables'"),
+        ([json.dumps({"v": 1, "op": "push", "seq": 5, "tid": 0, "t": [["w.block0", "float32", 100]]}).encode(),
+          b"\0" * 3], "bad_request", "tensor 'w.block0': frame has 3 bytes, header says 400"),
+        ([json.dumps({"v": 1, "op": "push", "seq": 6, "tid": 7, "t": []}).encode()], "bad_request",
+         "tid must be a trainer id in 0..0, got 7"),
+        ([json.dumps({"v": 1, "op": "push", "seq": 7, "tid": 0, "t": [["nope", "float32", 1]]}).encode(),
+          b"\0" * 4], "unknown_key", "block 'nope' was never initialised on pserver 0"),
+        ([json.dumps({"v": 1, "op": "save", "seq": 8, "tid": 0}).encode()], "bad_request",
+         "save needs a non-empty 'dir'"),
+    ]
+    for frames, code, message in cases:
+        dealer.send_multipart(frames)
+        assert dealer.poll(5000), f"no reply to {frames[0][:40]!r}"
+        reply = json.loads(dealer.recv_multipart()[0])
+        assert (reply["ok"], reply["code"]) == (False, code)
+        assert reply["error"].startswith(message), reply["error"]
+    req = ctx.socket(zmq.REQ)
+    req.connect(f"tcp://{g.endpoints[0]}")
+    req.send(b"{{{{")
+    assert req.poll(5000)
+    assert json.loads(req.recv())["code"] == "bad_request"
+    dealer.close(0)
+    req.close(0)
+    # 3. the server still serves a real trainer end to end
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="async", optimizer=SGD(0.5), timeout=5) as c:
+        c.init(_params())
+        out = c.push_pull({"w": np.ones((3, 2), np.float32), "b": np.ones(1, np.float32)})
+        np.testing.assert_array_equal(out["w"], np.arange(6, dtype=np.float32).reshape(3, 2) - 0.5)
+        c.complete()
+    assert g.join(5) and not g.errors
+    assert g.servers[0].stats["rejected"] == rejected_raw + len(cases) + 1
+
+
+def test_barrier_timeout_names_the_missing_trainers(servers):
+    g = servers(1, num_trainers=3, mode="sync", barrier_timeout=1.0)
+    with PSClient(g.endpoints, trainer_id=1, num_trainers=3, mode="sync", optimizer=SGD(0.1), timeout=10) as c:
+        c.init(_params())
+        t0 = time.monotonic()
+        with pytest.raises(BarrierTimeoutError) as err:
+            c.push_pull({"w": np.ones((3, 2), np.float32), "b": np.ones(1, np.float32)})
+        assert 0.9 < time.monotonic() - t0 < 5
+    assert err.value.missing == (0, 2)
+    assert str(err.value) == "sync barrier for step 0 timed out after 1s; missing trainer id(s): 0, 2"
+    assert g.join(5)
+    srv_err = g.errors[0]
+    assert isinstance(srv_err, BarrierTimeoutError)
+    assert str(srv_err) == "sync barrier for step 0 timed out after 1s; missing trainer id(s): 0, 2"
+
+
+def test_client_times_out_when_no_pserver_answers():
+    port = free_ports(1)[0]
+    with PSClient([f"127.0.0.1:{port}"], trainer_id=0, num_trainers=1, timeout=0.5) as c:
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match=rf"no reply to 'init' within 0.5s from pserver\(s\) 127.0.0.1:{port}"):
+            c.init(_params())
+        assert time.monotonic() - t0 < 3
+
+
+def test_duplicate_push_in_a_round_is_rejected(servers):
+    g = servers(1, num_trainers=2, mode="sync", barrier_timeout=10)
+    ctx = zmq.Context.instance()
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=2, mode="sync", optimizer=SGD(0.1), timeout=5) as c:
+        c.init(_params())
+    d = ctx.socket(zmq.DEALER)
+    d.connect(f"tcp://{g.endpoints[0]}")
+    head = {"v": 1, "op": "push", "tid": 0, "t": [["b.block0", "float32", 1]]}
+    d.send_multipart([json.dumps({**head, "seq": 1}).encode(), np.ones(1, np.float32).tobytes()])
+    d.send_multipart([json.dumps({**head, "seq": 2}).encode(), np.ones(1, np.float32).tobytes()])
+    assert d.poll(5000)
+    reply = json.loads(d.recv_multipart()[0])
+    assert (reply["seq"], reply["code"], reply["error"]) == (2, "duplicate", "trainer 0 pushed twice in round 0")
+    d.close(0)
+
+
+def test_pserver_process_exits_zero_after_all_trainers_complete():
+    eps = [f"127.0.0.1:{p}" for p in free_ports(1)]
+    env = job_env("pserver", 0, eps, ["127.0.0.1:1", "127.0.0.1:2"], {"CLUSTERCTL_PS_MODE": "async"})
+    proc = subprocess.Popen([sys.executable, "-m", "clusterctl.ps", "server"], env=env, cwd=REPO,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for tid in (0, 1):
+            with PSClient(eps, trainer_id=tid, num_trainers=2, mode="async", timeout=10) as c:
+                c.init(_params())
+                c.complete()
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert f"pserver 0 of 1 listening on tcp://{eps[0]} (mode=async, trainers=2)" in err
+    assert "all 2 trainer(s) completed; pserver 0 exiting" in err
+
+
+def test_pserver_process_exits_nonzero_on_barrier_timeout():
+    eps = [f"127.0.0.1:{p}" for p in free_ports(1)]
+    env = job_env("pserver", 0, eps, ["127.0.0.1:1", "127.0.0.1:2"],
+                  {"CLUSTERCTL_PS_MODE": "sync", "CLUSTERCTL_PS_BARRIER_TIMEOUT": "1"})
+    proc = subprocess.Popen([sys.executable, "-m", "clusterctl.ps", "server"], env=env, cwd=REPO,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        with PSClient(eps, trainer_id=0, num_trainers=2, mode="sync", timeout=10) as c:
+            c.init(_params())
+            with pytest.raises(BarrierTimeoutError):
+                c.push({"w": np.ones((3, 2), np.float32), "b": np.ones(1, np.float32)})
+        assert proc.wait(10) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "missing trainer id(s): 1" in proc.stderr.read()
+
+
+def test_bad_environment_exits_2():
+    env = job_env("pserver", 0, ["127.0.0.1:1"], ["127.0.0.1:2"], {"PADDLE_PSERVER_ID": "3"})
+    proc = subprocess.run([sys.executable, "-m", "clusterctl.ps", "server"], env=env, cwd=REPO,
+                          check=False, capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 2
+    assert "PADDLE_PSERVER_ID=3 does not name 127.0.0.1:1 in PADDLE_PSERVERS_IP_PORT_LIST=127.0.0.1:1" in proc.stderr
