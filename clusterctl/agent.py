@@ -789,6 +789,8 @@ class Supervisor:
             env = base_env(self.job_id, self.jobdir, spec["env"])
             try:
                 os.makedirs(os.path.dirname(r["log"]), exist_ok=True)
+                if os.path.exists(r["log"]):  # keep the previous run's log, start this one fresh
+                    os.replace(r["log"], r["log"] + ".1")
                 with open(r["log"], "ab") as logf:
                     popen = subprocess.Popen(
                         r["argv"], cwd=r["cwd"], env=env, stdin=subprocess.DEVNULL, stdout=logf,

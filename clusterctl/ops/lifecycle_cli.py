@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -116,32 +117,44 @@ def run_logs(spec, *, follow=False, role=None, id=None, host=None, lines=None) -
     return max(codes.values(), default=0)
 
 
+def _stop_after_interrupt(session) -> int:
+    """Ctrl+C while a job was starting or followed: stop it everywhere through fresh connections."""
+    from . import open_session
+    from .job import status, stop
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not abort the cleanup
+    try:
+        err.print("[yellow]interrupted: stopping the job…[/]")
+        session.remote.close()  # ends the follow channels, which hold the worker threads
+        with open_session(session.spec) as fresh:
+            stop(fresh)
+            render_status(status(fresh))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 130
+
+
 def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> int:
     """(Dispatch,) start, print the status; with follow, stream logs until the end and exit with the job's state."""
     from . import open_session
     from .dispatch import dispatch
-    from .job import logs, start, status, stop
+    from .job import logs, start, status
 
     with open_session(spec) as session:
         if dispatch_first:
             sent = dispatch(session)
             out.print(f"dispatched: {sum(d.files_sent for d in sent)} file(s), {_human(sum(d.bytes_sent for d in sent))}")
         t0 = time.monotonic()
-        st = start(session, on_progress=lambda m: err.print(f"[dim]{escape(m)}…[/]"))
-        out.print(f"started in {time.monotonic() - t0:.1f}s")
-        render_status(st)
-        if not follow:
-            return 0
         try:
+            st = start(session, on_progress=lambda m: err.print(f"[dim]{escape(m)}…[/]"))
+            out.print(f"started in {time.monotonic() - t0:.1f}s")
+            render_status(st)
+            if not follow:
+                return 0
             logs(session, on_line=_raw_line, follow=True)
+            final = status(session)
         except KeyboardInterrupt:
-            err.print("[yellow]interrupted: stopping the job…[/]")
-            session.remote.close()  # ends the follow channels, which hold the worker threads
-            with open_session(session.spec) as fresh:
-                stop(fresh)
-                render_status(status(fresh))
-            return 130
-        final = status(session)
+            return _stop_after_interrupt(session)
         render_status(final)
         return 0 if final.state == "succeeded" else 1
 

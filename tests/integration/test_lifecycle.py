@@ -34,10 +34,12 @@ def job_spec(info, tmp_path, name, *, hosts=3, mode="pserver", pservers=2, train
     }
     if mode == "pserver":
         spec_job["pservers"] = pservers
-    return write_spec(
+    spec = write_spec(
         info, tmp_path / f"{name}.yaml", name=name, hosts=hosts,
         workspace={"local": str(JOBS), "remote": f"clusterctl-it/{name}"}, job=spec_job,
     )
+    clusterctl("stop", spec)  # a kept cluster may hold a crashed earlier run of this job
+    return spec
 
 
 def nodes_of(info, n):
