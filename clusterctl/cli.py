@@ -59,6 +59,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             escape(" ".join(p.argv)),
         )
     out.print(table)
+    if plan.mpi is not None:
+        out.print(f"launcher: mpi, on {escape(plan.mpi.host.label)}: {escape(' '.join(plan.mpi.argv))}")
+        out.print(f"hostfile {escape(plan.mpi.hostfile_path)}:\n{escape(plan.mpi.hostfile)}", end="")
     return 0
 
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from .errors import ClusterctlError
 from .spec import ClusterSpec, PserversPerHost
 
-__all__ = ["Host", "Process", "JobPlan", "PlanError", "make_plan", "render_args", "deal_shards", "DATA_ENV"]
+__all__ = [
+    "Host", "Process", "JobPlan", "MpiLaunch", "PlanError", "make_plan", "render_args", "deal_shards", "DATA_ENV",
+]
 
 DATA_ENV = "CLUSTERCTL_DATA_FILES"
 
@@ -82,6 +84,21 @@ class Process:
 
 
 @dataclass(frozen=True)
+class MpiLaunch:
+    """`launcher: mpi`: one mpiexec on the first host starts every rank over the hosts' SSH mesh."""
+
+    host: Host
+    argv: tuple[str, ...]
+    hostfile: str  # its content: slots = trainers per host, hosts in spec order
+    hostfile_path: str  # relative to the first host's home directory, where mpiexec runs
+
+    def to_json(self) -> dict:
+        """JSON form shown by `clusterctl plan --json`."""
+        return {"host": self.host.address, "argv": list(self.argv), "hostfile": self.hostfile,
+                "hostfile_path": self.hostfile_path}
+
+
+@dataclass(frozen=True)
 class JobPlan:
     """Every process of one job, plus the job-wide facts operations need."""
 
@@ -94,6 +111,7 @@ class JobPlan:
     control_endpoint: str
     on_failure: str
     grace: float
+    mpi: MpiLaunch | None = None
 
     @property
     def trainers(self) -> tuple[Process, ...]:
@@ -115,7 +133,10 @@ class JobPlan:
 
     def to_json(self) -> dict:
         """The JSON shape printed by `clusterctl plan --json`."""
-        return {"job": self.job, "mode": self.mode, "processes": [p.to_json() for p in self.processes]}
+        out = {"job": self.job, "mode": self.mode, "processes": [p.to_json() for p in self.processes]}
+        if self.mpi is not None:
+            out["mpi"] = self.mpi.to_json()
+        return out
 
 
 def deal_shards(names: list[str], trainers: int) -> list[list[str]]:
@@ -219,6 +240,7 @@ def make_plan(spec: ClusterSpec, *, data_files: list[str] | None = None) -> JobP
 
     workdir = spec.workspace.remote
     log_dir = job.log_dir if posixpath.isabs(job.log_dir) else posixpath.join(workdir, job.log_dir)
+    mpi = _mpi_launch(spec, hosts, trainer_slots, len(trainers), workdir) if job.launcher == "mpi" else None
     return JobPlan(
         job=spec.name,
         mode=job.mode,
@@ -229,7 +251,42 @@ def make_plan(spec: ClusterSpec, *, data_files: list[str] | None = None) -> JobP
         control_endpoint=control,
         on_failure=job.on_failure,
         grace=job.grace,
+        mpi=mpi,
     )
+
+
+# Placeholders whose value differs per rank: a single mpiexec command line cannot carry them.
+_PER_RANK = ("id", "trainer_id", "current_endpoint", "host", "local_rank")
+
+
+def _mpi_launch(spec: ClusterSpec, hosts, trainer_slots, total: int, workdir: str) -> MpiLaunch:
+    """The mpiexec argv and hostfile for MPICH (hydra) or Open MPI, from the first host over ssh."""
+    job = spec.job
+    if job.mode != "collective":
+        raise PlanError(("job", "launcher"), "launcher: mpi runs collective jobs; set mode: collective")
+    for arg in job.args:
+        for name in _PER_RANK:
+            if "{" + name + "}" in arg:
+                raise PlanError(("job", "args"), f"{{{name}}} differs per rank and cannot be used with launcher: mpi")
+    values = {"role": "trainer", "trainers": str(total), "job": spec.name, "pserver_endpoints": "",
+              "trainer_endpoints": "", **{k: "" for k in _PER_RANK}}
+    args = render_args(job.args, values)
+    env = {"CLUSTERCTL_JOB": spec.name, "CLUSTERCTL_ROLE": "trainer", "TRAINING_ROLE": "TRAINER",
+           "PADDLE_TRAINERS_NUM": str(total), **job.env}
+    path = posixpath.join(".clusterctl", "jobs", spec.name, "hostfile")
+    used = [(h, n) for h, n, _ in trainer_slots if n]
+    if job.mpi == "mpich":
+        hostfile = "".join(f"{h.address}:{n}\n" for h, n in used)
+        argv = [job.mpiexec, "-f", path, "-n", str(total), "-wdir", workdir, "-launcher", "ssh"]
+        for k, v in env.items():
+            argv += ["-genv", k, v]
+    else:
+        hostfile = "".join(f"{h.address} slots={n}\n" for h, n in used)
+        argv = [job.mpiexec, "--hostfile", path, "-n", str(total), "--wdir", workdir, "--mca", "plm_rsh_agent", "ssh"]
+        for k, v in env.items():
+            argv += ["-x", f"{k}={v}"]
+    argv += [*job.mpi_args, *job.entrypoint, *args]
+    return MpiLaunch(hosts[0], tuple(argv), hostfile, path)
 
 
 def render_args(args: tuple[str, ...], values: dict[str, str]) -> tuple[str, ...]:

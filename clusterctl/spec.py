@@ -161,6 +161,9 @@ class JobSpec(_Model):
 
     mode: Literal["pserver", "collective"] = "collective"
     launcher: Literal["ssh", "mpi"] = "ssh"
+    mpi: Literal["mpich", "openmpi"] = "mpich"
+    mpiexec: str = "mpiexec"
+    mpi_args: tuple[str, ...] = ()
     entrypoint: tuple[str, ...] = Field(min_length=1)
     args: tuple[str, ...] = ()
     env: dict[str, str] = {}

@@ -56,7 +56,7 @@ IMAGE_LABEL = "clusterctl.testcluster.image"
 LAYOUT_LABEL = "clusterctl.testcluster.layout"
 # `docker run` options beyond the image; bump LAYOUT when they change so running clusters are recreated.
 SMALL_TMPFS = "/mnt/small"  # a 2 MiB tmpfs on every node: lets tests fill a disk for real
-LAYOUT = "tmpfs2m-v1"
+LAYOUT = "tmpfs2m-shm1g-v1"
 BUILD_LABEL = "clusterctl.testcluster.build"
 NODE_IMAGE_REPO = "clusterctl/testcluster-node"
 LOCAL_BASE_REPO = "clusterctl/bookworm-base"
@@ -497,6 +497,7 @@ def _start_node(name: str, index: int, image: str, net: str) -> str:
             "--label", f"{IMAGE_LABEL}={image}",
             "--label", f"{LAYOUT_LABEL}={LAYOUT}",
             "--tmpfs", f"{SMALL_TMPFS}:rw,size=2m,mode=1777",
+            "--shm-size", "1g",  # MPI's intra-node shared memory; Docker's default 64 MiB is too small
             image,
         ]
     )  # fmt: skip

@@ -46,26 +46,27 @@ def job_dir(plan: JobPlan, home: str) -> str:
     return posixpath.join(home, STATE_ROOT, plan.job)
 
 
-def job_files(plan: JobPlan, homes: dict[Host, str], token: str, *, extra_env: dict[int, dict] | None = None) -> dict[Host, dict]:
-    """The agent's job file for every host (pure): processes, coordinator, ordering, paths made absolute."""
+def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, dict]:
+    """The agent's job file for every host that runs processes (pure): paths made absolute, ordering, coordinator."""
+    if plan.mpi is not None:
+        return {plan.mpi.host: _mpi_job_file(plan, homes[plan.mpi.host])}
     ctl_addr, ctl_port = plan.control_endpoint.rsplit(":", 1)
     pserver_eps = [p.endpoint for p in plan.pservers]
     files = {}
     for host in plan.hosts:
         home = homes[host]
-        procs = []
-        for p in plan.on_host(host):
-            procs.append(
-                {
-                    "role": p.role,
-                    "id": p.id,
-                    "argv": list(p.argv),
-                    "env": dict(p.env),
-                    "cwd": _abs(home, plan.workdir),
-                    "log": _abs(home, plan.log_path(p)),
-                    "ports": [p.endpoint],
-                }
-            )
+        procs = [
+            {
+                "role": p.role,
+                "id": p.id,
+                "argv": list(p.argv),
+                "env": dict(p.env),
+                "cwd": _abs(home, plan.workdir),
+                "log": _abs(home, plan.log_path(p)),
+                "ports": [p.endpoint],
+            }
+            for p in plan.on_host(host)
+        ]
         files[host] = {
             "job": plan.job,
             "host": host.address,
@@ -84,6 +85,24 @@ def job_files(plan: JobPlan, homes: dict[Host, str], token: str, *, extra_env: d
             "processes": procs,
         }
     return files
+
+
+def _mpi_job_file(plan: JobPlan, home: str) -> dict:
+    """`launcher: mpi`: the first host supervises one process, mpiexec, run from the home directory."""
+    mpi = plan.mpi
+    first = plan.trainers[0]
+    env = {k: first.env[k] for k in ("CLUSTERCTL_JOB", "CLUSTERCTL_ROLE", "TRAINING_ROLE", "PADDLE_TRAINERS_NUM")}
+    return {
+        "job": plan.job,
+        "host": mpi.host.address,
+        "state_root": posixpath.join(home, STATE_ROOT),
+        "on_failure": plan.on_failure,
+        "grace": plan.grace,
+        "processes": [
+            {"role": "trainer", "id": 0, "argv": list(mpi.argv), "env": env, "cwd": home,
+             "log": _abs(home, plan.log_path(first)), "ports": []}
+        ],
+    }
 
 
 # ------------------------------------------------------------------------------------------ status
@@ -218,7 +237,9 @@ def stop(session: Session, *, grace: float | None = None) -> dict[Host, dict]:
 
 def preflight(session: Session, tool: str, jobfiles: dict[Host, str]) -> list[str]:
     """Problems that would stop the job from starting, one line each (`host:port in use`, ...)."""
-    results = session.remote.run(lambda h: _agent_cmd(tool, "preflight", jobfiles[h]), check=False, what="preflight")
+    results = session.remote.run(
+        lambda h: _agent_cmd(tool, "preflight", jobfiles[h]), hosts=list(jobfiles), check=False, what="preflight"
+    )
     problems = []
     for host, res in results.items():
         if res.exit_code not in (0, 1):
@@ -255,20 +276,27 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
 
     token = secrets.token_hex(16)
     files = job_files(plan, homes, token)
-    paths = {h: posixpath.join(homes[h], STATE_ROOT, plan.job, "job.json") for h in plan.hosts}
+    hosts = list(files)  # with launcher: mpi, only the first host
+    paths = {h: posixpath.join(homes[h], STATE_ROOT, plan.job, "job.json") for h in hosts}
     say("writing job files")
     remote.run(
         lambda h: f"umask 077 && mkdir -p {quote(posixpath.dirname(paths[h]))} && cat > {quote(paths[h])}",
+        hosts=hosts,
         stdin=lambda h: [json.dumps(files[h]).encode()],
         what="writing job files",
     )
+    if plan.mpi is not None:
+        hostfile = posixpath.join(homes[plan.mpi.host], plan.mpi.hostfile_path)
+        remote.run(f"cat > {quote(hostfile)}", hosts=[plan.mpi.host], stdin=plan.mpi.hostfile.encode(), what="writing the MPI hostfile")
     say("preflight")
     problems = preflight(session, tool, paths)
     if problems:
         raise JobError("preflight failed, nothing started:\n" + "\n".join(problems))
 
     say("launching")
-    results = remote.run(lambda h: _agent_cmd(tool, "launch", paths[h]), check=False, timeout=WAIT_PSERVERS_S + 60, what="launch")
+    results = remote.run(
+        lambda h: _agent_cmd(tool, "launch", paths[h]), hosts=hosts, check=False, timeout=WAIT_PSERVERS_S + 60, what="launch"
+    )
     failed = {h: r for h, r in results.items() if r.exit_code != 0}
     if failed:
         reasons = [f"{h.label}: {_parse(r).get('error') or r.stderr.strip()}" for h, r in failed.items()]
@@ -295,7 +323,10 @@ def logs(
     def wanted(p) -> bool:
         return role in (None, p.role) and id in (None, p.id)
 
-    targets = [h for h in plan.hosts if host in (None, h.address, h.label) and any(map(wanted, plan.on_host(h)))]
+    if plan.mpi is not None:  # every rank's output goes to mpiexec's log on the first host, as trainer.0
+        targets = [plan.mpi.host] if host in (None, plan.mpi.host.address, plan.mpi.host.label) and role != "pserver" else []
+    else:
+        targets = [h for h in plan.hosts if host in (None, h.address, h.label) and any(map(wanted, plan.on_host(h)))]
     if not targets:
         what = " ".join(f"{k}={v}" for k, v in (("host", host), ("role", role), ("id", id)) if v is not None)
         raise JobError(f"no process of job {plan.job} matches {what}")
