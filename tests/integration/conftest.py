@@ -148,3 +148,28 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 def testcluster_bringup_seconds(testcluster: tc.ClusterInfo) -> float:
     """Wall time the session's first `up` took (image build included when it happened)."""
     return _SESSION["outcome"][2]
+
+
+@pytest.fixture(scope="session")
+def clusterctl_on_nodes(testcluster: tc.ClusterInfo, tmp_path_factory: pytest.TempPathFactory) -> tc.ClusterInfo:
+    """The session cluster with this checkout of clusterctl installed into every node's /opt/venv (as a wheel)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from clusterctl.ops import open_session
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(root)],
+        check=True, capture_output=True, timeout=300,
+    )
+    wheel = next(out.glob("clusterctl-*.whl"))
+    with open_session(str(testcluster.spec_path)) as session:
+        session.remote.run(
+            f"cat > /tmp/{wheel.name} && /opt/venv/bin/pip install -q --no-deps --no-index --force-reinstall /tmp/{wheel.name}",
+            stdin=wheel.read_bytes(),
+            what="installing clusterctl on the nodes",
+        )
+    return testcluster
