@@ -320,42 +320,36 @@ def test_stock_torch_gloo_script_trains_on_two_nodes(testcluster, tmp_path):
     assert "job it-torch: succeeded" in res.stdout
 
 
-@pytest.mark.timeout(180)
-def test_fab_workflow_with_the_seed_positional_script(testcluster, tmp_path):
-    ips = [n.ip for n in testcluster.nodes[:2]]
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "dist_train_demo.py").write_text(
-        "import sys, time\n"
-        "role, eps, cur, tid, n = sys.argv[1:6]\n"
-        "print(f'{role} endpoints={eps} current={cur} trainer_id={tid} trainers={n}', flush=True)\n"
-        "if role == 'pserver':\n"
-        "    import socket\n"
-        "    ip, port = cur.rsplit(':', 1)\n"
-        "    s = socket.create_server((ip, int(port)))\n"
-        "    time.sleep(60)\n"
-        "time.sleep(1)\n"
-    )
-    fab = [sys.executable, "-m", "fabric", "-r", str(ROOT), "-i", str(testcluster.key_path), "-H", ",".join(ips)]
-    common = ["--known-hosts", str(testcluster.known_hosts_path)]
+@pytest.mark.timeout(240)
+def test_fab_workflow_with_the_seed_positional_script(clusterctl_on_nodes, tmp_path):
+    """`fab -H a,b start | tail-log | status | kill` running examples/seed_positional (seed 000's interface)."""
+    info = clusterctl_on_nodes
+    ips = [n.ip for n in info.nodes[:2]]
+    fab = [sys.executable, "-m", "fabric", "-r", str(ROOT), "-i", str(info.key_path), "-H", ",".join(ips)]
+    common = ["--known-hosts", str(info.known_hosts_path)]
 
-    def run(*task):
-        return subprocess.run(fab + list(task) + common, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    def run(*task, timeout=120):
+        return subprocess.run(fab + list(task) + common, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
+    run("kill")  # a crashed earlier run on a kept cluster
     try:
-        start = run("start", "--workspace", str(ws), "--remote-dir", "/root/clusterctl-it/fab")
+        start = run("start", "--workspace", str(ROOT / "examples" / "seed_positional"), "--remote-dir",
+                    "/root/clusterctl-it/fab", "--entrypoint", "/opt/venv/bin/python train.py")
         assert start.returncode == 0, start.stdout + start.stderr
-        time.sleep(2)
-        tail = run("tail-log").stdout.splitlines()
-        eps = f"{ips[0]}:6173,{ips[1]}:6173"
-        assert f"[{ips[1]} trainer.1] trainer endpoints={eps} current={ips[1]}:6174 trainer_id=1 trainers=2" in tail
-        assert f"[{ips[0]} pserver.0] pserver endpoints={eps} current={ips[0]}:6173 trainer_id=0 trainers=2" in tail
-        status = run("status")
-        assert "job fabjob" in status.stdout
+        deadline = time.monotonic() + 90
+        while "succeeded" not in (status := run("status")).stdout and time.monotonic() < deadline:
+            time.sleep(1)
+        assert "job fabjob: succeeded" in status.stdout, status.stdout + status.stderr
+        tail = run("tail-log", "--lines", "200").stdout.splitlines()
+        done = [line for line in tail if "] done steps=" in line]
+        assert {line.split("]")[0] for line in done} == {f"[{ips[0]} trainer.0", f"[{ips[1]} trainer.1"}, tail
+        for line in done:
+            assert float(line.split("loss=")[1].split()[0]) < 1.0
+        # success means each pserver found its positional CURRENT_ENDPOINT (ip:6173, from -H) in ENDPOINTS
     finally:
         kill = run("kill")
     assert kill.returncode == 0, kill.stderr
-    assert_no_orphans(testcluster, "fabjob", [6173, 6174], hosts=testcluster.nodes[:2])
+    assert_no_orphans(info, "fabjob", [6173, 6174], hosts=info.nodes[:2])
     assert run("kill").stdout.strip() == "job fabjob is not running"
 
 
