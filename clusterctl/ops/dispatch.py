@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import io
 import json
 import os
 import posixpath
@@ -148,31 +147,38 @@ def _host_files(session: Session, workspace: dict[str, LocalFile]) -> dict[Host,
     return per_host
 
 
-def _tar_spool(files: dict[str, LocalFile], changed: list[str]) -> tempfile.SpooledTemporaryFile:
-    spool = tempfile.SpooledTemporaryFile(max_size=64 << 20)
-    if not changed:
-        return spool  # deletions only: no archive at all
-    with tarfile.open(fileobj=spool, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        for rel in changed:
-            f = files[rel]
-            info = tarfile.TarInfo(rel)
-            info.size, info.mode, info.mtime = f.size, f.mode, f.mtime
-            with open(f.source, "rb") as fh:
-                tar.addfile(info, fh)
-    spool.seek(0, io.SEEK_END)
-    return spool
+class _Archive:
+    """A tar archive of changed files in an unlinked temporary file, read by many hosts' streams at once.
 
+    Reads are positional (`os.pread`): concurrent streams never share a file offset.
+    """
 
-def _stream(spool, header: bytes) -> Iterator[bytes]:
-    yield header
-    offset = 0
-    while True:
-        spool.seek(offset)  # several hosts read the same spool: each keeps its own offset
-        block = spool.read(_CHUNK)
-        if not block:
-            return
-        offset += len(block)
-        yield block
+    def __init__(self, files: dict[str, LocalFile], changed: list[str]):
+        self._fh = tempfile.TemporaryFile()
+        if changed:  # deletions only: no archive at all
+            with tarfile.open(fileobj=self._fh, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                for rel in changed:
+                    f = files[rel]
+                    info = tarfile.TarInfo(rel)
+                    info.size, info.mode, info.mtime = f.size, f.mode, f.mtime
+                    with open(f.source, "rb") as fh:
+                        tar.addfile(info, fh)
+        self._fh.flush()
+        self.size = os.fstat(self._fh.fileno()).st_size
+
+    def stream(self, header: bytes) -> Iterator[bytes]:
+        """The header line, then the archive in 1 MiB blocks."""
+        yield header
+        fd, offset = self._fh.fileno(), 0
+        while offset < self.size:
+            block = os.pread(fd, _CHUNK, offset)
+            if not block:
+                raise OSError(f"archive shorter than expected at byte {offset}")
+            offset += len(block)
+            yield block
+
+    def close(self) -> None:
+        self._fh.close()
 
 
 def dispatch(session: Session) -> list[HostDispatch]:
@@ -197,26 +203,26 @@ def dispatch(session: Session) -> list[HostDispatch]:
         header = json.dumps(header).encode() + b"\n"
         plans[host] = (header, changed, delete)
 
-    spools: dict[tuple, tempfile.SpooledTemporaryFile] = {}
+    archives: dict[tuple, _Archive] = {}
     try:
         for host, (_, changed, _) in plans.items():
             key = tuple((rel, wanted[host][rel].sha256) for rel in changed)
-            if key not in spools:
-                spools[key] = _tar_spool(wanted[host], changed)
+            if key not in archives:  # built once per distinct change set, streamed to every host that needs it
+                archives[key] = _Archive(wanted[host], changed)
 
         def feed(host: Host):
             header, changed, _ = plans[host]
             key = tuple((rel, wanted[host][rel].sha256) for rel in changed)
-            return _stream(spools[key], header)
+            return archives[key].stream(header)
 
         busy = [h for h, (_, changed, delete) in plans.items() if changed or delete]
         results = remote.run(
             join(["python3", tools["hostws"], "apply", root]), hosts=busy, stdin=feed, check=False, what="dispatch"
         )
-        sizes = {key: _size(spool) for key, spool in spools.items()}
+        sizes = {key: archive.size for key, archive in archives.items()}
     finally:
-        for spool in spools.values():
-            spool.close()
+        for archive in archives.values():
+            archive.close()
 
     out, failures = [], []
     for host in plans:
@@ -235,11 +241,6 @@ def dispatch(session: Session) -> list[HostDispatch]:
             [_failure(results[h]) for h in failures], {h: r for h, r in results.items() if r.ok}, what="dispatch"
         )
     return out
-
-
-def _size(spool) -> int:
-    spool.seek(0, io.SEEK_END)
-    return spool.tell()
 
 
 def _failure(res) -> HostFailure:

@@ -1,0 +1,39 @@
+"""Dispatch's local half: workspace scanning, excludes, and archives streamed to many hosts at once."""
+
+import hashlib
+import io
+import os
+import tarfile
+import threading
+
+from clusterctl.ops.dispatch import _Archive, scan_workspace
+
+
+def test_scan_applies_gitignore_style_excludes(tmp_path):
+    for rel in ("a.py", "b.pyc", "sub/c.txt", ".git/HEAD", "build/x.o", "keep/build.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    files = scan_workspace(tmp_path, (".git/", "*.pyc", "build/"))
+    assert sorted(files) == ["a.py", "keep/build.txt", "sub/c.txt"]
+    assert files["a.py"].sha256 == hashlib.sha256(b"a.py").hexdigest()
+
+
+def test_one_archive_streams_identically_to_many_hosts_at_once(tmp_path):
+    for i in range(40):
+        (tmp_path / f"f{i}.bin").write_bytes(os.urandom(300_000))
+    files = scan_workspace(tmp_path, ())
+    archive = _Archive(files, sorted(files))
+    results = [None] * 8
+
+    def read(i):
+        results[i] = b"".join(archive.stream(b"header\n"))
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    archive.close()
+    assert len({hashlib.sha256(r).hexdigest() for r in results}) == 1
+    with tarfile.open(fileobj=io.BytesIO(results[0][len(b"header\n"):]), mode="r") as tar:
+        assert sorted(m.name for m in tar.getmembers()) == sorted(files)
