@@ -3,13 +3,14 @@
 ``init()`` works in two situations:
 
 * under ``mpiexec`` (or ``srun``/any MPI launcher): the world communicator is ``MPI.COMM_WORLD``;
-* under ``clusterctl start`` with the ssh launcher (RANK, WORLD_SIZE, ... but no MPI launcher):
-  not supported yet; :mod:`clusterctl.collective.rendezvous` explains why and makes ``init()`` fail
-  loudly instead of silently running WORLD_SIZE unrelated one-process worlds.
+* under ``clusterctl start`` with the ssh launcher (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT but no
+  MPI launcher): :mod:`clusterctl.collective.rendezvous` first starts/joins a PMI-1 server on
+  MASTER_ADDR:MASTER_PORT so ``MPI_Init`` gives all ranks one world (see docs/collective.md).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -39,12 +40,22 @@ _default: "Communicator | None" = None
 _wrapped: dict[int, "Communicator"] = {}
 
 
-def get_mpi():
-    """Import and return ``mpi4py.MPI`` (initialising MPI; the ssh-launcher rendezvous runs first)."""
+def get_mpi(timeout: float | None = None):
+    """Import and return ``mpi4py.MPI``, initialising MPI; without an MPI launcher the PMI rendezvous runs first."""
     from . import rendezvous
-    rendezvous.prepare_environment()
+    if timeout is None:
+        timeout = _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+    rendezvous.prepare_environment(timeout=timeout)
     from mpi4py import MPI
+    if not MPI.Is_initialized():             # the user set mpi4py.rc.initialize = False
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        atexit.register(_finalize_mpi, MPI)
     return MPI
+
+
+def _finalize_mpi(MPI) -> None:
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def _env_float(name: str, default: float) -> float:
@@ -92,7 +103,7 @@ class Communicator:
 
     def __init__(self, comm, *, timeout: float | None = None, on_timeout: str | None = None,
                  fusion_threshold: int | None = None, shm: bool | None = None):
-        MPI = get_mpi()
+        MPI = get_mpi(timeout)
         self.MPI = MPI
         self.timeout = float(timeout) if timeout is not None else _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT)
         if self.timeout <= 0:
@@ -119,6 +130,7 @@ class Communicator:
             capacity = max(self.fusion_threshold, 1 << 20)
             self.arena = ShmArena(self.local, self.cross if self.topo.node_count > 1 else None,
                                   self.progress, MPI, capacity=capacity)
+        self._residents: list = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clusterctl-collective")
         self._closed = False
         path = "shared-memory window" if self.arena else "MPI"
@@ -173,6 +185,25 @@ class Communicator:
         if average and dst.dtype.kind == "f":
             np.multiply(dst, dst.dtype.type(1.0 / self.size), out=dst)
 
+    def resident_arena(self, nbytes: int):
+        """A dedicated shared window of ``nbytes`` per local rank for buffers that live in it (gradients);
+        None without the shared-memory path. Collective over the node's ranks."""
+        if self.arena is None:
+            return None
+        from .shm import ShmArena
+        arena = self.run(lambda: ShmArena(self.local, self.cross if self.topo.node_count > 1 else None,
+                                          self.progress, self.MPI, capacity=max(64, -(-int(nbytes) // 64) * 64)))
+        self._residents.append(arena)
+        return arena
+
+    def allreduce_resident(self, arena, flat: np.ndarray, average: bool, what: str) -> None:
+        """Sum/average in place a 1-D buffer that lives in ``arena`` (worker thread only)."""
+        self.progress.check()
+        self.progress.seq += 1
+        self.progress.what = what
+        if self.size > 1:
+            arena.allreduce(flat, flat, average=average, world_size=self.size)
+
     def allreduce_device(self, buf, what: str = "allreduce") -> None:
         """Sum a device buffer in place handing it straight to a CUDA-aware MPI."""
         self.progress.check()
@@ -205,6 +236,8 @@ class Communicator:
         if self.progress.broken is not None:
             return  # peers are gone; freeing collectively would hang
         self.progress.close()
+        for arena in self._residents:
+            arena.free()
         if self.arena is not None:
             self.arena.free()
         for c in (self.cross, self.local, self.ctl, self.comm):
@@ -218,7 +251,9 @@ def init(*, comm=None, timeout: float | None = None, on_timeout: str | None = No
     with _lock:
         if _default is not None and comm is None:
             return _default
-        MPI = get_mpi()
+        if timeout is not None and float(timeout) <= 0:
+            raise CollectiveError(f"timeout={timeout!r}: must be positive seconds")
+        MPI = get_mpi(timeout)
         if comm is None:
             from .rendezvous import check_world
             check_world(MPI)

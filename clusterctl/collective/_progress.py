@@ -96,6 +96,31 @@ class Progress:
                     pause = min(max(pause * 2, 2e-5), 1e-3)
                     time.sleep(pause)
 
+    def wait_for(self, ready, what: str | None = None) -> None:
+        """Poll ``ready()`` (e.g. shared-memory flags) until true, with the same deadline and pings as wait()."""
+        if ready():
+            return
+        if what is not None:
+            self.what = what
+        start = time.monotonic()
+        deadline = start + self.timeout
+        spins = 0
+        pause = 0.0
+        while not ready():
+            spins += 1
+            if spins < 200 and self.spin:
+                continue                      # a peer is usually microseconds away
+            if spins & 15 == 0:
+                self._serve()
+                now = time.monotonic()
+                if now > deadline:
+                    self._expire([], now - start)
+                if now - start > self.spin:
+                    pause = min(max(pause * 2, 1e-5), 5e-4)
+                    time.sleep(pause)
+                    continue
+            os.sched_yield()
+
     # -- diagnosis -------------------------------------------------------------------------------
     def _probe_peers(self, grace: float) -> dict[int, int]:
         """Ping every other rank; return {rank: its collective count} for those that answered."""

@@ -19,7 +19,7 @@ from .buffers import OPS, prepare
 from .errors import CollectiveError
 from .shm import shm_supported
 
-__all__ = ["Bucket", "plan_buckets", "FusedAllreduce"]
+__all__ = ["Bucket", "plan_buckets", "FusedAllreduce", "fused_for"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,7 @@ class FusedAllreduce:
                 _PLANS.clear()
             self.buckets = _PLANS[key] = plan_buckets(list(key[0]), list(key[1]), key[2])
         self._buffers: dict[int, np.ndarray] = {}
+        self._copy_plans: dict[int, list] = {}
 
     def _buffer(self, k: int, dtype, count: int) -> np.ndarray:
         buf = self._buffers.get(k)
@@ -123,7 +124,7 @@ class FusedAllreduce:
             self._buffers[k] = buf
         return buf[:count]
 
-    def _reduce_bucket(self, ins: list, outs: list, buf) -> None:
+    def _reduce_bucket(self, ins: list, outs: list, buf, plan=None) -> None:
         c = self.comm
         avg = self.op == "avg"
         if c.size == 1:
@@ -136,7 +137,7 @@ class FusedAllreduce:
             c.progress.check()
             c.progress.seq += 1
             c.progress.what = f"fused allreduce ({len(ins)} buffers)"
-            c.arena.reduce_pieces(ins, outs, average=avg, world_size=c.size)
+            c.arena.reduce_pieces(ins, outs, average=avg, world_size=c.size, plan=plan)
             return
         if len(ins) == 1:                 # one big buffer: no packing (the window path chunks it)
             c.allreduce_flat(ins[0], outs[0], avg, "fused allreduce")
@@ -166,7 +167,12 @@ class FusedAllreduce:
                     results[i] = res
                     outs.append(flat)
             buf = None if (c.arena is not None or len(ins) == 1) else self._buffer(k, b.dtype, b.count)
-            futures.append(c.submit(self._reduce_bucket, ins, outs, buf))
+            plan = None
+            if inplace and c.arena is not None and b.count * b.dtype.itemsize <= c.arena.capacity:
+                plan = self._copy_plans.get(k)      # the same buffers every step: unpack views made once
+                if plan is None:
+                    plan = self._copy_plans[k] = c.arena.copy_plan(outs, b.dtype)
+            futures.append(c.submit(self._reduce_bucket, ins, outs, buf, plan))
         from .ops import _reduce_one
         singles = []
         for i in self.single:
@@ -183,3 +189,21 @@ class FusedAllreduce:
         for i, f in singles:
             results[i] = f.result()
         return results
+
+
+_FUSED: dict[tuple, "FusedAllreduce"] = {}
+
+
+def fused_for(xs: list, *, op: str, comm, threshold: int | None, compression: str | None) -> FusedAllreduce:
+    """The FusedAllreduce for these very buffers, reused across calls (a training loop passes the same
+    gradient arrays every step), so views, bucket plans and unpack plans are built once.  The last four
+    buffer lists stay referenced by the cache."""
+    key = (tuple(map(id, xs)), op, threshold, compression, id(comm))
+    fused = _FUSED.get(key)
+    if fused is not None and len(fused.xs) == len(xs) and all(a is b for a, b in zip(fused.xs, xs)):
+        return fused
+    fused = FusedAllreduce(xs, op=op, comm=comm, threshold=threshold, compression=compression)
+    if len(_FUSED) >= 4:
+        _FUSED.pop(next(iter(_FUSED)))
+    _FUSED[key] = fused
+    return fused

@@ -8,32 +8,33 @@ import numpy as np
 
 from ._mpi import default
 from .errors import CollectiveError
-from .fusion import FusedAllreduce
+from .fusion import fused_for
 
 __all__ = ["GradientBuffer", "DistributedOptimizer", "broadcast_parameters"]
 
 
 class GradientBuffer:
-    """Named gradient arrays allocated inside the shared-memory window when it fits (no copy-in).
+    """Named gradient arrays that live in one flat buffer, in a shared-memory window of their own when
+    same-node ranks exist: the main path, with no pack/unpack copies.
 
-    ``buf.grads[name]`` are ordinary arrays to write gradients into; ``buf.allreduce()`` averages them
-    across ranks in place.  When the window is not available (one rank per node, or too large) they
-    are ordinary arrays and the fused allreduce packs them.
+    ``buf.grads[name]`` are ordinary arrays (views) to write gradients into; ``buf.allreduce()``
+    averages them across ranks in place.  Without the window (one rank per node, or
+    CLUSTERCTL_COLLECTIVE_SHM=0) the flat buffer is ordinary memory reduced with one MPI allreduce.
+    Construction is collective (every rank, same shapes and order).
     """
 
     def __init__(self, shapes: Mapping[str, tuple], *, dtype=np.float32, op: str = "avg", comm=None):
+        if op not in ("sum", "avg"):
+            raise CollectiveError(f"op={op!r}: expected 'sum' or 'avg'")
         self.comm = default(comm)
         dtype = np.dtype(dtype)
         total = sum(int(np.prod(s)) for s in shapes.values())
-        arena = self.comm.arena
-        if arena is not None and total * dtype.itemsize <= arena.capacity:
-            # Lives in the window: each allreduce reduces straight from here.
-            flat = arena.segment(dtype, total)
+        self.arena = self.comm.resident_arena(total * dtype.itemsize) if total else None
+        if self.arena is not None:
+            flat = self.arena.segment(dtype, total)
             flat[...] = 0
-            self._in_window = True
         else:
             flat = np.zeros(total, dtype=dtype)
-            self._in_window = False
         self.flat = flat
         self.grads: dict[str, np.ndarray] = {}
         off = 0
@@ -46,12 +47,19 @@ class GradientBuffer:
     @property
     def in_window(self) -> bool:
         """True when the gradients live in the shared-memory window."""
-        return self._in_window
+        return self.arena is not None
+
+    def zero(self) -> None:
+        """Set every gradient to zero (in place)."""
+        self.flat[...] = 0
 
     def allreduce(self) -> dict[str, np.ndarray]:
         """Average (or sum) every gradient across ranks in place; returns ``grads``."""
         c = self.comm
-        c.run(c.allreduce_flat, self.flat, self.flat, self.op == "avg", "gradient buffer allreduce")
+        if self.arena is not None:
+            c.run(c.allreduce_resident, self.arena, self.flat, self.op == "avg", "gradient buffer allreduce")
+        else:
+            c.run(c.allreduce_flat, self.flat, self.flat, self.op == "avg", "gradient buffer allreduce")
         return self.grads
 
 
@@ -75,7 +83,8 @@ class DistributedOptimizer:
         if missing:
             raise CollectiveError(f"no gradient for parameter(s): {', '.join(missing)}")
         arrays = [grads[n] for n in names]
-        FusedAllreduce(arrays, op=self.op, comm=self.comm, threshold=self.fusion_threshold).run(inplace=True)
+        fused_for(arrays, op=self.op, comm=self.comm, threshold=self.fusion_threshold,
+                  compression=None).run(inplace=True)
         self.update(self.params, {n: grads[n] for n in names})
 
 

@@ -52,9 +52,9 @@ def allreduce(x, op: str = "sum", *, out=None, comm=None, compression: str | Non
 def grouped_allreduce(xs, op: str = "sum", *, inplace: bool = False, comm=None,
                       threshold: int | None = None, compression: str | None = None) -> list:
     """Allreduce many buffers at once, fused into buckets of at most ``threshold`` bytes."""
-    from .fusion import FusedAllreduce
+    from .fusion import fused_for
     c = default(comm)
-    fused = FusedAllreduce(list(xs), op=op, comm=c, threshold=threshold, compression=compression)
+    fused = fused_for(list(xs), op=op, comm=c, threshold=threshold, compression=compression)
     return fused.run(inplace=inplace)
 
 

@@ -12,6 +12,13 @@ flat buffer (in chunks of at most ``capacity`` bytes) is a single-copy reduce-sc
 3. everyone copies every reduced slice out of its owner's segment, barrier (segments may be reused).
 
 Every rank's result is the same bytes (each slice is computed once), so replicas never drift.
+
+The barriers are flag barriers in the window itself, not MPI barriers: each rank owns a 64-byte control
+line in front of its segment and publishes a monotonically increasing epoch there (``MPI_Win_sync``
+around it orders the data writes, inside a ``Lock_all`` passive epoch); waiting ranks poll the peers'
+epochs (spin briefly, then yield, then back off), answering liveness pings and honouring the deadline
+like every other wait (:meth:`Progress.wait_for`).  A barrier costs microseconds instead of an
+``Ibarrier`` round through the progress engine.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ def _split(count: int, parts: int, i: int) -> tuple[int, int]:
     return lo, lo + base + (1 if i < extra else 0)
 
 
+_CTRL = 64          # bytes of control line (the barrier epoch) in front of every segment
+
+
 class ShmArena:
     """A shared window with one ``capacity``-byte segment per local rank, and the allreduce over it."""
 
@@ -46,16 +56,25 @@ class ShmArena:
         self.progress = progress
         self.MPI = MPI
         self.capacity = int(capacity) // 64 * 64
-        self.win = MPI.Win.Allocate_shared(self.capacity, 1, comm=local)
+        self.win = MPI.Win.Allocate_shared(_CTRL + self.capacity, 1, comm=local)
         self.segments = []
+        self._flags = []
         for r in range(local.size):
             buf, _ = self.win.Shared_query(r)
-            self.segments.append(np.frombuffer(buf, dtype=np.uint8, count=self.capacity))
+            raw = np.frombuffer(buf, dtype=np.uint8, count=_CTRL + self.capacity)
+            self._flags.append(raw[:8].view(np.int64))
+            self.segments.append(raw[_CTRL:])
+        self._flags[local.rank][0] = 0
+        self._epoch = 0
+        self.win.Lock_all(MPI.MODE_NOCHECK)       # passive epoch: Win_sync is our memory fence
+        local.Barrier()                           # every flag is zeroed before anyone waits on it
 
     def free(self) -> None:
         """Release the window (collective over the node communicator)."""
         if self.win is not None:
             self.segments = []
+            self._flags = []
+            self.win.Unlock_all()
             self.win.Free()
             self.win = None
 
@@ -67,39 +86,56 @@ class ShmArena:
         return self.segments[self.local.rank][: count * dtype.itemsize].view(dtype)
 
     def _barrier(self) -> None:
-        self.progress.wait(self.local.Ibarrier())
+        self._epoch += 1
+        epoch = self._epoch
+        self.win.Sync()                           # my data writes before my flag
+        self._flags[self.local.rank][0] = epoch
+        flags = self._flags
+        self.progress.wait_for(lambda: all(f[0] >= epoch for f in flags))
+        self.win.Sync()                           # the peers' writes before my reads
 
-    def reduce_pieces(self, ins: list, outs: list, *, average: bool, world_size: int) -> None:
-        """Fused allreduce of 1-D pieces (one dtype, together <= capacity): pack straight into the own
-        segment, reduce-scatter in the window, and unpack every reduced slice straight from its owner's
-        segment into ``outs`` (which may be ``ins``): one copy in, one copy out, no staging buffer."""
-        dtype = ins[0].dtype
-        sizes = [p.size for p in ins]
+    def copy_plan(self, outs: list, dtype) -> list:
+        """Precomputed (destination view, source view) pairs that unpack a reduced bucket into ``outs``."""
+        dtype = np.dtype(dtype)
+        nloc = self.local.size
+        sizes = [o.size for o in outs]
         m = sum(sizes)
-        me, nloc = self.local.rank, self.local.size
         segs = [s[: m * dtype.itemsize].view(dtype) for s in self.segments]
-        if len(ins) == 1:
-            np.copyto(segs[me], ins[0])
-        elif m:
-            np.concatenate(ins, out=segs[me])
-        self._barrier()
-        self._reduce_slice(segs, m, average, world_size)
-        self._barrier()
         offsets = [0]
         for sz in sizes:
             offsets.append(offsets[-1] + sz)
+        pairs = []
         for j in range(nloc):
             x, y = _split(m, nloc, j)
             if y <= x:
                 continue
             k = bisect.bisect_right(offsets, x) - 1
-            src = segs[j]
             while k < len(outs) and offsets[k] < y:
-                a = max(x, offsets[k])
-                b = min(y, offsets[k + 1])
+                a, b = max(x, offsets[k]), min(y, offsets[k + 1])
                 if b > a:
-                    np.copyto(outs[k][a - offsets[k]: b - offsets[k]], src[a:b])
+                    pairs.append((outs[k][a - offsets[k]: b - offsets[k]], segs[j][a:b]))
                 k += 1
+        return pairs
+
+    def reduce_pieces(self, ins: list, outs: list, *, average: bool, world_size: int, plan=None) -> None:
+        """Fused allreduce of 1-D pieces (one dtype, together <= capacity): pack straight into the own
+        segment, reduce-scatter in the window, and unpack every reduced slice straight from its owner's
+        segment into ``outs`` (which may be ``ins``): one copy in, one copy out, no staging buffer.
+        ``plan`` is :meth:`copy_plan` of ``outs``, computed once when the same buffers are reduced again."""
+        dtype = ins[0].dtype
+        m = sum(p.size for p in ins)
+        me = self.local.rank
+        own = self.segments[me][: m * dtype.itemsize].view(dtype)
+        if len(ins) == 1:
+            np.copyto(own, ins[0])
+        elif m:
+            np.concatenate(ins, out=own)
+        self._barrier()
+        segs = [s[: m * dtype.itemsize].view(dtype) for s in self.segments]
+        self._reduce_slice(segs, m, average, world_size)
+        self._barrier()
+        for dst, src in (plan if plan is not None else self.copy_plan(outs, dtype)):
+            np.copyto(dst, src)
         self._barrier()
 
     def _reduce_slice(self, segs, m: int, average: bool, world_size: int) -> None:
@@ -114,29 +150,48 @@ class ShmArena:
         if average and acc.dtype.kind == "f" and b > a:
             np.multiply(acc, acc.dtype.type(1.0 / world_size), out=acc)
 
+    def _offset_in_own(self, a: np.ndarray) -> int:
+        """Byte offset of ``a`` inside this rank's segment, or -1 when it lives elsewhere."""
+        own = self.segments[self.local.rank]
+        off = a.__array_interface__["data"][0] - own.__array_interface__["data"][0]
+        return off if 0 <= off and off + a.nbytes <= self.capacity and a.size else -1
+
     def allreduce(self, src: np.ndarray, dst: np.ndarray, *, average: bool, world_size: int) -> None:
-        """Sum (or average) 1-D contiguous ``src`` over all ranks into ``dst`` (may be ``src``)."""
+        """Sum (or average) 1-D contiguous ``src`` over all ranks into ``dst`` (may be ``src``).
+
+        When ``src`` lives in this rank's segment (every rank at the same offset: GradientBuffer,
+        the torch buckets) there is no copy in, and with ``dst is src`` each rank copies out only the
+        peers' slices."""
         dtype = src.dtype
-        per = self.capacity // dtype.itemsize
         n = src.size
         me, nloc = self.local.rank, self.local.size
-        own = self.segments[me]
-        in_window = (src.size > 0 and n <= per
-                     and src.__array_interface__["data"][0] == own.__array_interface__["data"][0])
+        off = self._offset_in_own(src)
+        if off >= 0:
+            m = n
+            segs = [s[off: off + m * dtype.itemsize].view(dtype) for s in self.segments]
+            self._barrier()
+            self._reduce_slice(segs, m, average, world_size)
+            self._barrier()
+            same = dst is src or self._offset_in_own(dst) == off
+            for j in range(nloc):
+                if same and j == me:
+                    continue
+                x, y = _split(m, nloc, j)
+                if y > x:
+                    np.copyto(dst[x:y], segs[j][x:y])
+            self._barrier()
+            return
+        per = self.capacity // dtype.itemsize
         for lo in range(0, max(n, 1), per):
             hi = min(n, lo + per)
             m = hi - lo
             segs = [s[: m * dtype.itemsize].view(dtype) for s in self.segments]
-            if not in_window:
-                np.copyto(segs[me], src[lo:hi])
+            np.copyto(segs[me], src[lo:hi])
             self._barrier()
             self._reduce_slice(segs, m, average, world_size)
             self._barrier()
             out = dst[lo:hi]
-            same = in_window and dst.__array_interface__["data"][0] == own.__array_interface__["data"][0]
             for j in range(nloc):
-                if same and j == me:
-                    continue
                 x, y = _split(m, nloc, j)
                 if y > x:
                     np.copyto(out[x:y], segs[j][x:y])

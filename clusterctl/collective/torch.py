@@ -35,12 +35,18 @@ def broadcast_optimizer_state(optimizer, root: int = 0, *, comm=None) -> None:
 
 
 class _Bucket:
-    __slots__ = ("params", "flat", "views", "offsets", "ready", "handle")
+    __slots__ = ("params", "flat", "host", "views", "ready", "handle")
 
-    def __init__(self, params, dtype):
+    def __init__(self, params, dtype, storage=None):
         total = sum(p.numel() for p in params)
         self.params = params
-        self.flat = _torch.zeros(total, dtype=dtype)
+        if storage is not None:               # a slice of the shared window (NumPy view)
+            self.host = storage
+            self.flat = _torch.from_numpy(storage)
+            self.flat.zero_()
+        else:
+            self.host = None
+            self.flat = _torch.zeros(total, dtype=dtype)
         self.views = []
         off = 0
         for p in params:
@@ -53,10 +59,12 @@ class _Bucket:
 class DistributedOptimizer:
     """Wrap ``optimizer`` so gradients are averaged across ranks, overlapping backward (Horovod-style).
 
-    Gradients are copied into fusion buckets (``fusion_threshold`` bytes) from per-parameter
-    post-accumulate hooks; a bucket starts its non-blocking allreduce as soon as it is full and every
-    earlier bucket has started (the same order on every rank).  ``step()`` waits for the buckets,
-    writes the averaged gradients back into ``.grad`` and runs the wrapped optimizer.
+    Every ``.grad`` is a view into a flat fusion bucket (``fusion_threshold`` bytes; the buckets live
+    in a shared-memory window when same-node ranks exist), so autograd accumulates straight into the
+    buckets: no copy in, no copy back (DDP's ``gradient_as_bucket_view``).  A per-parameter
+    post-accumulate hook counts ready gradients; a bucket starts its non-blocking allreduce as soon as
+    it is full and every earlier bucket has started (the same order on every rank).  ``step()`` waits
+    for the buckets and runs the wrapped optimizer.  ``zero_grad()`` zeroes in place.
     """
 
     def __init__(self, optimizer, named_parameters=None, *, op: str = "avg", comm=None,
@@ -92,12 +100,34 @@ class DistributedOptimizer:
                             [_torch.empty(0, dtype=p.dtype).numpy().dtype
                              if p.dtype != _torch.bfloat16 else "float32" for p in order],
                             max(threshold, 1))
-        self._buckets = [_Bucket([order[i] for i in b.indices], order[b.indices[0]].dtype) for b in plan]
+        # Buckets live in a shared-memory window of their own when same-node ranks exist (and
+        # .grad are views into them, like DDP's gradient_as_bucket_view): no copies in or out.
+        self._arena = None
+        storages = [None] * len(plan)
+        from .shm import shm_supported
+        resident = [k for k, b in enumerate(plan) if shm_supported(b.dtype)] if compression is None else []
+        if resident:
+            aligned = [-(-plan[k].count * plan[k].dtype.itemsize // 64) * 64 for k in resident]
+            self._arena = self.comm.resident_arena(sum(aligned))
+        if self._arena is not None:
+            seg = self._arena.segments[self._arena.local.rank]
+            off = 0
+            for k, nbytes in zip(resident, aligned):
+                b = plan[k]
+                storages[k] = seg[off: off + b.count * b.dtype.itemsize].view(b.dtype)
+                off += nbytes
+        self._buckets = [_Bucket([order[i] for i in b.indices], order[b.indices[0]].dtype, storages[k])
+                         for k, b in enumerate(plan)]
         self._where = {}
         for bi, b in enumerate(self._buckets):
             for pi, p in enumerate(b.params):
                 self._where[p] = (bi, pi)
         self._next = 0
+        for b in self._buckets:
+            for p, v in zip(b.params, b.views):
+                if p.grad is not None:
+                    v.copy_(p.grad.detach())
+                p.grad = v
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     # optimizer facade
@@ -120,20 +150,32 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the wrapped optimizer's gradients."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        """Zero the gradients in place: ``.grad`` stay views into the buckets (``set_to_none`` is ignored)."""
+        for b in self._buckets:
+            b.flat.zero_()
+            for p, v in zip(b.params, b.views):
+                if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                    p.grad = v
 
     # hooks and launching
     def _hook(self, p) -> None:
         bi, pi = self._where[p]
         b = self._buckets[bi]
-        b.views[pi].copy_(p.grad.detach())
+        v = b.views[pi]
+        if p.grad.data_ptr() != v.data_ptr():    # autograd replaced .grad (e.g. set to None by the user)
+            v.copy_(p.grad.detach())
+            p.grad = v
         b.ready += 1
         self._launch_ready()
 
     def _launch(self, b) -> None:
-        from .ops import allreduce_async
-        b.handle = allreduce_async(b.flat, self.op, out=b.flat, comm=self.comm, compression=self.compression)
+        from .ops import Handle, allreduce_async
+        c = self.comm
+        if b.host is not None:
+            b.handle = Handle(c.submit(c.allreduce_resident, self._arena, b.host, self.op == "avg",
+                                       f"gradient bucket ({len(b.params)} tensors)"))
+        else:
+            b.handle = allreduce_async(b.flat, self.op, out=b.flat, comm=c, compression=self.compression)
 
     def _launch_ready(self) -> None:
         while self._next < len(self._buckets):
@@ -151,15 +193,14 @@ class DistributedOptimizer:
             for pi, p in enumerate(b.params):
                 if p.grad is None:
                     b.views[pi].zero_()
+                    p.grad = b.views[pi]
             self._launch(b)
             self._next += 1
         for b in self._buckets:
             b.handle.wait()
             for p, v in zip(b.params, b.views):
-                if p.grad is None:
-                    p.grad = v.clone()
-                else:
-                    p.grad.copy_(v)
+                if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                    p.grad = v
             b.ready = 0
             b.handle = None
         self._next = 0

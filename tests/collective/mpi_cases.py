@@ -155,7 +155,52 @@ def test_gradient_buffer_numpy_training_equivalent():
     np.testing.assert_allclose(w["w"], w_ref, rtol=1e-10)
 
 
+def test_gradient_buffer_survives_other_collectives_and_repeats():
+    """Gradients resident in their own window are not clobbered by unrelated window allreduces."""
+    from clusterctl.collective.numpy_opt import GradientBuffer
+    buf = GradientBuffer({"a": (1000,), "b": (7, 3)}, op="sum")
+    for step in range(3):
+        buf.zero()
+        buf.grads["a"][...] = RANK + step
+        buf.grads["b"][...] = 1
+        other = cc.allreduce(np.full(50_000, 2.0, np.float32))        # uses the scratch window
+        assert np.all(other == 2.0 * SIZE)
+        buf.allreduce()
+        assert np.all(buf.grads["a"] == sum(r + step for r in range(SIZE)))
+        assert np.all(buf.grads["b"] == SIZE)
+
+
+def test_grouped_allreduce_reuses_plan_for_same_buffers():
+    xs = [np.full(n, RANK + 1.0, np.float32) for n in (3, 300, 30_000)]
+    for _ in range(3):
+        for x in xs:
+            x[...] = RANK + 1.0
+        cc.grouped_allreduce(xs, inplace=True)
+        for x in xs:
+            assert np.all(x == SIZE * (SIZE + 1) / 2)
+
+
 torch = pytest.importorskip("torch")
+
+
+def test_torch_grads_are_views_into_buckets():
+    from clusterctl.collective.torch import DistributedOptimizer
+    torch.manual_seed(0)
+    m = torch.nn.Linear(20, 5)
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), named_parameters=m.named_parameters())
+    ptrs = {b.flat.data_ptr() for b in opt._buckets}
+    for _ in range(2):
+        opt.zero_grad()
+        (m(torch.full((4, 20), float(RANK + 1))).sum()).backward()
+        opt.step()
+        assert all(p.grad.data_ptr() in {v.data_ptr() for b in opt._buckets for v in b.views}
+                   for p in m.parameters())
+        # bias grad = 4 rows per rank, averaged: 4; weight grad = 4 * mean(rank + 1)
+        assert torch.allclose(m.bias.grad, torch.full((5,), 4.0))
+        assert torch.allclose(m.weight.grad, torch.full((5, 20), 4.0 * (SIZE + 1) / 2))
+    assert {b.flat.data_ptr() for b in opt._buckets} == ptrs
+    assert (opt._arena is not None) == C.uses_shm
+    opt.remove_hooks()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32"])
