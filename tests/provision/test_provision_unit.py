@@ -1,0 +1,355 @@
+"""Provisioning without a network: schema errors, version rules, step selection, rendering and quoting,
+status parsing, mesh files, wheel selection, doctor's comparison; step scripts run locally under bash."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from clusterctl.errors import ProvisionError, SpecError
+from clusterctl.plan import Host, make_plan
+from clusterctl.provision import mesh, versions, wheelhouse
+from clusterctl.provision.doctor import compare, host_params
+from clusterctl.provision.render import render_step
+from clusterctl.provision.runner import parse_status
+from clusterctl.provision.steps import HostFacts, requirements, selected_steps, step_context
+from clusterctl.remote import Result
+from clusterctl.spec import load_spec, parse_spec
+
+HEAD = """\
+name: demo
+hosts:
+  - address: 10.0.0.1
+  - address: 10.0.0.2
+job:
+  entrypoint: [python3, train.py]
+provision:
+"""
+
+FULL = HEAD + textwrap.indent(
+    textwrap.dedent(
+        """\
+        apt:
+          packages: [htop, "libfoo=1.2-3"]
+          sources:
+            - {name: local, uri: "file:/srv/repo", trusted: true}
+          lock_timeout: 10
+          hold: true
+        cuda: {version: "12.4", method: apt}
+        cudnn: "9.1.0.70"
+        nccl: "2.21.5"
+        python:
+          venv: /opt/jobvenv
+          requirements: [numpy==2.1.0, "requests>=2"]
+        mpi: mpich
+        wheelhouse: true
+        ssh_mesh: true
+        commands:
+          - {name: marker, run: "touch /tmp/x", creates: /tmp/x}
+          - {name: hostile, run: "echo '$(id)'; echo \\"$HOME\\" `date`", unless: "test -e /nonexistent"}
+        """
+    ),
+    "  ",
+)
+
+
+def _spec(text: str):
+    return parse_spec(text, "cluster.yaml")
+
+
+def _errors(text: str) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        _spec(text)
+    return [str(p) for p in info.value.problems]
+
+
+BAD = [
+    pytest.param("  apt: {pakages: [htop]}\n", "cluster.yaml:8:9: provision.apt.pakages: unknown key (did you mean 'packages'?)", id="misspelt"),
+    pytest.param("  apt: [htop, htop=1.0]\n", "cluster.yaml:8:3: provision.apt.packages: package listed twice: htop", id="dup-pkg"),
+    pytest.param("  apt: ['Bad Name']\n", "cluster.yaml:8:3: provision.apt.packages: not a Debian package name: 'Bad Name'", id="pkg-name"),
+    pytest.param(
+        "  cuda: {version: '12.4', method: apt}\n  nccl: '2.21.5-1+cuda11.8'\n",
+        "cluster.yaml:9:3: provision.nccl: nccl 2.21.5-1+cuda11.8 is built for CUDA 11.8, but cuda.version is 12.x; use a +cuda12.N build",
+        id="nccl-major",
+    ),
+    pytest.param(
+        "  cuda: '12.4'\n  cudnn: '8.9.7.29-1+cuda11.8'\n",
+        "cluster.yaml:9:3: provision.cudnn: cudnn 8.9.7.29-1+cuda11.8 is built for CUDA 11.8, but cuda.version is 12.x; use a +cuda12.N build",
+        id="cudnn-major",
+    ),
+    pytest.param("  cuda: '12.7'\n", "cluster.yaml:8:3: provision.cuda.version: unknown CUDA release 12.7 (known: 11.0, 11.1, 11.2, 11.3, 11.4, 11.5, 11.6, 11.7, 11.8, 12.0, 12.1, 12.2, 12.3, 12.4, 12.5, 12.6, 12.8, 12.9, 13.0)", id="cuda-unknown"),
+    pytest.param("  nccl: '2.21.5'\n", "cluster.yaml:7:1: provision: cudnn and nccl need cuda.version (their builds are per CUDA major)", id="nccl-no-cuda"),
+    pytest.param(
+        "  cuda: {version: '12.4', method: pip}\n",
+        "cluster.yaml:7:1: provision: method: pip installs into the job's venv: add a python: section (python.venv)",
+        id="pip-no-venv",
+    ),
+    pytest.param("  mpi: mpich\n", "cluster.yaml:8:3: provision.mpi: mpi installs into the job's venv: add a python: section (python.venv)", id="mpi-no-venv"),
+    pytest.param("  mpi: mvapich\n", "cluster.yaml:8:3: provision.mpi.implementation: expected one of 'mpich' or 'openmpi', got 'mvapich'", id="mpi-impl"),
+    pytest.param(
+        "  commands: [{name: x, run: 'echo hi'}]\n",
+        "cluster.yaml:8:14: provision.commands[0]: command 'x' needs a guard: creates: PATH or unless: SHELL-TEST (so reruns are idempotent)",
+        id="command-guard",
+    ),
+    pytest.param(
+        "  apt: {sources: [{name: x, uri: 'file:/r', trusted: true, signed_by: k.gpg}]}\n",
+        "cluster.yaml:8:19: provision.apt.sources[0]: give signed_by or trusted: true, not both",
+        id="source-trust",
+    ),
+    pytest.param("  apt: {lock_timeout: -1}\n", "cluster.yaml:8:9: provision.apt.lock_timeout: input should be greater than or equal to 0", id="lock-timeout"),
+]
+
+
+@pytest.mark.parametrize("section, message", BAD)
+def test_bad_provision_sections(section, message):
+    problems = _errors(HEAD + section)
+    assert problems == [message]
+
+
+def test_full_section_parses_and_selects_every_step_in_order():
+    spec = _spec(FULL)
+    assert selected_steps(spec.provision) == ["wheelhouse", "apt", "python", "gpu", "mpi", "ssh_mesh", "commands"]
+    assert selected_steps(spec.provision, ["commands", "apt"]) == ["apt", "commands"]
+    assert requirements(spec) == ["numpy==2.1.0", "requests>=2", "mpich", "mpi4py"]
+    with pytest.raises(ProvisionError, match=r"unknown step 'aptt' for --only \(steps: wheelhouse, apt"):
+        selected_steps(spec.provision, ["aptt"])
+    minimal = _spec(HEAD + "  apt: [htop]\n")
+    with pytest.raises(ProvisionError, match="--only mpi: the spec's provision section has no mpi step"):
+        selected_steps(minimal.provision, ["mpi"])
+
+
+def test_requirements_file_is_read_from_the_workspace(tmp_path):
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "req.txt").write_text("# pinned\nnumpy==2.1.0  # inline\n\nmpi4py\n")
+    path = tmp_path / "cluster.yaml"
+    path.write_text(HEAD.replace("provision:\n", "workspace: {local: ws}\nprovision:\n") + "  python: {requirements: req.txt}\n")
+    assert requirements(load_spec(path)) == ["numpy==2.1.0", "mpi4py"]
+    (tmp_path / "ws" / "req.txt").write_text("--index-url http://x\nnumpy\n")
+    with pytest.raises(ProvisionError, match=r"req.txt:1: option lines \(--index-url\) are not supported"):
+        requirements(load_spec(path))
+
+
+def test_versions_tables_and_package_names():
+    assert versions.min_driver("12.4.1") == "550.54.14"
+    assert versions.driver_ok("12.4", "550.54.15") and not versions.driver_ok("12.4", "535.104.05")
+    assert versions.cuda_apt_package("12.4") == "cuda-toolkit-12-4"
+    assert versions.cuda_apt_package("12.4.1") == "cuda-toolkit-12-4=12.4.1-1"
+    assert versions.cudnn_apt_packages("9.1.0.70", "12.4") == [
+        ("libcudnn9-cuda-12", "9.1.0.70-1"),
+        ("libcudnn9-dev-cuda-12", "9.1.0.70-1"),
+    ]
+    assert versions.cudnn_apt_packages("8.9.7.29", "12.2") == [
+        ("libcudnn8", "8.9.7.29-1+cuda12.2"),
+        ("libcudnn8-dev", "8.9.7.29-1+cuda12.2"),
+    ]
+    assert versions.nccl_apt_version("2.21.5", "12.4") == "2.21.5-1+cuda12.4"
+    assert versions.nccl_apt_version("2.21.5-1+cuda12.2", "12.4") == "2.21.5-1+cuda12.2"
+    assert versions.nccl_pip_requirement("2.21.5-1+cuda12.4", "12.4") == "nvidia-nccl-cu12==2.21.5"
+    assert versions.cudnn_pip_requirement("9.1.0.70", "12.4") == "nvidia-cudnn-cu12==9.1.0.70"
+    assert versions.cuda_pip_requirements("12.4") == ["nvidia-cuda-runtime-cu12==12.4.*"]
+    with pytest.raises(ValueError, match=r"cuDNN 8.9.7 has no build for CUDA 13.x \(it supports CUDA 10.x, 11.x, 12.x\)"):
+        versions.cudnn_apt_packages("8.9.7", "13.0")
+
+
+def _facts(plan):
+    return {h: HostFacts(python="3.11", machine="x86_64", glibc="2.36", hostname=f"n{h.index}", host_key="ssh-ed25519 AAAAkey") for h in plan.hosts}
+
+
+def _render_all(spec, check=False):
+    plan = make_plan(spec)
+    mesh_ctx = mesh.mesh_context("demo", "ssh-ed25519 BBBB clusterctl-mesh-demo", plan.hosts, _facts(plan))
+    out = {}
+    for step in selected_steps(spec.provision):
+        if step != "wheelhouse":
+            ctx = step_context(step, spec, check=check, force=False, wheelhouse_remote=".clusterctl/wheelhouse", mesh=mesh_ctx)
+            out[step] = render_step(f"{step}.sh.j2", ctx)
+    return out
+
+
+def test_every_template_renders_to_valid_bash_with_values_quoted():
+    scripts = _render_all(_spec(FULL))
+    for step, text in scripts.items():
+        proc = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True, check=False)
+        assert proc.returncode == 0, (step, proc.stderr)
+    assert "apt_ensure 1 htop libfoo=1.2-3\n" in scripts["apt"]
+    assert "apt_source local 'deb [trusted=yes] file:/srv/repo ./' ''\n" in scripts["apt"]
+    assert (
+        "apt_ensure 2 cuda-toolkit-12-4 libcudnn9-cuda-12=9.1.0.70-1 libcudnn9-dev-cuda-12=9.1.0.70-1 "
+        "libnccl2=2.21.5-1+cuda12.4 libnccl-dev=2.21.5-1+cuda12.4\n" in scripts["gpu"]
+    )
+    assert "MIN_DRIVER=550.54.14\n" in scripts["gpu"]
+    assert "pip_ensure requirements numpy==2.1.0 'requests>=2'\n" in scripts["python"]
+    assert "PIP_ARGS+=(--no-index --find-links \"$(abspath .clusterctl/wheelhouse)\")" in scripts["mpi"]
+    assert "bash -c 'echo '\"'\"'$(id)'\"'\"'; echo \"$HOME\" `date`' </dev/null" in scripts["commands"]
+    assert "BEGIN=" in scripts["ssh_mesh"] and "StrictHostKeyChecking yes" in scripts["ssh_mesh"]
+    assert "StrictHostKeyChecking=no" not in "".join(scripts.values())
+
+
+def test_finalize_refuses_none():
+    with pytest.raises(ValueError, match="undefined value"):
+        render_step("commands.sh.j2", {"step": "commands", "check": False, "force": False,
+                                       "commands": [{"name": "x", "run": None, "creates": "/x", "unless": None}]})
+
+
+def _run_local(script: str, home: Path, stdin: bytes = b"") -> tuple[int, str]:
+    env = {"HOME": str(home), "PATH": os.environ["PATH"]}
+    proc = subprocess.run(["bash", "-c", script, "x"], input=stdin, capture_output=True, env=env, timeout=60, check=False)
+    return proc.returncode, proc.stdout.decode()
+
+
+def _last(out: str) -> str:
+    return out.strip().splitlines()[-1]
+
+
+def test_commands_step_guards_check_and_force_locally(tmp_path):
+    marker = tmp_path / "made"
+    text = HEAD + textwrap.indent(
+        textwrap.dedent(
+            f"""\
+            commands:
+              - {{name: make, run: "echo run >> {tmp_path}/runs; touch {marker}", creates: {marker}}}
+              - {{name: never, run: "false", unless: "true"}}
+            """
+        ),
+        "  ",
+    )
+    spec = _spec(text)
+
+    def script(check=False, force=False):
+        return render_step("commands.sh.j2", step_context("commands", spec, check=check, force=force, wheelhouse_remote=None, mesh=None))
+
+    assert _run_local(script(check=True), tmp_path) == (0, "CLUSTERCTL_STEP commands changed ran make\n")
+    assert not marker.exists()
+    rc, out = _run_local(script(), tmp_path)
+    assert (rc, _last(out)) == (0, "CLUSTERCTL_STEP commands changed ran make")
+    assert (_run_local(script(), tmp_path)) == (0, "CLUSTERCTL_STEP commands ok \n")
+    rc, out = _run_local(script(force=True), tmp_path)
+    assert (rc, _last(out)) == (1, "CLUSTERCTL_STEP commands failed command never exited 1")
+    assert (tmp_path / "runs").read_text() == "run\nrun\n"
+
+
+def test_ssh_mesh_step_writes_key_pins_and_keeps_user_config(tmp_path):
+    spec = _spec(FULL)
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text("Host mine\n    User me\n")
+    script = _render_all(spec)["ssh_mesh"]
+    rc, out = _run_local(script, home, stdin=b"PRIVATE-KEY-TEXT\n")
+    assert (rc, _last(out)) == (
+        0,
+        "CLUSTERCTL_STEP ssh_mesh changed mesh key; mesh public key; peers' host keys; authorize mesh key; ssh config block",
+    )
+    ssh = home / ".ssh"
+    assert (ssh / "clusterctl-demo_ed25519").read_text() == "PRIVATE-KEY-TEXT\n"
+    assert oct((ssh / "clusterctl-demo_ed25519").stat().st_mode & 0o777) == "0o600"
+    assert (ssh / "clusterctl-demo.known_hosts").read_text() == "10.0.0.1,n0 ssh-ed25519 AAAAkey\n10.0.0.2,n1 ssh-ed25519 AAAAkey\n"
+    config = (ssh / "config").read_text()
+    assert config.startswith("# BEGIN clusterctl ssh_mesh demo\nHost 10.0.0.1 n0 10.0.0.2 n1\n")
+    assert config.endswith("# END clusterctl ssh_mesh demo\nHost mine\n    User me\n")
+    assert _run_local(script, home, stdin=b"PRIVATE-KEY-TEXT\n") == (0, "CLUSTERCTL_STEP ssh_mesh ok \n")
+    rc, out = _run_local(script, home, stdin=b"")
+    assert (rc, _last(out)) == (1, "CLUSTERCTL_STEP ssh_mesh failed no key received on stdin")
+
+
+def test_mesh_key_is_made_once_with_mode_0600(tmp_path):
+    path = tmp_path / "mesh" / "id_ed25519"
+    private, public = mesh.mesh_key(path, "demo")
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert public.startswith("ssh-ed25519 ") and public.endswith(" clusterctl-mesh-demo")
+    assert mesh.mesh_key(path, "demo") == (private, public)
+
+
+def _res(code, out, err=""):
+    return Result(Host("h", 22, "root", 0), "cmd", code, out, err, 0.1)
+
+
+@pytest.mark.parametrize(
+    "result, expected",
+    [
+        (_res(0, "noise\nCLUSTERCTL_STEP apt ok \n"), ("ok", "")),
+        (_res(0, "CLUSTERCTL_STEP apt changed install a b\n"), ("changed", "install a b")),
+        (_res(1, "CLUSTERCTL_STEP apt failed dpkg lock held\n"), ("failed", "dpkg lock held")),
+        (_res(0, "no status\n"), ("failed", "exit 0 without a status line: no status")),
+        (_res(3, "CLUSTERCTL_STEP apt ok \n"), ("failed", "exit 3 after reporting ok")),
+        (_res(0, "CLUSTERCTL_STEP gpu ok \n"), ("failed", "bad status line: CLUSTERCTL_STEP gpu ok ")),
+        (_res(255, "", "cannot connect to h: refused"), ("failed", "cannot connect to h: refused")),
+        (_res(124, "", "timed out after 5s running x"), ("failed", "timed out after 5s (provision.timeout)")),
+    ],
+)
+def test_parse_status(result, expected):
+    outcome = parse_status("apt", result, 5)
+    assert (outcome.status, outcome.reason) == expected
+
+
+def test_platform_args_cover_every_manylinux_tag_up_to_the_hosts_glibc():
+    args = wheelhouse.platform_args(HostFacts(python="3.11", machine="x86_64", glibc="2.36"))
+    assert args[:4] == ["--python-version", "3.11", "--implementation", "cp"]
+    assert args[4:10] == ["--abi", "cp311", "--abi", "abi3", "--abi", "none"]
+    plats = [args[i + 1] for i, a in enumerate(args) if a == "--platform"]
+    assert plats[0] == "manylinux_2_36_x86_64" and "manylinux_2_17_x86_64" in plats and "manylinux_2_5_x86_64" in plats
+    assert {"manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"} <= set(plats)
+    assert "manylinux_2_37_x86_64" not in plats
+    with pytest.raises(ProvisionError, match="Python version or machine is unknown"):
+        wheelhouse.platform_args(HostFacts())
+
+
+def test_only_missing_wheels_travel_and_the_tar_stream_is_valid(tmp_path):
+    for name, size in (("a-1-py3-none-any.whl", 10), ("b-2-py3-none-any.whl", 20000)):
+        (tmp_path / name).write_bytes(os.urandom(size))
+    facts = HostFacts(wheels=(("a-1-py3-none-any.whl", 10), ("b-2-py3-none-any.whl", 5)))
+    missing = wheelhouse.missing_wheels(tmp_path, facts)
+    assert [p.name for p in missing] == ["b-2-py3-none-any.whl"]
+    data = b"".join(wheelhouse.tar_stream(missing))
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        assert [(m.name, m.size) for m in tar.getmembers()] == [("b-2-py3-none-any.whl", 20000)]
+    assert wheelhouse.upload_command(".clusterctl/wheelhouse") == (
+        "mkdir -p -- .clusterctl/wheelhouse && tar -x -f - -C .clusterctl/wheelhouse --no-same-owner"
+    )
+
+
+def _doctor_facts(mpi4py: str, nccl: str = "", pkgs=None):
+    return {
+        "python3": "3.11.2",
+        "venv": {"path": "/v", "exists": True, "python": "3.11.2", "mpi4py": mpi4py, "mpi_library": "MPICH Version: 5.0.2",
+                 "mpiexec": "5.0.2", "packages": pkgs or {"numpy": "2.4.6"}},
+        "gpu": {"toolkit": "", "cudnn": "", "nccl": nccl, "gpus": [], "driver": ""},
+    }
+
+
+def test_doctor_compare_names_the_odd_host_out():
+    hosts = [Host(f"10.0.0.{i}", 22, "root", i) for i in range(1, 4)]
+    facts = {hosts[0]: _doctor_facts("4.1.2"), hosts[1]: _doctor_facts("4.1.2"), hosts[2]: _doctor_facts("4.1.1")}
+    assert compare(facts, hosts) == ["mpi4py differs: 10.0.0.3 has 4.1.1; 10.0.0.1, 10.0.0.2 have 4.1.2"]
+    facts[hosts[0]] = _doctor_facts("4.1.2", nccl="2.21.5-1+cuda12.4 (apt)", pkgs={"numpy": "2.0.0"})
+    facts[hosts[2]] = _doctor_facts("4.1.2")
+    assert compare(facts, hosts) == [
+        "NCCL differs: 10.0.0.1 has 2.21.5-1+cuda12.4; 10.0.0.2, 10.0.0.3 have none",
+        "package numpy differs: 10.0.0.1 has 2.0.0; 10.0.0.2, 10.0.0.3 have 2.4.6",
+    ]
+
+
+def test_doctor_params_list_the_plans_ports_and_peers():
+    spec = _spec(HEAD + "  python: {venv: /opt/v}\n")
+    plan = make_plan(spec)
+    p = host_params(plan, "/opt/v", plan.hosts[0])
+    assert p["ports"] == [6168, 6169, 6180] and p["listen_port"] == 6168
+    assert p["peers"] == [{"label": "10.0.0.2", "address": "10.0.0.2", "ssh_port": 22, "job_port": 6180}]
+
+
+def test_cli_without_provision_section_is_one_clean_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(HEAD.replace("provision:\n", ""))
+    proc = subprocess.run([sys.executable, "-m", "clusterctl.cli", "provision", str(path)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"clusterctl: error: {path} has no provision: section (see docs/provisioning.md)"
+    path.write_text(HEAD + "  apt: [htop]\n")
+    proc = subprocess.run([sys.executable, "-m", "clusterctl.cli", "provision", str(path), "--only", "gpu"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "clusterctl: error: --only gpu: the spec's provision section has no gpu step"
