@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,26 +32,41 @@ VENV = "/opt/clusterctl-venv"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build_wheel(dest: Path) -> Path:
-    """A wheel of this checkout of clusterctl, rebuilt only when its sources change."""
+def build_wheel(dest: Path) -> tuple[Path, str]:
+    """A wheel of this checkout, versioned `X.Y.Z+src.<hash of the sources>`; rebuilt only when they change.
+
+    The local version label makes hosts install the new code whenever it changed (same-named wheels
+    would count as already present).
+    """
+    from . import __version__
+
     h = hashlib.sha256()
-    for p in sorted((ROOT / "clusterctl").rglob("*.py")) + [ROOT / "pyproject.toml"]:
+    sources = sorted((ROOT / "clusterctl").rglob("*.py")) + [ROOT / "pyproject.toml"]
+    for p in sources:
         h.update(p.relative_to(ROOT).as_posix().encode() + b"\0" + p.read_bytes())
-    folder = dest / h.hexdigest()[:16]
+    version = f"{__version__}+src.{h.hexdigest()[:12]}"
+    folder = dest / version
     wheels = sorted(folder.glob("clusterctl-*.whl"))
     if wheels:
-        return wheels[0]
-    folder.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(folder), str(ROOT)],
-        capture_output=True, text=True,
-    )
+        return wheels[0], version
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "src"
+        shutil.copytree(ROOT / "clusterctl", tree / "clusterctl", ignore=shutil.ignore_patterns("__pycache__"))
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy(ROOT / name, tree / name)
+        init = tree / "clusterctl" / "__init__.py"
+        init.write_text(init.read_text().replace(f'__version__ = "{__version__}"', f'__version__ = "{version}"'))
+        folder.mkdir(parents=True, exist_ok=True)
+        res = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(folder), str(tree)],
+            capture_output=True, text=True,
+        )
     if res.returncode != 0:
         raise ClusterctlError(f"building the clusterctl wheel failed: {res.stderr.strip()[-500:]}")
-    return next(folder.glob("clusterctl-*.whl"))
+    return next(folder.glob("clusterctl-*.whl")), version
 
 
-def demo_spec(cluster_spec: Path, dest: Path, wheel: Path) -> Path:
+def demo_spec(cluster_spec: Path, dest: Path, wheel: Path, version: str) -> Path:
     """The demo job: the test cluster's hosts and keys, provisioning, the fit_a_line example, 2 pservers, 3 trainers."""
     base = yaml.safe_load(cluster_spec.read_text())
     spec = {
@@ -58,8 +75,8 @@ def demo_spec(cluster_spec: Path, dest: Path, wheel: Path) -> Path:
         "hosts": base["hosts"],
         "workspace": {"local": str(ROOT / "examples" / "fit_a_line"), "remote": "clusterctl/fit-a-line"},
         "provision": {
-            "wheelhouse": {"enabled": True},
-            "python": {"venv": VENV, "requirements": ["numpy", "pyzmq", str(wheel)]},
+            "wheelhouse": {"enabled": True, "find_links": [str(wheel.parent)]},
+            "python": {"venv": VENV, "requirements": ["numpy", "pyzmq", f"clusterctl=={version}"]},
         },
         "job": {
             "mode": "pserver",
@@ -89,8 +106,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t_all = time.monotonic()
     out.print(Rule(f"1. test cluster: {DEMO_NODES} nodes running sshd in Docker"))
     info = tc.up(DEMO_NODES, name=DEMO_CLUSTER)
-    wheel = build_wheel(Path(info.state_dir) / "dist")
-    spec_path = demo_spec(Path(info.spec_path), Path(info.state_dir) / "demo.yaml", wheel)
+    wheel, version = build_wheel(Path(info.state_dir) / "dist")
+    spec_path = demo_spec(Path(info.spec_path), Path(info.state_dir) / "demo.yaml", wheel, version)
     out.print(f"{DEMO_NODES} nodes up ({'reused' if info.reused else 'started'}); spec: {escape(str(spec_path))}")
     cmd_plan(argparse.Namespace(spec=str(spec_path), json=False))
 
@@ -116,7 +133,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         try:
             stop(session)  # a previous demo interrupted half way leaves nothing behind
             start(session)
-            with Live(progress.table("training"), console=out, refresh_per_second=8) as live:
+            with Live(progress.table("training"), console=out, refresh_per_second=8, transient=True) as live:
 
                 def on_line(host, stream, line):
                     if progress.feed(line):
@@ -136,7 +153,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         left = any(r.get("was_running") for r in results.values())
         out.print("stopped the remaining processes" if left else "nothing left to stop: pservers exited when the trainers finished")
 
-    losses = [tp.loss for tp in progress.trainers.values() if tp.loss is not None]
+    losses = [progress.trainers[t].loss for t in sorted(progress.trainers) if progress.trainers[t].loss is not None]
     converged = final.state == "succeeded" and len(losses) == 3 and max(losses) < 10
     verdict = "[bold green]converged[/]" if converged else "[bold red]did not converge[/]"
     out.print(

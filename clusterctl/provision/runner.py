@@ -199,6 +199,7 @@ def _wheelhouse(session, steps, hosts, facts, *, check: bool, force: bool, log) 
             folder = wheelhouse.download(
                 reqs, facts[members[0]], wheelhouse.local_root(spec), index_url=wh.index_url, force=force,
                 log=lambda line, members=members: [log(h, "wheelhouse", line) for h in members],
+                find_links=[str(spec.local_path(d)) for d in wh.find_links],
             )
         except ProvisionError as exc:
             out.update({h: StepOutcome("failed", str(exc), time.monotonic() - t0) for h in members})

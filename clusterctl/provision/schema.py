@@ -194,6 +194,7 @@ class WheelhouseSpec(_Model):
     local: str = "~/.cache/clusterctl/wheelhouse"
     remote: str = ".clusterctl/wheelhouse"
     index_url: str | None = None
+    find_links: tuple[str, ...] = ()  # controller-side folders of extra wheels (e.g. ones you built), relative to the spec
 
     @model_validator(mode="before")
     @classmethod

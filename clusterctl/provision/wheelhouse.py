@@ -43,15 +43,20 @@ def platform_args(facts: HostFacts) -> list[str]:
     return args
 
 
-def _group_key(reqs: list[str], plat: list[str], index_url: str | None) -> str:
-    blob = json.dumps({"reqs": reqs, "platform": plat, "index": index_url}, sort_keys=True)
+def _group_key(reqs: list[str], plat: list[str], index_url: str | None, find_links: list[str] = ()) -> str:
+    offered = sorted(p.name for d in find_links for p in Path(d).glob("*.whl"))  # a new wheel there: download again
+    blob = json.dumps({"reqs": reqs, "platform": plat, "index": index_url, "links": list(find_links), "offered": offered},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def download(reqs: list[str], facts: HostFacts, local_root: Path, *, index_url: str | None, force: bool, log) -> Path:
+def download(
+    reqs: list[str], facts: HostFacts, local_root: Path, *, index_url: str | None, force: bool, log,
+    find_links: list[str] = (),
+) -> Path:
     """Directory of wheels for `reqs` on hosts like `facts`; downloaded once, then reused (unless force)."""
     plat = platform_args(facts)
-    folder = local_root / _group_key(reqs, plat, index_url)
+    folder = local_root / _group_key(reqs, plat, index_url, find_links)
     stamp = folder / _STAMP
     if stamp.is_file() and not force:
         return folder
@@ -60,6 +65,8 @@ def download(reqs: list[str], facts: HostFacts, local_root: Path, *, index_url: 
             "--only-binary=:all:", "--dest", str(folder), *plat]
     if index_url:
         argv += ["--index-url", index_url]
+    for link in find_links:
+        argv += ["--find-links", str(link)]
     argv += reqs
     log(f"$ {join(argv)}")
     try:
