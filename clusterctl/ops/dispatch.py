@@ -216,9 +216,7 @@ def dispatch(session: Session) -> list[HostDispatch]:
             return archives[key].stream(header)
 
         busy = [h for h, (_, changed, delete) in plans.items() if changed or delete]
-        results = remote.run(
-            join(["python3", tools["hostws"], "apply", root]), hosts=busy, stdin=feed, check=False, what="dispatch"
-        )
+        results = remote.push(join(["python3", tools["hostws"], "apply", root]), hosts=busy, stdin=feed, what="dispatch")
         sizes = {key: archive.size for key, archive in archives.items()}
     finally:
         for archive in archives.values():
