@@ -49,3 +49,45 @@ job:
     assert "done rank=1 world=2 allreduce=3" in outs[1]
     final = [float(o.rsplit("loss=", 1)[1]) for o in outs]
     assert final[0] < 0.05 and final[1] < 0.05
+
+
+def _paddle_python() -> str | None:
+    """An interpreter with paddlepaddle: $CLUSTERCTL_PADDLE_PYTHON, or this one if it has paddle."""
+    explicit = os.environ.get("CLUSTERCTL_PADDLE_PYTHON")
+    if explicit:
+        return explicit
+    try:
+        import paddle  # noqa: F401
+    except ImportError:
+        return None
+    return sys.executable
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_stock_paddle_init_parallel_env_allreduces_with_plan_env():
+    """paddle.distributed.init_parallel_env() on CPU (gloo) from the plan's env; PADDLE_DISTRI_BACKEND is job.env."""
+    python = _paddle_python()
+    if python is None:
+        pytest.skip("no paddlepaddle: pip install paddlepaddle==3.3.1, or set CLUSTERCTL_PADDLE_PYTHON")
+    spec = parse_spec(
+        f"""
+name: paddleproof
+hosts: [{{address: 127.0.0.1}}]
+job:
+  entrypoint: [{python}, {ROOT / 'examples/paddle_collective/train.py'}]
+  trainers: 2
+  env: {{PADDLE_DISTRI_BACKEND: gloo}}
+  ports: {{trainer: {free_port()}, master: {free_port()}, control: {free_port()}}}
+"""
+    )
+    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
+    procs = [
+        subprocess.Popen(list(p.argv), env={**base, **p.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for p in make_plan(spec).trainers
+    ]
+    outs = [p.communicate(timeout=200)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    assert "done rank=0 world=2 allreduce=3" in outs[0]
+    assert "done rank=1 world=2 allreduce=3" in outs[1]

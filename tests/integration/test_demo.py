@@ -1,0 +1,43 @@
+"""The README's first command, end to end: the demo converges, and a second run is incremental."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def run_demo() -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "clusterctl.cli", "demo"], capture_output=True, text=True, timeout=600,
+        stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "120"},
+    )
+
+
+@pytest.mark.timeout(900)
+def test_demo_converges_and_a_second_run_is_incremental(testcluster):  # testcluster: docker is usable
+    from clusterctl import testcluster as tc
+    from clusterctl.demo import DEMO_CLUSTER
+
+    tc.down(DEMO_CLUSTER)  # fresh nodes: the first run provisions for real
+    first = run_demo()
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+    assert "converged: final loss per trainer" in first.stdout
+    losses = [float(x) for x in re.search(r"final loss per trainer ([\d., ]+) \(", first.stdout).group(1).split(", ")]
+    assert len(losses) == 3 and max(losses) < 10
+    assert "job fit-a-line-demo: succeeded" in first.stdout
+
+    second = run_demo()
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-2000:]
+    assert re.search(r"^0 changed, 0 failed, \d+ ok in ", second.stdout, re.M), second.stdout
+    assert "0 file(s), 0 bytes to 3 hosts" in second.stdout
+    t1 = float(re.search(r"total ([\d.]+)s", first.stdout).group(1))
+    t2 = float(re.search(r"total ([\d.]+)s", second.stdout).group(1))
+    p1 = float(re.search(r"provision ([\d.]+)s", first.stdout).group(1))
+    p2 = float(re.search(r"provision ([\d.]+)s", second.stdout).group(1))
+    assert p2 < p1 and t2 <= t1 * 1.5  # provisioning skips; the training itself takes the same time
