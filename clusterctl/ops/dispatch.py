@@ -101,7 +101,7 @@ def scan_workspace(root: Path, exclude: tuple[str, ...], *, prefix: str = "") ->
     """Every file under `root` not matched by the gitignore-style `exclude` patterns, with its hash."""
     if not root.is_dir():
         raise JobError(f"workspace.local {root} is not a directory")
-    spec = pathspec.PathSpec.from_lines("gitwildmatch", exclude)
+    spec = pathspec.GitIgnoreSpec.from_lines(exclude)
     cache = _HashCache(root)
     files: dict[str, LocalFile] = {}
     for dirpath, dirnames, filenames in os.walk(root):
