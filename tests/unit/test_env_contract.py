@@ -65,7 +65,7 @@ def _paddle_python() -> str | None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_stock_paddle_init_parallel_env_allreduces_with_plan_env():
+def test_stock_paddle_init_parallel_env_allreduces_with_plan_env(tmp_path):
     """paddle.distributed.init_parallel_env() on CPU (gloo) from the plan's env; PADDLE_DISTRI_BACKEND is job.env."""
     python = _paddle_python()
     if python is None:
@@ -83,7 +83,9 @@ job:
     )
     base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
     procs = [
-        subprocess.Popen(list(p.argv), env={**base, **p.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            list(p.argv), env={**base, **p.env}, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )  # cwd: paddle's KV server writes http.log there
         for p in make_plan(spec).trainers
     ]
     outs = [p.communicate(timeout=200)[0] for p in procs]
