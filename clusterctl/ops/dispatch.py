@@ -33,6 +33,7 @@ __all__ = ["LocalFile", "scan_workspace", "list_data_files", "dispatch", "verify
 
 _CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "clusterctl" / "hashes"
 _CHUNK = 1 << 20
+_BULK = 8 << 20  # per-host archive size from which data goes through the OpenSSH client
 
 
 @dataclass(frozen=True)
@@ -205,18 +206,24 @@ def dispatch(session: Session) -> list[HostDispatch]:
 
     archives: dict[tuple, _Archive] = {}
     try:
-        for host, (_, changed, _) in plans.items():
-            key = tuple((rel, wanted[host][rel].sha256) for rel in changed)
+        def _key(host: Host) -> tuple:
+            return tuple((rel, wanted[host][rel].sha256) for rel in plans[host][1])
+
+        for host in plans:
+            key = _key(host)
             if key not in archives:  # built once per distinct change set, streamed to every host that needs it
-                archives[key] = _Archive(wanted[host], changed)
+                archives[key] = _Archive(wanted[host], plans[host][1])
 
         def feed(host: Host):
-            header, changed, _ = plans[host]
-            key = tuple((rel, wanted[host][rel].sha256) for rel in changed)
-            return archives[key].stream(header)
+            return archives[_key(host)].stream(plans[host][0])
 
         busy = [h for h, (_, changed, delete) in plans.items() if changed or delete]
-        results = remote.push(join(["python3", tools["hostws"], "apply", root]), hosts=busy, stdin=feed, what="dispatch")
+        apply = join(["python3", tools["hostws"], "apply", root])
+        biggest = max((archives[_key(h)].size for h in busy), default=0)
+        if biggest >= _BULK:  # OpenSSH's C crypto, one process per host
+            results = remote.push(apply, hosts=busy, stdin=feed, what="dispatch")
+        else:  # small: the connections already open are faster than starting ssh processes
+            results = remote.run(apply, hosts=busy, stdin=feed, check=False, what="dispatch")
         sizes = {key: archive.size for key, archive in archives.items()}
     finally:
         for archive in archives.values():
