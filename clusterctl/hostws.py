@@ -97,9 +97,9 @@ def safe_rel(name):
 
 
 def extract(stream, staging):
-    """Extract regular files from a tar stream, unlinking any existing file first."""
-    count = 0
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
+    """Extract regular files from a tar stream, unlinking any existing file first; return {path: sha256}."""
+    digests = {}
+    with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK) as tar:
         for member in tar:
             rel = safe_rel(member.name)
             dest = os.path.join(staging, rel)
@@ -112,12 +112,18 @@ def extract(stream, staging):
             if os.path.lexists(dest):
                 os.unlink(dest)
             src = tar.extractfile(member)
+            h = hashlib.sha256()
             with open(dest, "wb") as out:
-                shutil.copyfileobj(src, out, CHUNK)
+                while True:
+                    block = src.read(CHUNK)
+                    if not block:
+                        break
+                    h.update(block)  # checked against the manifest below: no second read
+                    out.write(block)
             os.chmod(dest, member.mode & 0o7777)
             os.utime(dest, ns=(member.mtime * 10**9, member.mtime * 10**9))
-            count += 1
-    return count
+            digests[rel] = h.hexdigest()
+    return digests
 
 
 def cmd_apply(root):
@@ -140,12 +146,12 @@ def cmd_apply(root):
             link_tree(os.path.join(gens, old), staging)
         else:
             os.makedirs(staging)
-        written = extract(sys.stdin.buffer, staging) if sys.stdin.buffer.peek(1) else 0  # no tar: deletions only
+        digests = extract(sys.stdin.buffer, staging) if sys.stdin.buffer.peek(1) else {}  # no tar: deletions only
         for rel in delete:
             p = os.path.join(staging, safe_rel(rel))
             if os.path.lexists(p) and not os.path.isdir(p):
                 os.unlink(p)
-        bad = [rel for rel in changes if sha256(os.path.join(staging, rel)) != manifest[rel]["h"]]
+        bad = [rel for rel in changes if digests.get(safe_rel(rel)) != manifest[rel]["h"]]
         if bad:
             raise OSError(f"content check failed after transfer: {', '.join(bad[:5])}")
         with open(os.path.join(gens, gen + ".json.tmp"), "w", encoding="utf-8") as fh:
@@ -168,7 +174,7 @@ def cmd_apply(root):
                 os.unlink(leftover)
         fail(f"dispatch failed, previous workspace kept: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
     prune(gens, keep={gen, old})
-    print(json.dumps({"gen": gen, "previous": old, "written": written, "deleted": len(delete)}))
+    print(json.dumps({"gen": gen, "previous": old, "written": len(digests), "deleted": len(delete)}))
 
 
 def prune(gens, keep):

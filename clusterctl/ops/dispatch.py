@@ -157,7 +157,7 @@ class _Archive:
     def __init__(self, files: dict[str, LocalFile], changed: list[str]):
         self._fh = tempfile.TemporaryFile()
         if changed:  # deletions only: no archive at all
-            with tarfile.open(fileobj=self._fh, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            with tarfile.open(fileobj=self._fh, mode="w|", format=tarfile.PAX_FORMAT, bufsize=_CHUNK) as tar:
                 for rel in changed:
                     f = files[rel]
                     info = tarfile.TarInfo(rel)
