@@ -143,8 +143,8 @@ class Remote:
         self.close()
 
     def close(self) -> None:
-        """Close every connection and the worker pool."""
-        for conn in self._conns.values():
+        """Close every connection and the worker pool (safe while workers still run)."""
+        for conn in list(self._conns.values()):  # a snapshot: workers may drop lost connections meanwhile
             conn.close()
         self._conns.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -263,7 +263,8 @@ class Remote:
         except _Timeout:
             return Result(host, cmd, 124, "", f"timed out after {timeout:g}s running {cmd[:200]}", time.monotonic() - start)
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            self._conns.pop(host, None)
+            with self._conn_locks[host]:
+                self._conns.pop(host, None)
             msg = f"connection to {host.label} lost: {exc or type(exc).__name__}"
             return Result(host, cmd, UNREACHABLE, "", msg, time.monotonic() - start)
         return Result(host, cmd, code, out, err, time.monotonic() - start)
