@@ -200,8 +200,10 @@ def dispatch(session: Session) -> list[HostDispatch]:
         manifest = {rel: f.entry() for rel, f in files.items()}
         changed = sorted(rel for rel, e in manifest.items() if rel in drifted or _differs(current.get(rel), e))
         delete = sorted(set(current) - set(manifest))
-        header = {"gen": gen, "base": state["gen"], "changes": {rel: manifest[rel] for rel in changed}, "delete": delete}
-        header = json.dumps(header).encode() + b"\n"
+        header = {"gen": gen, "base": state["gen"], "changes": {rel: manifest[rel] for rel in changed},
+                  "delete": delete, "archive": bool(changed)}
+        blob = json.dumps(header).encode()
+        header = b"%016d" % len(blob) + blob  # length-framed: the host hands the rest of stdin to tar
         plans[host] = (header, changed, delete)
 
     archives: dict[tuple, _Archive] = {}

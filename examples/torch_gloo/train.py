@@ -35,6 +35,7 @@ def main() -> None:
     check = torch.tensor([float(rank + 1)])
     dist.all_reduce(check)
     print(f"done rank={rank} world={world} allreduce={check.item():g} loss={loss.item():.4f}", flush=True)
+    dist.barrier()  # nobody tears gloo down while a peer is still talking to it
     dist.destroy_process_group()
 
 

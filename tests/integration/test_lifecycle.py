@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from clusterlib import ROOT, clusterctl, docker, listening, node_exec, status_json, tagged_pids, write_spec
 
@@ -288,7 +290,7 @@ def test_incremental_dispatch_of_2000_files(testcluster, tmp_path):
             (ws / f"d{d:02d}" / f"f{f:03d}.txt").write_text(f"file {d}/{f}\n" * 20)
     spec = write_spec(
         testcluster, tmp_path / "inc.yaml", name="it-inc", hosts=2,
-        workspace={"local": str(ws), "remote": f"clusterctl-it/{tmp_path.name}"}, job={"entrypoint": ["true"]},
+        workspace={"local": str(ws), "remote": f"clusterctl-it/inc-{uuid.uuid4().hex[:8]}"}, job={"entrypoint": ["true"]},
     )
     first = clusterctl("dispatch", spec, check=True, timeout=240).stdout
     assert first.count("│ 2000 ") == 2, first
@@ -298,8 +300,9 @@ def test_incremental_dispatch_of_2000_files(testcluster, tmp_path):
     third = clusterctl("dispatch", spec, check=True, timeout=240).stdout
     assert third.count("│ 1          │ 10.") == 2, third  # one file: one tar record, not the manifest
     for n in testcluster.nodes[:2]:
-        assert node_exec(n.container, f"cat /root/clusterctl-it/{tmp_path.name}/d03/f007.txt") == "changed\n"
-        assert node_exec(n.container, f"find -L /root/clusterctl-it/{tmp_path.name} -type f | wc -l").strip() == "2000"
+        remote = yaml.safe_load(spec.read_text())["workspace"]["remote"]
+        assert node_exec(n.container, f"cat /root/{remote}/d03/f007.txt") == "changed\n"
+        assert node_exec(n.container, f"find -L /root/{remote} -type f | wc -l").strip() == "2000"
 
 
 @pytest.mark.timeout(240)
