@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 
@@ -12,7 +13,7 @@ from rich.markup import escape
 
 from .plan import Host
 
-__all__ = ["out", "err", "setup_logging", "LinePrinter", "error"]
+__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "write_line"]
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -42,5 +43,15 @@ class LinePrinter:
         prefix = f"[{host.label}]".ljust(self.width + 2)
         target = sys.stdout if stream == "out" else sys.stderr
         with self._lock:
-            target.write(f"{prefix} {line}\n")
-            target.flush()
+            write_line(target, f"{prefix} {line}")
+
+
+def write_line(target, text: str) -> None:
+    """Write one line; when our reader went away (`| head`), drop output instead of failing remote work."""
+    try:
+        target.write(text + "\n")
+        target.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # Python's documented recipe for EPIPE on stdout
+        os.dup2(devnull, target.fileno())
+        os.close(devnull)

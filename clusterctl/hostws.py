@@ -212,19 +212,36 @@ def cmd_apply(root):
             if os.path.exists(leftover):
                 os.unlink(leftover)
         fail(f"dispatch failed, previous workspace kept: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
-    prune(gens, keep={gen, old})
-    print(json.dumps({"gen": gen, "previous": old, "written": len(changes), "deleted": len(delete)}))
+    doomed = [n for n in os.listdir(gens) if (n[:-5] if n.endswith(".json") else n) not in {gen, old}]
+    print(json.dumps({"gen": gen, "previous": old, "written": len(changes), "deleted": len(delete)}), flush=True)
+    prune_detached(gens, doomed)
 
 
-def prune(gens, keep):
-    for name in os.listdir(gens):
-        base = name[:-5] if name.endswith(".json") else name
-        if base not in keep:
-            p = os.path.join(gens, name)
-            if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                os.unlink(p)
+def prune_detached(gens, names):
+    """Remove old generations after replying: in a child detached from the SSH channel, only `names`
+    (listed before this generation went live, so a later dispatch's staging is never touched)."""
+    if not names:
+        return
+    if os.fork() != 0:
+        return
+    try:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)  # let sshd close the channel now
+        prune(gens, names)
+    finally:
+        os._exit(0)
+
+
+def prune(gens, names):
+    """Delete these generation directories and manifests."""
+    for name in names:
+        p = os.path.join(gens, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        elif os.path.lexists(p):
+            os.unlink(p)
 
 
 def cmd_verify(root):

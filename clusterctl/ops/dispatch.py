@@ -27,7 +27,7 @@ from ..plan import DATA_ENV, Host
 from ..quoting import join
 from ..spec import ClusterSpec
 from . import Session
-from .hosttools import ensure_tools
+from .hosttools import ensure_tools, tool_command, tool_path
 
 __all__ = ["LocalFile", "scan_workspace", "list_data_files", "dispatch", "verify", "HostDispatch"]
 
@@ -187,9 +187,10 @@ def dispatch(session: Session) -> list[HostDispatch]:
     spec, plan, remote = session.spec, session.plan, session.remote
     workspace = scan_workspace(spec.local_path(spec.workspace.local), spec.workspace.exclude)
     wanted = _host_files(session, workspace)
-    tools = ensure_tools(remote, ("hostws",))
     root = plan.workdir
-    states = remote.run(join(["python3", tools["hostws"], "state", root]), what="reading workspace state")
+    state_cmd, payload = tool_command("hostws", ["state", root])  # installs the tool if missing, same round trip
+    states = remote.run(state_cmd, stdin=payload, what="reading workspace state")
+    tools = {"hostws": tool_path("hostws")}
     gen = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(4)
 
     plans: dict[Host, tuple[bytes, list[str], list[str]]] = {}
@@ -260,7 +261,7 @@ def _differs(old: dict | None, new: dict) -> bool:
 
 def verify(session: Session) -> dict[Host, list[dict]]:
     """Each host's drift from its last dispatch: [{'path', 'problem'}]; an empty list means verified."""
-    tools = ensure_tools(session.remote, ("hostws",))
-    results = session.remote.run(join(["python3", tools["hostws"], "verify", session.plan.workdir]), what="verifying workspaces")
+    cmd, payload = tool_command("hostws", ["verify", session.plan.workdir])
+    results = session.remote.run(cmd, stdin=payload, what="verifying workspaces")
     return {host: json.loads(res.stdout)["drift"] for host, res in results.items()}
 

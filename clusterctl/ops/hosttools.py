@@ -9,7 +9,7 @@ from importlib import resources
 from ..quoting import quote
 from ..remote import Remote
 
-__all__ = ["tool_path", "ensure_tools", "TOOLS_DIR"]
+__all__ = ["tool_path", "ensure_tools", "tool_command", "TOOLS_DIR"]
 
 TOOLS_DIR = ".clusterctl/bin"  # relative to the remote user's home (ssh sessions start there)
 
@@ -53,3 +53,18 @@ def ensure_tools(remote: Remote, modules: tuple[str, ...], hosts=None, *, check:
         what="installing clusterctl's host tools (needs python3 on the host)",
     )
     return paths
+
+
+def tool_command(module: str, args: list[str]) -> tuple[str, bytes]:
+    """One shell line that installs host tool `module` if missing, then runs it; and the stdin it needs.
+
+    Saves a round trip over ensure_tools() + run. The tool's stdin is not available to it (the payload
+    is), so use this only for commands that read no stdin.
+    """
+    from ..quoting import join
+
+    path = tool_path(module)
+    src = _source(module)
+    header = json.dumps([[path, len(src)]]).encode() + b"\n"
+    line = f"{{ test -f {quote(path)} || python3 -c {quote(_INSTALL)}; }} && {join(['python3', path, *args])}"
+    return line, header + src

@@ -19,7 +19,7 @@ from ..plan import Host, JobPlan
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote
 from . import Session
-from .hosttools import ensure_tools
+from .hosttools import ensure_tools, tool_command
 
 __all__ = [
     "STATE_ROOT",
@@ -182,8 +182,8 @@ def _parse(res) -> dict:
 def status(session: Session) -> JobStatus:
     """Every process's state on every host; unreachable hosts are reported, not fatal."""
     plan, remote = session.plan, session.remote
-    tool = ensure_tools(remote, ("agent",), check=False)["agent"]
-    results = remote.run(_agent_cmd(tool, "status", _jobdir(plan)), check=False, what="status")
+    cmd, payload = tool_command("agent", ["status", _jobdir(plan)])
+    results = remote.run(cmd, stdin=payload, check=False, what="status")
     procs: list[ProcessStatus] = []
     host_states: list[str] = []
     unreachable: dict[str, str] = {}
@@ -215,10 +215,11 @@ def status(session: Session) -> JobStatus:
 def stop(session: Session, *, grace: float | None = None) -> dict[Host, dict]:
     """Stop the job everywhere: SIGTERM, SIGKILL after grace, sweep by CLUSTERCTL_JOB. Idempotent."""
     plan, remote = session.plan, session.remote
-    tool = ensure_tools(remote, ("agent",))["agent"]
     g = plan.grace if grace is None else grace
+    cmd, payload = tool_command("agent", ["stop", _jobdir(plan), "--grace", f"{g:g}", "--job", plan.job])
     results = remote.run(
-        _agent_cmd(tool, "stop", _jobdir(plan), "--grace", f"{g:g}", "--job", plan.job),
+        cmd,
+        stdin=payload,
         timeout=g + 60,
         check=False,
         what="stop",

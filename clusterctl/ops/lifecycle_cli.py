@@ -11,7 +11,7 @@ import time
 from rich.markup import escape
 from rich.table import Table
 
-from ..console import err, out
+from ..console import err, out, write_line
 
 __all__ = ["add_cli"]
 
@@ -73,8 +73,7 @@ def render_status(st) -> None:
 
 def _raw_line(host, stream, line) -> None:
     # the agent already prefixes each line with [host role.id]
-    (sys.stdout if stream == "out" else sys.stderr).write(line + "\n")
-    (sys.stdout if stream == "out" else sys.stderr).flush()
+    write_line(sys.stdout if stream == "out" else sys.stderr, line)
 
 
 def run_status(spec, *, as_json: bool = False) -> int:
