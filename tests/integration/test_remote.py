@@ -139,3 +139,23 @@ def test_bounded_run_keeps_late_stderr_and_streams_large_stdin(testcluster, tmp_
         assert res.stderr == "early\nlate\n"
     for res in big.values():
         assert res.stdout.split()[0] == hashlib.sha256(payload).hexdigest()
+
+
+@pytest.mark.timeout(120)
+def test_stopped_container_fails_within_connect_timeout_and_is_named(testcluster, tmp_path):
+    """`docker stop`, on a throwaway one-node cluster so the session cluster's addresses never move."""
+    from clusterctl import testcluster as tc
+
+    info = tc.up(1, name="clusterctl-pytest-stopped")
+    try:
+        spec = write_spec(info, tmp_path / "c.yaml", name="stopped", ssh={"connect_timeout": 3}, job={"entrypoint": ["true"]})
+        assert clusterctl("exec", spec, "--", "true").returncode == 0
+        docker("stop", "-t", "1", info.nodes[0].container)
+        t0 = time.monotonic()
+        res = clusterctl("exec", spec, "--", "true", timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        tc.down("clusterctl-pytest-stopped")
+    assert res.returncode == 255
+    assert f"clusterctl: error: cannot connect to {info.nodes[0].ip}: " in res.stderr
+    assert elapsed < 3 + 6, elapsed
