@@ -4,7 +4,7 @@
     python benchmarks/ps_throughput.py --repeats 5 --params 10000000 --steps 10
 
 Part 1, transport: one trainer and one pserver (separate processes, async mode, SGD applied on the
-server). A step pushes a 4*N-byte gradient and pulls the 4*N-byte parameter back; MB/s counts both
+server; the public ``push_pull``, which in async mode is pipelined in wire-chunk pieces). A step pushes a 4*N-byte gradient and pulls the 4*N-byte parameter back; MB/s counts both
 directions (2 * 4 * N bytes per step). The peer is ``iperf3`` on 127.0.0.1 (one TCP stream, 3 s),
 and bare pyzmq doing the same exchange (DEALER/ROUTER, zero-copy, one copy into the output array, no
 optimizer) are run in the same repeat loop, interleaved; ratios are computed per repeat and the

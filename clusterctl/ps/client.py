@@ -3,11 +3,15 @@
 Every call talks to all pservers at once (one DEALER socket each: send to all, then collect replies),
 so one step costs one round trip to the slowest pserver. Tensors are sent as views of the caller's
 arrays (no copy) and received as frames that are copied once, into the assembled parameters.
+
+In async mode ``push_pull`` is pipelined: each pserver's share goes out as requests of at most one
+wire chunk, and the updated pieces are collected while later ones are still being sent.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,16 +20,46 @@ import numpy as np
 import zmq
 
 from . import checkpoint as ckpt
+from . import protocol
 from .endpoints import zmq_address
 from .errors import BarrierTimeoutError, CheckpointError, PsConfigError, PsTimeoutError, RemoteOpError
 from .optim import SGD, OptimizerConfig
 from .protocol import Message, decode, encode
 from .server import MODES
-from .sharding import DEFAULT_MIN_BLOCK_SIZE, ShardPlan, plan_shards
+from .sharding import DEFAULT_MIN_BLOCK_SIZE, Block, ShardPlan, plan_shards
 
-__all__ = ["PSClient"]
+__all__ = ["PSClient", "pack_pieces"]
 
 log = logging.getLogger(__name__)
+
+#: Pipelined push_pull: requests in flight per pserver (far below ZeroMQ's default high-water mark
+#: of 1000, so the pserver's replies are never dropped while this trainer is still sending).
+WINDOW = 32
+#: Async push_pull pipelined in pieces (default); CLUSTERCTL_PS_PIPELINE=0 sends one message per pserver.
+PIPELINE = os.environ.get("CLUSTERCTL_PS_PIPELINE", "1") != "0"
+
+
+def pack_pieces(tensors: Mapping[str, np.ndarray], chunk: int) -> list[list[tuple[str, int, np.ndarray]]]:
+    """Requests of a pipelined push: ``[(block key, element offset, 1-D view), ...]`` of <= ``chunk`` bytes each.
+
+    Blocks larger than ``chunk`` are cut into chunk-sized pieces (the last one shorter); smaller
+    pieces are packed greedily, in order, into one request while they fit.
+    """
+    msgs: list[list[tuple[str, int, np.ndarray]]] = []
+    cur: list[tuple[str, int, np.ndarray]] = []
+    used = 0
+    for key, flat in tensors.items():
+        step = max(1, chunk // flat.itemsize)
+        for off in range(0, max(flat.size, 1), step):
+            piece = flat[off:off + step]
+            if cur and used + piece.nbytes > chunk:
+                msgs.append(cur)
+                cur, used = [], 0
+            cur.append((key, off, piece))
+            used += piece.nbytes
+    if cur:
+        msgs.append(cur)
+    return msgs
 
 
 def _as_numpy(x: Any) -> np.ndarray:
@@ -158,22 +192,28 @@ class PSClient:
                 out[b.server][b.key] = flat[b.start:b.stop]
         return out
 
-    def _assemble(self, replies: Mapping[int, Message], out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
-        plan = self._need_plan()
+    def _targets(self, out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        """Arrays to assemble the parameters into: ``out``'s (checked) or new ones."""
         result: dict[str, np.ndarray] = {}
-        for name, shape in plan.shapes:
+        for name, shape in self._need_plan().shapes:
             target = out.get(name) if out is not None else None
             if target is None:
                 target = np.empty(shape, self._dtypes[name])
             elif target.shape != shape or not target.flags.c_contiguous or target.dtype != self._dtypes[name]:
                 raise PsConfigError(f"out[{name!r}] must be a C-contiguous {self._dtypes[name]} array of shape {shape}")
+            result[name] = target
+        return result
+
+    def _assemble(self, replies: Mapping[int, Message], out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        plan = self._need_plan()
+        result = self._targets(out)
+        for name, target in result.items():
             flat = target.reshape(-1)
             for b in plan.for_param(name):
                 t = replies[b.server].tensors.get(b.key)
                 if t is None or t.size != b.size or t.dtype != target.dtype:
                     raise RemoteOpError(self.endpoints[b.server], "bad_reply", f"reply lacks block {b.key!r}")
                 t.to_array(out=flat[b.start:b.stop])
-            result[name] = target
         return result
 
     def _all(self, fields: dict[str, Any]) -> dict[int, tuple[dict[str, Any], Mapping[str, np.ndarray]]]:
@@ -230,11 +270,81 @@ class PSClient:
         if self.mode == "geo":
             raise PsConfigError("geo mode pushes parameter deltas: call geo_step(params) instead")
         s = self.step if step is None else step
+        plan = self._need_plan()
+        if PIPELINE and pull and self.mode == "async" and set(tensors) == {name for name, _ in plan.shapes}:
+            result = self._push_pull_pipelined(tensors, s, out)
+            self.step = s + 1
+            return result
         parts = self._split(tensors)
         replies = self._request("push_pull" if pull else "push",
                                 {i: ({"step": s, "pull": pull}, parts[i]) for i in parts})
         self.step = s + 1
         return self._assemble(replies, out) if pull else None
+
+    def _push_pull_pipelined(self, grads: Mapping[str, Any], step: int,
+                             out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        """Async push_pull as pieces of at most one wire chunk, sent while earlier pieces' replies come back.
+
+        Each request carries ``"part": i`` and ``"off"`` (element offset of each tensor in its block);
+        big blocks are cut into chunk-sized pieces, small ones packed together. The pserver applies and
+        answers every piece on arrival; replies are copied into the output arrays as they come.
+        """
+        plan = self._need_plan()
+        result = self._targets(out)
+        flats = {name: arr.reshape(-1) for name, arr in result.items()}
+        chunk = protocol.CHUNK_BYTES
+        self._seq += 1
+        seq = self._seq
+        base = {"op": "push_pull", "seq": seq, "tid": self.trainer_id, "step": step, "pull": True}
+        todo: dict[int, list[tuple[dict[str, Any], dict[str, np.ndarray]]]] = {}
+        expect: dict[int, dict[int, list[tuple[Block, int, int]]]] = {}
+        for i, tensors in self._split(grads).items():
+            blocks = {b.key: b for b in plan.for_server(i)}
+            todo[i], expect[i] = [], {}
+            for n, pieces in enumerate(pack_pieces(tensors, chunk)):
+                todo[i].append(({**base, "part": n, "off": [off for _, off, _ in pieces]},
+                                {key: piece for key, _, piece in pieces}))
+                expect[i][n] = [(blocks[key], off, piece.size) for key, off, piece in pieces]
+        sent = {i: 0 for i in todo}
+        got = {i: 0 for i in todo}
+        deadline = time.monotonic() + self.timeout
+        error: RemoteOpError | None = None
+        poller = zmq.Poller()
+        for i in todo:
+            poller.register(self._socks[i], zmq.POLLIN)
+        while any(got[i] < len(todo[i]) for i in todo):
+            for i, msgs in todo.items():  # keep up to WINDOW requests in flight to each pserver
+                while sent[i] < len(msgs) and sent[i] - got[i] < WINDOW:
+                    head, tensors = msgs[sent[i]]
+                    self._socks[i].send_multipart(encode(head, tensors, chunk_bytes=chunk), copy=False)
+                    sent[i] += 1
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [self.endpoints[i] for i in todo if got[i] < len(todo[i])]
+                raise PsTimeoutError(missing, "push_pull", self.timeout)
+            for sock, _ in poller.poll(int(left * 1000) + 1):
+                i = self._socks.index(sock)
+                msg = decode(sock.recv_multipart(copy=False), request=False)
+                if msg.seq != seq:
+                    log.warning("dropping a stale reply (seq %d, want %d) from %s", msg.seq, seq, self.endpoints[i])
+                    continue
+                got[i] += 1
+                if not msg.header.get("ok"):
+                    error = error or RemoteOpError(self.endpoints[i], str(msg.header.get("code", "error")),
+                                                   str(msg.header.get("error", "")))
+                    continue
+                spans = expect[i].pop(msg.header.get("part"), None) if isinstance(msg.header.get("part"), int) else None
+                offs = msg.header.get("off")
+                if spans is None or offs != [o for _, o, _ in spans] or len(msg.tensors) != len(spans):
+                    raise RemoteOpError(self.endpoints[i], "bad_reply", f"unexpected reply part {msg.header.get('part')!r}")
+                for (b, off, size), (key, t) in zip(spans, msg.tensors.items(), strict=True):
+                    flat = flats[b.param]
+                    if key != b.key or t.size != size or t.dtype != flat.dtype:
+                        raise RemoteOpError(self.endpoints[i], "bad_reply", f"reply piece {key!r} does not match the request")
+                    t.to_array(out=flat[b.start + off:b.start + off + size])
+        if error is not None:
+            raise error
+        return result
 
     def geo_step(self, params: Mapping[str, np.ndarray], *, step: int | None = None) -> Mapping[str, np.ndarray]:
         """Geo mode, once per local step: every ``k_steps`` push ``params - last_synced`` and pull, in place."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import PsConfigError
 
-__all__ = ["SGD", "Adam", "Momentum", "OptimizerConfig", "apply_update", "init_state"]
+__all__ = ["SGD", "Adam", "Momentum", "OptimizerConfig", "apply_piece", "apply_update", "begin_update", "init_state"]
 
 _KINDS = ("sgd", "momentum", "adam")
 
@@ -98,34 +98,51 @@ def apply_update(cfg: OptimizerConfig, param: np.ndarray, grad: Any, state: dict
     its frames arrived, without assembling it). SGD computes ``param + (-lr * grad)``, bit-identical to
     ``param - lr * grad``.
     """
-    dtype = param.dtype
     if out is None:
         out = np.empty_like(param)
-    if cfg.kind == "adam":
-        t = state["t"]
-        t[0] += 1  # once per update, not per piece
-        corr2 = math.sqrt(1 - cfg.beta2 ** t[0])
-        lr_t = dtype.type(cfg.lr * corr2 / (1 - cfg.beta1 ** t[0]))
-        eps = dtype.type(cfg.epsilon * corr2)
+    t = begin_update(cfg, state)
     for off, g in _pieces(grad):
-        end = off + g.size
-        o = out[off:end]
-        if cfg.kind == "sgd":
-            np.multiply(g, -dtype.type(cfg.lr), out=o)
-        elif cfg.kind == "momentum":
-            vel = state["velocity"][off:end]
-            vel *= dtype.type(cfg.momentum)
-            vel += g
-            np.multiply(vel, -dtype.type(cfg.lr), out=o)
-        else:  # adam, as Paddle: lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t); eps scaled by sqrt(1 - b2^t)
-            m, v = state["m"][off:end], state["v"][off:end]
-            m *= dtype.type(cfg.beta1)
-            m += dtype.type(1 - cfg.beta1) * g
-            v *= dtype.type(cfg.beta2)
-            v += dtype.type(1 - cfg.beta2) * np.square(g)
-            np.sqrt(v, out=o)
-            o += eps
-            np.divide(m, o, out=o)
-            o *= -lr_t
-        o += param[off:end]
+        apply_piece(cfg, param, g, state, off, out, t)
     return out
+
+
+def begin_update(cfg: OptimizerConfig, state: dict[str, np.ndarray]) -> float:
+    """Start one update of a block: advance Adam's step count (once per update); return it (0 otherwise)."""
+    if cfg.kind != "adam":
+        return 0.0
+    t = state["t"]
+    t[0] += 1
+    return float(t[0])
+
+
+def apply_piece(cfg: OptimizerConfig, param: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray],
+                off: int, out: np.ndarray, t: float) -> None:
+    """Elements ``off:off+g.size`` of one update: ``out[...] = step(param[...], g)``; ``t`` from begin_update.
+
+    ``param`` and ``out`` are whole blocks (``param`` is only read); the optimizer state of the same
+    elements is updated in place, so pieces of one update may be applied in any order, each once.
+    """
+    dtype = param.dtype
+    end = off + g.size
+    o = out[off:end]
+    if cfg.kind == "sgd":
+        np.multiply(g, -dtype.type(cfg.lr), out=o)
+    elif cfg.kind == "momentum":
+        vel = state["velocity"][off:end]
+        vel *= dtype.type(cfg.momentum)
+        vel += g
+        np.multiply(vel, -dtype.type(cfg.lr), out=o)
+    else:  # adam, as Paddle: lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t); eps scaled by sqrt(1 - b2^t)
+        corr2 = math.sqrt(1 - cfg.beta2 ** t)
+        lr_t = dtype.type(cfg.lr * corr2 / (1 - cfg.beta1 ** t))
+        eps = dtype.type(cfg.epsilon * corr2)
+        m, v = state["m"][off:end], state["v"][off:end]
+        m *= dtype.type(cfg.beta1)
+        m += dtype.type(1 - cfg.beta1) * g
+        v *= dtype.type(cfg.beta2)
+        v += dtype.type(1 - cfg.beta2) * np.square(g)
+        np.sqrt(v, out=o)
+        o += eps
+        np.divide(m, o, out=o)
+        o *= -lr_t
+    o += param[off:end]

@@ -10,6 +10,10 @@ object::
 Each buffer frame is the tensor's raw little-endian bytes, sent with ``copy=False`` and received as a
 ``zmq.Frame`` that NumPy views without copying. Replies use the same layout with ``"ok": true`` or
 ``"ok": false, "code": ..., "error": ...``.
+
+Pipelined push_pull (async mode) uses the same layout: each request carries a piece of at most one
+chunk of each listed block, with ``"part": i`` and ``"off": [element offset of each tensor in its
+block, ...]``; the reply echoes both and carries the updated pieces (see docs/ps.md, "Protocol").
 """
 
 from __future__ import annotations

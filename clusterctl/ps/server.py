@@ -4,6 +4,10 @@ One ZeroMQ ROUTER socket bound to the planned endpoint, one thread, one event lo
 answered in arrival order except sync-mode pushes, whose replies are held until every active trainer
 has pushed for the round (the barrier); the round then sums the gradients in trainer-id order, divides
 by the number of contributors, applies one optimizer step, and replies to all of them.
+
+Async mode also takes *pipelined* push_pull requests (``"part"`` in the header): one request per
+piece of at most one wire chunk, applied and answered as soon as it arrives, so the trainer's sending
+of later pieces overlaps with the update and the reply of earlier ones (see :meth:`_push_part`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +26,7 @@ import zmq
 from . import checkpoint as ckpt
 from .endpoints import split_endpoint, zmq_address
 from .errors import BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError
-from .optim import OptimizerConfig, apply_update, init_state
+from .optim import OptimizerConfig, apply_piece, apply_update, begin_update, init_state
 from .protocol import PROTOCOL_VERSION, Message, Tensor, decode, encode, error_frames
 
 __all__ = ["MODES", "ParameterServer"]
@@ -40,6 +45,21 @@ class _Waiting:
     pull: list[str]
 
 
+@dataclass
+class _Build:
+    """Async pipelined pushes: the next value of one block, written piece by piece before it is published."""
+
+    owner: int  # the trainer whose update this is; other trainers' pieces of the block wait for it
+    new: np.ndarray
+    done: list[tuple[int, int]]  # element ranges of ``new`` already holding their updated value
+
+    def covered(self) -> int:
+        return sum(b - a for a, b in self.done)
+
+    def overlaps(self, start: int, stop: int) -> bool:
+        return any(a < stop and start < b for a, b in self.done)
+
+
 class _RejectError(Exception):
     """Internal: answer the current request with an error reply of this code."""
 
@@ -49,8 +69,15 @@ class _RejectError(Exception):
         self.extra = extra
 
 
+def _nbytes(frame: Any) -> int:
+    return frame.nbytes if hasattr(frame, "nbytes") else len(frame)
+
+
 class ParameterServer:
     """A pserver bound to exactly ``endpoint`` (``ip:port``) serving ``num_trainers`` trainers."""
+
+    #: Seconds another trainer's pipelined requests wait for a block whose update stopped arriving.
+    DEFER_TIMEOUT = 5.0
 
     def __init__(
         self,
@@ -96,6 +123,10 @@ class ParameterServer:
                       "buffers_allocated": 0}
         self._round: dict[int, _Waiting] = {}
         self._acc: dict[str, np.ndarray] = {}
+        self._builds: dict[str, _Build] = {}
+        self._part_t: dict[tuple[int, str], float] = {}  # (trainer, block) -> Adam step of its pipelined update
+        # trainer -> its pipelined requests waiting for another trainer's update of the same block
+        self._deferred: dict[int, deque[tuple[list[Any], Message, float]]] = {}
         self._pool: dict[str, list[np.ndarray]] = {}
         self._inflight: list[tuple[list[zmq.MessageTracker], list[np.ndarray]]] = []
         self._round_started = 0.0
@@ -145,10 +176,13 @@ class ParameterServer:
                 if sock.poll(self._poll_ms(), zmq.POLLIN):
                     frames = sock.recv_multipart(copy=False)
                     self._dispatch(frames)
+                    if self._deferred:
+                        self._replay()
                     if len(self.completed) >= self.num_trainers:
                         log.info("all %d trainer(s) completed; pserver %d exiting", self.num_trainers, self.server_id)
                         return
                 self._check_barrier()
+                self._check_deferred()
         finally:
             self.close()
 
@@ -217,22 +251,30 @@ class ParameterServer:
         if body and len(body[0]) == 0:  # REQ-style envelope: identity, empty delimiter, body
             envelope.append(b"")
             body = body[1:]
-        seq = 0
+        self._guarded(envelope, body=body)
+
+    def _guarded(self, envelope: list[Any], *, body: list[Any] | None = None, deferred: Message | None = None) -> None:
+        """Decode and handle ``body`` (or replay a ``deferred`` pipelined request); reject on any error."""
+        ident = envelope[0]  # the peer's identity frame (carries its address for the log)
+        seq = deferred.seq if deferred is not None else 0
         try:
-            msg = decode(body)
+            if deferred is not None:
+                self._push_part(envelope, deferred, replay=True)
+                return
+            msg = decode(body or [])
             seq = msg.seq
             self.stats["bytes_in"] += sum(t.nbytes for t in msg.tensors.values())
             handler = getattr(self, f"_op_{msg.op}")
             handler(envelope, msg)
         except ProtocolError as exc:
-            self._reject(envelope, seq, "bad_request", str(exc), frames[0])
+            self._reject(envelope, seq, "bad_request", str(exc), ident)
         except _RejectError as exc:
-            self._reject(envelope, seq, exc.code, str(exc), frames[0], **exc.extra)
+            self._reject(envelope, seq, exc.code, str(exc), ident, **exc.extra)
         except (PsError, OSError) as exc:
-            self._reject(envelope, seq, type(exc).__name__, str(exc), frames[0])
+            self._reject(envelope, seq, type(exc).__name__, str(exc), ident)
         except Exception as exc:  # a bug must not take the pserver (and the whole job) down
             log.exception("pserver %d: internal error handling a request", self.server_id)
-            self._reject(envelope, seq, "internal", f"{type(exc).__name__}: {exc}", frames[0])
+            self._reject(envelope, seq, "internal", f"{type(exc).__name__}: {exc}", ident)
 
     def _reject(self, envelope: list[Any], seq: int, code: str, message: str, ident: Any, **extra: Any) -> None:
         self.stats["rejected"] += 1
@@ -258,8 +300,13 @@ class ParameterServer:
         if not tensors or self._sock is None:
             self._send(envelope, frames)
             return
-        self.stats["bytes_out"] += sum(t.nbytes for t in tensors.values())
-        # Zero-copy send of the live blocks; remember them until ZeroMQ releases them, so _spare()
+        self._send_tracked(envelope, frames, list(tensors.values()))
+
+    def _send_tracked(self, envelope: list[Any], frames: list[Any], owners: list[np.ndarray]) -> None:
+        """Send ``frames`` whose tensor frames view ``owners``; keep those until ZeroMQ releases them."""
+        assert self._sock is not None  # callers check
+        self.stats["bytes_out"] += sum(_nbytes(f) for f in frames[1:])
+        # Zero-copy send of live buffers; remember them until ZeroMQ releases them, so _spare()
         # never recycles a buffer that is still being written to a socket.
         for part in envelope + frames[:1]:
             self._sock.send(part, zmq.SNDMORE, copy=False)
@@ -267,7 +314,7 @@ class ParameterServer:
         trackers = [self._sock.send(f, zmq.SNDMORE if i < len(body) - 1 else 0, copy=False, track=True)
                     for i, f in enumerate(body)]
         self._reap()
-        self._inflight.append((trackers, list(tensors.values())))
+        self._inflight.append((trackers, owners))
 
     def _reap(self) -> None:
         """Forget replies whose every frame ZeroMQ has released."""
@@ -306,6 +353,7 @@ class ParameterServer:
     def _apply(self, key: str, grad: Tensor | np.ndarray) -> None:
         if self.optimizer is None:
             raise _RejectError("not_initialised", "no trainer has sent init (optimizer unknown)")
+        self._publish(key)
         old = self.blocks[key]
         self.blocks[key] = apply_update(self.optimizer, old, grad, self.states[key], out=self._spare(key))
         self._retire(key, old)
@@ -327,6 +375,68 @@ class ParameterServer:
         pool = self._pool.setdefault(key, [])
         if len(pool) < 4:
             pool.append(old)
+
+    def _publish(self, key: str) -> None:
+        """Make block ``key``'s pipelined update in progress (if any) the block's value now.
+
+        Ranges no piece has reached yet are copied from the current value, so every update applied so
+        far is kept and none is applied twice; the pieces still to come land in the next build.
+        """
+        build = self._builds.pop(key, None)
+        if build is None:
+            return
+        old = self.blocks[key]
+        pos = 0
+        for a, b in sorted(build.done):
+            if pos < a:
+                build.new[pos:a] = old[pos:a]
+            pos = b
+        if pos < old.size:
+            build.new[pos:] = old[pos:]
+        self.blocks[key] = build.new
+        self._retire(key, old)
+
+    def _blocked(self, tid: int, msg: Message) -> bool:
+        """Whether a pipelined request of ``tid`` touches a block another trainer's update is being built in."""
+        for key in msg.tensors:
+            build = self._builds.get(key)
+            if build is not None and build.owner != tid:
+                return True
+        return False
+
+    def _replay(self) -> None:
+        """Handle deferred pipelined requests whose blocks are free now, in each trainer's order."""
+        progress = True
+        while progress:
+            progress = False
+            for tid in list(self._deferred):
+                queue = self._deferred[tid]
+                while queue and not self._blocked(tid, queue[0][1]):
+                    envelope, msg, _ = queue.popleft()
+                    self._guarded(envelope, deferred=msg)
+                    progress = True
+                if not queue:
+                    del self._deferred[tid]
+
+    def _check_deferred(self) -> None:
+        """Publish a build that has kept another trainer's requests waiting for DEFER_TIMEOUT (its owner stalled)."""
+        now = time.monotonic()
+        stalled = False
+        for tid, queue in self._deferred.items():
+            if queue and now - queue[0][2] > self.DEFER_TIMEOUT:
+                for key in queue[0][1].tensors:
+                    build = self._builds.get(key)
+                    if build is not None and build.owner != tid:
+                        log.warning("pserver %d: trainer %d's update of %s stalled for %.0fs; publishing it "
+                                    "partially", self.server_id, build.owner, key, self.DEFER_TIMEOUT)
+                        self._publish(key)
+                        stalled = True
+        if stalled:
+            self._replay()
+
+    def _publish_all(self) -> None:
+        for key in list(self._builds):
+            self._publish(key)
 
     def _note_step(self, msg: Message) -> None:
         step = msg.header.get("step")
@@ -383,7 +493,75 @@ class ParameterServer:
         self._push(envelope, msg, [])
 
     def _op_push_pull(self, envelope: list[Any], msg: Message) -> None:
+        if "part" in msg.header:
+            self._push_part(envelope, msg)
+            return
         self._push(envelope, msg, self._pull_keys(msg))
+
+    def _push_part(self, envelope: list[Any], msg: Message, *, replay: bool = False) -> None:
+        """Async pipelined push_pull: apply one piece of each listed block now, reply with the new values.
+
+        Header: ``"part": i`` (index of this request among the ``parts`` of one push_pull, echoed),
+        ``"off": [o, ...]`` (element offset of each tensor in its block). The new values of a block go
+        to a separate buffer (:class:`_Build`) that replaces the block when an update's last piece was
+        applied (ranges not reached yet are copied from the current value), so pulls see whole
+        versions. One update of a block is built at a time: another trainer's requests touching the
+        block wait (in order, per trainer) until it is published, then are replayed (:meth:`_replay`).
+        """
+        if self.mode != "async":
+            raise ProtocolError(f"pipelined push_pull (\"part\") needs async mode; pserver runs {self.mode}")
+        tid = self._tid(msg)
+        if tid in self.completed:
+            raise _RejectError("completed", f"trainer {tid} already sent complete")
+        if self.optimizer is None:
+            raise _RejectError("not_initialised", "no trainer has sent init (optimizer unknown)")
+        part, offs = msg.header.get("part"), msg.header.get("off")
+        if isinstance(part, bool) or not isinstance(part, int) or part < 0:
+            raise ProtocolError(f"part must be a non-negative integer, got {part!r}")
+        if (not isinstance(offs, list) or len(offs) != len(msg.tensors)
+                or any(isinstance(o, bool) or not isinstance(o, int) for o in offs)):
+            raise ProtocolError("off must list one integer element offset per tensor")
+        pieces = []
+        for (key, t), off in zip(msg.tensors.items(), offs, strict=True):
+            block = self.blocks.get(key)
+            if block is None:
+                raise _RejectError("unknown_key", f"block {key!r} was never initialised on pserver {self.server_id}")
+            if t.dtype != block.dtype or off < 0 or off + t.size > block.size or len(t.pieces) != 1:
+                raise _RejectError("shape_mismatch", f"block {key!r}: got {t.dtype.name}[{off}:{off + t.size}], "
+                                   f"holds {block.dtype.name}[{block.size}]")
+            pieces.append((key, off, t.pieces[0][1]))
+        if (not replay and self._deferred.get(tid)) or self._blocked(tid, msg):
+            self._deferred.setdefault(tid, deque()).append((envelope, msg, time.monotonic()))
+            return
+        out: dict[str, np.ndarray] = {}
+        owners = []
+        for key, off, g in pieces:  # everything validated: now touch state
+            stop = off + g.size
+            build = self._builds.get(key)
+            if build is not None and build.overlaps(off, stop):  # the same range twice: a new update
+                self._publish(key)
+                build = None
+            if build is None:
+                build = self._builds[key] = _Build(tid, self._spare(key), [])
+            state = self.states[key]
+            if off == 0 or (tid, key) not in self._part_t:  # a trainer's pieces of a block arrive in order
+                self._part_t[tid, key] = begin_update(self.optimizer, state)
+            apply_piece(self.optimizer, self.blocks[key], g, state, off, build.new, self._part_t[tid, key])
+            build.done.append((off, stop))
+            out[key] = build.new[off:stop]
+            owners.append(build.new)
+            if stop == build.new.size:  # a trainer's update of this block is complete: make it visible
+                self.stats["updates"] += 1  # (counted once per update of a block, at its last piece)
+                self._publish(key)
+            elif build.covered() == build.new.size:
+                self._publish(key)
+        self._note_step(msg)
+        head = {"v": PROTOCOL_VERSION, "ok": True, "seq": msg.seq, "op": msg.op, "part": part, "step": self.step,
+                "off": offs}
+        one_frame = max(8, -(-max(a.nbytes for a in out.values()) // 8) * 8) if out else 8
+        frames = encode(head, out, chunk_bytes=one_frame)  # one frame per piece
+        if self._sock is not None:
+            self._send_tracked(envelope, frames, owners)
 
     def _push(self, envelope: list[Any], msg: Message, pull: list[str]) -> None:
         tid = self._tid(msg)
@@ -421,6 +599,7 @@ class ParameterServer:
         step = msg.header.get("step", self.step)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ProtocolError(f"save step must be a non-negative integer, got {step!r}")
+        self._publish_all()  # parameters and optimizer state of the same updates
         path = ckpt.save_server(root, ckpt.ServerCheckpoint(
             self.server_id, self.num_servers, step, self.mode,
             self.optimizer.to_dict() if self.optimizer else None, dict(self.blocks), self.states,
@@ -449,6 +628,8 @@ class ParameterServer:
         self.blocks = loaded.blocks
         self.states = loaded.states
         self._pool.clear()  # recycled buffers may have other sizes than the loaded blocks
+        self._builds.clear()  # deferred requests are replayed (and validated again) after this one
+        self._part_t.clear()
         self._acc.clear()
         self.optimizer = opt
         self.step = self.loaded_step = loaded.step

@@ -1,0 +1,209 @@
+"""Pipelined (chunk-level) async push_pull: same results as the one-message path, whole versions on pull."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from clusterctl.ps import SGD, Adam, Momentum, PSClient, protocol
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _params(n: int = 5000) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {"w": rng.normal(size=(n // 10, 10)).astype(np.float32), "b": np.zeros(7, np.float32)}
+
+
+def _grad(step: int, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(100 + step)
+    return {k: rng.normal(size=v.shape).astype(v.dtype) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("opt", [SGD(0.1), Momentum(0.1, 0.9), Adam(0.01)], ids=["sgd", "momentum", "adam"])
+def test_pipelined_push_pull_equals_push_then_pull_bit_for_bit(servers, monkeypatch, opt):
+    monkeypatch.setattr(protocol, "CHUNK_BYTES", 1024)  # w: 20 KB -> 20 pieces; b packed with a w piece
+    piped, plain = servers(2, num_trainers=1, mode="async"), servers(2, num_trainers=1, mode="async")
+    with PSClient(piped.endpoints, trainer_id=0, num_trainers=1, mode="async", optimizer=opt, timeout=10) as a, \
+            PSClient(plain.endpoints, trainer_id=0, num_trainers=1, mode="async", optimizer=opt, timeout=10) as b:
+        pa, pb = a.init(_params()), b.init(_params())
+        for step in range(4):
+            pa = a.push_pull(_grad(step, pa), step=step)
+            b.push(_grad(step, pb), step=step)  # one message per pserver, not pipelined
+            pb = b.pull()
+            for k in pa:
+                np.testing.assert_array_equal(pa[k], pb[k])
+            np.testing.assert_array_equal(a.pull()["w"], pa["w"])  # the pserver published what it replied
+        a.complete()
+        b.complete()
+    assert piped.join(5) and plain.join(5) and not piped.errors and not plain.errors
+    # the pipelined path really ran: many requests per step, yet one update per block and push
+    assert sum(s.stats["requests"] for s in piped.servers) > 4 * 20
+    assert [s.stats["updates"] for s in piped.servers] == [s.stats["updates"] for s in plain.servers]
+
+
+def test_concurrent_pipelined_pushes_apply_every_piece_once(servers, monkeypatch):
+    """Two trainers' pieces of the same block interleave; each gradient piece is applied exactly once."""
+    monkeypatch.setattr(protocol, "CHUNK_BYTES", 4096)
+    n, steps = 200_000, 15  # 800 KB: ~200 pieces per push
+    g = servers(1, num_trainers=2, mode="async")
+
+    def trainer(tid: int) -> None:
+        with PSClient(g.endpoints, trainer_id=tid, num_trainers=2, mode="async", optimizer=SGD(1.0), timeout=20) as c:
+            c.init({"w": np.zeros(n, np.float32)})
+            ones = {"w": np.ones(n, np.float32)}
+            for step in range(steps):
+                c.push_pull(ones, step=step)
+            c.complete()
+
+    threads = [threading.Thread(target=trainer, args=(t,)) for t in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(25)
+    assert g.join(5) and not g.errors
+    w = g.servers[0].blocks["w.block0"]
+    assert float(w.min()) == float(w.max()) == -2.0 * steps
+    assert g.servers[0].stats["updates"] == 2 * steps
+
+
+def test_pulls_see_whole_versions_during_pipelined_pushes(servers, monkeypatch):
+    """A block is replaced only when all pieces of an update were applied: pulls never see half of one."""
+    monkeypatch.setattr(protocol, "CHUNK_BYTES", 64 << 10)
+    n = 3_000_000  # 12 MB: ~180 pieces per push
+    g = servers(1, num_trainers=2, mode="async")
+    stop = threading.Event()
+    seen: list[float] = []
+    torn: list[tuple[float, float]] = []
+
+    def pusher() -> None:
+        with PSClient(g.endpoints, trainer_id=1, num_trainers=2, mode="async", optimizer=SGD(1.0), timeout=20) as c:
+            c.init({"w": np.zeros(n, np.float32)})
+            ones = {"w": np.ones(n, np.float32)}
+            while not stop.is_set():
+                c.push_pull(ones)
+            c.complete()
+
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=2, mode="async", optimizer=SGD(1.0), timeout=20) as c:
+        c.init({"w": np.zeros(n, np.float32)})
+        t = threading.Thread(target=pusher)
+        t.start()
+        out = {"w": np.empty(n, np.float32)}
+        for _ in range(15):
+            w = c.pull(out=out)["w"]
+            lo, hi = float(w.min()), float(w.max())
+            seen.append(lo)
+            if lo != hi:
+                torn.append((lo, hi))
+        stop.set()
+        t.join(20)
+        c.complete()
+    assert not torn, torn
+    assert seen[-1] < seen[0] <= 0
+
+
+def _raw(endpoint: str, header: dict, *buffers: bytes) -> dict:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"tcp://{endpoint}")
+    try:
+        s.send_multipart([json.dumps({"v": 1, "seq": 1, "tid": 0, **header}).encode(), *buffers])
+        assert s.poll(5000)
+        return json.loads(s.recv_multipart()[0])
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(("mode", "fields", "code", "message"), [
+    ("sync", {"off": [0]}, "bad_request", "needs async mode"),
+    ("async", {"off": [0, 1]}, "bad_request", "one integer element offset per tensor"),
+    ("async", {"off": ["0"]}, "bad_request", "one integer element offset per tensor"),
+    ("async", {"off": [6]}, "shape_mismatch", "got float32[6:8], holds float32[7]"),
+    ("async", {"off": [-1]}, "shape_mismatch", "got float32[-1:1]"),
+    ("async", {"off": [0], "part": -1}, "bad_request", "part must be a non-negative integer"),
+], ids=["sync", "off-count", "off-type", "past-end", "negative", "part"])
+def test_malformed_pieces_are_rejected(servers, mode, fields, code, message):
+    g = servers(1, num_trainers=1, mode=mode)
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode=mode, timeout=5) as c:
+        c.init({"b": np.zeros(7, np.float32)})
+        header = {"op": "push_pull", "step": 0, "pull": True, "part": 0, "t": [["b.block0", "float32", 2]], "c": 8,
+                  **fields}
+        reply = _raw(g.endpoints[0], header, np.ones(2, np.float32).tobytes())
+        assert (reply["ok"], reply["code"]) == (False, code) and message in reply["error"], reply
+        np.testing.assert_array_equal(c.pull()["b"], np.zeros(7, np.float32))  # nothing was applied
+        c.complete()
+    assert g.servers[0].stats["rejected"] == 1
+
+
+def test_pulls_see_whole_versions_with_two_pipelined_pushers(servers, monkeypatch):
+    """Other trainers' pieces of a block wait while one trainer's update of it is being built."""
+    monkeypatch.setattr(protocol, "CHUNK_BYTES", 64 << 10)
+    n = 1_000_000
+    g = servers(1, num_trainers=3, mode="async")
+    stop = threading.Event()
+    torn: list[tuple[float, float]] = []
+    pushes = {1: 0, 2: 0}
+
+    def pusher(tid: int) -> None:
+        with PSClient(g.endpoints, trainer_id=tid, num_trainers=3, mode="async", optimizer=SGD(1.0), timeout=20) as c:
+            c.init({"w": np.zeros(n, np.float32)})
+            ones = {"w": np.ones(n, np.float32)}
+            while not stop.is_set():
+                w = c.push_pull(ones)["w"]
+                pushes[tid] += 1
+                if w.min() != w.max():
+                    torn.append((float(w.min()), float(w.max())))
+            c.complete()
+
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=3, mode="async", optimizer=SGD(1.0), timeout=20) as c:
+        c.init({"w": np.zeros(n, np.float32)})
+        threads = [threading.Thread(target=pusher, args=(t,)) for t in (1, 2)]
+        for t in threads:
+            t.start()
+        out = {"w": np.empty(n, np.float32)}
+        for _ in range(20):
+            w = c.pull(out=out)["w"]
+            if w.min() != w.max():
+                torn.append((float(w.min()), float(w.max())))
+        stop.set()
+        for t in threads:
+            t.join(20)
+        final = c.pull()["w"]
+        c.complete()
+    assert not torn, torn
+    assert float(final[0]) == -float(pushes[1] + pushes[2]) and min(pushes.values()) > 0
+
+
+def test_a_stalled_update_does_not_block_other_trainers(servers, monkeypatch, caplog):
+    """A trainer that sent only part of a block's pieces (then died) holds the others for DEFER_TIMEOUT at most."""
+    monkeypatch.setattr(protocol, "CHUNK_BYTES", 1024)
+    g = servers(1, num_trainers=2, mode="async")
+    monkeypatch.setattr(g.servers[0], "DEFER_TIMEOUT", 0.3)
+    n = 1024  # 4 KiB: 4 pieces
+    with PSClient(g.endpoints, trainer_id=1, num_trainers=2, mode="async", optimizer=SGD(1.0), timeout=10) as c:
+        c.init({"w": np.zeros(n, np.float32)})
+        header = {"op": "push_pull", "step": 0, "pull": True, "part": 0, "off": [0], "c": 1024,
+                  "t": [["w.block0", "float32", 256]]}
+        reply = _raw(g.endpoints[0], header, np.ones(256, np.float32).tobytes())  # trainer 0: 1 piece of 4
+        assert reply["ok"] and reply["off"] == [0]
+        w = c.push_pull({"w": np.ones(n, np.float32)})["w"]
+        c.complete()
+    np.testing.assert_array_equal(w[:256], -2.0)  # trainer 0's piece was kept, and applied once
+    np.testing.assert_array_equal(w[256:], -1.0)
+    assert "trainer 0's update of w.block0 stalled" in caplog.text
+
+
+def test_pack_pieces_cuts_big_blocks_and_packs_small_ones():
+    from clusterctl.ps.client import pack_pieces
+
+    big, small, tiny = np.zeros(10, np.float32), np.zeros(3, np.float32), np.zeros(1, np.float64)
+    msgs = pack_pieces({"big": big, "small": small, "tiny": tiny}, 16)  # 16 bytes = 4 float32
+    assert [[(k, off, p.size) for k, off, p in m] for m in msgs] == [
+        [("big", 0, 4)], [("big", 4, 4)], [("big", 8, 2)], [("small", 0, 3)], [("tiny", 0, 1)]]
+    assert all(np.shares_memory(p, big) for m in msgs for k, _, p in m if k == "big")  # views, no copies
+    assert [[k for k, _, _ in m] for m in pack_pieces({"a": small, "b": tiny}, 64)] == [["a", "b"]]
