@@ -15,6 +15,7 @@ import posixpath
 import secrets
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -149,36 +150,74 @@ def _host_files(session: Session, workspace: dict[str, LocalFile]) -> dict[Host,
 
 
 class _Archive:
-    """A tar archive of changed files in an unlinked temporary file, read by many hosts' streams at once.
+    """A tar archive of changed files, streamed to many hosts while it is still being written.
 
-    Reads are positional (`os.pread`): concurrent streams never share a file offset.
+    A background thread writes it into an unlinked temporary file; each host's stream reads, with
+    positional reads (`os.pread`: no shared file offset), whatever has been written so far.
     """
 
     def __init__(self, files: dict[str, LocalFile], changed: list[str]):
         self._fh = tempfile.TemporaryFile()
-        if changed:  # deletions only: no archive at all
-            with tarfile.open(fileobj=self._fh, mode="w|", format=tarfile.PAX_FORMAT, bufsize=_CHUNK) as tar:
+        self._cond = threading.Condition()
+        self._written = 0
+        self._done = not changed  # deletions only: no archive at all
+        self._error: BaseException | None = None
+        self.payload = sum(files[rel].size for rel in changed)  # known up front, unlike the archive's size
+        if changed:
+            threading.Thread(target=self._build, args=(files, changed), daemon=True).start()
+
+    def _build(self, files: dict[str, LocalFile], changed: list[str]) -> None:
+        try:
+            with tarfile.open(fileobj=self, mode="w|", format=tarfile.PAX_FORMAT, bufsize=_CHUNK) as tar:
                 for rel in changed:
                     f = files[rel]
                     info = tarfile.TarInfo(rel)
                     info.size, info.mode, info.mtime = f.size, f.mode, f.mtime
                     with open(f.source, "rb") as fh:
                         tar.addfile(info, fh)
+        except OSError as exc:  # e.g. a file vanished while we read it: every stream fails with it
+            self._error = exc
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
+    def write(self, data: bytes) -> int:
+        """tarfile's sink: append, then wake the readers."""
+        self._fh.write(data)
         self._fh.flush()
-        self.size = os.fstat(self._fh.fileno()).st_size
+        with self._cond:
+            self._written += len(data)
+            self._cond.notify_all()
+        return len(data)
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far (the whole archive once it is complete)."""
+        return self._written
 
     def stream(self, header: bytes) -> Iterator[bytes]:
-        """The header line, then the archive in 1 MiB blocks."""
+        """The header, then the archive in blocks of up to 1 MiB as they become available."""
         yield header
         fd, offset = self._fh.fileno(), 0
-        while offset < self.size:
-            block = os.pread(fd, _CHUNK, offset)
-            if not block:
-                raise OSError(f"archive shorter than expected at byte {offset}")
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._written > offset or self._done)
+                if self._error is not None:
+                    raise OSError(f"building the archive failed: {self._error}")
+                available = self._written
+            if offset >= available:
+                return  # done, and everything was sent
+            block = os.pread(fd, min(_CHUNK, available - offset), offset)
             offset += len(block)
             yield block
 
+    def wait(self) -> None:
+        """Block until the archive is complete."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done)
+
     def close(self) -> None:
+        self.wait()
         self._fh.close()
 
 
@@ -222,11 +261,13 @@ def dispatch(session: Session) -> list[HostDispatch]:
 
         busy = [h for h, (_, changed, delete) in plans.items() if changed or delete]
         apply = join(["python3", tools["hostws"], "apply", root])
-        biggest = max((archives[_key(h)].size for h in busy), default=0)
+        biggest = max((archives[_key(h)].payload for h in busy), default=0)
         if biggest >= _BULK:  # OpenSSH's C crypto, one process per host
             results = remote.push(apply, hosts=busy, stdin=feed, what="dispatch")
         else:  # small: the connections already open are faster than starting ssh processes
             results = remote.run(apply, hosts=busy, stdin=feed, check=False, what="dispatch")
+        for archive in archives.values():
+            archive.wait()
         sizes = {key: archive.size for key, archive in archives.items()}
     finally:
         for archive in archives.values():

@@ -29,11 +29,12 @@ def test_one_archive_streams_identically_to_many_hosts_at_once(tmp_path):
         results[i] = b"".join(archive.stream(b"header\n"))
 
     threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
-    for t in threads:
+    for t in threads:  # started while the archive is still being built
         t.start()
     for t in threads:
         t.join()
     archive.close()
+    assert archive.size == len(results[0]) - len(b"header\n")
     assert len({hashlib.sha256(r).hexdigest() for r in results}) == 1
     with tarfile.open(fileobj=io.BytesIO(results[0][len(b"header\n"):]), mode="r") as tar:
         assert sorted(m.name for m in tar.getmembers()) == sorted(files)
