@@ -13,7 +13,6 @@ by the single-core memcpy bandwidth measured at the start of the run.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import sys

@@ -21,7 +21,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.rule import Rule
 
-from .console import err, out
+from .console import out
 from .errors import ClusterctlError
 
 __all__ = ["add_cli", "demo_spec", "build_wheel"]

@@ -124,7 +124,6 @@ class Progress:
     # -- diagnosis -------------------------------------------------------------------------------
     def _probe_peers(self, grace: float) -> dict[int, int]:
         """Ping every other rank; return {rank: its collective count} for those that answered."""
-        MPI = self.MPI
         me, size = self.topo.rank, self.topo.size
         bufs, recvs, sends = {}, {}, []
         ping = np.array([me, self.seq], dtype=np.int64)

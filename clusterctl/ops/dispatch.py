@@ -28,7 +28,7 @@ from ..plan import DATA_ENV, Host
 from ..quoting import join
 from ..spec import ClusterSpec
 from . import Session
-from .hosttools import ensure_tools, tool_command, tool_path
+from .hosttools import tool_command, tool_path
 
 __all__ = ["LocalFile", "scan_workspace", "list_data_files", "dispatch", "verify", "HostDispatch"]
 

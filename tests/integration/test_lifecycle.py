@@ -373,7 +373,7 @@ def test_disk_full_during_dispatch_keeps_the_old_workspace(testcluster, tmp_path
     (ws / "big.bin").write_bytes(os.urandom(3 * 1024 * 1024))
     res = clusterctl("dispatch", spec)
     assert res.returncode == 1
-    assert f"dispatch failed on 2 host(s)" in res.stderr
+    assert "dispatch failed on 2 host(s)" in res.stderr
     assert f"{node.ip}: exit 1: dispatch failed, previous workspace kept: No space left on device" in res.stderr
     for n in testcluster.nodes[:2]:
         assert node_exec(n.container, f"cat {remote}/train.py") == "print('v1')\n"

@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from clusterctl.plan import make_plan
 from clusterctl.spec import CONTRACT_ENV, parse_spec
