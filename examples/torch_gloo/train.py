@@ -4,6 +4,7 @@ Nothing here knows about clusterctl. Run it with `clusterctl start` in collectiv
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,13 @@ def main() -> None:
     check = torch.tensor([float(rank + 1)])
     dist.all_reduce(check)
     print(f"done rank={rank} world={world} allreduce={check.item():g} loss={loss.item():.4f}", flush=True)
-    dist.barrier()  # nobody tears gloo down while a peer is still talking to it
-    dist.destroy_process_group()
+    dist.barrier()  # every rank is done with the group
+    # torch 2.13's gloo teardown races across hosts: when rank 0 (the TCP store's host) exits first, a
+    # peer still destroying its group can hit std::terminate ("terminate called without an active
+    # exception", SIGABRT) after training succeeded. Past the barrier there is nothing left to tear down
+    # that the OS does not: exit without running the native destructors.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
