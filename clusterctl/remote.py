@@ -289,11 +289,6 @@ class Remote:
         """
         if self.options.host_key_policy == "off" or shutil.which("ssh") is None:
             return self.run(command, hosts=hosts, stdin=stdin, timeout=timeout, check=False, what=what)
-        for host in hosts:  # paramiko first: verifies (or, with accept-new, records) each host key
-            try:
-                self.connection(host)
-            except ClusterctlError:
-                pass  # reported below as the host's result
         futures = {h: self._pool.submit(self._push_one, h, command, stdin, timeout) for h in hosts}
         return {h: f.result() for h, f in futures.items()}
 
@@ -319,11 +314,10 @@ class Remote:
 
     def _push_one(self, host: Host, command: str, stdin, timeout) -> Result:
         start = time.monotonic()
-        if host not in self._conns:  # paramiko could not connect: connection() says why
-            try:
-                self.connection(host)
-            except ClusterctlError as exc:
-                return Result(host, command, UNREACHABLE, "", str(exc), time.monotonic() - start)
+        try:  # paramiko first (cached if open): verifies, or with accept-new records, the host key ssh checks
+            self.connection(host)
+        except ClusterctlError as exc:
+            return Result(host, command, UNREACHABLE, "", str(exc), time.monotonic() - start)
         proc = subprocess.Popen(
             self._ssh_argv(host, command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
