@@ -41,11 +41,6 @@ def _abs(home: str, path: str) -> str:
     return path if posixpath.isabs(path) else posixpath.join(home, path)
 
 
-def job_dir(plan: JobPlan, home: str) -> str:
-    """The job's directory on a host whose home is `home`."""
-    return posixpath.join(home, STATE_ROOT, plan.job)
-
-
 def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, dict]:
     """The agent's job file for every host that runs processes (pure): paths made absolute, ordering, coordinator."""
     if plan.mpi is not None:
