@@ -101,3 +101,45 @@ class LocalJob:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+
+
+def pulls_during_pushes(endpoints: Sequence[str], n: int, push: str) -> tuple[list[float], list[tuple[float, float]]]:
+    """Trainer 1 keeps calling `push` ("push" or "push_pull") with ones while trainer 0 pulls.
+
+    Returns (the minimum of each pull, the pulls whose values were not all equal). Pulls at least 15 times,
+    and on until the pusher's updates show up (bounded): a loaded machine may start the pusher late.
+    """
+    import threading
+
+    import numpy as np
+
+    from clusterctl.ps import SGD, PSClient
+
+    stop = threading.Event()
+    seen: list[float] = []
+    torn: list[tuple[float, float]] = []
+
+    def pusher() -> None:
+        with PSClient(endpoints, trainer_id=1, num_trainers=2, mode="async", optimizer=SGD(1.0), timeout=20) as c:
+            c.init({"w": np.zeros(n, np.float32)})
+            ones = {"w": np.ones(n, np.float32)}
+            while not stop.is_set():
+                getattr(c, push)(ones)
+            c.complete()
+
+    with PSClient(endpoints, trainer_id=0, num_trainers=2, mode="async", optimizer=SGD(1.0), timeout=20) as c:
+        c.init({"w": np.zeros(n, np.float32)})
+        t = threading.Thread(target=pusher)
+        t.start()
+        out = {"w": np.empty(n, np.float32)}
+        deadline = time.monotonic() + 15
+        while len(seen) < 15 or (seen[-1] == seen[0] and time.monotonic() < deadline):
+            w = c.pull(out=out)["w"]
+            lo, hi = float(w.min()), float(w.max())
+            seen.append(lo)
+            if lo != hi:
+                torn.append((lo, hi))
+        stop.set()
+        t.join(20)
+        c.complete()
+    return seen, torn

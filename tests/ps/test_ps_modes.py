@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
+from ps_jobs import pulls_during_pushes
 
 from clusterctl.ps import SGD, Adam, Momentum, PSClient, RemoteOpError, protocol
 
@@ -246,34 +246,7 @@ def test_zero_copy_replies_are_consistent_snapshots(servers):
     """Updates never touch a buffer ZeroMQ is still sending: every pull sees one version, whole."""
     n = 3_000_000  # 12 MB: several wire chunks
     g = servers(1, num_trainers=2, mode="async")
-    stop = threading.Event()
-    seen: list[float] = []
-    torn: list[tuple[float, float]] = []
-
-    def pusher() -> None:
-        with PSClient(g.endpoints, trainer_id=1, num_trainers=2, mode="async", optimizer=SGD(1.0), timeout=20) as c:
-            c.init({"w": np.zeros(n, np.float32)})
-            ones = {"w": np.ones(n, np.float32)}
-            while not stop.is_set():
-                c.push(ones)
-            c.complete()
-
-    with PSClient(g.endpoints, trainer_id=0, num_trainers=2, mode="async", optimizer=SGD(1.0), timeout=20) as c:
-        c.init({"w": np.zeros(n, np.float32)})
-        t = threading.Thread(target=pusher)
-        t.start()
-        out = {"w": np.empty(n, np.float32)}
-        deadline = time.monotonic() + 15
-        # at least 15 pulls, and on until the pusher's updates were seen (a loaded machine may start it late)
-        while len(seen) < 15 or (seen[-1] == seen[0] and time.monotonic() < deadline):
-            w = c.pull(out=out)["w"]
-            lo, hi = float(w.min()), float(w.max())
-            seen.append(lo)
-            if lo != hi:
-                torn.append((lo, hi))
-        stop.set()
-        t.join(20)
-        c.complete()
+    seen, torn = pulls_during_pushes(g.endpoints, n, "push")
     assert not torn, torn
     assert seen[-1] < seen[0] <= 0  # the pusher really was updating meanwhile
 

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 import zmq
+from ps_jobs import pulls_during_pushes
 
 from clusterctl.ps import SGD, Adam, Momentum, PSClient, protocol
 
@@ -76,32 +77,7 @@ def test_pulls_see_whole_versions_during_pipelined_pushes(servers, monkeypatch):
     monkeypatch.setattr(protocol, "CHUNK_BYTES", 64 << 10)
     n = 3_000_000  # 12 MB: ~180 pieces per push
     g = servers(1, num_trainers=2, mode="async")
-    stop = threading.Event()
-    seen: list[float] = []
-    torn: list[tuple[float, float]] = []
-
-    def pusher() -> None:
-        with PSClient(g.endpoints, trainer_id=1, num_trainers=2, mode="async", optimizer=SGD(1.0), timeout=20) as c:
-            c.init({"w": np.zeros(n, np.float32)})
-            ones = {"w": np.ones(n, np.float32)}
-            while not stop.is_set():
-                c.push_pull(ones)
-            c.complete()
-
-    with PSClient(g.endpoints, trainer_id=0, num_trainers=2, mode="async", optimizer=SGD(1.0), timeout=20) as c:
-        c.init({"w": np.zeros(n, np.float32)})
-        t = threading.Thread(target=pusher)
-        t.start()
-        out = {"w": np.empty(n, np.float32)}
-        for _ in range(15):
-            w = c.pull(out=out)["w"]
-            lo, hi = float(w.min()), float(w.max())
-            seen.append(lo)
-            if lo != hi:
-                torn.append((lo, hi))
-        stop.set()
-        t.join(20)
-        c.complete()
+    seen, torn = pulls_during_pushes(g.endpoints, n, "push_pull")
     assert not torn, torn
     assert seen[-1] < seen[0] <= 0
 
