@@ -6,26 +6,38 @@ Stdlib only (Python >= 3.9): this file is uploaded to every host and run there w
 Layout on the host, for workspace ROOT:
     ROOT                  symlink -> ROOT.d/<gen>   (switched atomically with rename)
     ROOT.d/<gen>/         one generation of the workspace
-    ROOT.d/<gen>.json     its manifest {path: {"s": size, "h": sha256, "m": mode, "t": mtime_ns}}
+    ROOT.d/<gen>.manifest its manifest {path: {"s": size, "h": sha256, "m": mode, "t": mtime_ns}}, marshal
 
-`apply` reads from stdin: a 16-digit length, that many bytes of JSON header {"gen", "base", "changes",
-"delete", "archive"}, then (when "archive") a tar stream of the changed files, which GNU tar extracts
-(C speed; it unlinks before replacing, so the old generation is never modified), or Python's tarfile
-where there is no tar. `changes` holds only the manifest entries that differ from generation `base` (the
-one the controller read), so what travels is proportional to what changed. It hard-links the current generation into a staging directory, replaces changed files
-(unlink first, so the old generation is never modified), deletes removed ones, checks every changed
-file against the manifest, and only then switches the symlink. Any failure removes the staging
-directory and leaves the previous workspace untouched.
+`apply` reads from stdin: a 16-digit length, that many bytes of header {"gen", "base", "check",
+"changes", "patches", "delete", "archive"}, then (when "archive") a tar stream, which GNU tar extracts (C
+speed; it unlinks before replacing, so the old generation is never modified), or Python's tarfile where
+there is no tar. `changes` holds the manifest entries that differ from generation `base`, whose files
+travel whole; `patches` holds entries whose files travel as their changed fixed-size blocks only
+({"e": entry, "b": block size, "r": [[first block, count], ...]}): the tar member holds those blocks back
+to back and the rest is copied from the previous generation, then the result is checked against the
+entry's sha256. It hard-links the current generation into a staging directory, replaces changed files,
+deletes removed ones, checks every changed file, and only then switches the symlink. Any failure
+removes the staging directory and leaves the previous workspace untouched.
+
+With "check" (the controller planned from its cached copy of this host's manifest instead of asking),
+the host first confirms that its generation is `base` and that nothing drifted; otherwise, or when a
+patch does not reproduce its sha256, it changes nothing and replies {"stale": reason, "gen", "manifest",
+"drift"} (exit 0) so the controller can plan again from that state in the same session.
+
+The header and the manifests are in marshal format (version 4: any Python 3 reads it), not JSON: `apply`
+runs once per host per dispatch, and importing json (which imports re) is a tenth of its time there.
+Both come only from the controller over SSH or from this script; replies stay JSON.
 """
 
 import errno
-import hashlib
-import json
+import marshal
 import os
-import shutil
-import subprocess
 import sys
-import tarfile
+
+# hashlib, json, shutil, subprocess and tarfile are imported where needed: this runs once per host per
+# dispatch, and on a busy host Python's start-up is a good part of its time.
+MANIFEST = ".manifest"
+MARSHAL_VERSION = 4
 
 CHUNK = 1 << 20
 
@@ -55,13 +67,53 @@ def load_manifest(gens, gen):
     if gen is None:
         return {}
     try:
+        with open(os.path.join(gens, gen + MANIFEST), "rb") as fh:
+            return marshal.loads(fh.read())  # marshal.load(fh) reads in small pieces: 6x slower
+    except FileNotFoundError:
+        pass
+    try:  # written by clusterctl before 0.2: JSON
+        import json
+
         with open(os.path.join(gens, gen + ".json"), encoding="utf-8") as fh:
             return json.load(fh)
     except FileNotFoundError:
         return {}
 
 
+def which(name):
+    for d in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep):
+        if os.access(os.path.join(d, name), os.X_OK):
+            return os.path.join(d, name)
+    return None
+
+
+def spawn(argv, stderr=False):
+    """Run argv (stdin inherited, stdout discarded); return (exit code, stderr bytes if asked)."""
+    r, w = os.pipe() if stderr else (None, None)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    actions = [(os.POSIX_SPAWN_DUP2, devnull, 1), (os.POSIX_SPAWN_DUP2, w if stderr else devnull, 2)]
+    try:
+        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions)
+    finally:
+        os.close(devnull)
+        if stderr:
+            os.close(w)
+    err = b""
+    if stderr:
+        with os.fdopen(r, "rb") as fh:
+            err = fh.read()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), err
+
+
+def rmtree(path):
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def sha256(path):
+    import hashlib
+
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while True:
@@ -76,11 +128,14 @@ def cmd_state(root):
     gen = current_gen(root)
     manifest = load_manifest(gens, gen)
     drift = find_drift(os.path.join(gens, gen), manifest) if gen else []
-    print(json.dumps({"gen": gen, "manifest": manifest, "drift": drift}))
+    reply({"gen": gen, "manifest": manifest, "drift": drift})
 
 
 def link_tree(src, dst):
-    """Copy a tree as hard links (directories are created, files linked)."""
+    """Copy a tree as hard links (directories are created, files linked): GNU cp where there is one."""
+    if which("cp") and spawn(["cp", "-al", "--", src, dst])[0] == 0:
+        return
+    rmtree(dst)  # not GNU cp, or it failed: redo it here (and name any error)
     for dirpath, dirnames, filenames in os.walk(src):
         rel = os.path.relpath(dirpath, src)
         target = os.path.join(dst, rel) if rel != "." else dst
@@ -91,6 +146,82 @@ def link_tree(src, dst):
                 os.symlink(os.readlink(s), os.path.join(target, name))
             else:
                 os.link(s, os.path.join(target, name))
+
+
+def spare_gen(gens, live):
+    """The newest complete generation other than the live one (kept by the previous dispatch), if any."""
+    try:
+        names = os.listdir(gens)
+    except FileNotFoundError:
+        return None
+    spare = [g for g in map(gen_of, names) if g and g != live and os.path.isdir(os.path.join(gens, g)) and (g + MANIFEST) in names]
+    return max(spare) if spare else None  # generation names sort by time
+
+
+def recycle(spare, live, staging, manifest, skip, live_stats):
+    """Turn the spare generation (renamed to `staging`; False if it is gone) into a hard-linked copy of `live` for the paths of
+    `manifest`, except those in `skip` (about to be written): what differs from `live` is re-linked, what
+    `live` does not have is removed. Costs two stats per file instead of a link per file plus the later
+    deletion of a whole tree."""
+    try:
+        os.rename(spare, staging)  # atomic: a concurrent dispatch that lost the race builds its own copy
+    except FileNotFoundError:
+        return False
+    # plain string joins below: os.path.join costs more than the system calls here
+    paths = [(rel, safe_rel(rel)) for rel in manifest if rel not in skip]
+    want = {safe for _, safe in paths} | {safe_rel(rel) for rel in skip}
+    need_dirs = {""}
+    for rel in want:
+        d = rel.rpartition("/")[0]
+        while d not in need_dirs:
+            need_dirs.add(d)
+            d = d.rpartition("/")[0]
+    cut = len(staging) + 1
+    for dirpath, dirnames, filenames in os.walk(staging, topdown=False):
+        prefix = dirpath[cut:] + "/" if len(dirpath) > len(staging) else ""
+        for name in filenames:
+            if prefix + name not in want:
+                os.unlink(dirpath + "/" + name)
+        for name in dirnames:
+            full = dirpath + "/" + name
+            if os.path.islink(full):
+                os.unlink(full)
+            elif prefix + name not in need_dirs:
+                os.rmdir(full)  # bottom-up: its unwanted contents are gone already
+    for rel, safe in paths:
+        src, dst = live + "/" + safe, staging + "/" + safe
+        st = live_stats.get(rel)
+        if st is None:
+            try:
+                st = os.stat(src)
+            except FileNotFoundError:
+                continue  # missing in the live generation: the controller sends it (drift)
+        try:
+            cur = os.lstat(dst)
+        except FileNotFoundError:
+            cur = None
+        if cur is not None and cur.st_ino == st.st_ino and cur.st_dev == st.st_dev:
+            continue
+        if cur is not None:
+            if os.path.isdir(dst) and not os.path.islink(dst):
+                rmtree(dst)
+            else:
+                os.unlink(dst)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        os.link(src, dst)
+    return True
+
+
+def remove_paths(staging, delete):
+    """Delete files (before extraction, so a file may replace a directory) and directories left empty."""
+    for rel in delete:
+        p = os.path.join(staging, safe_rel(rel))
+        if os.path.lexists(p) and not os.path.isdir(p):
+            os.unlink(p)
+        d = os.path.dirname(p)
+        while d != staging and os.path.isdir(d) and not os.listdir(d):
+            os.rmdir(d)
+            d = os.path.dirname(d)
 
 
 def safe_rel(name):
@@ -114,13 +245,10 @@ def read_exact(fd, n):
 
 def extract_tar(staging):
     """Extract the rest of stdin with GNU tar; raise OSError with its message on failure."""
-    res = subprocess.run(
-        ["tar", "-x", "-f", "-", "-C", staging, "--unlink-first", "--no-same-owner"],
-        stdin=0, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    if res.returncode != 0:
-        lines = [ln for ln in res.stderr.decode("utf-8", "replace").splitlines() if not ln.startswith("tar: Exiting")]
-        first = lines[0].replace("tar: ", "", 1) if lines else f"tar exited {res.returncode}"
+    code, stderr = spawn(["tar", "-x", "-f", "-", "-C", staging, "--unlink-first", "--no-same-owner"], stderr=True)
+    if code != 0:
+        lines = [ln for ln in stderr.decode("utf-8", "replace").splitlines() if not ln.startswith("tar: Exiting")]
+        first = lines[0].replace("tar: ", "", 1) if lines else f"tar exited {code}"
         st = os.statvfs(staging)
         if st.f_bavail * st.f_frsize < CHUNK:  # tar says "Wrote only N of M bytes"; say why
             raise OSError(f"{os.strerror(errno.ENOSPC)} ({first})")
@@ -129,6 +257,9 @@ def extract_tar(staging):
 
 def extract(stream, staging):
     """Extract regular files from a tar stream, unlinking any existing file first; return {path: sha256}."""
+    import hashlib
+    import tarfile  # only where there is no GNU tar
+
     digests = {}
     with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK) as tar:
         for member in tar:
@@ -157,47 +288,155 @@ def extract(stream, staging):
     return digests
 
 
+class PatchError(Exception):
+    pass
+
+
+def block_set(ranges):
+    return {i for first, count in ranges for i in range(first, first + count)}
+
+
+def apply_patch(delta_path, base_path, tmp_path, patch):
+    """Write the new file from the changed blocks at `delta_path` and the rest of `base_path`; return its sha256."""
+    import hashlib
+
+    entry, bs = patch["e"], patch["b"]
+    size = entry["s"]
+    h = hashlib.sha256()
+    try:
+        with open(delta_path, "rb") as delta, open(base_path, "rb") as base, open(tmp_path, "wb") as out:
+            if size <= 64 << 20:  # in memory: one read, the blocks spliced in, one write
+                data = bytearray(base.read(size))
+                data.extend(bytes(size - len(data)))
+                for first, count in patch["r"]:
+                    start = first * bs
+                    n = min(count * bs, size - start)
+                    block = delta.read(n)
+                    if len(block) != n:
+                        raise PatchError("short delta")
+                    data[start : start + n] = block
+                if len(data) != size:
+                    raise PatchError("bad block range")
+                h.update(data)
+                out.write(data)
+            else:
+                fresh = block_set(patch["r"])
+                for i in range((size + bs - 1) // bs):
+                    n = min(bs, size - i * bs)
+                    block = delta.read(n) if i in fresh else os.pread(base.fileno(), n, i * bs)
+                    if len(block) != n:
+                        raise PatchError("short block")
+                    h.update(block)
+                    out.write(block)
+            if delta.read(1):
+                raise PatchError("unused delta bytes")
+    except FileNotFoundError as exc:  # the base file is gone: the controller sends it whole
+        raise PatchError(str(exc)) from None
+    os.chmod(tmp_path, entry["m"])
+    os.utime(tmp_path, ns=(entry["t"], entry["t"]))
+    os.replace(tmp_path, delta_path)
+    return h.hexdigest()
+
+
+def gen_of(name):
+    """The generation a name in ROOT.d belongs to (a directory, its manifest, or leftovers of either)."""
+    for suffix in (MANIFEST, ".json", ".patch.tmp", ".tmp"):
+        if name.endswith(suffix):
+            return gen_of(name[: -len(suffix)])
+    return name
+
+
+def reply(obj):
+    """Print one JSON object. Flat replies of plain words and numbers (the common case) are written here,
+    so that `apply` does not import json."""
+
+    def plain(v):
+        return v is None or isinstance(v, int) or (
+            isinstance(v, str) and v.isascii() and v.isprintable() and '"' not in v and "\\" not in v
+        )
+
+    def encode(v):
+        if isinstance(v, bool) or v is None:
+            return {True: "true", False: "false", None: "null"}[v]
+        return f'"{v}"' if isinstance(v, str) else str(v)
+
+    if all(map(plain, obj.values())):
+        print("{" + ", ".join(f'"{k}": {encode(v)}' for k, v in obj.items()) + "}", flush=True)
+        return
+    import json
+
+    print(json.dumps(obj), flush=True)
+
+
 def cmd_apply(root):
     root, gens = paths(root)
-    header = json.loads(read_exact(0, int(read_exact(0, 16))))
-    gen, changes, delete = header["gen"], header["changes"], header["delete"]
+    header = marshal.loads(read_exact(0, int(read_exact(0, 16))))
+    gen, changes, patches, delete = header["gen"], header["changes"], header.get("patches", {}), header["delete"]
     old = current_gen(root)
-    if old != header["base"]:
-        fail(f"{root} changed during dispatch (now {old}, expected {header['base']}); dispatch again")
     manifest = load_manifest(gens, old)
-    manifest.update(changes)
+
+    def stale(reason, drift):
+        reply({"stale": reason, "gen": old, "manifest": manifest, "drift": drift})
+
+    if old != header["base"]:
+        if header.get("check"):
+            return stale(f"generation is {old}, not {header['base']}", [])
+        fail(f"{root} changed during dispatch (now {old}, expected {header['base']}); dispatch again")
+    live_stats = {}
+    if header.get("check") and old is not None:
+        drift = find_drift(os.path.join(gens, old), manifest, live_stats)
+        if drift:
+            return stale("drift", drift)
+    if not changes and not patches and not delete:
+        return reply({"gen": old, "previous": old, "written": 0, "deleted": 0, "unchanged": True})
+    new_manifest = dict(manifest)
+    new_manifest.update(changes)
+    new_manifest.update({rel: p["e"] for rel, p in patches.items()})
     for rel in delete:
-        manifest.pop(rel, None)
+        new_manifest.pop(rel, None)
     os.makedirs(gens, exist_ok=True)
     staging = os.path.join(gens, gen + ".tmp")
     if os.path.exists(staging):
-        shutil.rmtree(staging)
+        rmtree(staging)
     try:
-        if old is not None and os.path.isdir(os.path.join(gens, old)):
-            link_tree(os.path.join(gens, old), staging)
-        else:
+        live = os.path.join(gens, old) if old is not None else None
+        spare = spare_gen(gens, old) if live is not None else None
+        if live is None or not os.path.isdir(live):
             os.makedirs(staging)
+        elif spare is None or not recycle(os.path.join(gens, spare), live, staging, manifest,
+                                          set(changes) | set(patches) | set(delete), live_stats):
+            link_tree(live, staging)
+        remove_paths(staging, delete)
         digests = None
-        if header.get("archive") and shutil.which("tar"):
+        if header.get("archive") and which("tar"):
             extract_tar(staging)
         elif header.get("archive"):
             with os.fdopen(0, "rb", closefd=False) as stream:
                 digests = extract(stream, staging)
-        for rel in delete:
-            p = os.path.join(staging, safe_rel(rel))
-            if os.path.lexists(p) and not os.path.isdir(p):
-                os.unlink(p)
         if digests is not None:  # Python extraction hashed while writing
-            bad = [rel for rel in changes if digests.get(safe_rel(rel)) != manifest[rel]["h"]]
+            bad = [rel for rel in changes if digests.get(safe_rel(rel)) != changes[rel]["h"]]
         else:  # GNU tar: SSH's MAC guarantees the bytes; sizes catch a truncated stream
-            bad = [rel for rel in changes if os.stat(os.path.join(staging, safe_rel(rel))).st_size != manifest[rel]["s"]]
+            bad = [rel for rel in changes if os.stat(os.path.join(staging, safe_rel(rel))).st_size != changes[rel]["s"]]
         if bad:
             raise OSError(f"content check failed after transfer: {', '.join(bad[:5])}")
-        with open(os.path.join(gens, gen + ".json.tmp"), "w", encoding="utf-8") as fh:
-            json.dump(manifest, fh)
+        unpatched = []
+        for rel, patch in patches.items():
+            safe = safe_rel(rel)
+            try:
+                digest = apply_patch(os.path.join(staging, safe), os.path.join(gens, old, safe),
+                                     os.path.join(gens, gen + ".patch.tmp"), patch)
+            except PatchError:
+                digest = None
+            if digest != patch["e"]["h"]:  # the base differs from its manifest entry: ask for the whole file
+                unpatched.append({"path": rel, "problem": "modified"})
+        if unpatched:
+            rmtree(staging)
+            return stale("patch", unpatched)
+        with open(os.path.join(gens, gen + MANIFEST + ".tmp"), "wb") as fh:
+            fh.write(marshal.dumps(new_manifest, MARSHAL_VERSION))
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(os.path.join(gens, gen + ".json.tmp"), os.path.join(gens, gen + ".json"))
+        os.replace(os.path.join(gens, gen + MANIFEST + ".tmp"), os.path.join(gens, gen + MANIFEST))
         os.replace(staging, os.path.join(gens, gen))
         link = root + ".link.tmp"
         if os.path.lexists(link):
@@ -207,13 +446,13 @@ def cmd_apply(root):
             os.rmdir(root)  # the empty directory adopted above
         os.replace(link, root)  # the atomic switch
     except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        for leftover in (os.path.join(gens, gen + ".json.tmp"),):
+        rmtree(staging)
+        for leftover in (os.path.join(gens, gen + MANIFEST + ".tmp"), os.path.join(gens, gen + ".patch.tmp")):
             if os.path.exists(leftover):
                 os.unlink(leftover)
         fail(f"dispatch failed, previous workspace kept: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
-    doomed = [n for n in os.listdir(gens) if (n[:-5] if n.endswith(".json") else n) not in {gen, old}]
-    print(json.dumps({"gen": gen, "previous": old, "written": len(changes), "deleted": len(delete)}), flush=True)
+    doomed = [n for n in os.listdir(gens) if gen_of(n) not in {gen, old}]
+    reply({"gen": gen, "previous": old, "written": len(changes) + len(patches), "deleted": len(delete)})
     prune_detached(gens, doomed)
 
 
@@ -226,6 +465,7 @@ def prune_detached(gens, names):
         return
     try:
         os.setsid()
+        os.nice(19)  # cleanup yields to whatever the host does next
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)  # let sshd close the channel now
@@ -235,11 +475,16 @@ def prune_detached(gens, names):
 
 
 def prune(gens, names):
-    """Delete these generation directories and manifests."""
+    """Delete these generation directories and manifests (with rm -rf, many times faster than Python)."""
+    try:
+        if spawn(["rm", "-rf", "--"] + [os.path.join(gens, n) for n in names])[0] == 0:
+            return
+    except OSError:
+        pass
     for name in names:
         p = os.path.join(gens, name)
         if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p, ignore_errors=True)
+            rmtree(p)
         elif os.path.lexists(p):
             os.unlink(p)
 
@@ -248,22 +493,25 @@ def cmd_verify(root):
     root, gens = paths(root)
     gen = current_gen(root)
     if gen is None:
-        print(json.dumps({"gen": None, "drift": [{"path": "", "problem": "never dispatched"}]}))
+        reply({"gen": None, "drift": [{"path": "", "problem": "never dispatched"}]})
         return
     drift = find_drift(os.path.join(gens, gen), load_manifest(gens, gen))
-    print(json.dumps({"gen": gen, "drift": drift}))
+    reply({"gen": gen, "drift": drift})
 
 
-def find_drift(base, manifest):
-    """Files of `manifest` that are missing or whose content changed under `base`."""
+def find_drift(base, manifest, stats=None):
+    """Files of `manifest` that are missing or whose content changed under `base` (their stats go into
+    `stats` when given)."""
     drift = []
     for rel, entry in sorted(manifest.items()):
-        p = os.path.join(base, rel)
+        p = base + "/" + rel
         try:
             st = os.stat(p)
         except FileNotFoundError:
             drift.append({"path": rel, "problem": "missing"})
             continue
+        if stats is not None:
+            stats[rel] = st
         if st.st_size == entry["s"] and st.st_mtime_ns == entry["t"]:
             continue
         if st.st_size != entry["s"] or sha256(p) != entry["h"]:

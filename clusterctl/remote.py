@@ -133,6 +133,7 @@ class Remote:
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(self.hosts) or 1)))
         self._conns: dict[Host, Connection] = {}
         self._conn_locks = {h: threading.Lock() for h in self.hosts}
+        self._early_failures: dict[Host, ClusterctlError] = {}  # from connect_soon(), reported once
         if options.host_key_policy == "off":
             log.warning("host key checking is OFF (ssh.host_key_policy: off): connections can be intercepted")
 
@@ -165,9 +166,24 @@ class Remote:
             client.set_missing_host_key_policy(_OffPolicy())
         return client
 
+    def connect_soon(self, hosts: Sequence[Host] | None = None) -> None:
+        """Start connecting in the background (e.g. while files are scanned); a failure is reported by the
+        next command to that host instead of costing a second timeout."""
+        for host in self.hosts if hosts is None else hosts:
+            self._pool.submit(self._connect_early, host)
+
+    def _connect_early(self, host: Host) -> None:
+        try:
+            self.connection(host)
+        except ClusterctlError as exc:
+            self._early_failures[host] = exc
+
     def connection(self, host: Host) -> Connection:
         """The (cached) open connection to `host`; raises ClusterctlError with a one-line reason."""
         with self._conn_locks[host]:
+            early = self._early_failures.pop(host, None)
+            if early is not None:
+                raise early
             conn = self._conns.get(host)
             if conn is not None and conn.is_connected:
                 return conn
@@ -419,7 +435,7 @@ def _exec(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float |
                     for chunk in chunks:
                         _send_all(chan, chunk, deadline)
                 chan.shutdown_write()
-            except (OSError, paramiko.SSHException) as exc:
+            except (OSError, paramiko.SSHException, EOFError) as exc:  # e.g. the command exited without reading
                 errors.append(exc)
 
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -1,15 +1,23 @@
 """`clusterctl dispatch`: ship the workspace (and data shards) to every host, incrementally and atomically.
 
 Each host keeps the manifest of its last dispatch; only files whose content differs travel, as one tar
-stream per distinct change set (built once, streamed to every host that needs it). The host applies it
-to a hard-linked staging copy and switches a symlink (see clusterctl/hostws.py).
+stream per distinct change set (built once, streamed to every host that needs it). A changed file whose
+previous content this controller hashed travels as its changed fixed-size blocks only. The host applies
+the stream to a hard-linked staging copy and switches a symlink (see clusterctl/hostws.py).
+
+One round trip per host: the controller remembers what it last dispatched to each host (generation and
+manifest, under ~/.cache/clusterctl/dispatched) and sends the update straight away; the host checks that
+it is still at that generation with no drift, and otherwise replies with its actual state, from which
+the update is planned again. Hosts this controller has not dispatched to are asked for their state first.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
+import io
 import json
+import marshal
 import os
 import posixpath
 import secrets
@@ -26,15 +34,30 @@ import pathspec
 from ..errors import HostFailure, JobError, RemoteError
 from ..plan import DATA_ENV, Host
 from ..quoting import join
+from ..remote import Result
 from ..spec import ClusterSpec
 from . import Session
 from .hosttools import tool_command, tool_path
 
 __all__ = ["LocalFile", "scan_workspace", "list_data_files", "dispatch", "verify", "HostDispatch"]
 
-_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "clusterctl" / "hashes"
+_CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "clusterctl"
+_CACHE_DIR = _CACHE_ROOT / "hashes"
 _CHUNK = 1 << 20
 _BULK = 8 << 20  # per-host archive size from which data goes through the OpenSSH client
+_BLOCK = 4096  # smallest delta block; files get at most _MAX_BLOCKS blocks (bigger ones, bigger blocks)
+_MAX_BLOCKS = 1024
+_DIGEST = 8  # bytes of sha256 kept per block (16 hex characters)
+_MARSHAL_VERSION = 4  # what hostws.py writes and reads: any Python 3 reads it
+_TOOL_MISSING = 75  # the apply command's exit code when hostws is not installed on the host
+
+
+def block_size(size: int) -> int:
+    """Delta block size for a file of `size` bytes: 4 KiB, doubled until the file has <= 1024 blocks."""
+    bs = _BLOCK
+    while bs * _MAX_BLOCKS < size:
+        bs *= 2
+    return bs
 
 
 @dataclass(frozen=True)
@@ -46,6 +69,8 @@ class LocalFile:
     sha256: str
     mode: int
     mtime: int  # whole seconds: what tar carries
+    blocks: str = ""  # per-block digests (hex, 16 characters each) for files of more than one block
+    previous: tuple[str, str] | None = None  # (sha256, blocks) of this path's content at the previous scan
 
     def entry(self) -> dict:
         """The manifest entry, as hostws.py stores and checks it."""
@@ -64,7 +89,8 @@ class HostDispatch:
 
 
 class _HashCache:
-    """sha256 of local files, remembered by (path, size, mtime_ns, inode) so unchanged files are not re-read."""
+    """sha256 (and per-block digests) of local files, remembered by (path, size, mtime_ns, inode) so that
+    unchanged files are not re-read; the previous scan's digests of changed files are kept for deltas."""
 
     def __init__(self, root: Path):
         key = hashlib.sha256(str(root).encode()).hexdigest()[:16]
@@ -75,19 +101,17 @@ class _HashCache:
             self.data = {}
         self.fresh: dict[str, list] = {}
 
-    def sha256(self, rel: str, full: Path, st: os.stat_result) -> str:
+    def digests(self, rel: str, full: Path, st: os.stat_result) -> tuple[str, str, tuple[str, str] | None]:
+        """(sha256, block digests, previous (sha256, block digests) if the content changed)."""
         stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
         hit = self.data.get(rel)
-        if hit and hit[:3] == stamp:
-            digest = hit[3]
-        else:
-            h = hashlib.sha256()
-            with open(full, "rb") as fh:
-                while block := fh.read(_CHUNK):
-                    h.update(block)
-            digest = h.hexdigest()
-        self.fresh[rel] = stamp + [digest]
-        return digest
+        if hit and hit[:3] == stamp and len(hit) == 5:
+            self.fresh[rel] = hit
+            return hit[3], hit[4], None
+        digest, blocks = _hash_file(full, st.st_size)
+        self.fresh[rel] = stamp + [digest, blocks]
+        previous = (hit[3], hit[4]) if hit and len(hit) == 5 and hit[3] != digest and hit[4] else None
+        return digest, blocks, previous
 
     def save(self) -> None:
         try:
@@ -97,6 +121,20 @@ class _HashCache:
             tmp.replace(self.path)
         except OSError:
             pass  # a cache that cannot be written only costs re-hashing next time
+
+
+def _hash_file(path: Path, size: int) -> tuple[str, str]:
+    """The file's sha256, and its per-block digests when it has more than one block."""
+    h = hashlib.sha256()
+    bs = block_size(size)
+    parts: list[bytes] = []
+    with open(path, "rb") as fh:
+        while block := fh.read(max(_CHUNK, bs)):
+            h.update(block)
+            if size > bs:
+                view = memoryview(block)
+                parts.extend(hashlib.sha256(view[i : i + bs]).digest()[:_DIGEST] for i in range(0, len(view), bs))
+    return h.hexdigest(), b"".join(parts).hex()
 
 
 def scan_workspace(root: Path, exclude: tuple[str, ...], *, prefix: str = "") -> dict[str, LocalFile]:
@@ -116,7 +154,10 @@ def scan_workspace(root: Path, exclude: tuple[str, ...], *, prefix: str = "") ->
             if spec.match_file(rel) or full.is_symlink() or not full.is_file():
                 continue
             st = full.stat()
-            files[prefix + rel] = LocalFile(str(full), st.st_size, cache.sha256(rel, full, st), st.st_mode & 0o777, int(st.st_mtime))
+            digest, blocks, previous = cache.digests(rel, full, st)
+            files[prefix + rel] = LocalFile(
+                str(full), st.st_size, digest, st.st_mode & 0o777, int(st.st_mtime), blocks, previous
+            )
     cache.save()
     return files
 
@@ -138,41 +179,96 @@ def list_data_files(spec: ClusterSpec) -> list[str]:
 def _host_files(session: Session, workspace: dict[str, LocalFile]) -> dict[Host, dict[str, LocalFile]]:
     """The full file set each host should have: the workspace plus its trainers' data shards."""
     spec, plan = session.spec, session.plan
-    per_host = {h: dict(workspace) for h in plan.hosts}
+    per_host = dict.fromkeys(plan.hosts, workspace)  # shared until a host gets shards of its own
     if spec.data is None:
         return per_host
     data_prefix = spec.data.remote.strip("/") + "/"
     data_files = scan_workspace(spec.local_path(spec.data.local), (), prefix=data_prefix)
     for trainer in plan.trainers:
         for path in filter(None, trainer.env[DATA_ENV].split(":")):
+            if per_host[trainer.host] is workspace:
+                per_host[trainer.host] = dict(workspace)
             per_host[trainer.host][path] = data_files[path]
     return per_host
 
 
+@dataclass(frozen=True)
+class _Patch:
+    """A changed file sent as its changed blocks: `ranges` of block indices, `payload` bytes of them."""
+
+    base: str  # sha256 of the content the host has, which the other blocks are copied from
+    block: int
+    ranges: tuple[tuple[int, int], ...]
+    payload: int
+
+
+def _delta(f: LocalFile, base: dict | None) -> _Patch | None:
+    """The blocks of `f` that differ from the host's content `base`, when this controller hashed that
+    content's blocks at its previous scan and sending them saves at least half of the file."""
+    if base is None or f.previous is None or f.previous[0] != base["h"] or not f.blocks:
+        return None
+    bs = block_size(f.size)
+    if block_size(base["s"]) != bs:
+        return None
+    width = 2 * _DIGEST
+    new, old = f.blocks, f.previous[1]
+    changed = [i for i in range(len(new) // width) if new[i * width : (i + 1) * width] != old[i * width : (i + 1) * width]]
+    payload = sum(min(bs, f.size - i * bs) for i in changed)
+    if payload * 2 > f.size:
+        return None
+    ranges: list[list[int]] = []
+    for i in changed:
+        if ranges and ranges[-1][0] + ranges[-1][1] == i:
+            ranges[-1][1] += 1
+        else:
+            ranges.append([i, 1])
+    return _Patch(base["h"], bs, tuple((a, n) for a, n in ranges), payload)
+
+
+def _patch_bytes(f: LocalFile, patch: _Patch) -> bytes:
+    """The changed blocks of `f`, back to back, as the host's apply_patch reads them."""
+    out = []
+    with open(f.source, "rb") as fh:
+        for first, count in patch.ranges:
+            start = first * patch.block
+            out.append(os.pread(fh.fileno(), min(count * patch.block, f.size - start), start))
+    return b"".join(out)
+
+
 class _Archive:
-    """A tar archive of changed files, streamed to many hosts while it is still being written.
+    """A tar archive of changed files (whole, or their changed blocks), streamed to many hosts while it is
+    still being written.
 
     A background thread writes it into an unlinked temporary file; each host's stream reads, with
     positional reads (`os.pread`: no shared file offset), whatever has been written so far.
     """
 
-    def __init__(self, files: dict[str, LocalFile], changed: list[str]):
+    def __init__(self, files: dict[str, LocalFile], changed: list[str], patches: dict[str, _Patch] | None = None):
+        patches = patches or {}
+        items = sorted([(rel, None) for rel in changed] + list(patches.items()))
         self._fh = tempfile.TemporaryFile()
         self._cond = threading.Condition()
         self._written = 0
-        self._done = not changed  # deletions only: no archive at all
+        self._done = not items  # deletions only: no archive at all
         self._error: BaseException | None = None
-        self.payload = sum(files[rel].size for rel in changed)  # known up front, unlike the archive's size
-        if changed:
-            threading.Thread(target=self._build, args=(files, changed), daemon=True).start()
+        # what travels, known up front unlike the archive's size
+        self.payload = sum(files[rel].size if p is None else p.payload for rel, p in items)
+        if items:
+            threading.Thread(target=self._build, args=(files, items), daemon=True).start()
 
-    def _build(self, files: dict[str, LocalFile], changed: list[str]) -> None:
+    def _build(self, files: dict[str, LocalFile], items: list[tuple[str, _Patch | None]]) -> None:
         try:
             with tarfile.open(fileobj=self, mode="w|", format=tarfile.PAX_FORMAT, bufsize=_CHUNK) as tar:
-                for rel in changed:
+                for rel, patch in items:
                     f = files[rel]
                     info = tarfile.TarInfo(rel)
-                    info.size, info.mode, info.mtime = f.size, f.mode, f.mtime
+                    info.mode, info.mtime = f.mode, f.mtime
+                    if patch is not None:
+                        data = _patch_bytes(f, patch)
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+                        continue
+                    info.size = f.size
                     with open(f.source, "rb") as fh:
                         tar.addfile(info, fh)
         except OSError as exc:  # e.g. a file vanished while we read it: every stream fails with it
@@ -221,75 +317,243 @@ class _Archive:
         self._fh.close()
 
 
+@dataclass
+class _HostView:
+    """What the controller takes a host's workspace to be: its generation, manifest and drifted paths."""
+
+    gen: str | None
+    manifest: dict[str, dict]
+    drift: frozenset[str] = frozenset()
+    check: bool = False  # from the controller's records, not read just now: the host must confirm it
+
+
+@dataclass
+class _HostPlan:
+    header: bytes
+    whole: list[str]
+    patches: dict[str, _Patch]
+    delete: list[str]
+    manifest: dict[str, dict]  # the host's manifest once this update is applied
+    key: tuple  # identifies the archive: hosts with equal keys share one
+
+    @property
+    def empty(self) -> bool:
+        return not (self.whole or self.patches or self.delete)
+
+
+class _Records:
+    """What this controller last dispatched to each host (for one workspace root): generation and manifest.
+
+    ~/.cache/clusterctl/dispatched/<host+root>.json holds {"gen", "manifest": sha256}; manifests are stored
+    once by content under manifests/, since hosts usually share one.
+    """
+
+    def __init__(self, root: str):
+        self.dir = _CACHE_ROOT / "dispatched"
+        self.root = root
+        self._loaded: dict[str, dict] = {}
+
+    def _path(self, host: Host) -> Path:
+        ident = json.dumps([host.user, host.address, host.port, self.root])
+        return self.dir / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".json")
+
+    def load(self, host: Host) -> _HostView | None:
+        try:
+            rec = json.loads(self._path(host).read_text())
+            ref = rec["manifest"]
+            if ref not in self._loaded:
+                self._loaded[ref] = json.loads((self.dir / "manifests" / f"{ref}.json").read_text())
+            return _HostView(rec["gen"], self._loaded[ref], check=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def save(self, records: dict[Host, tuple[str, dict]]) -> None:
+        """Record each host's new (generation, manifest); a failure to write only costs a round trip later."""
+        written: dict[int, str] = {}
+        try:
+            (self.dir / "manifests").mkdir(parents=True, exist_ok=True)
+            for host, (gen, manifest) in records.items():
+                ref = written.get(id(manifest))
+                if ref is None:
+                    blob = json.dumps(manifest, sort_keys=True).encode()
+                    ref = written[id(manifest)] = hashlib.sha256(blob).hexdigest()
+                    target = self.dir / "manifests" / f"{ref}.json"
+                    if not target.exists():
+                        _write_atomic(target, blob)
+                    else:
+                        os.utime(target)  # recently used: kept by the sweep below
+                _write_atomic(self._path(host), json.dumps({"gen": gen, "manifest": ref}).encode())
+            cutoff = time.time() - 30 * 86400
+            for old in (self.dir / "manifests").glob("*.json"):  # manifests no dispatch used for a month
+                if old.stat().st_mtime < cutoff:
+                    old.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _plan_host(gen: str, view: _HostView, files: dict[str, LocalFile], *, deltas: bool = True) -> _HostPlan:
+    """The update that brings a host from `view` to `files`: whole files, patched files, deletions."""
+    whole, patches = [], {}
+    manifest = dict(view.manifest)
+    for rel, f in files.items():
+        entry, current = f.entry(), view.manifest.get(rel)
+        if rel not in view.drift and not _differs(current, entry):
+            continue
+        patch = _delta(f, current) if deltas and rel not in view.drift else None
+        if patch is None:
+            whole.append(rel)
+        else:
+            patches[rel] = patch
+        manifest[rel] = entry
+    delete = sorted(set(view.manifest) - set(files))
+    for rel in delete:
+        del manifest[rel]
+    whole.sort()
+    header = {
+        "gen": gen, "base": view.gen, "check": view.check,
+        "changes": {rel: manifest[rel] for rel in whole},
+        "patches": {rel: {"e": manifest[rel], "b": p.block, "r": p.ranges} for rel, p in sorted(patches.items())},
+        "delete": delete, "archive": bool(whole or patches),
+    }
+    blob = marshal.dumps(header, _MARSHAL_VERSION)  # hostws reads it without importing json (see there)
+    key = tuple((rel, files[rel].sha256, None) for rel in whole) + tuple(
+        (rel, files[rel].sha256, p.base) for rel, p in sorted(patches.items())
+    )
+    # length-framed: the host hands the rest of stdin to tar
+    return _HostPlan(b"%016d" % len(blob) + blob, whole, patches, delete, manifest, key)
+
+
+def _read_states(remote, hosts: list[Host], root: str) -> dict[Host, _HostView | Result]:
+    """Ask hosts for their workspace state (installing hostws where missing): a view, or the failed Result."""
+    state_cmd, payload = tool_command("hostws", ["state", root])  # installs the tool if missing, same round trip
+    out: dict[Host, _HostView | Result] = {}
+    for host, res in remote.run(state_cmd, hosts=hosts, stdin=payload, check=False, what="reading workspace state").items():
+        out[host] = _view_of(json.loads(res.stdout)) if res.ok else res
+    return out
+
+
+def _view_of(state: dict) -> _HostView:
+    return _HostView(state["gen"], state["manifest"], frozenset(d["path"] for d in state["drift"]))
+
+
 def dispatch(session: Session) -> list[HostDispatch]:
     """Bring every host's workspace to the local content; raise RemoteError naming hosts that failed."""
     spec, plan, remote = session.spec, session.plan, session.remote
+    remote.connect_soon()  # SSH handshakes overlap the scan
     workspace = scan_workspace(spec.local_path(spec.workspace.local), spec.workspace.exclude)
     wanted = _host_files(session, workspace)
     root = plan.workdir
-    state_cmd, payload = tool_command("hostws", ["state", root])  # installs the tool if missing, same round trip
-    states = remote.run(state_cmd, stdin=payload, what="reading workspace state")
-    tools = {"hostws": tool_path("hostws")}
+    records = _Records(root)
     gen = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(4)
+    hostws = tool_path("hostws")
+    apply = f"test -f {join([hostws])} || exit {_TOOL_MISSING}; " + join(["python3", "-S", hostws, "apply", root])
 
-    plans: dict[Host, tuple[bytes, list[str], list[str]]] = {}
-    for host, res in states.items():
-        state = json.loads(res.stdout)
-        current, drifted = state["manifest"], {d["path"] for d in state["drift"]}
-        files = wanted[host]
-        manifest = {rel: f.entry() for rel, f in files.items()}
-        changed = sorted(rel for rel, e in manifest.items() if rel in drifted or _differs(current.get(rel), e))
-        delete = sorted(set(current) - set(manifest))
-        header = {"gen": gen, "base": state["gen"], "changes": {rel: manifest[rel] for rel in changed},
-                  "delete": delete, "archive": bool(changed)}
-        blob = json.dumps(header).encode()
-        header = b"%016d" % len(blob) + blob  # length-framed: the host hands the rest of stdin to tar
-        plans[host] = (header, changed, delete)
+    views: dict[Host, _HostView] = {}
+    ask: list[Host] = []
+    for host in plan.hosts:
+        view = records.load(host)
+        if view is None:
+            ask.append(host)
+        else:
+            views[host] = view
+    failed: dict[Host, Result] = {}
+    sent: dict[Host, int] = dict.fromkeys(plan.hosts, 0)
+    done: dict[Host, tuple[_HostPlan | None, str]] = {}  # host → (the plan it applied, its generation)
+    learned: dict[Host, tuple[str, dict]] = {}  # host → (generation, manifest) to remember
+    succeeded: dict[Host, Result] = {}
+    no_deltas: set[Host] = set()
+    for _round in range(3):  # a stale record costs one more round; a patch that does not apply, one more
+        if ask:
+            for host, got in _read_states(remote, ask, root).items():
+                if isinstance(got, Result):
+                    failed[host] = got
+                else:
+                    views[host] = got
+            ask = []
+        if not views:
+            break
+        plans, memo = {}, {}
+        for h, v in views.items():  # hosts in the same state wanting the same files share one plan
+            key = (id(v.manifest), v.gen, v.drift, v.check, id(wanted[h]), h not in no_deltas)
+            if key not in memo:
+                memo[key] = _plan_host(gen, v, wanted[h], deltas=h not in no_deltas)
+            plans[h] = memo[key]
+        for host in [h for h, p in plans.items() if p.empty and not views[h].check]:
+            view = views.pop(host)  # read just now and up to date: nothing to send
+            done[host] = (None, view.gen)
+            learned[host] = (view.gen, view.manifest)
+            del plans[host]
+        results, sizes = _send(remote, apply, plans, wanted)
+        views = {}
+        for host, res in results.items():
+            sent[host] += len(plans[host].header) + sizes.get(plans[host].key, 0)
+            if res.exit_code == _TOOL_MISSING and not res.stdout:
+                ask.append(host)
+            elif not res.ok:
+                failed[host] = res
+            else:
+                reply = json.loads(res.stdout)
+                if "stale" not in reply:
+                    done[host] = (plans[host], reply["gen"])
+                    succeeded[host] = res
+                    if not reply.get("unchanged"):
+                        learned[host] = (reply["gen"], plans[host].manifest)
+                    continue
+                views[host] = _view_of(reply)
+                if reply["stale"] == "patch":
+                    no_deltas.add(host)
+        if not views and not ask:
+            break
+    for host in [*views, *ask]:  # did not converge in three rounds (something keeps changing it)
+        failed[host] = Result(host, apply, 1, "", "the workspace kept changing during dispatch; dispatch again", 0.0)
 
+    records.save(learned)
+    out = []
+    for host in plan.hosts:
+        if host in done:
+            p, g = done[host]
+            out.append(HostDispatch(host, 0 if p is None else len(p.whole) + len(p.patches), sent[host],
+                                    0 if p is None else len(p.delete), g))
+    if failed:
+        raise RemoteError(
+            [_failure(failed[h]) for h in plan.hosts if h in failed], succeeded,
+            what="dispatch",
+        )
+    return out
+
+
+def _send(remote, apply: str, plans: dict[Host, _HostPlan], wanted) -> tuple[dict[Host, Result], dict[tuple, int]]:
+    """Stream each host its header and archive (one archive per distinct change set); the results and
+    each archive's size."""
+    if not plans:
+        return {}, {}
     archives: dict[tuple, _Archive] = {}
     try:
-        def _key(host: Host) -> tuple:
-            return tuple((rel, wanted[host][rel].sha256) for rel in plans[host][1])
-
-        for host in plans:
-            key = _key(host)
-            if key not in archives:  # built once per distinct change set, streamed to every host that needs it
-                archives[key] = _Archive(wanted[host], plans[host][1])
+        for host, p in plans.items():
+            if p.key not in archives:  # built once per distinct change set, streamed to every host that needs it
+                archives[p.key] = _Archive(wanted[host], p.whole, p.patches)
 
         def feed(host: Host):
-            return archives[_key(host)].stream(plans[host][0])
+            return archives[plans[host].key].stream(plans[host].header)
 
-        busy = [h for h, (_, changed, delete) in plans.items() if changed or delete]
-        apply = join(["python3", tools["hostws"], "apply", root])
-        biggest = max((archives[_key(h)].payload for h in busy), default=0)
+        biggest = max(a.payload for a in archives.values())
         if biggest >= _BULK:  # OpenSSH's C crypto, one process per host
-            results = remote.push(apply, hosts=busy, stdin=feed, what="dispatch")
+            results = remote.push(apply, hosts=list(plans), stdin=feed, what="dispatch")
         else:  # small: the connections already open are faster than starting ssh processes
-            results = remote.run(apply, hosts=busy, stdin=feed, check=False, what="dispatch")
+            results = remote.run(apply, hosts=list(plans), stdin=feed, check=False, what="dispatch")
         for archive in archives.values():
             archive.wait()
         sizes = {key: archive.size for key, archive in archives.items()}
     finally:
         for archive in archives.values():
             archive.close()
-
-    out, failures = [], []
-    for host in plans:
-        header, changed, delete = plans[host]
-        res = results.get(host)
-        if res is None:  # already up to date: nothing was sent
-            out.append(HostDispatch(host, 0, 0, 0, json.loads(states[host].stdout)["gen"]))
-            continue
-        if not res.ok:
-            failures.append(host)
-            continue
-        key = tuple((rel, wanted[host][rel].sha256) for rel in changed)
-        out.append(HostDispatch(host, len(changed), len(header) + sizes[key], len(delete), gen))
-    if failures:
-        raise RemoteError(
-            [_failure(results[h]) for h in failures], {h: r for h, r in results.items() if r.ok}, what="dispatch"
-        )
-    return out
+    return results, sizes
 
 
 def _failure(res) -> HostFailure:
