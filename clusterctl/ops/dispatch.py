@@ -251,6 +251,7 @@ class _Archive:
         self._written = 0
         self._done = not items  # deletions only: no archive at all
         self._error: BaseException | None = None
+        self._cancelled = False
         # what travels, known up front unlike the archive's size
         self.payload = sum(files[rel].size if p is None else p.payload for rel, p in items)
         if items:
@@ -260,6 +261,8 @@ class _Archive:
         try:
             with tarfile.open(fileobj=self, mode="w|", format=tarfile.PAX_FORMAT, bufsize=_CHUNK) as tar:
                 for rel, patch in items:
+                    if self._cancelled:
+                        break
                     f = files[rel]
                     info = tarfile.TarInfo(rel)
                     info.mode, info.mtime = f.mode, f.mtime
@@ -308,11 +311,13 @@ class _Archive:
             yield block
 
     def wait(self) -> None:
-        """Block until the archive is complete."""
+        """Block until the archive is complete (or its building stopped)."""
         with self._cond:
             self._cond.wait_for(lambda: self._done)
 
     def close(self) -> None:
+        """Stop building (no host reads the rest: e.g. each replied that our record of it was stale)."""
+        self._cancelled = True
         self.wait()
         self._fh.close()
 
@@ -335,6 +340,7 @@ class _HostPlan:
     delete: list[str]
     manifest: dict[str, dict]  # the host's manifest once this update is applied
     key: tuple  # identifies the archive: hosts with equal keys share one
+    payload: int  # bytes of file content that travel
 
     @property
     def empty(self) -> bool:
@@ -426,7 +432,8 @@ def _plan_host(gen: str, view: _HostView, files: dict[str, LocalFile], *, deltas
         (rel, files[rel].sha256, p.base) for rel, p in sorted(patches.items())
     )
     # length-framed: the host hands the rest of stdin to tar
-    return _HostPlan(b"%016d" % len(blob) + blob, whole, patches, delete, manifest, key)
+    payload = sum(files[rel].size for rel in whole) + sum(p.payload for p in patches.values())
+    return _HostPlan(b"%016d" % len(blob) + blob, whole, patches, delete, manifest, key, payload)
 
 
 def _read_states(remote, hosts: list[Host], root: str) -> dict[Host, _HostView | Result]:
@@ -484,15 +491,18 @@ def dispatch(session: Session) -> list[HostDispatch]:
             if key not in memo:
                 memo[key] = _plan_host(gen, v, wanted[h], deltas=h not in no_deltas)
             plans[h] = memo[key]
+        for host in [h for h, p in plans.items() if views[h].check and p.payload >= _BULK]:
+            ask.append(host)  # a big update: confirm the host's state first rather than stream in vain
+            del plans[host], views[host]
         for host in [h for h, p in plans.items() if p.empty and not views[h].check]:
             view = views.pop(host)  # read just now and up to date: nothing to send
             done[host] = (None, view.gen)
             learned[host] = (view.gen, view.manifest)
             del plans[host]
-        results, sizes = _send(remote, apply, plans, wanted)
+        results, streamed = _send(remote, apply, plans, wanted)
         views = {}
         for host, res in results.items():
-            sent[host] += len(plans[host].header) + sizes.get(plans[host].key, 0)
+            sent[host] += streamed[host]
             if res.exit_code == _TOOL_MISSING and not res.stdout:
                 ask.append(host)
             elif not res.ok:
@@ -528,32 +538,32 @@ def dispatch(session: Session) -> list[HostDispatch]:
     return out
 
 
-def _send(remote, apply: str, plans: dict[Host, _HostPlan], wanted) -> tuple[dict[Host, Result], dict[tuple, int]]:
+def _send(remote, apply: str, plans: dict[Host, _HostPlan], wanted) -> tuple[dict[Host, Result], dict[Host, int]]:
     """Stream each host its header and archive (one archive per distinct change set); the results and
-    each archive's size."""
+    the bytes streamed to each host (less than the archive where a host stopped reading early)."""
     if not plans:
         return {}, {}
     archives: dict[tuple, _Archive] = {}
+    streamed = dict.fromkeys(plans, 0)
     try:
         for host, p in plans.items():
             if p.key not in archives:  # built once per distinct change set, streamed to every host that needs it
                 archives[p.key] = _Archive(wanted[host], p.whole, p.patches)
 
         def feed(host: Host):
-            return archives[plans[host].key].stream(plans[host].header)
+            for block in archives[plans[host].key].stream(plans[host].header):
+                yield block
+                streamed[host] += len(block)  # counted once the channel took it
 
         biggest = max(a.payload for a in archives.values())
         if biggest >= _BULK:  # OpenSSH's C crypto, one process per host
             results = remote.push(apply, hosts=list(plans), stdin=feed, what="dispatch")
         else:  # small: the connections already open are faster than starting ssh processes
             results = remote.run(apply, hosts=list(plans), stdin=feed, check=False, what="dispatch")
-        for archive in archives.values():
-            archive.wait()
-        sizes = {key: archive.size for key, archive in archives.items()}
     finally:
         for archive in archives.values():
             archive.close()
-    return results, sizes
+    return results, streamed
 
 
 def _failure(res) -> HostFailure:
