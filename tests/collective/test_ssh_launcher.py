@@ -201,11 +201,14 @@ def test_rank_dying_after_join_is_named_and_nothing_is_left(tmp_path):
     assert sorted(pids) == [0, 1, 2], outs
     host = os.uname().nodename
     assert procs[2].returncode == 1, outs[2]
+    named = []
     for r in (0, 1):
         assert procs[r].returncode == 124, outs[r]
         # "after 3.0s" can read 3.1s on a loaded machine; the rest of the line is exact.
-        assert "collective timeout after " in outs[r], outs[r]
-        assert (f"on rank {r} ({host}, pid {pids[r]}): missing rank 2 ({host}, pid {pids[2]}); "
-                "aborting the job") in outs[r], outs[r]
+        named += [r for line in outs[r].splitlines() if "collective timeout after " in line and (
+            f"on rank {r} ({host}, pid {pids[r]}): missing rank 2 ({host}, pid {pids[2]}); aborting the job") in line]
+    # the first survivor to time out aborts the job; the other may be ended by that abort before its own
+    # timeout fires (seen in CI under load), so one named report is required, not two
+    assert named, outs
     assert "PMI: rank 2 closed its connection before MPI_Finalize (it exited or crashed)" in outs[0]
     assert_no_orphans(job)
