@@ -116,9 +116,7 @@ class _HashCache:
     def save(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.fresh))
-            tmp.replace(self.path)
+            _write_atomic(self.path, json.dumps(self.fresh).encode())
         except OSError:
             pass  # a cache that cannot be written only costs re-hashing next time
 
@@ -252,8 +250,6 @@ class _Archive:
         self._done = not items  # deletions only: no archive at all
         self._error: BaseException | None = None
         self._cancelled = False
-        # what travels, known up front unlike the archive's size
-        self.payload = sum(files[rel].size if p is None else p.payload for rel, p in items)
         if items:
             threading.Thread(target=self._build, args=(files, items), daemon=True).start()
 
@@ -431,8 +427,8 @@ def _plan_host(gen: str, view: _HostView, files: dict[str, LocalFile], *, deltas
     key = tuple((rel, files[rel].sha256, None) for rel in whole) + tuple(
         (rel, files[rel].sha256, p.base) for rel, p in sorted(patches.items())
     )
-    # length-framed: the host hands the rest of stdin to tar
     payload = sum(files[rel].size for rel in whole) + sum(p.payload for p in patches.values())
+    # length-framed: the host hands the rest of stdin to tar
     return _HostPlan(b"%016d" % len(blob) + blob, whole, patches, delete, manifest, key, payload)
 
 
@@ -555,8 +551,7 @@ def _send(remote, apply: str, plans: dict[Host, _HostPlan], wanted) -> tuple[dic
                 yield block
                 streamed[host] += len(block)  # counted once the channel took it
 
-        biggest = max(a.payload for a in archives.values())
-        if biggest >= _BULK:  # OpenSSH's C crypto, one process per host
+        if max(p.payload for p in plans.values()) >= _BULK:  # OpenSSH's C crypto, one process per host
             results = remote.push(apply, hosts=list(plans), stdin=feed, what="dispatch")
         else:  # small: the connections already open are faster than starting ssh processes
             results = remote.run(apply, hosts=list(plans), stdin=feed, check=False, what="dispatch")
