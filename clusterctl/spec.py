@@ -15,7 +15,6 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .errors import SpecError, SpecProblem
-from .provision.schema import ProvisionSpec
 from .yamlpos import Located, YamlSyntaxError, load_located
 
 __all__ = [
@@ -75,6 +74,7 @@ class SshSpec(_Model):
     connect_timeout: float = Field(10.0, gt=0, le=600)
     keepalive: int = Field(15, ge=0, le=3600)
     forward_agent: bool = False
+    persist: int = Field(60, ge=0, le=86400)  # seconds the OpenSSH client keeps an idle connection for reuse
 
 
 class HostSpec(_Model):
@@ -254,7 +254,9 @@ class ClusterSpec(_Model):
     workspace: WorkspaceSpec = WorkspaceSpec()
     data: DataSpec | None = None
     job: JobSpec
-    provision: ProvisionSpec | None = None
+    # A ProvisionSpec, validated by parse_spec: its schema is built (and its ~70 ms paid) only by specs
+    # that have a provision: section.
+    provision: Any = None
     source: str = Field("<spec>", exclude=True)
 
     @field_validator("name")
@@ -356,11 +358,23 @@ def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
     problems += _load_hostfile(loc, source, data)
     if problems:
         raise SpecError(problems)
+    provision, found = data.pop("provision", None), []
     try:
         spec = ClusterSpec.model_validate({**data, "source": source})
     except pydantic.ValidationError as exc:
-        problems += [_pydantic_problem(loc, source, err) for err in exc.errors()]
+        found += exc.errors()
+    if provision is not None:
+        from .provision.schema import ProvisionSpec
+
+        try:
+            provision = ProvisionSpec.model_validate(provision)
+        except pydantic.ValidationError as exc:
+            found += [{**err, "loc": ("provision", *err["loc"])} for err in exc.errors()]
+    if found:
+        problems += [_pydantic_problem(loc, source, err) for err in found]
         raise SpecError(sorted(_dedupe(problems), key=lambda p: (p.file != source, p.line, p.column))) from None
+    if provision is not None:
+        object.__setattr__(spec, "provision", provision)  # frozen model: set once, here
     problems += _semantic_problems(loc, source, spec)
     if problems:
         raise SpecError(problems)
@@ -467,6 +481,10 @@ def _is_union_tag(part: Any) -> bool:
 def _allowed_keys(parent: tuple) -> list[str]:
     """Keys allowed in the mapping at `parent`, found by walking the models' field annotations."""
     model: type[BaseModel] | None = ClusterSpec
+    if parent[:1] == ("provision",):
+        from .provision.schema import ProvisionSpec
+
+        model, parent = ProvisionSpec, parent[1:]
     for part in parent:
         if isinstance(part, int) or model is None:
             continue
