@@ -9,13 +9,15 @@ Layout on the host, for workspace ROOT:
     ROOT.d/<gen>.manifest its manifest {path: {"s": size, "h": sha256, "m": mode, "t": mtime_ns}}, marshal
 
 `apply` reads from stdin: a 16-digit length, that many bytes of header {"gen", "base", "check",
-"changes", "patches", "delete", "archive"}, then (when "archive") a tar stream, which GNU tar extracts (C
-speed; it unlinks before replacing, so the old generation is never modified), or Python's tarfile where
-there is no tar. `changes` holds the manifest entries that differ from generation `base`, whose files
-travel whole; `patches` holds entries whose files travel as their changed fixed-size blocks only
-({"e": entry, "b": block size, "r": [[first block, count], ...]}): the tar member holds those blocks back
-to back and the rest is copied from the previous generation, then the result is checked against the
-entry's sha256. It hard-links the current generation into a staging directory, replaces changed files,
+"changes", "patches", "delete", "archive", "inline"}, then (when "archive") a tar stream, which GNU tar
+extracts (C speed; it unlinks before replacing, so the old generation is never modified), or Python's
+tarfile where there is no tar. `changes` holds the manifest entries that differ from generation `base`,
+whose files travel whole; `patches` holds entries whose files travel as their changed fixed-size blocks
+only ({"e": entry, "b": block size, "r": [[first block, count], ...]}): those blocks back to back, in the
+tar member or inline under "d", and the rest is copied from the previous generation, then the result is
+checked against the entry's sha256. A small update travels inside the header: whole files' content under
+"inline" {path: bytes}, and no archive. The controller may start `apply` before it knows the update (to
+overlap the SSH set-up and the drift check below with its own scan): an empty stdin means nothing to do. It hard-links the current generation into a staging directory, replaces changed files,
 deletes removed ones, checks every changed file, and only then switches the symlink. Any failure
 removes the staging directory and leaves the previous workspace untouched.
 
@@ -34,7 +36,7 @@ import marshal
 import os
 import sys
 
-# hashlib, json, shutil, subprocess and tarfile are imported where needed: this runs once per host per
+# hashlib, json, shutil and tarfile are imported where needed: this runs once per host per
 # dispatch, and on a busy host Python's start-up is a good part of its time.
 MANIFEST = ".manifest"
 MARSHAL_VERSION = 4
@@ -111,10 +113,16 @@ def rmtree(path):
     shutil.rmtree(path, ignore_errors=True)
 
 
-def sha256(path):
+def new_sha256():
+    """A sha256 object (hashlib's is OpenSSL's: with SHA extensions, 5x faster than CPython's own
+    _sha256, which more than pays for loading it)."""
     import hashlib
 
-    h = hashlib.sha256()
+    return hashlib.sha256()
+
+
+def sha256(path):
+    h = new_sha256()
     with open(path, "rb") as fh:
         while True:
             block = fh.read(CHUNK)
@@ -167,9 +175,10 @@ def recycle(spare, live, staging, manifest, skip, live_stats):
         os.rename(spare, staging)  # atomic: a concurrent dispatch that lost the race builds its own copy
     except FileNotFoundError:
         return False
-    # plain string joins below: os.path.join costs more than the system calls here
-    paths = [(rel, safe_rel(rel)) for rel in manifest if rel not in skip]
-    want = {safe for _, safe in paths} | {safe_rel(rel) for rel in skip}
+    # Manifest paths are normal and safe (cmd_apply checks each one as it enters a manifest), and plain
+    # string joins below: os.path.join costs more than the system calls here.
+    paths = [rel for rel in manifest if rel not in skip]
+    want = set(paths) | set(skip)
     need_dirs = {""}
     for rel in want:
         d = rel.rpartition("/")[0]
@@ -188,8 +197,8 @@ def recycle(spare, live, staging, manifest, skip, live_stats):
                 os.unlink(full)
             elif prefix + name not in need_dirs:
                 os.rmdir(full)  # bottom-up: its unwanted contents are gone already
-    for rel, safe in paths:
-        src, dst = live + "/" + safe, staging + "/" + safe
+    for rel in paths:
+        src, dst = live + "/" + rel, staging + "/" + rel
         st = live_stats.get(rel)
         if st is None:
             try:
@@ -231,12 +240,15 @@ def safe_rel(name):
     return norm
 
 
-def read_exact(fd, n):
-    """Exactly n bytes from a raw fd (no read-ahead, so a child can inherit the rest of the stream)."""
+def read_exact(fd, n, eof_ok=False):
+    """Exactly n bytes from a raw fd (no read-ahead, so a child can inherit the rest of the stream); with
+    eof_ok, b"" when the stream ends before its first byte."""
     chunks = []
     while n:
         block = os.read(fd, n)
         if not block:
+            if eof_ok and not chunks:
+                return b""
             fail("stream ended early: dispatch header incomplete")
         chunks.append(block)
         n -= len(block)
@@ -257,7 +269,6 @@ def extract_tar(staging):
 
 def extract(stream, staging):
     """Extract regular files from a tar stream, unlinking any existing file first; return {path: sha256}."""
-    import hashlib
     import tarfile  # only where there is no GNU tar
 
     digests = {}
@@ -274,7 +285,7 @@ def extract(stream, staging):
             if os.path.lexists(dest):
                 os.unlink(dest)
             src = tar.extractfile(member)
-            h = hashlib.sha256()
+            h = new_sha256()
             with open(dest, "wb") as out:
                 while True:
                     block = src.read(CHUNK)
@@ -288,6 +299,20 @@ def extract(stream, staging):
     return digests
 
 
+def write_file(staging, rel, data, entry, tmp):
+    """Create file `rel` of `staging` with `data` and the entry's mode and mtime (replacing, never
+    writing through, what is there: it may be a hard link into the live generation)."""
+    dest = os.path.join(staging, safe_rel(rel))
+    if os.path.isdir(dest) and not os.path.islink(dest):
+        rmtree(dest)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.chmod(tmp, entry["m"])
+    os.utime(tmp, ns=(entry["t"], entry["t"]))
+    os.replace(tmp, dest)
+
+
 class PatchError(Exception):
     pass
 
@@ -297,14 +322,16 @@ def block_set(ranges):
 
 
 def apply_patch(delta_path, base_path, tmp_path, patch):
-    """Write the new file from the changed blocks at `delta_path` and the rest of `base_path`; return its sha256."""
-    import hashlib
+    """Write the new file at `delta_path` from its changed blocks (inline in `patch`, or the archive member
+    extracted at `delta_path`) and the rest of `base_path`; return its sha256."""
+    import io
 
     entry, bs = patch["e"], patch["b"]
     size = entry["s"]
-    h = hashlib.sha256()
+    h = new_sha256()
     try:
-        with open(delta_path, "rb") as delta, open(base_path, "rb") as base, open(tmp_path, "wb") as out:
+        with (io.BytesIO(patch["d"]) if "d" in patch else open(delta_path, "rb")) as delta, \
+                open(base_path, "rb") as base, open(tmp_path, "wb") as out:
             if size <= 64 << 20:  # in memory: one read, the blocks spliced in, one write
                 data = bytearray(base.read(size))
                 data.extend(bytes(size - len(data)))
@@ -370,10 +397,20 @@ def reply(obj):
 
 def cmd_apply(root):
     root, gens = paths(root)
-    header = marshal.loads(read_exact(0, int(read_exact(0, 16))))
-    gen, changes, patches, delete = header["gen"], header["changes"], header.get("patches", {}), header["delete"]
+    # The live generation's state comes first: the controller may start this command before it has
+    # scanned its files, so this work overlaps its scan. Its stats serve recycle() below too.
     old = current_gen(root)
     manifest = load_manifest(gens, old)
+    live_stats = {}
+    drift = find_drift(os.path.join(gens, old), manifest, live_stats) if old is not None else []
+    length = read_exact(0, 16, eof_ok=True)
+    if not length:  # started ahead and then not needed: nothing to do
+        return
+    header = marshal.loads(read_exact(0, int(length)))
+    gen, changes, patches, delete = header["gen"], header["changes"], header.get("patches", {}), header["delete"]
+    for rel in (*changes, *patches, *delete):
+        if safe_rel(rel) != rel:
+            fail(f"refusing path that is not normal and relative: {rel!r}")
 
     def stale(reason, drift):
         reply({"stale": reason, "gen": old, "manifest": manifest, "drift": drift})
@@ -382,11 +419,8 @@ def cmd_apply(root):
         if header.get("check"):
             return stale(f"generation is {old}, not {header['base']}", [])
         fail(f"{root} changed during dispatch (now {old}, expected {header['base']}); dispatch again")
-    live_stats = {}
-    if header.get("check") and old is not None:
-        drift = find_drift(os.path.join(gens, old), manifest, live_stats)
-        if drift:
-            return stale("drift", drift)
+    if header.get("check") and drift:
+        return stale("drift", drift)
     if not changes and not patches and not delete:
         return reply({"gen": old, "previous": old, "written": 0, "deleted": 0, "unchanged": True})
     new_manifest = dict(manifest)
@@ -407,6 +441,8 @@ def cmd_apply(root):
                                           set(changes) | set(patches) | set(delete), live_stats):
             link_tree(live, staging)
         remove_paths(staging, delete)
+        for rel, data in header.get("inline", {}).items():  # small files travel inside the header
+            write_file(staging, rel, data, changes[rel], os.path.join(gens, gen + ".patch.tmp"))
         digests = None
         if header.get("archive") and which("tar"):
             extract_tar(staging)
@@ -415,7 +451,7 @@ def cmd_apply(root):
                 digests = extract(stream, staging)
         if digests is not None:  # Python extraction hashed while writing
             bad = [rel for rel in changes if digests.get(safe_rel(rel)) != changes[rel]["h"]]
-        else:  # GNU tar: SSH's MAC guarantees the bytes; sizes catch a truncated stream
+        else:  # GNU tar or inline: SSH's MAC guarantees the bytes; sizes catch a truncated stream
             bad = [rel for rel in changes if os.stat(os.path.join(staging, safe_rel(rel))).st_size != changes[rel]["s"]]
         if bad:
             raise OSError(f"content check failed after transfer: {', '.join(bad[:5])}")
@@ -459,8 +495,16 @@ def cmd_apply(root):
 def prune_detached(gens, names):
     """Remove old generations after replying: in a child detached from the SSH channel, only `names`
     (listed before this generation went live, so a later dispatch's staging is never touched)."""
-    if not names:
+    dirs = []
+    for name in names:  # manifests and leftovers: unlinked now, no child needed
+        p = os.path.join(gens, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            dirs.append(name)
+        elif os.path.lexists(p):
+            os.unlink(p)
+    if not dirs:
         return
+    names = dirs
     if os.fork() != 0:
         return
     try:

@@ -1,18 +1,21 @@
-"""Run commands on many hosts at once over SSH (Fabric/paramiko); the only module that imports them.
+"""Run commands on many hosts at once over SSH.
 
 Every host's outcome is collected (a failure never hides the others) and failures are raised as one
 RemoteError naming each host, its exit code and the tail of its stderr. Host keys are verified.
+
+Two ways to a host: cached paramiko/Fabric connections (clusterctl.sshconn, imported on first use), for
+many small commands in one session; and the OpenSSH client, one process per host (C crypto on every core,
+no Python import cost), for bulk streams and for commands started ahead of their input (launch()).
 """
 
 from __future__ import annotations
 
 import base64
-import fcntl
 import hashlib
 import logging
 import os
 import shutil
-import socket
+import stat
 import subprocess
 import threading
 import time
@@ -20,19 +23,25 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-import paramiko
-from fabric import Config, Connection
+from typing import TYPE_CHECKING
 
 from .errors import ClusterctlError, HostFailure, RemoteError
 from .plan import Host
 
-__all__ = ["SshOptions", "Result", "Remote", "fingerprint", "UNREACHABLE"]
+if TYPE_CHECKING:
+    from fabric import Connection
+
+__all__ = ["SshOptions", "Result", "Remote", "Launch", "fingerprint", "UNREACHABLE"]
 
 log = logging.getLogger(__name__)
 
 UNREACHABLE = 255  # what `ssh` itself exits with when it cannot connect; used as the host's exit code
 _TAIL = 2000  # bytes of stderr kept in failure messages
+
+# Key exchange for the OpenSSH client: its defaults less the sntrup761 hybrid, which costs ~75 ms of CPU
+# per connection (client and server together, 4x the rest of the handshake; measured, docs/benchmarks.md)
+# and which our paramiko connections never offer either. Newer clients' ML-KEM hybrid stays first.
+_KEX = "-sntrup761x25519-sha512@openssh.com,sntrup761x25519-sha512"
 
 LineCallback = Callable[[Host, str, str], None]  # (host, "out"|"err", line without newline)
 Stdin = bytes | Callable[[Host], Iterable[bytes]] | None
@@ -48,6 +57,7 @@ class SshOptions:
     connect_timeout: float = 10.0
     keepalive: int = 15
     forward_agent: bool = False
+    persist: int = 0  # seconds an idle OpenSSH connection stays open for the next command (0: none)
 
     @classmethod
     def from_spec(cls, spec) -> "SshOptions":
@@ -60,6 +70,7 @@ class SshOptions:
             connect_timeout=ssh.connect_timeout,
             keepalive=ssh.keepalive,
             forward_agent=ssh.forward_agent,
+            persist=ssh.persist,
         )
 
 
@@ -80,48 +91,10 @@ class Result:
         return self.exit_code == 0
 
 
-class _HostKeyError(paramiko.SSHException):
-    """Raised inside paramiko's connect when a host key is not acceptable."""
-
-
-def fingerprint(key: paramiko.PKey) -> str:
-    """OpenSSH-style SHA256 fingerprint of a public key."""
+def fingerprint(key) -> str:
+    """OpenSSH-style SHA256 fingerprint of a public key (a paramiko PKey)."""
     digest = hashlib.sha256(key.asbytes()).digest()
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
-
-
-class _StrictPolicy(paramiko.MissingHostKeyPolicy):
-    def __init__(self, known_hosts: str):
-        self.known_hosts = known_hosts
-
-    def missing_host_key(self, client, hostname, key):
-        raise _HostKeyError(
-            f"unknown host key for {hostname} ({key.get_name()} {fingerprint(key)}); "
-            f"not in {self.known_hosts}. Verify it and add it (ssh-keyscan), or use host_key_policy: accept-new"
-        )
-
-
-class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
-    _lock = threading.Lock()
-
-    def __init__(self, known_hosts: str):
-        self.known_hosts = known_hosts
-
-    def missing_host_key(self, client, hostname, key):
-        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
-        path = Path(self.known_hosts)
-        with self._lock:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a", encoding="utf-8") as fh:
-                fcntl.flock(fh, fcntl.LOCK_EX)
-                fh.write(line)
-        client.get_host_keys().add(hostname, key.get_name(), key)
-        log.warning("recorded new host key for %s (%s) in %s", hostname, fingerprint(key), self.known_hosts)
-
-
-class _OffPolicy(paramiko.MissingHostKeyPolicy):
-    def missing_host_key(self, client, hostname, key):
-        pass  # explicitly requested with host_key_policy: off (warned about on every run)
 
 
 class Remote:
@@ -152,20 +125,6 @@ class Remote:
 
     # ------------------------------------------------------------------------------------ connect
 
-    def _client(self) -> paramiko.SSHClient:
-        client = paramiko.SSHClient()  # our own: Fabric's default would AutoAdd unknown keys
-        known = os.path.expanduser(self.options.known_hosts)
-        policy = self.options.host_key_policy
-        if policy != "off" and os.path.exists(known):
-            client.load_host_keys(known)
-        if policy == "strict":
-            client.set_missing_host_key_policy(_StrictPolicy(known))
-        elif policy == "accept-new":
-            client.set_missing_host_key_policy(_AcceptNewPolicy(known))
-        else:
-            client.set_missing_host_key_policy(_OffPolicy())
-        return client
-
     def connect_soon(self, hosts: Sequence[Host] | None = None) -> None:
         """Start connecting in the background (e.g. while files are scanned); a failure is reported by the
         next command to that host instead of costing a second timeout."""
@@ -178,6 +137,11 @@ class Remote:
         except ClusterctlError as exc:
             self._early_failures[host] = exc
 
+    def is_open(self, host: Host) -> bool:
+        """Whether a connection to `host` is open now (commands over it start without a handshake)."""
+        conn = self._conns.get(host)
+        return conn is not None and conn.is_connected
+
     def connection(self, host: Host) -> Connection:
         """The (cached) open connection to `host`; raises ClusterctlError with a one-line reason."""
         with self._conn_locks[host]:
@@ -187,49 +151,9 @@ class Remote:
             conn = self._conns.get(host)
             if conn is not None and conn.is_connected:
                 return conn
-            opts = self.options
-            timeout = opts.connect_timeout
-            conn = Connection(
-                host.address,
-                user=host.user,
-                port=host.port,
-                config=Config(overrides={"load_ssh_configs": False}),
-                connect_timeout=timeout,
-                forward_agent=opts.forward_agent,
-                connect_kwargs={
-                    "key_filename": [os.path.expanduser(opts.identity_file)] if opts.identity_file else None,
-                    "look_for_keys": opts.identity_file is None,
-                    "allow_agent": True,
-                    "banner_timeout": timeout,
-                    "auth_timeout": timeout,
-                    "channel_timeout": timeout,
-                },
-            )
-            conn.client = self._client()
-            t0 = time.monotonic()
-            try:
-                conn.open()
-            except paramiko.BadHostKeyException as exc:
-                raise ClusterctlError(
-                    f"host key for {host.label} CHANGED: server offers {fingerprint(exc.key)}, "
-                    f"{self.options.known_hosts} has {fingerprint(exc.expected_key)}. "
-                    "Possible man-in-the-middle; if the host was reinstalled, remove the old key"
-                ) from None
-            except _HostKeyError as exc:
-                raise ClusterctlError(str(exc)) from None
-            except paramiko.AuthenticationException as exc:
-                raise ClusterctlError(
-                    f"authentication failed as {host.user}@{host.label} ({exc}); check ssh.identity_file or your ssh-agent"
-                ) from None
-            except (socket.timeout, TimeoutError):
-                raise ClusterctlError(f"cannot connect to {host.label}: timed out after {timeout:g}s") from None
-            except (OSError, paramiko.SSHException, EOFError) as exc:
-                if time.monotonic() - t0 >= timeout * 0.9:  # e.g. a frozen host: TCP accepted, no SSH banner
-                    raise ClusterctlError(f"cannot connect to {host.label}: timed out after {timeout:g}s") from None
-                reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-                raise ClusterctlError(f"cannot connect to {host.label}: {reason}") from None
-            if opts.keepalive:
-                conn.transport.set_keepalive(opts.keepalive)
+            from .sshconn import open_connection
+
+            conn = open_connection(host, self.options)
             self._conns[host] = conn
             return conn
 
@@ -274,19 +198,35 @@ class Remote:
             conn = self.connection(host)
         except ClusterctlError as exc:
             return Result(host, cmd, UNREACHABLE, "", str(exc), time.monotonic() - start)
+        from .sshconn import TRANSPORT_ERRORS, Timeout, run_on
+
         try:
-            code, out, err = _exec(conn, host, cmd, stdin, timeout, on_line)
-        except _Timeout:
+            code, out, err = run_on(conn, host, cmd, stdin, timeout, on_line)
+        except Timeout:
             return Result(host, cmd, 124, "", f"timed out after {timeout:g}s running {cmd[:200]}", time.monotonic() - start)
-        except (OSError, paramiko.SSHException, EOFError) as exc:
+        except TRANSPORT_ERRORS as exc:
             with self._conn_locks[host]:
                 self._conns.pop(host, None)
             msg = f"connection to {host.label} lost: {exc or type(exc).__name__}"
             return Result(host, cmd, UNREACHABLE, "", msg, time.monotonic() - start)
         return Result(host, cmd, code, out, err, time.monotonic() - start)
 
+    # ------------------------------------------------------------------------------------ OpenSSH
 
-    # ------------------------------------------------------------------------------------ bulk
+    def _openssh(self) -> bool:
+        """Whether the OpenSSH client can go to the hosts by itself: it is installed, and it checks host keys
+        against our known_hosts on its own (policy strict; accept-new records keys through paramiko first)."""
+        return self.options.host_key_policy == "strict" and shutil.which("ssh") is not None
+
+    def launch(self, command: str, *, hosts: Sequence[Host]) -> "Launch":
+        """Start `command` on `hosts` now and give it its stdin later (Launch.finish): the SSH handshake and
+        the command's own start-up overlap whatever the caller does meanwhile. Through the OpenSSH client
+        where it can check host keys itself; otherwise the connections are opened now and the command runs
+        over them when finished."""
+        if not self._openssh():
+            self.connect_soon(hosts)
+            return Launch(self, command, hosts, {})
+        return Launch(self, command, hosts, {h: self._popen(h, command) for h in hosts})
 
     def push(
         self,
@@ -308,35 +248,59 @@ class Remote:
         futures = {h: self._pool.submit(self._push_one, h, command, stdin, timeout) for h in hosts}
         return {h: f.result() for h, f in futures.items()}
 
+    def _push_one(self, host: Host, command: str, stdin, timeout) -> Result:
+        start = time.monotonic()
+        if not self._openssh():  # accept-new: paramiko verifies or records the key that ssh then checks
+            try:
+                self.connection(host)
+            except ClusterctlError as exc:
+                return Result(host, command, UNREACHABLE, "", str(exc), time.monotonic() - start)
+        return self._collect(host, command, self._popen(host, command), stdin(host), timeout, start)
+
     def _ssh_argv(self, host: Host, command: str) -> list[str]:
         opts = self.options
+        control = _control_dir() if opts.persist else None
+        alive = opts.keepalive or 15
+        if control is not None:  # see below: a reused connection's only wait is its keepalive
+            alive = max(1, min(alive, -(-int(opts.connect_timeout) // 3)))
         argv = [
             "ssh",
             "-F", "/dev/null",  # like our paramiko connections: no user ssh_config surprises
             "-T",  # no terminal
             "-o", "BatchMode=yes",  # never prompt
-            "-o", "StrictHostKeyChecking=yes",  # keys were verified or recorded by paramiko just before
+            "-o", "StrictHostKeyChecking=yes",  # accept-new keys were recorded by paramiko just before
             "-o", f"UserKnownHostsFile={os.path.expanduser(opts.known_hosts)}",
             "-o", "GlobalKnownHostsFile=/dev/null",
             "-o", f"ConnectTimeout={max(1, int(opts.connect_timeout))}",
-            "-o", f"ServerAliveInterval={opts.keepalive or 15}",
+            "-o", f"ServerAliveInterval={alive}",
             "-o", f"ForwardAgent={'yes' if opts.forward_agent else 'no'}",
+            "-o", f"KexAlgorithms={_KEX}",
             "-p", str(host.port),
             "-l", host.user,
         ]  # fmt: skip
         if opts.identity_file:
             argv += ["-i", os.path.expanduser(opts.identity_file), "-o", "IdentitiesOnly=yes"]
+        if control is not None:
+            # The first command to a host leaves its connection open for `persist` idle seconds; later
+            # ones, from any clusterctl process, start as a new session on it: no handshake. A host that
+            # froze is given up on after three missed keepalives (about connect_timeout) instead of
+            # holding the commands that reuse its connection.
+            tag = hashlib.sha256(repr((opts.identity_file, opts.known_hosts, opts.forward_agent, _KEX)).encode())
+            argv += [
+                "-o", "ControlMaster=auto",
+                "-o", f"ControlPath={control}/{tag.hexdigest()[:12]}-%C",  # other options, other connection
+                "-o", f"ControlPersist={opts.persist}",
+                "-o", "ServerAliveCountMax=3",
+            ]  # fmt: skip
         return argv + [host.address, command]
 
-    def _push_one(self, host: Host, command: str, stdin, timeout) -> Result:
-        start = time.monotonic()
-        try:  # paramiko first (cached if open): verifies, or with accept-new records, the host key ssh checks
-            self.connection(host)
-        except ClusterctlError as exc:
-            return Result(host, command, UNREACHABLE, "", str(exc), time.monotonic() - start)
-        proc = subprocess.Popen(
+    def _popen(self, host: Host, command: str) -> subprocess.Popen:
+        return subprocess.Popen(
             self._ssh_argv(host, command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
+
+    def _collect(self, host: Host, command: str, proc: subprocess.Popen, chunks: Iterable[bytes], timeout, start) -> Result:
+        """Write `chunks` to the ssh process's stdin, close it, wait for the exit; the host's Result."""
         outputs: dict[str, bytes] = {}
 
         def drain(name: str, stream) -> None:
@@ -346,11 +310,11 @@ class Remote:
         for t in readers:
             t.start()
         try:
-            for chunk in stdin(host):
+            for chunk in chunks:
                 proc.stdin.write(chunk)
             proc.stdin.close()
         except BrokenPipeError:
-            pass  # the remote command ended early; its exit code and stderr say why
+            pass  # the remote command (or ssh) ended early; its exit code and stderr say why
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -361,29 +325,92 @@ class Remote:
             t.join()
         out = outputs.get("out", b"").decode("utf-8", "replace")
         err = outputs.get("err", b"").decode("utf-8", "replace")
+        if code == UNREACHABLE and not out:
+            err = self._ssh_failure(host, err)
         return Result(host, command, code, out, err, time.monotonic() - start)
 
-
-class _Timeout(Exception):
-    pass
-
-
-def _send_all(chan, data: bytes, deadline: float | None) -> None:
-    """chan.sendall that survives the channel's short poll timeout while the peer's window is full."""
-    view = memoryview(data)
-    while view:
-        try:
-            sent = chan.send(view)
-        except socket.timeout:
-            if deadline and time.monotonic() > deadline:
-                raise  # the main loop reports the timeout
-            continue
-        if sent <= 0:
-            raise EOFError("channel closed while sending stdin")
-        view = view[sent:]
+    def _ssh_failure(self, host: Host, stderr: str) -> str:
+        """One line for the OpenSSH client's own failure (exit 255), worded as our connections word it."""
+        said = [line.strip() for line in stderr.splitlines() if line.strip()]
+        text = "\n".join(said)
+        if "timed out" in text:  # "Connection timed out", "... during banner exchange"
+            return f"cannot connect to {host.label}: timed out after {self.options.connect_timeout:g}s"
+        for reason in ("Connection refused", "No route to host", "Network is unreachable", "Could not resolve hostname"):
+            if reason in text:
+                return f"cannot connect to {host.label}: {reason}"
+        if "Host key verification failed" in text or "Permission denied" in text:
+            try:  # paramiko words it precisely: both fingerprints, the known_hosts file, the user
+                self.connection(host)
+            except ClusterctlError as exc:
+                return str(exc)
+        return f"connection to {host.label} lost: {said[-1] if said else 'ssh exited 255'}"
 
 
-class _LineSplitter:
+_CONTROL_DIRS: dict[str, str | None] = {}
+_CONTROL_FALLBACK = "/tmp/clusterctl-ssh-{uid}"  # where the cache directory's path is too long for sockets
+
+
+def _control_dir() -> str | None:
+    """Where reusable connections' sockets live: a 0700 directory of ours, its path short enough for a
+    socket (108 bytes); None (no reuse) where there is none."""
+    base = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "clusterctl" / "ssh"
+    key = str(base)
+    if key not in _CONTROL_DIRS:
+        found = None
+        for d in (base, Path(_CONTROL_FALLBACK.format(uid=os.getuid()))):
+            if len(str(d)) > 36:  # + "/" + 12 + "-" + 40 (%C) + ssh's 17-byte temporary suffix < 108
+                continue
+            try:
+                d.mkdir(mode=0o700, parents=True, exist_ok=True)
+                st = d.lstat()
+                if st.st_uid == os.getuid() and stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o077:
+                    found = str(d)
+                    break
+            except OSError:
+                continue
+        _CONTROL_DIRS[key] = found
+    return _CONTROL_DIRS[key]
+
+
+class Launch:
+    """Commands started by Remote.launch, waiting for their stdin. Use as a context manager (or close()):
+    processes never finished are ended."""
+
+    def __init__(self, remote: Remote, command: str, hosts: Sequence[Host], procs: dict[Host, subprocess.Popen]):
+        self.remote, self.command, self.hosts = remote, command, tuple(hosts)
+        self._procs = procs  # empty: the command runs over paramiko connections at finish()
+        self._start = time.monotonic()
+
+    def __enter__(self) -> "Launch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def finish(self, stdin: dict[Host, Callable[[Host], Iterable[bytes]]], timeout: float | None = None) -> dict[Host, Result]:
+        """Feed each host in `stdin` its stream and wait for all; a launched host not in `stdin` gets an
+        empty stdin (the command must treat that as nothing to do). The Results of the hosts in `stdin`."""
+        remote, futures = self.remote, {}
+        for host in self.hosts:
+            proc = self._procs.pop(host, None)
+            if proc is not None:
+                chunks = stdin[host](host) if host in stdin else ()
+                futures[host] = remote._pool.submit(remote._collect, host, self.command, proc, chunks, timeout, self._start)
+            elif host in stdin:
+                futures[host] = remote._pool.submit(remote._run_one, host, self.command, stdin[host], timeout, None)
+        return {h: f.result() for h, f in futures.items() if h in stdin}
+
+    def close(self) -> None:
+        """End the processes that were never finished (the caller gave up before sending anything)."""
+        for proc in self._procs.values():
+            proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                stream.close()
+        self._procs.clear()
+
+
+class LineSplitter:
     """Turns a byte stream into decoded lines for a callback; keeps everything for the Result."""
 
     def __init__(self, host: Host, stream: str, on_line: LineCallback | None):
@@ -405,65 +432,3 @@ class _LineSplitter:
             self.on_line(self.host, self.stream, self._partial.decode("utf-8", "replace"))
         self._partial = b""
         return b"".join(self.chunks).decode("utf-8", "replace")
-
-
-def _exec(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float | None, on_line) -> tuple[int, str, str]:
-    chan = conn.transport.open_session(timeout=conn.connect_timeout)
-    try:
-        chan.exec_command(cmd)
-        out = _LineSplitter(host, "out", on_line)
-        err = _LineSplitter(host, "err", on_line)
-        errors: list[BaseException] = []
-
-        def pump_stderr() -> None:
-            try:
-                while True:
-                    try:
-                        data = chan.recv_stderr(65536)
-                    except socket.timeout:  # the channel's 0.5 s poll timeout: keep reading
-                        continue
-                    if not data:
-                        break
-                    err.feed(data)
-            except (OSError, paramiko.SSHException) as exc:  # surfaced below via the main loop
-                errors.append(exc)
-
-        def pump_stdin() -> None:
-            try:
-                if stdin is not None:
-                    chunks = [stdin] if isinstance(stdin, bytes) else stdin(host)
-                    for chunk in chunks:
-                        _send_all(chan, chunk, deadline)
-                chan.shutdown_write()
-            except (OSError, paramiko.SSHException, EOFError) as exc:  # e.g. the command exited without reading
-                errors.append(exc)
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        chan.settimeout(0.5 if deadline else None)
-        threads = [threading.Thread(target=pump_stderr, daemon=True), threading.Thread(target=pump_stdin, daemon=True)]
-        for t in threads:
-            t.start()
-        while True:
-            try:
-                data = chan.recv(65536)
-            except socket.timeout:
-                if deadline and time.monotonic() > deadline:
-                    raise _Timeout() from None
-                if errors:  # the stdin pump died (e.g. the connection broke): do not wait for output forever
-                    raise errors[0]
-                continue
-            if not data:
-                break
-            out.feed(data)
-        for t in threads:
-            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                raise _Timeout()
-        code = chan.recv_exit_status()
-        if code == -1:  # the channel closed without an exit status: the connection or sshd went away
-            if errors:
-                raise errors[0]
-            raise EOFError("no exit status received")
-        return code, out.close(), err.close()
-    finally:
-        chan.close()

@@ -19,13 +19,13 @@ import io
 import json
 import marshal
 import os
-import posixpath
 import secrets
 import tarfile
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +34,7 @@ import pathspec
 from ..errors import HostFailure, JobError, RemoteError
 from ..plan import DATA_ENV, Host
 from ..quoting import join
-from ..remote import Result
+from ..remote import UNREACHABLE, Launch, Result
 from ..spec import ClusterSpec
 from . import Session
 from .hosttools import tool_command, tool_path
@@ -45,6 +45,7 @@ _CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / 
 _CACHE_DIR = _CACHE_ROOT / "hashes"
 _CHUNK = 1 << 20
 _BULK = 8 << 20  # per-host archive size from which data goes through the OpenSSH client
+_INLINE = 1 << 20  # per-host update size up to which file content travels inside the header
 _BLOCK = 4096  # smallest delta block; files get at most _MAX_BLOCKS blocks (bigger ones, bigger blocks)
 _MAX_BLOCKS = 1024
 _DIGEST = 8  # bytes of sha256 kept per block (16 hex characters)
@@ -94,14 +95,16 @@ class _HashCache:
 
     def __init__(self, root: Path):
         key = hashlib.sha256(str(root).encode()).hexdigest()[:16]
-        self.path = _CACHE_DIR / f"{key}.json"
+        self.path = _CACHE_DIR / f"{key}.marshal"  # our own file, read on every dispatch: 3x faster than JSON
         try:
-            self.data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            self.data = marshal.loads(self.path.read_bytes())
+            if not isinstance(self.data, dict):
+                self.data = {}
+        except (OSError, ValueError, EOFError, TypeError):
             self.data = {}
         self.fresh: dict[str, list] = {}
 
-    def digests(self, rel: str, full: Path, st: os.stat_result) -> tuple[str, str, tuple[str, str] | None]:
+    def digests(self, rel: str, full: str, st: os.stat_result) -> tuple[str, str, tuple[str, str] | None]:
         """(sha256, block digests, previous (sha256, block digests) if the content changed)."""
         stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
         hit = self.data.get(rel)
@@ -114,14 +117,16 @@ class _HashCache:
         return digest, blocks, previous
 
     def save(self) -> None:
+        if self.fresh == self.data:
+            return  # nothing was hashed or removed: the file on disk says it all
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(self.path, json.dumps(self.fresh).encode())
+            _write_atomic(self.path, marshal.dumps(self.fresh, _MARSHAL_VERSION))
         except OSError:
             pass  # a cache that cannot be written only costs re-hashing next time
 
 
-def _hash_file(path: Path, size: int) -> tuple[str, str]:
+def _hash_file(path: str, size: int) -> tuple[str, str]:
     """The file's sha256, and its per-block digests when it has more than one block."""
     h = hashlib.sha256()
     bs = block_size(size)
@@ -139,23 +144,30 @@ def scan_workspace(root: Path, exclude: tuple[str, ...], *, prefix: str = "") ->
     """Every file under `root` not matched by the gitignore-style `exclude` patterns, with its hash."""
     if not root.is_dir():
         raise JobError(f"workspace.local {root} is not a directory")
-    spec = pathspec.GitIgnoreSpec.from_lines(exclude)
+    ignored = pathspec.GitIgnoreSpec.from_lines(exclude).match_file
     cache = _HashCache(root)
     files: dict[str, LocalFile] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/")
-        dirnames[:] = sorted(d for d in dirnames if not spec.match_file(posixpath.join(rel_dir, d) + "/"))
-        for name in sorted(filenames):
-            rel = posixpath.join(rel_dir, name)
-            full = Path(dirpath) / name
-            if spec.match_file(rel) or full.is_symlink() or not full.is_file():
-                continue
-            st = full.stat()
-            digest, blocks, previous = cache.digests(rel, full, st)
-            files[prefix + rel] = LocalFile(
-                str(full), st.st_size, digest, st.st_mode & 0o777, int(st.st_mtime), blocks, previous
-            )
+
+    def walk(directory: str, rel_dir: str) -> None:
+        # scandir: the kind of each entry comes with the listing, so a file costs one stat (for the cache key)
+        with os.scandir(directory) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            rel = rel_dir + entry.name
+            if entry.is_dir(follow_symlinks=False):
+                if not ignored(rel + "/"):
+                    walk(entry.path, rel + "/")
+            elif entry.is_file(follow_symlinks=False) and not ignored(rel):
+                st = entry.stat(follow_symlinks=False)
+                digest, blocks, previous = cache.digests(rel, entry.path, st)
+                files[prefix + rel] = LocalFile(
+                    entry.path, st.st_size, digest, st.st_mode & 0o777, int(st.st_mtime), blocks, previous
+                )
+
+    try:
+        walk(str(root), "")
+    except OSError as exc:
+        raise JobError(f"cannot read {exc.filename or root}: {exc.strerror or exc}") from None
     cache.save()
     return files
 
@@ -221,6 +233,14 @@ def _delta(f: LocalFile, base: dict | None) -> _Patch | None:
         else:
             ranges.append([i, 1])
     return _Patch(base["h"], bs, tuple((a, n) for a, n in ranges), payload)
+
+
+def _read_whole(f: LocalFile) -> bytes:
+    with open(f.source, "rb") as fh:
+        data = fh.read(f.size + 1)
+    if len(data) != f.size:
+        raise JobError(f"{f.source} changed while being dispatched; dispatch again")
+    return data
 
 
 def _patch_bytes(f: LocalFile, patch: _Patch) -> bytes:
@@ -337,6 +357,7 @@ class _HostPlan:
     manifest: dict[str, dict]  # the host's manifest once this update is applied
     key: tuple  # identifies the archive: hosts with equal keys share one
     payload: int  # bytes of file content that travel
+    inline: bool = False  # the content is in the header: no archive follows
 
     @property
     def empty(self) -> bool:
@@ -417,27 +438,32 @@ def _plan_host(gen: str, view: _HostView, files: dict[str, LocalFile], *, deltas
     for rel in delete:
         del manifest[rel]
     whole.sort()
+    payload = sum(files[rel].size for rel in whole) + sum(p.payload for p in patches.values())
+    inline = payload <= _INLINE  # small updates travel inside the header: no tar on either side
     header = {
         "gen": gen, "base": view.gen, "check": view.check,
         "changes": {rel: manifest[rel] for rel in whole},
-        "patches": {rel: {"e": manifest[rel], "b": p.block, "r": p.ranges} for rel, p in sorted(patches.items())},
-        "delete": delete, "archive": bool(whole or patches),
+        "patches": {rel: {"e": manifest[rel], "b": p.block, "r": p.ranges, **({"d": _patch_bytes(files[rel], p)} if inline else {})}
+                    for rel, p in sorted(patches.items())},
+        "delete": delete, "archive": bool(whole or patches) and not inline,
     }
+    if inline and whole:
+        header["inline"] = {rel: _read_whole(files[rel]) for rel in whole}
     blob = marshal.dumps(header, _MARSHAL_VERSION)  # hostws reads it without importing json (see there)
     key = tuple((rel, files[rel].sha256, None) for rel in whole) + tuple(
         (rel, files[rel].sha256, p.base) for rel, p in sorted(patches.items())
     )
-    payload = sum(files[rel].size for rel in whole) + sum(p.payload for p in patches.values())
     # length-framed: the host hands the rest of stdin to tar
-    return _HostPlan(b"%016d" % len(blob) + blob, whole, patches, delete, manifest, key, payload)
+    return _HostPlan(b"%016d" % len(blob) + blob, whole, patches, delete, manifest, key, payload, inline)
 
 
 def _read_states(remote, hosts: list[Host], root: str) -> dict[Host, _HostView | Result]:
     """Ask hosts for their workspace state (installing hostws where missing): a view, or the failed Result."""
     state_cmd, payload = tool_command("hostws", ["state", root])  # installs the tool if missing, same round trip
     out: dict[Host, _HostView | Result] = {}
-    for host, res in remote.run(state_cmd, hosts=hosts, stdin=payload, check=False, what="reading workspace state").items():
-        out[host] = _view_of(json.loads(res.stdout)) if res.ok else res
+    with remote.launch(state_cmd, hosts=hosts) as launched:
+        for host, res in launched.finish(dict.fromkeys(hosts, lambda _host: [payload])).items():
+            out[host] = _view_of(json.loads(res.stdout)) if res.ok else res
     return out
 
 
@@ -447,15 +473,11 @@ def _view_of(state: dict) -> _HostView:
 
 def dispatch(session: Session) -> list[HostDispatch]:
     """Bring every host's workspace to the local content; raise RemoteError naming hosts that failed."""
-    spec, plan, remote = session.spec, session.plan, session.remote
-    remote.connect_soon()  # SSH handshakes overlap the scan
-    workspace = scan_workspace(spec.local_path(spec.workspace.local), spec.workspace.exclude)
-    wanted = _host_files(session, workspace)
+    plan, remote = session.plan, session.remote
     root = plan.workdir
     records = _Records(root)
-    gen = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(4)
     hostws = tool_path("hostws")
-    apply = f"test -f {join([hostws])} || exit {_TOOL_MISSING}; " + join(["python3", "-S", hostws, "apply", root])
+    apply = f"test -f {join([hostws])} || exit {_TOOL_MISSING}; exec " + join(["python3", "-S", hostws, "apply", root])
 
     views: dict[Host, _HostView] = {}
     ask: list[Host] = []
@@ -465,6 +487,22 @@ def dispatch(session: Session) -> list[HostDispatch]:
             ask.append(host)
         else:
             views[host] = view
+    # Hosts we have a record of get their update in one round trip: start `apply` there now, so the SSH
+    # handshakes and the hosts' own checks overlap the scan below. (Unknown hosts are asked first.)
+    launched = remote.launch(apply, hosts=list(views)) if views else None
+    try:
+        return _dispatch(session, records, apply, views, ask, launched)
+    finally:
+        if launched is not None:
+            launched.close()
+
+
+def _dispatch(session: Session, records: "_Records", apply: str, views: dict, ask: list, launched) -> list[HostDispatch]:
+    spec, plan, remote = session.spec, session.plan, session.remote
+    workspace = scan_workspace(spec.local_path(spec.workspace.local), spec.workspace.exclude)
+    wanted = _host_files(session, workspace)
+    root = plan.workdir
+    gen = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(4)
     failed: dict[Host, Result] = {}
     sent: dict[Host, int] = dict.fromkeys(plan.hosts, 0)
     done: dict[Host, tuple[_HostPlan | None, str]] = {}  # host → (the plan it applied, its generation)
@@ -495,7 +533,8 @@ def dispatch(session: Session) -> list[HostDispatch]:
             done[host] = (None, view.gen)
             learned[host] = (view.gen, view.manifest)
             del plans[host]
-        results, streamed = _send(remote, apply, plans, wanted)
+        results, streamed = _send(remote, apply, plans, wanted, launched)
+        launched = None  # finished: every host it started got its update or an empty stdin
         views = {}
         for host, res in results.items():
             sent[host] += streamed[host]
@@ -534,27 +573,36 @@ def dispatch(session: Session) -> list[HostDispatch]:
     return out
 
 
-def _send(remote, apply: str, plans: dict[Host, _HostPlan], wanted) -> tuple[dict[Host, Result], dict[Host, int]]:
+def _send(remote, apply: str, plans: dict[Host, _HostPlan], wanted, launched: Launch | None = None) -> tuple[dict[Host, Result], dict[Host, int]]:
     """Stream each host its header and archive (one archive per distinct change set); the results and
-    the bytes streamed to each host (less than the archive where a host stopped reading early)."""
-    if not plans:
+    the bytes streamed to each host (less than the archive where a host stopped reading early). Hosts
+    where `launched` already started `apply` get theirs there (those without a plan, an empty stdin)."""
+    if not plans and launched is None:
         return {}, {}
     archives: dict[tuple, _Archive] = {}
     streamed = dict.fromkeys(plans, 0)
     try:
         for host, p in plans.items():
-            if p.key not in archives:  # built once per distinct change set, streamed to every host that needs it
+            if p.key not in archives and not p.inline:  # built once per distinct change set, streamed to every host that needs it
                 archives[p.key] = _Archive(wanted[host], p.whole, p.patches)
 
         def feed(host: Host):
-            for block in archives[plans[host].key].stream(plans[host].header):
+            p = plans[host]
+            for block in [p.header] if p.inline else archives[p.key].stream(p.header):
                 yield block
                 streamed[host] += len(block)  # counted once the channel took it
 
-        if max(p.payload for p in plans.values()) >= _BULK:  # OpenSSH's C crypto, one process per host
-            results = remote.push(apply, hosts=list(plans), stdin=feed, what="dispatch")
-        else:  # small: the connections already open are faster than starting ssh processes
-            results = remote.run(apply, hosts=list(plans), stdin=feed, check=False, what="dispatch")
+        started = set(launched.hosts) if launched is not None else set()
+        rest = [h for h in plans if h not in started]
+        with ThreadPoolExecutor(1) as waiter:  # the launched hosts and the others at the same time
+            early = waiter.submit(launched.finish, {h: feed for h in plans if h in started}) if started else None
+            results: dict[Host, Result] = {}
+            if rest and (max(plans[h].payload for h in rest) >= _BULK or not all(map(remote.is_open, rest))):
+                results = remote.push(apply, hosts=rest, stdin=feed, what="dispatch")  # OpenSSH: C crypto, a process per host
+            elif rest:  # small, and the connections are open already: faster than starting ssh processes
+                results = remote.run(apply, hosts=rest, stdin=feed, check=False, what="dispatch")
+            if early is not None:
+                results.update(early.result())
     finally:
         for archive in archives.values():
             archive.close()
@@ -562,6 +610,8 @@ def _send(remote, apply: str, plans: dict[Host, _HostPlan], wanted) -> tuple[dic
 
 
 def _failure(res) -> HostFailure:
+    if res.exit_code == UNREACHABLE and not res.stdout:  # no connection: the reason is the whole story
+        return HostFailure(res.host.label, res.command, None, "", res.stderr)
     return HostFailure(res.host.label, res.command, res.exit_code, res.stderr[-2000:])
 
 

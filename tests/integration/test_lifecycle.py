@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -365,6 +367,73 @@ def test_dispatch_sends_changed_blocks_and_survives_other_controllers(testcluste
     for n in nodes:  # what `start` checks: no drift left
         verify = node_exec(n.container, f"cd /root && python3 .clusterctl/bin/hostws-*.py verify {remote}")
         assert '"drift": []' in verify, verify
+
+
+def control_masters(control: Path) -> dict[str, str]:
+    """{socket: "Master running (pid=N)"} for the reusable connections whose sockets are in `control`."""
+    out = {}
+    for sock in sorted(control.iterdir()):
+        res = subprocess.run(["ssh", "-S", str(sock), "-O", "check", "unused"], capture_output=True, text=True, timeout=10)
+        out[sock.name] = res.stderr.strip() if res.returncode == 0 else f"down ({res.returncode})"
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_dispatch_reuses_connections_and_gives_up_on_a_frozen_host(testcluster, tmp_path, monkeypatch):
+    """Dispatch reaches hosts through the OpenSSH client, which keeps each connection open for the next
+    command (ssh.persist); a host that freezes while its connection is open fails the dispatch, named,
+    within about twice connect_timeout, while the other host is updated; the next dispatch recovers."""
+    cache = Path(tempfile.mkdtemp(prefix="cc", dir="/tmp"))  # short: socket paths are limited to 108 bytes
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    control = cache / "clusterctl" / "ssh"
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    remote = f"clusterctl-it/reuse-{uuid.uuid4().hex[:8]}"
+    spec = write_spec(testcluster, tmp_path / "reuse.yaml", name="it-reuse", hosts=2, ssh={"connect_timeout": 3},
+                      workspace={"local": str(ws), "remote": remote}, job={"entrypoint": ["true"]})
+    nodes = testcluster.nodes[:2]
+
+    def on_node(n):
+        return node_exec(n.container, f"cat /root/{remote}/train.py", check=False)
+
+    try:
+        (ws / "train.py").write_text("v1\n")
+        clusterctl("dispatch", spec, check=True)
+        masters = control_masters(control)
+        assert len(masters) == 2 and all(m.startswith("Master running") for m in masters.values()), masters
+        (ws / "train.py").write_text("v2\n")
+        clusterctl("dispatch", spec, check=True)
+        assert control_masters(control) == masters  # the same connections carried the second dispatch
+        assert [on_node(n) for n in nodes] == ["v2\n", "v2\n"]
+
+        docker("pause", nodes[1].container)
+        try:
+            (ws / "train.py").write_text("v3\n")
+            t0 = time.monotonic()
+            res = clusterctl("dispatch", spec, timeout=60)
+            elapsed = time.monotonic() - t0
+        finally:
+            docker("unpause", nodes[1].container)
+        assert res.returncode != 0
+        assert f"dispatch failed on 1 host(s): {nodes[1].ip}" in res.stderr, res.stderr
+        assert f"cannot connect to {nodes[1].ip}: timed out after 3s" in res.stderr, res.stderr
+        assert elapsed < 2 * 3 + 8, elapsed
+        assert on_node(nodes[0]) == "v3\n" and on_node(nodes[1]) == "v2\n"
+        clusterctl("dispatch", spec, check=True)  # a new connection to the host that came back
+        assert on_node(nodes[1]) == "v3\n"
+
+        monkeypatch.setenv("XDG_CACHE_HOME", str(cache / "no-reuse"))
+        data = yaml.safe_load(spec.read_text())
+        data["ssh"]["persist"] = 0
+        spec.write_text(yaml.safe_dump(data))
+        (ws / "train.py").write_text("v4\n")
+        clusterctl("dispatch", spec, check=True)
+        assert [on_node(n) for n in nodes] == ["v4\n", "v4\n"]
+        assert not (cache / "no-reuse" / "clusterctl" / "ssh").exists() or not list((cache / "no-reuse" / "clusterctl" / "ssh").iterdir())
+    finally:
+        for sock in control.iterdir() if control.exists() else ():
+            subprocess.run(["ssh", "-S", str(sock), "-O", "exit", "unused"], capture_output=True, timeout=10)
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.mark.timeout(240)

@@ -89,6 +89,7 @@ def test_changed_host_key_is_refused_with_both_fingerprints(testcluster, tmp_pat
     spec = write_spec(testcluster, tmp_path / "c.yaml", name="changedkey", job={"entrypoint": ["true"]})
     spec_data = yaml.safe_load(spec.read_text())
     spec_data["hosts"] = [{"address": node.ip}]
+    spec_data["ssh"]["persist"] = 0  # a connection left open by an earlier test would carry on regardless
     spec.write_text(yaml.safe_dump(spec_data))
     rotate = (
         "mkdir -p /root/keybak && cp -a /etc/ssh/ssh_host_* /root/keybak/ && rm /etc/ssh/ssh_host_* && "
@@ -102,6 +103,9 @@ def test_changed_host_key_is_refused_with_both_fingerprints(testcluster, tmp_pat
         assert res.returncode == 255
         assert f"host key for {node.ip} CHANGED: server offers SHA256:" in res.stderr
         assert "has SHA256:" in res.stderr
+        res = clusterctl("dispatch", spec, timeout=30)  # through the OpenSSH client: the same words
+        assert res.returncode != 0
+        assert f"host key for {node.ip} CHANGED: server offers SHA256:" in res.stderr, res.stderr
     finally:
         node_exec(node.container, restore)
         time.sleep(1)

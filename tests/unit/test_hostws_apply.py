@@ -25,6 +25,14 @@ def own_hash_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(d, "_CACHE_DIR", tmp_path / "hash-cache")
 
 
+@pytest.fixture(autouse=True, params=["inline", "archive"])
+def transport(request, monkeypatch):
+    """Every test twice: small updates inside the header (the default), and everything as a tar archive."""
+    if request.param == "archive":
+        monkeypatch.setattr(d, "_INLINE", -1)
+    return request.param
+
+
 PATH = os.environ.get("PATH", "")
 
 
@@ -44,9 +52,12 @@ def push(ws: Path, root: Path, view: d._HostView | None = None, *, deltas: bool 
     stream header + archive into `hostws.py apply`; returns (plan, reply, bytes sent)."""
     files = d.scan_workspace(ws, ())
     plan = d._plan_host(f"gen{next(_gens):04d}", view or state(root), files, deltas=deltas)
-    archive = d._Archive(files, plan.whole, plan.patches)
-    data = b"".join(archive.stream(plan.header))
-    archive.close()
+    if plan.inline:
+        data = plan.header
+    else:
+        archive = d._Archive(files, plan.whole, plan.patches)
+        data = b"".join(archive.stream(plan.header))
+        archive.close()
     res = host("apply", root, data)
     assert res.returncode == 0, res.stderr.decode()
     return plan, json.loads(res.stdout), len(data)
@@ -249,3 +260,30 @@ def test_hosts_without_tar_cp_or_rm_get_the_same_result(tmp_path, monkeypatch):
         assert list(plan.patches) == ["d1/f1.bin"] and "stale" not in reply
         assert tree(root) == tree(ws)
     assert_no_drift(root)
+
+
+def test_an_apply_started_ahead_and_given_nothing_changes_nothing(tmp_path):
+    """The controller starts `apply` before it knows the update; a host that needs none gets an empty stdin."""
+    ws, root = tmp_path / "ws", tmp_path / "host" / "ws"
+    root.parent.mkdir()
+    make_ws(ws, n=2)
+    push(ws, root)
+    before, gens = tree(root), sorted(os.listdir(root.parent / "ws.d"))
+    res = host("apply", root, b"")
+    assert (res.returncode, res.stdout, res.stderr) == (0, b"", b"")
+    assert tree(root) == before and sorted(os.listdir(root.parent / "ws.d")) == gens
+    res = host("apply", root, b"00000000")  # a header cut short is an error, not nothing
+    assert res.returncode == 1 and b"header incomplete" in res.stderr
+
+
+def test_paths_that_are_not_normal_are_refused(tmp_path):
+    import marshal
+
+    root = tmp_path / "host" / "ws"
+    root.parent.mkdir()
+    for bad in ("../escape", "/abs", "a/../b", "a//b"):
+        blob = marshal.dumps({"gen": "g1", "base": None, "changes": {bad: {"s": 0, "h": "", "m": 420, "t": 0}},
+                              "delete": [], "archive": False, "inline": {bad: b""}})
+        res = host("apply", root, b"%016d" % len(blob) + blob)
+        assert res.returncode == 1 and b"refusing" in res.stderr, (bad, res.stderr)
+        assert not (tmp_path / "escape").exists() and not root.exists()
