@@ -260,9 +260,9 @@ class Remote:
     def _ssh_argv(self, host: Host, command: str) -> list[str]:
         opts = self.options
         control = _control_dir() if opts.persist else None
-        alive = opts.keepalive or 15
+        alive, missed = opts.keepalive or 15, 3
         if control is not None:  # see below: a reused connection's only wait is its keepalive
-            alive = max(1, min(alive, -(-int(opts.connect_timeout) // 3)))
+            alive, missed = 1, max(2, -(-int(opts.connect_timeout) // 3))
         argv = [
             "ssh",
             "-F", "/dev/null",  # like our paramiko connections: no user ssh_config surprises
@@ -283,14 +283,14 @@ class Remote:
         if control is not None:
             # The first command to a host leaves its connection open for `persist` idle seconds; later
             # ones, from any clusterctl process, start as a new session on it: no handshake. A host that
-            # froze is given up on after three missed keepalives (about connect_timeout) instead of
-            # holding the commands that reuse its connection.
+            # froze is given up on after `missed` one-second keepalives (a third of connect_timeout)
+            # instead of holding the commands that reuse its connection; ssh then tries a new one.
             tag = hashlib.sha256(repr((opts.identity_file, opts.known_hosts, opts.forward_agent, _KEX)).encode())
             argv += [
                 "-o", "ControlMaster=auto",
                 "-o", f"ControlPath={control}/{tag.hexdigest()[:12]}-%C",  # other options, other connection
                 "-o", f"ControlPersist={opts.persist}",
-                "-o", "ServerAliveCountMax=3",
+                "-o", f"ServerAliveCountMax={missed}",
             ]  # fmt: skip
         return argv + [host.address, command]
 
@@ -299,12 +299,16 @@ class Remote:
             self._ssh_argv(host, command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
 
-    def _collect(self, host: Host, command: str, proc: subprocess.Popen, chunks: Iterable[bytes], timeout, start) -> Result:
+    def _collect(self, host: Host, command: str, proc: subprocess.Popen, chunks: Iterable[bytes], timeout, start,
+                 on_line: LineCallback | None = None) -> Result:
         """Write `chunks` to the ssh process's stdin, close it, wait for the exit; the host's Result."""
-        outputs: dict[str, bytes] = {}
+        outputs: dict[str, str] = {}
 
         def drain(name: str, stream) -> None:
-            outputs[name] = stream.read()
+            lines = LineSplitter(host, name, on_line)
+            while chunk := stream.read1(65536):
+                lines.feed(chunk)
+            outputs[name] = lines.close()
 
         readers = [threading.Thread(target=drain, args=(n, s), daemon=True) for n, s in (("out", proc.stdout), ("err", proc.stderr))]
         for t in readers:
@@ -323,8 +327,7 @@ class Remote:
             return Result(host, command, 124, "", f"timed out after {timeout:g}s running {command[:200]}", time.monotonic() - start)
         for t in readers:
             t.join()
-        out = outputs.get("out", b"").decode("utf-8", "replace")
-        err = outputs.get("err", b"").decode("utf-8", "replace")
+        out, err = outputs.get("out", ""), outputs.get("err", "")
         if code == UNREACHABLE and not out:
             err = self._ssh_failure(host, err)
         return Result(host, command, code, out, err, time.monotonic() - start)
@@ -387,17 +390,25 @@ class Launch:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def finish(self, stdin: dict[Host, Callable[[Host], Iterable[bytes]]], timeout: float | None = None) -> dict[Host, Result]:
-        """Feed each host in `stdin` its stream and wait for all; a launched host not in `stdin` gets an
-        empty stdin (the command must treat that as nothing to do). The Results of the hosts in `stdin`."""
+    def finish(
+        self,
+        stdin: dict[Host, Callable[[Host], Iterable[bytes]]],
+        timeout: float | None = None,
+        on_line: LineCallback | None = None,
+    ) -> dict[Host, Result]:
+        """Feed each host in `stdin` its stream and wait for all (output lines to `on_line` as they come);
+        a launched host not in `stdin` gets an empty stdin (the command must treat that as nothing to do).
+        The Results of the hosts in `stdin`; exit codes as with Remote.run(check=False)."""
         remote, futures = self.remote, {}
         for host in self.hosts:
             proc = self._procs.pop(host, None)
             if proc is not None:
                 chunks = stdin[host](host) if host in stdin else ()
-                futures[host] = remote._pool.submit(remote._collect, host, self.command, proc, chunks, timeout, self._start)
+                futures[host] = remote._pool.submit(
+                    remote._collect, host, self.command, proc, chunks, timeout, self._start, on_line if host in stdin else None
+                )
             elif host in stdin:
-                futures[host] = remote._pool.submit(remote._run_one, host, self.command, stdin[host], timeout, None)
+                futures[host] = remote._pool.submit(remote._run_one, host, self.command, stdin[host], timeout, on_line)
         return {h: f.result() for h, f in futures.items() if h in stdin}
 
     def close(self) -> None:

@@ -364,8 +364,10 @@ def test_dispatch_sends_changed_blocks_and_survives_other_controllers(testcluste
     (ws / "train.py").write_text("print('v4')\n")
     clusterctl("dispatch", spec, check=True)
     on_nodes_matches_local()
-    for n in nodes:  # what `start` checks: no drift left
-        verify = node_exec(n.container, f"cd /root && python3 .clusterctl/bin/hostws-*.py verify {remote}")
+    from clusterctl.ops.hosttools import tool_path
+
+    for n in nodes:  # what `start` checks: no drift left (this version's tool: a kept cluster holds older ones)
+        verify = node_exec(n.container, f"cd /root && python3 {tool_path('hostws')} verify {remote}")
         assert '"drift": []' in verify, verify
 
 
@@ -382,7 +384,7 @@ def control_masters(control: Path) -> dict[str, str]:
 def test_dispatch_reuses_connections_and_gives_up_on_a_frozen_host(testcluster, tmp_path, monkeypatch):
     """Dispatch reaches hosts through the OpenSSH client, which keeps each connection open for the next
     command (ssh.persist); a host that freezes while its connection is open fails the dispatch, named,
-    within about twice connect_timeout, while the other host is updated; the next dispatch recovers."""
+    within connect_timeout plus a few seconds, while the other host is updated; the next dispatch recovers."""
     cache = Path(tempfile.mkdtemp(prefix="cc", dir="/tmp"))  # short: socket paths are limited to 108 bytes
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     control = cache / "clusterctl" / "ssh"
@@ -417,7 +419,7 @@ def test_dispatch_reuses_connections_and_gives_up_on_a_frozen_host(testcluster, 
         assert res.returncode != 0
         assert f"dispatch failed on 1 host(s): {nodes[1].ip}" in res.stderr, res.stderr
         assert f"cannot connect to {nodes[1].ip}: timed out after 3s" in res.stderr, res.stderr
-        assert elapsed < 2 * 3 + 8, elapsed
+        assert elapsed < 3 + 6, elapsed
         assert on_node(nodes[0]) == "v3\n" and on_node(nodes[1]) == "v2\n"
         clusterctl("dispatch", spec, check=True)  # a new connection to the host that came back
         assert on_node(nodes[1]) == "v3\n"

@@ -57,8 +57,11 @@ def test_connections_are_reused_through_a_private_socket_per_option_set(short_ca
     assert o["ControlMaster"] == "auto" and o["ControlPersist"] == "60"
     assert re.fullmatch(re.escape(str(control)) + r"/[0-9a-f]{12}-%C", o["ControlPath"]), o["ControlPath"]
     assert stat.S_IMODE(control.stat().st_mode) == 0o700
-    # a frozen host holding a reused connection is given up on after 3 missed keepalives: ~connect_timeout
-    assert (o["ServerAliveInterval"], o["ServerAliveCountMax"]) == ("1", "3")
+    # a frozen host holding a reused connection is given up on after a third of connect_timeout (at least 2 s)
+    assert (o["ServerAliveInterval"], o["ServerAliveCountMax"]) == ("1", "2")
+    with Remote([host], SshOptions(known_hosts="/kh", connect_timeout=10, persist=60)) as remote:
+        o = _options(remote._ssh_argv(host, "true"))
+    assert (o["ServerAliveInterval"], o["ServerAliveCountMax"]) == ("1", "4")
     other = SshOptions(identity_file="/keys/other", known_hosts="/kh", connect_timeout=3, persist=60)
     with Remote([host], other) as remote:
         assert _options(remote._ssh_argv(host, "true"))["ControlPath"] != o["ControlPath"]  # other key, other connection
