@@ -3,9 +3,10 @@
 Every host's outcome is collected (a failure never hides the others) and failures are raised as one
 RemoteError naming each host, its exit code and the tail of its stderr. Host keys are verified.
 
-Two ways to a host: cached paramiko/Fabric connections (clusterctl.sshconn, imported on first use), for
-many small commands in one session; and the OpenSSH client, one process per host (C crypto on every core,
-no Python import cost), for bulk streams and for commands started ahead of their input (launch()).
+Two ways to a host: the OpenSSH client, one process per host (C crypto on every core, no Python import
+cost, connections kept open between commands), for everything where it can check host keys itself; and
+paramiko/Fabric connections (clusterctl.sshconn, imported on first use) for host_key_policy accept-new
+(which records first-seen keys) or off, and to word the client's connection failures.
 """
 
 from __future__ import annotations
@@ -174,13 +175,20 @@ class Remote:
 
         Returns each host's Result. With check=True, raises one RemoteError naming every host that
         failed to connect or exited non-zero; with check=False, unreachable hosts get exit code 255.
+        Through the OpenSSH client and its kept connections (see launch()), unless this session has
+        paramiko connections open to these hosts already (host_key_policy accept-new or off).
         """
         targets = tuple(hosts) if hosts is not None else self.hosts
-        futures = {h: self._pool.submit(self._run_one, h, command, stdin, timeout, on_line) for h in targets}
+        if self._openssh() and not any(map(self.is_open, targets)):
+            feed = stdin if callable(stdin) else (lambda _host: ()) if stdin is None else (lambda _host: [stdin])
+            with self.launch(command, hosts=targets) as launched:
+                done = launched.finish(dict.fromkeys(targets, feed), timeout=timeout, on_line=on_line)
+        else:
+            futures = {h: self._pool.submit(self._run_one, h, command, stdin, timeout, on_line) for h in targets}
+            done = {h: f.result() for h, f in futures.items()}
         results: dict[Host, Result] = {}
         failures: list[HostFailure] = []
-        for host, fut in futures.items():
-            res = fut.result()
+        for host, res in done.items():
             results[host] = res
             if not res.ok:
                 reason = res.stderr if res.exit_code == UNREACHABLE and not res.stdout else ""
@@ -218,7 +226,7 @@ class Remote:
         against our known_hosts on its own (policy strict; accept-new records keys through paramiko first)."""
         return self.options.host_key_policy == "strict" and shutil.which("ssh") is not None
 
-    def launch(self, command: str, *, hosts: Sequence[Host]) -> "Launch":
+    def launch(self, command: str | Callable[[Host], str], *, hosts: Sequence[Host]) -> "Launch":
         """Start `command` on `hosts` now and give it its stdin later (Launch.finish): the SSH handshake and
         the command's own start-up overlap whatever the caller does meanwhile. Through the OpenSSH client
         where it can check host keys itself; otherwise the connections are opened now and the command runs
@@ -226,7 +234,7 @@ class Remote:
         if not self._openssh():
             self.connect_soon(hosts)
             return Launch(self, command, hosts, {})
-        return Launch(self, command, hosts, {h: self._popen(h, command) for h in hosts})
+        return Launch(self, command, hosts, {h: self._popen(h, command(h) if callable(command) else command) for h in hosts})
 
     def push(
         self,
@@ -379,8 +387,8 @@ class Launch:
     """Commands started by Remote.launch, waiting for their stdin. Use as a context manager (or close()):
     processes never finished are ended."""
 
-    def __init__(self, remote: Remote, command: str, hosts: Sequence[Host], procs: dict[Host, subprocess.Popen]):
-        self.remote, self.command, self.hosts = remote, command, tuple(hosts)
+    def __init__(self, remote: Remote, command, hosts: Sequence[Host], procs: dict[Host, subprocess.Popen]):
+        self.remote, self.command, self.hosts = remote, command, tuple(hosts)  # command: str or f(host) -> str
         self._procs = procs  # empty: the command runs over paramiko connections at finish()
         self._start = time.monotonic()
 
@@ -404,8 +412,9 @@ class Launch:
             proc = self._procs.pop(host, None)
             if proc is not None:
                 chunks = stdin[host](host) if host in stdin else ()
+                cmd = self.command(host) if callable(self.command) else self.command
                 futures[host] = remote._pool.submit(
-                    remote._collect, host, self.command, proc, chunks, timeout, self._start, on_line if host in stdin else None
+                    remote._collect, host, cmd, proc, chunks, timeout, self._start, on_line if host in stdin else None
                 )
             elif host in stdin:
                 futures[host] = remote._pool.submit(remote._run_one, host, self.command, stdin[host], timeout, on_line)

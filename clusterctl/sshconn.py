@@ -1,6 +1,7 @@
 """paramiko/Fabric connections for Remote: opening them (host-key policies, one-line errors) and running
-one command over a channel. Imported on first use only: paramiko, Fabric and invoke are a tenth of a
-second of start-up, and a command that reaches its hosts through the OpenSSH client never pays it.
+one command over a channel. Used where the OpenSSH client cannot go alone (host_key_policy accept-new,
+which records first-seen keys, or off) and to word the client's connection failures. Imported on first
+use only: paramiko, Fabric and invoke are a tenth of a second of start-up that most commands never pay.
 """
 
 from __future__ import annotations

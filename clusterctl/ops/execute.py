@@ -11,14 +11,8 @@ __all__ = ["execute", "worst_exit_code"]
 
 
 def execute(remote: Remote, argv: Sequence[str], *, on_line: LineCallback | None = None, timeout: float | None = None):
-    """Run `argv` (quoted, never re-parsed) on every host in parallel; return each host's Result.
-
-    Through the OpenSSH client where it can go by itself (a one-off command gains nothing from loading
-    paramiko, and reuses the connections dispatch left open), else over the session's connections."""
-    if any(map(remote.is_open, remote.hosts)):
-        return remote.run(join(argv), on_line=on_line, timeout=timeout, check=False)
-    with remote.launch(join(argv), hosts=remote.hosts) as launched:
-        return launched.finish(dict.fromkeys(remote.hosts, lambda _host: ()), timeout=timeout, on_line=on_line)
+    """Run `argv` (quoted, never re-parsed) on every host in parallel; return each host's Result."""
+    return remote.run(join(argv), on_line=on_line, timeout=timeout, check=False)
 
 
 def worst_exit_code(results: dict[object, Result]) -> int:

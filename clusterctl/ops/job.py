@@ -143,9 +143,16 @@ def overall_state(host_states: list[str]) -> str:
     states = set(host_states)
     if not states or states <= {"unknown"}:
         return "not running"
-    for s in ("failed", "lost", "running", "starting", "stopping"):
-        if s in states:
-            return "running" if s in ("starting",) else s
+    live = states & {"running", "starting", "stopping"}
+    if "failed" in states:
+        if not live:
+            return "failed"
+        # not over yet: the rest is being stopped (fail-fast) or still working (on_failure: continue)
+        return "stopping" if "stopping" in live else "running"
+    if "lost" in states:
+        return "lost"
+    if live:
+        return "running" if live & {"running", "starting"} else "stopping"
     if "stopped" in states:
         return "stopped"
     if states <= {"succeeded", "unknown"}:

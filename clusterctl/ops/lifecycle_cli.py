@@ -141,7 +141,6 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
 
     with open_session(spec) as session:
         if dispatch_first:
-            session.remote.connect_soon()  # start's connections open while dispatch (OpenSSH) runs
             sent = dispatch(session)
             out.print(f"dispatched: {sum(d.files_sent for d in sent)} file(s), {_human(sum(d.bytes_sent for d in sent))}")
         t0 = time.monotonic()
