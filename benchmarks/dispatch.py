@@ -63,14 +63,14 @@ _CONTROL = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: socket paths
 
 def rsync_all(ws: Path, ips: list[str], info, dest: str, tuned: bool = False) -> tuple[float, int]:
     """rsync to every node at once. `tuned`: its ssh given what clusterctl's has — the same key exchange
-    (no sntrup761 hybrid) and connections kept open between runs (ControlPersist)."""
+    (no sntrup761 hybrid), cipher order and connections kept open between runs (ControlPersist)."""
     ssh = (
         f"ssh -i {info.key_path} -o UserKnownHostsFile={info.known_hosts_path} "
         "-o StrictHostKeyChecking=yes -o BatchMode=yes"
     )
     if tuned:
         ssh += (f" -o KexAlgorithms={remote_mod._KEX} -o ControlMaster=auto -o ControlPath={_CONTROL}/%C"
-                " -o ControlPersist=60")
+                " -o ControlPersist=60" + (f" -o Ciphers={remote_mod._CIPHERS}" if remote_mod._CIPHERS else ""))
     t0 = time.perf_counter()
     procs = [
         subprocess.Popen(

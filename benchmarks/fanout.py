@@ -55,6 +55,8 @@ def main() -> int:
     control = tempfile.mkdtemp(prefix="pd", dir="/tmp")  # short: socket paths
     tuned = ssh_opts + ["-o", f"KexAlgorithms={remote_mod._KEX}", "-o", "ControlMaster=auto",
                         "-o", f"ControlPath={control}/%C", "-o", "ControlPersist=60"]
+    if remote_mod._CIPHERS:
+        tuned += ["-o", f"Ciphers={remote_mod._CIPHERS}"]
     env_tuned = {**os.environ, "PDSH_SSH_ARGS_APPEND": " ".join(tuned)}
     rows = []
     for n in [k for k in (1, 2, 4, 8, 16) if k <= args.nodes]:

