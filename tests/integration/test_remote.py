@@ -130,19 +130,49 @@ def test_paused_node_fails_within_connect_timeout_and_is_named(testcluster, tmp_
     assert elapsed < 3 + 6
 
 
-@pytest.mark.timeout(60)
-def test_bounded_run_keeps_late_stderr_and_streams_large_stdin(testcluster, tmp_path):
-    spec = write_spec(testcluster, tmp_path / "c.yaml", name="pumps", hosts=2, job={"entrypoint": ["true"]})
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("policy", ["strict", "accept-new"])  # the OpenSSH client; paramiko connections
+def test_bounded_run_keeps_late_stderr_and_streams_large_stdin(testcluster, tmp_path, policy):
+    spec = write_spec(testcluster, tmp_path / "c.yaml", name="pumps", hosts=2, job={"entrypoint": ["true"]},
+                      ssh={"host_key_policy": policy})
     payload = bytes(range(256)) * (64 * 1024)  # 16 MiB: far beyond the channel window
+    lines = []
     with open_session(str(spec)) as session:
         late = session.remote.run("echo early >&2; sleep 2; echo late >&2", timeout=20)
         big = session.remote.run("sha256sum", stdin=payload, timeout=60)
+        slow = session.remote.run("sleep 30", timeout=2, check=False)
+        session.remote.run("echo one; echo two >&2", on_line=lambda h, stream, line: lines.append((h.label, stream, line)))
+        assert any(map(session.remote.is_open, session.remote.hosts)) == (policy == "accept-new")
     import hashlib
 
     for res in late.values():
         assert res.stderr == "early\nlate\n"
     for res in big.values():
         assert res.stdout.split()[0] == hashlib.sha256(payload).hexdigest()
+    for res in slow.values():
+        assert res.exit_code == 124 and res.stderr == "timed out after 2s running sleep 30"
+    assert sorted(lines) == sorted((n.ip, s, w) for n in testcluster.nodes[:2] for s, w in (("out", "one"), ("err", "two")))
+
+
+@pytest.mark.timeout(120)
+def test_dispatch_with_accept_new_goes_over_paramiko_and_records_keys(testcluster, tmp_path):
+    """accept-new: the OpenSSH client cannot record keys the way we pin them, so the connections are
+    paramiko's (bulk data still goes through `ssh`, once paramiko has recorded the key)."""
+    kh = tmp_path / "kh"
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "small.txt").write_text("small\n")
+    (ws / "big.bin").write_bytes(bytes(range(256)) * (40 * 1024 * 4))  # 40 MiB: over the bulk threshold
+    spec = write_spec(testcluster, tmp_path / "c.yaml", name="acceptnew", hosts=2, job={"entrypoint": ["true"]},
+                      ssh={"known_hosts": str(kh), "host_key_policy": "accept-new"},
+                      workspace={"local": str(ws), "remote": "clusterctl-it/acceptnew"})
+    clusterctl("dispatch", spec, check=True, timeout=100)
+    assert len(kh.read_text().splitlines()) == 2
+    (ws / "small.txt").write_text("changed\n")
+    clusterctl("dispatch", spec, check=True, timeout=100)
+    for n in testcluster.nodes[:2]:
+        assert node_exec(n.container, "cat /root/clusterctl-it/acceptnew/small.txt") == "changed\n"
+        assert node_exec(n.container, "stat -c %s /root/clusterctl-it/acceptnew/big.bin").strip() == str(40 << 20)
 
 
 @pytest.mark.timeout(120)
