@@ -239,7 +239,9 @@ def make_plan(spec: ClusterSpec, *, data_files: list[str] | None = None) -> JobP
         )
 
     workdir = spec.workspace.remote
-    log_dir = job.log_dir if posixpath.isabs(job.log_dir) else posixpath.join(workdir, job.log_dir)
+    # beside the workspace, not in it: what a job writes into the workspace lives only as long as its
+    # generation (dispatch switches to a new one, and recycles the old one a dispatch later)
+    log_dir = job.log_dir if posixpath.isabs(job.log_dir) else posixpath.normpath(posixpath.join(workdir + ".logs", job.log_dir))
     mpi = _mpi_launch(spec, hosts, trainer_slots, len(trainers), workdir) if job.launcher == "mpi" else None
     return JobPlan(
         job=spec.name,

@@ -170,7 +170,7 @@ class JobSpec(_Model):
     pservers: Union[int, PserversPerHost, tuple[str, ...]] = 0
     trainers: Union[int, Literal["gpu"]] = 1
     ports: PortsSpec = PortsSpec()
-    log_dir: str = "log"
+    log_dir: str = "."  # relative to <workspace.remote>.logs/
     on_failure: Literal["stop", "continue"] = "stop"
     grace: float = Field(10.0, ge=0, le=3600)
     sync: Literal["sync", "async", "geo"] = "sync"

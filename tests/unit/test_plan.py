@@ -38,7 +38,7 @@ def test_one_host_collective():
         "MASTER_PORT": "6169",
     }
     assert plan.control_endpoint == "127.0.0.1:6168"
-    assert plan.log_dir == "clusterctl/one/log"
+    assert plan.log_dir == "clusterctl/one.logs"  # beside the workspace's generations, not inside one
 
 
 SHAPE = """\
