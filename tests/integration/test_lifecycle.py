@@ -131,6 +131,29 @@ def test_all_trainers_succeed_then_pservers_are_stopped(testcluster, tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_logs_outlive_later_dispatches(testcluster, tmp_path):
+    """Logs live beside the workspace: the generation a job ran in is recycled two dispatches later."""
+    spec = job_spec(testcluster, tmp_path, "it-keeplogs", hosts=2, env={"STEPS": "3"})
+    ws = tmp_path / "ws"
+    shutil.copytree(JOBS, ws, ignore=shutil.ignore_patterns("__pycache__"))
+    data = yaml.safe_load(spec.read_text())
+    data["workspace"]["local"] = str(ws)
+    spec.write_text(yaml.safe_dump(data))
+    clusterctl("dispatch", spec, check=True)
+    clusterctl("start", spec, check=True)
+    assert wait_state(spec, {"succeeded", "failed"})["state"] == "succeeded"
+    before = sorted(clusterctl("logs", spec, check=True).stdout.splitlines())
+    assert any("trainer 1 argv=['trainer', '1']" in line for line in before), before
+    for i in range(2):  # two new generations: the second recycles the one the job ran in
+        (ws / "extra.txt").write_text(f"v{i}\n")
+        clusterctl("dispatch", spec, check=True)
+    assert sorted(clusterctl("logs", spec, check=True).stdout.splitlines()) == before
+    remote = data["workspace"]["remote"]
+    for n in testcluster.nodes[:2]:
+        assert node_exec(n.container, f"ls /root/{remote}.logs").split(), n.container
+
+
+@pytest.mark.timeout(180)
 def test_failed_trainer_stops_the_whole_job(testcluster, tmp_path):
     env = {"STEPS": "600", "STEP_S": "0.1", "FAIL_TRAINER": "1", "FAIL_CODE": "3", "FAIL_AFTER": "3"}
     spec = job_spec(testcluster, tmp_path, "it-fail", hosts=3, env=env)
