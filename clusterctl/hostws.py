@@ -224,7 +224,7 @@ def recycle(spare, live, staging, manifest, skip, live_stats):
 def remove_paths(staging, delete):
     """Delete files (before extraction, so a file may replace a directory) and directories left empty."""
     for rel in delete:
-        p = os.path.join(staging, safe_rel(rel))
+        p = os.path.join(staging, rel)
         if os.path.lexists(p) and not os.path.isdir(p):
             os.unlink(p)
         d = os.path.dirname(p)
@@ -302,7 +302,7 @@ def extract(stream, staging):
 def write_file(staging, rel, data, entry, tmp):
     """Create file `rel` of `staging` with `data` and the entry's mode and mtime (replacing, never
     writing through, what is there: it may be a hard link into the live generation)."""
-    dest = os.path.join(staging, safe_rel(rel))
+    dest = os.path.join(staging, rel)
     if os.path.isdir(dest) and not os.path.islink(dest):
         rmtree(dest)
     os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -408,7 +408,7 @@ def cmd_apply(root):
         return
     header = marshal.loads(read_exact(0, int(length)))
     gen, changes, patches, delete = header["gen"], header["changes"], header.get("patches", {}), header["delete"]
-    for rel in (*changes, *patches, *delete):
+    for rel in (*changes, *patches, *delete):  # checked once here: every use below joins them as they are
         if safe_rel(rel) != rel:
             fail(f"refusing path that is not normal and relative: {rel!r}")
 
@@ -450,16 +450,15 @@ def cmd_apply(root):
             with os.fdopen(0, "rb", closefd=False) as stream:
                 digests = extract(stream, staging)
         if digests is not None:  # Python extraction hashed while writing
-            bad = [rel for rel in changes if digests.get(safe_rel(rel)) != changes[rel]["h"]]
+            bad = [rel for rel in changes if digests.get(rel) != changes[rel]["h"]]
         else:  # GNU tar or inline: SSH's MAC guarantees the bytes; sizes catch a truncated stream
-            bad = [rel for rel in changes if os.stat(os.path.join(staging, safe_rel(rel))).st_size != changes[rel]["s"]]
+            bad = [rel for rel in changes if os.stat(os.path.join(staging, rel)).st_size != changes[rel]["s"]]
         if bad:
             raise OSError(f"content check failed after transfer: {', '.join(bad[:5])}")
         unpatched = []
         for rel, patch in patches.items():
-            safe = safe_rel(rel)
             try:
-                digest = apply_patch(os.path.join(staging, safe), os.path.join(gens, old, safe),
+                digest = apply_patch(os.path.join(staging, rel), os.path.join(gens, old, rel),
                                      os.path.join(gens, gen + ".patch.tmp"), patch)
             except PatchError:
                 digest = None
@@ -493,10 +492,11 @@ def cmd_apply(root):
 
 
 def prune_detached(gens, names):
-    """Remove old generations after replying: in a child detached from the SSH channel, only `names`
-    (listed before this generation went live, so a later dispatch's staging is never touched)."""
+    """Remove old generations after replying, only `names` (listed before this generation went live, so a
+    later dispatch's staging is never touched): files at once, directories in a child detached from the
+    SSH channel."""
     dirs = []
-    for name in names:  # manifests and leftovers: unlinked now, no child needed
+    for name in names:
         p = os.path.join(gens, name)
         if os.path.isdir(p) and not os.path.islink(p):
             dirs.append(name)
@@ -504,7 +504,6 @@ def prune_detached(gens, names):
             os.unlink(p)
     if not dirs:
         return
-    names = dirs
     if os.fork() != 0:
         return
     try:
@@ -513,7 +512,7 @@ def prune_detached(gens, names):
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)  # let sshd close the channel now
-        prune(gens, names)
+        prune(gens, dirs)
     finally:
         os._exit(0)
 

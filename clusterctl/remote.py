@@ -108,6 +108,12 @@ class Result:
         """True when the command exited 0."""
         return self.exit_code == 0
 
+    def failure(self) -> HostFailure:
+        """This outcome as a failure: when the host was never reached (255, no output), the reason alone."""
+        if self.exit_code == UNREACHABLE and not self.stdout:
+            return HostFailure(self.host.label, self.command, None, self.stderr[-_TAIL:], self.stderr)
+        return HostFailure(self.host.label, self.command, self.exit_code, self.stderr[-_TAIL:])
+
 
 def fingerprint(key) -> str:
     """OpenSSH-style SHA256 fingerprint of a public key (a paramiko PKey)."""
@@ -197,24 +203,20 @@ class Remote:
         """
         targets = tuple(hosts) if hosts is not None else self.hosts
         if self._openssh() and not any(map(self.is_open, targets)):
-            feed = stdin if callable(stdin) else (lambda _host: ()) if stdin is None else (lambda _host: [stdin])
+            if callable(stdin):
+                feed = stdin
+            else:
+                chunks = () if stdin is None else (stdin,)
+                feed = lambda _host: chunks  # noqa: E731
             with self.launch(command, hosts=targets) as launched:
                 done = launched.finish(dict.fromkeys(targets, feed), timeout=timeout, on_line=on_line)
         else:
             futures = {h: self._pool.submit(self._run_one, h, command, stdin, timeout, on_line) for h in targets}
             done = {h: f.result() for h, f in futures.items()}
-        results: dict[Host, Result] = {}
-        failures: list[HostFailure] = []
-        for host, res in done.items():
-            results[host] = res
-            if not res.ok:
-                reason = res.stderr if res.exit_code == UNREACHABLE and not res.stdout else ""
-                failures.append(
-                    HostFailure(host.label, res.command, None if reason else res.exit_code, res.stderr[-_TAIL:], reason)
-                )
+        failures = [res.failure() for res in done.values() if not res.ok]
         if check and failures:
-            raise RemoteError(failures, {h: r for h, r in results.items() if r.ok}, what=what)
-        return results
+            raise RemoteError(failures, {h: r for h, r in done.items() if r.ok}, what=what)
+        return done
 
     def _run_one(self, host, command, stdin, timeout, on_line) -> Result:
         cmd = command(host) if callable(command) else command

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import pathspec
 
-from ..errors import HostFailure, JobError, RemoteError
+from ..errors import JobError, RemoteError
 from ..plan import DATA_ENV, Host
 from ..quoting import join
-from ..remote import UNREACHABLE, Launch, Result
+from ..remote import Launch, Result
 from ..spec import ClusterSpec
 from . import Session
 from .hosttools import tool_command, tool_path
@@ -461,9 +461,8 @@ def _read_states(remote, hosts: list[Host], root: str) -> dict[Host, _HostView |
     """Ask hosts for their workspace state (installing hostws where missing): a view, or the failed Result."""
     state_cmd, payload = tool_command("hostws", ["state", root])  # installs the tool if missing, same round trip
     out: dict[Host, _HostView | Result] = {}
-    with remote.launch(state_cmd, hosts=hosts) as launched:
-        for host, res in launched.finish(dict.fromkeys(hosts, lambda _host: [payload])).items():
-            out[host] = _view_of(json.loads(res.stdout)) if res.ok else res
+    for host, res in remote.run(state_cmd, hosts=hosts, stdin=payload, check=False, what="reading workspace state").items():
+        out[host] = _view_of(json.loads(res.stdout)) if res.ok else res
     return out
 
 
@@ -567,7 +566,7 @@ def _dispatch(session: Session, records: "_Records", apply: str, views: dict, as
                                     0 if p is None else len(p.delete), g))
     if failed:
         raise RemoteError(
-            [_failure(failed[h]) for h in plan.hosts if h in failed], succeeded,
+            [failed[h].failure() for h in plan.hosts if h in failed], succeeded,
             what="dispatch",
         )
     return out
@@ -597,9 +596,9 @@ def _send(remote, apply: str, plans: dict[Host, _HostPlan], wanted, launched: La
         with ThreadPoolExecutor(1) as waiter:  # the launched hosts and the others at the same time
             early = waiter.submit(launched.finish, {h: feed for h in plans if h in started}) if started else None
             results: dict[Host, Result] = {}
-            if rest and (max(plans[h].payload for h in rest) >= _BULK or not all(map(remote.is_open, rest))):
-                results = remote.push(apply, hosts=rest, stdin=feed, what="dispatch")  # OpenSSH: C crypto, a process per host
-            elif rest:  # small, and the connections are open already: faster than starting ssh processes
+            if rest and max(plans[h].payload for h in rest) >= _BULK:  # through ssh whatever the host-key policy
+                results = remote.push(apply, hosts=rest, stdin=feed, what="dispatch")
+            elif rest:
                 results = remote.run(apply, hosts=rest, stdin=feed, check=False, what="dispatch")
             if early is not None:
                 results.update(early.result())
@@ -607,12 +606,6 @@ def _send(remote, apply: str, plans: dict[Host, _HostPlan], wanted, launched: La
         for archive in archives.values():
             archive.close()
     return results, streamed
-
-
-def _failure(res) -> HostFailure:
-    if res.exit_code == UNREACHABLE and not res.stdout:  # no connection: the reason is the whole story
-        return HostFailure(res.host.label, res.command, None, "", res.stderr)
-    return HostFailure(res.host.label, res.command, res.exit_code, res.stderr[-2000:])
 
 
 def _differs(old: dict | None, new: dict) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -137,6 +137,17 @@ class PSClient:
         if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
 
+    def _replies(self, poller: zmq.Poller, left: float, seq: int) -> Iterator[tuple[int, Message]]:
+        """The replies to request `seq` that arrive within `left` seconds, as (pserver index, message);
+        a late reply to an earlier request is dropped."""
+        for sock, _ in poller.poll(int(left * 1000) + 1):
+            i = self._socks.index(sock)
+            msg = decode(sock.recv_multipart(copy=False), request=False)
+            if msg.seq != seq:
+                log.warning("dropping a stale reply (seq %d, want %d) from %s", msg.seq, seq, self.endpoints[i])
+                continue
+            yield i, msg
+
     def _request(self, op: str, per_server: Mapping[int, tuple[dict[str, Any], Mapping[str, np.ndarray]]],
                  timeout: float | None = None) -> dict[int, Message]:
         """Send one request to each listed pserver, wait for every reply; raise on errors or timeout."""
@@ -156,14 +167,9 @@ class PSClient:
             if left <= 0:
                 missing = [self.endpoints[i] for i in per_server if i not in replies]
                 raise PsTimeoutError(missing, op, wait)
-            for sock, _ in poller.poll(int(left * 1000) + 1):
-                i = self._socks.index(sock)
-                msg = decode(sock.recv_multipart(copy=False), request=False)
-                if msg.seq != seq:
-                    log.warning("dropping a stale reply (seq %d, want %d) from %s", msg.seq, seq, self.endpoints[i])
-                    continue
+            for i, msg in self._replies(poller, left, seq):
                 replies[i] = msg
-                poller.unregister(sock)
+                poller.unregister(self._socks[i])
         for i, msg in sorted(replies.items()):
             if not msg.header.get("ok"):
                 code = str(msg.header.get("code", "error"))
@@ -322,12 +328,7 @@ class PSClient:
             if left <= 0:
                 missing = [self.endpoints[i] for i in todo if got[i] < len(todo[i])]
                 raise PsTimeoutError(missing, "push_pull", self.timeout)
-            for sock, _ in poller.poll(int(left * 1000) + 1):
-                i = self._socks.index(sock)
-                msg = decode(sock.recv_multipart(copy=False), request=False)
-                if msg.seq != seq:
-                    log.warning("dropping a stale reply (seq %d, want %d) from %s", msg.seq, seq, self.endpoints[i])
-                    continue
+            for i, msg in self._replies(poller, left, seq):
                 got[i] += 1
                 if not msg.header.get("ok"):
                     error = error or RemoteOpError(self.endpoints[i], str(msg.header.get("code", "error")),
