@@ -6,14 +6,35 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["REPO", "LocalJob", "free_ports", "job_env"]
+__all__ = ["REPO", "LocalJob", "free_ports", "in_threads", "job_env", "pulls_during_pushes"]
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def in_threads(target: Callable[[int], None], ids: Iterable[int], timeout: float = 25.0) -> None:
+    """Run ``target(i)`` for each ``i`` in its own thread (trainers, usually), wait for each up to
+    ``timeout`` seconds, and raise the first exception any of them raised."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            target(i)
+        except BaseException as exc:  # surfaced in the calling thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:

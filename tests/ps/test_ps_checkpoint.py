@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import threading
 
 import numpy as np
 import pytest
+from ps_jobs import in_threads
 
 from clusterctl.ps import Adam, CheckpointError, PSClient, RemoteOpError
 from clusterctl.ps import checkpoint as ckpt
@@ -31,31 +31,21 @@ def _grads(p, tid, step):
 def _job(eps, steps, *, save_at=None, root=None, load_root=None):
     """T sync trainers from their start step to ``steps``; trainer 0 saves after ``save_at`` steps."""
     out: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
-    errors: list[BaseException] = []
 
     def trainer(tid):
-        try:
-            with PSClient(eps, trainer_id=tid, num_trainers=T, mode="sync", optimizer=Adam(0.01), timeout=20) as c:
-                p = c.init(_init())
-                if load_root is not None and tid == 0:
-                    c.load(load_root)
-                start = c.start_step
-                for step in range(start, steps):
-                    p = c.push_pull(_grads(p, tid, step), step=step)
-                    if tid == 0 and save_at == step + 1:
-                        assert c.save(root, step + 1) == step + 1
-                c.complete()
-                out[tid] = (start, p)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        with PSClient(eps, trainer_id=tid, num_trainers=T, mode="sync", optimizer=Adam(0.01), timeout=20) as c:
+            p = c.init(_init())
+            if load_root is not None and tid == 0:
+                c.load(load_root)
+            start = c.start_step
+            for step in range(start, steps):
+                p = c.push_pull(_grads(p, tid, step), step=step)
+                if tid == 0 and save_at == step + 1:
+                    assert c.save(root, step + 1) == step + 1
+            c.complete()
+            out[tid] = (start, p)
 
-    threads = [threading.Thread(target=trainer, args=(t,)) for t in range(T)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(25)
-    if errors:
-        raise errors[0]
+    in_threads(trainer, range(T))
     return out
 
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
-from ps_jobs import pulls_during_pushes
+from ps_jobs import in_threads, pulls_during_pushes
 
 from clusterctl.ps import SGD, Adam, Momentum, PSClient, RemoteOpError, protocol
 
@@ -34,29 +32,19 @@ def _init() -> dict[str, np.ndarray]:
     return {"W": (rng.normal(size=(IN, OUT)) * 0.01).astype(np.float32), "b": np.zeros(OUT, np.float32)}
 
 
-def _run_trainers(eps, mode, opt, steps, fn=None, **kw):
-    """Run T trainer threads; each returns its final params. ``fn`` overrides the per-trainer loop."""
+def _run_trainers(eps, mode, opt, steps, **kw):
+    """Run T trainer threads; each returns its final params."""
     results: dict[int, dict[str, np.ndarray]] = {}
-    errors: list[BaseException] = []
 
     def trainer(tid: int) -> None:
-        try:
-            with PSClient(eps, trainer_id=tid, num_trainers=T, mode=mode, optimizer=opt, timeout=20, **kw) as c:
-                params = c.init(_init())
-                for step in range(c.start_step, steps):
-                    params = c.push_pull(_grads(params, *_batch(tid, step)), step=step)
-                c.complete()
-                results[tid] = params
-        except BaseException as exc:  # surfaced in the main thread below
-            errors.append(exc)
+        with PSClient(eps, trainer_id=tid, num_trainers=T, mode=mode, optimizer=opt, timeout=20, **kw) as c:
+            params = c.init(_init())
+            for step in range(c.start_step, steps):
+                params = c.push_pull(_grads(params, *_batch(tid, step)), step=step)
+            c.complete()
+            results[tid] = params
 
-    threads = [threading.Thread(target=fn or trainer, args=(t,)) for t in range(T)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(25)
-    if errors:
-        raise errors[0]
+    in_threads(trainer, range(T))
     return results
 
 
@@ -164,7 +152,7 @@ def test_async_converges(servers, monkeypatch):
             results[tid] = _lin_loss(p)
 
     start = _lin_loss(_lin_init())
-    _run_trainers(g.endpoints, "async", SGD(0.05), 0, fn=trainer)
+    in_threads(trainer, range(T))
     assert g.join(5) and not g.errors
     assert start > 20 and all(v < 1e-2 for v in results.values()), (start, results)
     assert sum(s.stats["updates"] for s in g.servers) == 2 * 150 * T  # every push applied on arrival
@@ -186,7 +174,7 @@ def test_geo_converges_with_k_steps(servers, monkeypatch):
             c.complete(p)  # flushes the 2 steps not yet sent
             results[tid] = _lin_loss(p)
 
-    _run_trainers(g.endpoints, "geo", None, 0, fn=trainer)
+    in_threads(trainer, range(T))
     assert g.join(5) and not g.errors
     assert all(v < 1e-2 for v in results.values()), results
     # 152 local steps -> 30 pushes of k=5 plus one final flush, per trainer, per pserver (1 block each)
@@ -233,11 +221,7 @@ def test_sync_round_waits_only_for_trainers_not_completed(servers):
                 p = c.push_pull(_lin_grads(p, *_lin_batch(tid, step)), step=step)
             c.complete()
 
-    threads = [threading.Thread(target=trainer, args=(t,)) for t in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
+    in_threads(trainer, (0, 1), timeout=15)
     assert g.join(5) and not g.errors
     assert g.servers[0].step == 5
 

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 import zmq
-from ps_jobs import pulls_during_pushes
+from ps_jobs import in_threads, pulls_during_pushes
 
 from clusterctl.ps import SGD, Adam, Momentum, PSClient, protocol
 
@@ -61,11 +61,7 @@ def test_concurrent_pipelined_pushes_apply_every_piece_once(servers, monkeypatch
                 c.push_pull(ones, step=step)
             c.complete()
 
-    threads = [threading.Thread(target=trainer, args=(t,)) for t in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(25)
+    in_threads(trainer, (0, 1))
     assert g.join(5) and not g.errors
     w = g.servers[0].blocks["w.block0"]
     assert float(w.min()) == float(w.max()) == -2.0 * steps

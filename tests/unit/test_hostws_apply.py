@@ -36,6 +36,14 @@ def transport(request, monkeypatch):
 PATH = os.environ.get("PATH", "")
 
 
+@pytest.fixture()
+def sites(tmp_path):
+    """(the local workspace, the host's workspace root), the latter's parent directory made."""
+    ws, root = tmp_path / "ws", tmp_path / "host" / "ws"
+    root.parent.mkdir()
+    return ws, root
+
+
 def host(cmd: str, root: Path, stdin: bytes = b"") -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": PATH}
     return subprocess.run([sys.executable, str(HOSTWS), cmd, str(root)], input=stdin, capture_output=True, timeout=60, env=env)
@@ -95,9 +103,8 @@ def assert_no_drift(root: Path) -> None:
     assert json.loads(res.stdout)["drift"] == [], res.stdout
 
 
-def test_small_edits_travel_as_changed_blocks(tmp_path):
-    ws, root = tmp_path / "ws", tmp_path / "host" / "ws"
-    root.parent.mkdir()
+def test_small_edits_travel_as_changed_blocks(sites):
+    ws, root = sites
     make_ws(ws)
     plan, reply, first = push(ws, root)
     assert len(plan.whole) == 13 and not plan.patches and first > 12 * 100_000
@@ -119,9 +126,8 @@ def test_small_edits_travel_as_changed_blocks(tmp_path):
     assert_no_drift(root)
 
 
-def test_previous_generations_are_never_modified_and_the_spare_is_recycled(tmp_path):
-    ws, root = tmp_path / "ws", tmp_path / "host" / "ws"
-    root.parent.mkdir()
+def test_previous_generations_are_never_modified_and_the_spare_is_recycled(sites):
+    ws, root = sites
     make_ws(ws)
     push(ws, root)
     v1_dir, v1 = live_gen(root), tree(ws)
@@ -142,9 +148,8 @@ def test_previous_generations_are_never_modified_and_the_spare_is_recycled(tmp_p
     assert_no_drift(root)
 
 
-def test_a_directory_may_become_a_file_and_back(tmp_path):
-    ws, root = tmp_path / "ws", tmp_path / "host" / "ws"
-    root.parent.mkdir()
+def test_a_directory_may_become_a_file_and_back(sites):
+    ws, root = sites
     (ws / "a").mkdir(parents=True)
     (ws / "a" / "b.txt").write_text("b")
     (ws / "c").write_text("c")
@@ -165,9 +170,8 @@ def test_a_directory_may_become_a_file_and_back(tmp_path):
     assert_no_drift(root)
 
 
-def test_a_stale_record_changes_nothing_and_returns_the_hosts_state(tmp_path):
-    ws, root = tmp_path / "ws", tmp_path / "host" / "ws"
-    root.parent.mkdir()
+def test_a_stale_record_changes_nothing_and_returns_the_hosts_state(sites):
+    ws, root = sites
     make_ws(ws, n=3)
     push(ws, root)
     remembered = state(root)
@@ -183,9 +187,8 @@ def test_a_stale_record_changes_nothing_and_returns_the_hosts_state(tmp_path):
     assert "stale" not in reply and tree(root) == tree(ws)
 
 
-def test_drift_is_found_before_anything_changes(tmp_path):
-    ws, root = tmp_path / "ws", tmp_path / "host" / "ws"
-    root.parent.mkdir()
+def test_drift_is_found_before_anything_changes(sites):
+    ws, root = sites
     make_ws(ws, n=3)
     push(ws, root)
     view = d._HostView(state(root).gen, state(root).manifest, check=True)
@@ -200,9 +203,8 @@ def test_drift_is_found_before_anything_changes(tmp_path):
     assert reply["unchanged"] is True and sent < 200
 
 
-def test_a_patch_whose_base_differs_is_refused_then_sent_whole(tmp_path):
-    ws, root = tmp_path / "ws", tmp_path / "host" / "ws"
-    root.parent.mkdir()
+def test_a_patch_whose_base_differs_is_refused_then_sent_whole(sites):
+    ws, root = sites
     make_ws(ws, n=3)
     push(ws, root)
     target = root / "d0" / "f0.bin"
@@ -247,10 +249,9 @@ def test_records_round_trip_and_ignore_damage(tmp_path, monkeypatch):
     assert d._Records("ws").load(b) is None
 
 
-def test_hosts_without_tar_cp_or_rm_get_the_same_result(tmp_path, monkeypatch):
+def test_hosts_without_tar_cp_or_rm_get_the_same_result(sites, tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "PATH", str(tmp_path / "empty-bin"))
-    ws, root = tmp_path / "ws", tmp_path / "host" / "ws"
-    root.parent.mkdir()
+    ws, root = sites
     make_ws(ws, n=4)
     push(ws, root)  # Python's tarfile, hashing while it writes
     for round_ in range(3):  # patches; a plain hard-linked copy; then the spare recycled
@@ -262,10 +263,9 @@ def test_hosts_without_tar_cp_or_rm_get_the_same_result(tmp_path, monkeypatch):
     assert_no_drift(root)
 
 
-def test_an_apply_started_ahead_and_given_nothing_changes_nothing(tmp_path):
+def test_an_apply_started_ahead_and_given_nothing_changes_nothing(sites):
     """The controller starts `apply` before it knows the update; a host that needs none gets an empty stdin."""
-    ws, root = tmp_path / "ws", tmp_path / "host" / "ws"
-    root.parent.mkdir()
+    ws, root = sites
     make_ws(ws, n=2)
     push(ws, root)
     before, gens = tree(root), sorted(os.listdir(root.parent / "ws.d"))
