@@ -157,6 +157,10 @@ def validate_job(raw, source):
         raise InputError("%s: on_failure: must be 'stop' or 'continue', got %r" % (source, job["on_failure"]))
     job["grace"] = _num("%s: grace" % source, raw.get("grace", 10))
 
+    shared_env = raw.get("env", {})  # what all processes share, written once; a process's own env adds to it
+    if not isinstance(shared_env, dict) or not all(
+            isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in shared_env.items()):
+        raise InputError("%s: env: must be an object of string to string (no '=' in names)" % source)
     procs = raw.get("processes")
     if not isinstance(procs, list):
         raise InputError("%s: processes: must be a list" % source)
@@ -180,6 +184,7 @@ def validate_job(raw, source):
         if not isinstance(env, dict) or not all(
                 isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()):
             raise InputError("%s.env: must be an object of string to string (no '=' in names)" % where)
+        env = dict(shared_env, **env)
         if env.get(JOB_ENV, job["job"]) != job["job"]:
             raise InputError("%s.env.%s: %r differs from job %r" % (where, JOB_ENV, env[JOB_ENV], job["job"]))
         cwd = _str(where + ".cwd", p.get("cwd"))

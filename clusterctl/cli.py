@@ -34,20 +34,41 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+# `plan` as a table lists at most this many processes unless --all is given.
+PLAN_ROWS = 40
+
+
+def dumps_plan(doc: dict) -> str:
+    """JSON text of a plan document: indented, but one line per process (10,000 processes stay fast)."""
+    parts = []
+    for key, value in doc.items():
+        if key == "processes":
+            rows = ",\n".join("    " + json.dumps(p, separators=(", ", ": ")) for p in value)
+            text = "[\n" + rows + "\n  ]" if value else "[]"
+        else:
+            text = json.dumps(value, indent=2).replace("\n", "\n  ")
+        parts.append(f"  {json.dumps(key)}: {text}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print the plan as a table or as JSON."""
+    """Print the plan as a table (summarised when large) or as JSON."""
     from .ops import plan_for
     from .spec import load_spec
 
     plan = plan_for(load_spec(args.spec))
     if args.json:
-        sys.stdout.write(json.dumps(plan.to_json(), indent=2) + "\n")
+        sys.stdout.write(dumps_plan(plan.to_json(expand=args.expand)))
         return 0
+    procs = plan.processes
+    shown = procs if args.all or len(procs) <= PLAN_ROWS else procs[: PLAN_ROWS - 8] + procs[-8:]
     table = Table(title=f"job {plan.job} ({plan.mode})", title_justify="left")
     for col in ("host", "role", "id", "rank", "local", "endpoint", "gpus"):
         table.add_column(col, no_wrap=True)
     table.add_column("argv", overflow="fold", min_width=20)
-    for p in plan.processes:
+    for i, p in enumerate(shown):
+        if len(shown) < len(procs) and i == PLAN_ROWS - 8:
+            table.add_row("…", "", "", "", "", "", "", f"{len(procs) - len(shown):,} more")
         table.add_row(
             p.host.label,
             p.role,
@@ -59,6 +80,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             escape(" ".join(p.argv)),
         )
     out.print(table)
+    if len(shown) < len(procs):
+        lo, hi = min(len(plan.on_host(h)) for h in plan.hosts), max(len(plan.on_host(h)) for h in plan.hosts)
+        out.print(
+            f"{len(plan.hosts):,} hosts ({lo if lo == hi else f'{lo}-{hi}'} processes each), "
+            f"{len(plan.pservers):,} pserver(s), {len(plan.trainers):,} trainer(s); showing {len(shown)} of "
+            f"{len(procs):,} processes: --all lists every one, --json prints everything (env included)"
+        )
     if plan.mpi is not None:
         out.print(f"launcher: mpi, on {escape(plan.mpi.host.label)}: {escape(' '.join(plan.mpi.argv))}")
         out.print(f"hostfile {escape(plan.mpi.hostfile_path)}:\n{escape(plan.mpi.hostfile)}", end="")
@@ -97,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="show every process, id, endpoint, env and argv")
     p.add_argument("spec")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="machine-readable output (shared env factored out)")
+    p.add_argument("--expand", action="store_true", help="with --json: every process's env in full")
+    p.add_argument("--all", action="store_true", help=f"list every process (default: at most {PLAN_ROWS} rows)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("exec", help="run a command on every host")

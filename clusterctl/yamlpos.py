@@ -40,15 +40,27 @@ class Located:
         return self.values.get((), (1, 1))
 
 
+# libyaml's parser when PyYAML was built with it: ~10x faster on a spec of 1,250 hosts, same nodes and
+# marks. Bad YAML is parsed again by the pure-Python parser, whose messages say what it expected.
+_FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def _mark(node: yaml.Node) -> tuple[int, int]:
     return node.start_mark.line + 1, node.start_mark.column + 1
 
 
 def load_located(text: str) -> Located:
     """Parse YAML `text` safely into data plus positions; raise YamlSyntaxError on bad YAML."""
-    loader = yaml.SafeLoader(text)
+    loader = _FAST_LOADER(text)
     try:
-        root = loader.get_single_node()
+        try:
+            root = loader.get_single_node()
+        except yaml.YAMLError:
+            if _FAST_LOADER is yaml.SafeLoader:
+                raise
+            loader.dispose()
+            loader = yaml.SafeLoader(text)
+            root = loader.get_single_node()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
@@ -64,7 +76,7 @@ def load_located(text: str) -> Located:
     return located
 
 
-def _build(loader: yaml.SafeLoader, node: yaml.Node, path: Path, out: Located) -> object:
+def _build(loader, node: yaml.Node, path: Path, out: Located) -> object:
     out.values[path] = _mark(node)
     if isinstance(node, yaml.MappingNode):
         loader.flatten_mapping(node)

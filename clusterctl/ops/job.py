@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import HostFailure, JobError, RemoteError
-from ..plan import Host, JobPlan
+from ..plan import Host, JobPlan, factor_env
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote
 from . import Session
@@ -50,17 +50,20 @@ def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, d
     files = {}
     for host in plan.hosts:
         home = homes[host]
+        on_host = plan.on_host(host)
+        # what the host's processes share (the endpoint lists above all) is written once, as "env"
+        shared_env, own_env = factor_env([p.env for p in on_host])
         procs = [
             {
                 "role": p.role,
                 "id": p.id,
                 "argv": list(p.argv),
-                "env": dict(p.env),
+                "env": env,
                 "cwd": _abs(home, plan.workdir),
                 "log": _abs(home, plan.log_path(p)),
                 "ports": [p.endpoint],
             }
-            for p in plan.on_host(host)
+            for p, env in zip(on_host, own_env)
         ]
         files[host] = {
             "job": plan.job,
@@ -77,6 +80,7 @@ def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, d
                 "hosts": len(plan.hosts),
                 "trainers_total": len(plan.trainers),
             },
+            "env": shared_env,
             "processes": procs,
         }
     return files

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Plan scale: `clusterctl validate`, `plan --json` and `plan` on a spec of H hosts x G GPUs.
+
+Writes the spec (one trainer per GPU, `pservers: P` in pserver mode, `ssh: {config: none}` so that
+no `ssh -G` runs per host), then runs each command N times in a fresh process (`python -m clusterctl.cli`)
+and reports the median wall time and CPU time (user+sys), the peak RSS of the child (ru_maxrss from
+wait4) and the bytes it printed.
+
+    .venv/bin/python benchmarks/plan_scale.py [--hosts 1250] [--gpus 8] [--pservers 16] [--repeat 5]
+    .venv/bin/python benchmarks/plan_scale.py --write-spec /tmp/plan10k.yaml   # only write the spec
+    git archive OLD | tar -x -C /tmp/old && .venv/bin/python benchmarks/plan_scale.py --src /tmp/old --no-ssh-config-key
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spec_text(hosts: int, gpus: int, pservers: int, *, ssh_config_key: bool = True) -> str:
+    """The YAML of a pserver-mode spec with `hosts` hosts of `gpus` GPUs each (addresses 10.x.y.z)."""
+    lines = ["name: scale", "ssh:", "  user: train"]
+    if ssh_config_key:
+        lines.append("  config: none")
+    lines.append("hosts:")
+    for i in range(hosts):
+        lines.append(f"  - {{address: 10.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}, gpus: {gpus}}}")
+    lines += [
+        "job:",
+        "  mode: pserver",
+        f"  pservers: {pservers}",
+        "  trainers: gpu",
+        "  entrypoint: python train.py",
+        "  args: ['--epochs', '10']",
+        "  env: {GLOG_v: 0, NCCL_DEBUG: WARN}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def run_once(argv: list[str], env: dict) -> tuple[float, float, int, int]:
+    """Run `argv`; return (wall s, CPU s (user+sys), peak RSS bytes of the child, bytes it printed)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+    size = 0
+    while chunk := proc.stdout.read(1 << 20):  # counted, not kept: the old plan --json printed 1.57 GB
+        size += len(chunk)
+    stderr = proc.stderr.read().decode(errors="replace")
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc.stdout.close()
+    proc.stderr.close()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} exited {proc.returncode}: {stderr[-500:]}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, size
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=1250)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--pservers", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--write-spec", metavar="PATH", help="write the spec there and exit")
+    ap.add_argument("--no-ssh-config-key", action="store_true", help="leave out ssh.config (specs before issue 11)")
+    ap.add_argument("--src", help="the checkout whose clusterctl to run (default: this one), e.g. an older version")
+    ap.add_argument("--commands", default="validate,plan --json,plan",
+                    help="comma-separated clusterctl subcommands to time (default: %(default)s)")
+    args = ap.parse_args()
+
+    text = spec_text(args.hosts, args.gpus, args.pservers, ssh_config_key=not args.no_ssh_config_key)
+    if args.write_spec:
+        Path(args.write_spec).write_text(text)
+        return 0
+    src = Path(args.src).resolve() if args.src else ROOT
+    env = {**os.environ, "PYTHONPATH": str(src), "COLUMNS": "200"}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "scale.yaml"
+        spec.write_text(text)
+        print(f"clusterctl from {src}; spec: {args.hosts} hosts x {args.gpus} GPUs, {args.pservers} pservers "
+              f"({args.hosts * args.gpus} trainers), {len(text)} bytes; {args.repeat} runs each; medians")
+        print(f"{'command':<28} {'wall s':>7} {'(min-max)':>11} {'CPU s':>6} {'peak RSS MB':>12} {'stdout bytes':>14}")
+        for cmd in args.commands.split(","):
+            sub = cmd.split()
+            argv = [sys.executable, "-m", "clusterctl.cli", sub[0], str(spec), *sub[1:]]
+            runs = [run_once(argv, env) for _ in range(args.repeat)]
+            walls = [r[0] for r in runs]
+            print(f"clusterctl {cmd:<17} {statistics.median(walls):>7.2f} {min(walls):>5.2f}-{max(walls):<5.2f} "
+                  f"{statistics.median(r[1] for r in runs):>6.2f} {statistics.median(r[2] for r in runs) / 1e6:>12.0f} "
+                  f"{runs[0][3]:>14,}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

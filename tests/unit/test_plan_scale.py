@@ -1,0 +1,186 @@
+"""Plans for many processes: the factored plan JSON, job files that state shared env once, a 10,000-process plan."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from clusterctl import agent, cli
+from clusterctl.ops.job import job_files
+from clusterctl.plan import expand_env, factor_env, make_plan
+from clusterctl.spec import parse_spec
+
+SHAPE = """\
+name: big
+hosts:
+  - {address: 10.0.0.1, gpus: 2}
+  - {address: 10.0.0.2, gpus: [2, 3]}
+  - {address: 10.0.0.3, gpus: 2}
+data: {local: shards}
+job:
+  mode: pserver
+  entrypoint: [python3, train.py]
+  args: ["{role}", "{current_endpoint}"]
+  pservers: 2
+  trainers: gpu
+  env: {GLOG_v: 1}
+"""
+
+COLLECTIVE = "name: one\nhosts: [{address: h1}, {address: h2, slots: 3}]\njob: {entrypoint: [x], trainers: 2}\n"
+SINGLE = "name: solo\nhosts: [{address: h1}]\njob: {entrypoint: [x]}\n"
+
+
+def scale_spec(hosts: int, gpus: int = 8, pservers: int = 16) -> str:
+    """The spec of benchmarks/plan_scale.py: `hosts` hosts x `gpus` GPUs, one trainer per GPU, pserver mode."""
+    lines = ["name: scale", "hosts:"]
+    lines += [f"  - {{address: 10.{(i >> 8) & 255}.{i & 255}.1, gpus: {gpus}}}" for i in range(hosts)]
+    lines += ["job:", "  mode: pserver", f"  pservers: {pservers}", "  trainers: gpu", "  entrypoint: python train.py"]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("text,data_files", [(SHAPE, ["a", "b", "c", "d", "e"]), (COLLECTIVE, None), (SINGLE, None)])
+def test_factored_json_expands_to_every_process_full_env(text, data_files):
+    plan = make_plan(parse_spec(text), data_files=data_files)
+    doc = json.loads(cli.dumps_plan(plan.to_json()))
+    assert len(doc["processes"]) == len(plan.processes)
+    for i, proc in enumerate(plan.processes):
+        assert expand_env(doc, i) == proc.env, proc.name
+    expanded = json.loads(cli.dumps_plan(plan.to_json(expand=True)))
+    assert "shared_env" not in expanded
+    assert [p["env"] for p in expanded["processes"]] == [p.env for p in plan.processes]
+    assert [expand_env(expanded, i) for i in range(len(plan.processes))] == [p.env for p in plan.processes]
+    # apart from env, the factored and the expanded processes are the same
+    assert [{**p, "env": None} for p in doc["processes"]] == [{**p, "env": None} for p in expanded["processes"]]
+
+
+def test_shared_env_holds_the_lists_and_processes_only_their_own():
+    plan = make_plan(parse_spec(SHAPE), data_files=["a", "b"])
+    doc = plan.to_json()
+    shared = doc["shared_env"]
+    assert shared["all"] == {
+        "GLOG_v": "1", "CLUSTERCTL_JOB": "big", "PADDLE_TRAINERS_NUM": "6",
+        "PADDLE_TRAINER_ENDPOINTS": ",".join(t.endpoint for t in plan.trainers),
+        "PADDLE_PSERVERS_IP_PORT_LIST": "10.0.0.1:6170,10.0.0.2:6170",
+        "CLUSTERCTL_PS_MODE": "sync", "CLUSTERCTL_PS_K_STEPS": "100",
+    }
+    assert shared["pserver"] == {"CLUSTERCTL_ROLE": "pserver", "TRAINING_ROLE": "PSERVER", "PADDLE_PORT": "6170"}
+    assert shared["trainer"] == {
+        "CLUSTERCTL_ROLE": "trainer", "TRAINING_ROLE": "TRAINER", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "6169", "FLAGS_selected_gpus": "0",
+    }
+    assert doc["processes"][5]["env"] == {
+        "POD_IP": "10.0.0.2", "PADDLE_PORT": "6181", "PADDLE_CURRENT_ENDPOINT": "10.0.0.2:6181",
+        "PADDLE_TRAINER_ID": "3", "RANK": "3", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "3",
+        "CLUSTERCTL_DATA_FILES": "",
+    }
+
+
+def test_factor_env_edge_cases():
+    assert factor_env([]) == ({}, [])
+    assert factor_env([{"A": "1"}]) == ({"A": "1"}, [{}])
+    # same name, different value: not shared; a name missing in one env: not shared
+    shared, rest = factor_env([{"A": "1", "B": "x", "C": "c"}, {"A": "2", "B": "x"}])
+    assert shared == {"B": "x"} and rest == [{"A": "1", "C": "c"}, {"A": "2"}]
+
+
+def test_cli_plan_json_expand(tmp_path, capsys):
+    spec = tmp_path / "c.yaml"
+    spec.write_text(SHAPE.replace("data: {local: shards}\n", ""))
+    assert cli.main(["plan", str(spec), "--json"]) == 0
+    factored = json.loads(capsys.readouterr().out)
+    assert cli.main(["plan", str(spec), "--json", "--expand"]) == 0
+    expanded = json.loads(capsys.readouterr().out)
+    assert [expand_env(factored, i) for i in range(8)] == [p["env"] for p in expanded["processes"]]
+    assert expanded["processes"][7]["env"]["PADDLE_TRAINER_ENDPOINTS"].count(",") == 5
+
+
+def test_job_files_state_shared_env_once_and_the_agent_rebuilds_each_env():
+    plan = make_plan(parse_spec(SHAPE), data_files=["a", "b", "c"])
+    files = job_files(plan, {h: "/home/u" for h in plan.hosts}, "t" * 32)
+    trainer_eps = plan.trainers[0].env["PADDLE_TRAINER_ENDPOINTS"]
+    for host, raw in files.items():
+        text = json.dumps(raw)
+        assert text.count(trainer_eps) == 1, host  # once per host, not once per process
+        job = agent.validate_job(json.loads(text), "job.json")
+        assert [(p["role"], p["id"], p["env"]) for p in job["processes"]] == [
+            (p.role, p.id, p.env) for p in plan.on_host(host)
+        ]
+
+
+def test_agent_rejects_a_bad_shared_env():
+    raw = {"job": "j", "env": {"A=B": "1"}, "processes": []}
+    with pytest.raises(agent.InputError, match=r"job.json: env: must be an object of string to string"):
+        agent.validate_job(raw, "job.json")
+    raw = {"job": "j", "env": {"CLUSTERCTL_JOB": "other"},
+           "processes": [{"role": "trainer", "id": 0, "argv": ["x"], "cwd": "/", "log": "/tmp/x.log"}]}
+    with pytest.raises(agent.InputError, match=r"processes\[0\].env.CLUSTERCTL_JOB: 'other' differs from job 'j'"):
+        agent.validate_job(raw, "job.json")
+
+
+@pytest.mark.timeout(60)
+def test_launched_process_gets_shared_and_own_env(tmp_path):
+    """A real agent launch: the process's /proc/PID/environ has the job file's shared env and its own."""
+    job_id = "fact-" + uuid.uuid4().hex[:8]
+    jobdir = tmp_path / job_id
+    jobdir.mkdir()
+    job = {"job": job_id, "host": "h", "grace": 1, "env": {"SHARED_LIST": "a:1,b:2", "OVERRIDDEN": "shared"},
+           "processes": [{"role": "trainer", "id": 0, "argv": [sys.executable, "-c", "import time; time.sleep(60)"],
+                          "env": {"OWN": "0", "OVERRIDDEN": "own"}, "cwd": str(tmp_path), "log": str(tmp_path / "t.log")}]}
+    (jobdir / "job.json").write_text(json.dumps(job))
+    agent_py = agent.__file__
+    res = subprocess.run([sys.executable, agent_py, "launch", str(jobdir / "job.json")], capture_output=True, timeout=30)
+    out = json.loads(res.stdout.decode().strip().splitlines()[-1])
+    try:
+        assert res.returncode == 0 and out["ok"], out
+        pid = out["pids"]["trainer.0"]
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(e.decode().split("=", 1) for e in f.read().split(b"\0") if e)
+        assert (env["SHARED_LIST"], env["OWN"], env["OVERRIDDEN"], env["CLUSTERCTL_JOB"]) == ("a:1,b:2", "0", "own", job_id)
+    finally:
+        subprocess.run([sys.executable, agent_py, "stop", str(jobdir), "--grace", "0"], capture_output=True, timeout=30)
+        if out.get("pids"):
+            for p in out["pids"].values():
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def test_ten_thousand_processes_plan_quickly_and_compactly():
+    """1,250 hosts x 8 GPUs, 16 pservers: a sanity bound (CPU seconds), not a benchmark (benchmarks/plan_scale.py)."""
+    text = scale_spec(1250)
+    t0 = time.process_time()
+    plan = make_plan(parse_spec(text))
+    doc = cli.dumps_plan(plan.to_json())
+    files = job_files(plan, {h: "/home/u" for h in plan.hosts}, "t" * 32)
+    one_file = json.dumps(files[plan.hosts[-1]])
+    cpu = time.process_time() - t0
+    assert (len(plan.trainers), len(plan.pservers)) == (10000, 16)
+    assert cpu < 5.0, f"{cpu:.1f} s of CPU for a 10,000-process plan"
+    trainer_list = plan.trainers[0].env["PADDLE_TRAINER_ENDPOINTS"]
+    assert len(trainer_list) > 140_000
+    assert doc.count(trainer_list) == 1 and len(doc) < 8_000_000, len(doc)  # 1.57 GB when every process repeated it
+    assert one_file.count(trainer_list) == 1 and len(one_file) < 2 * len(trainer_list)
+
+
+def test_plan_table_summarises_large_plans(tmp_path):
+    spec = tmp_path / "c.yaml"
+    spec.write_text(scale_spec(13, gpus=8, pservers=2))  # 106 processes
+    env = {**os.environ, "COLUMNS": "200"}
+
+    def plan_table(*extra):
+        res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "plan", str(spec), *extra],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    short, full = plan_table(), plan_table("--all")
+    assert ("13 hosts (8-9 processes each), 2 pserver(s), 104 trainer(s); showing 40 of 106 processes: "
+            "--all lists every one") in " ".join(short.split())
+    assert "66 more" in short and "10.0.12.1:6187" in short and "10.0.5.1:6180" not in short
+    assert "showing" not in full and all(f"10.0.{i}.1:6187" in full for i in range(13))
