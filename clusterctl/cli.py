@@ -59,6 +59,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             escape(" ".join(p.argv)),
         )
     out.print(table)
+    hosts = Table(title="connections (as `ssh -G` resolves them)", title_justify="left")
+    for col in ("host", "user", "hostname", "port", "jump", "endpoints at"):
+        hosts.add_column(col, no_wrap=True)
+    for h in plan.hosts:
+        hosts.add_row(escape(h.address), escape(h.user), escape(h.connect_name), str(h.port),
+                      escape(",".join(h.jump)) or "-", escape(h.endpoint_address))
+    out.print(hosts)
     if plan.mpi is not None:
         out.print(f"launcher: mpi, on {escape(plan.mpi.host.label)}: {escape(' '.join(plan.mpi.argv))}")
         out.print(f"hostfile {escape(plan.mpi.hostfile_path)}:\n{escape(plan.mpi.hostfile)}", end="")
