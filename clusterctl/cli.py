@@ -87,6 +87,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{len(plan.pservers):,} pserver(s), {len(plan.trainers):,} trainer(s); showing {len(shown)} of "
             f"{len(procs):,} processes: --all lists every one, --json prints everything (env included)"
         )
+    hosts = Table(title="connections (as `ssh -G` resolves them)", title_justify="left")
+    for col in ("host", "user", "hostname", "port", "jump", "endpoints at"):
+        hosts.add_column(col, no_wrap=True)
+    listed = plan.hosts if args.all or len(plan.hosts) <= PLAN_ROWS else plan.hosts[:PLAN_ROWS]
+    for h in listed:
+        hosts.add_row(escape(h.address), escape(h.user), escape(h.connect_name), str(h.port),
+                      escape(",".join(h.jump)) or "-", escape(h.endpoint_address))
+    out.print(hosts)
+    if len(listed) < len(plan.hosts):
+        out.print(f"showing {len(listed)} of {len(plan.hosts):,} hosts: --all lists every one")
     if plan.mpi is not None:
         out.print(f"launcher: mpi, on {escape(plan.mpi.host.label)}: {escape(' '.join(plan.mpi.argv))}")
         out.print(f"hostfile {escape(plan.mpi.hostfile_path)}:\n{escape(plan.mpi.hostfile)}", end="")

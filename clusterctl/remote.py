@@ -15,6 +15,8 @@ import base64
 import hashlib
 import logging
 import os
+import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -67,29 +69,42 @@ Stdin = bytes | Callable[[Host], Iterable[bytes]] | None
 
 @dataclass(frozen=True)
 class SshOptions:
-    """How to connect: identity, host-key policy and timeouts. Paths are already resolved."""
+    """How to connect: ssh config, identity, host-key policy and timeouts. Paths are already resolved.
+
+    None means "what the user's ssh config says" (config: ssh's default files; known_hosts: its
+    UserKnownHostsFile, by default ~/.ssh/known_hosts)."""
 
     identity_file: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
+    known_hosts: str | None = None
     host_key_policy: str = "strict"  # strict | accept-new | off
     connect_timeout: float = 10.0
     keepalive: int = 15
     forward_agent: bool = False
     persist: int = 0  # seconds an idle OpenSSH connection stays open for the next command (0: none)
+    config: str | None = "none"  # None: ssh's default config files; "none": none; else a path
 
     @classmethod
     def from_spec(cls, spec) -> "SshOptions":
         """Options from a ClusterSpec, resolving its paths against the spec file's directory."""
+        from .sshconfig import config_path
+
         ssh = spec.ssh
         return cls(
             identity_file=str(spec.local_path(ssh.identity_file)) if ssh.identity_file else None,
-            known_hosts=str(spec.local_path(ssh.known_hosts)),
+            known_hosts=str(spec.local_path(ssh.known_hosts)) if ssh.known_hosts else None,
             host_key_policy=ssh.host_key_policy,
             connect_timeout=ssh.connect_timeout,
             keepalive=ssh.keepalive,
             forward_agent=ssh.forward_agent,
             persist=ssh.persist,
+            config=config_path(spec),
         )
+
+    def known_hosts_for(self, host: Host) -> str:
+        """The known_hosts file checked for `host`: the spec's, else the first one its ssh config names."""
+        if self.known_hosts:
+            return os.path.expanduser(self.known_hosts)
+        return os.path.expanduser("~/.ssh/known_hosts")
 
 
 @dataclass(frozen=True)
@@ -290,37 +305,66 @@ class Remote:
         alive, missed = opts.keepalive or 15, 3
         if control is not None:  # see below: a reused connection's only wait is its keepalive
             alive, missed = 1, max(2, -(-int(opts.connect_timeout) // 3))
-        argv = [
-            "ssh",
-            "-F", "/dev/null",  # like our paramiko connections: no user ssh_config surprises
-            "-T",  # no terminal
-            "-o", "BatchMode=yes",  # never prompt
-            "-o", "StrictHostKeyChecking=yes",  # accept-new keys were recorded by paramiko just before
-            "-o", f"UserKnownHostsFile={os.path.expanduser(opts.known_hosts)}",
-            "-o", "GlobalKnownHostsFile=/dev/null",
-            "-o", f"ConnectTimeout={max(1, int(opts.connect_timeout))}",
-            "-o", f"ServerAliveInterval={alive}",
-            "-o", f"ForwardAgent={'yes' if opts.forward_agent else 'no'}",
-            "-o", f"KexAlgorithms={_KEX}",
-            *(("-o", f"Ciphers={_CIPHERS}") if _CIPHERS else ()),
-            "-p", str(host.port),
-            "-l", host.user,
-        ]  # fmt: skip
-        if opts.identity_file:
-            argv += ["-i", os.path.expanduser(opts.identity_file), "-o", "IdentitiesOnly=yes"]
+        argv = ["ssh", *self._common_options(), "-T", "-o", f"ServerAliveInterval={alive}",
+                "-o", f"ForwardAgent={'yes' if opts.forward_agent else 'no'}"]
+        if host.jump:
+            # Each bastion is reached by an ssh of ours (ProxyCommand), not by ssh's own ProxyJump, whose
+            # hops would not get these options: host keys are checked on every hop, the same way.
+            argv += ["-o", f"ProxyCommand={self._jump_command(host.jump)}"]
+        elif host.jump_none:
+            argv += ["-o", "ProxyJump=none"]  # the spec says direct, over the ssh config's ProxyJump
         if control is not None:
             # The first command to a host leaves its connection open for `persist` idle seconds; later
             # ones, from any clusterctl process, start as a new session on it: no handshake. A host that
             # froze is given up on after `missed` one-second keepalives (a third of connect_timeout)
             # instead of holding the commands that reuse its connection; ssh then tries a new one.
-            tag = hashlib.sha256(repr((opts.identity_file, opts.known_hosts, opts.forward_agent, _KEX, _CIPHERS)).encode())
+            tag = hashlib.sha256(repr((opts.identity_file, opts.known_hosts, opts.forward_agent, opts.config,
+                                       host.jump, _KEX, _CIPHERS)).encode())
             argv += [
                 "-o", "ControlMaster=auto",
                 "-o", f"ControlPath={control}/{tag.hexdigest()[:12]}-%C",  # other options, other connection
                 "-o", f"ControlPersist={opts.persist}",
                 "-o", f"ServerAliveCountMax={missed}",
             ]  # fmt: skip
-        return argv + [host.address, command]
+        # user and port as resolved (what the spec set, else the ssh config's); `--`: an address is
+        # never read as an option
+        return argv + ["-p", str(host.port), "-l", host.user, "--", host.address, command]
+
+    def _common_options(self) -> list[str]:
+        """Options of every ssh we run, to hosts and to bastions alike."""
+        opts = self.options
+        argv = [] if opts.config is None else ["-F", opts.config]  # None: ~/.ssh/config and the system's
+        argv += [
+            "-o", "BatchMode=yes",  # never prompt
+            "-o", "StrictHostKeyChecking=yes",  # accept-new keys were recorded by paramiko just before
+            "-o", f"ConnectTimeout={max(1, int(opts.connect_timeout))}",
+            "-o", f"KexAlgorithms={_KEX}",
+            *(("-o", f"Ciphers={_CIPHERS}") if _CIPHERS else ()),
+        ]  # fmt: skip
+        if opts.known_hosts:  # else the ssh config's UserKnownHostsFile (default ~/.ssh/known_hosts)
+            argv += ["-o", f"UserKnownHostsFile={os.path.expanduser(opts.known_hosts)}",
+                     "-o", "GlobalKnownHostsFile=/dev/null"]
+        if opts.identity_file:
+            argv += ["-i", os.path.expanduser(opts.identity_file), "-o", "IdentitiesOnly=yes"]
+        return argv
+
+    def _jump_command(self, chain: tuple[str, ...]) -> str:
+        """The ProxyCommand that reaches %h:%p through `chain` (first hop first): an ssh of ours to the last
+        bastion, itself reached through the ones before it. Tokens of inner levels are escaped (%%) once
+        per level, since each ssh expands the ProxyCommand it runs."""
+        from .spec import parse_jump
+
+        command = ""
+        for level, hop in enumerate(chain):
+            user, host, port = parse_jump(hop)
+            argv = ["ssh", *self._common_options(), "-o", "ServerAliveInterval=5", "-o", "ForwardAgent=no",
+                    "-o", "ClearAllForwardings=yes"]
+            argv += ["-o", f"ProxyCommand={command}"] if command else ["-o", "ProxyJump=none"]
+            argv += [*(["-l", user] if user else []), *(["-p", str(port)] if port else []), "-W", "%h:%p", "--", host]
+            command = " ".join(shlex.quote(a) for a in argv)
+            if level < len(chain) - 1:
+                command = command.replace("%", "%%")
+        return command
 
     def _popen(self, host: Host, command: str) -> subprocess.Popen:
         return subprocess.Popen(
@@ -361,20 +405,66 @@ class Remote:
         return Result(host, command, code, out, err, time.monotonic() - start)
 
     def _ssh_failure(self, host: Host, stderr: str) -> str:
-        """One line for the OpenSSH client's own failure (exit 255), worded as our connections word it."""
+        """One line for the OpenSSH client's own failure (exit 255), worded as our connections word it;
+        behind bastions, the hop that failed is named."""
         said = [line.strip() for line in stderr.splitlines() if line.strip()]
         text = "\n".join(said)
+        changed = _changed_key(text, self.options)
+        if changed:
+            return changed
+        via = f" (through {', '.join(host.jump)})" if host.jump else ""
+        unknown = re.search(r"No (\S+) host key is known for (\S+?)(?: and|\.)", text)
+        if unknown and (host.jump or unknown.group(2) != host.connect_name):
+            known = self.options.known_hosts or "your known_hosts"
+            return (f"cannot connect to {host.label}{via}: unknown host key for {unknown.group(2)} "
+                    f"({unknown.group(1).lower()}); not in {known}. Verify it and add it (ssh-keyscan), "
+                    "or use host_key_policy: accept-new")
+        hop = re.search(r"connect to host (\S+) port (\d+): (.+)", text)
+        if host.jump and hop and hop.group(1) not in (host.connect_name, host.address):
+            return f"cannot connect to {host.label}: bastion {hop.group(1)} port {hop.group(2)}: {hop.group(3)}"
+        denied = re.search(r"(\S+)@(\S+): Permission denied \((.+)\)", text)
+        if host.jump and denied and denied.group(2) not in (host.connect_name, host.address):
+            return (f"cannot connect to {host.label}: authentication failed as {denied.group(1)}@{denied.group(2)} "
+                    f"(bastion; {denied.group(3)}); check ssh.identity_file, your ssh config or your ssh-agent")
         if "timed out" in text:  # "Connection timed out", "... during banner exchange"
-            return f"cannot connect to {host.label}: timed out after {self.options.connect_timeout:g}s"
-        for reason in ("Connection refused", "No route to host", "Network is unreachable", "Could not resolve hostname"):
+            return f"cannot connect to {host.label}{via}: timed out after {self.options.connect_timeout:g}s"
+        if "Could not resolve hostname" in text:
+            where = f" (not an alias in {self.options.config or 'your ssh config'}, nor a name DNS knows)"
+            return f"cannot connect to {host.label}{via}: Could not resolve hostname {host.connect_name}{where}"
+        for reason in ("Connection refused", "No route to host", "Network is unreachable"):
             if reason in text:
-                return f"cannot connect to {host.label}: {reason}"
-        if "Host key verification failed" in text or "Permission denied" in text:
+                return f"cannot connect to {host.label}{via}: {reason}"
+        if not host.jump and ("Host key verification failed" in text or "Permission denied" in text):
             try:  # paramiko words it precisely: both fingerprints, the known_hosts file, the user
                 self.connection(host)
             except ClusterctlError as exc:
                 return str(exc)
-        return f"connection to {host.label} lost: {said[-1] if said else 'ssh exited 255'}"
+        if host.jump and ("Connection closed" in text or "kex_exchange_identification" in text):
+            return f"cannot connect to {host.label}{via}: the bastion closed the connection ({said[-1]})"
+        return f"connection to {host.label}{via} lost: {said[-1] if said else 'ssh exited 255'}"
+
+
+def _changed_key(text: str, options: SshOptions) -> str | None:
+    """OpenSSH's changed-host-key warning as one line with both fingerprints (the offered one, and the
+    one on record, read back from the known_hosts line the warning points at); None if not that."""
+    host = re.search(r"Host key for (\S+) has changed", text)
+    offered = re.search(r"key sent by the remote host is\s+(SHA256:[A-Za-z0-9+/=]+)", text)
+    if not host or not offered:
+        return None
+    had = "another key"
+    where = options.known_hosts or "known_hosts"
+    place = re.search(r"Offending \S+ key in (.+?):(\d+)", text)
+    if place:
+        where = place.group(1)
+        try:
+            with open(place.group(1), encoding="utf-8", errors="replace") as fh:
+                line = fh.read().splitlines()[int(place.group(2)) - 1].split()
+            blob = (line[1:] if line[0].startswith("@") else line)[2]  # [@marker] hosts type key
+            had = "SHA256:" + base64.b64encode(hashlib.sha256(base64.b64decode(blob)).digest()).decode().rstrip("=")
+        except (OSError, IndexError, ValueError):
+            pass
+    return (f"host key for {host.group(1)} CHANGED: server offers {offered.group(1).rstrip('.')}, {where} has {had}. "
+            "Possible man-in-the-middle; if the host was reinstalled, remove the old key")
 
 
 _CONTROL_DIRS: dict[str, str | None] = {}
@@ -384,7 +474,9 @@ _CONTROL_FALLBACK = "/tmp/clusterctl-ssh-{uid}"  # where the cache directory's p
 def _control_dir() -> str | None:
     """Where reusable connections' sockets live: a 0700 directory of ours, its path short enough for a
     socket (108 bytes); None (no reuse) where there is none."""
-    base = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "clusterctl" / "ssh"
+    from .cache import cache_root
+
+    base = cache_root() / "ssh"
     key = str(base)
     if key not in _CONTROL_DIRS:
         found = None
