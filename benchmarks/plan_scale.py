@@ -2,7 +2,7 @@
 """Plan scale: `clusterctl validate`, `plan --json` and `plan` on a spec of H hosts x G GPUs.
 
 Writes the spec (one trainer per GPU, `pservers: P` in pserver mode, `ssh: {config: none}` so that
-no `ssh -G` runs per host), then runs each command N times in a fresh process (`python -m clusterctl.cli`)
+no `ssh -G` runs per host), then runs each command N times in a fresh process (`python -m clusterctl.cli`, from --src)
 and reports the median wall time and CPU time (user+sys), the peak RSS of the child (ru_maxrss from
 wait4) and the bytes it printed.
 
@@ -46,6 +46,16 @@ def spec_text(hosts: int, gpus: int, pservers: int, *, ssh_config_key: bool = Tr
     return "\n".join(lines)
 
 
+# `python -m clusterctl.cli` from the checkout `src`: an editable install's import hook would otherwise
+# load this checkout's clusterctl whatever PYTHONPATH says.
+_BOOT = """import runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.path.insert(0, sys.argv[1])
+sys.argv[:] = ["clusterctl", *sys.argv[2:]]
+runpy.run_module("clusterctl.cli", run_name="__main__")
+"""
+
+
 def run_once(argv: list[str], env: dict) -> tuple[float, float, int, int]:
     """Run `argv`; return (wall s, CPU s (user+sys), peak RSS bytes of the child, bytes it printed)."""
     t0 = time.perf_counter()
@@ -82,7 +92,7 @@ def main() -> int:
         Path(args.write_spec).write_text(text)
         return 0
     src = Path(args.src).resolve() if args.src else ROOT
-    env = {**os.environ, "PYTHONPATH": str(src), "COLUMNS": "200"}
+    env = {**os.environ, "COLUMNS": "200"}
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "scale.yaml"
         spec.write_text(text)
@@ -91,7 +101,7 @@ def main() -> int:
         print(f"{'command':<28} {'wall s':>7} {'(min-max)':>11} {'CPU s':>6} {'peak RSS MB':>12} {'stdout bytes':>14}")
         for cmd in args.commands.split(","):
             sub = cmd.split()
-            argv = [sys.executable, "-m", "clusterctl.cli", sub[0], str(spec), *sub[1:]]
+            argv = [sys.executable, "-c", _BOOT, str(src), sub[0], str(spec), *sub[1:]]
             runs = [run_once(argv, env) for _ in range(args.repeat)]
             walls = [r[0] for r in runs]
             print(f"clusterctl {cmd:<17} {statistics.median(walls):>7.2f} {min(walls):>5.2f}-{max(walls):<5.2f} "

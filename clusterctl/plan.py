@@ -95,8 +95,8 @@ class Process:
         """The process's own port (from its endpoint)."""
         return int(self.endpoint.rsplit(":", 1)[1])
 
-    def to_json(self) -> dict:
-        """The JSON shape printed by `clusterctl plan --json`."""
+    def to_json(self, *, env: dict[str, str] | None = None) -> dict:
+        """The JSON shape printed by `clusterctl plan --json`; `env` replaces the process's full env."""
         return {
             "host": self.host.address,
             "role": self.role,
@@ -105,7 +105,7 @@ class Process:
             "local_rank": self.local_rank,
             "endpoint": self.endpoint,
             "gpus": list(self.gpus),
-            "env": dict(self.env),
+            "env": dict(self.env) if env is None else env,
             "argv": list(self.argv),
         }
 
@@ -173,19 +173,18 @@ class JobPlan:
         what every process of that role has besides, and each process's `env` the rest;
         `expand_env(doc, i)` puts process i's full env back together.
         """
-        procs = [p.to_json() for p in self.processes]
         out: dict = {"job": self.job, "mode": self.mode, "hosts": [h.to_json() for h in self.hosts]}
-        if not expand:
-            shared_all, _ = factor_env([p.env for p in self.processes])
-            shared = {"all": shared_all}
-            for role in ("pserver", "trainer"):
-                role_envs = [p.env for p in self.processes if p.role == role]
-                if role_envs:
-                    role_shared, _ = factor_env(role_envs)
-                    shared[role] = {k: v for k, v in role_shared.items() if k not in shared_all}
-            for doc in procs:
-                skip = shared[doc["role"]]
-                doc["env"] = {k: v for k, v in doc["env"].items() if k not in shared_all and k not in skip}
+        if expand:
+            procs = [p.to_json() for p in self.processes]
+        else:
+            # an item every process has is one that every process of each role has
+            by_role = {role: factor_env([p.env for p in self.processes if p.role == role])[0]
+                       for role in ("pserver", "trainer") if any(p.role == role for p in self.processes)}
+            shared_all = dict(functools.reduce(lambda a, b: a & b, (d.items() for d in by_role.values())))
+            shared = {"all": {k: v for k, v in next(iter(by_role.values())).items() if k in shared_all}}
+            shared.update({role: {k: v for k, v in d.items() if k not in shared_all} for role, d in by_role.items()})
+            procs = [p.to_json(env={k: v for k, v in p.env.items() if k not in shared[p.role] and k not in shared_all})
+                     for p in self.processes]
             out["shared_env"] = shared
         out["processes"] = procs
         if self.mpi is not None:
