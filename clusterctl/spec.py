@@ -25,6 +25,7 @@ __all__ = [
     "WorkspaceSpec",
     "DataSpec",
     "PortsSpec",
+    "KubernetesSpec",
     "load_spec",
     "parse_spec",
     "parse_hostfile",
@@ -271,6 +272,56 @@ class JobSpec(_Model):
         return v
 
 
+K8S_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")  # an RFC 1123 label (object names, namespaces)
+
+
+class KubernetesVolumeSpec(_Model):
+    """The workspace volume of every pod: a PersistentVolumeClaim or a directory of the node (hostPath)."""
+
+    pvc: str | None = None
+    host_path: str | None = None
+    mount_path: str = "/workspace"
+    sub_path: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "KubernetesVolumeSpec":
+        if (self.pvc is None) == (self.host_path is None):
+            raise ValueError("give exactly one of pvc (a PersistentVolumeClaim's name) or host_path")
+        return self
+
+
+class KubernetesSpec(_Model):
+    """`clusterctl k8s render`: one pod per process, from an image (docs/kubernetes.md)."""
+
+    image: str = Field(min_length=1)
+    namespace: str = "default"
+    name: str | None = None  # object names' prefix; default: the spec's name, lowercased, '_' and '.' as '-'
+    workspace: KubernetesVolumeSpec | None = None  # None: the code is in the image
+    working_dir: str | None = None  # default: workspace.mount_path, else the image's
+    gpus_per_trainer: int | None = Field(None, ge=0, le=64)  # default: the plan's GPUs per trainer
+    gpu_resource: str = "nvidia.com/gpu"
+    resources: dict[Literal["pserver", "trainer"], dict[Literal["requests", "limits"], dict[str, str]]] = {}
+    node_selector: dict[str, str] = {}
+    service_account: str | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+
+    @field_validator("namespace", "name")
+    @classmethod
+    def _k8s_name(cls, v: str | None) -> str | None:
+        if v is not None and not (len(v) <= 63 and K8S_NAME_RE.match(v)):
+            raise ValueError(f"{v!r} is not a Kubernetes name (lowercase letters, digits and '-', at most 63)")
+        return v
+
+    @field_validator("resources", mode="before")
+    @classmethod
+    def _quantities(cls, v: Any) -> Any:  # YAML `cpu: 4` is the quantity "4"
+        if isinstance(v, dict):
+            return {r: {k: {n: _scalar_str(q) for n, q in qs.items()} if isinstance(qs, dict) else qs
+                        for k, qs in kinds.items()} if isinstance(kinds, dict) else kinds for r, kinds in v.items()}
+        return v
+
+
 class ClusterSpec(_Model):
     """A whole cluster spec. `source` is the file it came from (for messages and relative paths)."""
 
@@ -284,6 +335,7 @@ class ClusterSpec(_Model):
     # A ProvisionSpec, validated by parse_spec: its schema is built (and its ~70 ms paid) only by specs
     # that have a provision: section.
     provision: Any = None
+    kubernetes: KubernetesSpec | None = None
     source: str = Field("<spec>", exclude=True)
 
     @field_validator("name")

@@ -1,0 +1,315 @@
+"""`clusterctl k8s render`: manifests checked against the Kubernetes OpenAPI schemas (offline, with
+kubernetes-validate), and the environment each pod would get compared with the plan's over SSH."""
+
+import copy
+import subprocess
+import sys
+import time
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from clusterctl import k8s
+from clusterctl.errors import SpecError
+from clusterctl.plan import make_plan
+from clusterctl.spec import parse_spec
+
+# the oldest release with every field used (backoffLimitPerIndex: 1.28 alpha, 1.29 beta) and the newest shipped
+VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+
+PSERVER = """\
+name: Fit_a.line
+hosts:
+  - {address: 10.0.0.1, gpus: 2}
+  - {address: 10.0.0.2, gpus: [2, 3]}
+  - {address: 10.0.0.3, gpus: 2}
+job:
+  mode: pserver
+  entrypoint: [python3, train.py]
+  args: ["{role}", "--id={id}", "--ep={current_endpoint}", "--ps={pserver_endpoints}", "{trainers}", "{host}",
+         "{{literal}}", "$HOME", "$(NOT_A_REF)"]
+  pservers: 2
+  trainers: gpu
+  sync: geo
+  k_steps: 8
+  env: {GLOG_v: 1, PRICE: "$(cheap) $$5"}
+  ports: {pserver: 7000, trainer: 7100, master: 7200}
+kubernetes:
+  image: registry.example.com/fit:1.0
+  namespace: ml
+  workspace: {pvc: fit-ws, sub_path: runs/a}
+  resources: {trainer: {requests: {cpu: 4, memory: 16Gi}}, pserver: {limits: {memory: 8Gi}}}
+  node_selector: {pool: gpu}
+  service_account: trainer
+  image_pull_policy: IfNotPresent
+  image_pull_secrets: [regcred]
+"""
+
+COLLECTIVE = """\
+name: mlp
+hosts: [{address: a}, {address: b, slots: 3}]
+job: {entrypoint: [python3, mlp.py], trainers: 2, on_failure: continue, grace: 2.5}
+kubernetes: {image: "python:3.12", workspace: {host_path: /srv/mlp, mount_path: /code}}
+"""
+
+
+def rendered(text):
+    spec = parse_spec(text)
+    docs = k8s.render(spec)
+    # what kubectl would read: the YAML text, not the dicts
+    return spec, list(yaml.safe_load_all(k8s.dump(docs)))
+
+
+def by_kind(docs):
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+@pytest.mark.parametrize("text", [PSERVER, COLLECTIVE], ids=["pserver", "collective"])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_manifests_are_valid_kubernetes_objects(text, version):
+    _, docs = rendered(text)
+    assert [d["kind"] for d in docs] == ["Service"] + ["Job"] * (len(docs) - 1)
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError
+
+
+def test_the_validator_rejects_a_broken_job():
+    """The schema check above can fail: a misspelt key, a wrong type and a missing image are caught."""
+    _, docs = rendered(PSERVER)
+    job = docs[2]
+    bad = copy.deepcopy(job)
+    bad["spec"]["completion"] = bad["spec"].pop("completions")
+    with pytest.raises(kubernetes_validate.ValidationError, match="completion"):
+        kubernetes_validate.validate(bad, VERSIONS[-1], strict=True)
+    bad = copy.deepcopy(job)
+    bad["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "seven thousand"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, VERSIONS[-1], strict=True)
+    bad = copy.deepcopy(job)
+    del bad["spec"]["template"]["spec"]["containers"][0]["name"]
+    with pytest.raises(kubernetes_validate.ValidationError, match="name"):
+        kubernetes_validate.validate(bad, VERSIONS[-1], strict=True)
+
+
+def test_service_and_jobs_shape():
+    _, docs = rendered(PSERVER)
+    objs = by_kind(docs)
+    svc = objs["Service", "fit-a-line"]
+    assert svc["metadata"]["namespace"] == "ml"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {"clusterctl.io/job": "fit-a-line"}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"trainer": 7100, "master": 7200, "pserver": 7000}
+    for role, count in (("pserver", 2), ("trainer", 6)):
+        job = objs["Job", f"fit-a-line-{role}"]
+        spec = job["spec"]
+        assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", count, count, 0)
+        pod = spec["template"]["spec"]
+        assert spec["template"]["metadata"]["labels"] == {"clusterctl.io/job": "fit-a-line", "clusterctl.io/role": role}
+        assert (pod["subdomain"], pod["restartPolicy"], pod["enableServiceLinks"]) == ("fit-a-line", "Never", False)
+        assert pod["volumes"] == [{"name": "workspace", "persistentVolumeClaim": {"claimName": "fit-ws"}}]
+        assert (pod["nodeSelector"], pod["serviceAccountName"], pod["imagePullSecrets"]) == ({"pool": "gpu"}, "trainer", [{"name": "regcred"}])
+        c = pod["containers"][0]
+        assert (c["image"], c["imagePullPolicy"], c["workingDir"]) == ("registry.example.com/fit:1.0", "IfNotPresent", "/workspace")
+        assert c["volumeMounts"] == [{"name": "workspace", "mountPath": "/workspace", "subPath": "runs/a"}]
+        assert c["command"] == ["python3", "train.py"]
+    trainer = objs["Job", "fit-a-line-trainer"]["spec"]["template"]["spec"]["containers"][0]
+    assert trainer["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"nvidia.com/gpu": "1"}}
+    assert trainer["ports"] == [{"name": "trainer", "containerPort": 7100}, {"name": "master", "containerPort": 7200}]
+    pserver = objs["Job", "fit-a-line-pserver"]["spec"]["template"]["spec"]["containers"][0]
+    assert pserver["resources"] == {"limits": {"memory": "8Gi"}}
+
+
+def test_on_failure_continue_and_host_path():
+    _, docs = rendered(COLLECTIVE)
+    assert len(docs) == 2  # no pservers: no pserver Job, no pserver port
+    job = docs[1]
+    assert job["spec"]["backoffLimitPerIndex"] == 0 and job["spec"]["maxFailedIndexes"] == 5
+    assert "backoffLimit" not in job["spec"]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 3
+    assert pod["volumes"] == [{"name": "workspace", "hostPath": {"path": "/srv/mlp", "type": "Directory"}}]
+    assert pod["containers"][0]["workingDir"] == "/code" and "resources" not in pod["containers"][0]
+    assert [p["name"] for p in docs[0]["spec"]["ports"]] == ["trainer", "master"]
+
+
+def _as_on_kubernetes(spec, plan, name, env, role):
+    """The plan's env for one process, with what necessarily differs on Kubernetes mapped: endpoints are
+    the pods' DNS names on the base ports, one process per pod (local rank 0 of 1), GPUs renumbered."""
+    base = {"trainer": spec.job.ports.trainer, "pserver": spec.job.ports.pserver}
+    dns = {p.endpoint: f"{name}-{p.role}-{p.id}.{name}:{base[p.role]}" for p in plan.processes}
+    out = dict(env)
+    for key in ("PADDLE_TRAINER_ENDPOINTS", "PADDLE_PSERVERS_IP_PORT_LIST"):
+        if key in out:
+            out[key] = ",".join(dns[e] for e in out[key].split(","))
+    own = dns[out["PADDLE_CURRENT_ENDPOINT"]]
+    out.update(POD_IP=own.rsplit(":", 1)[0], PADDLE_PORT=own.rsplit(":", 1)[1], PADDLE_CURRENT_ENDPOINT=own)
+    if role == "trainer":
+        out.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR=f"{name}-trainer-0.{name}")
+        if "CUDA_VISIBLE_DEVICES" in out:
+            out["CUDA_VISIBLE_DEVICES"] = out["FLAGS_selected_gpus"]
+    return out
+
+
+@pytest.mark.parametrize("text", [PSERVER, COLLECTIVE], ids=["pserver", "collective"])
+def test_every_pod_gets_the_plans_env_contract(text):
+    spec, docs = rendered(text)
+    plan = make_plan(spec)
+    name = k8s.object_name(spec)
+    objs = by_kind(docs)
+    for proc in plan.processes:
+        job = objs["Job", f"{name}-{proc.role}"]
+        got = k8s.pod_env(job, proc.id)
+        assert got.pop("JOB_COMPLETION_INDEX") == str(proc.id)
+        assert got == _as_on_kubernetes(spec, plan, name, proc.env, proc.role), proc.name
+
+
+def test_pod_env_spelled_out_for_one_trainer_and_one_pserver():
+    """The mapping above is not the only check: the values a Paddle or PyTorch script reads, literally."""
+    _, docs = rendered(PSERVER)
+    objs = by_kind(docs)
+    t3 = k8s.pod_env(objs["Job", "fit-a-line-trainer"], 3)
+    assert {k: t3[k] for k in ("PADDLE_TRAINER_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "POD_IP", "PADDLE_CURRENT_ENDPOINT",
+                               "MASTER_ADDR", "MASTER_PORT", "TRAINING_ROLE", "CUDA_VISIBLE_DEVICES", "CLUSTERCTL_JOB")} == {
+        "PADDLE_TRAINER_ID": "3", "RANK": "3", "WORLD_SIZE": "6", "LOCAL_RANK": "0",
+        "POD_IP": "fit-a-line-trainer-3.fit-a-line", "PADDLE_CURRENT_ENDPOINT": "fit-a-line-trainer-3.fit-a-line:7100",
+        "MASTER_ADDR": "fit-a-line-trainer-0.fit-a-line", "MASTER_PORT": "7200", "TRAINING_ROLE": "TRAINER",
+        "CUDA_VISIBLE_DEVICES": "0", "CLUSTERCTL_JOB": "Fit_a.line",
+    }
+    assert t3["PADDLE_PSERVERS_IP_PORT_LIST"] == "fit-a-line-pserver-0.fit-a-line:7000,fit-a-line-pserver-1.fit-a-line:7000"
+    assert t3["PRICE"] == "$(cheap) $$5"  # the user's text, not expanded
+    p1 = k8s.pod_env(objs["Job", "fit-a-line-pserver"], 1)
+    assert (p1["PADDLE_PSERVER_ID"], p1["POD_IP"], p1["PADDLE_PORT"]) == ("1", "fit-a-line-pserver-1.fit-a-line", "7000")
+    # Paddle's role maker finds a pserver's id as the index of POD_IP:PADDLE_PORT in the list
+    assert p1["PADDLE_PSERVERS_IP_PORT_LIST"].split(",").index(f"{p1['POD_IP']}:{p1['PADDLE_PORT']}") == 1
+
+
+def test_pod_argv_matches_the_plans_argv():
+    spec, docs = rendered(PSERVER)
+    plan = make_plan(spec)
+    objs = by_kind(docs)
+    t4 = k8s.pod_argv(objs["Job", "fit-a-line-trainer"], 4)
+    assert t4 == [
+        "python3", "train.py", "trainer", "--id=4", "--ep=fit-a-line-trainer-4.fit-a-line:7100",
+        "--ps=fit-a-line-pserver-0.fit-a-line:7000,fit-a-line-pserver-1.fit-a-line:7000", "6",
+        "fit-a-line-trainer-4.fit-a-line", "{literal}", "$HOME", "$(NOT_A_REF)",
+    ]
+    ssh = plan.trainers[4].argv
+    assert (ssh[2], ssh[3], ssh[6], ssh[8:]) == (t4[2], t4[3], t4[6], tuple(t4[8:]))  # same where nothing is host-bound
+    p0 = k8s.pod_argv(objs["Job", "fit-a-line-pserver"], 0)
+    assert p0[2:5] == ["pserver", "--id=0", "--ep=fit-a-line-pserver-0.fit-a-line:7000"]
+
+
+@pytest.mark.parametrize("text,env,want", [
+    ("plain", {}, "plain"),
+    ("$$", {}, "$"),
+    ("a$$(B)c", {"B": "x"}, "a$(B)c"),
+    ("$(B)", {"B": "x"}, "x"),
+    ("$(B)$(B)", {"B": "x"}, "xx"),
+    ("$(MISSING)", {}, "$(MISSING)"),
+    ("$(unterminated", {"unterminated": "x"}, "$(unterminated"),
+    ("$x and $", {}, "$x and $"),
+    ("$$$$", {}, "$$"),
+    ("$$$(B)", {"B": "x"}, "$x"),
+])
+def test_expand_follows_kubernetes_rules(text, env, want):
+    assert k8s.expand(text, env) == want
+
+
+def test_pod_env_only_sees_variables_listed_before():
+    job = {"metadata": {"name": "j"}, "spec": {"template": {"spec": {"containers": [{"env": [
+        {"name": "A", "value": "$(B)-a"},
+        {"name": "B", "value": "b"},
+        {"name": "C", "value": "$(B)-$(A)-$(JOB_COMPLETION_INDEX)"},
+    ]}]}}}}
+    assert k8s.pod_env(job, 2) == {"A": "$(B)-a", "B": "b", "C": "b-$(B)-a-$(JOB_COMPLETION_INDEX)", "JOB_COMPLETION_INDEX": "2"}
+
+
+@pytest.mark.parametrize("patch,where,message", [
+    (lambda t: t.split("kubernetes:")[0], "kubernetes", "the spec has no kubernetes: section"),
+    (lambda t: t.replace("job: {", "job: {launcher: mpi, "), "job.launcher", "launcher: mpi is not rendered for Kubernetes"),
+    (lambda t: t.replace("kubernetes: {", "kubernetes: {name: " + "x" * 60 + ", "), "kubernetes.name",
+     "must be 1-63 characters; set a shorter kubernetes.name"),
+    (lambda t: t.replace("{address: a}", "{address: a, gpus: 2}").replace("{address: b, slots: 3}", "{address: b, slots: 3, gpus: 6}"),
+     "kubernetes", "the plan gives trainers 1 or 2 GPUs"),
+])
+def test_render_errors_name_the_key(tmp_path, patch, where, message):
+    path = tmp_path / "c.yaml"
+    text = patch(COLLECTIVE)
+    path.write_text(text)
+    from clusterctl.spec import load_spec
+
+    with pytest.raises(SpecError) as info:
+        k8s.render(load_spec(path))
+    (problem,) = info.value.problems
+    assert problem.path == where and message in problem.message, problem
+    assert str(problem).startswith(f"{path}:{problem.line}:")
+
+
+@pytest.mark.parametrize("kube,message", [
+    ("{image: x, namespace: ML}", "kubernetes.namespace: 'ML' is not a Kubernetes name"),
+    ("{image: x, workspace: {pvc: a, host_path: /b}}", "kubernetes.workspace: give exactly one of pvc"),
+    ("{image: x, workspace: {}}", "kubernetes.workspace: give exactly one of pvc"),
+    ("{namespace: a}", "kubernetes.image: required key is missing"),
+    ("{image: x, gpu: 2}", "kubernetes.gpu: unknown key"),
+    ("{image: x, resources: {worker: {requests: {cpu: 1}}}}", "kubernetes.resources.worker"),
+])
+def test_kubernetes_section_is_validated_with_the_spec(kube, message):
+    with pytest.raises(SpecError) as info:
+        parse_spec(COLLECTIVE.split("kubernetes:")[0] + f"kubernetes: {kube}\n")
+    assert any(message in str(p) for p in info.value.problems), [str(p) for p in info.value.problems]
+
+
+def test_gpus_per_trainer_overrides_a_mixed_plan():
+    text = COLLECTIVE.replace("{address: a}", "{address: a, gpus: 2}").replace(
+        "{address: b, slots: 3}", "{address: b, slots: 3, gpus: 6}").replace("kubernetes: {", "kubernetes: {gpus_per_trainer: 2, ")
+    _, docs = rendered(text)
+    c = docs[1]["spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"] == {"limits": {"nvidia.com/gpu": "2"}}
+    assert k8s.pod_env(docs[1], 0)["FLAGS_selected_gpus"] == "0,1"
+
+
+def test_cli_render_writes_the_file_and_says_how_to_apply(tmp_path):
+    spec = tmp_path / "c.yaml"
+    spec.write_text(PSERVER)
+    out_dir = tmp_path / "manifests"
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "k8s", "render", str(spec), "-o", str(out_dir)],
+                         capture_output=True, text=True, timeout=60, env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr
+    written = out_dir / "fit-a-line.yaml"
+    docs = list(yaml.safe_load_all(written.read_text()))
+    assert [d["metadata"]["name"] for d in docs] == ["fit-a-line", "fit-a-line-pserver", "fit-a-line-trainer"]
+    lines = [ln.strip() for ln in res.stdout.splitlines()]
+    assert lines == [
+        f"wrote {written}: Service fit-a-line (headless), Job fit-a-line-pserver (2 pods), Job fit-a-line-trainer (6 pods)",
+        f"apply:  kubectl apply -f {written}",
+        "watch:  kubectl get pods -n ml -l clusterctl.io/job=fit-a-line -w",
+        "logs:   kubectl logs -n ml -f -l clusterctl.io/job=fit-a-line --prefix --max-log-requests 8",
+        "wait:   kubectl wait -n ml --for=condition=complete job/fit-a-line-trainer --timeout=24h",
+        "delete: kubectl delete -n ml service,job -l clusterctl.io/job=fit-a-line",
+    ]
+    # without -o: the manifests alone on stdout (pipe them to kubectl), the rest on stderr
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "k8s", "render", str(spec)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and list(yaml.safe_load_all(res.stdout)) == docs
+    assert f"clusterctl k8s render {spec} | kubectl apply -f -" in res.stderr
+
+
+def test_cli_render_bad_spec_is_one_line_and_exit_2(tmp_path):
+    spec = tmp_path / "c.yaml"
+    spec.write_text(COLLECTIVE.split("kubernetes:")[0])
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "k8s", "render", str(spec)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip() == f"{spec}:1:1: kubernetes: the spec has no kubernetes: section (at least kubernetes.image)"
+
+
+def test_ten_thousand_trainers_render_quickly():
+    """1,250 hosts x 8 GPUs: two Jobs whatever the count (no per-pod objects); a sanity bound in CPU seconds."""
+    lines = ["name: scale", "hosts:"] + [f"  - {{address: 10.{i >> 8}.{i & 255}.1, gpus: 8}}" for i in range(1250)]
+    lines += ["job: {mode: pserver, pservers: 16, trainers: gpu, entrypoint: [python3, train.py]}", "kubernetes: {image: x}"]
+    t0 = time.process_time()
+    docs = k8s.render(parse_spec("\n".join(lines) + "\n"))
+    text = k8s.dump(docs)
+    assert time.process_time() - t0 < 5.0
+    assert [d["spec"].get("completions") for d in docs] == [None, 16, 10000]
+    assert len(text) < 1_000_000  # the endpoint list twice (one per Job), nothing per pod
+    assert k8s.pod_env(docs[2], 9999)["PADDLE_CURRENT_ENDPOINT"] == "scale-trainer-9999.scale:6180"
