@@ -33,6 +33,28 @@ LABEL_JOB = "clusterctl.io/job"
 LABEL_ROLE = "clusterctl.io/role"
 _ID_VAR = {"trainer": "PADDLE_TRAINER_ID", "pserver": "PADDLE_PSERVER_ID"}
 
+# The init container's program (python3 of the job's image): wait until every name in argv[1] (comma
+# separated) resolves and every HOST:PORT in argv[2] accepts a TCP connection, for at most argv[3]
+# seconds. A pod's DNS name exists only once the pod has an IP; what the SSH agent does with
+# start_trainers_after (trainers start once the pservers listen) is this container's job here.
+WAIT_SCRIPT = """\
+import socket, sys, time
+names, eps = [n for n in sys.argv[1].split(",") if n], [e for e in sys.argv[2].split(",") if e]
+deadline = time.monotonic() + float(sys.argv[3])
+while True:
+    try:
+        for n in names:
+            socket.getaddrinfo(n, None)
+        for e in eps:
+            h, p = e.rsplit(":", 1)
+            socket.create_connection((h, int(p)), timeout=2).close()
+        break
+    except OSError as exc:
+        if time.monotonic() > deadline:
+            sys.exit("clusterctl: gave up after %ss waiting for %s: %s" % (sys.argv[3], sys.argv[1:3], exc))
+        time.sleep(1)
+"""
+
 
 def object_name(spec: ClusterSpec) -> str:
     """The prefix of every object's name: `kubernetes.name`, else the spec's name as a DNS label."""
@@ -72,7 +94,7 @@ def render(spec: ClusterSpec) -> list[dict]:
               "job": spec.name, "local_rank": "0"}
     docs: list[dict] = [_service(spec, name, pservers > 0)]
     if pservers:
-        docs.append(_job(spec, name, "pserver", pservers, ports.pserver, common, [], 0, values))
+        docs.append(_job(spec, name, "pserver", pservers, ports.pserver, common, [], 0, values, ""))
     trainer_env = [  # as written in the manifest: references, or literals with no '$'
         ("RANK", "$(PADDLE_TRAINER_ID)"),
         ("WORLD_SIZE", str(trainers)),
@@ -85,7 +107,7 @@ def render(spec: ClusterSpec) -> list[dict]:
         # the device plugin gives the container its GPUs only, numbered from 0
         visible = ",".join(str(i) for i in range(gpus))
         trainer_env += [("CUDA_VISIBLE_DEVICES", visible), ("FLAGS_selected_gpus", visible)]
-    docs.append(_job(spec, name, "trainer", trainers, ports.trainer, common, trainer_env, gpus, values))
+    docs.append(_job(spec, name, "trainer", trainers, ports.trainer, common, trainer_env, gpus, values, pserver_eps))
     return docs
 
 
@@ -117,17 +139,21 @@ def _service(spec: ClusterSpec, name: str, with_pservers: bool) -> dict:
     }
 
 
-def _job(spec: ClusterSpec, name: str, role: str, count: int, port: int, common, role_env, gpus: int, values) -> dict:
+def _job(spec: ClusterSpec, name: str, role: str, count: int, port: int, common, role_env, gpus: int, values,
+         wait_for: str) -> dict:
     k, job = spec.kubernetes, spec.job
     id_var = _ID_VAR[role]
+    own = [  # the pod's id (its completion index), and its name: the endpoint's host, as in the plan
+        # (Paddle finds a pserver's id by POD_IP:PADDLE_PORT in PADDLE_PSERVERS_IP_PORT_LIST)
+        {"name": id_var, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
+        {"name": "POD_IP", "value": f"{name}-{role}-$({id_var}).{name}"},
+    ]
     env = [{"name": n, "value": _escape(v)} for n, v in job.env.items()]
     env += [
         {"name": "CLUSTERCTL_JOB", "value": _escape(spec.name)},
         {"name": "CLUSTERCTL_ROLE", "value": role},
         {"name": "TRAINING_ROLE", "value": role.upper()},
-        {"name": id_var, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
-        # the endpoint's host, as in the plan (Paddle finds a pserver's id by POD_IP:PADDLE_PORT in the list)
-        {"name": "POD_IP", "value": f"{name}-{role}-$({id_var}).{name}"},
+        *own,
         {"name": "PADDLE_PORT", "value": str(port)},
         {"name": "PADDLE_CURRENT_ENDPOINT", "value": f"$(POD_IP):{port}"},
     ]
@@ -161,6 +187,16 @@ def _job(spec: ClusterSpec, name: str, role: str, count: int, port: int, common,
         "terminationGracePeriodSeconds": math.ceil(job.grace),
         "containers": [container],
     }
+    if k.wait_timeout:
+        names = "$(POD_IP)" + (f",{name}-trainer-0.{name}" if role == "trainer" else "")  # own name, the master's
+        pod["initContainers"] = [{
+            "name": "wait",
+            "image": k.image,
+            "command": ["python3", "-c", _escape(WAIT_SCRIPT), names, _escape(wait_for), f"{k.wait_timeout:g}"],
+            "env": own,
+        }]
+        if k.image_pull_policy:
+            pod["initContainers"][0]["imagePullPolicy"] = k.image_pull_policy
     if k.workspace is not None:
         w = k.workspace
         source = ({"persistentVolumeClaim": {"claimName": w.pvc}} if w.pvc is not None
@@ -212,6 +248,14 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
+def _str(dumper: yaml.SafeDumper, text: str):
+    style = "|" if "\n" in text else None  # the init container's script as a readable block
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
 def dump(docs: list[dict]) -> str:
     """The manifests as one multi-document YAML text (`kubectl apply -f` reads it)."""
     return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, width=1 << 30, explicit_start=True)
@@ -248,21 +292,29 @@ def expand(text: str, env: dict[str, str]) -> str:
     return "".join(out)
 
 
-def pod_env(job: dict, index: int, *, pod_ip: str = "10.0.0.1") -> dict[str, str]:
-    """The environment the kubelet gives pod `index` of an Indexed Job manifest (its first container).
+def _container(job: dict, name: str | None) -> dict:
+    pod = job["spec"]["template"]["spec"]
+    if name is None:
+        return pod["containers"][0]
+    return next(c for c in pod.get("initContainers", []) + pod["containers"] if c["name"] == name)
+
+
+def pod_env(job: dict, index: int, *, pod_ip: str = "10.0.0.1", container: str | None = None) -> dict[str, str]:
+    """The environment the kubelet gives pod `index` of an Indexed Job manifest (its first container, or
+    the (init) container named `container`).
 
     Each `value` is expanded against the variables listed before it, a `fieldRef` read from the pod
     (the completion index annotation, `status.podIP`, `metadata.namespace`); the Job controller adds
     JOB_COMPLETION_INDEX last. Raises ValueError on anything else (a secret, another field).
     """
-    container = job["spec"]["template"]["spec"]["containers"][0]
+    spec = _container(job, container)
     fields = {
         f"metadata.annotations['{INDEX_ANNOTATION}']": str(index),
         "status.podIP": pod_ip,
         "metadata.namespace": job["metadata"].get("namespace", "default"),
     }
     env: dict[str, str] = {}
-    for item in container.get("env", []):
+    for item in spec.get("env", []):
         if "value" in item:
             env[item["name"]] = expand(item["value"], env)
         else:
@@ -274,11 +326,11 @@ def pod_env(job: dict, index: int, *, pod_ip: str = "10.0.0.1") -> dict[str, str
     return env
 
 
-def pod_argv(job: dict, index: int, **kw) -> list[str]:
-    """The argv pod `index` of a rendered Job runs: its command and args, expanded against its env."""
-    container = job["spec"]["template"]["spec"]["containers"][0]
-    env = pod_env(job, index, **kw)
-    return [expand(a, env) for a in container.get("command", []) + container.get("args", [])]
+def pod_argv(job: dict, index: int, *, pod_ip: str = "10.0.0.1", container: str | None = None) -> list[str]:
+    """The argv pod `index` of a rendered Job runs (in `container`, as for pod_env): command and args, expanded."""
+    spec = _container(job, container)
+    env = pod_env(job, index, pod_ip=pod_ip, container=container)
+    return [expand(a, env) for a in spec.get("command", []) + spec.get("args", [])]
 
 
 # ------------------------------------------------------------------------------------------- CLI

@@ -305,6 +305,7 @@ class KubernetesSpec(_Model):
     service_account: str | None = None
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     image_pull_secrets: tuple[str, ...] = ()
+    wait_timeout: float = Field(120.0, ge=0, le=86400)  # init container: names resolve, pservers listen; 0: none
 
     @field_validator("namespace", "name")
     @classmethod

@@ -200,6 +200,37 @@ def test_pod_argv_matches_the_plans_argv():
     assert p0[2:5] == ["pserver", "--id=0", "--ep=fit-a-line-pserver-0.fit-a-line:7000"]
 
 
+def test_init_container_waits_for_names_and_pservers():
+    """The init container's real program, run here: it returns once the pservers listen, fails after its timeout."""
+    import socket
+
+    _, docs = rendered(PSERVER)
+    objs = by_kind(docs)
+    trainer = objs["Job", "fit-a-line-trainer"]
+    argv = k8s.pod_argv(trainer, 3, container="wait")
+    assert argv[:2] == ["python3", "-c"] and argv[3:] == [
+        "fit-a-line-trainer-3.fit-a-line,fit-a-line-trainer-0.fit-a-line",
+        "fit-a-line-pserver-0.fit-a-line:7000,fit-a-line-pserver-1.fit-a-line:7000", "120",
+    ]
+    assert k8s.pod_argv(objs["Job", "fit-a-line-pserver"], 1, container="wait")[3:] == ["fit-a-line-pserver-1.fit-a-line", "", "120"]
+    script = argv[2]
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        ok = subprocess.run([sys.executable, "-c", script, "localhost", f"127.0.0.1:{port}", "10"], capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0, ok.stderr
+    t0 = time.monotonic()
+    bad = subprocess.run([sys.executable, "-c", script, "localhost", f"127.0.0.1:{port}", "1"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 1 and "clusterctl: gave up after 1s waiting for" in bad.stderr and "Connection refused" in bad.stderr
+    assert time.monotonic() - t0 < 10
+    no_name = subprocess.run([sys.executable, "-c", script, "no-such-host.invalid", "", "0"], capture_output=True, text=True, timeout=30)
+    assert no_name.returncode == 1 and "no-such-host.invalid" in no_name.stderr
+
+
+def test_wait_timeout_zero_means_no_init_container():
+    _, docs = rendered(COLLECTIVE.replace("kubernetes: {", "kubernetes: {wait_timeout: 0, "))
+    assert "initContainers" not in docs[1]["spec"]["template"]["spec"]
+
+
 @pytest.mark.parametrize("text,env,want", [
     ("plain", {}, "plain"),
     ("$$", {}, "$"),
