@@ -784,20 +784,27 @@ print(" ".join(pending))
 """
 
 
-def _probe_behind(bastion: str, ips: Sequence[str], timeout: float) -> set[str]:
-    """The addresses among ips whose sshd does not answer from inside the bastion within timeout."""
+def _probe_behind(bastion: str, ips: Sequence[str], timeout: float, *, check: bool = False) -> set[str]:
+    """The addresses among ips whose sshd does not answer from inside the bastion within timeout.
+
+    If the probe cannot run in the bastion (stopped, paused): all of them, or (check) an error naming the bastion.
+    """
     if not ips:
         return set()
     argv = ["exec", bastion, "python3", "-c", _PROBE_BEHIND, f"{timeout:g}", *ips]
     proc = docker.run(argv, timeout=timeout + 10 + 2 * len(ips), check=False)
     if proc.returncode != 0:
+        if check:
+            tail = (proc.stderr or proc.stdout).strip()[-500:]
+            why = f"exit {proc.returncode}: {tail}"
+            raise DockerClusterError(f"cannot probe the nodes from the bastion {bastion} ({why})")
         return set(ips)
     return set(proc.stdout.split())
 
 
 def _wait_behind(bastion: str, nodes: Sequence[Node]) -> list[Node]:
     """The nodes, once each one's sshd answers from the bastion (this machine cannot reach them)."""
-    silent = _probe_behind(bastion, [n.ip for n in nodes], SSH_WAIT_TIMEOUT)
+    silent = _probe_behind(bastion, [n.ip for n in nodes], SSH_WAIT_TIMEOUT, check=True)
     failures = [_not_answering(n.container, n.ip) + " (probed from the bastion)" for n in nodes if n.ip in silent]
     if failures:
         raise DockerClusterError("\n".join(failures))
