@@ -15,7 +15,7 @@ from ..remote import UNREACHABLE, Result
 from . import mesh, wheelhouse
 from .probe import probe_hosts
 from .render import render_step
-from .steps import requirements, selected_steps, step_context
+from .steps import needs_root, requirements, selected_steps, step_context, sudo_problem
 
 __all__ = ["StepOutcome", "ProvisionReport", "provision", "parse_status", "log_dir", "STATUS_PREFIX"]
 
@@ -176,9 +176,26 @@ def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_
         script = render_step(f"{step}.sh.j2", ctx)
     except ValueError as exc:
         raise ProvisionError(f"cannot render step {step}: {exc}") from None
-    command = join(["bash", "-c", script, f"clusterctl-{step}"])
-    results = remote.run(command, hosts=hosts, stdin=stdin, timeout=prov.timeout, on_line=on_line, check=False, what=step)
-    return {h: parse_status(step, r, prov.timeout) for h, r in results.items()}
+    out: dict[Host, StepOutcome] = {}
+    as_root: dict[Host, bool] = {}
+    for host in hosts:
+        as_root[host] = needs_root(step, prov, facts[host])
+        why = sudo_problem(host.address, facts[host]) if as_root[host] else ""
+        if why:
+            out[host] = StepOutcome("failed", why)
+    argv = ["bash", "-c", script, f"clusterctl-{step}"]
+
+    def command(host: Host) -> str:
+        # What needs root runs through non-interactive sudo; relative paths stay under the login user's home.
+        if as_root[host] and step != "commands":  # commands: per command, inside the script (`root: true`)
+            return join(["sudo", "-n", "env", f"CLUSTERCTL_USER_HOME={facts[host].home}", *argv])
+        return join(argv)
+
+    runnable = [h for h in hosts if h not in out]
+    if runnable:
+        results = remote.run(command, hosts=runnable, stdin=stdin, timeout=prov.timeout, on_line=on_line, check=False, what=step)
+        out.update({h: parse_status(step, r, prov.timeout) for h, r in results.items()})
+    return out
 
 
 def _wheelhouse(session, steps, hosts, facts, *, check: bool, force: bool, log) -> dict[Host, StepOutcome]:

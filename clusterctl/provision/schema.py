@@ -228,6 +228,7 @@ class CommandSpec(_Model):
     run: str = Field(min_length=1)
     creates: str | None = None
     unless: str | None = None
+    root: bool = False  # run (and guard) through `sudo -n` when the login user is not root
 
     @field_validator("name")
     @classmethod
