@@ -197,12 +197,14 @@ def step_context(step: str, spec, *, check: bool, force: bool, wheelhouse_remote
     pip = {"venv": venv, "wheelhouse": wheelhouse_remote or ""}
     if step == "apt":
         apt = prov.apt
+        offline = bool(apt.offline and apt.offline.enabled)  # apt.sources are the controller's, then
         ctx.update(
             lock_timeout=int(apt.lock_timeout),
             update=apt.update,
             hold=apt.hold,
-            sources=[_source_ctx(spec, s) for s in apt.sources],
+            sources=[] if offline else [_source_ctx(spec, s) for s in apt.sources],
             packages=list(apt.packages),
+            offline=apt.offline.remote if offline else "",
         )
     elif step == "python":
         py = prov.python
