@@ -14,7 +14,7 @@ from . import __version__
 from .console import LinePrinter, err, error, out, setup_logging
 from .errors import ClusterctlError, SpecError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "guarded"]
 
 # Modules that add their own subcommands with `add_cli(subparsers)`; missing ones are skipped.
 _PLUGINS = ("clusterctl.testcluster", "clusterctl.ops.lifecycle_cli", "clusterctl.ops.provision_cli", "clusterctl.demo",
@@ -119,7 +119,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
         if res.exit_code == 255 and not res.stdout:
             error(res.stderr)
         elif res.exit_code:
-            err.print(f"[yellow][{escape(host.label)}] exit {res.exit_code}[/]")
+            err.print(f"[yellow]\\[{escape(host.label)}] exit {res.exit_code}[/]")
     return worst_exit_code(results)
 
 
@@ -163,8 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
+    return guarded(lambda: args.func(args))
+
+
+def guarded(fn) -> int:
+    """Run `fn` (an operation's front end returning an exit code) and turn clusterctl's errors into their
+    message on stderr and their exit code: the one place where errors meet the terminal (CLI and fab)."""
     try:
-        return int(args.func(args) or 0)
+        return int(fn() or 0)
     except SpecError as exc:
         for problem in exc.problems:
             err.print(escape(str(problem)))

@@ -413,7 +413,7 @@ class Remote:
         if changed:
             return changed
         via = f" (through {', '.join(host.jump)})" if host.jump else ""
-        unknown = re.search(r"No (\S+) host key is known for (\S+?)(?: and|\.)", text)
+        unknown = re.search(r"No (\S+) host key is known for (\S+) and", text)
         if unknown and (host.jump or unknown.group(2) != host.connect_name):
             known = self.options.known_hosts or "your known_hosts"
             return (f"cannot connect to {host.label}{via}: unknown host key for {unknown.group(2)} "
