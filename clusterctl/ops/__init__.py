@@ -24,11 +24,15 @@ def plan_for(spec: ClusterSpec) -> JobPlan:
     from ..errors import SpecError, SpecProblem
     from ..plan import PlanError, ssh_targets
     from ..sshconfig import config_path, resolve
-    from .dispatch import list_data_files
 
+    data_files = None
+    if spec.data is not None:  # dispatch's imports (pathspec) cost ~0.1 s: only for specs with data
+        from .dispatch import list_data_files
+
+        data_files = list_data_files(spec)
     resolved = resolve(ssh_targets(spec), config_path(spec))
     try:
-        return make_plan(spec, data_files=list_data_files(spec), resolved=resolved)
+        return make_plan(spec, data_files=data_files, resolved=resolved)
     except PlanError as exc:
         line, col = spec_position(spec, exc.path)
         raise SpecError([SpecProblem(spec.source, line, col, _dotted(exc.path), exc.message)]) from None
