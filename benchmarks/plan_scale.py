@@ -4,7 +4,9 @@
 Writes the spec (one trainer per GPU, `pservers: P` in pserver mode, `ssh: {config: none}` so that
 no `ssh -G` runs per host), then runs each command N times in a fresh process (`python -m clusterctl.cli`, from --src)
 and reports the median wall time and CPU time (user+sys), the peak RSS of the child (ru_maxrss from
-wait4) and the bytes it printed.
+wait4) and the bytes it printed. `job-files` builds every host's job file as `start` does (plan, then
+clusterctl.ops.job.job_files, then JSON), without sending them: its stdout is the files' sizes, one line
+each; the table shows their total.
 
     .venv/bin/python benchmarks/plan_scale.py [--hosts 1250] [--gpus 8] [--pservers 16] [--repeat 5]
     .venv/bin/python benchmarks/plan_scale.py --write-spec /tmp/plan10k.yaml   # only write the spec
@@ -55,13 +57,26 @@ sys.argv[:] = ["clusterctl", *sys.argv[2:]]
 runpy.run_module("clusterctl.cli", run_name="__main__")
 """
 
+# `job-files SPEC`: what `start` builds and sends: every host's job file as JSON (printed: their sizes).
+_JOB_FILES = """import json, sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.path.insert(0, sys.argv[1])
+from clusterctl.ops import plan_for
+from clusterctl.ops.job import job_files
+from clusterctl.spec import load_spec
+plan = plan_for(load_spec(sys.argv[3]))
+files = job_files(plan, {h: "/home/train" for h in plan.hosts}, "0" * 32)
+sys.stdout.write("".join(str(len(json.dumps(f))) + "\\n" for f in files.values()))
+"""
 
-def run_once(argv: list[str], env: dict) -> tuple[float, float, int, int]:
-    """Run `argv`; return (wall s, CPU s (user+sys), peak RSS bytes of the child, bytes it printed)."""
+
+def run_once(argv: list[str], env: dict) -> tuple[float, float, int, int, bytes]:
+    """Run `argv`; return (wall s, CPU s (user+sys), peak RSS bytes of the child, bytes it printed, its first MiB)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
-    size = 0
+    size, head = 0, b""
     while chunk := proc.stdout.read(1 << 20):  # counted, not kept: the old plan --json printed 1.57 GB
+        head = head or chunk
         size += len(chunk)
     stderr = proc.stderr.read().decode(errors="replace")
     _, status, usage = os.wait4(proc.pid, 0)
@@ -71,7 +86,7 @@ def run_once(argv: list[str], env: dict) -> tuple[float, float, int, int]:
     proc.stderr.close()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} exited {proc.returncode}: {stderr[-500:]}")
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, size
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, size, head
 
 
 def main() -> int:
@@ -83,7 +98,7 @@ def main() -> int:
     ap.add_argument("--write-spec", metavar="PATH", help="write the spec there and exit")
     ap.add_argument("--no-ssh-config-key", action="store_true", help="leave out ssh.config (specs before issue 11)")
     ap.add_argument("--src", help="the checkout whose clusterctl to run (default: this one), e.g. an older version")
-    ap.add_argument("--commands", default="validate,plan --json,plan",
+    ap.add_argument("--commands", default="validate,plan --json,plan,job-files",
                     help="comma-separated clusterctl subcommands to time (default: %(default)s)")
     args = ap.parse_args()
 
@@ -101,12 +116,14 @@ def main() -> int:
         print(f"{'command':<28} {'wall s':>7} {'(min-max)':>11} {'CPU s':>6} {'peak RSS MB':>12} {'stdout bytes':>14}")
         for cmd in args.commands.split(","):
             sub = cmd.split()
-            argv = [sys.executable, "-c", _BOOT, str(src), sub[0], str(spec), *sub[1:]]
+            boot = _JOB_FILES if sub[0] == "job-files" else _BOOT
+            argv = [sys.executable, "-c", boot, str(src), sub[0], str(spec), *sub[1:]]
             runs = [run_once(argv, env) for _ in range(args.repeat)]
             walls = [r[0] for r in runs]
-            print(f"clusterctl {cmd:<17} {statistics.median(walls):>7.2f} {min(walls):>5.2f}-{max(walls):<5.2f} "
+            label = "job files (start)" if cmd == "job-files" else f"clusterctl {cmd}"
+            print(f"{label:<28} {statistics.median(walls):>7.2f} {min(walls):>5.2f}-{max(walls):<5.2f} "
                   f"{statistics.median(r[1] for r in runs):>6.2f} {statistics.median(r[2] for r in runs) / 1e6:>12.0f} "
-                  f"{runs[0][3]:>14,}")
+                  f"{runs[0][3] if cmd != 'job-files' else sum(map(int, runs[0][4].split())):>14,}")
     return 0
 
 
