@@ -230,3 +230,26 @@ def test_provision_and_doctor_as_a_sudo_user_behind_the_bastion(fleet, tmp_path)
     assert "sudo needs a password for ubuntu on node2: allow NOPASSWD sudo or log in as root" in flat, res.stdout
     doc = clusterctl("doctor", spec, timeout=120)
     assert "needs a password" in doc.stdout and "passwordless" in doc.stdout, doc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_a_bastion_that_sheds_a_burst_of_connections_still_reaches_every_node(fleet, tmp_path):
+    """A bastion with a tight MaxStartups drops most of a burst of new connections before the login (as a
+    real bastion in front of many hosts does): those are tried again, and every node runs the command once."""
+    bastion = fleet.bastion.container
+    conf = "/etc/ssh/sshd_config"
+    node_exec(bastion, f"cp {conf} /root/sshd_config.bak && sed -i 's/^MaxStartups .*/MaxStartups 1:100:1/' {conf} "
+                       "&& kill -HUP $(pidof sshd | tr ' ' '\\n' | sort -n | head -1)")
+    since = node_exec(bastion, "date -u +%Y-%m-%dT%H:%M:%S").strip()
+    try:
+        time.sleep(0.5)
+        spec = fleet_spec(fleet, tmp_path / "s.yaml", name="fleet-shed", aliases=False, nodes=(0, 1, 2),
+                          job={"entrypoint": ["true"]}, ssh={"persist": 0})
+        for _ in range(2):
+            res = clusterctl("exec", spec, "--", "hostname", timeout=60)
+            assert res.returncode == 0, res.stdout + res.stderr
+            assert sorted(ln.split()[1] for ln in res.stdout.splitlines()) == sorted(n.hostname for n in fleet.nodes)
+        shed = docker("logs", "--since", since, bastion).stderr
+        assert "past MaxStartups" in shed, shed[-2000:]  # the burst really was shed, and survived
+    finally:
+        node_exec(bastion, f"cp /root/sshd_config.bak {conf} && kill -HUP $(pidof sshd | tr ' ' '\\n' | sort -n | head -1)")
