@@ -15,6 +15,7 @@ import base64
 import hashlib
 import logging
 import os
+import random
 import re
 import shlex
 import shutil
@@ -297,7 +298,7 @@ class Remote:
                 self.connection(host)
             except ClusterctlError as exc:
                 return Result(host, command, UNREACHABLE, "", str(exc), time.monotonic() - start)
-        return self._collect(host, command, self._popen(host, command), stdin(host), timeout, start)
+        return self._collect(host, command, self._popen(host, command), lambda: stdin(host), timeout, start)
 
     def _ssh_argv(self, host: Host, command: str) -> list[str]:
         opts = self.options
@@ -371,9 +372,31 @@ class Remote:
             self._ssh_argv(host, command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
 
-    def _collect(self, host: Host, command: str, proc: subprocess.Popen, chunks: Iterable[bytes], timeout, start,
-                 on_line: LineCallback | None = None) -> Result:
-        """Write `chunks` to the ssh process's stdin, close it, wait for the exit; the host's Result."""
+    def _collect(self, host: Host, command: str, proc: subprocess.Popen, feed: Callable[[], Iterable[bytes]], timeout,
+                 start, on_line: LineCallback | None = None) -> Result:
+        """Write what `feed()` yields to the ssh process's stdin, close it, wait for the exit; the host's Result.
+
+        A connection that the server (or a bastion) closed before the login — sshd's MaxStartups shedding
+        a burst of new connections, as a bastion in front of many hosts sees — never ran the command, so it
+        is tried again, a few times, with a jittered back-off."""
+        for attempt in range(_CONNECT_TRIES):
+            code, out, err = self._collect_once(host, proc, feed(), timeout, on_line)
+            if code is None:
+                return Result(host, command, 124, "", f"timed out after {timeout:g}s running {command[:200]}",
+                              time.monotonic() - start)
+            spent = time.monotonic() - start
+            if not (code == UNREACHABLE and not out and _shed(err)) or attempt == _CONNECT_TRIES - 1 or (
+                    timeout is not None and spent > timeout / 2):
+                break
+            time.sleep(random.uniform(0.1, 0.3) * 2 ** min(attempt, 3))
+            proc = self._popen(host, command)
+        if code == UNREACHABLE and not out:
+            err = self._ssh_failure(host, err)
+        return Result(host, command, code, out, err, time.monotonic() - start)
+
+    def _collect_once(self, host: Host, proc: subprocess.Popen, chunks: Iterable[bytes], timeout,
+                      on_line: LineCallback | None) -> tuple[int | None, str, str]:
+        """One ssh process to its end: (exit code, stdout, stderr); exit code None when it timed out."""
         outputs: dict[str, str] = {}
 
         def drain(name: str, stream) -> None:
@@ -396,13 +419,10 @@ class Remote:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            return Result(host, command, 124, "", f"timed out after {timeout:g}s running {command[:200]}", time.monotonic() - start)
+            return None, "", ""
         for t in readers:
             t.join()
-        out, err = outputs.get("out", ""), outputs.get("err", "")
-        if code == UNREACHABLE and not out:
-            err = self._ssh_failure(host, err)
-        return Result(host, command, code, out, err, time.monotonic() - start)
+        return code, outputs.get("out", ""), outputs.get("err", "")
 
     def _ssh_failure(self, host: Host, stderr: str) -> str:
         """One line for the OpenSSH client's own failure (exit 255), worded as our connections word it;
@@ -467,6 +487,19 @@ def _changed_key(text: str, options: SshOptions) -> str | None:
             "Possible man-in-the-middle; if the host was reinstalled, remove the old key")
 
 
+_CONNECT_TRIES = 6  # a connection shed before the login is tried this many times in all
+_FINAL = ("Connection refused", "timed out", "Could not resolve", "Permission denied", "Host key", "No route",
+          "Network is unreachable", "host key")
+
+
+def _shed(stderr: str) -> bool:
+    """Whether ssh's stderr says the server (or a bastion) closed the connection before the login, for no
+    reason of its own: what sshd's MaxStartups does to a burst of connections. Never for a refusal, a
+    timeout, a failed login or a host key problem."""
+    # the identification exchange is the first thing on a connection: a failure there ran nothing yet
+    return "kex_exchange_identification" in stderr and not any(word in stderr for word in _FINAL)
+
+
 _CONTROL_DIRS: dict[str, str | None] = {}
 _CONTROL_FALLBACK = "/tmp/clusterctl-ssh-{uid}"  # where the cache directory's path is too long for sockets
 
@@ -523,10 +556,10 @@ class Launch:
         for host in self.hosts:
             proc = self._procs.pop(host, None)
             if proc is not None:
-                chunks = stdin[host](host) if host in stdin else ()
+                feed = (lambda h=host: stdin[h](h)) if host in stdin else (lambda: ())
                 cmd = self.command(host) if callable(self.command) else self.command
                 futures[host] = remote._pool.submit(
-                    remote._collect, host, cmd, proc, chunks, timeout, self._start, on_line if host in stdin else None
+                    remote._collect, host, cmd, proc, feed, timeout, self._start, on_line if host in stdin else None
                 )
             elif host in stdin:
                 futures[host] = remote._pool.submit(remote._run_one, host, self.command, stdin[host], timeout, on_line)

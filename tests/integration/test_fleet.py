@@ -191,3 +191,65 @@ def test_an_alias_the_config_does_not_know_is_one_clear_line(fleet, tmp_path):
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("clusterctl: error:")]
     assert errors == [f"clusterctl: error: cannot connect to nodee1: Could not resolve hostname nodee1 (not an alias "
                       f"in {fleet.ssh_config_path}, nor a name DNS knows)"]
+
+
+@pytest.mark.timeout(300)
+def test_provision_and_doctor_as_a_sudo_user_behind_the_bastion(fleet, tmp_path):
+    """wheelhouse, a venv under /opt (root-owned, made through sudo -n), the ssh mesh and a `commands` step
+    that needs root, on nodes with no route out; node2's sudo wants a password: named, fast, no prompt."""
+    prov = {
+        "wheelhouse": True,
+        "python": {"venv": "/opt/fleetvenv", "requirements": ["six"]},
+        "ssh_mesh": True,
+        "commands": [{"name": "rootmark", "run": "id -un > /etc/clusterctl-fleet-mark",
+                      "creates": "/etc/clusterctl-fleet-mark", "root": True}],
+    }
+    good = fleet_spec(fleet, tmp_path / "g.yaml", name="fleet-prov", job={"entrypoint": ["true"]}, provision=prov)
+    t0 = time.monotonic()
+    res = clusterctl("provision", good, timeout=200)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for node in fleet.nodes[:2]:
+        assert node_exec(node.container, "cat /etc/clusterctl-fleet-mark") == "root\n"
+        assert node_exec(node.container, "stat -c %U /opt/fleetvenv/bin/python").strip() == "root"
+        assert node_exec(node.container, "/opt/fleetvenv/bin/python -c 'import six; print(six.__name__)'") == "six\n"
+    # the mesh: node0 reaches node1 by its address, host key pinned, as ubuntu
+    mesh = node_exec(fleet.nodes[0].container,
+                     f"su ubuntu -c 'ssh -o BatchMode=yes {fleet.nodes[1].ip} id -un'", timeout=30)
+    assert mesh == "ubuntu\n"
+    again = clusterctl("provision", good, timeout=200)
+    assert again.returncode == 0 and "\n0 changed, 0 failed" in again.stdout, again.stdout
+    assert time.monotonic() - t0 < 200
+    # node2's sudo wants a password: that host fails, named, within seconds; the others are untouched by it
+    spec = fleet_spec(fleet, tmp_path / "p.yaml", name="fleet-prov", nodes=(0, 1, 2), job={"entrypoint": ["true"]},
+                      provision=prov)
+    t0 = time.monotonic()
+    res = clusterctl("provision", spec, "--only", "python", timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert time.monotonic() - t0 < 30
+    flat = " ".join(res.stdout.split())
+    assert "sudo needs a password for ubuntu on node2: allow NOPASSWD sudo or log in as root" in flat, res.stdout
+    doc = clusterctl("doctor", spec, timeout=120)
+    assert "needs a password" in doc.stdout and "passwordless" in doc.stdout, doc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_a_bastion_that_sheds_a_burst_of_connections_still_reaches_every_node(fleet, tmp_path):
+    """A bastion with a tight MaxStartups drops most of a burst of new connections before the login (as a
+    real bastion in front of many hosts does): those are tried again, and every node runs the command once."""
+    bastion = fleet.bastion.container
+    conf = "/etc/ssh/sshd_config"
+    node_exec(bastion, f"cp {conf} /root/sshd_config.bak && sed -i 's/^MaxStartups .*/MaxStartups 1:100:1/' {conf} "
+                       "&& kill -HUP $(pidof sshd | tr ' ' '\\n' | sort -n | head -1)")
+    since = node_exec(bastion, "date -u +%Y-%m-%dT%H:%M:%S").strip()
+    try:
+        time.sleep(0.5)
+        spec = fleet_spec(fleet, tmp_path / "s.yaml", name="fleet-shed", aliases=False, nodes=(0, 1, 2),
+                          job={"entrypoint": ["true"]}, ssh={"persist": 0})
+        for _ in range(2):
+            res = clusterctl("exec", spec, "--", "hostname", timeout=60)
+            assert res.returncode == 0, res.stdout + res.stderr
+            assert sorted(ln.split()[1] for ln in res.stdout.splitlines()) == sorted(n.hostname for n in fleet.nodes)
+        shed = docker("logs", "--since", since, bastion).stderr
+        assert "past MaxStartups" in shed, shed[-2000:]  # the burst really was shed, and survived
+    finally:
+        node_exec(bastion, f"cp /root/sshd_config.bak {conf} && kill -HUP $(pidof sshd | tr ' ' '\\n' | sort -n | head -1)")

@@ -145,3 +145,37 @@ def test_ssh_failures_read_as_one_line_naming_the_host():
         assert said(host, "Connection to 10.0.0.7 closed by remote host.\r\n") == (
             "connection to 10.0.0.7 lost: Connection to 10.0.0.7 closed by remote host.")
         assert said(host, "") == "connection to 10.0.0.7 lost: ssh exited 255"
+
+
+@pytest.mark.parametrize("stderr, retried", [
+    ("kex_exchange_identification: read: Connection reset by peer\r\nConnection reset by 10.0.0.7 port 22", True),
+    ("kex_exchange_identification: Connection closed by remote host\nConnection closed by UNKNOWN port 65535", True),
+    ("ssh: connect to host 10.0.0.7 port 22: Connection refused", False),
+    ("Connection closed by 10.0.0.7 port 22", False),  # after the login: the command may have run
+    ("kex_exchange_identification: Connection closed by remote host\nssh: connect to host b port 22: timed out", False),
+    ("ubuntu@10.0.0.7: Permission denied (publickey).", False),
+])
+def test_only_connections_shed_before_the_login_are_tried_again(stderr, retried):
+    assert remote_mod._shed(stderr) is retried
+
+
+def test_a_shed_connection_is_retried_with_a_fresh_stdin(monkeypatch):
+    """The first two ssh processes are shed by the server (MaxStartups), the third runs: one Result, the
+    whole stdin delivered to the one that ran."""
+    import subprocess
+
+    host = Host("10.0.0.7", 22, "root", 0)
+    script = ("import sys, os; n = int(open(sys.argv[1]).read() or 0); open(sys.argv[1], 'w').write(str(n + 1));\n"
+              "if n < 2: sys.stderr.write('kex_exchange_identification: read: Connection reset by peer\\n'); sys.exit(255)\n"
+              "sys.stdout.write(str(len(sys.stdin.buffer.read())))")
+    counter = tempfile.NamedTemporaryFile(delete=False)
+    import sys as _sys
+
+    with Remote([host], SshOptions()) as remote:
+        monkeypatch.setattr(remote, "_popen", lambda h, c: subprocess.Popen(
+            [_sys.executable, "-c", script, counter.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE))
+        monkeypatch.setattr(remote_mod.time, "sleep", lambda s: None)
+        res = remote._collect(host, "cat", remote._popen(host, "cat"), lambda: [b"x" * 100_000], 30, remote_mod.time.monotonic())
+    assert (res.exit_code, res.stdout) == (0, "100000")
+    assert Path(counter.name).read_text() == "3"
