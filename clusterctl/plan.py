@@ -470,7 +470,6 @@ def _gpu_share(gpus: tuple[int, ...], n: int, local: int, host: Host) -> tuple[i
     return gpus[local * per : (local + 1) * per]
 
 
-
 def factor_env(envs: Sequence[Mapping[str, str]]) -> tuple[dict[str, str], list[dict[str, str]]]:
     """Split `envs` into the items all of them have (same name and value) and, for each, the rest."""
     if not envs:
