@@ -123,9 +123,13 @@ def _gpus_per_trainer(spec: ClusterSpec, plan: JobPlan) -> int:
 
 
 def _service(spec: ClusterSpec, name: str, with_pservers: bool) -> dict:
-    ports = [{"name": "trainer", "port": spec.job.ports.trainer}, {"name": "master", "port": spec.job.ports.master}]
+    named = [("trainer", spec.job.ports.trainer), ("master", spec.job.ports.master)]
     if with_pservers:
-        ports.append({"name": "pserver", "port": spec.job.ports.pserver})
+        named.append(("pserver", spec.job.ports.pserver))
+    ports: list[dict] = []
+    for port_name, number in named:  # a Service lists each port number once (pods of two roles may share one)
+        if all(p["port"] != number for p in ports):
+            ports.append({"name": port_name, "port": number})
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -120,6 +120,16 @@ def test_service_and_jobs_shape():
     assert pserver["resources"] == {"limits": {"memory": "8Gi"}}
 
 
+def test_service_lists_a_port_shared_by_two_roles_once():
+    # the pserver on another host than the master: the same port number is no conflict, over SSH or here
+    text = PSERVER.replace("pservers: 2", "pservers: [10.0.0.3]")
+    text = text.replace("ports: {pserver: 7000, trainer: 7100, master: 7200}", "ports: {pserver: 7200, trainer: 7100, master: 7200}")
+    _, docs = rendered(text)
+    assert docs[0]["spec"]["ports"] == [{"name": "trainer", "port": 7100}, {"name": "master", "port": 7200}]
+    for doc in docs:
+        kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
+
+
 def test_on_failure_continue_and_host_path():
     _, docs = rendered(COLLECTIVE)
     assert len(docs) == 2  # no pservers: no pserver Job, no pserver port
