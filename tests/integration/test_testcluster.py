@@ -335,6 +335,25 @@ def test_fleet_shape_and_written_files(fleet: tc.ClusterInfo) -> None:
     )
 
 
+def test_fleet_spec_and_ssh_config_drive_clusterctl(fleet: tc.ClusterInfo, tmp_path: Path) -> None:
+    # The written spec (addresses + ssh.proxy_jump), and a spec naming the hosts by the ssh config's aliases.
+    import sys
+
+    assert fleet.bastion is not None and fleet.ssh_config_path is not None
+    spec = load_spec(fleet.spec_path)
+    assert (spec.ssh.user, spec.ssh.proxy_jump, spec.workspace.remote) == ("ubuntu", (fleet.proxy_jump,), "work")
+    by_alias = tmp_path / "cluster.yaml"
+    raw = yaml.safe_load(fleet.spec_path.read_text())
+    raw["ssh"] = {"config": str(fleet.ssh_config_path), "known_hosts": str(fleet.known_hosts_path)}
+    raw["hosts"] = [{"address": alias} for alias in fleet.aliases]
+    by_alias.write_text(yaml.safe_dump(raw))
+    for path, names in ((fleet.spec_path, [n.ip for n in fleet.nodes]), (by_alias, fleet.aliases)):
+        argv = [sys.executable, "-m", "clusterctl.cli", "exec", str(path), "--", "id", "-un"]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert sorted(proc.stdout.splitlines()) == sorted(f"[{name}] ubuntu" for name in names)
+
+
 def test_fleet_user_logs_in_by_alias_with_passwordless_sudo(fleet: tc.ClusterInfo) -> None:
     proc = fleet_ssh(fleet, "node0", "id -un; id -u; echo $HOME; hostname; sudo -n id -un")
     assert proc.returncode == 0, proc.stderr
