@@ -87,7 +87,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
         if res.exit_code == 255 and not res.stdout:
             error(res.stderr)
         elif res.exit_code:
-            err.print(f"[yellow][{escape(host.label)}] exit {res.exit_code}[/]")
+            err.print(f"[yellow]\\[{escape(host.label)}] exit {res.exit_code}[/]")
     return worst_exit_code(results)
 
 

@@ -109,7 +109,7 @@ def _spec(c, spec: str | None, opts: dict, *, remember: bool = False):
     if hosts:
         keys = (c.config.get("connect_kwargs") or {}).get("key_filename")
         key = keys[0] if isinstance(keys, list) and keys else keys if isinstance(keys, str) else None
-        ssh_config = c.config.get("_runtime_ssh_path") or None
+        ssh_config = getattr(c.config, "_runtime_ssh_path", None) or None  # fab -S FILE
         chosen = {k: v for k, v in opts.items() if v is not None}
         text = adhoc_spec_text(hosts, AdhocOptions(identity_file=key, ssh_config=ssh_config, **chosen))
         parsed = parse_spec(text, "<fab -H>")

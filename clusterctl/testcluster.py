@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import importlib.resources
 import io
 import os
 import re
@@ -92,7 +93,7 @@ LOCAL_WHEEL_DIRS = ("/opt/wheels",)
 # The node's interpreter (Debian bookworm): wheels are downloaded for it, not for the controller.
 NODE_PYTHON_VERSION = "3.11"
 NODE_GLIBC_MINOR = 36
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates" / "testcluster"
+TEMPLATE_DIR = Path(str(importlib.resources.files(__package__) / "templates" / "testcluster"))  # package data
 TEMPLATE_FILES = ("Dockerfile", "sshd_config", "entrypoint.sh", "ensure-packages.sh")
 
 PULL_TIMEOUT = 20.0  # a registry that does not answer in this long is treated as absent

@@ -85,6 +85,8 @@ class DoctorReport:
 
         rows = [row("ssh", lambda f: "ok")]
         rows.append(row("hostname", lambda f: f["hostname"]))
+        rows.append(row("login", lambda f: f.get("login", {}).get("user", "-")))
+        rows.append(row("sudo", lambda f: _SUDO_WORDS.get(f.get("login", {}).get("sudo", ""), f.get("login", {}).get("sudo", "-"))))
         rows.append(row("OS", lambda f: f["os"]))
         rows.append(row("python3", lambda f: f["python3"]))
         rows.append(row("venv", lambda f: f["venv"]["path"] + ("" if f["venv"]["exists"] else " (missing)")))
@@ -105,6 +107,14 @@ class DoctorReport:
             "errors": {h.label: e for h, e in self.errors.items()},
             "problems": self.problems,
         }
+
+
+_SUDO_WORDS = {
+    "root": "not needed (root)",
+    "ok": "passwordless",
+    "password": "needs a password",
+    "missing": "not installed",
+}
 
 
 def _peer_summary(f: dict) -> str:
