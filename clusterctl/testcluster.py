@@ -746,18 +746,35 @@ def _wait_nodes(name: str, containers: Sequence[str], net: str, progress: Progre
     """Addresses of the nodes once each one's sshd answers from the host (bridge fallback if needed)."""
     nodes = _nodes_of(containers, net)
     if _network_is_internal(net) and not _wait_ssh(nodes[0].ip, INTERNAL_PROBE_TIMEOUT):
-        if not _sshd_listening_inside(containers[0]):
+        # Not yet listening (a loaded machine: entrypoint still busy) is not "unreachable": wait for sshd
+        # inside for the rest of SSH_WAIT_TIMEOUT, then give the host one more look before switching.
+        if not _wait_inside(containers[0], SSH_WAIT_TIMEOUT - INTERNAL_PROBE_TIMEOUT):
             raise DockerClusterError(_not_answering(containers[0], nodes[0].ip))
+        if _wait_ssh(nodes[0].ip, 3.0):
+            return _parallel(lambda n: _waited(n, SSH_WAIT_TIMEOUT), nodes, "waiting for sshd")
         progress(f"host cannot reach containers on --internal network {net}: using a plain bridge")
         net = _switch_to_bridge(name, containers, net)
         nodes = _nodes_of(containers, net)
 
-    def wait(node: Node) -> Node:
-        if not _wait_ssh(node.ip, SSH_WAIT_TIMEOUT):
-            raise DockerClusterError(_not_answering(node.container, node.ip))
-        return node
+    return _parallel(lambda n: _waited(n, SSH_WAIT_TIMEOUT), nodes, "waiting for sshd")
 
-    return _parallel(wait, nodes, "waiting for sshd")
+
+def _waited(node: Node, timeout: float) -> Node:
+    """node, once its sshd answers from the host; an error with its log after timeout seconds."""
+    if not _wait_ssh(node.ip, timeout):
+        raise DockerClusterError(_not_answering(node.container, node.ip))
+    return node
+
+
+def _wait_inside(container: str, timeout: float) -> bool:
+    """True once sshd answers on the container's own loopback, False after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if _sshd_listening_inside(container):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
 
 
 # Runs with the bastion's python3: argv = timeout ip...; prints the addresses whose sshd did not answer.

@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -267,32 +266,9 @@ def test_cli_parses_the_documented_commands() -> None:
     assert parser.parse_args(["testcluster", "status", "--name", "y"]).name == "y"
 
 
-# ---- a cluster shaped like real fleets: non-root user, bastion, ssh config, a node whose sudo wants a password ----
-
-FLEET_USER = "ubuntu"
-FLEET_NODES = 2
-PASSWORD_NODE = 1  # this node's sudo wants a password
-
-
-@pytest.fixture(scope="module")
-def fleet(testcluster: tc.ClusterInfo) -> Iterator[tc.ClusterInfo]:
-    """A 2-node cluster behind a bastion, login `ubuntu` with sudo, node1's sudo wanting a password.
-
-    Same packages as the session cluster, so its image is already built; removed at the end of the module.
-    """
-    name = f"{testcluster.name}-fleet"
-    info = tc.up(
-        FLEET_NODES,
-        name=name,
-        packages=testcluster.packages,
-        user=FLEET_USER,
-        bastion=True,
-        ssh_config=True,
-        sudo_password_nodes=[PASSWORD_NODE],
-    )
-    yield info
-    if os.environ.get("CLUSTERCTL_KEEP_TESTCLUSTER") != "1":
-        tc.down(name)
+# ---- a cluster shaped like real fleets: the session's `fleet` (conftest.py): login ubuntu with sudo, root
+# login off, nodes only behind a bastion on a network this machine has no address on, an ssh config, one
+# node whose sudo wants a password. Checked here with plain OpenSSH (`ssh -F`, `ssh -J`) and docker.
 
 
 def fleet_ssh(info: tc.ClusterInfo, alias: str, command: str, *options: str) -> subprocess.CompletedProcess[str]:
@@ -302,13 +278,20 @@ def fleet_ssh(info: tc.ClusterInfo, alias: str, command: str, *options: str) -> 
     return subprocess.run([*argv, alias, "--", command], capture_output=True, text=True, timeout=60)
 
 
+def sudo_nodes(info: tc.ClusterInfo) -> list[int]:
+    """Indexes of the nodes with passwordless sudo."""
+    return [i for i in range(len(info.nodes)) if i not in info.sudo_password_nodes]
+
+
 def test_fleet_shape_and_written_files(fleet: tc.ClusterInfo) -> None:
-    assert (fleet.user, fleet.home, fleet.sudo_password_nodes) == (FLEET_USER, "/home/ubuntu", (PASSWORD_NODE,))
-    assert [n.container for n in fleet.nodes] == [f"{fleet.name}-node0", f"{fleet.name}-node1"]
+    assert (fleet.user, fleet.home) == ("ubuntu", "/home/ubuntu")
+    assert len(fleet.sudo_password_nodes) == 1 and len(sudo_nodes(fleet)) >= 2
+    assert [n.container for n in fleet.nodes] == [f"{fleet.name}-node{i}" for i in range(len(fleet.nodes))]
     assert fleet.bastion is not None and fleet.bastion.container == f"{fleet.name}-bastion"
     assert (fleet.network, fleet.front_network) == (f"{fleet.name}-net", f"{fleet.name}-front")
     assert fleet.proxy_jump == f"ubuntu@{fleet.bastion.ip}"
     assert fleet.ssh_config_path == fleet.spec_path.parent / "ssh_config"
+    assert fleet.aliases == [f"node{i}" for i in range(len(fleet.nodes))]
     raw = yaml.safe_load(fleet.spec_path.read_text())
     assert raw["ssh"] == {
         "user": "ubuntu",
@@ -321,25 +304,27 @@ def test_fleet_shape_and_written_files(fleet: tc.ClusterInfo) -> None:
     }
     assert raw["hosts"] == [{"address": n.ip} for n in fleet.nodes]
     assert raw["workspace"] == {"local": ".", "remote": "work"}
+    spec = load_spec(fleet.spec_path)
+    assert (spec.ssh.user, spec.ssh.proxy_jump, spec.workspace.remote) == ("ubuntu", (fleet.proxy_jump,), "work")
     pins = [line.split()[0] for line in fleet.known_hosts_path.read_text().splitlines()]
     assert pins == [*(n.ip for n in fleet.nodes), fleet.bastion.ip]  # the bastion is pinned like the nodes
     common = (
         f"    User ubuntu\n    Port 22\n    IdentityFile {fleet.key_path}\n    IdentitiesOnly yes\n"
         f"    UserKnownHostsFile {fleet.known_hosts_path}\n    StrictHostKeyChecking yes\n"
     )
+    nodes = [f"\nHost node{i}\n    HostName {n.ip}\n{common}    ProxyJump bastion\n" for i, n in enumerate(fleet.nodes)]
     assert fleet.ssh_config_path.read_text() == (
         f"# Written by `clusterctl testcluster up` for test cluster {fleet.name}: ssh -F, fab -S or ssh.config.\n"
-        f"\nHost bastion\n    HostName {fleet.bastion.ip}\n{common}"
-        f"\nHost node0\n    HostName {fleet.nodes[0].ip}\n{common}    ProxyJump bastion\n"
-        f"\nHost node1\n    HostName {fleet.nodes[1].ip}\n{common}    ProxyJump bastion\n"
+        f"\nHost bastion\n    HostName {fleet.bastion.ip}\n{common}" + "".join(nodes)
     )
 
 
 def test_fleet_user_logs_in_by_alias_with_passwordless_sudo(fleet: tc.ClusterInfo) -> None:
-    proc = fleet_ssh(fleet, "node0", "id -un; id -u; echo $HOME; hostname; sudo -n id -un")
+    index = sudo_nodes(fleet)[0]
+    proc = fleet_ssh(fleet, f"node{index}", "id -un; id -u; echo $HOME; hostname; sudo -n id -un")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["ubuntu", "1000", "/home/ubuntu", fleet.nodes[0].hostname, "root"]
-    proc = fleet_ssh(fleet, "node0", "sudo -n true")
+    assert proc.stdout.split() == ["ubuntu", "1000", "/home/ubuntu", fleet.nodes[index].hostname, "root"]
+    proc = fleet_ssh(fleet, f"node{index}", "sudo -n true")
     assert (proc.returncode, proc.stderr) == (0, "")
 
 
@@ -385,7 +370,6 @@ def test_fleet_ssh_jump_through_the_bastion(fleet: tc.ClusterInfo) -> None:
     assert (proc.returncode, proc.stdout.strip()) == (0, node.hostname), proc.stderr
 
 
-
 def test_fleet_bastion_without_its_pin_is_refused(fleet: tc.ClusterInfo, tmp_path: Path) -> None:
     # A config whose known_hosts pins the nodes but not the bastion: the first hop already fails.
     assert fleet.bastion is not None and fleet.ssh_config_path is not None
@@ -411,8 +395,9 @@ def test_fleet_nodes_route_nowhere_but_their_network(fleet: tc.ClusterInfo) -> N
 
 
 def test_fleet_nodes_reach_each_other_as_the_user(fleet: tc.ClusterInfo) -> None:
-    other = fleet.nodes[1].hostname
-    proc = fleet_ssh(fleet, "node0", f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes {other} id -un")
+    first, second = sudo_nodes(fleet)[:2]
+    other = fleet.nodes[second].hostname
+    proc = fleet_ssh(fleet, f"node{first}", f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes {other} id -un")
     assert (proc.returncode, proc.stdout.strip()) == (0, "ubuntu"), proc.stderr
 
 
@@ -420,23 +405,25 @@ def test_fleet_venv_is_usable_and_opt_is_writable_only_through_sudo(fleet: tc.Cl
     command = (
         "/opt/venv/bin/python -c 'import numpy, sys; print(sys.prefix)'; "
         "touch /opt/x 2>/dev/null && echo opt-writable || echo opt-readonly; "
-        "sudo -n install -d -o ubuntu /opt/fleet && touch /opt/fleet/x && echo sudo-ok; sudo -n rm -rf /opt/fleet"
+        "sudo -n install -d -o ubuntu /opt/tc-shape && touch /opt/tc-shape/x && echo sudo-ok; "
+        "sudo -n rm -rf /opt/tc-shape"
     )
-    proc = fleet_ssh(fleet, "node0", command)
+    proc = fleet_ssh(fleet, f"node{sudo_nodes(fleet)[0]}", command)
     assert (proc.returncode, proc.stdout.split()) == (0, ["/opt/venv", "opt-readonly", "sudo-ok"]), proc.stderr
 
 
 def test_fleet_password_sudo_node_fails_fast_and_names_it(fleet: tc.ClusterInfo) -> None:
+    index = fleet.sudo_password_nodes[0]
     started = time.monotonic()
-    proc = fleet_ssh(fleet, f"node{PASSWORD_NODE}", "sudo -n true")
+    proc = fleet_ssh(fleet, f"node{index}", "sudo -n true")
     assert (proc.returncode, proc.stderr.strip()) == (1, "sudo: a password is required")
     assert time.monotonic() - started < 10
-    container = fleet.nodes[PASSWORD_NODE].container
+    container = fleet.nodes[index].container
     rules = docker.run(["exec", container, "ls", "/etc/sudoers.d"]).stdout.split()
     assert "90-clusterctl-user" not in rules
     shadow = docker.run(["exec", container, "getent", "shadow", "ubuntu"]).stdout.split(":")
     assert shadow[1].startswith("$")  # a real (random) password: the account is usable, its sudo asks
-    assert fleet_ssh(fleet, "node0", "sudo -n true").returncode == 0  # the other node is unaffected
+    assert fleet_ssh(fleet, f"node{sudo_nodes(fleet)[0]}", "sudo -n true").returncode == 0  # the others are not
 
 
 def test_fleet_status_probes_the_nodes_through_the_bastion(fleet: tc.ClusterInfo) -> None:
@@ -448,28 +435,35 @@ def test_fleet_status_probes_the_nodes_through_the_bastion(fleet: tc.ClusterInfo
 
 def test_fleet_second_up_reuses_it_and_another_shape_would_not(fleet: tc.ClusterInfo) -> None:
     start = time.monotonic()
-    again = tc.up(FLEET_NODES, name=fleet.name, packages=fleet.packages, user=FLEET_USER, bastion=True,
-                  ssh_config=True, sudo_password_nodes=[PASSWORD_NODE])  # fmt: skip
+    again = tc.up(len(fleet.nodes), name=fleet.name, packages=fleet.packages, user=fleet.user, bastion=True,
+                  ssh_config=True, sudo_password_nodes=fleet.sudo_password_nodes)  # fmt: skip
     assert (again.reused, again.nodes, again.bastion) == (True, fleet.nodes, fleet.bastion)
     assert time.monotonic() - start < 15
-    nodes, bastion = tc._cluster_containers(fleet.name), tc._bastion_info(fleet.name)
-    same = tc.Shape(FLEET_USER, True, (PASSWORD_NODE,))
-    assert tc._reusable(nodes, FLEET_NODES, fleet.image, fleet.name, same, bastion)
-    for other in (tc.Shape(), tc.Shape(FLEET_USER), tc.Shape(FLEET_USER, True), tc.Shape("admin", True, (1,))):
-        assert not tc._reusable(nodes, FLEET_NODES, fleet.image, fleet.name, other, bastion), other
+    nodes, bastion, count = tc._cluster_containers(fleet.name), tc._bastion_info(fleet.name), len(fleet.nodes)
+    same = tc.Shape(fleet.user, True, fleet.sudo_password_nodes)
+    assert tc._reusable(nodes, count, fleet.image, fleet.name, same, bastion)
+    for other in (tc.Shape(), tc.Shape("ubuntu"), tc.Shape("ubuntu", True), tc.Shape("admin", True, (1,))):
+        assert not tc._reusable(nodes, count, fleet.image, fleet.name, other, bastion), other
 
 
-def test_fleet_down_removes_containers_networks_and_the_route(fleet: tc.ClusterInfo) -> None:
-    # Last fleet test: it removes the module's cluster.
-    if os.environ.get("CLUSTERCTL_KEEP_TESTCLUSTER") == "1":
-        pytest.skip("CLUSTERCTL_KEEP_TESTCLUSTER=1 keeps the fleet cluster")
-    subnet = docker.inspect("network", [fleet.network])[0]["IPAM"]["Config"][0]["Subnet"]
-    assert tc.down(fleet.name) == 5  # two nodes, the bastion, two networks
-    assert tc.status(fleet.name) == []
-    assert docker.ids_with_label("network", f"{tc.LABEL}={fleet.name}") == []
+@pytest.mark.timeout(180)
+def test_bastion_cluster_down_removes_containers_networks_and_the_route(testcluster: tc.ClusterInfo) -> None:
+    # A cluster of its own (the session's fleet stays): 1 node behind a bastion, up and down.
+    name = f"{testcluster.name}-down"
+    try:
+        info = tc.up(1, name=name, packages=testcluster.packages, user="ubuntu", bastion=True)
+        subnet = docker.inspect("network", [info.network])[0]["IPAM"]["Config"][0]["Subnet"]
+        routes = subprocess.run(["ip", "-4", "route", "show", "type", "unreachable"], capture_output=True, text=True)
+        if os.geteuid() == 0:
+            assert f"unreachable {subnet} metric {tc.ROUTE_METRIC}" in routes.stdout
+        assert [s.ssh for s in tc.status(name)] == [True, True]  # the node (through the bastion), the bastion
+    finally:
+        removed = tc.down(name)
+    assert removed == 4  # the node, the bastion, two networks
+    assert tc.status(name) == [] and tc.down(name) == 0
+    assert docker.ids_with_label("network", f"{tc.LABEL}={name}") == []
     routes = subprocess.run(["ip", "-4", "route", "show", "type", "unreachable"], capture_output=True, text=True)
     assert subnet not in routes.stdout
-    assert [s.ssh for s in tc.status(fleet.name.removesuffix("-fleet"))] == [True] * NODES
 
 
 # ---- pure parts of the fleet shape ----
