@@ -11,7 +11,7 @@ the allocation) and writes the plan's processes into a job file. Inside the allo
                            plan's node), writes each task's output to <log_dir>/<role>.<id>.log, stops the
                            pservers when the trainers end, sweeps every node, exits with the trainers' code
     task TASKS ROLE        (each srun task) picks tasks[ROLE][$SLURM_PROCID], checks it runs on the planned
-                           node, and execs its argv with the plan's env in its cwd
+                           node, and starts its argv as a child (plan env, cwd), relaying its output
     sweep JOB [FILE...]    (one task per node) SIGTERM, then SIGKILL, every process whose environ has
                            CLUSTERCTL_JOB=JOB; removes FILEs
     logs LOG_DIR [...]     (over ssh) prints `[node role.id] line` from the job's logs, optionally following
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +39,8 @@ JOB_ENV = "CLUSTERCTL_JOB"
 STATE_FILE = "slurm-state.json"
 TOKEN_RE = re.compile(r"slurm-node-(\d+)\.invalid")
 LABEL_RE = re.compile(r"^\s*(\d+): ?(.*)$", re.DOTALL)
+# srun's word on a task that ended badly: "srun: error: NODE: task 1: Exited with exit code 3"
+TASK_END_RE = re.compile(r"task (\d+): (?:Exited with exit code (\d+)|(Terminated)|(Killed))")
 SWEEP_GRACE = 3.0
 
 
@@ -122,12 +125,12 @@ class _Step:
         hostfile = os.path.join(files["dir"], role + ".hosts")
         with open(hostfile, "w") as fh:
             fh.write("".join(t["node"] + "\n" for t in tasks))
-        env = dict(os.environ, SLURM_HOSTFILE=hostfile)
-        argv = ["srun", "--overlap", "--mpi=none", "--kill-on-bad-exit=1", "--label", "--unbuffered",
+        env = _step_env(SLURM_HOSTFILE=hostfile)
+        argv = ["srun", "--overlap", "--mpi=none", "--kill-on-bad-exit=1", "--label",
                 "--job-name=" + role, "--distribution=arbitrary", "--ntasks=%d" % len(tasks),
                 "--wait=0",
                 sys.executable or "python3", files["program"], "task", files["tasks"], role]
-        self.logs = {t["id"]: open(os.path.join(log_dir, "%s.%d.log" % (role, t["id"])), "ab", buffering=0)
+        self.logs = {t["id"]: open(os.path.join(log_dir, "%s.%d.log" % (role, t["id"])), "wb", buffering=0)
                      for t in tasks}
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.readers = [threading.Thread(target=self._pump, args=(s,), daemon=True)
@@ -136,6 +139,7 @@ class _Step:
             r.start()
         self.grace = grace
         self.stopped = False  # True once we stopped it (not an exit of its own)
+        self.codes = {}  # task id -> exit code, for the tasks srun reported as ending badly, in order
 
     def _pump(self, stream) -> None:
         for raw in iter(stream.readline, b""):
@@ -143,6 +147,10 @@ class _Step:
             if m and int(m.group(1)) in self.logs:
                 self.logs[int(m.group(1))].write(m.group(2).encode())
             else:  # srun's own messages
+                end = TASK_END_RE.search(raw.decode("utf-8", "replace"))
+                if end:
+                    code = end.group(2)
+                    self.codes.setdefault(int(end.group(1)), int(code) if code else (143 if end.group(3) else 137))
                 sys.stdout.write("[%s step] %s" % (self.role, raw.decode("utf-8", "replace")))
                 sys.stdout.flush()
 
@@ -173,6 +181,16 @@ class _Step:
         for fh in self.logs.values():
             fh.close()
         return rc
+
+
+def _step_env(**extra) -> dict:
+    """The batch's environment without the allocation's task layout (each step says its own)."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_ENV}
+    env.update(extra)
+    return env
+
+
+_LAYOUT_ENV = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_DISTRIBUTION")
 
 
 def _endpoints_up(endpoints: list) -> bool:
@@ -223,6 +241,7 @@ def cmd_batch(args) -> int:
     def cancelled(signum, _frame):  # scancel: Slurm kills the steps; record why we end
         state.update(state="stopped", reason="cancelled (signal %d)" % signum, ended_at=time.time())
         _write_state(log_dir, state)
+        shutil.rmtree(args.dir, ignore_errors=True)
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, cancelled)
@@ -251,6 +270,9 @@ def cmd_batch(args) -> int:
             rc = steps["trainer"].wait()
             if rc != 0 and reason is None:
                 reason = "a trainer failed (step exit %d)" % rc
+                if steps["trainer"].codes:
+                    first, code = next(iter(steps["trainer"].codes.items()))
+                    reason = "trainer.%d failed (exit %d)" % (first, code)
         if "pserver" in steps:  # pservers end on their own once every trainer completed; else stopped
             deadline = time.monotonic() + grace
             while steps["pserver"].poll() is None and time.monotonic() < deadline:
@@ -258,8 +280,9 @@ def cmd_batch(args) -> int:
             steps["pserver"].stop()
     finally:
         for role, step in steps.items():
-            state["steps"][role] = {"code": step.stop(), "stopped": step.stopped}
+            state["steps"][role] = {"code": step.stop(), "stopped": step.stopped, "tasks": step.codes}
         _sweep_nodes(job["job"], nodes, files)
+        shutil.rmtree(args.dir, ignore_errors=True)
         state["state"] = "failed" if reason else "succeeded"
         state["reason"] = reason
         state["ended_at"] = time.time()
@@ -270,10 +293,11 @@ def cmd_batch(args) -> int:
 
 def _sweep_nodes(job_id: str, nodes: list, files: dict) -> None:
     """One task per node sweeps what carries the job's tag (orphans that left their step) and our files."""
-    argv = ["srun", "--overlap", "--mpi=none", "--nodes=%d" % len(nodes), "--ntasks-per-node=1",
+    argv = ["srun", "--overlap", "--mpi=none", "--nodes=%d" % len(nodes), "--ntasks=%d" % len(nodes),
+            "--ntasks-per-node=1",
             "--job-name=sweep", sys.executable or "python3", files["program"], "sweep", job_id,
             files["program"], files["tasks"]]
-    res = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
+    res = subprocess.run(argv, env=_step_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
     for line in res.stdout.splitlines():
         _say("sweep: " + line)
 
@@ -282,7 +306,11 @@ def _sweep_nodes(job_id: str, nodes: list, files: dict) -> None:
 
 
 def cmd_task(args) -> int:
-    """One srun task: become tasks[role][SLURM_PROCID] (env, cwd, argv)."""
+    """One srun task: start tasks[role][SLURM_PROCID] (env, cwd, argv) as a child and relay its output.
+
+    A middleman rather than exec: a process the user's program leaves behind (setsid, daemonised) keeps
+    the child's pipe, not the step's, so the step ends when the program does; the sweep ends the rest.
+    """
     with open(args.tasks) as fh:
         tasks = json.load(fh)[args.role]
     rank = int(os.environ["SLURM_PROCID"])
@@ -294,18 +322,43 @@ def cmd_task(args) -> int:
         return 2
     env = dict(os.environ)
     env.update(task["env"])
+    cwd = _home_path(task["cwd"])
     try:
-        os.chdir(_home_path(task["cwd"]))
+        child = subprocess.Popen(task["argv"], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     except OSError as e:
-        sys.stderr.write("clusterctl-slurm: %s.%d: cannot enter workspace %s: %s (not dispatched?)\n"
-                         % (args.role, rank, task["cwd"], e.strerror))
-        return 2
-    try:
-        os.execvpe(task["argv"][0], task["argv"], env)
-    except OSError as e:
-        sys.stderr.write("clusterctl-slurm: %s.%d: cannot run %s: %s\n" % (args.role, rank, task["argv"][0], e.strerror))
+        what = "workspace %s" % task["cwd"] if not os.path.isdir(cwd) else task["argv"][0]
+        sys.stderr.write("clusterctl-slurm: %s.%d: cannot run %s: %s%s\n" % (
+            args.role, rank, what, e.strerror, " (not dispatched?)" if not os.path.isdir(cwd) else ""))
         return 127
-    return 0
+
+    def forward(signum, _frame):
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)
+    relay = threading.Thread(target=_relay, args=(child.stdout.fileno(),), daemon=True)
+    relay.start()
+    rc = child.wait()
+    relay.join(1.0)  # what the program wrote before exiting; a leftover holding the pipe is not waited for
+    sys.stdout.flush()
+    return rc if rc >= 0 else 128 - rc
+
+
+def _relay(fd: int) -> None:
+    out = sys.stdout.buffer
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        out.write(chunk)
+        out.flush()
 
 
 # -------------------------------------------------------------------------------------------- sweep

@@ -310,8 +310,16 @@ def _status(spec: ClusterSpec, plan: JobPlan, remote: Remote, login: Host) -> Jo
             if state in ("running", "stopping") and found.get("state") == "running":
                 pstate, code = "running", None
             elif p["role"] in steps:
-                code, by_us = steps[p["role"]]["code"], steps[p["role"]]["stopped"]
-                pstate = "exited" if code == 0 else ("stopped" if by_us or state == "stopped" else "failed")
+                step = steps[p["role"]]
+                codes = step.get("tasks") or {}
+                first = next(iter(codes), None)
+                code = codes.get(str(p["id"]), 0 if step["code"] == 0 or codes else None)
+                if code == 0:
+                    pstate = "exited"
+                elif step["stopped"] or state == "stopped" or (first is not None and str(p["id"]) != first):
+                    pstate = "stopped"
+                else:
+                    pstate = "failed"
             else:
                 pstate, code = ("stopped" if state == "stopped" else "not started"), None
             procs.append(ProcessStatus(p["node"], p["role"], p["id"], None, pstate, code, None))
