@@ -380,22 +380,23 @@ def _tagged(job_id: str) -> list:
     return found
 
 
+def _signal(pids: list, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def sweep(job_id: str, grace: float = SWEEP_GRACE) -> list:
-    """SIGTERM every process tagged with the job, SIGKILL what is left after grace; the pids signalled."""
-    pids = _tagged(job_id)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace
-        while sig == signal.SIGTERM and _tagged(job_id) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        pids = _tagged(job_id) if sig == signal.SIGTERM else pids
-        if not pids:
-            break
-    return pids
+    """SIGTERM every process tagged with the job, SIGKILL what is left after grace; the pids found."""
+    found = _tagged(job_id)
+    _signal(found, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _tagged(job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _signal(_tagged(job_id), signal.SIGKILL)
+    return found
 
 
 def cmd_sweep(args) -> int:
