@@ -120,13 +120,14 @@ def _home_path(path: str) -> str:
 class _Step:
     """One srun step of a role: output demultiplexed by task label into <log_dir>/<role>.<id>.log."""
 
-    def __init__(self, role: str, tasks: list, files: dict, log_dir: str, grace: float):
+    def __init__(self, role: str, tasks: list, files: dict, log_dir: str, grace: float,
+                 kill_on_bad_exit: bool = True):
         self.role, self.tasks = role, tasks
         hostfile = os.path.join(files["dir"], role + ".hosts")
         with open(hostfile, "w") as fh:
             fh.write("".join(t["node"] + "\n" for t in tasks))
         env = _step_env(SLURM_HOSTFILE=hostfile)
-        argv = ["srun", "--overlap", "--mpi=none", "--kill-on-bad-exit=1", "--label",
+        argv = ["srun", "--overlap", "--mpi=none", "--kill-on-bad-exit=%d" % kill_on_bad_exit, "--label",
                 "--job-name=" + role, "--distribution=arbitrary", "--ntasks=%d" % len(tasks),
                 "--wait=0",
                 sys.executable or "python3", files["program"], "task", files["tasks"], role]
@@ -259,7 +260,8 @@ def cmd_batch(args) -> int:
                     break
                 time.sleep(0.2)
         if reason is None:
-            steps["trainer"] = _Step("trainer", tasks["trainer"], files, log_dir, grace)
+            steps["trainer"] = _Step("trainer", tasks["trainer"], files, log_dir, grace,
+                                     kill_on_bad_exit=job.get("on_failure", "stop") == "stop")
             while steps["trainer"].poll() is None:
                 ps = steps.get("pserver")
                 if ps is not None and ps.poll() not in (None, 0):
@@ -297,7 +299,8 @@ def _sweep_nodes(job_id: str, nodes: list, files: dict) -> None:
             "--ntasks-per-node=1",
             "--job-name=sweep", sys.executable or "python3", files["program"], "sweep", job_id,
             files["program"], files["tasks"]]
-    res = subprocess.run(argv, env=_step_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
+    res = subprocess.run(argv, env=_step_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         universal_newlines=True)
     for line in res.stdout.splitlines():
         _say("sweep: " + line)
 

@@ -251,7 +251,8 @@ def up(
             net = tc._ensure_network(name)
             say(f"starting {nodes} Slurm node(s) on network {net}")
             containers = [_start_node(name, 0, image, net)]
-            containers += tc._parallel(lambda i: _start_node(name, i, image, net), list(range(1, nodes)), "starting nodes")
+            containers += tc._parallel(lambda i: _start_node(name, i, image, net), list(range(1, nodes)),
+                                       "starting nodes")
         node_list = tc._wait_nodes(name, containers, tc._network_name(name), say)
         key_path, known_hosts = tc._pin_and_authorize(node_list, state)
         nodes_done = time.monotonic()

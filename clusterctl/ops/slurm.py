@@ -96,6 +96,7 @@ def job_file(spec: ClusterSpec, plan: JobPlan) -> dict:
         "nodes": len(plan.hosts),
         "log_dir": plan.log_dir,
         "grace": plan.grace,
+        "on_failure": plan.on_failure,
         "endpoints": spec.slurm.endpoints,
         "wait_pservers": WAIT_PSERVERS_S,
         "processes": [
@@ -161,7 +162,8 @@ def _record_path(plan: JobPlan) -> str:
 
 
 def _read_record(remote: Remote, login: Host, plan: JobPlan) -> dict | None:
-    res = remote.run(f"cat {quote(_record_path(plan))}", hosts=[login], check=False, what="reading the job record")[login]
+    res = remote.run(f"cat {quote(_record_path(plan))}", hosts=[login], check=False,
+                     what="reading the job record")[login]
     if res.exit_code == 255 and not res.stdout:
         raise SlurmError(f"cannot reach the Slurm login node {login.label}: {res.stderr.strip()[-300:]}")
     if res.exit_code != 0:

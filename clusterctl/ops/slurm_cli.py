@@ -11,22 +11,23 @@ from rich.markup import escape
 from ..console import err, out, write_line
 from ..spec import ClusterSpec, load_spec
 
-__all__ = ["is_slurm", "run_dispatch", "run_start", "run_status", "run_logs", "run_stop"]
+__all__ = ["load", "is_slurm", "run_dispatch", "run_start", "run_status", "run_logs", "run_stop"]
 
 
-def _load(spec) -> ClusterSpec:
+def load(spec) -> ClusterSpec:
+    """The spec itself, or loaded from its path (once, for both backends)."""
     return spec if isinstance(spec, ClusterSpec) else load_spec(spec)
 
 
 def is_slurm(spec) -> bool:
     """True when the spec (a path or a ClusterSpec) says `backend: slurm`."""
-    return _load(spec).backend == "slurm"
+    return load(spec).backend == "slurm"
 
 
 def _plan(spec):
     from . import plan_for
 
-    s = _load(spec)
+    s = load(spec)
     return s, plan_for(s)
 
 
@@ -42,7 +43,8 @@ def run_dispatch(spec) -> int:
     t0 = time.monotonic()
     results = dispatch(s, plan)
     for r in results:
-        out.print(f"{escape(r.host.label)}: {r.files_sent} file(s), {r.bytes_sent} bytes, generation {escape(r.generation)}")
+        out.print(f"{escape(r.host.label)}: {r.files_sent} file(s), {r.bytes_sent} bytes, "
+                  f"generation {escape(r.generation)}")
     out.print(f"dispatch to {len(results)} host(s) in {time.monotonic() - t0:.1f}s")
     return 0
 
@@ -83,7 +85,8 @@ def run_stop(spec) -> int:
         out.print(f"job {escape(plan.job)} stopped (Slurm job {res['slurm_job']}, swept {len(res['nodes'])} node(s)"
                   + (f", {len(res['killed'])} process(es) killed)" if res["killed"] else ")"))
     else:
-        out.print(f"job {escape(plan.job)} is not running" + (f" (swept {len(res['nodes'])} node(s))" if res["nodes"] else ""))
+        swept = f" (swept {len(res['nodes'])} node(s))" if res["nodes"] else ""
+        out.print(f"job {escape(plan.job)} is not running{swept}")
     return 0
 
 
