@@ -224,6 +224,12 @@ def _node_hosts(spec: ClusterSpec, addrs: dict[str, str]) -> tuple[Host, ...]:
 # ------------------------------------------------------------------------------------- operations
 
 
+def _mkdir_on_nodes(spec: ClusterSpec, plan: JobPlan, addrs: dict[str, str]) -> None:
+    hosts = _node_hosts(spec, addrs)
+    with _remote(spec, hosts) as remote:
+        remote.run(join(["mkdir", "-p", plan.log_dir]), what="creating the log directory")
+
+
 def dispatch(spec: ClusterSpec, plan: JobPlan) -> list:
     """Ship the workspace: to every node of the partition (dispatch), or to the login node (shared fs)."""
     from .dispatch import dispatch as ssh_dispatch
@@ -258,6 +264,9 @@ def start(spec: ClusterSpec, plan: JobPlan, *, on_progress: Callable[[str], None
                                "stop it first (clusterctl stop)")
         if spec.slurm.workspace == "shared":
             _run(remote, login, join(["mkdir", "-p", plan.log_dir]), what="creating the log directory")
+        else:  # sbatch --output must be writable on whichever node becomes the batch host
+            say("creating the log directory on the partition's nodes")
+            _mkdir_on_nodes(spec, plan, _addresses(remote, login, spec.slurm.partition))
         say("submitting the batch job")
         script = batch_script(spec, plan, _source("slurmjob"))
         out = _run(remote, login, "sbatch --parsable", stdin=script.encode(), what="sbatch")
@@ -291,6 +300,13 @@ def _read_state_file(spec: ClusterSpec, plan: JobPlan, host: Host) -> dict | Non
         return None
 
 
+def _batch_tail(spec: ClusterSpec, plan: JobPlan, host: Host, job_id: str, lines: int = 3) -> str:
+    path = posixpath.join(plan.log_dir, f"slurm-{job_id}.out")
+    with _remote(spec, (host,)) as remote:
+        res = remote.run(join(["tail", "-n", str(lines), path]), hosts=[host], check=False, what="batch output")[host]
+    return " | ".join(res.stdout.strip().splitlines()) if res.exit_code == 0 else ""
+
+
 def _status(spec: ClusterSpec, plan: JobPlan, remote: Remote, login: Host) -> JobStatus:
     record = _read_record(remote, login, plan)
     if record is None:
@@ -304,6 +320,9 @@ def _status(spec: ClusterSpec, plan: JobPlan, remote: Remote, login: Host) -> Jo
     procs: list[ProcessStatus] = []
     log_host = _log_host(spec, remote, login, sj) if state != "pending" else None
     found = _read_state_file(spec, plan, log_host) if log_host else None
+    if log_host and state == "failed" and not (found and found.get("slurm_job") == sj.id):
+        tail = _batch_tail(spec, plan, log_host, sj.id)  # the batch program itself failed early
+        reason += f"; slurm-{sj.id}.out ends: {tail}" if tail else ""
     if found and found.get("slurm_job") == sj.id:
         if found.get("reason"):
             reason += f"; {found['reason']}"
@@ -318,8 +337,8 @@ def _status(spec: ClusterSpec, plan: JobPlan, remote: Remote, login: Host) -> Jo
                 code = codes.get(str(p["id"]), 0 if step["code"] == 0 or codes else None)
                 if code == 0:
                     pstate = "exited"
-                elif step["stopped"] or state == "stopped" or (first is not None and str(p["id"]) != first):
-                    pstate = "stopped"
+                elif step["stopped"] or state == "stopped" or (str(p["id"]) != first and code in (137, 143)):
+                    pstate = "stopped"  # by us, by scancel, or by srun's kill-on-bad-exit after the first failure
                 else:
                     pstate = "failed"
             else:

@@ -9,6 +9,7 @@ import time
 from rich.markup import escape
 
 from ..console import err, out, write_line
+from ..errors import JobError
 from ..spec import ClusterSpec, load_spec
 
 __all__ = ["load", "is_slurm", "run_dispatch", "run_start", "run_status", "run_logs", "run_stop"]
@@ -108,7 +109,10 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
         while (st := status(s, plan)).state == "pending":
             time.sleep(0.5)
         if st.state not in ("unknown", "not running"):
-            logs(s, plan, on_line=_raw_line, follow=True)
+            try:
+                logs(s, plan, on_line=_raw_line, follow=True)
+            except JobError as exc:  # e.g. the batch program failed before writing any state
+                err.print(f"[yellow]{escape(str(exc))}[/]")
         deadline = time.monotonic() + 60
         while (st := status(s, plan)).state in ("running", "stopping") and time.monotonic() < deadline:
             time.sleep(0.5)
