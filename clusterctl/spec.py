@@ -259,6 +259,21 @@ class SlurmSpec(_Model):
     workspace: Literal["dispatch", "shared"] = "dispatch"  # shared: workspace.remote is on a shared fs
     endpoints: Literal["ip", "hostname"] = "ip"  # what endpoints use: the node's IP or its Slurm name
 
+    @field_validator("partition", "time", "account", "qos")
+    @classmethod
+    def _word(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9_.:,+=@/-]+", v):
+            raise ValueError(f"expected one word (letters, digits, _.:,+=@/-), got {v!r}")
+        return v
+
+    @field_validator("sbatch_args")
+    @classmethod
+    def _args(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in v:
+            if not arg.startswith("-") or any(c in arg for c in "\r\n"):
+                raise ValueError(f"each item is one sbatch option on one line, starting with '-': {arg!r}")
+        return v
+
     @field_validator("login")
     @classmethod
     def _login(cls, v: str) -> str:

@@ -64,6 +64,10 @@ def test_hosts_give_the_shape_of_each_node():
     (BASE + "data: {local: d}\n", "data: data: is not supported with backend: slurm yet; put the files in the workspace"),
     (BASE.replace("login: login1", "login: 'a b'"), "slurm.login: not a host name, ssh alias or IP address: 'a b'"),
     (BASE.replace("backend: slurm", "backend: k8s"), "backend: expected one of 'ssh' or 'slurm', got 'k8s'"),
+    (BASE.replace("partition: gpu", 'partition: "gpu\\nrm -rf ~"'),  # a real newline: an #SBATCH line injected
+     "slurm.partition: expected one word (letters, digits, _.:,+=@/-), got 'gpu\\nrm -rf ~'"),
+    (BASE.replace("time:", "sbatch_args: [exclusive], time:"),
+     "slurm.sbatch_args: each item is one sbatch option on one line, starting with '-': 'exclusive'"),
 ])
 def test_slurm_spec_problems(text, expected):
     assert problems(text) == [expected]
