@@ -855,6 +855,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     """`testcluster up`: bring the cluster up and print its nodes and spec path."""
     from rich.table import Table
 
+    if getattr(args, "slurm", False):  # a Slurm cluster on these nodes: clusterctl/testcluster_slurm.py
+        from .testcluster_slurm import cmd_up as slurm_up
+
+        return slurm_up(args)
     console = _console()
     packages = [p for p in (args.packages or "").split(",") if p.strip()]
     info = up(
@@ -916,6 +920,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p_up.add_argument("--spec-out", help="where to write the spec (default: <state dir>/cluster.yaml)")
     p_up.add_argument("--base-image", help="base image to build nodes FROM (default: local debootstrap build)")
     p_up.add_argument("--packages", help="comma-separated pip requirements to put in /opt/venv")
+    p_up.add_argument("--slurm", action="store_true", help="add slurm-wlm and munge and start Slurm (docs/slurm.md)")
     p_up.set_defaults(func=cmd_up)
 
     p_status = sub.add_parser("status", help="show the cluster's nodes")

@@ -220,6 +220,7 @@ def up(
     spec_out: Path | None = None,
     packages: list[str] | None = None,
     *,
+    base_image: str | None = None,
     progress: tc.Progress | None = None,
 ) -> tc.ClusterInfo:
     """Bring up (or reuse) an N-node Slurm cluster named name and write its spec; see module docs."""
@@ -234,7 +235,7 @@ def up(
     state.mkdir(parents=True, exist_ok=True)
     state.chmod(0o700)
     with tc._locked("images"):
-        base = tc._resolve_base_image(None, say)
+        base = tc._resolve_base_image(base_image, say)
         node_image, built = tc._ensure_node_image(base, pkgs, say)
         image, slurm_built = _ensure_slurm_image(node_image, say)
     images_done = time.monotonic()
@@ -279,13 +280,13 @@ def down(name: str = DEFAULT_NAME) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """`testcluster-slurm up`: bring the Slurm cluster up and print its nodes, timings and spec path."""
+    """`testcluster up --slurm` / `testcluster-slurm up`: bring the Slurm cluster up and print its nodes, timings and spec path."""
     from rich.console import Console
 
     console = Console(log_path=False)
     packages = [p for p in (args.packages or "").split(",") if p.strip()]
     info = up(args.nodes, name=args.name, spec_out=Path(args.spec_out) if args.spec_out else None,
-              packages=packages, progress=lambda msg: console.log(msg, markup=False, highlight=False))
+              packages=packages, base_image=getattr(args, "base_image", None), progress=lambda msg: console.log(msg, markup=False, highlight=False))
     for node in info.nodes:
         console.print(f"{node.container}  {node.ip}  {node.hostname}", markup=False, highlight=False)
     t = info.timings
