@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -178,9 +179,10 @@ class _Step:
         """Wait for the step and its output readers; the exit code."""
         rc = self.proc.wait()
         for r in self.readers:
-            r.join(5)
-        for fh in self.logs.values():
-            fh.close()
+            r.join(60)  # srun has exited: its pipes end once drained
+        if not any(r.is_alive() for r in self.readers):
+            for fh in self.logs.values():
+                fh.close()
         return rc
 
 
@@ -343,21 +345,26 @@ def cmd_task(args) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, forward)
-    relay = threading.Thread(target=_relay, args=(child.stdout.fileno(),), daemon=True)
-    relay.start()
+    _relay(child)
     rc = child.wait()
-    relay.join(1.0)  # what the program wrote before exiting; a leftover holding the pipe is not waited for
     sys.stdout.flush()
     return rc if rc >= 0 else 128 - rc
 
 
-def _relay(fd: int) -> None:
-    out = sys.stdout.buffer
+def _relay(child) -> None:
+    """Copy the child's output to ours until EOF, or until it has exited and nothing more is waiting.
+
+    What the child wrote before it exited is already in the pipe, so it is never lost; a process it left
+    behind that keeps the pipe open is not waited for.
+    """
+    fd, out = child.stdout.fileno(), sys.stdout.buffer
     while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:
-            return
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if not ready:
+            if child.poll() is not None:
+                return
+            continue
+        chunk = os.read(fd, 65536)
         if not chunk:
             return
         out.write(chunk)
