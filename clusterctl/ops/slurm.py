@@ -31,7 +31,8 @@ from .hosttools import _source, tool_command
 from .job import JobStatus, ProcessStatus
 
 __all__ = [
-    "RECORD_DIR", "job_file", "batch_script", "slurm_state", "dispatch", "start", "status", "logs", "stop",
+    "RECORD_DIR", "job_file", "batch_script", "slurm_state", "process_rows",
+    "dispatch", "start", "status", "logs", "stop",
     "SlurmJob",
 ]
 
@@ -300,6 +301,30 @@ def _read_state_file(spec: ClusterSpec, plan: JobPlan, host: Host) -> dict | Non
         return None
 
 
+def process_rows(state: str, found: dict) -> list[ProcessStatus]:
+    """Each process's row from the job's state (ours) and the batch program's state file (pure)."""
+    rows = []
+    steps = found.get("steps") or {}
+    for p in found.get("processes", []):
+        if state in ("running", "stopping") and found.get("state") == "running":
+            pstate, code = "running", None
+        elif p["role"] in steps:
+            step = steps[p["role"]]
+            codes = step.get("tasks") or {}  # srun's reports of tasks that ended badly, first one first
+            first = next(iter(codes), None)
+            code = codes.get(str(p["id"]), 0 if step["code"] == 0 or codes else None)
+            if code == 0:
+                pstate = "exited"
+            elif step["stopped"] or state == "stopped" or (str(p["id"]) != first and code in (137, 143)):
+                pstate = "stopped"  # by us, by scancel, or by srun's kill-on-bad-exit after the first failure
+            else:
+                pstate = "failed"
+        else:
+            pstate, code = ("stopped" if state == "stopped" else "not started"), None
+        rows.append(ProcessStatus(p["node"], p["role"], p["id"], None, pstate, code, None))
+    return rows
+
+
 def _batch_tail(spec: ClusterSpec, plan: JobPlan, host: Host, job_id: str, lines: int = 3) -> str:
     path = posixpath.join(plan.log_dir, f"slurm-{job_id}.out")
     with _remote(spec, (host,)) as remote:
@@ -326,24 +351,7 @@ def _status(spec: ClusterSpec, plan: JobPlan, remote: Remote, login: Host) -> Jo
     if found and found.get("slurm_job") == sj.id:
         if found.get("reason"):
             reason += f"; {found['reason']}"
-        steps = found.get("steps") or {}
-        for p in found.get("processes", []):
-            if state in ("running", "stopping") and found.get("state") == "running":
-                pstate, code = "running", None
-            elif p["role"] in steps:
-                step = steps[p["role"]]
-                codes = step.get("tasks") or {}
-                first = next(iter(codes), None)
-                code = codes.get(str(p["id"]), 0 if step["code"] == 0 or codes else None)
-                if code == 0:
-                    pstate = "exited"
-                elif step["stopped"] or state == "stopped" or (str(p["id"]) != first and code in (137, 143)):
-                    pstate = "stopped"  # by us, by scancel, or by srun's kill-on-bad-exit after the first failure
-                else:
-                    pstate = "failed"
-            else:
-                pstate, code = ("stopped" if state == "stopped" else "not started"), None
-            procs.append(ProcessStatus(p["node"], p["role"], p["id"], None, pstate, code, None))
+        procs = process_rows(state, found)
     return JobStatus(plan.job, state, reason, procs)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from clusterctl import slurmjob
 from clusterctl.errors import SpecError
-from clusterctl.ops.slurm import batch_script, job_file, slurm_state
+from clusterctl.ops.slurm import batch_script, job_file, process_rows, slurm_state
 from clusterctl.plan import make_plan
 from clusterctl.spec import parse_spec
 
@@ -61,7 +61,8 @@ def test_hosts_give_the_shape_of_each_node():
      "job.launcher: launcher: mpi is not supported with backend: slurm"),
     (BASE.replace("time:", "workspace: shared, time:") + "workspace: {remote: rel/dir}\n",
      "workspace.remote: slurm.workspace: shared needs an absolute path on the shared filesystem"),
-    (BASE + "data: {local: d}\n", "data: data: is not supported with backend: slurm yet; put the files in the workspace"),
+    (BASE + "data: {local: d}\n",
+     "data: data: is not supported with backend: slurm yet; put the files in the workspace"),
     (BASE.replace("login: login1", "login: 'a b'"), "slurm.login: not a host name, ssh alias or IP address: 'a b'"),
     (BASE.replace("backend: slurm", "backend: k8s"), "backend: expected one of 'ssh' or 'slurm', got 'k8s'"),
     (BASE.replace("partition: gpu", 'partition: "gpu\\nrm -rf ~"'),  # a real newline: an #SBATCH line injected
@@ -121,6 +122,31 @@ def test_slurm_states(word, state):
     assert slurm_state(word) == state
 
 
+def _found(steps, state="failed"):
+    procs = [{"role": "pserver", "id": 0, "node": "n0"}]
+    procs += [{"role": "trainer", "id": i, "node": f"n{i}"} for i in range(3)]
+    return {"state": state, "processes": procs, "steps": steps}
+
+
+def _rows(state, found):
+    return [(r.role, r.id, r.host, r.state, r.exit_code) for r in process_rows(state, found)]
+
+
+def test_process_rows_name_the_first_failure_and_what_was_stopped_after_it():
+    found = _found({"trainer": {"code": 3, "stopped": False, "tasks": {"1": 3, "2": 143, "0": 143}},
+                    "pserver": {"code": 143, "stopped": True, "tasks": {"0": 143}}})
+    assert _rows("failed", found) == [("pserver", 0, "n0", "stopped", 143), ("trainer", 0, "n0", "stopped", 143),
+                                      ("trainer", 1, "n1", "failed", 3), ("trainer", 2, "n2", "stopped", 143)]
+
+
+def test_process_rows_of_a_success_a_running_job_and_a_cancelled_one():
+    ok = _found({"trainer": {"code": 0, "stopped": False, "tasks": {}},
+                 "pserver": {"code": 0, "stopped": False, "tasks": {}}}, state="succeeded")
+    assert {r[3] for r in _rows("succeeded", ok)} == {"exited"}
+    assert {r[3] for r in _rows("running", _found({}, state="running"))} == {"running"}
+    assert {(r[3], r[4]) for r in _rows("stopped", _found({}, state="stopped"))} == {("stopped", None)}
+
+
 def test_slurm_conf_runs_the_controller_on_node0_without_cgroups():
     from clusterctl.testcluster import Node
     from clusterctl.testcluster_slurm import slurm_conf
@@ -147,7 +173,8 @@ def _tasks_file(tmp_path, argv, node="here", env=None):
 
 def _task(path, **env):
     return subprocess.run([sys.executable, slurmjob.__file__, "task", str(path), "trainer"], capture_output=True,
-                          text=True, timeout=30, env={**os.environ, "SLURM_PROCID": "0", "SLURMD_NODENAME": "here", **env})
+                          text=True, timeout=30,
+                          env={**os.environ, "SLURM_PROCID": "0", "SLURMD_NODENAME": "here", **env})
 
 
 def test_task_runs_the_planned_argv_with_its_env_in_its_cwd_and_returns_its_code(tmp_path):
@@ -177,7 +204,8 @@ def test_task_does_not_wait_for_a_child_left_holding_the_output(tmp_path):
 
 def test_sweep_kills_what_ignores_sigterm(tmp_path):
     job = f"ut-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                              "print('up', flush=True); time.sleep(60)"], env={**os.environ, "CLUSTERCTL_JOB": job},
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "up\n"
