@@ -17,7 +17,8 @@ from .errors import ClusterctlError, SpecError
 __all__ = ["main", "build_parser"]
 
 # Modules that add their own subcommands with `add_cli(subparsers)`; missing ones are skipped.
-_PLUGINS = ("clusterctl.testcluster", "clusterctl.testcluster_slurm", "clusterctl.ops.lifecycle_cli", "clusterctl.ops.provision_cli", "clusterctl.demo")
+_PLUGINS = ("clusterctl.testcluster", "clusterctl.ops.lifecycle_cli", "clusterctl.ops.provision_cli", "clusterctl.demo")
+_PLUGINS += ("clusterctl.testcluster_slurm",)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -581,7 +581,8 @@ def _slurm_problems(loc: Located, source: str, spec: ClusterSpec) -> list[SpecPr
         problems.append(_problem(loc, source, ("job", "pservers"),
                                  "under Slurm the nodes are known at run time: give a count or {per_host: N}"))
     if spec.job.launcher == "mpi":
-        problems.append(_problem(loc, source, ("job", "launcher"), "launcher: mpi is not supported with backend: slurm"))
+        problems.append(_problem(loc, source, ("job", "launcher"),
+                                 "launcher: mpi is not supported with backend: slurm"))
     if spec.data is not None:
         problems.append(_problem(loc, source, ("data",), "data: is not supported with backend: slurm yet; "
                                  "put the files in the workspace"))

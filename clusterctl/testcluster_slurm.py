@@ -280,13 +280,14 @@ def down(name: str = DEFAULT_NAME) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """`testcluster up --slurm` / `testcluster-slurm up`: bring the Slurm cluster up and print its nodes, timings and spec path."""
+    """`testcluster up --slurm` / `testcluster-slurm up`: bring the Slurm cluster up; print nodes, timings, spec."""
     from rich.console import Console
 
     console = Console(log_path=False)
     packages = [p for p in (args.packages or "").split(",") if p.strip()]
     info = up(args.nodes, name=args.name, spec_out=Path(args.spec_out) if args.spec_out else None,
-              packages=packages, base_image=getattr(args, "base_image", None), progress=lambda msg: console.log(msg, markup=False, highlight=False))
+              packages=packages, base_image=getattr(args, "base_image", None),
+              progress=lambda msg: console.log(msg, markup=False, highlight=False))
     for node in info.nodes:
         console.print(f"{node.container}  {node.ip}  {node.hostname}", markup=False, highlight=False)
     t = info.timings
