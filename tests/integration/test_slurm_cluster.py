@@ -44,13 +44,21 @@ time.sleep(600)
 """
 
 
+def _session_packages(config) -> list[str]:
+    """The session cluster's pip packages (tests/integration/conftest.py), so that both share a node image."""
+    for plugin in config.pluginmanager.get_plugins():
+        packages = getattr(plugin, "TESTCLUSTER_PACKAGES", None)
+        if packages is not None:
+            return list(packages)
+    return ["numpy", "mpi4py", "mpich", "pyzmq"]  # what these tests need
+
+
 @pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
+def slurm_cluster(tmp_path_factory, pytestconfig):
     """A 3-node Slurm cluster with this checkout of clusterctl in every node's /opt/venv."""
     from clusterctl import testcluster as tc
     from clusterctl import testcluster_slurm as tsl
     from clusterctl.errors import ClusterctlError
-    from conftest import TESTCLUSTER_PACKAGES
 
     try:
         tc.ensure_docker()
@@ -59,7 +67,8 @@ def slurm_cluster(tmp_path_factory):
             pytest.fail(f"docker cannot be used: {exc}")
         pytest.skip(f"docker cannot be used: {exc}")
     t0 = time.monotonic()
-    info = tsl.up(NODES, name=CLUSTER_NAME, packages=list(TESTCLUSTER_PACKAGES))
+    packages = _session_packages(pytestconfig)
+    info = tsl.up(NODES, name=CLUSTER_NAME, packages=packages)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
@@ -70,7 +79,7 @@ def slurm_cluster(tmp_path_factory):
         docker("cp", str(wheel), f"{node.container}:/tmp/{wheel.name}")
         docker("exec", node.container, "/opt/venv/bin/pip", "install", "-q", "--no-deps", "--no-index",
                "--force-reinstall", f"/tmp/{wheel.name}", timeout=120)
-    print(f"slurm cluster {info.name} up in {time.monotonic() - t0:.1f}s ({info.timings})")
+    print(f"slurm cluster {info.name} up in {time.monotonic() - t0:.1f}s ({info.timings}), packages {packages}")
     yield info
     if os.environ.get("CLUSTERCTL_KEEP_TESTCLUSTER") != "1":
         tsl.down(CLUSTER_NAME)
