@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -75,10 +76,14 @@ def slurm_cluster(tmp_path_factory, pytestconfig):
         check=True, capture_output=True, timeout=300,
     )
     wheel = next(out.glob("clusterctl-*.whl"))
-    for node in info.nodes:
-        docker("cp", str(wheel), f"{node.container}:/tmp/{wheel.name}")
-        docker("exec", node.container, "/opt/venv/bin/pip", "install", "-q", "--no-deps", "--no-index",
+
+    def install(container: str) -> None:
+        docker("cp", str(wheel), f"{container}:/tmp/{wheel.name}")
+        docker("exec", container, "/opt/venv/bin/pip", "install", "-q", "--no-deps", "--no-index",
                "--force-reinstall", f"/tmp/{wheel.name}", timeout=120)
+
+    with ThreadPoolExecutor(len(info.nodes)) as pool:
+        list(pool.map(install, [n.container for n in info.nodes]))
     print(f"slurm cluster {info.name} up in {time.monotonic() - t0:.1f}s ({info.timings}), packages {packages}")
     yield info
     if os.environ.get("CLUSTERCTL_KEEP_TESTCLUSTER") != "1":
