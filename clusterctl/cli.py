@@ -18,7 +18,7 @@ __all__ = ["main", "build_parser", "guarded"]
 
 # Modules that add their own subcommands with `add_cli(subparsers)`; missing ones are skipped.
 _PLUGINS = ("clusterctl.testcluster", "clusterctl.ops.lifecycle_cli", "clusterctl.ops.provision_cli", "clusterctl.demo",
-            "clusterctl.k8s")
+            "clusterctl.k8s", "clusterctl.testcluster_slurm")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ __all__ = [
     "DataSpec",
     "PortsSpec",
     "KubernetesSpec",
+    "SlurmSpec",
     "load_spec",
     "parse_spec",
     "parse_hostfile",
@@ -320,6 +321,40 @@ class KubernetesSpec(_Model):
         if isinstance(v, dict):
             return {r: {k: {n: _scalar_str(q) for n, q in qs.items()} if isinstance(qs, dict) else qs
                         for k, qs in kinds.items()} if isinstance(kinds, dict) else kinds for r, kinds in v.items()}
+class SlurmSpec(_Model):
+    """`backend: slurm`: one batch job submitted with sbatch over ssh to the login node (docs/slurm.md)."""
+
+    login: str = Field(min_length=1)  # host or ssh alias of a node where sbatch/squeue/scancel work
+    nodes: int | None = Field(None, ge=1, le=100000)  # default: len(hosts) when hosts give the shape
+    gpus_per_node: int = Field(0, ge=0, le=64)
+    partition: str | None = None
+    time: str | None = None  # sbatch --time, e.g. "01:00:00"
+    account: str | None = None
+    qos: str | None = None
+    sbatch_args: tuple[str, ...] = ()  # extra sbatch options, one per item
+    workspace: Literal["dispatch", "shared"] = "dispatch"  # shared: workspace.remote is on a shared fs
+    endpoints: Literal["ip", "hostname"] = "ip"  # what endpoints use: the node's IP or its Slurm name
+
+    @field_validator("partition", "time", "account", "qos")
+    @classmethod
+    def _word(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9_.:,+=@/-]+", v):
+            raise ValueError(f"expected one word (letters, digits, _.:,+=@/-), got {v!r}")
+        return v
+
+    @field_validator("sbatch_args")
+    @classmethod
+    def _args(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in v:
+            if not arg.startswith("-") or any(c in arg for c in "\r\n"):
+                raise ValueError(f"each item is one sbatch option on one line, starting with '-': {arg!r}")
+        return v
+
+    @field_validator("login")
+    @classmethod
+    def _login(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+", v):
+            raise ValueError(f"not a host name, ssh alias or IP address: {v!r}")
         return v
 
 
@@ -327,6 +362,8 @@ class ClusterSpec(_Model):
     """A whole cluster spec. `source` is the file it came from (for messages and relative paths)."""
 
     name: str
+    backend: Literal["ssh", "slurm"] = "ssh"
+    slurm: SlurmSpec | None = None
     ssh: SshSpec = SshSpec()
     hosts: tuple[HostSpec, ...] = ()
     hostfile: str | None = None
@@ -351,6 +388,8 @@ class ClusterSpec(_Model):
         if not self.workspace.remote:
             ws = self.workspace.model_copy(update={"remote": f"clusterctl/{self.name}"})
             object.__setattr__(self, "workspace", ws)
+        if self.backend == "slurm" and self.slurm is not None:
+            object.__setattr__(self, "hosts", _slurm_hosts(self.slurm, self.hosts))
         return self
 
     @property
@@ -424,6 +463,17 @@ def _jump_chain(v: Any) -> Any:
             parse_jump(hop)
         return tuple(v)
     return v
+
+
+def _slurm_hosts(slurm: SlurmSpec, hosts: tuple[HostSpec, ...]) -> tuple[HostSpec, ...]:
+    """Under Slurm, node i of the allocation is planned as host `slurm-node-<i>.invalid` (set at run time)."""
+    from .slurmjob import node_token
+
+    if hosts:  # the hosts give the shape (gpus, slots) of node i; Slurm picks the machines
+        keep = {"address": None, "port": None, "proxy_jump": None, "train_address": None}  # Slurm places them
+        return tuple(h.model_copy(update={**keep, "address": node_token(i)}) for i, h in enumerate(hosts))
+    gpus = tuple(range(slurm.gpus_per_node))
+    return tuple(HostSpec(address=node_token(i), gpus=gpus) for i in range(slurm.nodes or 0))
 
 
 def _scalar_str(v: Any) -> Any:
@@ -656,8 +706,36 @@ def _dedupe(problems: list[SpecProblem]) -> list[SpecProblem]:
     return out
 
 
-def _semantic_problems(loc: Located, source: str, spec: ClusterSpec) -> list[SpecProblem]:
+def _slurm_problems(loc: Located, source: str, spec: ClusterSpec) -> list[SpecProblem]:
+    if spec.backend != "slurm":
+        return [_problem(loc, source, ("slurm",), "a slurm: section needs backend: slurm")] if spec.slurm else []
+    if spec.slurm is None:
+        return [_problem(loc, source, ("backend",), "backend: slurm needs a slurm: section (login:, nodes:, ...)")]
     problems = []
+    given = loc.data.get("hosts") if isinstance(loc.data, dict) else None
+    if spec.slurm.nodes is None and not given:
+        problems.append(_problem(loc, source, ("slurm",), "give slurm.nodes (or hosts, for the shape of each node)"))
+    if spec.slurm.nodes is not None and given and spec.slurm.nodes != len(given):
+        problems.append(_problem(loc, source, ("slurm", "nodes"), f"{spec.slurm.nodes} nodes but {len(given)} hosts"))
+    if isinstance(spec.job.pservers, tuple):
+        problems.append(_problem(loc, source, ("job", "pservers"),
+                                 "under Slurm the nodes are known at run time: give a count or {per_host: N}"))
+    if spec.job.launcher == "mpi":
+        problems.append(_problem(loc, source, ("job", "launcher"),
+                                 "launcher: mpi is not supported with backend: slurm"))
+    if spec.data is not None:
+        problems.append(_problem(loc, source, ("data",), "data: is not supported with backend: slurm yet; "
+                                 "put the files in the workspace"))
+    if spec.slurm.workspace == "shared" and not spec.workspace.remote.startswith("/"):
+        problems.append(_problem(loc, source, ("workspace", "remote"),
+                                 "slurm.workspace: shared needs an absolute path on the shared filesystem"))
+    return problems
+
+
+def _semantic_problems(loc: Located, source: str, spec: ClusterSpec) -> list[SpecProblem]:
+    problems = _slurm_problems(loc, source, spec)
+    if problems:
+        return problems
     if not spec.hosts:
         where = ("hostfile",) if spec.hostfile else ("hosts",)
         problems.append(_problem(loc, source, where, "no hosts: list at least one host"))

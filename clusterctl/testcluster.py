@@ -1244,6 +1244,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     """`testcluster up`: bring the cluster up and print its nodes and spec path."""
     from rich.table import Table
 
+    if getattr(args, "slurm", False):  # a Slurm cluster on these nodes: clusterctl/testcluster_slurm.py
+        from .testcluster_slurm import cmd_up as slurm_up
+
+        return slurm_up(args)
     console = _console()
     packages = [p for p in (args.packages or "").split(",") if p.strip()]
     info = up(
@@ -1326,6 +1330,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         metavar="K",
         help="node K's sudo wants a password (never written anywhere); repeatable; needs --user",
     )
+    p_up.add_argument("--slurm", action="store_true", help="add slurm-wlm and munge and start Slurm (docs/slurm.md)")
     p_up.set_defaults(func=cmd_up)
 
     p_status = sub.add_parser("status", help="show the cluster's nodes")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from ..errors import ClusterctlError
 from ..plan import JobPlan, make_plan
 from ..remote import Remote, SshOptions
 from ..spec import ClusterSpec, load_spec
@@ -57,6 +58,9 @@ def _dotted(path: tuple) -> str:
 def open_session(spec_or_path: "str | ClusterSpec"):
     """Load (if given a path) and plan a spec, open a Remote to its hosts, close it afterwards."""
     spec = spec_or_path if isinstance(spec_or_path, ClusterSpec) else load_spec(spec_or_path)
+    if spec.backend == "slurm":  # its hosts are placeholders until the job runs (ops/slurm.py)
+        raise ClusterctlError(f"{spec.source}: this command works on SSH hosts; with backend: slurm use "
+                              "dispatch, start, status, logs or stop")
     plan = plan_for(spec)
     with Remote(plan.hosts, SshOptions.from_spec(spec)) as remote:
         yield Session(spec, plan, remote)

@@ -28,9 +28,13 @@ def cmd_dispatch(args: argparse.Namespace) -> int:
     """Ship the workspace to every host; print what each host received."""
     from . import open_session
     from .dispatch import dispatch
+    from .slurm_cli import load, run_dispatch
 
+    spec = load(args.spec)
+    if spec.backend == "slurm":
+        return run_dispatch(spec)
     t0 = time.monotonic()
-    with open_session(args.spec) as session:
+    with open_session(spec) as session:
         results = dispatch(session)
     table = Table(title=f"dispatch ({time.monotonic() - t0:.1f}s)", title_justify="left")
     for col in ("host", "files sent", "bytes sent", "deleted", "generation"):
@@ -78,6 +82,11 @@ def _raw_line(host, stream, line) -> None:
 
 def run_status(spec, *, as_json: bool = False) -> int:
     """Print the job's status; exit 0 unless a host is unreachable."""
+    from . import slurm_cli
+
+    spec = slurm_cli.load(spec)
+    if spec.backend == "slurm":
+        return slurm_cli.run_status(spec, as_json=as_json)
     from . import open_session
     from .job import status
 
@@ -92,6 +101,11 @@ def run_status(spec, *, as_json: bool = False) -> int:
 
 def run_stop(spec) -> int:
     """Stop the job everywhere; say so when it was not running."""
+    from . import slurm_cli
+
+    spec = slurm_cli.load(spec)
+    if spec.backend == "slurm":
+        return slurm_cli.run_stop(spec)
     from . import open_session
     from .job import stop
 
@@ -108,6 +122,11 @@ def run_stop(spec) -> int:
 
 def run_logs(spec, *, follow=False, role=None, id=None, host=None, lines=None) -> int:
     """Print `[host role.id] line` for every selected log, optionally following."""
+    from . import slurm_cli
+
+    spec = slurm_cli.load(spec)
+    if spec.backend == "slurm":
+        return slurm_cli.run_logs(spec, follow=follow, role=role, id=id, host=host, lines=lines)
     from . import open_session
     from .job import logs
 
@@ -135,6 +154,11 @@ def _stop_after_interrupt(session) -> int:
 
 def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> int:
     """(Dispatch,) start, print the status; with follow, stream logs until the end and exit with the job's state."""
+    from . import slurm_cli
+
+    spec = slurm_cli.load(spec)
+    if spec.backend == "slurm":
+        return slurm_cli.run_start(spec, dispatch_first=dispatch_first, follow=follow)
     from . import open_session
     from .dispatch import dispatch
     from .job import logs, start, status
