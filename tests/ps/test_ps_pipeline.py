@@ -92,13 +92,17 @@ def _raw(endpoint: str, header: dict, *buffers: bytes) -> dict:
 
 
 @pytest.mark.parametrize(("mode", "fields", "code", "message"), [
-    ("sync", {"off": [0]}, "bad_request", "needs async mode"),
+    ("geo", {"off": [0]}, "bad_request", "needs sync or async mode"),
+    ("sync", {"off": [0]}, "bad_request", "parts must be an integer above part (0), got None"),
+    ("sync", {"off": [0], "part": 1, "parts": 1}, "bad_request", "parts must be an integer above part (1), got 1"),
+    ("sync", {"off": [2], "parts": 2}, "shape_mismatch",
+     "block 'b.block0': piece at 2 does not continue the trainer's previous piece (ends at 0)"),
     ("async", {"off": [0, 1]}, "bad_request", "one integer element offset per tensor"),
     ("async", {"off": ["0"]}, "bad_request", "one integer element offset per tensor"),
     ("async", {"off": [6]}, "shape_mismatch", "got float32[6:8], holds float32[7]"),
     ("async", {"off": [-1]}, "shape_mismatch", "got float32[-1:1]"),
     ("async", {"off": [0], "part": -1}, "bad_request", "part must be a non-negative integer"),
-], ids=["sync", "off-count", "off-type", "past-end", "negative", "part"])
+], ids=["geo", "sync-no-parts", "sync-part-past-parts", "sync-out-of-order", "off-count", "off-type", "past-end", "negative", "part"])
 def test_malformed_pieces_are_rejected(servers, mode, fields, code, message):
     g = servers(1, num_trainers=1, mode=mode)
     with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode=mode, timeout=5) as c:
