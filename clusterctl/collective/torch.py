@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future
+
 import torch as _torch
 
 from ._mpi import default
 from .errors import CollectiveError
 from .fusion import plan_buckets
 
-__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "OVERLAP_ENV"]
+
+#: ``1``: reduce buckets on the worker thread, overlapping backward; ``0``: on the thread that runs
+#: backward, inside the hook; unset: overlap only when every local rank has a spare core.
+OVERLAP_ENV = "CLUSTERCTL_COLLECTIVE_OVERLAP"
 
 
 def broadcast_parameters(params, root: int = 0, *, comm=None) -> None:
@@ -32,6 +39,23 @@ def broadcast_optimizer_state(optimizer, root: int = 0, *, comm=None) -> None:
     from .ops import broadcast_object
     state = broadcast_object(optimizer.state_dict(), root, comm=comm)
     optimizer.load_state_dict(state)
+
+
+def _choose_overlap(overlap, comm) -> bool:
+    """Explicit ``overlap``, else the environment, else: a worker thread only when cores are spare.
+
+    Overlapping needs a core for the worker thread: with one core per rank (e.g. 2 ranks on 2 cores,
+    OMP_NUM_THREADS=1) the worker and backward time-slice one core, and every flag barrier of a
+    bucket may wait a scheduler slice for a peer's worker; reducing inline in the hook avoids both.
+    """
+    if overlap is not None:
+        return bool(overlap)
+    from ._mpi import _env_bool
+    env = os.environ.get(OVERLAP_ENV, "").strip()
+    if env:
+        return _env_bool(OVERLAP_ENV, True)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= 2 * comm.topo.local_size
 
 
 class _Bucket:
@@ -69,7 +93,7 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer, named_parameters=None, *, op: str = "avg", comm=None,
                  fusion_threshold: int | None = None, compression: str | None = None,
-                 backward_passes_per_step: int = 1):
+                 backward_passes_per_step: int = 1, overlap: bool | None = None):
         if op not in ("sum", "avg"):
             raise CollectiveError(f"op={op!r}: expected 'sum' or 'avg'")
         if backward_passes_per_step != 1:
@@ -78,6 +102,7 @@ class DistributedOptimizer:
             raise CollectiveError(f"compression={compression!r}: expected None, 'fp16' or 'bf16'")
         self.optimizer = optimizer
         self.comm = default(comm)
+        self.overlap = _choose_overlap(overlap, self.comm)
         self.op = op
         self.compression = compression
         if named_parameters is None:
@@ -169,9 +194,18 @@ class DistributedOptimizer:
         self._launch_ready()
 
     def _launch(self, b) -> None:
-        from .ops import Handle, allreduce_async
+        from .ops import Handle, allreduce, allreduce_async
         c = self.comm
-        if b.host is not None:
+        if not self.overlap:              # reduce now, on this thread (no hand-off, no time-slicing)
+            if b.host is not None:
+                c.call(c.allreduce_resident, self._arena, b.host, self.op == "avg",
+                       f"gradient bucket ({len(b.params)} tensors)")
+            else:
+                allreduce(b.flat, self.op, out=b.flat, comm=c, compression=self.compression)
+            done = Future()
+            done.set_result(None)
+            b.handle = Handle(done)
+        elif b.host is not None:
             b.handle = Handle(c.submit(c.allreduce_resident, self._arena, b.host, self.op == "avg",
                                        f"gradient bucket ({len(b.params)} tensors)"))
         else:
