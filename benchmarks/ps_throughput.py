@@ -260,19 +260,20 @@ def main() -> int:
         rows.append((raw, zq, ps, ps / raw, ps / zq))
         print(f"# repeat {r}: iperf3 {raw:.0f} MB/s, bare pyzmq {zq:.0f} MB/s, ps push+pull {ps:.0f} MB/s, "
               f"ps/iperf3 {ps / raw:.2f}, ps/pyzmq {ps / zq:.2f}", flush=True)
-    med = [statistics.median(c) for c in zip(*rows, strict=True)] if rows else [float("nan")] * 5
-    print()
-    size_mb = args.transport_params * 4 / 1e6
-    print(f"| transport (1 trainer, 1 pserver, {size_mb:.0f} MB tensor) | MB/s (median of {args.repeats}) |")
-    print("| --- | ---: |")
-    print(f"| iperf3, 1 TCP stream, 127.0.0.1 | {med[0]:.0f} |")
-    print(f"| bare pyzmq DEALER/ROUTER, same exchange (both directions counted) | {med[1]:.0f} |")
-    print(f"| clusterctl.ps push+pull, SGD applied (both directions counted) | {med[2]:.0f} |")
-    print(f"| ratio ps / iperf3 (median of per-repeat ratios) | {med[3]:.2f} |")
-    print(f"| ratio ps / bare pyzmq (median of per-repeat ratios) | {med[4]:.2f} |")
+    med = [statistics.median(c) for c in zip(*rows, strict=True)] if rows else []
+    if rows:
+        print()
+        size_mb = args.transport_params * 4 / 1e6
+        print(f"| transport (1 trainer, 1 pserver, {size_mb:.0f} MB tensor) | MB/s (median of {args.repeats}) |")
+        print("| --- | ---: |")
+        print(f"| iperf3, 1 TCP stream, 127.0.0.1 | {med[0]:.0f} |")
+        print(f"| bare pyzmq DEALER/ROUTER, same exchange (both directions counted) | {med[1]:.0f} |")
+        print(f"| clusterctl.ps push+pull, SGD applied (both directions counted) | {med[2]:.0f} |")
+        print(f"| ratio ps / iperf3 (median of per-repeat ratios) | {med[3]:.2f} |")
+        print(f"| ratio ps / bare pyzmq (median of per-repeat ratios) | {med[4]:.2f} |")
 
     result = {"iperf3_MBps": med[0], "pyzmq_MBps": med[1], "ps_push_pull_MBps": med[2],
-              "ratio_iperf3": med[3], "ratio_pyzmq": med[4], "repeats": rows}
+              "ratio_iperf3": med[3], "ratio_pyzmq": med[4], "repeats": rows} if rows else {}
     if not args.skip_modes:
         print()
         title = f"mode (2 pservers, 4 trainers, {args.params / 1e6:.0f}M params)"

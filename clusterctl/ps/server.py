@@ -5,9 +5,11 @@ answered in arrival order except sync-mode pushes, whose replies are held until 
 has pushed for the round (the barrier); the round then sums the gradients in trainer-id order, divides
 by the number of contributors, applies one optimizer step, and replies to all of them.
 
-Async mode also takes *pipelined* push_pull requests (``"part"`` in the header): one request per
-piece of at most one wire chunk, applied and answered as soon as it arrives, so the trainer's sending
-of later pieces overlaps with the update and the reply of earlier ones (see :meth:`_push_part`).
+Sync and async mode also take *pipelined* push_pull requests (``"part"`` in the header): one request
+per piece of at most one wire chunk. Async applies and answers each piece as soon as it arrives
+(:meth:`_push_part`); sync reduces, applies and answers each range of a block as soon as every active
+trainer's pieces reached it (:meth:`_advance_round`). Either way the trainers' sending of later pieces
+overlaps with the update and the reply of earlier ones.
 """
 
 from __future__ import annotations
