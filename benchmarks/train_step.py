@@ -37,8 +37,14 @@ MB = 1 << 20
 
 
 def build_model(name: str, width: int):
-    """The benchmark's models: ``mlp`` (3 hidden layers of ``width``) or ``cnn`` (small ResNet-style)."""
+    """The benchmark's models: ``mlp`` (3 hidden layers of ``width``), ``deep`` (48 x Linear(512) +
+    LayerNorm: many small tensors) or ``cnn`` (small ResNet-style)."""
     import torch.nn as nn
+    if name == "deep":
+        layers = [nn.Linear(1024, 512)]
+        for _ in range(48):
+            layers += [nn.Linear(512, 512), nn.LayerNorm(512), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(512, 10))
     if name == "mlp":
         return nn.Sequential(nn.Linear(1024, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                              nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
@@ -67,7 +73,7 @@ def batch(name: str, size: int, rank: int):
     """A fixed random batch for this rank."""
     import torch
     g = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(size, 1024, generator=g) if name == "mlp" else torch.randn(size, 3, 32, 32, generator=g)
+    x = torch.randn(size, 3, 32, 32, generator=g) if name == "cnn" else torch.randn(size, 1024, generator=g)
     return x, torch.randint(0, 10, (size,), generator=g)
 
 
@@ -86,7 +92,8 @@ class Clock:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="mlp,cnn", help="comma-separated: mlp, cnn")
+    ap.add_argument("--models", default="mlp,cnn",
+                    help="comma-separated: mlp, deep, cnn; NAME:BATCH overrides the batch size")
     ap.add_argument("--steps", type=int, default=15, help="timed steps per method (after 3 warm-up)")
     ap.add_argument("--mlp-width", type=int, default=2048)
     ap.add_argument("--mlp-batch", type=int, default=64)
@@ -134,9 +141,10 @@ def main() -> int:
     c.allreduce_resident = timed_kernel
 
     results = []
-    for mname in args.models.split(","):
+    for spec in args.models.split(","):
+        mname, _, b = spec.partition(":")
         width = args.mlp_width
-        bsz = args.mlp_batch if mname == "mlp" else args.cnn_batch
+        bsz = int(b) if b else (args.cnn_batch if mname == "cnn" else args.mlp_batch)
         x, y = batch(mname, bsz, rank)
         torch.manual_seed(0)
         base = build_model(mname, width)
@@ -228,24 +236,24 @@ def main() -> int:
             comm.Bcast(ref.numpy(), root=0)
             if not torch.equal(flat, ref):
                 raise SystemExit(f"{mname}/{meth}: rank {rank}'s weights differ from rank 0's")
-        results.append((mname, nparams, bsz, times, phases, worker))
+        results.append((mname, nparams, bsz, times, phases, worker, sum(1 for _ in base.parameters())))
 
     if rank == 0:
         print(f"\nranks: {n} on {len(set(c.topo.hosts))} host(s); ours via "
               f"{'shared-memory window' if c.uses_shm else 'MPI only'}; fusion threshold "
               f"{(threshold or c.fusion_threshold) / MB:g} MB; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "
               f"torch threads {torch.get_num_threads()}; median of {args.steps} steps\n")
-        print("| model | params | batch | " + " | ".join(f"{m} (ms)" for m in methods)
+        print("| model | params (tensors) | batch | " + " | ".join(f"{m} (ms)" for m in methods)
               + " | ours / raw | ours / ddp |")
         print("| --- | ---: | ---: | " + " | ".join("---:" for _ in methods) + " | ---: | ---: |")
-        for mname, nparams, bsz, times, _, _ in results:
+        for mname, nparams, bsz, times, _, _, ntensors in results:
             med = {m: statistics.median(v) for m, v in times.items()}
             r1 = f"{med['ours'] / med['raw']:.2f}" if "ours" in med and "raw" in med else "-"
             r2 = f"{med['ours'] / med['ddp']:.2f}" if "ours" in med and "ddp" in med else "-"
-            print(f"| {mname} | {nparams / 1e6:.1f}M | {bsz} | "
+            print(f"| {mname} | {nparams / 1e6:.1f}M ({ntensors}) | {bsz} | "
                   + " | ".join(f"{med[m] * 1e3:.1f}" for m in methods) + f" | {r1} | {r2} |")
         print("\nwhere the step goes (rank 0, median ms per phase):\n")
-        for mname, _, _, times, phases, worker in results:
+        for mname, _, bsz, times, phases, worker, _ in results:
             for meth in methods:
                 names = list(phases[meth][0])
                 parts = ", ".join(f"{p} {statistics.median(ph[p] for ph in phases[meth]) * 1e3:.1f}"
@@ -255,7 +263,7 @@ def main() -> int:
                     where = "in the hooks, inside backward" if not runners[meth][2] else "worker thread, overlapped"
                     extra = (f"; reduce ({where}) {statistics.median(worker[meth]) * 1e3:.1f}; "
                              "pack 0, unpack 0 (grads are bucket views)")
-                print(f"- {mname} {meth}: {parts}{extra}")
+                print(f"- {mname} (batch {bsz}) {meth}: {parts}{extra}")
         sys.stdout.flush()
     if "ddp" in methods:
         dist.destroy_process_group()

@@ -175,8 +175,18 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients in place: ``.grad`` stay views into the buckets (``set_to_none`` is ignored)."""
+        """Reset the gradients: ``set_to_none`` (default) drops them, else zeroes the buckets in place.
+
+        With ``None``, autograd hands each parameter a fresh gradient and the hook copies it into
+        the bucket once (one read, one write); zeroing would cost a write of every bucket and then
+        an in-place add by autograd (two reads, one write). Either way ``.grad`` is a bucket view
+        again after backward.
+        """
         for b in self._buckets:
+            if set_to_none:
+                for p in b.params:
+                    p.grad = None
+                continue
             b.flat.zero_()
             for p, v in zip(b.params, b.views):
                 if p.grad is None or p.grad.data_ptr() != v.data_ptr():
