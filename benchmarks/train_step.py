@@ -17,6 +17,10 @@ step's time goes (median of each phase on rank 0):
   no pack, no unpack), then ``synchronize()`` (wait for the buckets still running), then the step;
   ``reduce (worker)`` is the time the communicator's worker thread spent reducing, overlapped;
 * ddp: ``DistributedDataParallel`` on a gloo process group (reduction inside backward), then the step.
+
+Variants of ours (``--methods``): ``ours`` = defaults (overlap chosen from the core count,
+``zero_grad()`` sets gradients to None); ``ours-thread`` / ``ours-inline`` force ``overlap=True`` /
+``False``; ``ours-zero`` uses ``zero_grad(set_to_none=False)`` (buckets zeroed in place, autograd adds).
 """
 
 from __future__ import annotations
@@ -150,6 +154,7 @@ def main() -> int:
         base = build_model(mname, width)
         nparams = sum(p.numel() for p in base.parameters())
         runners = {}
+        dopts = {}
         for meth in methods:
             model = build_model(mname, width)
             model.load_state_dict(base.state_dict())
@@ -179,13 +184,15 @@ def main() -> int:
                     clock.lap("unpack")
                     opt.step()
                     clock.lap("step")
-            elif meth in ("ours", "ours-thread", "ours-inline"):
-                overlap = {"ours": None, "ours-thread": True, "ours-inline": False}[meth]
+            elif meth in ("ours", "ours-thread", "ours-inline", "ours-zero"):
+                overlap = {"ours-thread": True, "ours-inline": False}.get(meth)
                 dopt = DistributedOptimizer(opt, model.named_parameters(), fusion_threshold=threshold,
                                             overlap=overlap)
+                to_none = meth != "ours-zero"
+                dopts[meth] = dopt
 
-                def run(clock, model=model, dopt=dopt):
-                    dopt.zero_grad()
+                def run(clock, model=model, dopt=dopt, to_none=to_none):
+                    dopt.zero_grad(set_to_none=to_none)
                     loss = F.cross_entropy(model(x), y)
                     clock.lap("forward")
                     loss.backward()
@@ -225,6 +232,20 @@ def main() -> int:
                     phases[meth].append(clock.phases)
                     if meth.startswith("ours"):
                         worker.setdefault(meth, []).append(busy[0])
+        # communication only, on the gradients of the last step: raw per-tensor loop vs ours' buckets
+        comm_only: dict[str, list[float]] = {}
+        pairs = []
+        if "raw" in runners:
+            rgrads = [p.grad.numpy() for p in runners["raw"][1].parameters()]
+            pairs.append(("raw", lambda: [comm.Allreduce(MPI.IN_PLACE, g) for g in rgrads]))
+        if "ours" in dopts:
+            pairs.append(("ours", dopts["ours"].synchronize))  # re-reduces every bucket (no backward)
+        for _ in range(args.steps):
+            for key, fn in pairs:
+                comm.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                comm_only.setdefault(key, []).append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
         # every replica must hold the same weights on every rank
         for meth in methods:
             if meth == "none":
@@ -236,7 +257,7 @@ def main() -> int:
             comm.Bcast(ref.numpy(), root=0)
             if not torch.equal(flat, ref):
                 raise SystemExit(f"{mname}/{meth}: rank {rank}'s weights differ from rank 0's")
-        results.append((mname, nparams, bsz, times, phases, worker, sum(1 for _ in base.parameters())))
+        results.append((mname, nparams, bsz, times, phases, worker, sum(1 for _ in base.parameters()), comm_only))
 
     if rank == 0:
         print(f"\nranks: {n} on {len(set(c.topo.hosts))} host(s); ours via "
@@ -246,14 +267,14 @@ def main() -> int:
         print("| model | params (tensors) | batch | " + " | ".join(f"{m} (ms)" for m in methods)
               + " | ours / raw | ours / ddp |")
         print("| --- | ---: | ---: | " + " | ".join("---:" for _ in methods) + " | ---: | ---: |")
-        for mname, nparams, bsz, times, _, _, ntensors in results:
+        for mname, nparams, bsz, times, _, _, ntensors, _ in results:
             med = {m: statistics.median(v) for m, v in times.items()}
             r1 = f"{med['ours'] / med['raw']:.2f}" if "ours" in med and "raw" in med else "-"
             r2 = f"{med['ours'] / med['ddp']:.2f}" if "ours" in med and "ddp" in med else "-"
             print(f"| {mname} | {nparams / 1e6:.1f}M ({ntensors}) | {bsz} | "
                   + " | ".join(f"{med[m] * 1e3:.1f}" for m in methods) + f" | {r1} | {r2} |")
         print("\nwhere the step goes (rank 0, median ms per phase):\n")
-        for mname, _, bsz, times, phases, worker, _ in results:
+        for mname, _, bsz, times, phases, worker, _, _ in results:
             for meth in methods:
                 names = list(phases[meth][0])
                 parts = ", ".join(f"{p} {statistics.median(ph[p] for ph in phases[meth]) * 1e3:.1f}"
@@ -264,6 +285,14 @@ def main() -> int:
                     extra = (f"; reduce ({where}) {statistics.median(worker[meth]) * 1e3:.1f}; "
                              "pack 0, unpack 0 (grads are bucket views)")
                 print(f"- {mname} (batch {bsz}) {meth}: {parts}{extra}")
+        if any(r[7] for r in results):
+            print("\ncommunication only (the last step's gradients reduced again, no backward; median ms):\n")
+            print("| model | grads (MB) | raw per-tensor Allreduce | ours: synchronize() of all buckets | ours / raw |")
+            print("| --- | ---: | ---: | ---: | ---: |")
+            for mname, nparams, bsz, _, _, _, _, co in results:
+                if "raw" in co and "ours" in co:
+                    a, b = statistics.median(co["raw"]), statistics.median(co["ours"])
+                    print(f"| {mname} | {nparams * 4 / 1e6:.0f} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} |")
         sys.stdout.flush()
     if "ddp" in methods:
         dist.destroy_process_group()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future
 
 import torch as _torch
@@ -13,8 +12,8 @@ from .fusion import plan_buckets
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "OVERLAP_ENV"]
 
-#: ``1``: reduce buckets on the worker thread, overlapping backward; ``0``: on the thread that runs
-#: backward, inside the hook; unset: overlap only when every local rank has a spare core.
+#: ``1`` (default): reduce buckets on the worker thread, overlapping backward; ``0``: on the thread
+#: that runs backward, inside the hook.
 OVERLAP_ENV = "CLUSTERCTL_COLLECTIVE_OVERLAP"
 
 
@@ -42,20 +41,16 @@ def broadcast_optimizer_state(optimizer, root: int = 0, *, comm=None) -> None:
 
 
 def _choose_overlap(overlap, comm) -> bool:
-    """Explicit ``overlap``, else the environment, else: a worker thread only when cores are spare.
+    """Explicit ``overlap``, else the environment, else True (the worker thread).
 
-    Overlapping needs a core for the worker thread: with one core per rank (e.g. 2 ranks on 2 cores,
-    OMP_NUM_THREADS=1) the worker and backward time-slice one core, and every flag barrier of a
-    bucket may wait a scheduler slice for a peer's worker; reducing inline in the hook avoids both.
+    Reducing inline in the hook was meant for one core per rank (the worker thread then only
+    time-slices with backward), but on the 2-core machine it measured no faster than the worker
+    thread (docs/benchmarks.md, "Training step"), so overlapping stays the default everywhere.
     """
     if overlap is not None:
         return bool(overlap)
     from ._mpi import _env_bool
-    env = os.environ.get(OVERLAP_ENV, "").strip()
-    if env:
-        return _env_bool(OVERLAP_ENV, True)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores >= 2 * comm.topo.local_size
+    return _env_bool(OVERLAP_ENV, True)
 
 
 class _Bucket:
