@@ -102,7 +102,8 @@ def _raw(endpoint: str, header: dict, *buffers: bytes) -> dict:
     ("async", {"off": [6]}, "shape_mismatch", "got float32[6:8], holds float32[7]"),
     ("async", {"off": [-1]}, "shape_mismatch", "got float32[-1:1]"),
     ("async", {"off": [0], "part": -1}, "bad_request", "part must be a non-negative integer"),
-], ids=["geo", "sync-no-parts", "sync-part-past-parts", "sync-out-of-order", "off-count", "off-type", "past-end", "negative", "part"])
+], ids=["geo", "sync-no-parts", "sync-part-past-parts", "sync-out-of-order", "off-count", "off-type", "past-end",
+        "negative", "part"])
 def test_malformed_pieces_are_rejected(servers, mode, fields, code, message):
     g = servers(1, num_trainers=1, mode=mode)
     with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode=mode, timeout=5) as c:
