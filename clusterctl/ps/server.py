@@ -66,6 +66,8 @@ class _SyncPush:
         """Elements of block ``key`` received so far (from 0); None: this push has no gradient for it."""
         if self.whole is not None:
             return size if key in self.pieces else None
+        if key not in self.upto and self.finished():
+            return None  # every part arrived and none had this block: like a one-message push without it
         return self.upto.get(key, 0)
 
     def finished(self) -> bool:
@@ -285,12 +287,14 @@ class ParameterServer:
                 self._reduce_range(key, [p for p, _ in have], done, frontier)
             if self._sync_done.get(key, 0) < block.size:
                 open_keys.append(key)
+        done = not open_keys and all(p.finished() for p in pushes)
+        if done:
+            self.step += 1  # before any reply goes out: a trainer that got its last reply sees the new step
         for push in pushes:
             if push.unanswered:
-                self._answer_parts(push)
-        if open_keys or not all(p.finished() for p in pushes):
+                self._answer_parts(push, self.step if done else self.step + 1)
+        if not done:
             return
-        self.step += 1
         for push in pushes:
             if push.whole is not None:
                 w = push.whole
@@ -328,7 +332,7 @@ class ParameterServer:
             del self._sync_new[key]
             self.stats["updates"] += 1
 
-    def _answer_parts(self, push: _SyncPush) -> None:
+    def _answer_parts(self, push: _SyncPush, step: int) -> None:
         """Reply to a pipelined push's requests whose pieces all hold this round's new values."""
         left = []
         for envelope, msg, spans in push.unanswered:
@@ -343,7 +347,7 @@ class ParameterServer:
                 out[key] = arr[off:off + size]
                 owners.append(arr)
             head = {"v": PROTOCOL_VERSION, "ok": True, "seq": msg.seq, "op": msg.op,
-                    "part": msg.header["part"], "step": self.step + 1, "off": msg.header["off"]}
+                    "part": msg.header["part"], "step": step, "off": msg.header["off"]}
             one_frame = max(8, -(-max(a.nbytes for a in out.values()) // 8) * 8) if out else 8
             frames = encode(head, out, chunk_bytes=one_frame)  # one frame per piece
             if self._sock is not None:
