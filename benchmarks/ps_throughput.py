@@ -209,11 +209,13 @@ def trainer_main(argv: list[str]) -> int:
     return 0
 
 
-def mode_steps_per_s(mode: str, n: int, steps: int, trainers: int = 4, pservers: int = 2, k_steps: int = 4) -> float:
+def mode_steps_per_s(mode: str, n: int, steps: int, trainers: int = 4, pservers: int = 2, k_steps: int = 4,
+                     pipeline: bool = True) -> float:
     """Job steps/s: ``steps`` per trainer divided by the slowest trainer's wall time."""
     eps, procs = _start_pservers(pservers, trainers, mode, k_steps)
+    extra = {} if pipeline else {"CLUSTERCTL_PS_PIPELINE": "0"}
     tprocs = [subprocess.Popen([sys.executable, __file__, "_trainer", str(n), str(steps), str(k_steps)],
-                               env=_env("trainer", i, eps, trainers, mode, k_steps), cwd=REPO,
+                               env={**_env("trainer", i, eps, trainers, mode, k_steps), **extra}, cwd=REPO,
                                stdout=subprocess.PIPE, text=True) for i in range(trainers)]
     try:
         walls = []
@@ -242,43 +244,62 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per trainer in part 2")
     ap.add_argument("--k-steps", type=int, default=4)
     ap.add_argument("--skip-modes", action="store_true")
+    ap.add_argument("--skip-transport", action="store_true")
+    ap.add_argument("--modes", default="sync,async,geo",
+                    help="part 2 modes, interleaved per repeat; sync-1msg = sync with CLUSTERCTL_PS_PIPELINE=0")
     args = ap.parse_args()
     if shutil.which("iperf3") is None:
         print("iperf3 is not installed (apt-get install iperf3)", file=sys.stderr)
         return 2
 
     rows = []
-    for r in range(args.repeats):
+    for r in range(0 if args.skip_transport else args.repeats):
         raw = iperf3_mbps()
         zq = zmq_raw_mbps(args.transport_params, args.transport_steps)
         ps = ps_push_pull_mbps(args.transport_params, args.transport_steps)
         rows.append((raw, zq, ps, ps / raw, ps / zq))
         print(f"# repeat {r}: iperf3 {raw:.0f} MB/s, bare pyzmq {zq:.0f} MB/s, ps push+pull {ps:.0f} MB/s, "
               f"ps/iperf3 {ps / raw:.2f}, ps/pyzmq {ps / zq:.2f}", flush=True)
-    med = [statistics.median(c) for c in zip(*rows, strict=True)]
-    print()
-    size_mb = args.transport_params * 4 / 1e6
-    print(f"| transport (1 trainer, 1 pserver, {size_mb:.0f} MB tensor) | MB/s (median of {args.repeats}) |")
-    print("| --- | ---: |")
-    print(f"| iperf3, 1 TCP stream, 127.0.0.1 | {med[0]:.0f} |")
-    print(f"| bare pyzmq DEALER/ROUTER, same exchange (both directions counted) | {med[1]:.0f} |")
-    print(f"| clusterctl.ps push+pull, SGD applied (both directions counted) | {med[2]:.0f} |")
-    print(f"| ratio ps / iperf3 (median of per-repeat ratios) | {med[3]:.2f} |")
-    print(f"| ratio ps / bare pyzmq (median of per-repeat ratios) | {med[4]:.2f} |")
+    med = [statistics.median(c) for c in zip(*rows, strict=True)] if rows else []
+    if rows:
+        print()
+        size_mb = args.transport_params * 4 / 1e6
+        print(f"| transport (1 trainer, 1 pserver, {size_mb:.0f} MB tensor) | MB/s (median of {args.repeats}) |")
+        print("| --- | ---: |")
+        print(f"| iperf3, 1 TCP stream, 127.0.0.1 | {med[0]:.0f} |")
+        print(f"| bare pyzmq DEALER/ROUTER, same exchange (both directions counted) | {med[1]:.0f} |")
+        print(f"| clusterctl.ps push+pull, SGD applied (both directions counted) | {med[2]:.0f} |")
+        print(f"| ratio ps / iperf3 (median of per-repeat ratios) | {med[3]:.2f} |")
+        print(f"| ratio ps / bare pyzmq (median of per-repeat ratios) | {med[4]:.2f} |")
 
     result = {"iperf3_MBps": med[0], "pyzmq_MBps": med[1], "ps_push_pull_MBps": med[2],
-              "ratio_iperf3": med[3], "ratio_pyzmq": med[4], "repeats": rows}
+              "ratio_iperf3": med[3], "ratio_pyzmq": med[4], "repeats": rows} if rows else {}
     if not args.skip_modes:
         print()
         title = f"mode (2 pservers, 4 trainers, {args.params / 1e6:.0f}M params)"
         print(f"| {title} | steps/s (median of {args.repeats}) |")
         print("| --- | ---: |")
-        for mode in ("sync", "async", "geo"):
-            vals = [mode_steps_per_s(mode, args.params, args.steps, k_steps=args.k_steps) for _ in range(args.repeats)]
-            label = f"geo (k_steps={args.k_steps})" if mode == "geo" else mode
+        modes = args.modes.split(",")
+        runs: dict[str, list[float]] = {m: [] for m in modes}
+        for r in range(args.repeats):  # modes interleaved, so load changes hit them alike
+            for mode in modes:
+                base = "sync" if mode == "sync-1msg" else mode
+                v = mode_steps_per_s(base, args.params, args.steps, k_steps=args.k_steps,
+                                     pipeline=mode != "sync-1msg")
+                runs[mode].append(v)
+            print("# repeat %d: %s" % (r, ", ".join(f"{m} {runs[m][-1]:.2f}" for m in modes)), flush=True)
+        for mode in modes:
+            vals = runs[mode]
+            label = {"geo": f"geo (k_steps={args.k_steps})", "sync-1msg": "sync, one message per push (PIPELINE=0)",
+                     "sync": "sync (pipelined)", "async": "async (pipelined)"}.get(mode, mode)
             print(f"| {label} | {statistics.median(vals):.2f} |", flush=True)
             result[f"{mode}_steps_per_s"] = statistics.median(vals)
             result[f"{mode}_runs"] = vals
+        if "sync" in runs and "async" in runs:
+            ratios = [a / b for a, b in zip(runs["sync"], runs["async"], strict=True)]
+            print(f"| ratio sync / async (median of per-repeat ratios: "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)}) | {statistics.median(ratios):.2f} |")
+            result["sync_over_async"] = statistics.median(ratios)
     print()
     print(json.dumps(result))
     return 0

@@ -132,6 +132,8 @@ class Communicator:
                                   self.progress, MPI, capacity=capacity)
         self._residents: list = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clusterctl-collective")
+        self._pending = 0                     # work submitted to the worker thread and not finished
+        self._pending_lock = threading.Lock()
         self._closed = False
         path = "shared-memory window" if self.arena else "MPI"
         log.debug("collective ready: rank %d/%d local %d/%d nodes %d via %s", self.topo.rank,
@@ -159,11 +161,31 @@ class Communicator:
         if self._closed:
             raise CollectiveError("communicator already finalized")
         self.progress.check()
-        return self._pool.submit(fn, *args)
+        with self._pending_lock:
+            self._pending += 1
+        fut = self._pool.submit(fn, *args)
+        fut.add_done_callback(self._finished)
+        return fut
+
+    def _finished(self, _fut) -> None:
+        with self._pending_lock:
+            self._pending -= 1
 
     def run(self, fn, *args):
         """Run ``fn(*args)`` on the worker thread and wait for its result."""
         return self.submit(fn, *args).result()
+
+    def call(self, fn, *args):
+        """Run ``fn(*args)`` on the calling thread when the worker is idle (else behind its queue), and
+        return the result: no thread hand-off, for callers that would wait at once anyway."""
+        if self._closed:
+            raise CollectiveError("communicator already finalized")
+        self.progress.check()
+        with self._pending_lock:
+            idle = self._pending == 0
+        if not idle:
+            return self.run(fn, *args)
+        return fn(*args)
 
     # -- flat kernels (worker thread only) -----------------------------------------------------------
     def allreduce_flat(self, src: np.ndarray, dst: np.ndarray, average: bool, what: str = "allreduce") -> None:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch as _torch
 
 from ._mpi import default
 from .errors import CollectiveError
 from .fusion import plan_buckets
 
-__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "OVERLAP_ENV"]
+
+#: ``1`` (default): reduce buckets on the worker thread, overlapping backward; ``0``: on the thread
+#: that runs backward, inside the hook.
+OVERLAP_ENV = "CLUSTERCTL_COLLECTIVE_OVERLAP"
 
 
 def broadcast_parameters(params, root: int = 0, *, comm=None) -> None:
@@ -32,6 +38,19 @@ def broadcast_optimizer_state(optimizer, root: int = 0, *, comm=None) -> None:
     from .ops import broadcast_object
     state = broadcast_object(optimizer.state_dict(), root, comm=comm)
     optimizer.load_state_dict(state)
+
+
+def _choose_overlap(overlap, comm) -> bool:
+    """Explicit ``overlap``, else the environment, else True (the worker thread).
+
+    Reducing inline in the hook was meant for one core per rank (the worker thread then only
+    time-slices with backward), but on the 2-core machine it measured no faster than the worker
+    thread (docs/benchmarks.md, "Training step"), so overlapping stays the default everywhere.
+    """
+    if overlap is not None:
+        return bool(overlap)
+    from ._mpi import _env_bool
+    return _env_bool(OVERLAP_ENV, True)
 
 
 class _Bucket:
@@ -69,7 +88,7 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer, named_parameters=None, *, op: str = "avg", comm=None,
                  fusion_threshold: int | None = None, compression: str | None = None,
-                 backward_passes_per_step: int = 1):
+                 backward_passes_per_step: int = 1, overlap: bool | None = None):
         if op not in ("sum", "avg"):
             raise CollectiveError(f"op={op!r}: expected 'sum' or 'avg'")
         if backward_passes_per_step != 1:
@@ -78,6 +97,7 @@ class DistributedOptimizer:
             raise CollectiveError(f"compression={compression!r}: expected None, 'fp16' or 'bf16'")
         self.optimizer = optimizer
         self.comm = default(comm)
+        self.overlap = _choose_overlap(overlap, self.comm)
         self.op = op
         self.compression = compression
         if named_parameters is None:
@@ -150,8 +170,18 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients in place: ``.grad`` stay views into the buckets (``set_to_none`` is ignored)."""
+        """Reset the gradients: ``set_to_none`` (default) drops them, else zeroes the buckets in place.
+
+        With ``None``, autograd hands each parameter a fresh gradient and the hook copies it into
+        the bucket once (one read, one write); zeroing would cost a write of every bucket and then
+        an in-place add by autograd (two reads, one write). Either way ``.grad`` is a bucket view
+        again after backward.
+        """
         for b in self._buckets:
+            if set_to_none:
+                for p in b.params:
+                    p.grad = None
+                continue
             b.flat.zero_()
             for p, v in zip(b.params, b.views):
                 if p.grad is None or p.grad.data_ptr() != v.data_ptr():
@@ -169,9 +199,18 @@ class DistributedOptimizer:
         self._launch_ready()
 
     def _launch(self, b) -> None:
-        from .ops import Handle, allreduce_async
+        from .ops import Handle, allreduce, allreduce_async
         c = self.comm
-        if b.host is not None:
+        if not self.overlap:              # reduce now, on this thread (no hand-off, no time-slicing)
+            if b.host is not None:
+                c.call(c.allreduce_resident, self._arena, b.host, self.op == "avg",
+                       f"gradient bucket ({len(b.params)} tensors)")
+            else:
+                allreduce(b.flat, self.op, out=b.flat, comm=c, compression=self.compression)
+            done = Future()
+            done.set_result(None)
+            b.handle = Handle(done)
+        elif b.host is not None:
             b.handle = Handle(c.submit(c.allreduce_resident, self._arena, b.host, self.op == "avg",
                                        f"gradient bucket ({len(b.params)} tensors)"))
         else:

@@ -4,8 +4,8 @@ Every call talks to all pservers at once (one DEALER socket each: send to all, t
 so one step costs one round trip to the slowest pserver. Tensors are sent as views of the caller's
 arrays (no copy) and received as frames that are copied once, into the assembled parameters.
 
-In async mode ``push_pull`` is pipelined: each pserver's share goes out as requests of at most one
-wire chunk, and the updated pieces are collected while later ones are still being sent.
+In sync and async mode ``push_pull`` is pipelined: each pserver's share goes out as requests of at
+most one wire chunk, and the updated pieces are collected while later ones are still being sent.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 #: Pipelined push_pull: requests in flight per pserver (far below ZeroMQ's default high-water mark
 #: of 1000, so the pserver's replies are never dropped while this trainer is still sending).
 WINDOW = 32
-#: Async push_pull pipelined in pieces (default); CLUSTERCTL_PS_PIPELINE=0 sends one message per pserver.
+#: Sync/async push_pull pipelined in pieces (default); CLUSTERCTL_PS_PIPELINE=0 sends one message per pserver.
 PIPELINE = os.environ.get("CLUSTERCTL_PS_PIPELINE", "1") != "0"
 
 
@@ -277,7 +277,7 @@ class PSClient:
             raise PsConfigError("geo mode pushes parameter deltas: call geo_step(params) instead")
         s = self.step if step is None else step
         plan = self._need_plan()
-        if PIPELINE and pull and self.mode == "async" and set(tensors) == {name for name, _ in plan.shapes}:
+        if PIPELINE and pull and set(tensors) == {name for name, _ in plan.shapes}:
             result = self._push_pull_pipelined(tensors, s, out)
             self.step = s + 1
             return result
@@ -289,11 +289,13 @@ class PSClient:
 
     def _push_pull_pipelined(self, grads: Mapping[str, Any], step: int,
                              out: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
-        """Async push_pull as pieces of at most one wire chunk, sent while earlier pieces' replies come back.
+        """push_pull as pieces of at most one wire chunk, sent while earlier pieces' replies come back.
 
-        Each request carries ``"part": i`` and ``"off"`` (element offset of each tensor in its block);
-        big blocks are cut into chunk-sized pieces, small ones packed together. The pserver applies and
-        answers every piece on arrival; replies are copied into the output arrays as they come.
+        Each request carries ``"part": i``, ``"parts"`` (their number for that pserver) and ``"off"``
+        (element offset of each tensor in its block); big blocks are cut into chunk-sized pieces, small
+        ones packed together. Async: the pserver applies and answers every piece on arrival. Sync: it
+        answers a piece once every active trainer's gradient for its range arrived and the averaged
+        update of that range was applied. Replies are copied into the output arrays as they come.
         """
         plan = self._need_plan()
         result = self._targets(out)
@@ -307,8 +309,9 @@ class PSClient:
         for i, tensors in self._split(grads).items():
             blocks = {b.key: b for b in plan.for_server(i)}
             todo[i], expect[i] = [], {}
-            for n, pieces in enumerate(pack_pieces(tensors, chunk)):
-                todo[i].append(({**base, "part": n, "off": [off for _, off, _ in pieces]},
+            packed = pack_pieces(tensors, chunk)
+            for n, pieces in enumerate(packed):
+                todo[i].append(({**base, "part": n, "parts": len(packed), "off": [off for _, off, _ in pieces]},
                                 {key: piece for key, _, piece in pieces}))
                 expect[i][n] = [(blocks[key], off, piece.size) for key, off, piece in pieces]
         sent = {i: 0 for i in todo}
@@ -330,9 +333,12 @@ class PSClient:
                 raise PsTimeoutError(missing, "push_pull", self.timeout)
             for i, msg in self._replies(poller, left, seq):
                 got[i] += 1
-                if not msg.header.get("ok"):
-                    error = error or RemoteOpError(self.endpoints[i], str(msg.header.get("code", "error")),
-                                                   str(msg.header.get("error", "")))
+                h = msg.header
+                if not h.get("ok"):
+                    if h.get("code") == "barrier_timeout":  # sync: the round will not complete
+                        raise BarrierTimeoutError(h.get("missing", []), h.get("timeout", 0.0), h.get("step", step))
+                    error = error or RemoteOpError(self.endpoints[i], str(h.get("code", "error")),
+                                                   str(h.get("error", "")))
                     continue
                 spans = expect[i].pop(msg.header.get("part"), None) if isinstance(msg.header.get("part"), int) else None
                 offs = msg.header.get("off")

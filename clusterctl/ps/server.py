@@ -5,9 +5,11 @@ answered in arrival order except sync-mode pushes, whose replies are held until 
 has pushed for the round (the barrier); the round then sums the gradients in trainer-id order, divides
 by the number of contributors, applies one optimizer step, and replies to all of them.
 
-Async mode also takes *pipelined* push_pull requests (``"part"`` in the header): one request per
-piece of at most one wire chunk, applied and answered as soon as it arrives, so the trainer's sending
-of later pieces overlaps with the update and the reply of earlier ones (see :meth:`_push_part`).
+Sync and async mode also take *pipelined* push_pull requests (``"part"`` in the header): one request
+per piece of at most one wire chunk. Async applies and answers each piece as soon as it arrives
+(:meth:`_push_part`); sync reduces, applies and answers each range of a block as soon as every active
+trainer's pieces reached it (:meth:`_advance_round`). Either way the trainers' sending of later pieces
+overlaps with the update and the reply of earlier ones.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,34 @@ class _Waiting:
     envelope: list[Any]
     msg: Message
     pull: list[str]
+
+
+@dataclass
+class _SyncPush:
+    """One trainer's gradients in the open sync round: ``(offset, 1-D piece)`` per block, in order.
+
+    A one-message push (``whole``) arrives complete; a pipelined one (``parts`` requests) fills its
+    blocks from offset 0 upwards, one part request at a time.
+    """
+
+    whole: _Waiting | None = None
+    parts: int = 0  # pipelined: part requests announced
+    got: set[int] = field(default_factory=set)  # pipelined: part indices received
+    pieces: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)
+    upto: dict[str, int] = field(default_factory=dict)  # block -> elements received from 0
+    unanswered: list[tuple[list[Any], Message, list[tuple[str, int, int]]]] = field(default_factory=list)
+
+    def covers(self, key: str, size: int) -> int | None:
+        """Elements of block ``key`` received so far (from 0); None: this push has no gradient for it."""
+        if self.whole is not None:
+            return size if key in self.pieces else None
+        if key not in self.upto and self.finished():
+            return None  # every part arrived and none had this block: like a one-message push without it
+        return self.upto.get(key, 0)
+
+    def finished(self) -> bool:
+        """Every request of this push arrived."""
+        return self.whole is not None or len(self.got) == self.parts
 
 
 @dataclass
@@ -121,8 +151,11 @@ class ParameterServer:
         self.completed: set[int] = set()
         self.stats = {"requests": 0, "rejected": 0, "updates": 0, "bytes_in": 0, "bytes_out": 0,
                       "buffers_allocated": 0}
-        self._round: dict[int, _Waiting] = {}
+        self._round: dict[int, _SyncPush] = {}  # sync: the open round's pushes, by trainer id
         self._acc: dict[str, np.ndarray] = {}
+        self._sync_new: dict[str, np.ndarray] = {}  # sync: next value of a block, filled range by range
+        self._sync_done: dict[str, int] = {}  # sync: elements of a block applied in the open round
+        self._sync_t: dict[str, float] = {}  # sync: Adam step of the block's update in the open round
         self._builds: dict[str, _Build] = {}
         self._part_t: dict[tuple[int, str], float] = {}  # (trainer, block) -> Adam step of its pipelined update
         # trainer -> its pipelined requests waiting for another trainer's update of the same block
@@ -208,39 +241,118 @@ class ParameterServer:
     def _check_barrier(self) -> None:
         if not self._round or time.monotonic() - self._round_started < self.barrier_timeout:
             return
-        missing = sorted(self._active() - set(self._round))
+        missing = sorted(self._active() - {t for t, p in self._round.items() if p.finished()})
         err = BarrierTimeoutError(missing, self.barrier_timeout, self.step)
         log.error("pserver %d: %s", self.server_id, err)
-        for waiting in self._round.values():
-            self._send(waiting.envelope, encode({"ok": False, "seq": waiting.msg.seq, "code": "barrier_timeout",
-                                                 "error": str(err), "missing": missing,
-                                                 "timeout": self.barrier_timeout, "step": self.step}))
-        self._round.clear()
+        for push in self._round.values():
+            held = [(w.envelope, w.msg) for w in [push.whole] if w is not None]
+            held += [(env, msg) for env, msg, _ in push.unanswered]
+            for envelope, msg in held:
+                self._send(envelope, encode({"ok": False, "seq": msg.seq, "code": "barrier_timeout",
+                                             "error": str(err), "missing": missing,
+                                             "timeout": self.barrier_timeout, "step": self.step}))
+        self._clear_round()
         raise err
 
-    def _maybe_finish_round(self) -> None:
+    def _clear_round(self) -> None:
+        self._round.clear()
+        self._sync_new.clear()
+        self._sync_done.clear()
+        self._sync_t.clear()
+
+    def _advance_round(self) -> None:
+        """Sync: reduce and apply every range that all active trainers have pushed; finish the round.
+
+        A range of a block is final once every active trainer's gradient for it arrived (a trainer
+        that pushed no gradient for the block does not count): it is summed in trainer-id order,
+        divided by the number of contributors and applied right away, into the block's next buffer,
+        and the pipelined requests whose pieces are all applied are answered. So the reduction and
+        the replies of early pieces overlap with the arrival of later ones. Every element goes
+        through the same operations, in the same order, as when whole gradients are summed at once:
+        the result is the same bit for bit.
+        """
         active = self._active()
         if not self._round or not active.issubset(self._round):
-            return
+            return  # an active trainer has not pushed anything yet: no range is complete
         tids = sorted(self._round)
-        keys = [k for k in self.blocks if any(k in self._round[t].msg.tensors for t in tids)]
-        for key in keys:
-            grads = [self._round[t].msg.tensors[key] for t in tids if key in self._round[t].msg.tensors]
-            block = self.blocks[key]
-            acc = self._acc.get(key)
-            if acc is None or acc.shape != block.shape:
-                acc = self._acc[key] = np.empty_like(block)  # private: never sent, reused every round
-            grads[0].to_array(out=acc)
-            for g in grads[1:]:  # fixed trainer-id order: the sum is reproducible bit for bit
-                for off, piece in g.pieces:
-                    acc[off:off + piece.size] += piece
-            acc /= block.dtype.type(len(grads))
-            self._apply(key, acc)
-        self.step += 1
-        for t in tids:
-            waiting = self._round[t]
-            self._reply(waiting.envelope, waiting.msg, {"step": self.step}, waiting.pull)
-        self._round.clear()
+        pushes = [self._round[t] for t in tids]
+        open_keys = []
+        for key, block in self.blocks.items():
+            have = [(p, c) for p in pushes if (c := p.covers(key, block.size)) is not None]
+            if not have:
+                continue
+            done = self._sync_done.get(key, 0)
+            frontier = min(c for _, c in have)
+            if frontier > done:
+                self._reduce_range(key, [p for p, _ in have], done, frontier)
+            if self._sync_done.get(key, 0) < block.size:
+                open_keys.append(key)
+        done = not open_keys and all(p.finished() for p in pushes)
+        if done:
+            self.step += 1  # before any reply goes out: a trainer that got its last reply sees the new step
+        for push in pushes:
+            if push.unanswered:
+                self._answer_parts(push, self.step if done else self.step + 1)
+        if not done:
+            return
+        for push in pushes:
+            if push.whole is not None:
+                w = push.whole
+                self._reply(w.envelope, w.msg, {"step": self.step}, w.pull)
+        self._clear_round()
+
+    def _reduce_range(self, key: str, pushes: list[_SyncPush], lo: int, hi: int) -> None:
+        """Sum the pushes' gradients of ``key[lo:hi]`` in trainer-id order, average, apply the optimizer."""
+        block = self.blocks[key]
+        acc = self._acc.get(key)
+        if acc is None or acc.shape != block.shape:
+            acc = self._acc[key] = np.empty_like(block)  # private: never sent, reused every round
+        for i, push in enumerate(pushes):  # fixed trainer-id order: the sum is reproducible bit for bit
+            for off, piece in push.pieces[key]:
+                a, b = max(lo, off), min(hi, off + piece.size)
+                if a >= b:
+                    continue
+                if i == 0:
+                    acc[a:b] = piece[a - off:b - off]
+                else:
+                    acc[a:b] += piece[a - off:b - off]
+        g = acc[lo:hi]
+        g /= block.dtype.type(len(pushes))
+        if self.optimizer is None:
+            raise _RejectError("not_initialised", "no trainer has sent init (optimizer unknown)")
+        new = self._sync_new.get(key)
+        if new is None:
+            new = self._sync_new[key] = self._spare(key)
+            self._sync_t[key] = begin_update(self.optimizer, self.states[key])
+        apply_piece(self.optimizer, block, g, self.states[key], lo, new, self._sync_t[key])
+        self._sync_done[key] = hi
+        if hi == block.size:  # the block's update is complete: it becomes the block's value
+            self.blocks[key] = new
+            self._retire(key, block)
+            del self._sync_new[key]
+            self.stats["updates"] += 1
+
+    def _answer_parts(self, push: _SyncPush, step: int) -> None:
+        """Reply to a pipelined push's requests whose pieces all hold this round's new values."""
+        left = []
+        for envelope, msg, spans in push.unanswered:
+            if any(self._sync_done.get(key, 0) < off + size for key, off, size in spans):
+                left.append((envelope, msg, spans))
+                continue
+            out: dict[str, np.ndarray] = {}
+            owners = []
+            for key, off, size in spans:
+                arr = self._sync_new.get(key)
+                arr = self.blocks[key] if arr is None else arr
+                out[key] = arr[off:off + size]
+                owners.append(arr)
+            head = {"v": PROTOCOL_VERSION, "ok": True, "seq": msg.seq, "op": msg.op,
+                    "part": msg.header["part"], "step": step, "off": msg.header["off"]}
+            one_frame = max(8, -(-max(a.nbytes for a in out.values()) // 8) * 8) if out else 8
+            frames = encode(head, out, chunk_bytes=one_frame)  # one frame per piece
+            if self._sock is not None:
+                self._send_tracked(envelope, frames, owners)
+        push.unanswered = left
 
     # ------------------------------------------------------------------ dispatch
 
@@ -508,8 +620,8 @@ class ParameterServer:
         versions. One update of a block is built at a time: another trainer's requests touching the
         block wait (in order, per trainer) until it is published, then are replayed (:meth:`_replay`).
         """
-        if self.mode != "async":
-            raise ProtocolError(f"pipelined push_pull (\"part\") needs async mode; pserver runs {self.mode}")
+        if self.mode not in ("async", "sync"):
+            raise ProtocolError(f"pipelined push_pull (\"part\") needs sync or async mode; pserver runs {self.mode}")
         tid = self._tid(msg)
         if tid in self.completed:
             raise _RejectError("completed", f"trainer {tid} already sent complete")
@@ -530,6 +642,9 @@ class ParameterServer:
                 raise _RejectError("shape_mismatch", f"block {key!r}: got {t.dtype.name}[{off}:{off + t.size}], "
                                    f"holds {block.dtype.name}[{block.size}]")
             pieces.append((key, off, t.pieces[0][1]))
+        if self.mode == "sync":
+            self._push_part_sync(envelope, msg, tid, part, pieces)
+            return
         if (not replay and self._deferred.get(tid)) or self._blocked(tid, msg):
             self._deferred.setdefault(tid, deque()).append((envelope, msg, time.monotonic()))
             return
@@ -563,6 +678,40 @@ class ParameterServer:
         if self._sock is not None:
             self._send_tracked(envelope, frames, owners)
 
+    def _push_part_sync(self, envelope: list[Any], msg: Message, tid: int, part: int,
+                        pieces: list[tuple[str, int, np.ndarray]]) -> None:
+        """Sync pipelined push_pull: keep this part's pieces for the round; reduce what is complete.
+
+        Header ``"parts": N`` (the push_pull's number of requests to this pserver, the same in all of
+        them). A trainer's pieces of a block must arrive in order (each starts where the previous one
+        ended): the round reduces a range once every active trainer's pieces reach past it, and
+        answers each request as soon as all its pieces are applied (:meth:`_advance_round`).
+        """
+        parts = msg.header.get("parts")
+        if isinstance(parts, bool) or not isinstance(parts, int) or not part < parts:
+            raise ProtocolError(f"parts must be an integer above part ({part}), got {parts!r}")
+        push = self._round.get(tid)
+        if push is not None and (push.whole is not None or push.parts != parts or part in push.got):
+            raise _RejectError("duplicate", f"trainer {tid} pushed part {part} of {parts} twice (or mixed "
+                               f"push kinds) in round {self.step}")
+        upto = push.upto if push is not None else {}
+        seen: dict[str, int] = {}
+        for key, off, g in pieces:
+            if off != seen.get(key, upto.get(key, 0)):
+                raise _RejectError("shape_mismatch", f"block {key!r}: piece at {off} does not continue the "
+                                   f"trainer's previous piece (ends at {seen.get(key, upto.get(key, 0))})")
+            seen[key] = off + g.size
+        if push is None:  # everything validated: now touch state
+            if not self._round:
+                self._round_started = time.monotonic()
+            push = self._round[tid] = _SyncPush(parts=parts)
+        push.got.add(part)
+        for key, off, g in pieces:
+            push.pieces.setdefault(key, []).append((off, g))
+            push.upto[key] = off + g.size
+        push.unanswered.append((envelope, msg, [(key, off, g.size) for key, off, g in pieces]))
+        self._advance_round()
+
     def _push(self, envelope: list[Any], msg: Message, pull: list[str]) -> None:
         tid = self._tid(msg)
         if tid in self.completed:
@@ -573,8 +722,9 @@ class ParameterServer:
                 raise _RejectError("duplicate", f"trainer {tid} pushed twice in round {self.step}")
             if not self._round:
                 self._round_started = time.monotonic()
-            self._round[tid] = _Waiting(envelope, msg, pull)
-            self._maybe_finish_round()
+            self._round[tid] = _SyncPush(whole=_Waiting(envelope, msg, pull),
+                                         pieces={k: list(t.pieces) for k, t in msg.tensors.items()})
+            self._advance_round()
             return
         if self.mode == "async":
             for key, grad in msg.tensors.items():
@@ -631,6 +781,7 @@ class ParameterServer:
         self._builds.clear()  # deferred requests are replayed (and validated again) after this one
         self._part_t.clear()
         self._acc.clear()
+        self._clear_round()
         self.optimizer = opt
         self.step = self.loaded_step = loaded.step
 
@@ -642,4 +793,4 @@ class ParameterServer:
         log.info("pserver %d: trainer %d complete (%d/%d)", self.server_id, tid, len(self.completed),
                  self.num_trainers)
         self._reply(envelope, msg, {"step": self.step, "completed": len(self.completed)})
-        self._maybe_finish_round()
+        self._advance_round()

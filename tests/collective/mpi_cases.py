@@ -183,11 +183,14 @@ def test_grouped_allreduce_reuses_plan_for_same_buffers():
 torch = pytest.importorskip("torch")
 
 
-def test_torch_grads_are_views_into_buckets():
+@pytest.mark.parametrize("overlap", [True, False], ids=["worker-thread", "inline"])
+def test_torch_grads_are_views_into_buckets(overlap):
     from clusterctl.collective.torch import DistributedOptimizer
     torch.manual_seed(0)
     m = torch.nn.Linear(20, 5)
-    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), named_parameters=m.named_parameters())
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), named_parameters=m.named_parameters(),
+                               overlap=overlap)
+    assert opt.overlap is overlap
     ptrs = {b.flat.data_ptr() for b in opt._buckets}
     for _ in range(2):
         opt.zero_grad()
@@ -226,7 +229,8 @@ def test_torch_compression_fp16():
     assert y.dtype == torch.float32 and torch.allclose(y, torch.full((1000,), (SIZE + 1) / 2))
 
 
-def test_distributed_optimizer_matches_single_process():
+@pytest.mark.parametrize("overlap", [True, False], ids=["worker-thread", "inline"])
+def test_distributed_optimizer_matches_single_process(overlap):
     from clusterctl.collective.torch import DistributedOptimizer, broadcast_parameters
 
     def model():
@@ -241,7 +245,7 @@ def test_distributed_optimizer_matches_single_process():
     broadcast_parameters(m.state_dict(), root=0)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                               named_parameters=m.named_parameters(), fusion_threshold=512)
+                               named_parameters=m.named_parameters(), fusion_threshold=512, overlap=overlap)
     assert len(opt._buckets) > 1
     for _ in range(6):
         ropt.zero_grad()
@@ -254,6 +258,48 @@ def test_distributed_optimizer_matches_single_process():
     for (name, a), (_, b) in zip(ref.named_parameters(), m.named_parameters()):
         assert torch.allclose(a, b, atol=1e-5), name
     opt.remove_hooks()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["worker-thread", "inline"])
+def test_distributed_optimizer_grads_are_the_mean_over_ranks(overlap):
+    """Every .grad after synchronize() equals the mean of the ranks' own gradients, bucket by bucket."""
+    from clusterctl.collective.torch import DistributedOptimizer
+    torch.manual_seed(3)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                            torch.nn.Linear(64, 4))
+    g = torch.Generator().manual_seed(7)
+    X = torch.randn(5 * SIZE, 16, generator=g)
+    own = []                                      # every rank's local gradients, computed here for all ranks
+    for r in range(SIZE):
+        m.zero_grad()
+        m(X[r * 5:(r + 1) * 5]).pow(2).mean().backward()
+        own.append([p.grad.clone() for p in m.parameters()])
+    want = [sum(gs[i] for gs in own) / SIZE for i in range(len(own[0]))]
+    m.zero_grad(set_to_none=True)
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), named_parameters=m.named_parameters(),
+                               fusion_threshold=4096, overlap=overlap)
+    assert len(opt._buckets) >= 3
+    for _ in range(2):                            # twice: zero_grad and the buckets are reused
+        opt.zero_grad()
+        m(X[RANK * 5:(RANK + 1) * 5]).pow(2).mean().backward()
+        opt.synchronize()
+        for p, w in zip(m.parameters(), want):
+            assert torch.allclose(p.grad, w, rtol=1e-5, atol=1e-7)
+    opt.remove_hooks()
+
+
+def test_overlap_env_and_default(monkeypatch):
+    from clusterctl.collective.errors import CollectiveError
+    from clusterctl.collective.torch import OVERLAP_ENV, _choose_overlap
+    monkeypatch.setenv(OVERLAP_ENV, "0")
+    assert _choose_overlap(None, C) is False and _choose_overlap(True, C) is True
+    monkeypatch.setenv(OVERLAP_ENV, "1")
+    assert _choose_overlap(None, C) is True and _choose_overlap(False, C) is False
+    monkeypatch.setenv(OVERLAP_ENV, "maybe")
+    with pytest.raises(CollectiveError, match="CLUSTERCTL_COLLECTIVE_OVERLAP='maybe': expected 0 or 1"):
+        _choose_overlap(None, C)
+    monkeypatch.delenv(OVERLAP_ENV)
+    assert _choose_overlap(None, C) is True
 
 
 def test_cuda_tensor():

@@ -7,6 +7,7 @@ import pytest
 from ps_jobs import in_threads, pulls_during_pushes
 
 from clusterctl.ps import SGD, Adam, Momentum, PSClient, RemoteOpError, protocol
+from clusterctl.ps import client as ps_client
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -110,6 +111,50 @@ def test_sync_momentum_and_adam_match_reference(servers, monkeypatch, opt, kind,
     for k in ref:
         np.testing.assert_allclose(got[0][k], ref[k], rtol=1e-5, atol=1e-7)
         np.testing.assert_array_equal(got[0][k], got[2][k])
+
+
+@pytest.mark.parametrize("opt", [SGD(0.01), Momentum(0.01, 0.9), Adam(0.01)], ids=["sgd", "momentum", "adam"])
+def test_sync_pipelined_equals_one_message_bit_for_bit(servers, monkeypatch, opt):
+    """Reducing a sync round range by range as pieces arrive gives the same bits as whole gradients."""
+    monkeypatch.setattr(protocol, "CHUNK_BYTES", 1024)  # many pieces per block
+    runs = []
+    for pipeline in (False, True):
+        monkeypatch.setattr(ps_client, "PIPELINE", pipeline)
+        g = servers(2, num_trainers=T, mode="sync", barrier_timeout=20)
+        runs.append(_run_trainers(g.endpoints, "sync", opt, steps=4))
+        assert g.join(5) and not g.errors
+        assert [s.step for s in g.servers] == [4, 4]
+        assert [s.stats["updates"] for s in g.servers] == [4 * 2, 4 * 1]  # once per block and round
+    for tid in range(T):
+        for k in runs[0][tid]:
+            np.testing.assert_array_equal(runs[1][tid][k], runs[0][tid][k])
+
+
+def test_sync_round_mixes_pipelined_and_one_message_pushes(servers, monkeypatch):
+    """One trainer pushes one message per pserver (push, then pull), the others pipelined push_pulls."""
+    monkeypatch.setattr(protocol, "CHUNK_BYTES", 1024)
+    g = servers(2, num_trainers=T, mode="sync", barrier_timeout=20)
+    results: dict[int, dict[str, np.ndarray]] = {}
+
+    def trainer(tid: int) -> None:
+        with PSClient(g.endpoints, trainer_id=tid, num_trainers=T, mode="sync", optimizer=SGD(0.01), timeout=20) as c:
+            params = c.init(_init())
+            for step in range(6):
+                grads = _grads(params, *_batch(tid, step))
+                if tid == 1:
+                    c.push(grads, step=step)
+                    params = c.pull()
+                else:
+                    params = c.push_pull(grads, step=step)
+            c.complete()
+            results[tid] = params
+
+    in_threads(trainer, range(T))
+    assert g.join(5) and not g.errors
+    ref = _reference("sgd", 6)
+    for tid in range(T):
+        for k in ref:
+            np.testing.assert_array_equal(results[tid][k], ref[k])
 
 
 # -------------------------------------------------------------- convergence: async and geo

@@ -92,13 +92,18 @@ def _raw(endpoint: str, header: dict, *buffers: bytes) -> dict:
 
 
 @pytest.mark.parametrize(("mode", "fields", "code", "message"), [
-    ("sync", {"off": [0]}, "bad_request", "needs async mode"),
+    ("geo", {"off": [0]}, "bad_request", "needs sync or async mode"),
+    ("sync", {"off": [0]}, "bad_request", "parts must be an integer above part (0), got None"),
+    ("sync", {"off": [0], "part": 1, "parts": 1}, "bad_request", "parts must be an integer above part (1), got 1"),
+    ("sync", {"off": [2], "parts": 2}, "shape_mismatch",
+     "block 'b.block0': piece at 2 does not continue the trainer's previous piece (ends at 0)"),
     ("async", {"off": [0, 1]}, "bad_request", "one integer element offset per tensor"),
     ("async", {"off": ["0"]}, "bad_request", "one integer element offset per tensor"),
     ("async", {"off": [6]}, "shape_mismatch", "got float32[6:8], holds float32[7]"),
     ("async", {"off": [-1]}, "shape_mismatch", "got float32[-1:1]"),
     ("async", {"off": [0], "part": -1}, "bad_request", "part must be a non-negative integer"),
-], ids=["sync", "off-count", "off-type", "past-end", "negative", "part"])
+], ids=["geo", "sync-no-parts", "sync-part-past-parts", "sync-out-of-order", "off-count", "off-type", "past-end",
+        "negative", "part"])
 def test_malformed_pieces_are_rejected(servers, mode, fields, code, message):
     g = servers(1, num_trainers=1, mode=mode)
     with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode=mode, timeout=5) as c:
@@ -179,3 +184,28 @@ def test_pack_pieces_cuts_big_blocks_and_packs_small_ones():
         [("big", 0, 4)], [("big", 4, 4)], [("big", 8, 2)], [("small", 0, 3)], [("tiny", 0, 1)]]
     assert all(np.shares_memory(p, big) for m in msgs for k, _, p in m if k == "big")  # views, no copies
     assert [[k for k, _, _ in m] for m in pack_pieces({"a": small, "b": tiny}, 64)] == [["a", "b"]]
+
+
+def test_sync_pipelined_parts_apply_their_blocks_and_refuse_repeats(servers):
+    """Sync pieces from the wire: a repeated part is refused; blocks no part carried keep their value."""
+    g = servers(1, num_trainers=1, mode="sync", barrier_timeout=10)
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", optimizer=SGD(0.5), timeout=5) as c:
+        c.init({"a": np.zeros(7, np.float32), "b": np.zeros(5, np.float32)})
+        head = {"op": "push_pull", "step": 0, "pull": True, "parts": 2, "c": 64}
+        one = _raw(g.endpoints[0], {**head, "part": 0, "off": [0], "t": [["a.block0", "float32", 4]]},
+                   np.ones(4, np.float32).tobytes())
+        assert (one["ok"], one["part"], one["off"]) == (True, 0, [0])  # applied: a single trainer's round
+        again = _raw(g.endpoints[0], {**head, "part": 0, "off": [4], "t": [["a.block0", "float32", 3]]},
+                     np.ones(3, np.float32).tobytes())
+        assert (again["ok"], again["code"], again["error"]) == (
+            False, "duplicate", "trainer 0 pushed part 0 of 2 twice (or mixed push kinds) in round 0")
+        assert g.servers[0].step == 0  # the round waits for part 1
+        last = _raw(g.endpoints[0], {**head, "part": 1, "off": [4], "t": [["a.block0", "float32", 3]]},
+                    np.full(3, 2, np.float32).tobytes())
+        assert last["ok"] and last["step"] == 1
+        assert g.servers[0].step == 1
+        got = c.pull()
+        np.testing.assert_array_equal(got["a"], np.array([-0.5] * 4 + [-1.0] * 3, np.float32))
+        np.testing.assert_array_equal(got["b"], np.zeros(5, np.float32))  # no part carried b
+        c.complete()
+    assert g.servers[0].stats["updates"] == 1
