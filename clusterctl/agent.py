@@ -48,6 +48,9 @@ STOP_REQUEST = "stop-request.json"
 
 JOB_ENV = "CLUSTERCTL_JOB"
 JOBDIR_ENV = "CLUSTERCTL_JOBDIR"
+# the job's processes' shared secret (pserver / PMI authentication), derived from the coordinator token;
+# passed in the environment only (never argv, never logged)
+TOKEN_ENV = "CLUSTERCTL_JOB_TOKEN"
 # Variables taken from the host's own environment; everything else comes from the job file.
 BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "USER", "LOGNAME", "TMPDIR")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -485,13 +488,20 @@ def supervisor_alive(state):
     return pid_alive(sup.get("pid"), sup.get("start_ticks"))
 
 
-def base_env(job_id, jobdir, extra):
-    """The host's base environment (BASE_ENV_KEYS) + the job's env + the job tags."""
+def process_token(token):
+    """The secret the job's processes share (CLUSTERCTL_JOB_TOKEN): derived, so they never hold the agent's token."""
+    return hmac.new(token.encode("utf-8"), b"clusterctl-job-processes", "sha256").hexdigest()
+
+
+def base_env(job_id, jobdir, extra, token=None):
+    """The host's base environment (BASE_ENV_KEYS) + the job's env + the job tags (+ the processes' token)."""
     env = {k: os.environ[k] for k in BASE_ENV_KEYS if k in os.environ}
     env.setdefault("PATH", DEFAULT_PATH)
     env.update(extra)
     env[JOB_ENV] = job_id
     env[JOBDIR_ENV] = jobdir
+    if token:
+        env[TOKEN_ENV] = process_token(token)
     return env
 
 
@@ -864,7 +874,7 @@ class Supervisor:
             if r["role"] not in roles or r["state"] != "pending":
                 continue
             spec = next(p for p in self.job["processes"] if p["role"] == r["role"] and p["id"] == r["id"])
-            env = base_env(self.job_id, self.jobdir, spec["env"])
+            env = base_env(self.job_id, self.jobdir, spec["env"], token=self.coord and self.coord["token"])
             try:
                 os.makedirs(os.path.dirname(r["log"]), exist_ok=True)
                 if os.path.exists(r["log"]):  # keep the previous run's log, start this one fresh

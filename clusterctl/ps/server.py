@@ -13,6 +13,7 @@ of later pieces overlaps with the update and the reply of earlier ones (see :met
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -25,9 +26,10 @@ import zmq
 
 from . import checkpoint as ckpt
 from .endpoints import split_endpoint, zmq_address
-from .errors import BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError
+from .errors import AuthError, BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError
 from .optim import OptimizerConfig, apply_piece, apply_update, begin_update, init_state
-from .protocol import PROTOCOL_VERSION, Message, Tensor, decode, encode, error_frames
+from .protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, TOKEN_ENV, Message, Tensor, decode, encode, error_frames,
+                       job_key)
 
 __all__ = ["MODES", "ParameterServer"]
 
@@ -92,6 +94,8 @@ class ParameterServer:
         checkpoint_dir: str | None = None,
         job: str = "",
         context: zmq.Context | None = None,
+        token: str | None = None,
+        checkpoint_root: str | None = None,
     ):
         if mode not in MODES:
             raise PsConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -112,6 +116,11 @@ class ParameterServer:
         self.k_steps = k_steps
         self.barrier_timeout = float(barrier_timeout)
         self.job = job
+        self._key = job_key(token)  # None: requests are not authenticated (no job token)
+        # save/load requests may only name this directory or one inside it (default: checkpoint_dir)
+        root = checkpoint_root or checkpoint_dir
+        self.checkpoint_root = os.path.realpath(root) if root else None
+        self._log_window = [0.0, 0, 0]  # rejected-request log lines: window start, lines, suppressed
         self.step = 0  # sync: rounds applied; async/geo: highest trainer step seen + 1
         self.loaded_step = 0  # step of the checkpoint this server started from (0: fresh)
         self.blocks: dict[str, np.ndarray] = {}
@@ -119,8 +128,8 @@ class ParameterServer:
         self.optimizer: OptimizerConfig | None = None
         self.plan_id: str | None = None  # placement fingerprint of the first trainer's init
         self.completed: set[int] = set()
-        self.stats = {"requests": 0, "rejected": 0, "updates": 0, "bytes_in": 0, "bytes_out": 0,
-                      "buffers_allocated": 0}
+        self.stats = {"requests": 0, "rejected": 0, "unauthenticated": 0, "updates": 0, "bytes_in": 0,
+                      "bytes_out": 0, "buffers_allocated": 0}
         self._round: dict[int, _Waiting] = {}
         self._acc: dict[str, np.ndarray] = {}
         self._builds: dict[str, _Build] = {}
@@ -147,6 +156,7 @@ class ParameterServer:
             return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 5000)  # let the final replies flush on close
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a bigger frame drops the sender's connection
         if self.address.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -160,6 +170,8 @@ class ParameterServer:
         self.endpoint = f"{host}:{bound.rsplit(':', 1)[1]}"  # the real port when the plan said 0
         log.info("pserver %d of %d listening on %s (mode=%s, trainers=%d)",
                  self.server_id, self.num_servers, bound, self.mode, self.num_trainers)
+        if self._key is None:
+            log.warning("pserver %d: no job token (%s): requests are NOT authenticated", self.server_id, TOKEN_ENV)
         return bound
 
     def stop(self) -> None:
@@ -214,7 +226,8 @@ class ParameterServer:
         for waiting in self._round.values():
             self._send(waiting.envelope, encode({"ok": False, "seq": waiting.msg.seq, "code": "barrier_timeout",
                                                  "error": str(err), "missing": missing,
-                                                 "timeout": self.barrier_timeout, "step": self.step}))
+                                                 "timeout": self.barrier_timeout, "step": self.step},
+                                                key=self._key, request=False))
         self._round.clear()
         raise err
 
@@ -261,11 +274,14 @@ class ParameterServer:
             if deferred is not None:
                 self._push_part(envelope, deferred, replay=True)
                 return
-            msg = decode(body or [])
+            msg = decode(body or [], key=self._key)  # the MAC is checked before the header is parsed
             seq = msg.seq
             self.stats["bytes_in"] += sum(t.nbytes for t in msg.tensors.values())
             handler = getattr(self, f"_op_{msg.op}")
             handler(envelope, msg)
+        except AuthError as exc:
+            self.stats["unauthenticated"] += 1
+            self._reject(envelope, seq, "unauthenticated", str(exc), ident)
         except ProtocolError as exc:
             self._reject(envelope, seq, "bad_request", str(exc), ident)
         except _RejectError as exc:
@@ -283,11 +299,26 @@ class ParameterServer:
             peer = ident.get("Peer-Address")
         except (zmq.ZMQError, AttributeError):
             pass
-        log.warning("pserver %d rejected a request from %s (%s): %s", self.server_id, peer, code, message)
-        frames = error_frames(seq, code, message)
+        self._log_rejected("pserver %d rejected a request from %s (%s): %s", self.server_id, peer, code, message)
+        frames = error_frames(seq, code, message, key=self._key)
         if extra:
-            frames = encode({"ok": False, "seq": seq, "code": code, "error": message, **extra})
+            frames = encode({"ok": False, "seq": seq, "code": code, "error": message, **extra},
+                            key=self._key, request=False)
         self._send(envelope, frames)
+
+    def _log_rejected(self, fmt: str, *args: Any) -> None:
+        """Log a rejected request: at most 10 lines per 10 s, then one line counting the rest."""
+        w = self._log_window
+        now = time.monotonic()
+        if now - w[0] >= 10.0:
+            if w[2]:
+                log.warning("pserver %d: %d more rejected request(s) not logged", self.server_id, w[2])
+            w[:] = [now, 0, 0]
+        if w[1] < 10:
+            w[1] += 1
+            log.warning(fmt, *args)
+        else:
+            w[2] += 1
 
     def _send(self, envelope: list[Any], frames: list[Any]) -> None:
         if self._sock is not None:
@@ -296,7 +327,7 @@ class ParameterServer:
     def _reply(self, envelope: list[Any], msg: Message, fields: dict[str, Any], pull: Sequence[str] = ()) -> None:
         tensors = {k: self.blocks[k] for k in pull}
         head = {"v": PROTOCOL_VERSION, "ok": True, "seq": msg.seq, "op": msg.op, **fields}
-        frames = encode(head, tensors)
+        frames = encode(head, tensors, key=self._key, request=False)
         if not tensors or self._sock is None:
             self._send(envelope, frames)
             return
@@ -559,7 +590,7 @@ class ParameterServer:
         head = {"v": PROTOCOL_VERSION, "ok": True, "seq": msg.seq, "op": msg.op, "part": part, "step": self.step,
                 "off": offs}
         one_frame = max(8, -(-max(a.nbytes for a in out.values()) // 8) * 8) if out else 8
-        frames = encode(head, out, chunk_bytes=one_frame)  # one frame per piece
+        frames = encode(head, out, chunk_bytes=one_frame, key=self._key, request=False)  # one frame per piece
         if self._sock is not None:
             self._send_tracked(envelope, frames, owners)
 
@@ -592,10 +623,21 @@ class ParameterServer:
         self._note_step(msg)
         self._reply(envelope, msg, {"step": self.step}, pull)
 
+    def _confined(self, op: str, root: Any) -> str:
+        """The real path of a save/load directory, refused unless inside the configured checkpoint root."""
+        if not isinstance(root, str) or not root or "\0" in root:
+            raise ProtocolError(f"{op} needs a non-empty 'dir'")
+        if self.checkpoint_root is None:
+            raise _RejectError("checkpoint_refused", f"pserver {self.server_id} has no checkpoint directory "
+                               "configured (CLUSTERCTL_PS_CHECKPOINT); save/load refused")
+        real = os.path.realpath(os.path.join(self.checkpoint_root, root))
+        if os.path.commonpath([real, self.checkpoint_root]) != self.checkpoint_root:
+            raise _RejectError("checkpoint_refused", f"{op}: {root!r} is outside the checkpoint directory "
+                               f"{self.checkpoint_root} of pserver {self.server_id}")
+        return real
+
     def _op_save(self, envelope: list[Any], msg: Message) -> None:
-        root = msg.header.get("dir")
-        if not isinstance(root, str) or not root:
-            raise ProtocolError("save needs a non-empty 'dir'")
+        root = self._confined("save", msg.header.get("dir"))
         step = msg.header.get("step", self.step)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ProtocolError(f"save step must be a non-negative integer, got {step!r}")
@@ -607,9 +649,7 @@ class ParameterServer:
         self._reply(envelope, msg, {"step": step, "path": str(path)})
 
     def _op_load(self, envelope: list[Any], msg: Message) -> None:
-        root = msg.header.get("dir")
-        if not isinstance(root, str) or not root:
-            raise ProtocolError("load needs a non-empty 'dir'")
+        root = self._confined("load", msg.header.get("dir"))
         if self._round:
             raise _RejectError("busy", "cannot load while a sync round is open")
         self._load(root)
