@@ -645,6 +645,11 @@ class Conn:
 # supervisor
 
 
+def _private_opener(path, flags):
+    """open() opener creating files 0600 (process logs)."""
+    return os.open(path, flags, 0o600)
+
+
 def _pdeathsig_setup(parent_pid):
     """Return a preexec_fn asking the kernel to SIGTERM the child if the supervisor dies."""
     try:
@@ -876,10 +881,10 @@ class Supervisor:
             spec = next(p for p in self.job["processes"] if p["role"] == r["role"] and p["id"] == r["id"])
             env = base_env(self.job_id, self.jobdir, spec["env"], token=self.coord and self.coord["token"])
             try:
-                os.makedirs(os.path.dirname(r["log"]), exist_ok=True)
+                os.makedirs(os.path.dirname(r["log"]), mode=0o700, exist_ok=True)
                 if os.path.exists(r["log"]):  # keep the previous run's log, start this one fresh
                     os.replace(r["log"], r["log"] + ".1")
-                with open(r["log"], "ab") as logf:
+                with open(r["log"], "ab", opener=_private_opener) as logf:  # 0600: logs may hold secrets
                     popen = subprocess.Popen(
                         r["argv"], cwd=r["cwd"], env=env, stdin=subprocess.DEVNULL, stdout=logf,
                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, preexec_fn=preexec)
@@ -1429,7 +1434,7 @@ def cmd_launch(args):
             if os.fork() != 0:
                 os._exit(0)
             devnull = os.open(os.devnull, os.O_RDONLY)
-            logfd = os.open(logpath, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            logfd = os.open(logpath, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             os.dup2(devnull, 0)
             os.dup2(logfd, 1)
             os.dup2(logfd, 2)

@@ -43,6 +43,14 @@ __all__ = ["LocalFile", "scan_workspace", "list_data_files", "dispatch", "verify
 
 _CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "clusterctl"
 _CACHE_DIR = _CACHE_ROOT / "hashes"
+
+
+def _private_dir(path: Path) -> None:
+    """Create `path` (and the cache root) 0700: the caches name every file of the user's workspace."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for p in (_CACHE_ROOT, path.parent, path):
+        if p == _CACHE_ROOT or _CACHE_ROOT in p.parents:
+            os.chmod(p, 0o700)
 _CHUNK = 1 << 20
 _BULK = 8 << 20  # per-host archive size from which data goes through the OpenSSH client
 _INLINE = 1 << 20  # per-host update size up to which file content travels inside the header
@@ -120,7 +128,7 @@ class _HashCache:
         if self.fresh == self.data:
             return  # nothing was hashed or removed: the file on disk says it all
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _private_dir(self.path.parent)
             _write_atomic(self.path, marshal.dumps(self.fresh, _MARSHAL_VERSION))
         except OSError:
             pass  # a cache that cannot be written only costs re-hashing next time
@@ -394,7 +402,7 @@ class _Records:
         """Record each host's new (generation, manifest); a failure to write only costs a round trip later."""
         written: dict[int, str] = {}
         try:
-            (self.dir / "manifests").mkdir(parents=True, exist_ok=True)
+            _private_dir(self.dir / "manifests")
             for host, (gen, manifest) in records.items():
                 ref = written.get(id(manifest))
                 if ref is None:

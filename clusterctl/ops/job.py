@@ -86,7 +86,7 @@ def _mpi_job_file(plan: JobPlan, home: str) -> dict:
     """`launcher: mpi`: the first host supervises one process, mpiexec, run from the home directory."""
     mpi = plan.mpi
     first = plan.trainers[0]
-    env = {k: first.env[k] for k in ("CLUSTERCTL_JOB", "CLUSTERCTL_ROLE", "TRAINING_ROLE", "PADDLE_TRAINERS_NUM")}
+    env = dict(mpi.env)  # mpiexec passes these to every rank by name (-genvlist / -x NAME)
     return {
         "job": plan.job,
         "host": mpi.host.address,
