@@ -470,7 +470,7 @@ def _read_states(remote, hosts: list[Host], root: str) -> dict[Host, _HostView |
     state_cmd, payload = tool_command("hostws", ["state", root])  # installs the tool if missing, same round trip
     out: dict[Host, _HostView | Result] = {}
     for host, res in remote.run(state_cmd, hosts=hosts, stdin=payload, check=False, what="reading workspace state").items():
-        out[host] = _view_of(json.loads(res.stdout)) if res.ok else res
+        out[host] = _view_of(res.reply()) if res.ok else res
     return out
 
 
@@ -550,7 +550,7 @@ def _dispatch(session: Session, records: "_Records", apply: str, views: dict, as
             elif not res.ok:
                 failed[host] = res
             else:
-                reply = json.loads(res.stdout)
+                reply = res.reply()
                 if "stale" not in reply:
                     done[host] = (plans[host], reply["gen"])
                     succeeded[host] = res
@@ -624,5 +624,5 @@ def verify(session: Session) -> dict[Host, list[dict]]:
     """Each host's drift from its last dispatch: [{'path', 'problem'}]; an empty list means verified."""
     cmd, payload = tool_command("hostws", ["verify", session.plan.workdir])
     results = session.remote.run(cmd, stdin=payload, what="verifying workspaces")
-    return {host: json.loads(res.stdout)["drift"] for host, res in results.items()}
+    return {host: res.reply()["drift"] for host, res in results.items()}
 

@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import HostFailure, JobError, RemoteError
+from ..errors import ClusterctlError, HostFailure, JobError, RemoteError
 from ..plan import Host, JobPlan
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote
@@ -176,8 +176,8 @@ def _agent_cmd(tool: str, *args: str) -> str:
 
 def _parse(res) -> dict:
     try:
-        return json.loads(res.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
+        return res.reply()  # the agent's JSON line, whatever a shell's start-up printed before it
+    except ClusterctlError:
         return {"ok": False, "error": (res.stderr or res.stdout).strip()[-500:] or f"exit {res.exit_code}"}
 
 
