@@ -25,7 +25,7 @@ from .endpoints import zmq_address
 from .errors import BarrierTimeoutError, CheckpointError, PsConfigError, PsTimeoutError, RemoteOpError
 from .optim import SGD, OptimizerConfig
 from .errors import AuthError
-from .protocol import MAX_FRAME_BYTES, Message, decode, encode, job_key
+from .protocol import MAX_FRAME_BYTES, TOKEN_ENV, Message, decode, encode, job_key
 from .server import MODES
 from .sharding import DEFAULT_MIN_BLOCK_SIZE, Block, ShardPlan, plan_shards
 
@@ -107,7 +107,8 @@ class PSClient:
         self.min_block_size = min_block_size
         self.timeout = float(timeout)
         self.job = job
-        self._key = job_key(token)  # requests carry a MAC of the job token; replies must too
+        # requests carry a MAC of the job token (None: CLUSTERCTL_JOB_TOKEN; ""/unset: none); replies must too
+        self._key = job_key(os.environ.get(TOKEN_ENV) if token is None else token)
         self.plan: ShardPlan | None = None
         self.start_step = 0
         self.step = 0

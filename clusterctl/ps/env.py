@@ -106,7 +106,7 @@ def client_from_env(*, optimizer: OptimizerConfig | None = None, env: Mapping[st
     pe = from_env(env)
     kw: dict[str, Any] = dict(trainer_id=pe.trainer_id, num_trainers=pe.num_trainers, mode=pe.mode,
                               k_steps=pe.k_steps, timeout=pe.timeout, job=pe.job, optimizer=optimizer,
-                              token=(os.environ if env is None else env).get(TOKEN_ENV) or None)
+                              token=(os.environ if env is None else env).get(TOKEN_ENV) or "")
     kw.update(overrides)
     return PSClient(pe.endpoints, **kw)
 
@@ -121,6 +121,6 @@ def server_from_env(*, env: Mapping[str, str] | None = None, **overrides: Any):
     kw: dict[str, Any] = dict(server_id=pe.pserver_id, num_servers=len(pe.endpoints),
                               num_trainers=pe.num_trainers, mode=pe.mode, k_steps=pe.k_steps,
                               barrier_timeout=pe.barrier_timeout, checkpoint_dir=pe.checkpoint_dir, job=pe.job,
-                              token=(os.environ if env is None else env).get(TOKEN_ENV) or None)
+                              token=(os.environ if env is None else env).get(TOKEN_ENV) or "")
     kw.update(overrides)
     return ParameterServer(pe.current_endpoint, **kw)

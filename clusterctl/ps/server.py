@@ -116,7 +116,8 @@ class ParameterServer:
         self.k_steps = k_steps
         self.barrier_timeout = float(barrier_timeout)
         self.job = job
-        self._key = job_key(token)  # None: requests are not authenticated (no job token)
+        # token None: the job's CLUSTERCTL_JOB_TOKEN (set by the host agent); "" or unset: no authentication
+        self._key = job_key(os.environ.get(TOKEN_ENV) if token is None else token)
         # save/load requests may only name this directory or one inside it (default: checkpoint_dir)
         root = checkpoint_root or checkpoint_dir
         self.checkpoint_root = os.path.realpath(root) if root else None

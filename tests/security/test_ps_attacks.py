@@ -110,7 +110,7 @@ def test_requests_without_the_job_token_are_refused_and_change_nothing(group, tm
 
 def test_a_client_without_the_token_is_told_so(group):
     g = group(num_trainers=1, mode="sync", token=TOKEN)
-    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=2) as c:  # no token
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=2, token="") as c:  # no token
         with pytest.raises(ProtocolError, match="signed with a job token but this end has none"):
             c.init({"w": np.ones(3, np.float32)})  # the pserver's (signed) answer is "unauthenticated"
     assert g.servers[0].blocks == {} and g.servers[0].stats["unauthenticated"] == 1
