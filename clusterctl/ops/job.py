@@ -160,9 +160,19 @@ def overall_state(host_states: list[str]) -> str:
     return sorted(states)[0]
 
 
+_HOME_MARK = "clusterctl-home:"
+
+
 def _homes(remote: Remote) -> dict[Host, str]:
-    results = remote.run('printf %s "$HOME"', what="finding home directories")
-    return {h: r.stdout.strip() for h, r in results.items()}
+    # a framed line: what a shell's start-up files print before it (even without a newline) is skipped
+    results = remote.run(f'printf "\\n{_HOME_MARK}%s\\n" "$HOME"', what="finding home directories")
+    homes = {}
+    for h, r in results.items():
+        found = [ln[len(_HOME_MARK):] for ln in r.stdout.splitlines() if ln.startswith(_HOME_MARK)]
+        if not found or not found[-1].startswith("/"):
+            raise JobError(f"{h.label}: cannot read the home directory (got {r.stdout.strip()[-200:]!r})")
+        homes[h] = found[-1]
+    return homes
 
 
 def _jobdir(plan: JobPlan) -> str:

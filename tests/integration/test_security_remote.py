@@ -21,7 +21,7 @@ def test_exec_timeout_ends_the_remote_process_group(testcluster, tmp_path):
     spec = write_spec(testcluster, tmp_path / "c.yaml", name="exectimeout", hosts=2, job={"entrypoint": ["true"]})
     marker = "3141"
     t0 = time.monotonic()
-    res = clusterctl("exec", spec, "--timeout", "2", "--", "sh", "-c", f"sleep {marker}1 & sleep {marker}2; echo never")
+    res = clusterctl("exec", "--timeout", "2", spec, "--", "sh", "-c", f"sleep {marker}1 & sleep {marker}2; echo never")
     took = time.monotonic() - t0
     assert res.returncode == 124, (res.stdout, res.stderr)
     assert "never" not in res.stdout and took < 30
