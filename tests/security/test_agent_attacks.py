@@ -4,7 +4,6 @@ real agent.py processes, a real trainer, hostile clients and an impostor coordin
 from __future__ import annotations
 
 import json
-import os
 import socket
 import stat
 import sys
