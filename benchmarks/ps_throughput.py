@@ -35,7 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from clusterctl.ps import SGD, PSClient
+from clusterctl.ps import SGD, PSClient  # noqa: E402 (after the sys.path line above)
 
 
 def _free_ports(n: int) -> list[int]:

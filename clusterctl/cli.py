@@ -14,7 +14,7 @@ from . import __version__
 from .console import LinePrinter, err, error, out, setup_logging
 from .errors import ClusterctlError, SpecError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "guarded"]
 
 # Modules that add their own subcommands with `add_cli(subparsers)`; missing ones are skipped.
 _PLUGINS = ("clusterctl.testcluster", "clusterctl.ops.lifecycle_cli", "clusterctl.ops.provision_cli", "clusterctl.demo")
@@ -59,6 +59,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             escape(" ".join(p.argv)),
         )
     out.print(table)
+    hosts = Table(title="connections (as `ssh -G` resolves them)", title_justify="left")
+    for col in ("host", "user", "hostname", "port", "jump", "endpoints at"):
+        hosts.add_column(col, no_wrap=True)
+    for h in plan.hosts:
+        hosts.add_row(escape(h.address), escape(h.user), escape(h.connect_name), str(h.port),
+                      escape(",".join(h.jump)) or "-", escape(h.endpoint_address))
+    out.print(hosts)
     if plan.mpi is not None:
         out.print(f"launcher: mpi, on {escape(plan.mpi.host.label)}: {escape(' '.join(plan.mpi.argv))}")
         out.print(f"hostfile {escape(plan.mpi.hostfile_path)}:\n{escape(plan.mpi.hostfile)}", end="")
@@ -80,7 +87,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
         if res.exit_code == 255 and not res.stdout:
             error(res.stderr)
         elif res.exit_code:
-            err.print(f"[yellow][{escape(host.label)}] exit {res.exit_code}[/]")
+            err.print(f"[yellow]\\[{escape(host.label)}] exit {res.exit_code}[/]")
     return worst_exit_code(results)
 
 
@@ -122,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
+    return guarded(lambda: args.func(args))
+
+
+def guarded(fn) -> int:
+    """Run `fn` (an operation's front end returning an exit code) and turn clusterctl's errors into their
+    message on stderr and their exit code: the one place where errors meet the terminal (CLI and fab)."""
     try:
-        return int(args.func(args) or 0)
+        return int(fn() or 0)
     except SpecError as exc:
         for problem in exc.problems:
             err.print(escape(str(problem)))

@@ -8,11 +8,6 @@ A second run is faster: provisioning reports 0 changed and dispatch sends nothin
 from __future__ import annotations
 
 import argparse
-import hashlib
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,37 +28,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_wheel(dest: Path) -> tuple[Path, str]:
-    """A wheel of this checkout, versioned `X.Y.Z+src.<hash of the sources>`; rebuilt only when they change.
+    """A wheel of the running clusterctl (checkout or installed), versioned `X.Y.Z+src.<hash>`; built once per version.
 
     The local version label makes hosts install the new code whenever it changed (same-named wheels
     would count as already present).
     """
-    from . import __version__
+    from .provision.selfwheel import build_self_wheel
 
-    h = hashlib.sha256()
-    sources = sorted((ROOT / "clusterctl").rglob("*.py")) + [ROOT / "pyproject.toml"]
-    for p in sources:
-        h.update(p.relative_to(ROOT).as_posix().encode() + b"\0" + p.read_bytes())
-    version = f"{__version__}+src.{h.hexdigest()[:12]}"
-    folder = dest / version
-    wheels = sorted(folder.glob("clusterctl-*.whl"))
-    if wheels:
-        return wheels[0], version
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "src"
-        shutil.copytree(ROOT / "clusterctl", tree / "clusterctl", ignore=shutil.ignore_patterns("__pycache__"))
-        for name in ("pyproject.toml", "README.md"):
-            shutil.copy(ROOT / name, tree / name)
-        init = tree / "clusterctl" / "__init__.py"
-        init.write_text(init.read_text().replace(f'__version__ = "{__version__}"', f'__version__ = "{version}"'))
-        folder.mkdir(parents=True, exist_ok=True)
-        res = subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(folder), str(tree)],
-            capture_output=True, text=True,
-        )
-    if res.returncode != 0:
-        raise ClusterctlError(f"building the clusterctl wheel failed: {res.stderr.strip()[-500:]}")
-    return next(folder.glob("clusterctl-*.whl")), version
+    return build_self_wheel(dest)
 
 
 def demo_spec(cluster_spec: Path, dest: Path, wheel: Path, version: str) -> Path:
@@ -104,6 +76,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .progress import Progress
 
     t_all = time.monotonic()
+    example = ROOT / "examples" / "fit_a_line"
+    if not example.is_dir():
+        raise ClusterctlError(
+            f"clusterctl demo trains the repository's examples/fit_a_line, which an installed clusterctl does not "
+            f"carry ({example} is missing): run it from a checkout (./scripts/demo)"
+        )
     out.print(Rule(f"1. test cluster: {DEMO_NODES} nodes running sshd in Docker"))
     info = tc.up(DEMO_NODES, name=DEMO_CLUSTER)
     wheel, version = build_wheel(Path(info.state_dir) / "dist")

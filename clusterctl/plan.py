@@ -9,11 +9,14 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass, field
 
+from collections.abc import Sequence
+
 from .errors import ClusterctlError
 from .spec import ClusterSpec, PserversPerHost
+from .sshconfig import Resolved, Target, unresolved
 
 __all__ = [
-    "Host", "Process", "JobPlan", "MpiLaunch", "PlanError", "make_plan", "render_args", "deal_shards", "DATA_ENV",
+    "Host", "Process", "JobPlan", "MpiLaunch", "PlanError", "make_plan", "make_hosts", "ssh_targets", "render_args", "deal_shards", "DATA_ENV",
 ]
 
 DATA_ENV = "CLUSTERCTL_DATA_FILES"
@@ -31,17 +34,40 @@ class PlanError(ClusterctlError):
 
 @dataclass(frozen=True)
 class Host:
-    """A host as the remote layer needs it: where to connect and as whom."""
+    """A host as the remote layer needs it: where to connect, as whom, through which bastions.
+
+    `address` is what the spec names (an IP, a host name or an ssh-config alias) and what `ssh` is
+    given; `hostname`, `user` and `port` are what OpenSSH resolves it to (`ssh -G`); `jump` the
+    bastions in between, first hop first; `train_address` what the other hosts use for its endpoints."""
 
     address: str
     port: int
     user: str
     index: int
+    hostname: str = ""  # "" = address
+    jump: tuple[str, ...] = ()
+    train_address: str = ""  # "" = hostname
+    jump_none: bool = False  # the spec said `proxy_jump: none` over a ProxyJump in the ssh config
 
     @property
     def label(self) -> str:
         """Short name used to prefix output lines: the address, plus the port when it is not 22."""
         return self.address if self.port == 22 else f"{self.address}:{self.port}"
+
+    @property
+    def connect_name(self) -> str:
+        """The name or address the SSH connection finally goes to (the config's HostName)."""
+        return self.hostname or self.address
+
+    @property
+    def endpoint_address(self) -> str:
+        """The address in this host's endpoints: train_address, else the resolved HostName."""
+        return self.train_address or self.hostname or self.address
+
+    def to_json(self) -> dict:
+        """What clusterctl connects to for this host, as `clusterctl plan --json` shows it."""
+        return {"address": self.address, "user": self.user, "hostname": self.connect_name, "port": self.port,
+                "jump": list(self.jump), "train_address": self.endpoint_address}
 
 
 @dataclass(frozen=True)
@@ -136,7 +162,8 @@ class JobPlan:
 
     def to_json(self) -> dict:
         """The JSON shape printed by `clusterctl plan --json`."""
-        out = {"job": self.job, "mode": self.mode, "processes": [p.to_json() for p in self.processes]}
+        out = {"job": self.job, "mode": self.mode, "hosts": [h.to_json() for h in self.hosts],
+               "processes": [p.to_json() for p in self.processes]}
         if self.mpi is not None:
             out["mpi"] = self.mpi.to_json()
         return out
@@ -150,31 +177,57 @@ def deal_shards(names: list[str], trainers: int) -> list[list[str]]:
     return shards
 
 
-def make_plan(spec: ClusterSpec, *, data_files: list[str] | None = None) -> JobPlan:
+def ssh_targets(spec: ClusterSpec) -> list[Target]:
+    """Each host as the spec names it, with the user and port the spec sets explicitly (for resolution)."""
+    return [Target(h.address, h.user or spec.ssh.user, h.port or spec.ssh.port) for h in spec.hosts]
+
+
+def make_hosts(spec: ClusterSpec, resolved: Sequence[Resolved] | None = None) -> tuple[Host, ...]:
+    """The spec's hosts as the remote layer needs them, from what `ssh -G` resolved for each (`resolved`,
+    in spec order; None: taken literally, as with `ssh.config: none`)."""
+    targets = ssh_targets(spec)
+    found = list(resolved) if resolved is not None else [unresolved(t) for t in targets]
+    hosts = []
+    for i, (h, r) in enumerate(zip(spec.hosts, found, strict=True)):
+        explicit = h.proxy_jump if h.proxy_jump is not None else (spec.ssh.proxy_jump or None)
+        jump = explicit if explicit is not None else r.proxy_jump
+        hosts.append(Host(
+            address=h.address, port=r.port, user=r.user, index=i, hostname=r.hostname, jump=tuple(jump),
+            train_address=h.train_address or "", jump_none=explicit == () and bool(r.proxy_jump),
+        ))
+    return tuple(hosts)
+
+
+def make_plan(
+    spec: ClusterSpec, *, data_files: list[str] | None = None, resolved: Sequence[Resolved] | None = None
+) -> JobPlan:
     """Lay out every process of `spec`'s job; raise PlanError when the layout is impossible.
 
-    `data_files` are the names (relative to `data.local`) of the spec's data shards, listed by the caller.
+    `data_files` are the names (relative to `data.local`) of the spec's data shards, listed by the caller;
+    `resolved` what OpenSSH resolves each host to (see make_hosts).
     """
     job = spec.job
-    hosts = tuple(
-        Host(address=h.address, port=h.port or spec.ssh.port, user=h.user or spec.ssh.user, index=i)
-        for i, h in enumerate(spec.hosts)
-    )
+    hosts = make_hosts(spec, resolved)
     pserver_hosts = _pserver_hosts(spec, hosts)
     trainer_slots = _trainer_slots(spec, hosts)
 
-    used: dict[tuple[str, int], str] = {}
+    used: dict[tuple[str, int], tuple[str, Host]] = {}
 
     def claim(host: Host, port: int, what: str, path: tuple) -> str:
-        key = (host.address, port)
+        addr = host.endpoint_address
+        key = (addr, port)
         if port > 65535:
-            raise PlanError(path, f"{what} needs port {port} on {host.address}, beyond 65535; lower the base port")
+            raise PlanError(path, f"{what} needs port {port} on {addr}, beyond 65535; lower the base port")
         if key in used:
-            raise PlanError(
-                ("job", "ports"), f"two planned endpoints on {host.address}:{port}: {used[key]} and {what}"
-            )
-        used[key] = what
-        return f"{host.address}:{port}"
+            other, other_host = used[key]
+            if other_host != host:  # one machine named twice, or a host that needs its own train_address
+                raise PlanError(("hosts", host.index), (
+                    f"{host.address} and hosts[{other_host.index}] ({other_host.address}) both "
+                    f"resolve to {addr}: {other} and {what} would share {_hostport(addr, port)}; give one of them "
+                    "hosts[].train_address (the address the other hosts reach it at)"))
+            raise PlanError(("job", "ports"), f"two planned endpoints on {_hostport(addr, port)}: {other} and {what}")
+        used[key] = (what, host)
+        return _hostport(addr, port)
 
     control = claim(hosts[0], job.ports.control, "the job's control port", ("job", "ports", "control"))
 
@@ -193,7 +246,7 @@ def make_plan(spec: ClusterSpec, *, data_files: list[str] | None = None) -> JobP
             ep = claim(host, job.ports.trainer + local, f"trainer.{tid}", ("job", "ports", "trainer"))
             trainers.append((host, local, ep, _gpu_share(gpus, n, local, host)))
 
-    master_addr = trainers[0][0].address if trainers else hosts[0].address
+    master_addr = (trainers[0][0] if trainers else hosts[0]).endpoint_address
     if trainers:
         claim(trainers[0][0], job.ports.master, "the trainers' master (rendezvous) port", ("job", "ports", "master"))
 
@@ -260,6 +313,11 @@ def make_plan(spec: ClusterSpec, *, data_files: list[str] | None = None) -> JobP
     )
 
 
+def _hostport(addr: str, port: int) -> str:
+    """`addr:port`, IPv6 addresses in brackets (`[fd00::1]:6170`), as endpoint lists carry them."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
 # Placeholders whose value differs per rank: a single mpiexec command line cannot carry them.
 _PER_RANK = ("id", "trainer_id", "current_endpoint", "host", "local_rank")
 
@@ -281,11 +339,11 @@ def _mpi_launch(spec: ClusterSpec, hosts, trainer_slots, total: int, workdir: st
     path = posixpath.join(".clusterctl", "jobs", spec.name, "hostfile")
     used = [(h, n) for h, n, _ in trainer_slots if n]
     if job.mpi == "mpich":
-        hostfile = "".join(f"{h.address}:{n}\n" for h, n in used)
+        hostfile = "".join(f"{h.endpoint_address}:{n}\n" for h, n in used)
         argv = [job.mpiexec, "-f", path, "-n", str(total), "-wdir", workdir, "-launcher", "ssh",
                 "-genvlist", ",".join(env)]
     else:
-        hostfile = "".join(f"{h.address} slots={n}\n" for h, n in used)
+        hostfile = "".join(f"{h.endpoint_address} slots={n}\n" for h, n in used)
         argv = [job.mpiexec, "--hostfile", path, "-n", str(total), "--wdir", workdir, "--mca", "plm_rsh_agent", "ssh"]
         for k in env:
             argv += ["-x", k]
@@ -307,7 +365,7 @@ def _placeholders(spec, role, pid, trainer_id, trainers, pserver_eps, trainer_ep
         "pserver_endpoints": pserver_eps,
         "trainer_endpoints": trainer_eps,
         "current_endpoint": ep,
-        "host": host.address,
+        "host": host.endpoint_address,
         "local_rank": str(local),
         "job": spec.name,
     }

@@ -53,6 +53,32 @@ def _run(argv, timeout=15):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def login_facts():
+    """The login user, uid and home, and whether passwordless sudo works: root | ok | password | missing | error: ..."""
+    import pwd
+
+    uid = os.getuid()
+    try:
+        entry = pwd.getpwuid(uid)
+        user, home = entry.pw_name, entry.pw_dir
+    except KeyError:
+        user, home = str(uid), os.path.expanduser("~")
+    if uid == 0:
+        sudo = "root"
+    else:
+        try:
+            proc = subprocess.run(["sudo", "-n", "true"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=10, check=False)
+        except FileNotFoundError:
+            sudo = "missing"
+        except subprocess.TimeoutExpired:
+            sudo = "error: sudo -n true did not answer in 10 s"
+        else:
+            err = (proc.stderr.strip().splitlines() or [""])[-1]
+            sudo = "ok" if proc.returncode == 0 else ("password" if "password" in err else "error: " + (err or "exit %d" % proc.returncode))
+    return {"user": user, "uid": uid, "home": home, "sudo": sudo}
+
+
 def _os_release():
     try:
         with open("/etc/os-release") as fh:
@@ -239,6 +265,7 @@ def main():
     venv = _venv(params.get("venv", ""))
     facts = {
         "hostname": socket.gethostname(),
+        "login": login_facts(),
         "os": _os_release(),
         "kernel": platform.release(),
         "python3": "%d.%d.%d" % sys.version_info[:3],

@@ -17,6 +17,9 @@ import hashlib
 import json
 import logging
 import os
+import random
+import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -69,29 +72,42 @@ Stdin = bytes | Callable[[Host], Iterable[bytes]] | None
 
 @dataclass(frozen=True)
 class SshOptions:
-    """How to connect: identity, host-key policy and timeouts. Paths are already resolved."""
+    """How to connect: ssh config, identity, host-key policy and timeouts. Paths are already resolved.
+
+    None means "what the user's ssh config says" (config: ssh's default files; known_hosts: its
+    UserKnownHostsFile, by default ~/.ssh/known_hosts)."""
 
     identity_file: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
+    known_hosts: str | None = None
     host_key_policy: str = "strict"  # strict | accept-new | off
     connect_timeout: float = 10.0
     keepalive: int = 15
     forward_agent: bool = False
     persist: int = 0  # seconds an idle OpenSSH connection stays open for the next command (0: none)
+    config: str | None = "none"  # None: ssh's default config files; "none": none; else a path
 
     @classmethod
     def from_spec(cls, spec) -> "SshOptions":
         """Options from a ClusterSpec, resolving its paths against the spec file's directory."""
+        from .sshconfig import config_path
+
         ssh = spec.ssh
         return cls(
             identity_file=str(spec.local_path(ssh.identity_file)) if ssh.identity_file else None,
-            known_hosts=str(spec.local_path(ssh.known_hosts)),
+            known_hosts=str(spec.local_path(ssh.known_hosts)) if ssh.known_hosts else None,
             host_key_policy=ssh.host_key_policy,
             connect_timeout=ssh.connect_timeout,
             keepalive=ssh.keepalive,
             forward_agent=ssh.forward_agent,
             persist=ssh.persist,
+            config=config_path(spec),
         )
+
+    def known_hosts_for(self, host: Host) -> str:
+        """The known_hosts file checked for `host`: the spec's, else the first one its ssh config names."""
+        if self.known_hosts:
+            return os.path.expanduser(self.known_hosts)
+        return os.path.expanduser("~/.ssh/known_hosts")
 
 
 @dataclass(frozen=True)
@@ -307,7 +323,7 @@ class Remote:
                 self.connection(host)
             except ClusterctlError as exc:
                 return Result(host, command, UNREACHABLE, "", str(exc), time.monotonic() - start)
-        return self._collect(host, command, self._popen(host, command), stdin(host), timeout, start)
+        return self._collect(host, command, self._popen(host, command), lambda: stdin(host), timeout, start)
 
     def _ssh_argv(self, host: Host, command: str) -> list[str]:
         opts = self.options
@@ -315,46 +331,97 @@ class Remote:
         alive, missed = opts.keepalive or 15, 3
         if control is not None:  # see below: a reused connection's only wait is its keepalive
             alive, missed = 1, max(2, -(-int(opts.connect_timeout) // 3))
-        argv = [
-            "ssh",
-            "-F", "/dev/null",  # like our paramiko connections: no user ssh_config surprises
-            "-T",  # no terminal
-            "-o", "BatchMode=yes",  # never prompt
-            "-o", "StrictHostKeyChecking=yes",  # accept-new keys were recorded by paramiko just before
-            "-o", f"UserKnownHostsFile={os.path.expanduser(opts.known_hosts)}",
-            "-o", "GlobalKnownHostsFile=/dev/null",
-            "-o", f"ConnectTimeout={max(1, int(opts.connect_timeout))}",
-            "-o", f"ServerAliveInterval={alive}",
-            "-o", f"ForwardAgent={'yes' if opts.forward_agent else 'no'}",
-            "-o", f"KexAlgorithms={_KEX}",
-            *(("-o", f"Ciphers={_CIPHERS}") if _CIPHERS else ()),
-            "-p", str(host.port),
-            "-l", host.user,
-        ]  # fmt: skip
-        if opts.identity_file:
-            argv += ["-i", os.path.expanduser(opts.identity_file), "-o", "IdentitiesOnly=yes"]
+        argv = ["ssh", *self._common_options(), "-T", "-o", f"ServerAliveInterval={alive}",
+                "-o", f"ForwardAgent={'yes' if opts.forward_agent else 'no'}"]
+        if host.jump:
+            # Each bastion is reached by an ssh of ours (ProxyCommand), not by ssh's own ProxyJump, whose
+            # hops would not get these options: host keys are checked on every hop, the same way.
+            argv += ["-o", f"ProxyCommand={self._jump_command(host.jump)}"]
+        elif host.jump_none:
+            argv += ["-o", "ProxyJump=none"]  # the spec says direct, over the ssh config's ProxyJump
         if control is not None:
             # The first command to a host leaves its connection open for `persist` idle seconds; later
             # ones, from any clusterctl process, start as a new session on it: no handshake. A host that
             # froze is given up on after `missed` one-second keepalives (a third of connect_timeout)
             # instead of holding the commands that reuse its connection; ssh then tries a new one.
-            tag = hashlib.sha256(repr((opts.identity_file, opts.known_hosts, opts.forward_agent, _KEX, _CIPHERS)).encode())
+            tag = hashlib.sha256(repr((opts.identity_file, opts.known_hosts, opts.forward_agent, opts.config,
+                                       host.jump, _KEX, _CIPHERS)).encode())
             argv += [
                 "-o", "ControlMaster=auto",
                 "-o", f"ControlPath={control}/{tag.hexdigest()[:12]}-%C",  # other options, other connection
                 "-o", f"ControlPersist={opts.persist}",
                 "-o", f"ServerAliveCountMax={missed}",
             ]  # fmt: skip
-        return argv + [host.address, command]
+        # user and port as resolved (what the spec set, else the ssh config's); `--`: an address is
+        # never read as an option
+        return argv + ["-p", str(host.port), "-l", host.user, "--", host.address, command]
+
+    def _common_options(self) -> list[str]:
+        """Options of every ssh we run, to hosts and to bastions alike."""
+        opts = self.options
+        argv = [] if opts.config is None else ["-F", opts.config]  # None: ~/.ssh/config and the system's
+        argv += [
+            "-o", "BatchMode=yes",  # never prompt
+            "-o", "StrictHostKeyChecking=yes",  # accept-new keys were recorded by paramiko just before
+            "-o", f"ConnectTimeout={max(1, int(opts.connect_timeout))}",
+            "-o", f"KexAlgorithms={_KEX}",
+            *(("-o", f"Ciphers={_CIPHERS}") if _CIPHERS else ()),
+        ]  # fmt: skip
+        if opts.known_hosts:  # else the ssh config's UserKnownHostsFile (default ~/.ssh/known_hosts)
+            argv += ["-o", f"UserKnownHostsFile={os.path.expanduser(opts.known_hosts)}",
+                     "-o", "GlobalKnownHostsFile=/dev/null"]
+        if opts.identity_file:
+            argv += ["-i", os.path.expanduser(opts.identity_file), "-o", "IdentitiesOnly=yes"]
+        return argv
+
+    def _jump_command(self, chain: tuple[str, ...]) -> str:
+        """The ProxyCommand that reaches %h:%p through `chain` (first hop first): an ssh of ours to the last
+        bastion, itself reached through the ones before it. Tokens of inner levels are escaped (%%) once
+        per level, since each ssh expands the ProxyCommand it runs."""
+        from .spec import parse_jump
+
+        command = ""
+        for level, hop in enumerate(chain):
+            user, host, port = parse_jump(hop)
+            argv = ["ssh", *self._common_options(), "-o", "ServerAliveInterval=5", "-o", "ForwardAgent=no",
+                    "-o", "ClearAllForwardings=yes"]
+            argv += ["-o", f"ProxyCommand={command}"] if command else ["-o", "ProxyJump=none"]
+            argv += [*(["-l", user] if user else []), *(["-p", str(port)] if port else []), "-W", "%h:%p", "--", host]
+            command = " ".join(shlex.quote(a) for a in argv)
+            if level < len(chain) - 1:
+                command = command.replace("%", "%%")
+        return command
 
     def _popen(self, host: Host, command: str) -> subprocess.Popen:
         return subprocess.Popen(
             self._ssh_argv(host, command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
 
-    def _collect(self, host: Host, command: str, proc: subprocess.Popen, chunks: Iterable[bytes], timeout, start,
-                 on_line: LineCallback | None = None) -> Result:
-        """Write `chunks` to the ssh process's stdin, close it, wait for the exit; the host's Result."""
+    def _collect(self, host: Host, command: str, proc: subprocess.Popen, feed: Callable[[], Iterable[bytes]], timeout,
+                 start, on_line: LineCallback | None = None) -> Result:
+        """Write what `feed()` yields to the ssh process's stdin, close it, wait for the exit; the host's Result.
+
+        A connection that the server (or a bastion) closed before the login — sshd's MaxStartups shedding
+        a burst of new connections, as a bastion in front of many hosts sees — never ran the command, so it
+        is tried again, a few times, with a jittered back-off."""
+        for attempt in range(_CONNECT_TRIES):
+            code, out, err = self._collect_once(host, proc, feed(), timeout, on_line)
+            if code is None:
+                return Result(host, command, 124, "", f"timed out after {timeout:g}s running {command[:200]}",
+                              time.monotonic() - start)
+            spent = time.monotonic() - start
+            if not (code == UNREACHABLE and not out and _shed(err)) or attempt == _CONNECT_TRIES - 1 or (
+                    timeout is not None and spent > timeout / 2):
+                break
+            time.sleep(random.uniform(0.1, 0.3) * 2 ** min(attempt, 3))
+            proc = self._popen(host, command)
+        if code == UNREACHABLE and not out:
+            err = self._ssh_failure(host, err)
+        return Result(host, command, code, out, err, time.monotonic() - start)
+
+    def _collect_once(self, host: Host, proc: subprocess.Popen, chunks: Iterable[bytes], timeout,
+                      on_line: LineCallback | None) -> tuple[int | None, str, str]:
+        """One ssh process to its end: (exit code, stdout, stderr); exit code None when it timed out."""
         outputs: dict[str, str] = {}
 
         def drain(name: str, stream) -> None:
@@ -377,29 +444,85 @@ class Remote:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            return Result(host, command, 124, "", f"timed out after {timeout:g}s running {command[:200]}", time.monotonic() - start)
+            return None, "", ""
         for t in readers:
             t.join()
-        out, err = outputs.get("out", ""), outputs.get("err", "")
-        if code == UNREACHABLE and not out:
-            err = self._ssh_failure(host, err)
-        return Result(host, command, code, out, err, time.monotonic() - start)
+        return code, outputs.get("out", ""), outputs.get("err", "")
 
     def _ssh_failure(self, host: Host, stderr: str) -> str:
-        """One line for the OpenSSH client's own failure (exit 255), worded as our connections word it."""
+        """One line for the OpenSSH client's own failure (exit 255), worded as our connections word it;
+        behind bastions, the hop that failed is named."""
         said = [line.strip() for line in stderr.splitlines() if line.strip()]
         text = "\n".join(said)
+        changed = _changed_key(text, self.options)
+        if changed:
+            return changed
+        via = f" (through {', '.join(host.jump)})" if host.jump else ""
+        unknown = re.search(r"No (\S+) host key is known for (\S+) and", text)
+        if unknown and (host.jump or unknown.group(2) != host.connect_name):
+            known = self.options.known_hosts or "your known_hosts"
+            return (f"cannot connect to {host.label}{via}: unknown host key for {unknown.group(2)} "
+                    f"({unknown.group(1).lower()}); not in {known}. Verify it and add it (ssh-keyscan), "
+                    "or use host_key_policy: accept-new")
+        hop = re.search(r"connect to host (\S+) port (\d+): (.+)", text)
+        if host.jump and hop and hop.group(1) not in (host.connect_name, host.address):
+            return f"cannot connect to {host.label}: bastion {hop.group(1)} port {hop.group(2)}: {hop.group(3)}"
+        denied = re.search(r"(\S+)@(\S+): Permission denied \((.+)\)", text)
+        if host.jump and denied and denied.group(2) not in (host.connect_name, host.address):
+            return (f"cannot connect to {host.label}: authentication failed as {denied.group(1)}@{denied.group(2)} "
+                    f"(bastion; {denied.group(3)}); check ssh.identity_file, your ssh config or your ssh-agent")
         if "timed out" in text:  # "Connection timed out", "... during banner exchange"
-            return f"cannot connect to {host.label}: timed out after {self.options.connect_timeout:g}s"
-        for reason in ("Connection refused", "No route to host", "Network is unreachable", "Could not resolve hostname"):
+            return f"cannot connect to {host.label}{via}: timed out after {self.options.connect_timeout:g}s"
+        if "Could not resolve hostname" in text:
+            where = f" (not an alias in {self.options.config or 'your ssh config'}, nor a name DNS knows)"
+            return f"cannot connect to {host.label}{via}: Could not resolve hostname {host.connect_name}{where}"
+        for reason in ("Connection refused", "No route to host", "Network is unreachable"):
             if reason in text:
-                return f"cannot connect to {host.label}: {reason}"
-        if "Host key verification failed" in text or "Permission denied" in text:
+                return f"cannot connect to {host.label}{via}: {reason}"
+        if not host.jump and ("Host key verification failed" in text or "Permission denied" in text):
             try:  # paramiko words it precisely: both fingerprints, the known_hosts file, the user
                 self.connection(host)
             except ClusterctlError as exc:
                 return str(exc)
-        return f"connection to {host.label} lost: {said[-1] if said else 'ssh exited 255'}"
+        if host.jump and ("Connection closed" in text or "kex_exchange_identification" in text):
+            return f"cannot connect to {host.label}{via}: the bastion closed the connection ({said[-1]})"
+        return f"connection to {host.label}{via} lost: {said[-1] if said else 'ssh exited 255'}"
+
+
+def _changed_key(text: str, options: SshOptions) -> str | None:
+    """OpenSSH's changed-host-key warning as one line with both fingerprints (the offered one, and the
+    one on record, read back from the known_hosts line the warning points at); None if not that."""
+    host = re.search(r"Host key for (\S+) has changed", text)
+    offered = re.search(r"key sent by the remote host is\s+(SHA256:[A-Za-z0-9+/=]+)", text)
+    if not host or not offered:
+        return None
+    had = "another key"
+    where = options.known_hosts or "known_hosts"
+    place = re.search(r"Offending \S+ key in (.+?):(\d+)", text)
+    if place:
+        where = place.group(1)
+        try:
+            with open(place.group(1), encoding="utf-8", errors="replace") as fh:
+                line = fh.read().splitlines()[int(place.group(2)) - 1].split()
+            blob = (line[1:] if line[0].startswith("@") else line)[2]  # [@marker] hosts type key
+            had = "SHA256:" + base64.b64encode(hashlib.sha256(base64.b64decode(blob)).digest()).decode().rstrip("=")
+        except (OSError, IndexError, ValueError):
+            pass
+    return (f"host key for {host.group(1)} CHANGED: server offers {offered.group(1).rstrip('.')}, {where} has {had}. "
+            "Possible man-in-the-middle; if the host was reinstalled, remove the old key")
+
+
+_CONNECT_TRIES = 6  # a connection shed before the login is tried this many times in all
+_FINAL = ("Connection refused", "timed out", "Could not resolve", "Permission denied", "Host key", "No route",
+          "Network is unreachable", "host key")
+
+
+def _shed(stderr: str) -> bool:
+    """Whether ssh's stderr says the server (or a bastion) closed the connection before the login, for no
+    reason of its own: what sshd's MaxStartups does to a burst of connections. Never for a refusal, a
+    timeout, a failed login or a host key problem."""
+    # the identification exchange is the first thing on a connection: a failure there ran nothing yet
+    return "kex_exchange_identification" in stderr and not any(word in stderr for word in _FINAL)
 
 
 _CONTROL_DIRS: dict[str, str | None] = {}
@@ -409,7 +532,9 @@ _CONTROL_FALLBACK = "/tmp/clusterctl-ssh-{uid}"  # where the cache directory's p
 def _control_dir() -> str | None:
     """Where reusable connections' sockets live: a 0700 directory of ours, its path short enough for a
     socket (108 bytes); None (no reuse) where there is none."""
-    base = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "clusterctl" / "ssh"
+    from .cache import cache_root
+
+    base = cache_root() / "ssh"
     key = str(base)
     if key not in _CONTROL_DIRS:
         found = None
@@ -456,10 +581,10 @@ class Launch:
         for host in self.hosts:
             proc = self._procs.pop(host, None)
             if proc is not None:
-                chunks = stdin[host](host) if host in stdin else ()
+                feed = (lambda h=host: stdin[h](h)) if host in stdin else (lambda: ())
                 cmd = self.command(host) if callable(self.command) else self.command
                 futures[host] = remote._pool.submit(
-                    remote._collect, host, cmd, proc, chunks, timeout, self._start, on_line if host in stdin else None
+                    remote._collect, host, cmd, proc, feed, timeout, self._start, on_line if host in stdin else None
                 )
             elif host in stdin:
                 futures[host] = remote._pool.submit(remote._run_one, host, self.command, stdin[host], timeout, on_line)

@@ -31,6 +31,9 @@ __all__ = [
     "load_spec",
     "parse_spec",
     "parse_hostfile",
+    "parse_jump",
+    "check_address",
+    "check_user",
     "PLACEHOLDERS",
 ]
 
@@ -67,17 +70,31 @@ class _Model(BaseModel):
 
 
 class SshSpec(_Model):
-    """How to reach the hosts. Keys or ssh-agent only: there is no password field."""
+    """How to reach the hosts. Keys or ssh-agent only: there is no password field.
 
-    user: str = "root"
-    port: Port = 22
+    Unset keys (None) are left to the user's OpenSSH config, as `ssh HOST` would resolve them."""
+
+    user: str | None = None
+    port: Port | None = None
+    config: str | None = None  # None: ssh's own config files; "none": no config file; else a path
+    proxy_jump: tuple[str, ...] = ()  # bastions, first hop first (like `ssh -J a,b`)
     identity_file: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
+    known_hosts: str | None = None  # None: what the ssh config says (default ~/.ssh/known_hosts)
     host_key_policy: Literal["strict", "accept-new", "off"] = "strict"
     connect_timeout: float = Field(10.0, gt=0, le=600)
     keepalive: int = Field(15, ge=0, le=3600)
     forward_agent: bool = False
     persist: int = Field(60, ge=0, le=86400)  # seconds the OpenSSH client keeps an idle connection for reuse
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        return None if v is None else check_user(v)
+
+    @field_validator("proxy_jump", mode="before")
+    @classmethod
+    def _proxy_jump(cls, v: Any) -> Any:
+        return _jump_chain(v)
 
 
 class HostSpec(_Model):
@@ -86,16 +103,26 @@ class HostSpec(_Model):
     address: str = Field(min_length=1)
     port: Port | None = None
     user: str | None = None
+    proxy_jump: tuple[str, ...] | None = None  # None: ssh.proxy_jump; () ("none"): direct
+    train_address: str | None = None  # what the other hosts use for this host's endpoints
     gpus: tuple[int, ...] = ()
     slots: int | None = Field(None, ge=1, le=1024)
     labels: dict[str, str] = {}
 
-    @field_validator("address")
+    @field_validator("address", "train_address")
     @classmethod
-    def _address(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+", v):
-            raise ValueError(f"not a host name or IP address: {v!r}")
-        return v
+    def _address(cls, v: str | None) -> str | None:
+        return None if v is None else check_address(v)
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        return None if v is None else check_user(v)
+
+    @field_validator("proxy_jump", mode="before")
+    @classmethod
+    def _proxy_jump(cls, v: Any) -> Any:
+        return None if v is None else _jump_chain(v)
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -285,6 +312,68 @@ class ClusterSpec(_Model):
         """Resolve a controller-side path from the spec (`~` expanded, relative to the spec file)."""
         p = Path(value).expanduser()
         return p if p.is_absolute() else self.base_dir / p
+
+
+_HOSTNAME_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,252})")
+_USER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\$?")
+
+
+def check_address(value: str) -> str:
+    """A host address as ssh takes it: an IPv4/IPv6 address or a host name / ssh config alias.
+
+    Refuses what ssh would read as an option (a leading '-') or what a shell or a log line would
+    misread (spaces, control characters, brackets around a non-IPv6 address)."""
+    import ipaddress
+
+    bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    if ":" in bare:
+        try:
+            ipaddress.IPv6Address(bare.split("%", 1)[0])
+        except ValueError:
+            raise ValueError(f"not a host name or IP address: {value!r}") from None
+        return bare
+    if bare != value or not _HOSTNAME_RE.fullmatch(value) or ".." in value:
+        raise ValueError(f"not a host name or IP address: {value!r}")
+    return value
+
+
+def check_user(value: str) -> str:
+    """A login user name: letters, digits, '_', '.', '-' (not first), as useradd allows."""
+    if not _USER_RE.fullmatch(value):
+        raise ValueError(f"not a valid user name: {value!r}")
+    return value
+
+
+def parse_jump(hop: str) -> tuple[str | None, str, int | None]:
+    """`[user@]host[:port]` (IPv6 as `[addr]:port`) -> (user, host, port); ValueError when malformed."""
+    user, sep, rest = hop.rpartition("@")
+    if sep:
+        check_user(user)
+    if rest.startswith("["):
+        host, close, tail = rest[1:].partition("]")
+        if not close or (tail and not tail.startswith(":")):
+            raise ValueError(f"cannot parse jump host {hop!r}: expected [user@]host[:port]")
+        port_text = tail[1:]
+    elif rest.count(":") == 1:
+        host, _, port_text = rest.partition(":")
+    else:
+        host, port_text = rest, ""
+    if port_text and not (port_text.isdigit() and 1 <= int(port_text) <= 65535):
+        raise ValueError(f"bad port in jump host {hop!r}: expected 1-65535")
+    return (user or None), check_address(host), (int(port_text) if port_text else None)
+
+
+def _jump_chain(v: Any) -> Any:
+    """`proxy_jump`: "a,b", [a, b] or "none" -> a tuple of validated hops (first hop first)."""
+    if isinstance(v, str):
+        v = [] if v.strip().lower() == "none" else [part.strip() for part in v.split(",")]
+    if isinstance(v, (list, tuple)):
+        for hop in v:
+            if not isinstance(hop, str) or not hop:
+                raise ValueError("expected jump hosts as [user@]host[:port] strings")
+            parse_jump(hop)
+        return tuple(v)
+    return v
 
 
 def _scalar_str(v: Any) -> Any:
@@ -605,9 +694,8 @@ def _semantic_problems(loc: Located, source: str, spec: ClusterSpec) -> list[Spe
     for i, host in enumerate(spec.hosts):
         key = (host.address, host.port or spec.ssh.port)
         if key in seen:
-            problems.append(
-                _problem(loc, source, ("hosts", i), f"duplicate host {key[0]}:{key[1]} (also hosts[{seen[key]}])")
-            )
+            where = key[0] if key[1] is None else f"{key[0]}:{key[1]}"
+            problems.append(_problem(loc, source, ("hosts", i), f"duplicate host {where} (also hosts[{seen[key]}])"))
         else:
             seen[key] = i
         if spec.job.trainers == "gpu" and not host.gpus:

@@ -71,7 +71,7 @@ class _OffPolicy(paramiko.MissingHostKeyPolicy):
 
 def _client(options: SshOptions) -> paramiko.SSHClient:
     client = paramiko.SSHClient()  # our own: Fabric's default would AutoAdd unknown keys
-    known = os.path.expanduser(options.known_hosts)
+    known = os.path.expanduser(options.known_hosts or "~/.ssh/known_hosts")
     policy = options.host_key_policy
     if policy != "off" and os.path.exists(known):
         client.load_host_keys(known)
@@ -84,16 +84,16 @@ def _client(options: SshOptions) -> paramiko.SSHClient:
     return client
 
 
-def open_connection(host: Host, opts: SshOptions) -> Connection:
-    """A new open connection to `host`; raises ClusterctlError with a one-line reason."""
+def _connection(hostname: str, user: str, port: int, opts: SshOptions, gateway: Connection | None) -> Connection:
     timeout = opts.connect_timeout
     conn = Connection(
-        host.address,
-        user=host.user,
-        port=host.port,
-        config=Config(overrides={"load_ssh_configs": False}),
+        hostname,
+        user=user,
+        port=port,
+        config=Config(overrides={"load_ssh_configs": False}),  # resolved already, by `ssh -G` (sshconfig)
         connect_timeout=timeout,
         forward_agent=opts.forward_agent,
+        gateway=gateway,
         connect_kwargs={
             "key_filename": [os.path.expanduser(opts.identity_file)] if opts.identity_file else None,
             "look_for_keys": opts.identity_file is None,
@@ -103,14 +103,36 @@ def open_connection(host: Host, opts: SshOptions) -> Connection:
             "channel_timeout": timeout,
         },
     )
-    conn.client = _client(opts)
+    conn.client = _client(opts)  # ours: Fabric's default would AutoAdd unknown keys (bastions included)
+    return conn
+
+
+def _gateway(chain: tuple[str, ...], opts: SshOptions) -> Connection | None:
+    """The bastions as nested Fabric gateways (first hop first), each resolved through the ssh config and
+    each checked under the same host-key policy and known_hosts as the nodes."""
+    from .sshconfig import Target, resolve
+    from .spec import parse_jump
+
+    gateway = None
+    for hop in chain:
+        user, name, port = parse_jump(hop)
+        (r,) = resolve([Target(name, user, port)], opts.config)
+        gateway = _connection(r.hostname, r.user, r.port, opts, gateway)
+    return gateway
+
+
+def open_connection(host: Host, opts: SshOptions) -> Connection:
+    """A new open connection to `host` (through its bastions); raises ClusterctlError with a one-line reason."""
+    timeout = opts.connect_timeout
+    conn = _connection(host.connect_name, host.user, host.port, opts, _gateway(host.jump, opts))
+    via = f" (through {', '.join(host.jump)})" if host.jump else ""
     t0 = time.monotonic()
     try:
         conn.open()
     except paramiko.BadHostKeyException as exc:
         raise ClusterctlError(
-            f"host key for {host.label} CHANGED: server offers {fingerprint(exc.key)}, "
-            f"{opts.known_hosts} has {fingerprint(exc.expected_key)}. "
+            f"host key for {getattr(exc, 'hostname', None) or host.label} CHANGED: server offers {fingerprint(exc.key)}, "
+            f"{opts.known_hosts or '~/.ssh/known_hosts'} has {fingerprint(exc.expected_key)}. "
             "Possible man-in-the-middle; if the host was reinstalled, remove the old key"
         ) from None
     except _HostKeyError as exc:
@@ -120,12 +142,12 @@ def open_connection(host: Host, opts: SshOptions) -> Connection:
             f"authentication failed as {host.user}@{host.label} ({exc}); check ssh.identity_file or your ssh-agent"
         ) from None
     except (socket.timeout, TimeoutError):
-        raise ClusterctlError(f"cannot connect to {host.label}: timed out after {timeout:g}s") from None
+        raise ClusterctlError(f"cannot connect to {host.label}{via}: timed out after {timeout:g}s") from None
     except (OSError, paramiko.SSHException, EOFError) as exc:
         if time.monotonic() - t0 >= timeout * 0.9:  # e.g. a frozen host: TCP accepted, no SSH banner
-            raise ClusterctlError(f"cannot connect to {host.label}: timed out after {timeout:g}s") from None
+            raise ClusterctlError(f"cannot connect to {host.label}{via}: timed out after {timeout:g}s") from None
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        raise ClusterctlError(f"cannot connect to {host.label}: {reason}") from None
+        raise ClusterctlError(f"cannot connect to {host.label}{via}: {reason}") from None
     if opts.keepalive:
         conn.transport.set_keepalive(opts.keepalive)
     return conn

@@ -3,7 +3,9 @@
 ``up`` builds (and caches) a node image, starts N containers on a private docker network, pins every
 node's own host key in a generated known_hosts, installs a per-cluster client key and writes a
 cluster spec that clusterctl can use as is. ``down`` removes only what carries this cluster's label.
-See docs/testcluster.md.
+Options shape it like a real fleet: a non-root login user with sudo (root login disabled), a bastion
+in front of nodes on a network this machine has no address on, an OpenSSH config with an alias per
+node, a node whose sudo wants a password. See docs/testcluster.md.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import importlib.resources
 import io
 import os
 import re
@@ -24,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -36,6 +39,7 @@ from .errors import ClusterctlError
 __all__ = [
     "ClusterInfo",
     "DockerClusterError",
+    "Shape",
     "Node",
     "NodeStatus",
     "DEFAULT_NAME",
@@ -58,6 +62,13 @@ LAYOUT_LABEL = "clusterctl.testcluster.layout"
 SMALL_TMPFS = "/mnt/small"  # a 2 MiB tmpfs on every node: lets tests fill a disk for real
 LAYOUT = "tmpfs2m-shm1g-v1"
 BUILD_LABEL = "clusterctl.testcluster.build"
+ROLE_LABEL = "clusterctl.testcluster.role"  # "bastion" on the bastion; nodes carry none (or "node")
+# Nodes behind a bastion: this machine gets an `unreachable` route (this metric) to their subnet, so a
+# connect from here fails at once ("No route to host") instead of leaving through the default route.
+ROUTE_METRIC = 4242
+HIDE_OPTION = "com.docker.network.bridge.inhibit_ipv4"  # a bridge on which the host takes no IPv4 address
+USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+NODE_UID = 1000
 NODE_IMAGE_REPO = "clusterctl/testcluster-node"
 LOCAL_BASE_REPO = "clusterctl/bookworm-base"
 REGISTRY_BASE_IMAGE = "debian:bookworm-slim"
@@ -74,6 +85,7 @@ DEBOOTSTRAP_INCLUDE = (
     "ca-certificates",
     "netbase",
     "iputils-ping",
+    "sudo",
 )
 # Local wheel directories searched before any index; a requirement they satisfy is never downloaded
 # (torch==2.13.0 must come from the local +cpu wheel, not from an index).
@@ -81,7 +93,7 @@ LOCAL_WHEEL_DIRS = ("/opt/wheels",)
 # The node's interpreter (Debian bookworm): wheels are downloaded for it, not for the controller.
 NODE_PYTHON_VERSION = "3.11"
 NODE_GLIBC_MINOR = 36
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates" / "testcluster"
+TEMPLATE_DIR = Path(str(importlib.resources.files(__package__) / "templates" / "testcluster"))  # package data
 TEMPLATE_FILES = ("Dockerfile", "sshd_config", "entrypoint.sh", "ensure-packages.sh")
 
 PULL_TIMEOUT = 20.0  # a registry that does not answer in this long is treated as absent
@@ -109,6 +121,51 @@ class Node(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Shape:
+    """What the cluster looks like to its users: the login user, a bastion, nodes whose sudo wants a password."""
+
+    user: str = "root"
+    bastion: bool = False
+    sudo_password_nodes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not USER_RE.match(self.user):
+            raise DockerClusterError(
+                f"invalid user name {self.user!r}: use lowercase letters, digits, '_' or '-' (at most 32, "
+                "not starting with a digit or '-')"
+            )
+        if self.sudo_password_nodes and self.user == "root":
+            raise DockerClusterError("--sudo-password-node needs --user NAME: root does not use sudo")
+
+    @property
+    def home(self) -> str:
+        """The login user's home directory on the nodes."""
+        return "/root" if self.user == "root" else f"/home/{self.user}"
+
+    def layout(self) -> str:
+        """The LAYOUT label for this shape: plain LAYOUT for the default (root on one flat network)."""
+        if self == Shape():
+            return LAYOUT
+        parts = [LAYOUT, f"user={self.user}"]
+        if self.bastion:
+            parts.append("bastion")
+        if self.sudo_password_nodes:
+            parts.append("sudo-password=" + ",".join(str(i) for i in self.sudo_password_nodes))
+        return ";".join(parts)
+
+    def run_args(self, index: int | None) -> list[str]:
+        """`docker run` options for node index (None: the bastion) that give it this shape."""
+        args: list[str] = []
+        if self.user != "root":
+            sudo = "password" if index in self.sudo_password_nodes else "nopasswd"
+            args += ["--env", f"CLUSTERCTL_USER={self.user}", "--env", f"CLUSTERCTL_SUDO={sudo}"]
+        if self.bastion and index is not None:
+            # The entrypoint drops the default route: a node behind the bastion routes nowhere but its subnet.
+            args += ["--cap-add", "NET_ADMIN", "--env", "CLUSTERCTL_NO_DEFAULT_ROUTE=1"]
+        return args
+
+
+@dataclass(frozen=True)
 class ClusterInfo:
     """What `up` made: nodes in index order, and where the key, pins and spec live."""
 
@@ -119,11 +176,27 @@ class ClusterInfo:
     known_hosts_path: Path
     state_dir: Path
     image: str = ""
-    network: str = ""
+    network: str = ""  # the nodes' network
     packages: list[str] = field(default_factory=list)  # pip requirements installed in /opt/venv
     image_built: bool = False  # True if this call built the node image (False: cache hit)
     reused: bool = False  # True if this call kept already running containers
     timings: dict[str, float] = field(default_factory=dict)
+    user: str = "root"  # the login user on nodes and bastion
+    home: str = "/root"  # that user's home on the nodes
+    bastion: Node | None = None  # ip: its address on front_network, the one this machine reaches
+    front_network: str = ""  # the bastion's network towards this machine ("" without a bastion)
+    ssh_config_path: Path | None = None  # the OpenSSH config written beside the spec (ssh_config=True)
+    sudo_password_nodes: tuple[int, ...] = ()  # indexes of nodes whose sudo wants a password
+
+    @property
+    def proxy_jump(self) -> str | None:
+        """`user@bastion-ip` for `ssh -J` / `ssh.proxy_jump`, or None without a bastion."""
+        return f"{self.user}@{self.bastion.ip}" if self.bastion else None
+
+    @property
+    def aliases(self) -> list[str]:
+        """The ssh_config alias of each node, in index order (node0, node1, ...)."""
+        return [f"node{i}" for i in range(len(self.nodes))]
 
 
 @dataclass(frozen=True)
@@ -179,6 +252,14 @@ def _locked(what: str) -> Iterator[None]:
 
 def _network_name(name: str) -> str:
     return f"{name}-net"
+
+
+def _front_network_name(name: str) -> str:
+    return f"{name}-front"
+
+
+def _bastion_name(name: str) -> str:
+    return f"{name}-bastion"
 
 
 def _container_name(name: str, index: int) -> str:
@@ -458,22 +539,105 @@ def _build_image(context: Path, tag: str, base: str) -> None:
 # --------------------------------------------------------------------------------- containers, net
 
 
+def _labelled_containers(name: str) -> list[dict[str, Any]]:
+    return docker.inspect("container", docker.ids_with_label("container", f"{LABEL}={name}"))
+
+
+def _is_bastion(info: dict[str, Any]) -> bool:
+    return bool(info["Config"]["Labels"].get(ROLE_LABEL) == "bastion")
+
+
 def _cluster_containers(name: str) -> list[dict[str, Any]]:
-    """Inspect data of this cluster's containers, in node-index order."""
-    found = docker.inspect("container", docker.ids_with_label("container", f"{LABEL}={name}"))
+    """Inspect data of this cluster's nodes (not its bastion), in node-index order."""
+    found = [c for c in _labelled_containers(name) if not _is_bastion(c)]
     return sorted(found, key=lambda c: int(c["Config"]["Labels"].get(INDEX_LABEL, "0")))
 
 
-def _ensure_network(name: str, internal: bool = True) -> str:
-    """Create the cluster's network if absent (internal: no route out of the host)."""
-    net = _network_name(name)
+def _bastion_info(name: str) -> dict[str, Any] | None:
+    """Inspect data of this cluster's bastion, or None if it has none."""
+    found = [c for c in _labelled_containers(name) if _is_bastion(c)]
+    return found[0] if found else None
+
+
+def _ensure_network(name: str, internal: bool = True, *, net: str | None = None, hidden: bool = False) -> str:
+    """Create a network of the cluster if absent (internal: no route out of the host).
+
+    hidden: the host takes no address on it (nodes behind a bastion); see _hide_from_host.
+    """
+    net = net or _network_name(name)
     if docker.inspect("network", [net]):
         return net
     args = ["network", "create", "--driver", "bridge", "--label", f"{LABEL}={name}"]
     if internal:
         args.append("--internal")
+    if hidden:
+        args += ["--opt", f"{HIDE_OPTION}=true"]
     docker.run([*args, net])
     return net
+
+
+def _ip_argv() -> list[str]:
+    ip = shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip") if os.access(p, os.X_OK)), None)
+    if ip is None:
+        raise DockerClusterError("a bastion cluster needs the `ip` command on this machine: apt-get install iproute2")
+    return [ip]
+
+
+def _bridge_of(info: dict[str, Any]) -> str:
+    """The host-side Linux bridge of a docker bridge network."""
+    options = info.get("Options") or {}
+    return str(options.get("com.docker.network.bridge.name") or "br-" + str(info["Id"])[:12])
+
+
+def _subnets(info: dict[str, Any]) -> list[str]:
+    return [str(c["Subnet"]) for c in (info.get("IPAM") or {}).get("Config") or [] if ":" not in c.get("Subnet", ":")]
+
+
+def _host_addresses(bridge: str) -> list[str]:
+    proc = _checked_run([*_ip_argv(), "-4", "-o", "addr", "show", "dev", bridge], timeout=30, what="ip addr show")
+    return [line.split()[3] for line in proc.stdout.splitlines() if len(line.split()) > 3]
+
+
+def _unreachable_routes() -> str:
+    argv = [*_ip_argv(), "-4", "route", "show", "type", "unreachable"]
+    return _checked_run(argv, timeout=30, what="ip route show").stdout
+
+
+def _hide_from_host(net: str, progress: Progress) -> None:
+    """Make sure this machine has no address on net, and (as root) an `unreachable` route to its subnet.
+
+    docker's --internal alone still gives the host the gateway address; the network is created with
+    inhibit_ipv4, and if this docker ignored that, the bridge's address is flushed here (root only).
+    """
+    found = docker.inspect("network", [net])
+    if not found:
+        raise DockerClusterError(f"network {net} vanished")
+    info = found[0]
+    bridge = _bridge_of(info)
+    if _host_addresses(bridge):
+        if os.geteuid() != 0:
+            raise DockerClusterError(f"this machine has an address on {net} ({bridge}); only root can remove it")
+        _checked_run([*_ip_argv(), "-4", "addr", "flush", "dev", bridge], timeout=30, what="ip addr flush")
+        left = _host_addresses(bridge)
+        if left:
+            raise DockerClusterError(f"this machine still has {', '.join(left)} on {net} ({bridge})")
+    if os.geteuid() != 0:
+        progress(f"not root: no `unreachable` route to {net}; a connect to a node leaves by the default route")
+        return
+    for subnet in _subnets(info):
+        argv = [*_ip_argv(), "-4", "route", "replace", "unreachable", subnet, "metric", str(ROUTE_METRIC)]
+        _checked_run(argv, timeout=30, what="ip route replace")
+
+
+def _drop_routes(info: dict[str, Any]) -> None:
+    """Remove the `unreachable` routes _hide_from_host added for a network (if any, and if root)."""
+    if (info.get("Options") or {}).get(HIDE_OPTION) != "true" or os.geteuid() != 0:
+        return
+    table = _unreachable_routes()
+    for subnet in _subnets(info):
+        if re.search(rf"^unreachable {re.escape(subnet)} .*metric {ROUTE_METRIC}\b", table, re.MULTILINE):
+            argv = [*_ip_argv(), "-4", "route", "del", "unreachable", subnet, "metric", str(ROUTE_METRIC)]
+            _checked_run(argv, timeout=30, what="ip route del")
 
 
 def _network_is_internal(net: str) -> bool:
@@ -481,8 +645,9 @@ def _network_is_internal(net: str) -> bool:
     return bool(found and found[0].get("Internal"))
 
 
-def _start_node(name: str, index: int, image: str, net: str) -> str:
+def _start_node(name: str, index: int, image: str, net: str, shape: Shape | None = None) -> str:
     """`docker run` one node detached, with docker's init as PID 1 so zombies are reaped."""
+    shape = shape or Shape()
     container = _container_name(name, index)
     docker.run(
         [
@@ -495,12 +660,36 @@ def _start_node(name: str, index: int, image: str, net: str) -> str:
             "--label", f"{LABEL}={name}",
             "--label", f"{INDEX_LABEL}={index}",
             "--label", f"{IMAGE_LABEL}={image}",
-            "--label", f"{LAYOUT_LABEL}={LAYOUT}",
+            "--label", f"{LAYOUT_LABEL}={shape.layout()}",
             "--tmpfs", f"{SMALL_TMPFS}:rw,size=2m,mode=1777",
             "--shm-size", "1g",  # MPI's intra-node shared memory; Docker's default 64 MiB is too small
+            *shape.run_args(index),
             image,
         ]
     )  # fmt: skip
+    return container
+
+
+def _start_bastion(name: str, image: str, front: str, net: str, shape: Shape) -> str:
+    """`docker run` the bastion on the front network, then attach it to the nodes' network too."""
+    container = _bastion_name(name)
+    docker.run(
+        [
+            "run",
+            "--detach",
+            "--init",
+            "--name", container,
+            "--hostname", container,
+            "--network", front,
+            "--label", f"{LABEL}={name}",
+            "--label", f"{ROLE_LABEL}=bastion",
+            "--label", f"{IMAGE_LABEL}={image}",
+            "--label", f"{LAYOUT_LABEL}={shape.layout()}",
+            *shape.run_args(None),
+            image,
+        ]
+    )  # fmt: skip
+    docker.run(["network", "connect", net, container])
     return container
 
 
@@ -541,13 +730,13 @@ def _sshd_listening_inside(container: str) -> bool:
     return "ssh-ed25519" in proc.stdout
 
 
-def _switch_to_bridge(name: str, containers: Sequence[str]) -> str:
+def _switch_to_bridge(name: str, containers: Sequence[str], net: str | None = None) -> str:
     """Replace an --internal network the host cannot reach by a plain bridge network."""
-    net = _network_name(name)
+    net = net or _network_name(name)
     for container in containers:
         docker.run(["network", "disconnect", "--force", net, container], check=False)
     docker.run(["network", "rm", net])
-    _ensure_network(name, internal=False)
+    _ensure_network(name, internal=False, net=net)
     for container in containers:
         docker.run(["network", "connect", net, container])
     return net
@@ -557,18 +746,87 @@ def _wait_nodes(name: str, containers: Sequence[str], net: str, progress: Progre
     """Addresses of the nodes once each one's sshd answers from the host (bridge fallback if needed)."""
     nodes = _nodes_of(containers, net)
     if _network_is_internal(net) and not _wait_ssh(nodes[0].ip, INTERNAL_PROBE_TIMEOUT):
-        if not _sshd_listening_inside(containers[0]):
+        # Not yet listening (a loaded machine: entrypoint still busy) is not "unreachable": wait for sshd
+        # inside for the rest of SSH_WAIT_TIMEOUT, then give the host one more look before switching.
+        if not _wait_inside(containers[0], SSH_WAIT_TIMEOUT - INTERNAL_PROBE_TIMEOUT):
             raise DockerClusterError(_not_answering(containers[0], nodes[0].ip))
+        if _wait_ssh(nodes[0].ip, 3.0):
+            return _parallel(lambda n: _waited(n, SSH_WAIT_TIMEOUT), nodes, "waiting for sshd")
         progress(f"host cannot reach containers on --internal network {net}: using a plain bridge")
-        net = _switch_to_bridge(name, containers)
+        net = _switch_to_bridge(name, containers, net)
         nodes = _nodes_of(containers, net)
 
-    def wait(node: Node) -> Node:
-        if not _wait_ssh(node.ip, SSH_WAIT_TIMEOUT):
-            raise DockerClusterError(_not_answering(node.container, node.ip))
-        return node
+    return _parallel(lambda n: _waited(n, SSH_WAIT_TIMEOUT), nodes, "waiting for sshd")
 
-    return _parallel(wait, nodes, "waiting for sshd")
+
+def _waited(node: Node, timeout: float) -> Node:
+    """node, once its sshd answers from the host; an error with its log after timeout seconds."""
+    if not _wait_ssh(node.ip, timeout):
+        raise DockerClusterError(_not_answering(node.container, node.ip))
+    return node
+
+
+def _wait_inside(container: str, timeout: float) -> bool:
+    """True once sshd answers on the container's own loopback, False after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if _sshd_listening_inside(container):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+
+
+# Runs with the bastion's python3: argv = timeout ip...; prints the addresses whose sshd did not answer.
+# Every address is tried at least once, so a timeout of 0 is a single probe.
+_PROBE_BEHIND = """
+import socket, sys, time
+deadline = time.monotonic() + float(sys.argv[1])
+pending = sys.argv[2:]
+while True:
+    left = []
+    for ip in pending:
+        try:
+            with socket.create_connection((ip, 22), timeout=1) as sock:
+                sock.settimeout(1)
+                ok = sock.recv(8).startswith(b"SSH-")
+        except OSError:
+            ok = False
+        if not ok:
+            left.append(ip)
+    pending = left
+    if not pending or time.monotonic() >= deadline:
+        break
+    time.sleep(0.2)
+print(" ".join(pending))
+"""
+
+
+def _probe_behind(bastion: str, ips: Sequence[str], timeout: float, *, check: bool = False) -> set[str]:
+    """The addresses among ips whose sshd does not answer from inside the bastion within timeout.
+
+    If the probe cannot run in the bastion (stopped, paused): all of them, or (check) an error naming the bastion.
+    """
+    if not ips:
+        return set()
+    argv = ["exec", bastion, "python3", "-c", _PROBE_BEHIND, f"{timeout:g}", *ips]
+    proc = docker.run(argv, timeout=timeout + 10 + 2 * len(ips), check=False)
+    if proc.returncode != 0:
+        if check:
+            tail = (proc.stderr or proc.stdout).strip()[-500:]
+            why = f"exit {proc.returncode}: {tail}"
+            raise DockerClusterError(f"cannot probe the nodes from the bastion {bastion} ({why})")
+        return set(ips)
+    return set(proc.stdout.split())
+
+
+def _wait_behind(bastion: str, nodes: Sequence[Node]) -> list[Node]:
+    """The nodes, once each one's sshd answers from the bastion (this machine cannot reach them)."""
+    silent = _probe_behind(bastion, [n.ip for n in nodes], SSH_WAIT_TIMEOUT, check=True)
+    failures = [_not_answering(n.container, n.ip) + " (probed from the bastion)" for n in nodes if n.ip in silent]
+    if failures:
+        raise DockerClusterError("\n".join(failures))
+    return list(nodes)
 
 
 def _nodes_of(containers: Sequence[str], net: str) -> list[Node]:
@@ -630,61 +888,90 @@ def _known_hosts(nodes: Sequence[Node], keys: Sequence[str], with_names: bool) -
     return "".join(lines)
 
 
-def _ssh_tar(files: dict[str, tuple[str, int]]) -> bytes:
-    """A tar holding .ssh/ (0700, root) and the given files (name -> (text, mode))."""
+def _ssh_tar(files: dict[str, tuple[str, int]], owner: int = 0) -> bytes:
+    """A tar holding .ssh/ (0700) and the given files (name -> (text, mode)), all owned by uid/gid owner."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         folder = tarfile.TarInfo(".ssh")
         folder.type, folder.mode, folder.mtime = tarfile.DIRTYPE, 0o700, int(time.time())
+        folder.uid = folder.gid = owner
         tar.addfile(folder)
         for name, (text, mode) in files.items():
             data = text.encode()
             info = tarfile.TarInfo(f".ssh/{name}")
             info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+            info.uid = info.gid = owner
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
 
 
-def _install_ssh_files(container: str, tar_bytes: bytes) -> None:
-    """Unpack the .ssh tar into the node's /root with `docker cp -` (no shell involved)."""
-    argv = [docker.docker_binary(), "cp", "-", f"{container}:/root"]
+def _install_ssh_files(container: str, tar_bytes: bytes, home: str = "/root") -> None:
+    """Unpack the .ssh tar into home on the node with `docker cp --archive -` (owners kept; no shell)."""
+    argv = [docker.docker_binary(), "cp", "--archive", "-", f"{container}:{home}"]
     proc = subprocess.run(argv, input=tar_bytes, capture_output=True, timeout=60, check=False)
     if proc.returncode != 0:
         raise docker.DockerError(argv, proc.returncode, proc.stderr.decode(errors="replace"))
 
 
-def _pin_and_authorize(nodes: Sequence[Node], state: Path) -> tuple[Path, Path]:
-    """Pin host keys in state/known_hosts and give every node the cluster key (node-to-node ssh too)."""
+def _pin_and_authorize(
+    nodes: Sequence[Node], state: Path, shape: Shape | None = None, bastion: Node | None = None
+) -> tuple[Path, Path]:
+    """Pin host keys in state/known_hosts and give every node the cluster key (node-to-node ssh too).
+
+    With a login user, root and the user both get the files (root's key only shows that sshd, not a
+    missing key, refuses root). The bastion is pinned after the nodes and gets authorized_keys only.
+    """
+    shape = shape or Shape()
     key_path, pub_line = _ensure_client_key(state)
-    keys = _parallel(_host_key, [n.container for n in nodes], "reading host keys")
+    hosts = [*nodes, *([bastion] if bastion else [])]
+    keys = _parallel(_host_key, [n.container for n in hosts], "reading host keys")
     known_hosts = state / "known_hosts"
-    known_hosts.write_text(_known_hosts(nodes, keys, with_names=False))
-    payload = _ssh_tar(
-        {
-            "authorized_keys": (pub_line + "\n", 0o600),
-            # mpiexec and friends ssh from node to node: same key, same pins, names included.
-            "id_ed25519": (key_path.read_text(), 0o600),
-            "id_ed25519.pub": (pub_line + "\n", 0o644),
-            "known_hosts": (_known_hosts(nodes, keys, with_names=True), 0o644),
-        }
-    )
-    _parallel(lambda c: _install_ssh_files(c, payload), [n.container for n in nodes], "installing keys")
+    known_hosts.write_text(_known_hosts(hosts, keys, with_names=False))
+    files = {
+        "authorized_keys": (pub_line + "\n", 0o600),
+        # mpiexec and friends ssh from node to node: same key, same pins, names included.
+        "id_ed25519": (key_path.read_text(), 0o600),
+        "id_ed25519.pub": (pub_line + "\n", 0o644),
+        "known_hosts": (_known_hosts(nodes, keys[: len(nodes)], with_names=True), 0o644),
+    }
+    homes = [("/root", _ssh_tar(files))]
+    if shape.user != "root":
+        homes.append((shape.home, _ssh_tar(files, owner=NODE_UID)))
+    targets = [(n.container, tar, home) for n in nodes for home, tar in homes]
+    if bastion:
+        login = {"authorized_keys": files["authorized_keys"]}
+        targets += [(bastion.container, _ssh_tar(login), "/root")]
+        if shape.user != "root":
+            targets += [(bastion.container, _ssh_tar(login, owner=NODE_UID), shape.home)]
+    _parallel(lambda t: _install_ssh_files(*t), targets, "installing keys")
     return key_path, known_hosts
 
 
-def _spec_dict(name: str, nodes: Sequence[Node], key_path: Path, known_hosts: Path) -> dict[str, Any]:
+def _spec_dict(
+    name: str,
+    nodes: Sequence[Node],
+    key_path: Path,
+    known_hosts: Path,
+    *,
+    user: str = "root",
+    bastion: Node | None = None,
+) -> dict[str, Any]:
+    ssh: dict[str, Any] = {
+        "user": user,
+        "port": 22,
+        "identity_file": str(key_path),
+        "known_hosts": str(known_hosts),
+        "host_key_policy": "strict",
+        "connect_timeout": 5,
+    }
+    if bastion is not None:
+        ssh["proxy_jump"] = f"{user}@{bastion.ip}"
     return {
         "name": name,
-        "ssh": {
-            "user": "root",
-            "port": 22,
-            "identity_file": str(key_path),
-            "known_hosts": str(known_hosts),
-            "host_key_policy": "strict",
-            "connect_timeout": 5,
-        },
+        "ssh": ssh,
         "hosts": [{"address": n.ip} for n in nodes],
-        "workspace": {"local": ".", "remote": "/root/work"},
+        # relative to the login user's home: a non-root user cannot write /root
+        "workspace": {"local": ".", "remote": "/root/work" if user == "root" else "work"},
         "job": {
             "mode": "pserver",
             "entrypoint": ["/opt/venv/bin/python", "train.py"],
@@ -692,6 +979,35 @@ def _spec_dict(name: str, nodes: Sequence[Node], key_path: Path, known_hosts: Pa
             "trainers": 1,
         },
     }
+
+
+def _ssh_config_value(value: str) -> str:
+    """A value as ssh_config reads it: double-quoted when it holds blanks."""
+    if any(ch in value for ch in "\"\n"):
+        raise DockerClusterError(f"cannot write {value!r} into an ssh config")
+    return f'"{value}"' if any(ch.isspace() for ch in value) else value
+
+
+def _ssh_config_text(
+    name: str, nodes: Sequence[Node], user: str, key_path: Path, known_hosts: Path, bastion: Node | None
+) -> str:
+    """OpenSSH config: `Host bastion` (if any) and `Host node<i>` per node, pinned to the cluster's known_hosts."""
+    common = [
+        f"User {user}",
+        "Port 22",
+        f"IdentityFile {_ssh_config_value(str(key_path))}",
+        "IdentitiesOnly yes",
+        f"UserKnownHostsFile {_ssh_config_value(str(known_hosts))}",
+        "StrictHostKeyChecking yes",
+    ]
+    entries = [("bastion", bastion.ip, [])] if bastion else []
+    jump = ["ProxyJump bastion"] if bastion else []
+    entries += [(f"node{i}", n.ip, jump) for i, n in enumerate(nodes)]
+    out = [f"# Written by `clusterctl testcluster up` for test cluster {name}: ssh -F, fab -S or ssh.config.\n"]
+    for alias, ip, extra in entries:
+        out.append(f"\nHost {alias}\n")
+        out.extend(f"    {line}\n" for line in [f"HostName {ip}", *common, *extra])
+    return "".join(out)
 
 
 def _write_spec(path: Path, spec: dict[str, Any]) -> None:
@@ -712,21 +1028,40 @@ def ensure_docker() -> None:
         raise docker.DockerUnavailable(f"docker is not usable: {exc}") from exc
 
 
-def _reusable(existing: Sequence[dict[str, Any]], nodes: int, image: str, name: str) -> bool:
-    """True if the existing containers are exactly this cluster's nodes 0..N-1 on this image."""
+def _networks_of(info: dict[str, Any]) -> dict[str, Any]:
+    return dict(info.get("NetworkSettings", {}).get("Networks") or {})
+
+
+def _reusable(
+    existing: Sequence[dict[str, Any]],
+    nodes: int,
+    image: str,
+    name: str,
+    shape: Shape | None = None,
+    bastion: dict[str, Any] | None = None,
+) -> bool:
+    """True if the existing containers are exactly this cluster's nodes 0..N-1 on this image, in this shape."""
+    shape = shape or Shape()
     if len(existing) != nodes or not docker.inspect("network", [_network_name(name)]):
         return False
     for index, info in enumerate(existing):
         labels = info["Config"]["Labels"]
         if labels.get(INDEX_LABEL) != str(index) or labels.get(IMAGE_LABEL) != image:
             return False
-        if labels.get(LAYOUT_LABEL) != LAYOUT:
+        if labels.get(LAYOUT_LABEL) != shape.layout():
             return False
         if info["Name"].lstrip("/") != _container_name(name, index):
             return False
-        if _network_name(name) not in (info.get("NetworkSettings", {}).get("Networks") or {}):
+        if _network_name(name) not in _networks_of(info):
             return False
-    return True
+    if not shape.bastion:
+        return bastion is None and not docker.inspect("network", [_front_network_name(name)])
+    if bastion is None or bastion["Name"].lstrip("/") != _bastion_name(name):
+        return False
+    labels = bastion["Config"]["Labels"]
+    if labels.get(IMAGE_LABEL) != image or labels.get(LAYOUT_LABEL) != shape.layout():
+        return False
+    return {_network_name(name), _front_network_name(name)} <= set(_networks_of(bastion))
 
 
 def _wake(info: dict[str, Any]) -> str:
@@ -748,12 +1083,27 @@ def up(
     packages: list[str] | None = None,
     *,
     progress: Progress | None = None,
+    user: str | None = None,
+    bastion: bool = False,
+    ssh_config: bool = False,
+    sudo_password_nodes: Iterable[int] = (),
 ) -> ClusterInfo:
-    """Bring up (or reuse) an N-node sshd cluster named name and write its spec; see module docs."""
+    """Bring up (or reuse) an N-node sshd cluster named name and write its spec; see module docs.
+
+    user: a non-root login user (uid 1000, passwordless sudo; root login disabled). bastion: nodes
+    only behind `<name>-bastion`, on a network this machine has no address on. ssh_config: write
+    `<spec dir>/ssh_config` (aliases node0.., bastion). sudo_password_nodes: node indexes whose sudo
+    wants a password.
+    """
     say = progress or _noop
     _checked_name(name)
     if not 1 <= nodes <= 64:
         raise DockerClusterError(f"--nodes must be between 1 and 64, not {nodes}")
+    password_nodes = tuple(sorted(set(sudo_password_nodes)))
+    bad = [i for i in password_nodes if not 0 <= i < nodes]
+    if bad:
+        raise DockerClusterError(f"--sudo-password-node {bad[0]}: nodes are numbered 0..{nodes - 1}")
+    shape = Shape(user=user or "root", bastion=bastion, sudo_password_nodes=password_nodes)
     pkgs = [p.strip() for p in (packages or []) if p.strip()]
     started = time.monotonic()
     ensure_docker()
@@ -765,10 +1115,14 @@ def up(
         image, built = _ensure_node_image(base, pkgs, say)
     images_done = time.monotonic()
     with _locked(f"cluster-{name}"):
-        node_list, reused = _start_or_reuse(name, nodes, image, say)
-        key_path, known_hosts = _pin_and_authorize(node_list, state)
+        node_list, front, reused = _start_or_reuse(name, nodes, image, shape, say)
+        key_path, known_hosts = _pin_and_authorize(node_list, state, shape, front)
         spec_path = (Path(spec_out) if spec_out else state / "cluster.yaml").resolve()
-        _write_spec(spec_path, _spec_dict(name, node_list, key_path, known_hosts))
+        _write_spec(spec_path, _spec_dict(name, node_list, key_path, known_hosts, user=shape.user, bastion=front))
+        config_path = spec_path.parent / "ssh_config" if ssh_config else None
+        if config_path is not None:
+            text = _ssh_config_text(name, node_list, shape.user, key_path, known_hosts, front)
+            config_path.write_text(text)
     done = time.monotonic()
     return ClusterInfo(
         name=name,
@@ -783,39 +1137,72 @@ def up(
         image_built=built,
         reused=reused,
         timings={"images": images_done - started, "containers": done - images_done, "total": done - started},
+        user=shape.user,
+        home=shape.home,
+        bastion=front,
+        front_network=_front_network_name(name) if front else "",
+        ssh_config_path=config_path,
+        sudo_password_nodes=password_nodes,
     )
 
 
-def _start_or_reuse(name: str, nodes: int, image: str, say: Progress) -> tuple[list[Node], bool]:
-    """Reuse the cluster's containers if they match (waking stopped ones), else recreate them."""
+def _start_or_reuse(
+    name: str, nodes: int, image: str, shape: Shape, say: Progress
+) -> tuple[list[Node], Node | None, bool]:
+    """Reuse the cluster's containers if they match (waking stopped ones), else recreate them.
+
+    Returns the nodes, the bastion (None without one; its ip is the one on the front network), reused.
+    """
     existing = _cluster_containers(name)
-    reused = _reusable(existing, nodes, image, name)
+    bastion_info = _bastion_info(name)
+    reused = _reusable(existing, nodes, image, name, shape, bastion_info)
+    net, front = _network_name(name), _front_network_name(name)
     if reused:
         say(f"reusing the {nodes} node(s) of {name}")
         containers = _parallel(_wake, existing, "waking nodes")
+        bastion = _wake(bastion_info) if bastion_info else None
     else:
-        if existing or docker.ids_with_label("network", f"{LABEL}={name}"):
-            say(f"recreating {name}: it has {len(existing)} node(s) or another image")
+        if existing or bastion_info or docker.ids_with_label("network", f"{LABEL}={name}"):
+            say(f"recreating {name}: it has {len(existing)} node(s), another image or another shape")
             _remove(name)
-        net = _ensure_network(name)
-        say(f"starting {nodes} node(s) on network {net}")
-        containers = _parallel(lambda i: _start_node(name, i, image, net), list(range(nodes)), "starting nodes")
-    return _wait_nodes(name, containers, _network_name(name), say), reused
+        _ensure_network(name, hidden=shape.bastion)
+        if shape.bastion:
+            _hide_from_host(net, say)
+            _ensure_network(name, net=front)
+        say(f"starting {nodes} node(s) on network {net}" + (f", a bastion on {front}" if shape.bastion else ""))
+        containers = _parallel(
+            lambda i: _start_node(name, i, image, net, shape), list(range(nodes)), "starting nodes"
+        )
+        bastion = _start_bastion(name, image, front, net, shape) if shape.bastion else None
+    if bastion is None:
+        return _wait_nodes(name, containers, net, say), None, reused
+    _hide_from_host(net, say)  # again on reuse: a restarted daemon may have given the bridge an address
+    jump = _wait_nodes(name, [bastion], front, say)[0]
+    return _wait_behind(bastion, _nodes_of(containers, net)), jump, reused
 
 
 def status(name: str = DEFAULT_NAME) -> list[NodeStatus]:
-    """The cluster's containers with their state, address and whether sshd answers from the host."""
+    """The cluster's nodes (then its bastion) with state, address and whether sshd answers (via the bastion)."""
     _checked_name(name)
     ensure_docker()
-    net = _network_name(name)
-    result: list[NodeStatus] = []
-    for info in _cluster_containers(name):
-        networks = info.get("NetworkSettings", {}).get("Networks") or {}
-        ip = (networks.get(net) or {}).get("IPAddress", "")
+
+    def row(info: dict[str, Any], net: str) -> NodeStatus:
+        ip = (_networks_of(info).get(net) or {}).get("IPAddress", "")
         state = "paused" if info["State"].get("Paused") else str(info["State"].get("Status", "unknown"))
-        result.append(NodeStatus(info["Name"].lstrip("/"), info["Config"]["Hostname"], ip, state, False))
-    probed = _parallel(lambda s: bool(s.ip) and s.state == "running" and _ssh_banner(s.ip), result, "probing")
-    return [NodeStatus(s.container, s.hostname, s.ip, s.state, ok) for s, ok in zip(result, probed, strict=True)]
+        return NodeStatus(info["Name"].lstrip("/"), info["Config"]["Hostname"], ip, state, False)
+
+    nodes = [row(info, _network_name(name)) for info in _cluster_containers(name)]
+    bastion_info = _bastion_info(name)
+    bastion = [row(bastion_info, _front_network_name(name))] if bastion_info else []
+    running = [s.ip for s in nodes if s.ip and s.state == "running"]
+    if bastion:  # the nodes are behind it: probe them from there (this machine has no route to them)
+        silent = _probe_behind(bastion[0].container, running, 0) if bastion[0].state == "running" else set(running)
+        answered = set(running) - silent
+    else:
+        answered = {ip for ip, ok in zip(running, _parallel(_ssh_banner, running, "probing"), strict=True) if ok}
+    result = [replace(s, ssh=s.ip in answered) for s in nodes]
+    result += [replace(b, ssh=bool(b.ip) and b.state == "running" and _ssh_banner(b.ip)) for b in bastion]
+    return result
 
 
 def down(name: str = DEFAULT_NAME, *, keep_state: bool = False) -> int:
@@ -837,6 +1224,8 @@ def _remove(name: str) -> int:
     if containers:
         docker.run(["rm", "--force", "--volumes", *containers], timeout=120)
     networks = docker.ids_with_label("network", label)
+    for info in docker.inspect("network", networks):
+        _drop_routes(info)
     for net in networks:
         docker.run(["network", "rm", net], timeout=60)
     return len(containers) + len(networks)
@@ -864,12 +1253,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         base_image=args.base_image,
         packages=packages,
         progress=lambda msg: console.log(msg, markup=False, highlight=False),
+        user=args.user,
+        bastion=args.bastion,
+        ssh_config=args.ssh_config,
+        sudo_password_nodes=args.sudo_password_node or (),
     )
     table = Table(title=f"test cluster {info.name}")
     for column in ("container", "ip", "hostname"):
         table.add_column(column)
     for node in info.nodes:
         table.add_row(node.container, node.ip, node.hostname)
+    if info.bastion:
+        table.add_row(info.bastion.container, info.bastion.ip, info.bastion.hostname)
     console.print(table)
     how = "reused" if info.reused else "started"
     image = f"{info.image} ({'built' if info.image_built else 'cached'})"
@@ -877,6 +1272,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     console.print(f"spec:        {info.spec_path}")
     console.print(f"key:         {info.key_path}")
     console.print(f"known_hosts: {info.known_hosts_path}")
+    if info.ssh_config_path:
+        console.print(f"ssh_config:  {info.ssh_config_path}   (ssh -F {info.ssh_config_path} node0)")
+    console.print(f"login:       {info.user}" + (f" via {info.proxy_jump}" if info.proxy_jump else ""))
     return 0
 
 
@@ -916,6 +1314,18 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p_up.add_argument("--spec-out", help="where to write the spec (default: <state dir>/cluster.yaml)")
     p_up.add_argument("--base-image", help="base image to build nodes FROM (default: local debootstrap build)")
     p_up.add_argument("--packages", help="comma-separated pip requirements to put in /opt/venv")
+    p_up.add_argument("--user", help="a non-root login user with passwordless sudo; root login disabled")
+    p_up.add_argument(
+        "--bastion", action="store_true", help="nodes only behind <name>-bastion, on a network this machine is not on"
+    )
+    p_up.add_argument("--ssh-config", action="store_true", help="write <spec dir>/ssh_config: Host node0.., bastion")
+    p_up.add_argument(
+        "--sudo-password-node",
+        type=int,
+        action="append",
+        metavar="K",
+        help="node K's sudo wants a password (never written anywhere); repeatable; needs --user",
+    )
     p_up.set_defaults(func=cmd_up)
 
     p_status = sub.add_parser("status", help="show the cluster's nodes")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pathspec
 
+from ..cache import cache_root
 from ..errors import JobError, RemoteError
 from ..plan import DATA_ENV, Host
 from ..quoting import join
@@ -41,7 +42,7 @@ from .hosttools import tool_command, tool_path
 
 __all__ = ["LocalFile", "scan_workspace", "list_data_files", "dispatch", "verify", "HostDispatch"]
 
-_CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "clusterctl"
+_CACHE_ROOT = cache_root()
 _CACHE_DIR = _CACHE_ROOT / "hashes"
 
 

@@ -34,7 +34,7 @@ def host_ports(plan, host: Host) -> list[int]:
     """The job's ports on `host`: its processes' ports, plus the control/master ports it carries."""
     ports = {p.port for p in plan.on_host(host)}
     ctl_addr, ctl_port = plan.control_endpoint.rsplit(":", 1)
-    if host.address == ctl_addr:
+    if host.endpoint_address == ctl_addr.strip("[]"):
         ports.add(int(ctl_port))
     trainers = plan.trainers
     if trainers and trainers[0].host == host:
@@ -51,10 +51,10 @@ def host_params(plan, venv: str, host: Host) -> dict:
             continue
         peer_ports = host_ports(plan, peer)
         peers.append(
-            {"label": peer.label, "address": peer.address, "ssh_port": peer.port, "job_port": peer_ports[0] if peer_ports else None}
+            {"label": peer.label, "address": peer.endpoint_address, "ssh_port": peer.port, "job_port": peer_ports[0] if peer_ports else None}
         )
     return {
-        "address": host.address,
+        "address": host.endpoint_address,
         "ports": ports,
         "listen_port": ports[0] if ports else None,
         "venv": venv,
@@ -85,6 +85,8 @@ class DoctorReport:
 
         rows = [row("ssh", lambda f: "ok")]
         rows.append(row("hostname", lambda f: f["hostname"]))
+        rows.append(row("login", lambda f: f.get("login", {}).get("user", "-")))
+        rows.append(row("sudo", lambda f: _SUDO_WORDS.get(f.get("login", {}).get("sudo", ""), f.get("login", {}).get("sudo", "-"))))
         rows.append(row("OS", lambda f: f["os"]))
         rows.append(row("python3", lambda f: f["python3"]))
         rows.append(row("venv", lambda f: f["venv"]["path"] + ("" if f["venv"]["exists"] else " (missing)")))
@@ -105,6 +107,14 @@ class DoctorReport:
             "errors": {h.label: e for h, e in self.errors.items()},
             "problems": self.problems,
         }
+
+
+_SUDO_WORDS = {
+    "root": "not needed (root)",
+    "ok": "passwordless",
+    "password": "needs a password",
+    "missing": "not installed",
+}
 
 
 def _peer_summary(f: dict) -> str:

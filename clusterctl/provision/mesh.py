@@ -55,7 +55,8 @@ def known_hosts_text(hosts, facts: dict) -> str:
         f: HostFacts = facts[host]
         if not f.host_key:
             raise ProvisionError(f"{host.label}: no /etc/ssh/ssh_host_ed25519_key.pub to pin for the ssh mesh")
-        names = [host.address if host.port == 22 else f"[{host.address}]:{host.port}"]
+        addr = host.endpoint_address  # how the other hosts name it (an alias of ours means nothing there)
+        names = [addr if host.port == 22 else f"[{addr}]:{host.port}"]
         if f.hostname and f.hostname not in names:
             names.append(f.hostname if host.port == 22 else f"[{f.hostname}]:{host.port}")
         lines.append(f"{','.join(names)} {f.host_key}")
@@ -66,7 +67,7 @@ def mesh_context(job: str, public_line: str, hosts, facts: dict) -> dict:
     """Template context of the ssh_mesh step (all public data; the private key goes on stdin)."""
     names = []
     for host in hosts:
-        for name in (host.address, facts[host].hostname):
+        for name in (host.endpoint_address, facts[host].hostname):
             if name and name not in names:
                 names.append(name)
     key_name = f"clusterctl-{job}_ed25519"

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
+from .. import provision_host
 from ..quoting import join
 from ..remote import Remote
 from .steps import HostFacts
 
 __all__ = ["probe_hosts", "PROBE_SCRIPT"]
 
-PROBE_SCRIPT = r"""
-import json, os, platform, socket, sys
+PROBE_SCRIPT = "import json, os, platform, socket, subprocess, sys\n" + inspect.getsource(provision_host.login_facts) + r"""
 wheelhouse = sys.argv[1]
 if wheelhouse and not wheelhouse.startswith("/"):
     wheelhouse = os.path.join(os.path.expanduser("~"), wheelhouse)
@@ -34,6 +35,7 @@ print(json.dumps({
     "hostname": socket.gethostname(),
     "host_key": " ".join(key),
     "wheels": wheels,
+    **login_facts(),
 }))
 """
 

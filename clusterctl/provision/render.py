@@ -1,4 +1,4 @@
-"""Render the per-host step scripts from templates/provision/*.sh.j2.
+"""Render the per-host step scripts from the package data clusterctl/templates/provision/*.sh.j2.
 
 Every `{{ value }}` is shell-quoted by clusterctl.quoting on output (the environment's `finalize`), so a
 template cannot forget to quote; `Shell` marks text that is already a shell fragment.
@@ -6,15 +6,13 @@ template cannot forget to quote; `Shell` marks text that is already a shell frag
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jinja2
 
 from ..quoting import join, quote
 
 __all__ = ["Shell", "TEMPLATE_DIR", "render_step", "environment"]
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent.parent / "templates" / "provision"
+TEMPLATE_DIR = "templates/provision"  # package data of clusterctl, read through importlib.resources
 
 
 class Shell(str):
@@ -43,7 +41,7 @@ def environment() -> jinja2.Environment:
     global _ENV
     if _ENV is None:
         _ENV = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+            loader=jinja2.PackageLoader("clusterctl", TEMPLATE_DIR),
             undefined=jinja2.StrictUndefined,
             finalize=_finalize,
             autoescape=False,
@@ -62,4 +60,4 @@ def render_step(template: str, context: dict) -> str:
     try:
         return environment().get_template(template).render(**context)
     except jinja2.TemplateNotFound as exc:
-        raise ValueError(f"provisioning template {exc.name} not found in {TEMPLATE_DIR}") from None
+        raise ValueError(f"provisioning template {exc.name} not found in clusterctl/{TEMPLATE_DIR}") from None

@@ -13,10 +13,10 @@ from ..errors import ProvisionError
 from ..plan import Host
 from ..quoting import join, redact
 from ..remote import UNREACHABLE, Result
-from . import mesh, wheelhouse
+from . import aptoffline, mesh, wheelhouse
 from .probe import probe_hosts
 from .render import render_step
-from .steps import requirements, selected_steps, step_context
+from .steps import needs_root, requirements, selected_steps, step_context, sudo_problem
 
 __all__ = ["StepOutcome", "ProvisionReport", "provision", "parse_status", "log_dir", "STATUS_PREFIX"]
 
@@ -148,6 +148,11 @@ def provision(
                 continue
             if step == "wheelhouse":
                 outcomes = _wheelhouse(session, steps, alive, facts, check=check, force=force, log=logs.write)
+            elif step == "apt" and prov.apt.offline and prov.apt.offline.enabled:
+                outcomes = _offline_apt(session, alive, check=check, force=force, log=logs.write)
+                rest = [h for h in alive if h not in outcomes]
+                if rest:
+                    outcomes.update(_run_step(session, step, rest, facts, check=check, force=force, on_line=on_line(step)))
             else:
                 outcomes = _run_step(session, step, alive, facts, check=check, force=force, on_line=on_line(step))
             for host, outcome in outcomes.items():
@@ -178,9 +183,78 @@ def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_
         script = render_step(f"{step}.sh.j2", ctx)
     except ValueError as exc:
         raise ProvisionError(f"cannot render step {step}: {exc}") from None
-    command = join(["bash", "-c", script, f"clusterctl-{step}"])
-    results = remote.run(command, hosts=hosts, stdin=stdin, timeout=prov.timeout, on_line=on_line, check=False, what=step)
-    return {h: parse_status(step, r, prov.timeout) for h, r in results.items()}
+    out: dict[Host, StepOutcome] = {}
+    as_root: dict[Host, bool] = {}
+    for host in hosts:
+        as_root[host] = needs_root(step, prov, facts[host])
+        why = sudo_problem(host.address, facts[host]) if as_root[host] else ""
+        if why:
+            out[host] = StepOutcome("failed", why)
+    argv = ["bash", "-c", script, f"clusterctl-{step}"]
+
+    def command(host: Host) -> str:
+        # What needs root runs through non-interactive sudo; relative paths stay under the login user's home.
+        if as_root[host] and step != "commands":  # commands: per command, inside the script (`root: true`)
+            return join(["sudo", "-n", "env", f"CLUSTERCTL_USER_HOME={facts[host].home}", *argv])
+        return join(argv)
+
+    runnable = [h for h in hosts if h not in out]
+    if runnable:
+        results = remote.run(command, hosts=runnable, stdin=stdin, timeout=prov.timeout, on_line=on_line, check=False, what=step)
+        out.update({h: parse_status(step, r, prov.timeout) for h, r in results.items()})
+    return out
+
+
+def _offline_apt(session, hosts, *, check: bool, force: bool, log) -> dict[Host, StepOutcome]:
+    """Offline apt's controller side (resolve, download once, upload what each host lacks); the hosts that failed it."""
+    spec, remote = session.spec, session.remote
+    apt = spec.provision.apt
+    remote_dir = apt.offline.remote
+    cache = aptoffline.local_root(spec)
+    sources = []
+    for src in apt.sources:
+        try:
+            sources.append((src, spec.local_path(src.signed_by).read_bytes() if src.signed_by else b""))
+        except OSError as exc:
+            raise ProvisionError(f"cannot read apt keyring {src.signed_by}: {exc.strerror or exc}") from None
+    results = remote.run(join(["python3", "-c", aptoffline.HOST_STATE_SCRIPT, remote_dir]), hosts=hosts, check=False,
+                         timeout=120, what="apt state")
+    failed: dict[Host, StepOutcome] = {}
+    uploads: dict[Host, list[Path]] = {}
+    for host in hosts:
+        res = results[host]
+        t0 = time.monotonic()
+        if not res.ok:
+            tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.exit_code}"]
+            failed[host] = StepOutcome("failed", f"offline apt: cannot read the host's apt state: {tail[0]}", res.seconds)
+            continue
+        try:
+            state = aptoffline.parse_state(res.stdout)
+            wanted = aptoffline.missing_packages(list(apt.packages), state.status, force=force)
+            debs = aptoffline.resolve(cache, state, wanted, sources, refresh=force, reinstall=force,
+                                      log=lambda line, host=host: log(host, "apt", line))
+            paths = aptoffline.download(cache, debs, log=lambda line, host=host: log(host, "apt", line))
+        except ProvisionError as exc:
+            failed[host] = StepOutcome("failed", str(exc), time.monotonic() - t0)
+            continue
+        send = aptoffline.upload_plan(paths, state)
+        log(host, "apt", f"offline: {len(paths)} .deb(s) needed, {len(send)} to upload")
+        if paths and not check:
+            index = cache / "index" / host.label / "Packages"
+            index.parent.mkdir(parents=True, exist_ok=True)
+            packages = aptoffline.packages_index(paths)
+            index.write_bytes(packages)
+            (index.parent / "Release").write_bytes(aptoffline.release_file(packages))
+            uploads[host] = [*send, index, index.parent / "Release"]
+    if uploads:
+        sent = remote.run(aptoffline.upload_command(remote_dir), hosts=list(uploads),
+                          stdin=lambda h: wheelhouse.tar_stream(uploads[h]), timeout=spec.provision.timeout,
+                          check=False, what="apt offline upload")
+        for host, res in sent.items():
+            if not res.ok:
+                tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.exit_code}"]
+                failed[host] = StepOutcome("failed", f"offline apt: upload failed: {tail[0]}", res.seconds)
+    return failed
 
 
 def _wheelhouse(session, steps, hosts, facts, *, check: bool, force: bool, log) -> dict[Host, StepOutcome]:

@@ -16,6 +16,7 @@ __all__ = [
     "ProvisionSpec",
     "AptSpec",
     "AptSource",
+    "AptOfflineSpec",
     "GpuComponent",
     "PythonSpec",
     "MpiSpec",
@@ -82,6 +83,26 @@ class AptSource(_Model):
         return self
 
 
+class AptOfflineSpec(_Model):
+    """Air-gapped hosts: the controller resolves and downloads the .debs each host lacks and uploads them."""
+
+    enabled: bool = True
+    local: str = "~/.cache/clusterctl/apt-offline"  # controller-side cache: package indexes and .debs
+    remote: str = ".clusterctl/apt-offline"  # the host's local repository (relative: under the login user's home)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"enabled": v} if isinstance(v, bool) else v
+
+    @field_validator("remote")
+    @classmethod
+    def _remote(cls, v: str) -> str:
+        if ".." in v.split("/") or not re.fullmatch(r"[A-Za-z0-9_./+-]+", v):
+            raise ValueError(f"not a usable path: {v!r}")
+        return v
+
+
 class AptSpec(_Model):
     """System packages installed with apt-get, optionally pinned as name=version."""
 
@@ -90,6 +111,7 @@ class AptSpec(_Model):
     lock_timeout: float = Field(120.0, ge=0, le=3600)
     hold: bool = False  # apt-mark hold the pinned packages
     update: Literal["all", "sources"] = "all"  # "sources": refresh only apt.sources' lists (air-gapped hosts)
+    offline: AptOfflineSpec | None = None  # resolve/download on the controller, install from a local repo on the host
 
     @model_validator(mode="before")
     @classmethod
@@ -228,6 +250,7 @@ class CommandSpec(_Model):
     run: str = Field(min_length=1)
     creates: str | None = None
     unless: str | None = None
+    root: bool = False  # run (and guard) through `sudo -n` when the login user is not root
 
     @field_validator("name")
     @classmethod

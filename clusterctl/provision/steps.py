@@ -11,7 +11,7 @@ from ..errors import ProvisionError
 from . import versions
 from .schema import AptSource, ProvisionSpec
 
-__all__ = ["STEP_ORDER", "HostFacts", "selected_steps", "requirements", "step_context", "source_line", "read_requirements"]
+__all__ = ["STEP_ORDER", "HostFacts", "needs_root", "sudo_problem", "selected_steps", "requirements", "step_context", "source_line", "read_requirements"]
 
 # The order steps run in; each later step may rely on the earlier ones (gpu/mpi need the venv).
 STEP_ORDER = ("wheelhouse", "apt", "python", "gpu", "mpi", "ssh_mesh", "commands")
@@ -28,6 +28,10 @@ class HostFacts:
     hostname: str = ""
     host_key: str = ""  # "ssh-ed25519 AAAA..."
     wheels: tuple[tuple[str, int], ...] = ()  # files in the remote wheelhouse (name, size)
+    user: str = ""  # the login user
+    uid: int = -1
+    home: str = ""
+    sudo: str = ""  # root | ok | password | missing | error: ... (provision_host.login_facts)
 
 
 def selected_steps(prov: ProvisionSpec, only: list[str] | None = None) -> list[str]:
@@ -50,6 +54,41 @@ def selected_steps(prov: ProvisionSpec, only: list[str] | None = None) -> list[s
             raise ProvisionError(f"--only {absent[0]}: the spec's provision section has no {absent[0]} step")
         return [s for s in STEP_ORDER if s in only]
     return [s for s in STEP_ORDER if present[s]]
+
+
+def _outside_home(path: str, home: str) -> bool:
+    if not path.startswith("/"):
+        return False  # relative paths are under the login user's home
+    home = home.rstrip("/")
+    return not (home and (path == home or path.startswith(home + "/")))
+
+
+def needs_root(step: str, prov: ProvisionSpec, facts: HostFacts) -> bool:
+    """Whether `step` needs root on this host: apt, the GPU stack's apt part, a venv outside the home, root commands."""
+    if facts.uid == 0:
+        return False
+    venv_outside = bool(prov.python) and _outside_home(prov.python.venv, facts.home)
+    if step == "apt":
+        return True
+    if step == "gpu":
+        return bool(_gpu_apt(prov)) or venv_outside
+    if step in ("python", "mpi"):
+        return venv_outside
+    if step == "commands":
+        return any(c.root for c in prov.commands)
+    return False
+
+
+def sudo_problem(host_label: str, facts: HostFacts) -> str:
+    """Why this host cannot run root steps through `sudo -n` ("" when it can, or when the login user is root)."""
+    if facts.uid == 0 or facts.sudo in ("root", "ok"):
+        return ""
+    who = f"{facts.user or 'the login user'} on {host_label}"
+    if facts.sudo == "password":
+        return f"sudo needs a password for {who}: allow NOPASSWD sudo or log in as root"
+    if facts.sudo == "missing":
+        return f"sudo is not installed for {who}: install sudo (NOPASSWD) or log in as root"
+    return f"sudo -n does not work for {who} ({facts.sudo.removeprefix('error: ') or 'unknown'}): allow NOPASSWD sudo or log in as root"
 
 
 def read_requirements(path: Path) -> list[str]:
@@ -107,7 +146,10 @@ def _mpi_requirements(prov: ProvisionSpec) -> list[str]:
     mpi = prov.mpi
     if mpi is None:
         return []
-    pin = lambda name, ver: f"{name}=={ver}" if ver else name
+
+    def pin(name: str, ver: str | None) -> str:
+        return f"{name}=={ver}" if ver else name
+
     return [pin(mpi.implementation, mpi.version), pin("mpi4py", mpi.mpi4py)]
 
 
@@ -155,12 +197,14 @@ def step_context(step: str, spec, *, check: bool, force: bool, wheelhouse_remote
     pip = {"venv": venv, "wheelhouse": wheelhouse_remote or ""}
     if step == "apt":
         apt = prov.apt
+        offline = bool(apt.offline and apt.offline.enabled)  # apt.sources are the controller's, then
         ctx.update(
             lock_timeout=int(apt.lock_timeout),
             update=apt.update,
             hold=apt.hold,
-            sources=[_source_ctx(spec, s) for s in apt.sources],
+            sources=[] if offline else [_source_ctx(spec, s) for s in apt.sources],
             packages=list(apt.packages),
+            offline=apt.offline.remote if offline else "",
         )
     elif step == "python":
         py = prov.python

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -86,3 +87,34 @@ def status_json(spec: Path) -> dict:
     """`clusterctl status --json` parsed."""
     res = clusterctl("status", spec, "--json")
     return json.loads(res.stdout)
+
+
+def assert_no_orphans(info, job, ports=(), hosts=None, within=10.0):
+    """GUIDE §3: no process carrying CLUSTERCTL_JOB=<job> on any node, and the job's ports are free."""
+    deadline = time.monotonic() + within
+    while True:
+        left = {n.container: tagged_pids(n.container, job) for n in (hosts or info.nodes)}
+        busy = [(n.container, p) for n in (hosts or info.nodes) for p in ports if listening(n.container, p)]
+        if not any(left.values()) and not busy:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"orphans of {job}: {left}, ports still listening: {busy}")
+        time.sleep(0.5)
+
+
+def wait_state(spec, want, timeout=30.0):
+    """Poll `status --json` until the job's state is one of `want`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = status_json(spec)
+        if st["state"] in want:
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job never reached {want}: {st}")
+        time.sleep(0.5)
+
+
+def job_ports(spec_path):
+    """The ports a job_spec-style spec uses (pservers 0-1, trainer base, control)."""
+    p = yaml.safe_load(Path(spec_path).read_text())["job"]["ports"]
+    return [p["pserver"], p["pserver"] + 1, p["trainer"], p["control"]]

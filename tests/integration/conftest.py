@@ -151,13 +151,11 @@ def testcluster_bringup_seconds(testcluster: tc.ClusterInfo) -> float:
 
 
 @pytest.fixture(scope="session")
-def clusterctl_on_nodes(testcluster: tc.ClusterInfo, tmp_path_factory: pytest.TempPathFactory) -> tc.ClusterInfo:
-    """The session cluster with this checkout of clusterctl installed into every node's /opt/venv (as a wheel)."""
+def clusterctl_wheel(tmp_path_factory: pytest.TempPathFactory):
+    """A wheel of this checkout of clusterctl (built once per session)."""
     import subprocess
     import sys
     from pathlib import Path
-
-    from clusterctl.ops import open_session
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path_factory.mktemp("wheel")
@@ -165,11 +163,47 @@ def clusterctl_on_nodes(testcluster: tc.ClusterInfo, tmp_path_factory: pytest.Te
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(root)],
         check=True, capture_output=True, timeout=300,
     )
-    wheel = next(out.glob("clusterctl-*.whl"))
-    with open_session(str(testcluster.spec_path)) as session:
+    return next(out.glob("clusterctl-*.whl"))
+
+
+def _install_wheel(spec_path, wheel, *, sudo: str = "") -> None:
+    from clusterctl.ops import open_session
+
+    with open_session(str(spec_path)) as session:
         session.remote.run(
-            f"cat > /tmp/{wheel.name} && /opt/venv/bin/pip install -q --no-deps --no-index --force-reinstall /tmp/{wheel.name}",
+            f"cat > /tmp/{wheel.name} && {sudo}/opt/venv/bin/pip install -q --no-deps --no-index --force-reinstall "
+            f"/tmp/{wheel.name}",
             stdin=wheel.read_bytes(),
             what="installing clusterctl on the nodes",
         )
+
+
+@pytest.fixture(scope="session")
+def clusterctl_on_nodes(testcluster: tc.ClusterInfo, clusterctl_wheel) -> tc.ClusterInfo:
+    """The session cluster with this checkout of clusterctl installed into every node's /opt/venv (as a wheel)."""
+    _install_wheel(testcluster.spec_path, clusterctl_wheel)
     return testcluster
+
+
+FLEET_USER = "ubuntu"
+FLEET_PASSWORD_NODE = 2  # this node's sudo wants a password; nodes 0 and 1 have passwordless sudo
+
+
+@pytest.fixture(scope="session")
+def fleet(testcluster: tc.ClusterInfo, clusterctl_wheel) -> Iterator[tc.ClusterInfo]:
+    """A cluster shaped like real fleets: login `ubuntu` (root login off, passwordless sudo), 3 nodes on a
+    network this machine has no address on, reached only through a bastion, an ssh config with an alias
+    per node; node2's sudo wants a password. clusterctl is installed in /opt/venv of nodes 0 and 1."""
+    name = f"{testcluster.name}-fleet"
+    info = tc.up(3, name=name, packages=testcluster.packages, user=FLEET_USER, bastion=True, ssh_config=True,
+                 sudo_password_nodes=[FLEET_PASSWORD_NODE])
+    good = info.spec_path.parent / "good-nodes.yaml"
+    import yaml
+
+    spec = yaml.safe_load(info.spec_path.read_text())
+    spec["hosts"] = spec["hosts"][:2]
+    good.write_text(yaml.safe_dump(spec))
+    _install_wheel(good, clusterctl_wheel, sudo="sudo -n ")
+    yield info
+    if not _keep():
+        tc.down(name)

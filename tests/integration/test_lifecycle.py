@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterlib import ROOT, clusterctl, docker, listening, node_exec, status_json, tagged_pids, write_spec
+from clusterlib import (
+    ROOT, assert_no_orphans, clusterctl, docker, job_ports, listening, node_exec, status_json, tagged_pids, wait_state,
+    write_spec,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -49,37 +52,6 @@ def job_spec(info, tmp_path, name, *, hosts=3, mode="pserver", pservers=2, train
 
 def nodes_of(info, n):
     return info.nodes[:n]
-
-
-def assert_no_orphans(info, job, ports=(), hosts=None, within=10.0):
-    """GUIDE §3: no process carrying CLUSTERCTL_JOB=<job> on any node, and the job's ports are free."""
-    deadline = time.monotonic() + within
-    while True:
-        left = {n.container: tagged_pids(n.container, job) for n in (hosts or info.nodes)}
-        busy = [(n.container, p) for n in (hosts or info.nodes) for p in ports if listening(n.container, p)]
-        if not any(left.values()) and not busy:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"orphans of {job}: {left}, ports still listening: {busy}")
-        time.sleep(0.5)
-
-
-def wait_state(spec, want, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        st = status_json(spec)
-        if st["state"] in want:
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"job never reached {want}: {st}")
-        time.sleep(0.5)
-
-
-def job_ports(spec_path):
-    import yaml
-
-    p = yaml.safe_load(Path(spec_path).read_text())["job"]["ports"]
-    return [p["pserver"], p["pserver"] + 1, p["trainer"], p["control"]]
 
 
 @pytest.mark.timeout(180)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import paramiko
 import pytest
@@ -262,3 +264,263 @@ def test_cli_parses_the_documented_commands() -> None:
     )  # fmt: skip
     assert parser.parse_args(["testcluster", "down"]).func is tc.cmd_down
     assert parser.parse_args(["testcluster", "status", "--name", "y"]).name == "y"
+
+
+# ---- a cluster shaped like real fleets: the session's `fleet` (conftest.py): login ubuntu with sudo, root
+# login off, nodes only behind a bastion on a network this machine has no address on, an ssh config, one
+# node whose sudo wants a password. Checked here with plain OpenSSH (`ssh -F`, `ssh -J`) and docker.
+
+
+def fleet_ssh(info: tc.ClusterInfo, alias: str, command: str, *options: str) -> subprocess.CompletedProcess[str]:
+    """`ssh -F <the cluster's ssh_config> [options] alias -- command`, never prompting."""
+    assert info.ssh_config_path is not None
+    argv = ["ssh", "-F", str(info.ssh_config_path), "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", *options]
+    return subprocess.run([*argv, alias, "--", command], capture_output=True, text=True, timeout=60)
+
+
+def sudo_nodes(info: tc.ClusterInfo) -> list[int]:
+    """Indexes of the nodes with passwordless sudo."""
+    return [i for i in range(len(info.nodes)) if i not in info.sudo_password_nodes]
+
+
+def test_fleet_shape_and_written_files(fleet: tc.ClusterInfo) -> None:
+    assert (fleet.user, fleet.home) == ("ubuntu", "/home/ubuntu")
+    assert len(fleet.sudo_password_nodes) == 1 and len(sudo_nodes(fleet)) >= 2
+    assert [n.container for n in fleet.nodes] == [f"{fleet.name}-node{i}" for i in range(len(fleet.nodes))]
+    assert fleet.bastion is not None and fleet.bastion.container == f"{fleet.name}-bastion"
+    assert (fleet.network, fleet.front_network) == (f"{fleet.name}-net", f"{fleet.name}-front")
+    assert fleet.proxy_jump == f"ubuntu@{fleet.bastion.ip}"
+    assert fleet.ssh_config_path == fleet.spec_path.parent / "ssh_config"
+    assert fleet.aliases == [f"node{i}" for i in range(len(fleet.nodes))]
+    raw = yaml.safe_load(fleet.spec_path.read_text())
+    assert raw["ssh"] == {
+        "user": "ubuntu",
+        "port": 22,
+        "identity_file": str(fleet.key_path),
+        "known_hosts": str(fleet.known_hosts_path),
+        "host_key_policy": "strict",
+        "connect_timeout": 5,
+        "proxy_jump": f"ubuntu@{fleet.bastion.ip}",
+    }
+    assert raw["hosts"] == [{"address": n.ip} for n in fleet.nodes]
+    assert raw["workspace"] == {"local": ".", "remote": "work"}
+    spec = load_spec(fleet.spec_path)
+    assert (spec.ssh.user, spec.ssh.proxy_jump, spec.workspace.remote) == ("ubuntu", (fleet.proxy_jump,), "work")
+    pins = [line.split()[0] for line in fleet.known_hosts_path.read_text().splitlines()]
+    assert pins == [*(n.ip for n in fleet.nodes), fleet.bastion.ip]  # the bastion is pinned like the nodes
+    common = (
+        f"    User ubuntu\n    Port 22\n    IdentityFile {fleet.key_path}\n    IdentitiesOnly yes\n"
+        f"    UserKnownHostsFile {fleet.known_hosts_path}\n    StrictHostKeyChecking yes\n"
+    )
+    nodes = [f"\nHost node{i}\n    HostName {n.ip}\n{common}    ProxyJump bastion\n" for i, n in enumerate(fleet.nodes)]
+    assert fleet.ssh_config_path.read_text() == (
+        f"# Written by `clusterctl testcluster up` for test cluster {fleet.name}: ssh -F, fab -S or ssh.config.\n"
+        f"\nHost bastion\n    HostName {fleet.bastion.ip}\n{common}" + "".join(nodes)
+    )
+
+
+def test_fleet_user_logs_in_by_alias_with_passwordless_sudo(fleet: tc.ClusterInfo) -> None:
+    index = sudo_nodes(fleet)[0]
+    proc = fleet_ssh(fleet, f"node{index}", "id -un; id -u; echo $HOME; hostname; sudo -n id -un")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["ubuntu", "1000", "/home/ubuntu", fleet.nodes[index].hostname, "root"]
+    proc = fleet_ssh(fleet, f"node{index}", "sudo -n true")
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def test_fleet_root_login_is_refused_although_root_has_the_key(fleet: tc.ClusterInfo) -> None:
+    assert fleet.bastion is not None
+    pub = (fleet.state_dir / "id_ed25519.pub").read_text()
+    for container in (fleet.nodes[0].container, fleet.bastion.container):
+        keys = docker.run(["exec", container, "cat", "/root/.ssh/authorized_keys"]).stdout
+        assert keys == pub  # so what refuses root below is sshd's PermitRootLogin no, not a missing key
+    for alias in ("node0", "bastion"):
+        proc = fleet_ssh(fleet, alias, "true", "-l", "root")
+        assert proc.returncode == 255, (alias, proc.stdout)
+        assert "root@" in proc.stderr and "Permission denied (publickey)." in proc.stderr, (alias, proc.stderr)
+
+
+def test_fleet_this_machine_has_no_address_and_no_route_to_the_nodes(fleet: tc.ClusterInfo) -> None:
+    import ipaddress
+    import socket
+
+    net = docker.inspect("network", [fleet.network])[0]
+    subnet = ipaddress.ip_network(net["IPAM"]["Config"][0]["Subnet"])
+    assert net["Internal"] is True and net["Options"] == {"com.docker.network.bridge.inhibit_ipv4": "true"}
+    mine = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    addresses = [ipaddress.ip_interface(line.split()[3]) for line in mine.splitlines()]
+    assert addresses and not [a for a in addresses if a.ip in subnet]
+    if os.geteuid() != 0:
+        pytest.skip("only root gets the `unreachable` route; without it a connect would leave by the default route")
+    node = fleet.nodes[0]
+    route = subprocess.run(["ip", "-4", "route", "get", node.ip], capture_output=True, text=True)
+    assert (route.returncode, route.stderr.strip()) == (2, "RTNETLINK answers: No route to host")
+    started = time.monotonic()
+    with pytest.raises(OSError, match="No route to host"):
+        socket.create_connection((node.ip, 22), timeout=5).close()
+    assert time.monotonic() - started < 1  # refused here at once, nothing sent anywhere
+
+
+def test_fleet_ssh_jump_through_the_bastion(fleet: tc.ClusterInfo) -> None:
+    # `ssh -J`: the jump host comes from the config; the target is the node's bare address.
+    node = fleet.nodes[1]
+    pinned = ["-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={fleet.known_hosts_path}",
+              "-o", "IdentitiesOnly=yes", "-i", str(fleet.key_path), "-J", "bastion"]  # fmt: skip
+    proc = fleet_ssh(fleet, f"ubuntu@{node.ip}", "hostname", *pinned)
+    assert (proc.returncode, proc.stdout.strip()) == (0, node.hostname), proc.stderr
+
+
+def test_fleet_bastion_without_its_pin_is_refused(fleet: tc.ClusterInfo, tmp_path: Path) -> None:
+    # A config whose known_hosts pins the nodes but not the bastion: the first hop already fails.
+    assert fleet.bastion is not None and fleet.ssh_config_path is not None
+    unpinned = tmp_path / "known_hosts"
+    unpinned.write_text("".join(f"{line}\n" for line in fleet.known_hosts_path.read_text().splitlines()[:-1]))
+    config = tmp_path / "ssh_config"
+    config.write_text(fleet.ssh_config_path.read_text().replace(str(fleet.known_hosts_path), str(unpinned)))
+    argv = ["ssh", "-F", str(config), "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "node0", "true"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 255
+    assert f"No ED25519 host key is known for {fleet.bastion.ip}" in proc.stderr
+    assert "Host key verification failed." in proc.stderr
+
+
+def test_fleet_nodes_route_nowhere_but_their_network(fleet: tc.ClusterInfo) -> None:
+    front = docker.inspect("network", [fleet.front_network])[0]["IPAM"]["Config"][0]["Gateway"]
+    probe = f"import socket; socket.create_connection(('{front}', 22), timeout=3)"
+    proc = fleet_ssh(fleet, "node0", f"ip -4 route; python3 -c \"{probe}\"")
+    assert proc.returncode == 1
+    subnet = docker.inspect("network", [fleet.network])[0]["IPAM"]["Config"][0]["Subnet"]
+    assert [line.split()[:3] for line in proc.stdout.splitlines()] == [[subnet, "dev", "eth0"]]  # no default route
+    assert "OSError: [Errno 101] Network is unreachable" in proc.stderr
+
+
+def test_fleet_nodes_reach_each_other_as_the_user(fleet: tc.ClusterInfo) -> None:
+    first, second = sudo_nodes(fleet)[:2]
+    other = fleet.nodes[second].hostname
+    proc = fleet_ssh(fleet, f"node{first}", f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes {other} id -un")
+    assert (proc.returncode, proc.stdout.strip()) == (0, "ubuntu"), proc.stderr
+
+
+def test_fleet_venv_is_usable_and_opt_is_writable_only_through_sudo(fleet: tc.ClusterInfo) -> None:
+    command = (
+        "/opt/venv/bin/python -c 'import numpy, sys; print(sys.prefix)'; "
+        "touch /opt/x 2>/dev/null && echo opt-writable || echo opt-readonly; "
+        "sudo -n install -d -o ubuntu /opt/tc-shape && touch /opt/tc-shape/x && echo sudo-ok; "
+        "sudo -n rm -rf /opt/tc-shape"
+    )
+    proc = fleet_ssh(fleet, f"node{sudo_nodes(fleet)[0]}", command)
+    assert (proc.returncode, proc.stdout.split()) == (0, ["/opt/venv", "opt-readonly", "sudo-ok"]), proc.stderr
+
+
+def test_fleet_password_sudo_node_fails_fast_and_names_it(fleet: tc.ClusterInfo) -> None:
+    index = fleet.sudo_password_nodes[0]
+    started = time.monotonic()
+    proc = fleet_ssh(fleet, f"node{index}", "sudo -n true")
+    assert (proc.returncode, proc.stderr.strip()) == (1, "sudo: a password is required")
+    assert time.monotonic() - started < 10
+    container = fleet.nodes[index].container
+    rules = docker.run(["exec", container, "ls", "/etc/sudoers.d"]).stdout.split()
+    assert "90-clusterctl-user" not in rules
+    shadow = docker.run(["exec", container, "getent", "shadow", "ubuntu"]).stdout.split(":")
+    assert shadow[1].startswith("$")  # a real (random) password: the account is usable, its sudo asks
+    assert fleet_ssh(fleet, f"node{sudo_nodes(fleet)[0]}", "sudo -n true").returncode == 0  # the others are not
+
+
+def test_fleet_status_probes_the_nodes_through_the_bastion(fleet: tc.ClusterInfo) -> None:
+    assert fleet.bastion is not None
+    expected = [tc.NodeStatus(n.container, n.hostname, n.ip, "running", True) for n in fleet.nodes]
+    expected.append(tc.NodeStatus(fleet.bastion.container, fleet.bastion.hostname, fleet.bastion.ip, "running", True))
+    assert tc.status(fleet.name) == expected
+
+
+def test_fleet_second_up_reuses_it_and_another_shape_would_not(fleet: tc.ClusterInfo) -> None:
+    start = time.monotonic()
+    again = tc.up(len(fleet.nodes), name=fleet.name, packages=fleet.packages, user=fleet.user, bastion=True,
+                  ssh_config=True, sudo_password_nodes=fleet.sudo_password_nodes)  # fmt: skip
+    assert (again.reused, again.nodes, again.bastion) == (True, fleet.nodes, fleet.bastion)
+    assert time.monotonic() - start < 15
+    nodes, bastion, count = tc._cluster_containers(fleet.name), tc._bastion_info(fleet.name), len(fleet.nodes)
+    same = tc.Shape(fleet.user, True, fleet.sudo_password_nodes)
+    assert tc._reusable(nodes, count, fleet.image, fleet.name, same, bastion)
+    for other in (tc.Shape(), tc.Shape("ubuntu"), tc.Shape("ubuntu", True), tc.Shape("admin", True, (1,))):
+        assert not tc._reusable(nodes, count, fleet.image, fleet.name, other, bastion), other
+
+
+@pytest.mark.timeout(180)
+def test_bastion_cluster_down_removes_containers_networks_and_the_route(testcluster: tc.ClusterInfo) -> None:
+    # A cluster of its own (the session's fleet stays): 1 node behind a bastion, up and down.
+    name = f"{testcluster.name}-down"
+    try:
+        info = tc.up(1, name=name, packages=testcluster.packages, user="ubuntu", bastion=True)
+        subnet = docker.inspect("network", [info.network])[0]["IPAM"]["Config"][0]["Subnet"]
+        routes = subprocess.run(["ip", "-4", "route", "show", "type", "unreachable"], capture_output=True, text=True)
+        if os.geteuid() == 0:
+            assert f"unreachable {subnet} metric {tc.ROUTE_METRIC}" in routes.stdout
+        assert [s.ssh for s in tc.status(name)] == [True, True]  # the node (through the bastion), the bastion
+    finally:
+        removed = tc.down(name)
+    assert removed == 4  # the node, the bastion, two networks
+    assert tc.status(name) == [] and tc.down(name) == 0
+    assert docker.ids_with_label("network", f"{tc.LABEL}={name}") == []
+    routes = subprocess.run(["ip", "-4", "route", "show", "type", "unreachable"], capture_output=True, text=True)
+    assert subnet not in routes.stdout
+
+
+# ---- pure parts of the fleet shape ----
+
+
+def test_shape_layout_keeps_the_default_and_tells_shapes_apart() -> None:
+    shapes = [tc.Shape(), tc.Shape("ubuntu"), tc.Shape("ubuntu", True), tc.Shape("ubuntu", True, (1,))]
+    assert shapes[0].layout() == tc.LAYOUT  # running default clusters are still reused
+    assert len({s.layout() for s in shapes}) == len(shapes)
+    assert shapes[3].layout() == f"{tc.LAYOUT};user=ubuntu;bastion;sudo-password=1"
+    assert shapes[3].run_args(1) == [
+        "--env", "CLUSTERCTL_USER=ubuntu", "--env", "CLUSTERCTL_SUDO=password",
+        "--cap-add", "NET_ADMIN", "--env", "CLUSTERCTL_NO_DEFAULT_ROUTE=1",
+    ]  # fmt: skip
+    assert shapes[3].run_args(None) == ["--env", "CLUSTERCTL_USER=ubuntu", "--env", "CLUSTERCTL_SUDO=nopasswd"]
+    assert shapes[0].run_args(0) == [] and shapes[0].home == "/root" and shapes[1].home == "/home/ubuntu"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"user": "Bad User"}, "invalid user name 'Bad User'"),
+        ({"sudo_password_nodes": [0]}, "--sudo-password-node needs --user NAME: root does not use sudo"),
+        ({"user": "ubuntu", "sudo_password_nodes": [2]}, "--sudo-password-node 2: nodes are numbered 0..1"),
+    ],
+)
+def test_up_refuses_a_bad_shape_before_touching_docker(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(tc.DockerClusterError, match=re.escape(message)):
+        tc.up(2, name="never-started", **kwargs)
+
+
+def test_spec_dict_for_a_user_behind_a_bastion() -> None:
+    nodes = [tc.Node("c-node0", "10.0.0.2", "c-node0")]
+    bastion = tc.Node("c-bastion", "10.1.0.2", "c-bastion")
+    spec = tc._spec_dict("c", nodes, Path("/s/id_ed25519"), Path("/s/known_hosts"), user="ubuntu", bastion=bastion)
+    assert spec["ssh"]["user"] == "ubuntu" and spec["ssh"]["proxy_jump"] == "ubuntu@10.1.0.2"
+    assert spec["workspace"] == {"local": ".", "remote": "work"}
+    flat = tc._spec_dict("c", nodes, Path("/s/id_ed25519"), Path("/s/known_hosts"), user="ubuntu")
+    assert "proxy_jump" not in flat["ssh"]
+
+
+def test_ssh_config_quotes_paths_with_blanks_and_has_no_jump_without_a_bastion() -> None:
+    nodes = [tc.Node("c-node0", "10.0.0.2", "c-node0")]
+    text = tc._ssh_config_text("c", nodes, "root", Path("/a b/key"), Path("/s/known_hosts"), None)
+    assert text.splitlines()[1:] == [
+        "", "Host node0", "    HostName 10.0.0.2", "    User root", "    Port 22", '    IdentityFile "/a b/key"',
+        "    IdentitiesOnly yes", "    UserKnownHostsFile /s/known_hosts", "    StrictHostKeyChecking yes",
+    ]  # fmt: skip
+
+
+def test_cli_parses_the_fleet_options() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    tc.add_cli(parser.add_subparsers(dest="command"))
+    words = ["testcluster", "up", "--nodes", "2", "--user", "ubuntu", "--bastion", "--ssh-config"]
+    args = parser.parse_args([*words, "--sudo-password-node", "1", "--sudo-password-node", "0"])
+    assert (args.user, args.bastion, args.ssh_config, args.sudo_password_node) == ("ubuntu", True, True, [1, 0])
+    plain = parser.parse_args(["testcluster", "up", "--nodes", "2"])
+    assert (plain.user, plain.bastion, plain.ssh_config, plain.sudo_password_node) == (None, False, False, None)

@@ -40,6 +40,8 @@ NVIDIA_PACKAGES = [
 ]
 
 _SESSION: dict[str, tuple[str, object]] = {}
+# The controller-side copies of the local repositories (offline apt reads them on the controller).
+LOCAL_REPOS: dict[str, Path] = {}
 
 
 def _bring_up(tmp: Path) -> tuple[str, object]:
@@ -54,6 +56,7 @@ def _bring_up(tmp: Path) -> tuple[str, object]:
         return "fail", f"could not bring up {CLUSTER}: {exc}"
     repo = build_repo(tmp / "apt", TEST_PACKAGES)
     nvidia = build_repo(tmp / "nvidia", NVIDIA_PACKAGES)
+    LOCAL_REPOS.update(test=repo, nvidia=nvidia)
     for node in info.nodes:
         # testcluster gives nodes its own node-to-node key; remove it so only ssh_mesh can make mpiexec work.
         subprocess.run(
@@ -89,6 +92,12 @@ def provcluster(tmp_path_factory) -> Iterator[tc.ClusterInfo]:
 
 
 @pytest.fixture
+def local_repos(provcluster) -> dict[str, Path]:
+    """{"test": ..., "nvidia": ...}: the controller-side directories of the nodes' local apt repositories."""
+    return LOCAL_REPOS
+
+
+@pytest.fixture
 def cache_home(tmp_path, monkeypatch) -> Path:
     """A private XDG_CACHE_HOME: provisioning logs and the mesh key land under it."""
     path = tmp_path / "cache"
@@ -100,13 +109,14 @@ def cache_home(tmp_path, monkeypatch) -> Path:
 def prov_spec(provcluster, tmp_path):
     """Write a spec for (some of) the cluster's nodes with the given provision section; return its path."""
 
-    def write(provision: dict, nodes: list[int] | None = None, name: str = "provjob") -> Path:
+    def write(provision: dict, nodes: list[int] | None = None, name: str = "provjob", user: str = "root") -> Path:
         base = yaml.safe_load(Path(provcluster.spec_path).read_text())
+        base["ssh"]["user"] = user
         if nodes is not None:
             base["hosts"] = [base["hosts"][i] for i in nodes]
         base["name"] = name
         base["job"] = {"entrypoint": ["python3", "train.py"], "trainers": 1}
-        base["workspace"] = {"local": str(tmp_path), "remote": "/root/work"}
+        base["workspace"] = {"local": str(tmp_path), "remote": "/root/work" if user == "root" else "work"}
         base["provision"] = provision
         path = tmp_path / f"{name}-{len(list(tmp_path.glob('*.yaml')))}.yaml"
         path.write_text(yaml.safe_dump(base, sort_keys=False))

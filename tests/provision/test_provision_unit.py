@@ -195,7 +195,7 @@ def test_every_template_renders_to_valid_bash_with_values_quoted():
 def test_finalize_refuses_none():
     with pytest.raises(ValueError, match="undefined value"):
         render_step("commands.sh.j2", {"step": "commands", "check": False, "force": False,
-                                       "commands": [{"name": "x", "run": None, "creates": "/x", "unless": None}]})
+                                       "commands": [{"name": "x", "run": None, "creates": "/x", "unless": None, "root": False}]})
 
 
 def _run_local(script: str, home: Path, stdin: bytes = b"") -> tuple[int, str]:

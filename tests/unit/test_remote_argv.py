@@ -19,20 +19,73 @@ def test_ssh_argv_is_strict_and_quiet(tmp_path):
     with Remote([host], opts) as remote:
         argv = remote._ssh_argv(host, "python3 tool.py apply 'my ws'")
     assert argv == [
-        "ssh", "-F", "/dev/null", "-T",
+        "ssh", "-F", "none",
         "-o", "BatchMode=yes",
         "-o", "StrictHostKeyChecking=yes",
-        "-o", f"UserKnownHostsFile={tmp_path / 'kh'}",
-        "-o", "GlobalKnownHostsFile=/dev/null",
         "-o", "ConnectTimeout=4",
-        "-o", "ServerAliveInterval=7",
-        "-o", "ForwardAgent=no",
         "-o", "KexAlgorithms=-sntrup761x25519-sha512@openssh.com,sntrup761x25519-sha512",
         *(["-o", f"Ciphers={remote_mod._CIPHERS}"] if remote_mod._CIPHERS else []),
-        "-p", "2222", "-l", "train",
+        "-o", f"UserKnownHostsFile={tmp_path / 'kh'}",
+        "-o", "GlobalKnownHostsFile=/dev/null",
         "-i", "/keys/id", "-o", "IdentitiesOnly=yes",
-        "10.0.0.7", "python3 tool.py apply 'my ws'",
+        "-T",
+        "-o", "ServerAliveInterval=7",
+        "-o", "ForwardAgent=no",
+        "-p", "2222", "-l", "train",
+        "--", "10.0.0.7", "python3 tool.py apply 'my ws'",
     ]
+
+
+def test_ssh_argv_reads_the_users_config_and_leaves_known_hosts_to_it():
+    """spec without ssh.config / known_hosts: ssh's own config files decide (no -F, no UserKnownHostsFile),
+    while the host-key policy stays ours."""
+    host = Host("gpu0", 22, "ubuntu", 0, hostname="10.1.0.5")
+    with Remote([host], SshOptions(config=None)) as remote:
+        argv = remote._ssh_argv(host, "true")
+    assert "-F" not in argv
+    assert not any(a.startswith(("UserKnownHostsFile=", "GlobalKnownHostsFile=")) for a in argv)
+    assert _options(argv)["StrictHostKeyChecking"] == "yes"
+    assert argv[-4:] == ["ubuntu", "--", "gpu0", "true"]  # the alias, as `ssh gpu0` is given it
+    with Remote([host], SshOptions(config="/etc/cc/ssh_config")) as remote:
+        assert remote._ssh_argv(host, "true")[:3] == ["ssh", "-F", "/etc/cc/ssh_config"]
+
+
+def test_a_host_that_looks_like_an_option_is_never_read_as_one():
+    host = Host("-oProxyCommand=touch /tmp/pwned", 22, "root", 0)  # the spec refuses it; the argv does too
+    with Remote([host], SshOptions()) as remote:
+        argv = remote._ssh_argv(host, "true")
+    assert argv[argv.index("--") + 1] == host.address
+
+
+def test_bastions_are_reached_by_our_own_ssh_with_the_same_checks(tmp_path):
+    """Every hop gets the same strict options and known_hosts (ssh's own ProxyJump would not pass them on);
+    inner hops' %h/%p are escaped once per level so that each ssh expands only its own."""
+    import shlex
+
+    kh = str(tmp_path / "kh")
+    opts = SshOptions(identity_file="/keys/id", known_hosts=kh, config="/cfg")
+    host = Host("node0", 22, "ubuntu", 0, hostname="10.9.0.2", jump=("jump@b1.example:2200", "b2"))
+    with Remote([host], opts) as remote:
+        outer = _options(remote._ssh_argv(host, "true"))["ProxyCommand"]
+    words = shlex.split(outer)
+    assert words[:3] == ["ssh", "-F", "/cfg"]
+    assert words[-4:] == ["-W", "%h:%p", "--", "b2"]
+    inner = _options(words)["ProxyCommand"]  # b2 is reached through b1
+    assert inner.endswith("-l jump -p 2200 -W %%h:%%p -- b1.example")
+    for cmd in (words, shlex.split(inner.replace("%%", "%"))):
+        o = _options(cmd)
+        assert o["StrictHostKeyChecking"] == "yes" and o["BatchMode"] == "yes"
+        assert o["UserKnownHostsFile"] == kh and o["IdentitiesOnly"] == "yes"
+        assert cmd[cmd.index("-i") + 1] == "/keys/id"
+    assert _options(shlex.split(inner.replace("%%", "%")))["ProxyJump"] == "none"
+
+
+def test_spec_direct_over_a_config_proxyjump_says_so():
+    host = Host("node0", 22, "u", 0, jump_none=True)
+    with Remote([host], SshOptions()) as remote:
+        assert _options(remote._ssh_argv(host, "true"))["ProxyJump"] == "none"
+    with Remote([Host("node0", 22, "u", 0)], SshOptions()) as remote:
+        assert "ProxyJump" not in _options(remote._ssh_argv(Host("node0", 22, "u", 0), "true"))
 
 
 @pytest.fixture()
@@ -92,3 +145,37 @@ def test_ssh_failures_read_as_one_line_naming_the_host():
         assert said(host, "Connection to 10.0.0.7 closed by remote host.\r\n") == (
             "connection to 10.0.0.7 lost: Connection to 10.0.0.7 closed by remote host.")
         assert said(host, "") == "connection to 10.0.0.7 lost: ssh exited 255"
+
+
+@pytest.mark.parametrize("stderr, retried", [
+    ("kex_exchange_identification: read: Connection reset by peer\r\nConnection reset by 10.0.0.7 port 22", True),
+    ("kex_exchange_identification: Connection closed by remote host\nConnection closed by UNKNOWN port 65535", True),
+    ("ssh: connect to host 10.0.0.7 port 22: Connection refused", False),
+    ("Connection closed by 10.0.0.7 port 22", False),  # after the login: the command may have run
+    ("kex_exchange_identification: Connection closed by remote host\nssh: connect to host b port 22: timed out", False),
+    ("ubuntu@10.0.0.7: Permission denied (publickey).", False),
+])
+def test_only_connections_shed_before_the_login_are_tried_again(stderr, retried):
+    assert remote_mod._shed(stderr) is retried
+
+
+def test_a_shed_connection_is_retried_with_a_fresh_stdin(monkeypatch):
+    """The first two ssh processes are shed by the server (MaxStartups), the third runs: one Result, the
+    whole stdin delivered to the one that ran."""
+    import subprocess
+
+    host = Host("10.0.0.7", 22, "root", 0)
+    script = ("import sys, os; n = int(open(sys.argv[1]).read() or 0); open(sys.argv[1], 'w').write(str(n + 1));\n"
+              "if n < 2: sys.stderr.write('kex_exchange_identification: read: Connection reset by peer\\n'); sys.exit(255)\n"
+              "sys.stdout.write(str(len(sys.stdin.buffer.read())))")
+    counter = tempfile.NamedTemporaryFile(delete=False)
+    import sys as _sys
+
+    with Remote([host], SshOptions()) as remote:
+        monkeypatch.setattr(remote, "_popen", lambda h, c: subprocess.Popen(
+            [_sys.executable, "-c", script, counter.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE))
+        monkeypatch.setattr(remote_mod.time, "sleep", lambda s: None)
+        res = remote._collect(host, "cat", remote._popen(host, "cat"), lambda: [b"x" * 100_000], 30, remote_mod.time.monotonic())
+    assert (res.exit_code, res.stdout) == (0, "100000")
+    assert Path(counter.name).read_text() == "3"

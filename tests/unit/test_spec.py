@@ -56,7 +56,7 @@ BAD = [
     ),
     pytest.param(
         GOOD.replace("10.0.0.2", "10.0.0.1"),
-        ["6:5: hosts[1]: duplicate host 10.0.0.1:22 (also hosts[0])"],
+        ["6:5: hosts[1]: duplicate host 10.0.0.1 (also hosts[0])"],
         id="duplicate-host",
     ),
     pytest.param(

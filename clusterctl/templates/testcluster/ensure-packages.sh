@@ -11,6 +11,7 @@ has ps || missing="$missing procps"
 has ip || missing="$missing iproute2"
 has rsync || missing="$missing rsync"
 has ping || missing="$missing iputils-ping"
+has sudo || missing="$missing sudo"
 [ -e /etc/ssl/certs/ca-certificates.crt ] || missing="$missing ca-certificates"
 [ -e /etc/services ] || missing="$missing netbase"
 if [ -n "$missing" ]; then

@@ -1,0 +1,258 @@
+"""The seed's fab workflow, done right: `fab -H ip1,ip2 start | tail-log | status | kill`, and every other
+operation of a spec as a fab task (`fab --spec cluster.yaml provision`).
+
+With only `-H` (and SSH keys or an ssh-agent: never a password), each host runs one pserver and one
+trainer of the seed-000 positional script on port 6173. Hosts may be aliases of your ssh config
+(`fab -S my_ssh_config -H gpu0,gpu1 status`) and may carry a user and port (`ubuntu@gpu0:2222`).
+Without `-H` or `--spec`, a task uses the spec of the current directory (`cluster.yaml`, or the one
+named by `clusterctl.spec` in Fabric's own config files), else the hosts of the last `fab -H ... start`
+run from this directory. These are thin wrappers over clusterctl's operations.
+
+Fabric calls a task once per `-H` host; a job needs the whole host list at once (ids, endpoints, the
+coordinator). `ClusterExecutor`, named in the `fabric.yaml` beside this file (Invoke's
+`tasks.executor_class` setting), calls each task once with every host instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+from pathlib import Path
+
+from fabric import task
+from fabric.executor import Executor
+from invoke import Call, Context, Task
+
+from clusterctl.errors import ClusterctlError
+
+__all__ = ["ClusterExecutor", "start", "tail_log", "status", "kill", "provision", "doctor", "dispatch", "exec_"]
+
+SPEC_NAMES = ("cluster.yaml", "cluster.yml")
+
+
+class ClusterContext(Context):
+    """The context of a clusterctl task: Fabric's config plus the whole `-H` host list."""
+
+    def __init__(self, config, hosts: list[str]):
+        super().__init__(config=config)
+        self._set(cluster_hosts=list(hosts))
+
+
+class ClusterCall(Call):
+    """A call of a clusterctl task, made once for all hosts."""
+
+    def __init__(self, *args, cluster_hosts=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cluster_hosts = list(cluster_hosts)
+
+    def make_context(self, config) -> ClusterContext:
+        """A context carrying the host list instead of one host's Connection."""
+        return ClusterContext(config, self.cluster_hosts)
+
+
+class ClusterExecutor(Executor):
+    """Fabric's executor, except that clusterctl's tasks run once with every `-H` host (other tasks, and a
+    `-- command` remainder, are expanded per host as Fabric does)."""
+
+    def expand_calls(self, calls, apply_hosts=True):
+        """Per-host calls for ordinary tasks, one ClusterCall for each clusterctl task."""
+        host_str = self.core[0].args.hosts.value if apply_hosts else None
+        hosts = [h.strip() for h in (host_str or "").split(",") if h.strip()]
+        ours, others = [], []
+        for call in calls:
+            call = Call(task=call) if isinstance(call, Task) else call
+            if getattr(call.task, "whole_cluster", False):
+                ours += self.expand_calls(call.pre, apply_hosts=False)
+                ours.append(call.clone(into=ClusterCall, with_={"cluster_hosts": hosts}))
+                ours += self.expand_calls(call.post, apply_hosts=False)
+            else:
+                others.append(call)
+        return ours + (super().expand_calls(others, apply_hosts) if others or self.core.remainder else [])
+
+
+def cluster_task(*args, **kwargs):
+    """`@task` for clusterctl's tasks: run once with the whole host list (see ClusterExecutor)."""
+
+    def wrap(fn):
+        t = task(*args, **kwargs)(fn)
+        t.whole_cluster = True
+        return t
+
+    return wrap
+
+
+# ------------------------------------------------------------------------------------------ the spec
+
+
+def _remembered(cwd: str) -> Path:
+    from clusterctl.cache import cache_dir
+
+    return cache_dir("fab") / (hashlib.sha256(cwd.encode()).hexdigest()[:16] + ".yaml")
+
+
+def _spec(c, spec: str | None, opts: dict, *, remember: bool = False):
+    """The spec a task acts on: --spec, else -H (remembered for this directory), else the directory's own
+    spec (cluster.yaml, or Fabric config's clusterctl.spec), else the last -H used from this directory."""
+    from clusterctl.adhoc import AdhocOptions, adhoc_spec_text
+    from clusterctl.spec import load_spec, parse_spec
+
+    if spec:
+        return load_spec(spec)
+    hosts = getattr(c, "cluster_hosts", None)
+    if hosts is None:
+        raise ClusterctlError(
+            "this fab run did not use clusterctl's executor: keep fabric.yaml (tasks.executor_class: "
+            "clusterctl.fabfile.ClusterExecutor) beside the fabfile"
+        )
+    cwd = os.getcwd()
+    if hosts:
+        keys = (c.config.get("connect_kwargs") or {}).get("key_filename")
+        key = keys[0] if isinstance(keys, list) and keys else keys if isinstance(keys, str) else None
+        ssh_config = getattr(c.config, "_runtime_ssh_path", None) or None  # fab -S FILE
+        chosen = {k: v for k, v in opts.items() if v is not None}
+        text = adhoc_spec_text(hosts, AdhocOptions(identity_file=key, ssh_config=ssh_config, **chosen))
+        parsed = parse_spec(text, "<fab -H>")
+        if remember:  # `start`: later tasks run from here need no -H
+            _write_private(_remembered(cwd), text)
+        return parsed
+    named = (c.config.get("clusterctl") or {}).get("spec")
+    for candidate in ([named] if named else []) + list(SPEC_NAMES):
+        if Path(candidate).is_file():
+            return load_spec(candidate)
+    last = _remembered(cwd)
+    if last.is_file():
+        return parse_spec(last.read_text(encoding="utf-8"), "<fab -H>")
+    raise ClusterctlError("no hosts: give -H host1,host2 or --spec FILE, or run where a cluster.yaml is")
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def _run(fn) -> None:
+    """Run an operation's front end; errors become one line on stderr and fab's exit code."""
+    import sys
+
+    from clusterctl import console
+    from clusterctl.cli import guarded
+
+    console.setup_logging()
+    code = guarded(fn)
+    if code:
+        sys.exit(code)
+
+
+def _opts(c=None, *, entrypoint=None, workspace=None, remote_dir=None, port=None, name=None, accept_new=False,
+          known_hosts=None) -> dict:
+    return {
+        "known_hosts": known_hosts,
+        "entrypoint": entrypoint,
+        "workspace": workspace,
+        "remote_dir": remote_dir,
+        "pserver_port": int(port) if port else None,
+        "name": name,
+        "host_key_policy": "accept-new" if accept_new else None,
+    }
+
+
+_HELP = {
+    "spec": "a cluster spec (YAML) instead of -H (default: ./cluster.yaml, or the last -H used here)",
+    "entrypoint": "program and leading args (default: python3 dist_train_demo.py)",
+    "workspace": "local directory shipped to every host (default: .)",
+    "remote_dir": "where it lands, relative to the login user's home unless absolute (default: clusterctl/fabjob)",
+    "port": "pserver port (default: 6173)",
+    "name": "job name (default: fabjob)",
+    "accept_new": "record unknown host keys in the known_hosts file (default: refuse them)",
+    "known_hosts": "the known_hosts file host keys are checked against (default: your ssh config's)",
+    "lines": "lines per log (default 10)",
+    "follow": "keep following the logs until the job ends",
+    "check": "report what would change; change nothing",
+    "only": "comma-separated steps to run (wheelhouse,apt,python,gpu,mpi,ssh_mesh,commands)",
+    "cmd": "the command to run on every host",
+}
+
+
+def _help(*names: str) -> dict:
+    return {n: _HELP[n] for n in names}
+
+
+_CONN = ("spec", "name", "accept_new", "known_hosts")
+
+
+@cluster_task(help=_help(*_CONN, "entrypoint", "workspace", "remote_dir", "port", "follow"))
+def start(c, spec=None, entrypoint=None, workspace=None, remote_dir=None, port=None, name=None, accept_new=False,
+          known_hosts=None, follow=False):
+    """Dispatch the workspace and start pservers then trainers on every host (detached unless --follow)."""
+    from clusterctl.ops.lifecycle_cli import run_start
+
+    opts = _opts(entrypoint=entrypoint, workspace=workspace, remote_dir=remote_dir, port=port, name=name,
+                 accept_new=accept_new, known_hosts=known_hosts)
+    _run(lambda: run_start(_spec(c, spec, opts, remember=True), dispatch_first=True, follow=follow))
+
+
+@cluster_task(name="tail-log", help=_help(*_CONN, "lines", "follow"))
+def tail_log(c, spec=None, name=None, lines=10, follow=False, accept_new=False, known_hosts=None):
+    """Show the last lines of every process's log, prefixed [host role.id]."""
+    from clusterctl.ops.lifecycle_cli import run_logs
+
+    opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
+    _run(lambda: run_logs(_spec(c, spec, opts), lines=int(lines), follow=follow))
+
+
+@cluster_task(help=_help(*_CONN))
+def status(c, spec=None, name=None, accept_new=False, known_hosts=None):
+    """Show every process's state."""
+    from clusterctl.ops.lifecycle_cli import run_status
+
+    _run(lambda: run_status(_spec(c, spec, _opts(name=name, accept_new=accept_new, known_hosts=known_hosts))))
+
+
+@cluster_task(aliases=["stop"], help=_help(*_CONN))
+def kill(c, spec=None, name=None, accept_new=False, known_hosts=None):
+    """Stop the job on every host: SIGTERM, SIGKILL after the grace period, no orphan left."""
+    from clusterctl.ops.lifecycle_cli import run_stop
+
+    _run(lambda: run_stop(_spec(c, spec, _opts(name=name, accept_new=accept_new, known_hosts=known_hosts))))
+
+
+@cluster_task(help=_help(*_CONN, "workspace", "remote_dir"))
+def dispatch(c, spec=None, name=None, workspace=None, remote_dir=None, accept_new=False, known_hosts=None):
+    """Ship the workspace to every host: incremental, atomic, verified."""
+    from clusterctl.ops.lifecycle_cli import cmd_dispatch
+
+    opts = _opts(name=name, workspace=workspace, remote_dir=remote_dir, accept_new=accept_new, known_hosts=known_hosts)
+    _run(lambda: cmd_dispatch(argparse.Namespace(spec=_spec(c, spec, opts))))
+
+
+@cluster_task(help=_help(*_CONN, "check", "only"))
+def provision(c, spec=None, name=None, check=False, only=None, accept_new=False, known_hosts=None):
+    """Install what the spec's provision section asks for on every host."""
+    from clusterctl.ops.provision_cli import cmd_provision
+
+    steps = [s for s in (only or "").split(",") if s] or None
+    opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
+    _run(lambda: cmd_provision(argparse.Namespace(spec=_spec(c, spec, opts), check=check, force=False, only=steps,
+                                                  verbose_lines=False)))
+
+
+@cluster_task(help=_help(*_CONN))
+def doctor(c, spec=None, name=None, accept_new=False, known_hosts=None):
+    """Check every host (ssh, login user and sudo, Python, MPI, CUDA, ports, peers) and compare them."""
+    from clusterctl.ops.provision_cli import cmd_doctor
+
+    opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
+    _run(lambda: cmd_doctor(argparse.Namespace(spec=_spec(c, spec, opts), json=False)))
+
+
+@cluster_task(name="exec", help=_help(*_CONN, "cmd"))
+def exec_(c, cmd, spec=None, name=None, accept_new=False, known_hosts=None):
+    """Run a shell command on every host, output prefixed [host]."""
+    import shlex
+
+    from clusterctl.cli import cmd_exec
+
+    opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
+    _run(lambda: cmd_exec(argparse.Namespace(spec=_spec(c, spec, opts), argv=shlex.split(cmd), timeout=None)))

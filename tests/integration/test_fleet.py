@@ -1,0 +1,255 @@
+"""clusterctl on a cluster shaped like real fleets (issue 11): login `ubuntu` with sudo and root login off,
+nodes on a network this machine has no address on, reached only through a bastion, named by aliases of
+an ssh config. Real sshd, real sudo, real OpenSSH client; host keys checked on every hop.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from clusterlib import ROOT, assert_no_orphans, clusterctl, docker, node_exec, status_json
+
+from clusterctl import testcluster as tc
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+ALIASES = ["node0", "node1"]  # passwordless sudo; node2's sudo wants a password
+
+
+def fleet_spec(info: tc.ClusterInfo, path: Path, *, name: str, aliases: bool = True, nodes=(0, 1), **sections) -> Path:
+    """A spec for the fleet: by alias through its ssh config (the config's ProxyJump), or by address with
+    the spec's own ssh.proxy_jump and key, as `testcluster up` wrote it."""
+    base = yaml.safe_load(info.spec_path.read_text())
+    if aliases:
+        spec = {"name": name, "ssh": {"config": str(info.ssh_config_path), "connect_timeout": 5},
+                "hosts": [{"address": f"node{i}"} for i in nodes]}
+    else:
+        spec = {"name": name, "ssh": dict(base["ssh"]), "hosts": [base["hosts"][i] for i in nodes]}
+    for key, value in sections.items():
+        if key == "ssh":
+            spec["ssh"].update(value)
+        else:
+            spec[key] = value
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_exec_reaches_nodes_only_through_the_bastion_as_the_login_user(fleet, tmp_path):
+    by_alias = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-exec", job={"entrypoint": ["true"]})
+    res = clusterctl("exec", by_alias, "--", "sh", "-c", "id -un; sudo -n id -un; hostname", check=True)
+    assert sorted(res.stdout.splitlines()) == sorted(
+        [f"[node{i}] {w}" for i in (0, 1) for w in ("ubuntu", "root", fleet.nodes[i].hostname)])
+    plan = yaml.safe_load(clusterctl("plan", by_alias, "--json", check=True).stdout)
+    assert plan["hosts"][0] == {"address": "node0", "user": "ubuntu", "hostname": fleet.nodes[0].ip, "port": 22,
+                                "jump": ["bastion"], "train_address": fleet.nodes[0].ip}
+    # the same through the spec's own proxy_jump (no ssh config at all)
+    by_address = fleet_spec(fleet, tmp_path / "b.yaml", name="fleet-exec", aliases=False, job={"entrypoint": ["true"]},
+                            ssh={"config": "none"})
+    res = clusterctl("exec", by_address, "--", "id", "-un", check=True)
+    assert sorted(res.stdout.splitlines()) == sorted(f"[{fleet.nodes[i].ip}] ubuntu" for i in (0, 1))
+    # this machine has no route to the nodes: without the bastion nothing connects
+    direct = fleet_spec(fleet, tmp_path / "c.yaml", name="fleet-exec", aliases=False, job={"entrypoint": ["true"]},
+                        ssh={"config": "none", "proxy_jump": "none", "connect_timeout": 2})
+    assert clusterctl("exec", direct, "--", "true", timeout=30).returncode == 255
+
+
+@pytest.mark.timeout(240)
+def test_pserver_job_lifecycle_behind_the_bastion(fleet, tmp_path):
+    """dispatch, start -> succeeded, logs, status, stop with no orphan: as `ubuntu`, through the bastion."""
+    name = "fleet-cycle"
+    spec = fleet_spec(
+        fleet, tmp_path / "j.yaml", name=name,
+        workspace={"local": str(ROOT / "examples" / "fit_a_line")},  # default remote: clusterctl/<name> in ~ubuntu
+        job={"mode": "pserver", "entrypoint": ["/opt/venv/bin/python", "train.py"], "pservers": 1,
+             "env": {"FIT_A_LINE_PASSES": "5"}},
+    )
+    clusterctl("stop", spec)
+    try:
+        clusterctl("dispatch", spec, check=True)
+        assert node_exec(fleet.nodes[1].container, "ls /home/ubuntu/clusterctl/fleet-cycle/train.py").strip()
+        res = clusterctl("start", spec, "--follow", timeout=200)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"job {name}: succeeded" in res.stdout
+        st = status_json(spec)
+        assert st["state"] == "succeeded"
+        assert {(p["role"], p["host"]) for p in st["processes"]} == {
+            ("pserver", "node0"), ("trainer", "node0"), ("trainer", "node1")}
+        logs = clusterctl("logs", spec, "--role", "trainer", check=True).stdout.splitlines()
+        assert any(line.startswith("[node1 trainer.1] ") for line in logs), logs
+        owners = node_exec(fleet.nodes[0].container, "stat -c %U /home/ubuntu/clusterctl/fleet-cycle.logs/trainer.0.log")
+        assert owners.strip() == "ubuntu"  # the job ran as the login user, never as root
+    finally:
+        stop = clusterctl("stop", spec)
+    assert stop.returncode == 0, stop.stderr
+    assert_no_orphans(fleet, name, [6170, 6180, 6168], hosts=fleet.nodes[:2])
+
+
+@pytest.mark.timeout(240)
+def test_fab_workflow_through_ssh_config_aliases(fleet, tmp_path):
+    """`fab -S CONFIG -H node0,node1 start | tail-log | status | kill` with the seed's positional script;
+    `status` afterwards from the same directory needs no -H (the last start's hosts)."""
+    fab = [sys.executable, "-m", "fabric", "-r", str(ROOT), "-S", str(fleet.ssh_config_path)]
+    hosts = ["-H", ",".join(ALIASES)]
+    cwd = tmp_path / "here"
+    cwd.mkdir()
+
+    def run(*words, timeout=120):
+        return subprocess.run(fab + list(words), capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL, cwd=cwd)
+
+    run(*hosts, "kill")
+    try:
+        start = run(*hosts, "start", "--workspace", str(ROOT / "examples" / "seed_positional"),
+                    "--entrypoint", "/opt/venv/bin/python train.py")
+        assert start.returncode == 0, start.stdout + start.stderr
+        deadline = time.monotonic() + 90
+        while "succeeded" not in (status := run("status")).stdout and time.monotonic() < deadline:
+            time.sleep(1)
+        assert "job fabjob: succeeded" in status.stdout, status.stdout + status.stderr
+        tail = run(*hosts, "tail-log", "--lines", "200").stdout.splitlines()
+        done = [line for line in tail if "] done steps=" in line]
+        assert {line.split("]")[0] for line in done} == {"[node0 trainer.0", "[node1 trainer.1"}, tail
+        # the default remote directory is under the login user's home
+        assert node_exec(fleet.nodes[0].container, "test -f /home/ubuntu/clusterctl/fabjob/train.py && echo ok") == "ok\n"
+    finally:
+        kill = run(*hosts, "kill")
+    assert kill.returncode == 0, kill.stderr
+    assert_no_orphans(fleet, "fabjob", [6173, 6174], hosts=fleet.nodes[:2])
+    nothing = subprocess.run([sys.executable, "-m", "fabric", "-r", str(ROOT), "status"], capture_output=True, text=True,
+                             timeout=60, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert nothing.returncode == 1
+    assert nothing.stderr.strip() == ("clusterctl: error: no hosts: give -H host1,host2 or --spec FILE, "
+                                      "or run where a cluster.yaml is")
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_or_refusing_bastion_is_named_within_connect_timeout(fleet, tmp_path):
+    spec = fleet_spec(fleet, tmp_path / "d.yaml", name="fleet-down", aliases=False, job={"entrypoint": ["true"]},
+                      ssh={"connect_timeout": 3, "persist": 0})
+    bastion = fleet.bastion
+    docker("pause", bastion.container)
+    try:
+        t0 = time.monotonic()
+        res = clusterctl("exec", spec, "--", "true", timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        docker("unpause", bastion.container)
+    assert res.returncode == 255
+    for node in fleet.nodes[:2]:
+        assert f"cannot connect to {node.ip} (through ubuntu@{bastion.ip}): timed out after 3s" in res.stderr, res.stderr
+    assert elapsed < 3 + 6, elapsed
+    refusing = fleet_spec(fleet, tmp_path / "r.yaml", name="fleet-down", aliases=False, job={"entrypoint": ["true"]},
+                          ssh={"connect_timeout": 3, "persist": 0, "proxy_jump": f"ubuntu@{bastion.ip}:2299"})
+    t0 = time.monotonic()
+    res = clusterctl("exec", refusing, "--", "true", timeout=60)
+    assert res.returncode == 255 and time.monotonic() - t0 < 3 + 6
+    assert f"cannot connect to {fleet.nodes[0].ip}: bastion {bastion.ip} port 2299: Connection refused" in res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_changed_bastion_host_key_is_refused_with_both_fingerprints(fleet, tmp_path):
+    import base64
+    import hashlib
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    bastion = fleet.bastion
+    lines = fleet.known_hosts_path.read_text().splitlines()
+    (real,) = [ln for ln in lines if ln.split()[0] == bastion.ip]
+    impostor = Ed25519PrivateKey.generate().public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    kh = tmp_path / "known_hosts"
+    kh.write_text("\n".join(ln if ln != real else f"{bastion.ip} {impostor}" for ln in lines) + "\n")
+    spec = fleet_spec(fleet, tmp_path / "k.yaml", name="fleet-key", aliases=False, job={"entrypoint": ["true"]},
+                      ssh={"known_hosts": str(kh), "persist": 0})
+
+    def fp(b64: str) -> str:
+        return "SHA256:" + base64.b64encode(hashlib.sha256(base64.b64decode(b64)).digest()).decode().rstrip("=")
+
+    res = clusterctl("exec", spec, "--", "true", timeout=30)
+    assert res.returncode == 255
+    want = f"host key for {bastion.ip} CHANGED: server offers {fp(real.split()[2])}, {kh} has {fp(impostor.split()[1])}."
+    assert want in res.stderr, res.stderr
+    bulk = clusterctl("dispatch", spec, timeout=30)  # dispatch's own connections: refused the same way
+    assert bulk.returncode != 0 and want in bulk.stderr, bulk.stderr
+
+
+@pytest.mark.timeout(60)
+def test_an_alias_the_config_does_not_know_is_one_clear_line(fleet, tmp_path):
+    spec = fleet_spec(fleet, tmp_path / "u.yaml", name="fleet-alias", job={"entrypoint": ["true"]})
+    data = yaml.safe_load(spec.read_text())
+    data["hosts"] = [{"address": "node0"}, {"address": "nodee1"}]
+    spec.write_text(yaml.safe_dump(data))
+    res = clusterctl("exec", spec, "--", "true", timeout=30)
+    assert res.returncode == 255
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("clusterctl: error:")]
+    assert errors == [f"clusterctl: error: cannot connect to nodee1: Could not resolve hostname nodee1 (not an alias "
+                      f"in {fleet.ssh_config_path}, nor a name DNS knows)"]
+
+
+@pytest.mark.timeout(300)
+def test_provision_and_doctor_as_a_sudo_user_behind_the_bastion(fleet, tmp_path):
+    """wheelhouse, a venv under /opt (root-owned, made through sudo -n), the ssh mesh and a `commands` step
+    that needs root, on nodes with no route out; node2's sudo wants a password: named, fast, no prompt."""
+    prov = {
+        "wheelhouse": True,
+        "python": {"venv": "/opt/fleetvenv", "requirements": ["six"]},
+        "ssh_mesh": True,
+        "commands": [{"name": "rootmark", "run": "id -un > /etc/clusterctl-fleet-mark",
+                      "creates": "/etc/clusterctl-fleet-mark", "root": True}],
+    }
+    good = fleet_spec(fleet, tmp_path / "g.yaml", name="fleet-prov", job={"entrypoint": ["true"]}, provision=prov)
+    t0 = time.monotonic()
+    res = clusterctl("provision", good, timeout=200)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for node in fleet.nodes[:2]:
+        assert node_exec(node.container, "cat /etc/clusterctl-fleet-mark") == "root\n"
+        assert node_exec(node.container, "stat -c %U /opt/fleetvenv/bin/python").strip() == "root"
+        assert node_exec(node.container, "/opt/fleetvenv/bin/python -c 'import six; print(six.__name__)'") == "six\n"
+    # the mesh: node0 reaches node1 by its address, host key pinned, as ubuntu
+    mesh = node_exec(fleet.nodes[0].container,
+                     f"su ubuntu -c 'ssh -o BatchMode=yes {fleet.nodes[1].ip} id -un'", timeout=30)
+    assert mesh == "ubuntu\n"
+    again = clusterctl("provision", good, timeout=200)
+    assert again.returncode == 0 and "\n0 changed, 0 failed" in again.stdout, again.stdout
+    assert time.monotonic() - t0 < 200
+    # node2's sudo wants a password: that host fails, named, within seconds; the others are untouched by it
+    spec = fleet_spec(fleet, tmp_path / "p.yaml", name="fleet-prov", nodes=(0, 1, 2), job={"entrypoint": ["true"]},
+                      provision=prov)
+    t0 = time.monotonic()
+    res = clusterctl("provision", spec, "--only", "python", timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert time.monotonic() - t0 < 30
+    flat = " ".join(res.stdout.split())
+    assert "sudo needs a password for ubuntu on node2: allow NOPASSWD sudo or log in as root" in flat, res.stdout
+    doc = clusterctl("doctor", spec, timeout=120)
+    assert "needs a password" in doc.stdout and "passwordless" in doc.stdout, doc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_a_bastion_that_sheds_a_burst_of_connections_still_reaches_every_node(fleet, tmp_path):
+    """A bastion with a tight MaxStartups drops most of a burst of new connections before the login (as a
+    real bastion in front of many hosts does): those are tried again, and every node runs the command once."""
+    bastion = fleet.bastion.container
+    conf = "/etc/ssh/sshd_config"
+    node_exec(bastion, f"cp {conf} /root/sshd_config.bak && sed -i 's/^MaxStartups .*/MaxStartups 1:100:1/' {conf} "
+                       "&& kill -HUP $(pidof sshd | tr ' ' '\\n' | sort -n | head -1)")
+    since = node_exec(bastion, "date -u +%Y-%m-%dT%H:%M:%S").strip()
+    try:
+        time.sleep(0.5)
+        spec = fleet_spec(fleet, tmp_path / "s.yaml", name="fleet-shed", aliases=False, nodes=(0, 1, 2),
+                          job={"entrypoint": ["true"]}, ssh={"persist": 0})
+        for _ in range(2):
+            res = clusterctl("exec", spec, "--", "hostname", timeout=60)
+            assert res.returncode == 0, res.stdout + res.stderr
+            assert sorted(ln.split()[1] for ln in res.stdout.splitlines()) == sorted(n.hostname for n in fleet.nodes)
+        shed = docker("logs", "--since", since, bastion).stderr
+        assert "past MaxStartups" in shed, shed[-2000:]  # the burst really was shed, and survived
+    finally:
+        node_exec(bastion, f"cp /root/sshd_config.bak {conf} && kill -HUP $(pidof sshd | tr ' ' '\\n' | sort -n | head -1)")

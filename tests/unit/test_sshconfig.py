@@ -1,0 +1,164 @@
+"""Hosts resolved as `ssh HOST` resolves them: the real `ssh -G` over a real config file, and the plan built
+from it (user, hostname, port, jump chain, endpoint addresses). No connection is made."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+
+import pytest
+
+from clusterctl.errors import SpecError
+from clusterctl.ops import plan_for
+from clusterctl.spec import load_spec
+from clusterctl.sshconfig import Target, parse_ssh_g, resolve
+
+needs_ssh = pytest.mark.skipif(shutil.which("ssh") is None, reason="needs the OpenSSH client")
+
+CONFIG = """\
+Host gpu*
+    User ubuntu
+    ProxyJump ops@bastion.example:2200
+Host gpu0
+    HostName 10.1.0.5
+Host gpu1
+    HostName 10.1.0.6
+    Port 2222
+Host same-as-gpu0
+    HostName 10.1.0.5
+"""
+
+
+@pytest.fixture
+def cfg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "ssh_config"
+    path.write_text(CONFIG)
+    return path
+
+
+@needs_ssh
+def test_aliases_resolve_through_the_config_and_the_spec_wins(cfg):
+    found = resolve([Target("gpu0"), Target("gpu1", user="root", port=22), Target("10.9.9.9")], str(cfg))
+    assert (found[0].hostname, found[0].user, found[0].port, found[0].proxy_jump) == (
+        "10.1.0.5", "ubuntu", 22, ("ops@bastion.example:2200",))
+    assert (found[1].hostname, found[1].user, found[1].port) == ("10.1.0.6", "root", 22)  # explicit wins
+    assert found[2].hostname == "10.9.9.9" and found[2].proxy_jump == ()
+
+
+@needs_ssh
+def test_resolution_is_cached_until_the_config_changes(cfg):
+    first = resolve([Target("gpu0")], str(cfg))
+    assert resolve([Target("gpu0")], str(cfg)) == first
+    cfg.write_text(CONFIG.replace("10.1.0.5", "10.1.0.50"))
+    assert resolve([Target("gpu0")], str(cfg))[0].hostname == "10.1.0.50"
+
+
+def test_config_none_needs_no_ssh_and_takes_the_address_literally():
+    (r,) = resolve([Target("gpu0", port=2200)], "none")
+    assert (r.hostname, r.port, r.proxy_jump) == ("gpu0", 2200, ())
+
+
+def test_a_missing_config_file_is_one_line(tmp_path):
+    from clusterctl.errors import ClusterctlError
+
+    with pytest.raises(ClusterctlError, match=r"^ssh config .*/nope: no such file$"):
+        resolve([Target("gpu0")], str(tmp_path / "nope"))
+
+
+def test_parse_ssh_g_output():
+    text = "user bob\nhostname 10.0.0.1\nport 2200\nproxyjump a,b@c:22\nidentityfile ~/.ssh/x\nidentityfile ~/.ssh/y\n" \
+           "userknownhostsfile /k1 /k2\nproxycommand none\n"
+    r = parse_ssh_g(text, Target("alias"))
+    assert (r.user, r.hostname, r.port, r.proxy_jump) == ("bob", "10.0.0.1", 2200, ("a", "b@c:22"))
+    assert r.identity_files == ("~/.ssh/x", "~/.ssh/y") and r.known_hosts == ("/k1", "/k2") and r.proxy_command is None
+
+
+def _spec(tmp_path, body: str):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(textwrap.dedent(body))
+    return load_spec(path)
+
+
+@needs_ssh
+def test_the_plan_connects_to_what_ssh_would_and_puts_endpoints_where_hosts_reach_each_other(cfg, tmp_path):
+    spec = _spec(tmp_path, """\
+        name: t
+        ssh: {config: ssh_config}
+        hosts:
+          - {address: gpu0}
+          - {address: gpu1, train_address: 192.168.50.6}
+          - {address: 10.1.0.7, proxy_jump: none}
+        job: {mode: pserver, entrypoint: [python3, train.py], pservers: 1}
+        """)
+    plan = plan_for(spec)
+    h0, h1, h2 = plan.hosts
+    assert (h0.address, h0.user, h0.connect_name, h0.port, h0.jump) == ("gpu0", "ubuntu", "10.1.0.5", 22,
+                                                                         ("ops@bastion.example:2200",))
+    assert (h1.connect_name, h1.port, h1.endpoint_address) == ("10.1.0.6", 2222, "192.168.50.6")
+    assert h2.jump == () and h2.connect_name == "10.1.0.7"
+    assert [p.endpoint for p in plan.processes] == ["10.1.0.5:6170", "10.1.0.5:6180", "192.168.50.6:6180", "10.1.0.7:6180"]
+    assert plan.trainers[0].env["MASTER_ADDR"] == "10.1.0.5"
+    assert plan.to_json()["hosts"][1] == {"address": "gpu1", "user": "ubuntu", "hostname": "10.1.0.6", "port": 2222,
+                                          "jump": ["ops@bastion.example:2200"], "train_address": "192.168.50.6"}
+
+
+@needs_ssh
+def test_the_spec_jump_wins_over_the_config_and_none_means_direct(cfg, tmp_path):
+    spec = _spec(tmp_path, """\
+        name: t
+        ssh: {config: ssh_config, proxy_jump: "me@b1, b2:2201"}
+        hosts:
+          - {address: gpu0}
+          - {address: gpu1, proxy_jump: none}
+        job: {entrypoint: [x]}
+        """)
+    h0, h1 = plan_for(spec).hosts
+    assert h0.jump == ("me@b1", "b2:2201") and not h0.jump_none
+    assert h1.jump == () and h1.jump_none  # over the config's ProxyJump: ssh is told ProxyJump=none
+
+
+@needs_ssh
+def test_two_hosts_resolving_to_one_address_are_named_both(cfg, tmp_path):
+    spec = _spec(tmp_path, """\
+        name: t
+        ssh: {config: ssh_config}
+        hosts:
+          - {address: gpu0}
+          - {address: same-as-gpu0}
+        job: {entrypoint: [x]}
+        """)
+    with pytest.raises(SpecError) as info:
+        plan_for(spec)
+    (problem,) = info.value.problems
+    assert str(problem) == (
+        f"{tmp_path / 'cluster.yaml'}:5:5: hosts[1]: same-as-gpu0 and hosts[0] (gpu0) both resolve to 10.1.0.5: "
+        "trainer.0 and trainer.1 would share 10.1.0.5:6180; give one of them hosts[].train_address "
+        "(the address the other hosts reach it at)")
+
+
+@pytest.mark.parametrize("body, message", [
+    ("hosts: [{address: '-oProxyCommand=x'}]", "hosts[0].address: not a host name or IP address: '-oProxyCommand=x'"),
+    ("hosts: [{address: ']]::[['}]", "hosts[0].address: not a host name or IP address: ']]::[['"),
+    ("hosts: [{address: 'a b'}]", "hosts[0].address: not a host name or IP address: 'a b'"),
+    ("hosts: [{address: h, user: \"bob\\nx\"}]", "hosts[0].user: not a valid user name: 'bob\\nx'"),
+    ("hosts: [{address: h, proxy_jump: 'u@h:99999'}]", "hosts[0].proxy_jump: bad port in jump host 'u@h:99999': expected 1-65535"),
+    ("hosts: [{address: h, proxy_jump: '-J'}]", "hosts[0].proxy_jump: not a host name or IP address: '-J'"),
+    ("hosts: [{address: h, train_address: '-x'}]", "hosts[0].train_address: not a host name or IP address: '-x'"),
+])
+def test_bad_addresses_users_and_jumps_are_refused(tmp_path, body, message):
+    with pytest.raises(SpecError) as info:
+        _spec(tmp_path, f"name: t\n{body}\njob: {{entrypoint: [x]}}\n")
+    assert [p.path + ": " + p.message for p in info.value.problems] == [message]
+
+
+def test_ipv6_addresses_and_bracketed_jumps_are_fine(tmp_path):
+    spec = _spec(tmp_path, """\
+        name: t
+        ssh: {config: none, proxy_jump: "ops@[fd00::1]:2222"}
+        hosts: [{address: "fd00::2"}, {address: "[fd00::3]"}]
+        job: {entrypoint: [x]}
+        """)
+    plan = plan_for(spec)
+    assert [p.endpoint for p in plan.processes] == ["[fd00::2]:6180", "[fd00::3]:6180"]
+    assert plan.hosts[0].jump == ("ops@[fd00::1]:2222",)
