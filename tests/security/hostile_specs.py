@@ -116,6 +116,11 @@ def cases() -> dict[str, bytes]:
     c["pservers-bool"] = _job("pservers: true")
     c["trainers-list"] = _job("trainers: [1]")
     c["labels-nested"] = "name: c\nhosts: [{address: h1, labels: {a: {b: c}}}]\njob: {entrypoint: [python]}\n"
+    # hosts and users that ssh or a shell would misread (validated by the spec's SSH models, issue 12 finding 10)
+    for i, addr in enumerate(("-V", "-oProxyCommand=touch /tmp/x", "]]::[[", "h1 h2", "h1\\nh2", "h1\\x00", "[h1]")):
+        c[f"address-hostile-{i}"] = f'name: c\nhosts: [{{address: "{addr}"}}]\njob: {{entrypoint: [python]}}\n'
+    for i, user in enumerate(("-oProxyCommand=x", "a\\nb", "a b", "\\e[31m")):
+        c[f"user-hostile-{i}"] = f'name: c\nhosts: [{{address: h1, user: "{user}"}}]\njob: {{entrypoint: [python]}}\n'
     # YAML syntax
     c["unclosed-quote"] = 'name: "c\n' + VALID[8:]
     c["unclosed-bracket"] = "name: [c\n" + VALID[8:]
