@@ -45,6 +45,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "TOKEN_ENV",
     "job_key",
+    "sign",
     "OPS",
     "PROTOCOL_VERSION",
     "Message",
@@ -77,6 +78,14 @@ def job_key(token: str | None) -> bytes | None:
     if not token:
         return None
     return hmac.new(token.encode(), b"clusterctl-ps/1", hashlib.sha256).digest()
+
+
+def sign(frames: list[Any], key: bytes | None, *, request: bool) -> list[Any]:
+    """``frames`` with the MAC put in front of the header frame (unchanged when ``key`` is None)."""
+    if key is None or not frames:
+        return frames
+    head = bytes(_buffer(frames[0]))
+    return [_mac(key, b"req" if request else b"rep", head) + head, *frames[1:]]
 
 
 def _mac(key: bytes, kind: bytes, data: bytes) -> bytes:

@@ -29,7 +29,7 @@ from .endpoints import split_endpoint, zmq_address
 from .errors import AuthError, BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError
 from .optim import OptimizerConfig, apply_piece, apply_update, begin_update, init_state
 from .protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, TOKEN_ENV, Message, Tensor, decode, encode, error_frames,
-                       job_key)
+                       job_key, sign)
 
 __all__ = ["MODES", "ParameterServer"]
 
@@ -129,8 +129,8 @@ class ParameterServer:
         self.optimizer: OptimizerConfig | None = None
         self.plan_id: str | None = None  # placement fingerprint of the first trainer's init
         self.completed: set[int] = set()
-        self.stats = {"requests": 0, "rejected": 0, "unauthenticated": 0, "updates": 0, "bytes_in": 0,
-                      "bytes_out": 0, "buffers_allocated": 0}
+        self.stats = {"requests": 0, "rejected": 0, "updates": 0, "bytes_in": 0, "bytes_out": 0,
+                      "buffers_allocated": 0}
         self._round: dict[int, _Waiting] = {}
         self._acc: dict[str, np.ndarray] = {}
         self._builds: dict[str, _Build] = {}
@@ -227,8 +227,7 @@ class ParameterServer:
         for waiting in self._round.values():
             self._send(waiting.envelope, encode({"ok": False, "seq": waiting.msg.seq, "code": "barrier_timeout",
                                                  "error": str(err), "missing": missing,
-                                                 "timeout": self.barrier_timeout, "step": self.step},
-                                                key=self._key, request=False))
+                                                 "timeout": self.barrier_timeout, "step": self.step}))
         self._round.clear()
         raise err
 
@@ -281,7 +280,7 @@ class ParameterServer:
             handler = getattr(self, f"_op_{msg.op}")
             handler(envelope, msg)
         except AuthError as exc:
-            self.stats["unauthenticated"] += 1
+            self.stats["unauthenticated"] = self.stats.get("unauthenticated", 0) + 1
             self._reject(envelope, seq, "unauthenticated", str(exc), ident)
         except ProtocolError as exc:
             self._reject(envelope, seq, "bad_request", str(exc), ident)
@@ -301,10 +300,9 @@ class ParameterServer:
         except (zmq.ZMQError, AttributeError):
             pass
         self._log_rejected("pserver %d rejected a request from %s (%s): %s", self.server_id, peer, code, message)
-        frames = error_frames(seq, code, message, key=self._key)
+        frames = error_frames(seq, code, message)
         if extra:
-            frames = encode({"ok": False, "seq": seq, "code": code, "error": message, **extra},
-                            key=self._key, request=False)
+            frames = encode({"ok": False, "seq": seq, "code": code, "error": message, **extra})
         self._send(envelope, frames)
 
     def _log_rejected(self, fmt: str, *args: Any) -> None:
@@ -322,13 +320,13 @@ class ParameterServer:
             w[2] += 1
 
     def _send(self, envelope: list[Any], frames: list[Any]) -> None:
-        if self._sock is not None:
-            self._sock.send_multipart(envelope + frames, copy=False)
+        if self._sock is not None:  # every reply leaves through here or _send_tracked: both sign it
+            self._sock.send_multipart(envelope + sign(frames, self._key, request=False), copy=False)
 
     def _reply(self, envelope: list[Any], msg: Message, fields: dict[str, Any], pull: Sequence[str] = ()) -> None:
         tensors = {k: self.blocks[k] for k in pull}
         head = {"v": PROTOCOL_VERSION, "ok": True, "seq": msg.seq, "op": msg.op, **fields}
-        frames = encode(head, tensors, key=self._key, request=False)
+        frames = encode(head, tensors)
         if not tensors or self._sock is None:
             self._send(envelope, frames)
             return
@@ -340,7 +338,7 @@ class ParameterServer:
         self.stats["bytes_out"] += sum(_nbytes(f) for f in frames[1:])
         # Zero-copy send of live buffers; remember them until ZeroMQ releases them, so _spare()
         # never recycles a buffer that is still being written to a socket.
-        for part in envelope + frames[:1]:
+        for part in envelope + sign(frames[:1], self._key, request=False):
             self._sock.send(part, zmq.SNDMORE, copy=False)
         body = frames[1:]
         trackers = [self._sock.send(f, zmq.SNDMORE if i < len(body) - 1 else 0, copy=False, track=True)
@@ -591,7 +589,7 @@ class ParameterServer:
         head = {"v": PROTOCOL_VERSION, "ok": True, "seq": msg.seq, "op": msg.op, "part": part, "step": self.step,
                 "off": offs}
         one_frame = max(8, -(-max(a.nbytes for a in out.values()) // 8) * 8) if out else 8
-        frames = encode(head, out, chunk_bytes=one_frame, key=self._key, request=False)  # one frame per piece
+        frames = encode(head, out, chunk_bytes=one_frame)  # one frame per piece
         if self._sock is not None:
             self._send_tracked(envelope, frames, owners)
 
