@@ -10,7 +10,6 @@ from typing import Any
 from .endpoints import parse_endpoint_list
 from .errors import PsConfigError
 from .optim import OptimizerConfig
-from .protocol import TOKEN_ENV
 
 __all__ = ["PsEnv", "client_from_env", "from_env", "server_from_env"]
 
@@ -105,8 +104,7 @@ def client_from_env(*, optimizer: OptimizerConfig | None = None, env: Mapping[st
 
     pe = from_env(env)
     kw: dict[str, Any] = dict(trainer_id=pe.trainer_id, num_trainers=pe.num_trainers, mode=pe.mode,
-                              k_steps=pe.k_steps, timeout=pe.timeout, job=pe.job, optimizer=optimizer,
-                              token=(os.environ if env is None else env).get(TOKEN_ENV) or "")
+                              k_steps=pe.k_steps, timeout=pe.timeout, job=pe.job, optimizer=optimizer)
     kw.update(overrides)
     return PSClient(pe.endpoints, **kw)
 
@@ -120,7 +118,6 @@ def server_from_env(*, env: Mapping[str, str] | None = None, **overrides: Any):
         raise PsConfigError(f"TRAINING_ROLE is {pe.role.upper()}, not PSERVER")
     kw: dict[str, Any] = dict(server_id=pe.pserver_id, num_servers=len(pe.endpoints),
                               num_trainers=pe.num_trainers, mode=pe.mode, k_steps=pe.k_steps,
-                              barrier_timeout=pe.barrier_timeout, checkpoint_dir=pe.checkpoint_dir, job=pe.job,
-                              token=(os.environ if env is None else env).get(TOKEN_ENV) or "")
+                              barrier_timeout=pe.barrier_timeout, checkpoint_dir=pe.checkpoint_dir, job=pe.job)
     kw.update(overrides)
     return ParameterServer(pe.current_endpoint, **kw)
