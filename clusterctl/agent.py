@@ -493,15 +493,13 @@ def process_token(token):
     return hmac.new(token.encode("utf-8"), b"clusterctl-job-processes", "sha256").hexdigest()
 
 
-def base_env(job_id, jobdir, extra, token=None):
-    """The host's base environment (BASE_ENV_KEYS) + the job's env + the job tags (+ the processes' token)."""
+def base_env(job_id, jobdir, extra):
+    """The host's base environment (BASE_ENV_KEYS) + the job's env + the job tags."""
     env = {k: os.environ[k] for k in BASE_ENV_KEYS if k in os.environ}
     env.setdefault("PATH", DEFAULT_PATH)
     env.update(extra)
     env[JOB_ENV] = job_id
     env[JOBDIR_ENV] = jobdir
-    if token:
-        env[TOKEN_ENV] = process_token(token)
     return env
 
 
@@ -679,6 +677,9 @@ class Supervisor:
         self.grace = job["grace"]
         self.coord = job["coordinator"]
         self.is_coord = self.coord is None or self.coord["is_coordinator"]
+        if self.coord is not None:  # the processes' shared secret (pserver / PMI auth): in their environment only
+            for p in job["processes"]:
+                p["env"][TOKEN_ENV] = process_token(self.coord["token"])
         self.timing = dict(DEFAULT_TIMINGS)
         if self.coord is not None:
             self.timing.update({k: self.coord[k] for k in DEFAULT_TIMINGS})
@@ -879,7 +880,7 @@ class Supervisor:
             if r["role"] not in roles or r["state"] != "pending":
                 continue
             spec = next(p for p in self.job["processes"] if p["role"] == r["role"] and p["id"] == r["id"])
-            env = base_env(self.job_id, self.jobdir, spec["env"], token=self.coord and self.coord["token"])
+            env = base_env(self.job_id, self.jobdir, spec["env"])
             try:
                 os.makedirs(os.path.dirname(r["log"]), mode=0o700, exist_ok=True)
                 if os.path.exists(r["log"]):  # keep the previous run's log, start this one fresh

@@ -161,4 +161,5 @@ def test_real_peers_still_form_a_job_and_the_processes_get_a_derived_token(clust
     log = Path(hA).parent / "log" / "pserver.0.log"
     assert stat.S_IMODE(log.stat().st_mode) == 0o600
     for d in (hA, hB):
-        assert TOKEN not in (Path(d) / "supervisor.log").read_text()
+        text = (Path(d) / "supervisor.log").read_text() + (Path(d) / "state.json").read_text()
+        assert TOKEN not in text and token not in text
