@@ -48,9 +48,6 @@ STOP_REQUEST = "stop-request.json"
 
 JOB_ENV = "CLUSTERCTL_JOB"
 JOBDIR_ENV = "CLUSTERCTL_JOBDIR"
-# the job's processes' shared secret (pserver / PMI authentication), derived from the coordinator token;
-# passed in the environment only (never argv, never logged)
-TOKEN_ENV = "CLUSTERCTL_JOB_TOKEN"
 # Variables taken from the host's own environment; everything else comes from the job file.
 BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "USER", "LOGNAME", "TMPDIR")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -486,6 +483,11 @@ def supervisor_alive(state):
     """True when the supervisor recorded in state is running."""
     sup = (state or {}).get("supervisor") or {}
     return pid_alive(sup.get("pid"), sup.get("start_ticks"))
+
+
+# the job's processes' shared secret (pserver / PMI authentication), derived from the coordinator token;
+# passed in the environment only (never argv, never logged)
+TOKEN_ENV = "CLUSTERCTL_JOB_TOKEN"
 
 
 def process_token(token):
