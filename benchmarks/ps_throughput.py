@@ -2,6 +2,7 @@
 
     python benchmarks/ps_throughput.py                    # everything, defaults below
     python benchmarks/ps_throughput.py --repeats 5 --params 10000000 --steps 10
+    python benchmarks/ps_throughput.py --auth-compare --skip-modes   # part 1 also with the job token (MACs)
 
 Part 1, transport: one trainer and one pserver (separate processes, async mode, SGD applied on the
 server; the public ``push_pull``, which in async mode is pipelined in wire-chunk pieces). A step pushes a 4*N-byte gradient and pulls the 4*N-byte parameter back; MB/s counts both
@@ -47,8 +48,11 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _env(role: str, idx: int, pservers: list[str], trainers: int, mode: str, k_steps: int) -> dict[str, str]:
+def _env(role: str, idx: int, pservers: list[str], trainers: int, mode: str, k_steps: int,
+         token: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "CLUSTERCTL_", "TRAINING_"))}
+    if token:
+        env["CLUSTERCTL_JOB_TOKEN"] = token
     own = pservers[idx] if role == "pserver" else f"127.0.0.1:{40000 + idx}"
     env.update({
         "TRAINING_ROLE": "PSERVER" if role == "pserver" else "TRAINER",
@@ -66,10 +70,11 @@ def _env(role: str, idx: int, pservers: list[str], trainers: int, mode: str, k_s
     return env
 
 
-def _start_pservers(n: int, trainers: int, mode: str, k_steps: int = 1) -> tuple[list[str], list[subprocess.Popen]]:
+def _start_pservers(n: int, trainers: int, mode: str, k_steps: int = 1,
+                    token: str | None = None) -> tuple[list[str], list[subprocess.Popen]]:
     eps = [f"127.0.0.1:{p}" for p in _free_ports(n)]
-    procs = [subprocess.Popen([sys.executable, "-m", "clusterctl.ps", "server", "--log-level", "WARNING"],
-                              env=_env("pserver", i, eps, trainers, mode, k_steps), cwd=REPO)
+    procs = [subprocess.Popen([sys.executable, "-m", "clusterctl.ps", "server", "--log-level", "ERROR"],
+                              env=_env("pserver", i, eps, trainers, mode, k_steps, token), cwd=REPO)
              for i in range(n)]
     return eps, procs
 
@@ -153,11 +158,12 @@ def zmq_raw_mbps(n: int, steps: int) -> float:
             server.kill()
 
 
-def ps_push_pull_mbps(n: int, steps: int) -> float:
+def ps_push_pull_mbps(n: int, steps: int, token: str | None = None) -> float:
     """One trainer <-> one pserver push_pull throughput in MB/s (both directions counted)."""
-    eps, procs = _start_pservers(1, 1, "async")
+    eps, procs = _start_pservers(1, 1, "async", token=token)
     try:
-        with PSClient(eps, trainer_id=0, num_trainers=1, mode="async", optimizer=SGD(1e-6), timeout=120) as c:
+        with PSClient(eps, trainer_id=0, num_trainers=1, mode="async", optimizer=SGD(1e-6), timeout=120,
+                      token=token) as c:
             params = {"w": np.zeros(n, np.float32)}
             c.init(params)
             grad = {"w": np.ones(n, np.float32)}
@@ -247,12 +253,15 @@ def main() -> int:
     ap.add_argument("--skip-transport", action="store_true")
     ap.add_argument("--modes", default="sync,async,geo",
                     help="part 2 modes, interleaved per repeat; sync-1msg = sync with CLUSTERCTL_PS_PIPELINE=0")
+    ap.add_argument("--auth-compare", action="store_true",
+                    help="part 1: also run ps push+pull with a job token (MACed requests), interleaved")
     args = ap.parse_args()
     if shutil.which("iperf3") is None:
         print("iperf3 is not installed (apt-get install iperf3)", file=sys.stderr)
         return 2
 
     rows = []
+    auth_rows: list[tuple[float, float, float]] = []
     for r in range(0 if args.skip_transport else args.repeats):
         raw = iperf3_mbps()
         zq = zmq_raw_mbps(args.transport_params, args.transport_steps)
@@ -260,6 +269,11 @@ def main() -> int:
         rows.append((raw, zq, ps, ps / raw, ps / zq))
         print(f"# repeat {r}: iperf3 {raw:.0f} MB/s, bare pyzmq {zq:.0f} MB/s, ps push+pull {ps:.0f} MB/s, "
               f"ps/iperf3 {ps / raw:.2f}, ps/pyzmq {ps / zq:.2f}", flush=True)
+        if args.auth_compare:
+            authed = ps_push_pull_mbps(args.transport_params, args.transport_steps, token="bench-" + os.urandom(8).hex())
+            auth_rows.append((ps, authed, authed / ps))
+            print(f"# repeat {r}: ps push+pull with the job token {authed:.0f} MB/s, authed/plain {authed / ps:.2f}",
+                  flush=True)
     med = [statistics.median(c) for c in zip(*rows, strict=True)] if rows else []
     if rows:
         print()
@@ -274,6 +288,17 @@ def main() -> int:
 
     result = {"iperf3_MBps": med[0], "pyzmq_MBps": med[1], "ps_push_pull_MBps": med[2],
               "ratio_iperf3": med[3], "ratio_pyzmq": med[4], "repeats": rows} if rows else {}
+    if auth_rows:
+        am = [statistics.median(c) for c in zip(*auth_rows, strict=True)]
+        size_mb = args.transport_params * 4 / 1e6
+        print()
+        print(f"| ps push+pull, {size_mb:.0f} MB, 1 trainer : 1 pserver | MB/s (median of {args.repeats}) |")
+        print("| --- | ---: |")
+        print(f"| no job token (unauthenticated) | {am[0]:.0f} |")
+        print(f"| job token: HMAC-SHA256 on every request and reply header | {am[1]:.0f} |")
+        print(f"| ratio token / no token (median of per-repeat ratios: "
+              f"{', '.join(f'{x[2]:.2f}' for x in auth_rows)}) | {am[2]:.2f} |")
+        result["auth"] = {"plain_MBps": am[0], "token_MBps": am[1], "ratio": am[2], "repeats": auth_rows}
     if not args.skip_modes:
         print()
         title = f"mode (2 pservers, 4 trainers, {args.params / 1e6:.0f}M params)"

@@ -39,7 +39,7 @@ import traceback
 
 __all__ = ["main", "load_job", "tagged_processes", "proc_stat", "parse_endpoint"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: mutual challenge-response (HMAC-SHA256 over both nonces), no token on the wire
 JOB_FILE = "job.json"
 STATE_FILE = "state.json"
 LOCK_FILE = ".lock"
@@ -57,6 +57,10 @@ JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 TERMINAL_JOB_STATES = ("succeeded", "failed", "stopped")
 
 MAX_MESSAGE = 64 * 1024  # protocol: longest accepted JSON line
+MAX_DEPTH = 16  # protocol: deepest accepted JSON nesting (checked before json.loads)
+NONCE_BYTES = 32
+BACKOFF_MIN, BACKOFF_MAX = 0.1, 1.0  # peer: reconnect back-off (doubles, with jitter, up to the max)
+LOG_BURST, LOG_WINDOW = 10, 10.0  # at most LOG_BURST lines per kind about bad connections per window
 AUTH_TIMEOUT = 5.0  # protocol: a new connection must say hello within this
 MAX_PENDING = 32  # protocol: unauthenticated connections kept at once
 LAUNCH_REPORT_TIMEOUT = 60.0
@@ -486,6 +490,16 @@ def supervisor_alive(state):
     return pid_alive(sup.get("pid"), sup.get("start_ticks"))
 
 
+# the job's processes' shared secret (pserver / PMI authentication), derived from the coordinator token;
+# passed in the environment only (never argv, never logged)
+TOKEN_ENV = "CLUSTERCTL_JOB_TOKEN"
+
+
+def process_token(token):
+    """The secret the job's processes share (CLUSTERCTL_JOB_TOKEN): derived, so they never hold the agent's token."""
+    return hmac.new(token.encode("utf-8"), b"clusterctl-job-processes", "sha256").hexdigest()
+
+
 def base_env(job_id, jobdir, extra):
     """The host's base environment (BASE_ENV_KEYS) + the job's env + the job tags."""
     env = {k: os.environ[k] for k in BASE_ENV_KEYS if k in os.environ}
@@ -504,6 +518,71 @@ class ProtocolError(Exception):
     """Garbage on a coordinator connection."""
 
 
+def json_depth_ok(line, limit=MAX_DEPTH):
+    """True if the JSON text's bracket nesting (outside strings) stays within limit."""
+    depth, in_str, esc = 0, False, False
+    for ch in line:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == 0x5C:  # backslash
+                esc = True
+            elif ch == 0x22:  # quote
+                in_str = False
+        elif ch == 0x22:
+            in_str = True
+        elif ch == 0x5B or ch == 0x7B:  # [ {
+            depth += 1
+            if depth > limit:
+                return False
+        elif ch == 0x5D or ch == 0x7D:
+            depth -= 1
+    return True
+
+
+def auth_proof(token, side, job, host, nonce_c, nonce_p):
+    """HMAC-SHA256 (hex) of one side's role, the job, the peer host and both nonces, keyed by the job token."""
+    msg = "\0".join(("clusterctl-agent/%d" % PROTOCOL_VERSION, side, job, host, nonce_c, nonce_p))
+    return hmac.new(token.encode("utf-8"), msg.encode("utf-8"), "sha256").hexdigest()
+
+
+def proof_ok(expected, got):
+    """Constant-time comparison of a hex proof with whatever the other side sent."""
+    return isinstance(got, str) and hmac.compare_digest(expected.encode(), got.encode("utf-8", "replace"))
+
+
+def _nonce():
+    return os.urandom(NONCE_BYTES).hex()
+
+
+def _brief(value, limit=200):
+    """A repr of untrusted data, cut short and free of control characters, for a log line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...(%d chars)" % len(text)
+
+
+class LogLimiter:
+    """Rate-limits log lines per kind: LOG_BURST per LOG_WINDOW, then one line with the count suppressed."""
+
+    def __init__(self, burst=LOG_BURST, window=LOG_WINDOW):
+        self.burst, self.window = burst, window
+        self.kinds = {}  # kind -> [window start, lines in window, suppressed]
+
+    def __call__(self, kind, msg, now=None):
+        """Log msg unless this kind already logged `burst` lines in the current window."""
+        now = time.monotonic() if now is None else now
+        st = self.kinds.setdefault(kind, [now, 0, 0])
+        if now - st[0] >= self.window:
+            if st[2]:
+                log("(%d more %s message(s) suppressed in the last %.0fs)" % (st[2], kind, now - st[0]))
+            st[:] = [now, 0, 0]
+        if st[1] < self.burst:
+            st[1] += 1
+            log(msg)
+        else:
+            st[2] += 1
+
+
 class Conn:
     """One newline-delimited-JSON TCP connection (peer <-> coordinator)."""
 
@@ -516,6 +595,8 @@ class Conn:
         self.done = False
         self.last_rx = self.last_tx = now
         self.deadline = now + AUTH_TIMEOUT
+        self.nonce = _nonce()  # ours: the coordinator's challenge, or the peer's own nonce
+        self.their_nonce = None  # peer side: the coordinator's challenge
 
     def send(self, msg):
         """Send one message; False if the connection is broken."""
@@ -541,11 +622,15 @@ class Conn:
         msgs = []
         while b"\n" in self.buf:
             line, self.buf = self.buf.split(b"\n", 1)
+            if len(line) > MAX_MESSAGE:
+                raise ProtocolError("line longer than %d bytes" % MAX_MESSAGE)
             if not line.strip():
                 continue
+            if not json_depth_ok(line):
+                raise ProtocolError("JSON nested deeper than %d" % MAX_DEPTH)
             try:
                 msg = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError):
+            except (UnicodeDecodeError, ValueError, RecursionError):
                 raise ProtocolError("not JSON")
             if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
                 raise ProtocolError("not a message object")
@@ -563,6 +648,11 @@ class Conn:
 
 # ---------------------------------------------------------------------------
 # supervisor
+
+
+def _private_opener(path, flags):
+    """open() opener creating files 0600 (process logs)."""
+    return os.open(path, flags, 0o600)
 
 
 def _pdeathsig_setup(parent_pid):
@@ -594,6 +684,9 @@ class Supervisor:
         self.grace = job["grace"]
         self.coord = job["coordinator"]
         self.is_coord = self.coord is None or self.coord["is_coordinator"]
+        if self.coord is not None:  # the processes' shared secret (pserver / PMI auth): in their environment only
+            for p in job["processes"]:
+                p["env"][TOKEN_ENV] = process_token(self.coord["token"])
         self.timing = dict(DEFAULT_TIMINGS)
         if self.coord is not None:
             self.timing.update({k: self.coord[k] for k in DEFAULT_TIMINGS})
@@ -636,8 +729,10 @@ class Supervisor:
         self.lost_why = None
         self.rejected = False
         self.next_attempt = 0.0
-        self.backoff = 0.1
+        self.backoff = BACKOFF_MIN
         self.last_error = None
+        self.bad_conns = 0  # unauthenticated / malformed connections dropped (coordinator)
+        self.log_bad = LogLimiter()
 
     # -- bookkeeping ---------------------------------------------------
 
@@ -658,6 +753,7 @@ class Supervisor:
                                     "hosts": self.coord["hosts"]}
             if self.is_coord:
                 state["coordinator"]["trainers_total"] = self.trainers_total
+                state["coordinator"]["rejected_connections"] = self.bad_conns
                 state["hosts"] = self.hosts
             else:
                 state["coordinator"]["connected"] = self.conn is not None and self.welcomed
@@ -793,10 +889,10 @@ class Supervisor:
             spec = next(p for p in self.job["processes"] if p["role"] == r["role"] and p["id"] == r["id"])
             env = base_env(self.job_id, self.jobdir, spec["env"])
             try:
-                os.makedirs(os.path.dirname(r["log"]), exist_ok=True)
+                os.makedirs(os.path.dirname(r["log"]), mode=0o700, exist_ok=True)
                 if os.path.exists(r["log"]):  # keep the previous run's log, start this one fresh
                     os.replace(r["log"], r["log"] + ".1")
-                with open(r["log"], "ab") as logf:
+                with open(r["log"], "ab", opener=_private_opener) as logf:  # 0600: logs may hold secrets
                     popen = subprocess.Popen(
                         r["argv"], cwd=r["cwd"], env=env, stdin=subprocess.DEVNULL, stdout=logf,
                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, preexec_fn=preexec)
@@ -987,20 +1083,27 @@ class Supervisor:
         except OSError:
             return
         if len(self.pending) >= MAX_PENDING:
-            log("too many unauthenticated connections; dropping %s" % (addr,))
+            self.bad_conns += 1
+            self.dirty = True
+            self.log_bad("overload", "too many unauthenticated connections; dropping %s" % (addr,))
             sock.close()
             return
         sock.settimeout(2.0)
         conn = Conn(sock, addr, time.monotonic())
         self.pending[sock] = conn
         self.sel.register(sock, selectors.EVENT_READ, self._on_readable)
+        # mutual authentication: the peer proves the token over this nonce and its own, and so do we
+        if not conn.send({"type": "challenge", "version": PROTOCOL_VERSION, "nonce": conn.nonce}):
+            self._drop(conn, "send failed")
 
     def _drop(self, conn, why):
         try:
             self.sel.unregister(conn.sock)
         except (KeyError, ValueError):
             pass
-        self.pending.pop(conn.sock, None)
+        if self.pending.pop(conn.sock, None) is not None:
+            self.bad_conns += 1  # an unauthenticated connection dropped: counted in state.json
+            self.dirty = True
         if conn.host is not None and self.peers.get(conn.host) is conn:
             del self.peers[conn.host]
             if not conn.done:
@@ -1034,7 +1137,7 @@ class Supervisor:
         try:
             msgs = conn.receive()
         except ProtocolError as e:
-            log("garbage from %s (%s): %s; closing" % (conn.addr, conn.host or "unauthenticated", e))
+            self.log_bad("garbage", "garbage from %s (%s): %s; closing" % (conn.addr, conn.host or "unauthenticated", e))
             if conn is self.conn:
                 self._peer_lost("protocol error: %s" % e)
             else:
@@ -1050,39 +1153,44 @@ class Supervisor:
             try:
                 if conn is self.conn:
                     self._peer_message(msg)
+                    if conn is not self.conn:  # dropped while handling it
+                        return
                 elif not conn.authed:
                     self._hello(conn, msg)
                     if not conn.authed:
                         return
                 else:
                     self._coordinator_message(conn, msg)
-            except (TypeError, ValueError, KeyError, AttributeError) as e:
-                # a malformed message must not take the supervisor down: log it, drop the sender
-                log("bad message %r from %s: %s: %s" % (msg, conn.addr, type(e).__name__, e))
+            except Exception as e:  # noqa: BLE001 - contained per connection: log it, drop the sender
+                self.log_bad("bad-message", "bad message %s from %s: %s: %s"
+                             % (_brief(msg), conn.addr, type(e).__name__, e))
                 if conn is self.conn:
                     self._peer_lost("bad message from coordinator")
                 else:
                     self._drop(conn, "bad message")
                 return
 
+    def _reject(self, conn, why, error):
+        self.log_bad("rejected", "rejected connection from %s: %s" % (conn.addr, why))
+        conn.send({"type": "error", "error": error, "version": PROTOCOL_VERSION})
+        self._drop(conn, why)
+
     def _hello(self, conn, msg):
-        token = msg.get("token")
-        if msg.get("type") != "hello" or not isinstance(token, str):
-            log("rejected connection from %s: first message is not a hello" % conn.addr)
-            conn.send({"type": "error", "error": "expected hello"})
-            self._drop(conn, "no hello")
-            return
-        if not hmac.compare_digest(token.encode("utf-8", "replace"), self.coord["token"].encode()):
-            log("rejected connection from %s: bad token" % conn.addr)
-            conn.send({"type": "error", "error": "bad token"})
-            self._drop(conn, "bad token")
-            return
-        host = msg.get("host")
-        if msg.get("job") != self.job_id or not isinstance(host, str) or not host:
-            log("rejected connection from %s: wrong job %r / host %r" % (conn.addr, msg.get("job"), host))
-            conn.send({"type": "error", "error": "wrong job or missing host"})
-            self._drop(conn, "wrong job")
-            return
+        if msg.get("type") != "hello":
+            return self._reject(conn, "first message is not a hello", "expected hello")
+        if msg.get("version") != PROTOCOL_VERSION:
+            return self._reject(conn, "protocol version %s" % _brief(msg.get("version"), 20),
+                                "protocol version mismatch: coordinator speaks %d, peer sent %s"
+                                % (PROTOCOL_VERSION, _brief(msg.get("version"), 20)))
+        host, nonce = msg.get("host"), msg.get("nonce")
+        if (not isinstance(host, str) or not host or len(host) > 255 or not isinstance(nonce, str)
+                or len(nonce) != 2 * NONCE_BYTES or not isinstance(msg.get("job"), str)):
+            return self._reject(conn, "malformed hello", "malformed hello")
+        want = auth_proof(self.coord["token"], "peer", msg["job"], host, conn.nonce, nonce)
+        if not proof_ok(want, msg.get("proof")):
+            return self._reject(conn, "bad token", "bad token")
+        if msg["job"] != self.job_id:
+            return self._reject(conn, "wrong job %s" % _brief(msg["job"]), "wrong job")
         del self.pending[conn.sock]
         old = self.peers.get(host)
         if old is not None:
@@ -1097,7 +1205,8 @@ class Supervisor:
         self.hosts[host] = {"state": "connected", "since": time.time(), "addr": conn.addr}
         self.dirty = True
         log("host %s connected from %s" % (host, conn.addr))
-        conn.send({"type": "welcome", "job": self.job_id})
+        conn.send({"type": "welcome", "job": self.job_id,
+                   "proof": auth_proof(self.coord["token"], "coordinator", self.job_id, host, conn.nonce, nonce)})
         if self.outcome is not None:
             self._send_stop(conn)
             return
@@ -1128,7 +1237,7 @@ class Supervisor:
     def _coordinator_tick(self, now):
         for conn in list(self.pending.values()):
             if now > conn.deadline:
-                log("rejected connection from %s: no hello within %.0fs" % (conn.addr, AUTH_TIMEOUT))
+                self.log_bad("rejected", "rejected connection from %s: no hello within %.0fs" % (conn.addr, AUTH_TIMEOUT))
                 self._drop(conn, "no hello")
         for host, conn in list(self.peers.items()):
             if now - conn.last_tx >= self.timing["heartbeat"]:
@@ -1146,6 +1255,10 @@ class Supervisor:
     # -- peer side ------------------------------------------------------------
 
     def _peer_tick(self, now):
+        if self.conn is not None and not self.welcomed:
+            if now > self.conn.deadline:
+                self._peer_lost("coordinator did not authenticate within %.0fs" % AUTH_TIMEOUT)
+            return
         if self.conn is not None:
             if now - self.conn.last_tx >= self.timing["heartbeat"]:
                 if not self.conn.send({"type": "ping"}):
@@ -1166,27 +1279,45 @@ class Supervisor:
             return
         if now < self.next_attempt:
             return
+        self._next_backoff()
         try:
             sock = socket.create_connection((self.coord["address"], self.coord["port"]), timeout=1.0)
         except OSError as e:
             self.last_error = e.strerror or str(e)
-            self.next_attempt = time.monotonic() + self.backoff
-            self.backoff = min(self.backoff * 2, 1.0)
             return
         sock.settimeout(2.0)
+        # the hello goes out only in answer to the coordinator's challenge (_peer_message)
         self.conn = Conn(sock, ep, time.monotonic())
         self.sel.register(sock, selectors.EVENT_READ, self._on_readable)
-        self.backoff = 0.1
-        hello = {"type": "hello", "token": self.coord["token"], "job": self.job_id, "host": self.host,
-                 "version": PROTOCOL_VERSION, "exits": self.local_exits,
-                 "stopping": self.reason if self.term_requested else None}
-        if not self.conn.send(hello):
-            self._peer_lost("send failed")
+
+    def _next_backoff(self):
+        """Peer: schedule the next connection attempt (exponential back-off with jitter)."""
+        delay = self.backoff * (0.5 + 0.5 * int.from_bytes(os.urandom(2), "big") / 65535.0)
+        self.next_attempt = time.monotonic() + delay
+        self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+
+    def _peer_challenge(self, msg):
+        """Peer: answer the coordinator's challenge with our proof of the token and our own nonce."""
+        ep = format_endpoint(self.coord["address"], self.coord["port"])
+        conn = self.conn
+        if msg.get("version") != PROTOCOL_VERSION:
+            why = ("protocol version mismatch: coordinator %s speaks %s, this agent %d (upload the same agent.py "
+                   "to every host)" % (ep, _brief(msg.get("version"), 20), PROTOCOL_VERSION))
+            self.rejected = True
+            self._peer_lost(why)
+            self.decide("failed", why)
             return
-        log("connected to coordinator %s" % ep)
-        self.ever_connected = True
-        self.lost_since = None
-        self.dirty = True
+        nonce = msg.get("nonce")
+        if conn.their_nonce is not None or not isinstance(nonce, str) or len(nonce) != 2 * NONCE_BYTES:
+            self._peer_lost("malformed challenge from %s" % ep)
+            return
+        conn.their_nonce = nonce
+        hello = {"type": "hello", "job": self.job_id, "host": self.host, "version": PROTOCOL_VERSION,
+                 "nonce": conn.nonce,
+                 "proof": auth_proof(self.coord["token"], "peer", self.job_id, self.host, nonce, conn.nonce),
+                 "exits": self.local_exits, "stopping": self.reason if self.term_requested else None}
+        if not conn.send(hello):
+            self._peer_lost("send failed")
 
     def _peer_lost(self, why):
         if self.conn is None:
@@ -1197,24 +1328,50 @@ class Supervisor:
             pass
         self.conn.close()
         self.conn = None
-        self.welcomed = False
+        was_welcomed, self.welcomed = self.welcomed, False
+        self.dirty = True
+        if not was_welcomed:  # an attempt that never authenticated: the loss (if any) dates from earlier
+            self.last_error = why
+            if self.outcome is None:
+                self.log_bad("connect", "connection to coordinator failed (%s); retrying" % why)
+            return
         self.lost_since = time.monotonic()
         self.lost_why = why
-        self.dirty = True
         if self.outcome is None:
             log("lost coordinator connection (%s); retrying for %.1fs" % (why, self.timing["reconnect_timeout"]))
 
     def _peer_message(self, msg):
         kind = msg["type"]
+        conn = self.conn
+        if not self.welcomed:
+            # nothing the other end says counts until it has proved the token over our nonce
+            if kind == "challenge":
+                self._peer_challenge(msg)
+            elif kind == "welcome" and conn.their_nonce is not None and proof_ok(
+                    auth_proof(self.coord["token"], "coordinator", self.job_id, self.host, conn.their_nonce,
+                               conn.nonce), msg.get("proof")):
+                self.welcomed = True
+                self.backoff = BACKOFF_MIN
+                self.dirty = True
+                log("connected to coordinator %s" % conn.addr)
+                self.ever_connected = True
+                self.lost_since = None
+            elif kind == "error" and conn.their_nonce is not None:
+                # unauthenticated, but only the coordinator (or whoever holds its port) sends it;
+                # the text is the other end's, so it is cut short
+                self.rejected = True
+                why = "coordinator rejected this host: %s" % "".join(
+                    c if c.isprintable() else "?" for c in str(msg.get("error"))[:200])
+                log(why)
+                self._peer_lost(why)
+                self.decide("failed", why)
+            else:
+                self.log_bad("impostor", "coordinator %s did not prove the job token (sent %s); closing"
+                             % (conn.addr, _brief(kind, 40)))
+                self._peer_lost("coordinator did not prove the job token")
+            return
         if kind == "welcome":
-            self.welcomed = True
-            self.dirty = True
-        elif kind == "error":
-            self.rejected = True
-            why = "coordinator rejected this host: %s" % msg.get("error")
-            log(why)
-            self._peer_lost(why)
-            self.decide("failed", why)
+            pass
         elif kind == "stop":
             state = msg.get("state") if msg.get("state") in TERMINAL_JOB_STATES else "failed"
             failure = msg.get("failure") if isinstance(msg.get("failure"), dict) else None
@@ -1285,7 +1442,7 @@ def cmd_launch(args):
             if os.fork() != 0:
                 os._exit(0)
             devnull = os.open(os.devnull, os.O_RDONLY)
-            logfd = os.open(logpath, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            logfd = os.open(logpath, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             os.dup2(devnull, 0)
             os.dup2(logfd, 1)
             os.dup2(logfd, 2)

@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from .plan import Host
 
-__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "write_line"]
+__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "write_line", "printable"]
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -26,10 +26,18 @@ def setup_logging(verbose: bool = False) -> None:
     logging.getLogger("paramiko").setLevel(logging.CRITICAL)  # its failures reach the user as our messages
 
 
+def printable(text: str) -> str:
+    """`text` safe for a terminal: control characters (ANSI escapes, `\r`, backspace, C1 codes, bidi
+    overrides...) shown as Python escapes (`\x1b`); tabs kept. What hosts send never drives the terminal."""
+    if text.isprintable():  # the common case, at C speed
+        return text
+    return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in text)
+
+
 def error(message: str) -> None:
     """Print an error message, one `clusterctl: error:` line per line of `message`."""
     for line in str(message).splitlines() or [""]:
-        err.print(f"[bold red]clusterctl: error:[/] {escape(line)}")
+        err.print(f"[bold red]clusterctl: error:[/] {escape(printable(line))}")
 
 
 class LinePrinter:
@@ -47,9 +55,10 @@ class LinePrinter:
 
 
 def write_line(target, text: str) -> None:
-    """Write one line; when our reader went away (`| head`), drop output instead of failing remote work."""
+    """Write one line (control characters escaped: see printable); when our reader went away (`| head`),
+    drop output instead of failing remote work."""
     try:
-        target.write(text + "\n")
+        target.write(printable(text) + "\n")
         target.flush()
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)  # Python's documented recipe for EPIPE on stdout

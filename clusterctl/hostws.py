@@ -34,6 +34,7 @@ Both come only from the controller over SSH or from this script; replies stay JS
 import errno
 import marshal
 import os
+import stat as _stat
 import sys
 
 # hashlib, json, shutil and tarfile are imported where needed: this runs once per host per
@@ -233,6 +234,28 @@ def remove_paths(staging, delete):
             d = os.path.dirname(d)
 
 
+def clear_planted(staging, rels):
+    """Remove what stands where a directory on the way to `rels` must be, when it is not a directory that
+    this script made: a symlink (planted in the live workspace and copied by the hard-linked staging
+    copy) would redirect the writes below outside the workspace. Costs one lstat per directory."""
+    seen = set()
+    for rel in rels:
+        parts = rel.split("/")[:-1]
+        cur = staging
+        for part in parts:
+            cur = cur + "/" + part
+            if cur in seen:
+                continue
+            seen.add(cur)
+            try:
+                st = os.lstat(cur)
+            except FileNotFoundError:
+                break  # created by the writes below, as directories
+            if not _stat.S_ISDIR(st.st_mode):
+                os.unlink(cur)  # a symlink or a file: never followed, never written through
+                break
+
+
 def safe_rel(name):
     norm = os.path.normpath(name)
     if norm.startswith("/") or norm == ".." or norm.startswith("../") or "\x00" in norm:
@@ -317,6 +340,10 @@ class PatchError(Exception):
     pass
 
 
+def _nofollow(path, flags):
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
 def block_set(ranges):
     return {i for first, count in ranges for i in range(first, first + count)}
 
@@ -331,7 +358,7 @@ def apply_patch(delta_path, base_path, tmp_path, patch):
     h = new_sha256()
     try:
         with (io.BytesIO(patch["d"]) if "d" in patch else open(delta_path, "rb")) as delta, \
-                open(base_path, "rb") as base, open(tmp_path, "wb") as out:
+                open(base_path, "rb", opener=_nofollow) as base, open(tmp_path, "wb") as out:
             if size <= 64 << 20:  # in memory: one read, the blocks spliced in, one write
                 data = bytearray(base.read(size))
                 data.extend(bytes(size - len(data)))
@@ -357,7 +384,9 @@ def apply_patch(delta_path, base_path, tmp_path, patch):
                     out.write(block)
             if delta.read(1):
                 raise PatchError("unused delta bytes")
-    except FileNotFoundError as exc:  # the base file is gone: the controller sends it whole
+    except OSError as exc:  # the base file is gone or is a symlink (never followed): sent whole
+        if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+            raise
         raise PatchError(str(exc)) from None
     os.chmod(tmp_path, entry["m"])
     os.utime(tmp_path, ns=(entry["t"], entry["t"]))
@@ -441,6 +470,7 @@ def cmd_apply(root):
                                           set(changes) | set(patches) | set(delete), live_stats):
             link_tree(live, staging)
         remove_paths(staging, delete)
+        clear_planted(staging, [*changes, *patches])
         for rel, data in header.get("inline", {}).items():  # small files travel inside the header
             write_file(staging, rel, data, changes[rel], os.path.join(gens, gen + ".patch.tmp"))
         digests = None
@@ -543,15 +573,39 @@ def cmd_verify(root):
 
 
 def find_drift(base, manifest, stats=None):
-    """Files of `manifest` that are missing or whose content changed under `base` (their stats go into
-    `stats` when given)."""
+    """Files of `manifest` that are missing, replaced (by a symlink or anything not a regular file, or
+    under a directory that was replaced) or whose content changed under `base` (their stats go into
+    `stats` when given). Nothing is followed: a workspace holds only directories and regular files."""
     drift = []
+    dirs = {}  # relative directory -> True if it is a real directory (lstat, one per directory)
+
+    def real_dir(d):
+        ok = dirs.get(d)
+        if ok is None:
+            parent = d.rpartition("/")[0]
+            if parent and not real_dir(parent):
+                ok = False
+            else:
+                try:
+                    ok = _stat.S_ISDIR(os.lstat(base + "/" + d).st_mode)
+                except FileNotFoundError:
+                    ok = True  # missing: its files are reported missing below
+            dirs[d] = ok
+        return ok
+
     for rel, entry in sorted(manifest.items()):
         p = base + "/" + rel
+        d = rel.rpartition("/")[0]
+        if d and not real_dir(d):
+            drift.append({"path": rel, "problem": "replaced"})
+            continue
         try:
-            st = os.stat(p)
-        except FileNotFoundError:
+            st = os.lstat(p)
+        except (FileNotFoundError, NotADirectoryError):
             drift.append({"path": rel, "problem": "missing"})
+            continue
+        if not _stat.S_ISREG(st.st_mode):
+            drift.append({"path": rel, "problem": "replaced"})
             continue
         if stats is not None:
             stats[rel] = st

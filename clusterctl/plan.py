@@ -118,11 +118,14 @@ class MpiLaunch:
     argv: tuple[str, ...]
     hostfile: str  # its content: slots = trainers per host, hosts in spec order
     hostfile_path: str  # relative to the first host's home directory, where mpiexec runs
+    # set in mpiexec's own environment (by the agent); argv names them only (-genvlist / -x NAME), so
+    # job.env values never appear on a command line that every user of the host can read in `ps`
+    env: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        """JSON form shown by `clusterctl plan --json`."""
+        """JSON form shown by `clusterctl plan --json` (environment names only, no values)."""
         return {"host": self.host.address, "argv": list(self.argv), "hostfile": self.hostfile,
-                "hostfile_path": self.hostfile_path}
+                "hostfile_path": self.hostfile_path, "env": sorted(self.env)}
 
 
 @dataclass(frozen=True)
@@ -387,16 +390,15 @@ def _mpi_launch(spec: ClusterSpec, hosts, trainer_slots, total: int, workdir: st
     used = [(h, n) for h, n, _ in trainer_slots if n]
     if job.mpi == "mpich":
         hostfile = "".join(f"{h.endpoint_address}:{n}\n" for h, n in used)
-        argv = [job.mpiexec, "-f", path, "-n", str(total), "-wdir", workdir, "-launcher", "ssh"]
-        for k, v in env.items():
-            argv += ["-genv", k, v]
+        argv = [job.mpiexec, "-f", path, "-n", str(total), "-wdir", workdir, "-launcher", "ssh",
+                "-genvlist", ",".join(env)]
     else:
         hostfile = "".join(f"{h.endpoint_address} slots={n}\n" for h, n in used)
         argv = [job.mpiexec, "--hostfile", path, "-n", str(total), "--wdir", workdir, "--mca", "plm_rsh_agent", "ssh"]
-        for k, v in env.items():
-            argv += ["-x", f"{k}={v}"]
+        for k in env:
+            argv += ["-x", k]
     argv += [*job.mpi_args, *job.entrypoint, *args]
-    return MpiLaunch(hosts[0], tuple(argv), hostfile, path)
+    return MpiLaunch(hosts[0], tuple(argv), hostfile, path, env)
 
 
 def render_args(args: tuple[str, ...], values: dict[str, str]) -> tuple[str, ...]:

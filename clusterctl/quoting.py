@@ -6,9 +6,17 @@ import re
 import shlex
 from collections.abc import Iterable, Mapping
 
-__all__ = ["quote", "join", "command"]
+__all__ = ["quote", "join", "command", "redact"]
+
+# scheme://user:password@host or scheme://token@host: everything between // and @ is a credential
+_URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]+@")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def redact(text: str) -> str:
+    """`text` with credentials in URLs (`https://user:secret@host`) replaced by `***`."""
+    return _URL_CREDENTIALS.sub(r"\1***@", str(text))
 
 
 def quote(value: str) -> str:

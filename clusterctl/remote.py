@@ -12,7 +12,9 @@ paramiko/Fabric connections (clusterctl.sshconn, imported on first use) for host
 from __future__ import annotations
 
 import base64
+import collections
 import hashlib
+import json
 import logging
 import os
 import random
@@ -123,6 +125,29 @@ class Result:
     def ok(self) -> bool:
         """True when the command exited 0."""
         return self.exit_code == 0
+
+    def reply(self) -> dict:
+        """The JSON object the host's tool printed last on stdout, found robustly: lines a shell's start-up
+        files print before it (even without a newline) are skipped. Raises RemoteError naming the host."""
+        for line in reversed(self.stdout.splitlines()):
+            line = line.strip()
+            start, tries = line.find("{"), 0
+            while start >= 0 and tries < 20:
+                tries += 1
+                try:
+                    obj = json.loads(line[start:])
+                except (ValueError, RecursionError):
+                    start = line.find("{", start + 1)
+                    continue
+                if isinstance(obj, dict):
+                    return obj
+                break
+            if start >= 0 or line.startswith("{"):
+                break  # the last JSON-looking line is not an object: do not guess further up
+        shown = "".join(c if c.isprintable() else "?" for c in self.stdout.strip()[-200:]) or "nothing"
+        raise RemoteError([HostFailure(self.host.label, self.command, None, self.stderr[-_TAIL:],
+                                       f"exit {self.exit_code} but no JSON reply on stdout (got {shown!r})")],
+                          what="reading a reply")
 
     def failure(self) -> HostFailure:
         """This outcome as a failure: when the host was never reached (255, no output), the reason alone."""
@@ -576,24 +601,45 @@ class Launch:
 
 
 class LineSplitter:
-    """Turns a byte stream into decoded lines for a callback; keeps everything for the Result."""
+    """Turns a byte stream into decoded lines for a callback. Without a callback it keeps everything for
+    the Result; with one, the lines belong to the callback and only the last KEEP_WITH_CALLBACK bytes are
+    kept (for the Result's tail and reply), so streaming a log of any size holds a bounded amount."""
+
+    KEEP_WITH_CALLBACK = 1 << 20
+    MAX_PARTIAL = 4 << 20  # a "line" longer than this is handed on in pieces
 
     def __init__(self, host: Host, stream: str, on_line: LineCallback | None):
         self.host, self.stream, self.on_line = host, stream, on_line
-        self.chunks: list[bytes] = []
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self._kept = 0
+        self.dropped = 0  # bytes streamed to the callback and not kept
         self._partial = b""
 
     def feed(self, data: bytes) -> None:
+        """Take the next chunk of the stream."""
         self.chunks.append(data)
+        self._kept += len(data)
         if self.on_line is None:
             return
+        while self._kept - len(self.chunks[0]) >= self.KEEP_WITH_CALLBACK:
+            old = self.chunks.popleft()
+            self._kept -= len(old)
+            self.dropped += len(old)
         data = self._partial + data
         *lines, self._partial = data.split(b"\n")
         for line in lines:
             self.on_line(self.host, self.stream, line.decode("utf-8", "replace"))
+        if len(self._partial) > self.MAX_PARTIAL:
+            self.on_line(self.host, self.stream, self._partial.decode("utf-8", "replace"))
+            self._partial = b""
 
     def close(self) -> str:
+        """Flush a last unterminated line; the kept output (all of it, or its tail with a callback)."""
         if self.on_line is not None and self._partial:
             self.on_line(self.host, self.stream, self._partial.decode("utf-8", "replace"))
         self._partial = b""
-        return b"".join(self.chunks).decode("utf-8", "replace")
+        data = b"".join(self.chunks)
+        self.chunks.clear()
+        if self.dropped:  # the tail starts mid-stream: from its first whole line
+            data = data[data.find(b"\n") + 1:]
+        return data.decode("utf-8", "replace")

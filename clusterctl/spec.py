@@ -8,6 +8,8 @@ from __future__ import annotations
 import difflib
 import re
 import shlex
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -15,6 +17,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .errors import SpecError, SpecProblem
+from .yamlpos import MAX_BYTES as MAX_SPEC_BYTES
 from .yamlpos import Located, YamlSyntaxError, load_located
 
 __all__ = [
@@ -519,11 +522,18 @@ def parse_hostfile(text: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------- loading
 
 
+MAX_HOSTFILE_BYTES = 1 << 20
+
+
 def load_spec(path: str | Path) -> ClusterSpec:
     """Read, parse and validate the spec at `path`; raise SpecError with every problem found."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
+        if len(raw) > MAX_SPEC_BYTES:
+            raise SpecError([SpecProblem(str(path), 1, 1, "", f"spec is larger than {MAX_SPEC_BYTES // 1024} KiB")])
+        text = raw.decode("utf-8")
     except OSError as exc:
         raise SpecError([SpecProblem(str(path), 1, 1, "", f"cannot read spec: {exc.strerror or exc}")]) from None
     except UnicodeDecodeError:
@@ -575,7 +585,14 @@ def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
 
 def _problem(loc: Located, source: str, path: tuple, message: str) -> SpecProblem:
     line, col = loc.position(path)
-    return SpecProblem(source, line, col, _dotted(path), message)
+    return SpecProblem(source, line, col, _printable(_dotted(path)), _printable(message))
+
+
+def _printable(text: str) -> str:
+    """`text` on one line: control characters (newlines, escapes, NUL) shown as Python escapes."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _dotted(path: tuple) -> str:
@@ -614,9 +631,19 @@ def _load_hostfile(loc: Located, source: str, data: dict) -> list[SpecProblem]:
     path = Path(hostfile).expanduser()
     path = path if path.is_absolute() else base / path
     try:
-        data["hosts"] = parse_hostfile(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
+        if len(raw) > MAX_HOSTFILE_BYTES:
+            return [_problem(loc, source, ("hostfile",), f"{path} is larger than {MAX_HOSTFILE_BYTES // 1024} KiB")]
+        text = raw.decode("utf-8")
+        bad = next((c for c in text if not c.isprintable() and c not in "\n\t\r"), None)
+        if bad is not None:
+            lineno = text[:text.index(bad)].count("\n") + 1
+            return [SpecProblem(str(path), lineno, 1, "hostfile", f"not a text hostfile (control character {bad!r})")]
+        data["hosts"] = parse_hostfile(text)
     except OSError as exc:
         return [_problem(loc, source, ("hostfile",), f"cannot read {path}: {exc.strerror or exc}")]
+    except UnicodeDecodeError:
+        return [_problem(loc, source, ("hostfile",), f"{path} is not UTF-8 text")]
     except ValueError as exc:
         lineno, msg = exc.args
         return [SpecProblem(str(path), lineno, 1, "hostfile", msg)]
@@ -641,9 +668,9 @@ _PYDANTIC_MESSAGES = {
 
 
 def _pydantic_problem(loc: Located, source: str, err: dict) -> SpecProblem:
-    path = tuple(p for p in err["loc"] if not _is_union_tag(p))
+    path = _spec_path(err["loc"])
     kind = err["type"]
-    if kind == "extra_forbidden":
+    if kind == "extra_forbidden" and path:
         parent = path[:-1]
         allowed = _allowed_keys(parent)
         return _problem(loc, source, path, f"unknown key{_did_you_mean(path[-1], allowed)}")
@@ -663,11 +690,66 @@ def _pydantic_problem(loc: Located, source: str, err: dict) -> SpecProblem:
     return _problem(loc, source, path, message)
 
 
-def _is_union_tag(part: Any) -> bool:
-    # pydantic adds the union member it tried ('int', 'PserversPerHost', "literal['gpu']", 'tuple[str, ...]')
-    return isinstance(part, str) and (
-        part in ("int", "str", "float") or part[:1].isupper() or "[" in part or part.startswith("literal")
-    )
+def _spec_path(err_loc: tuple) -> tuple:
+    """The spec path of a pydantic error location: its parts walked against the models' annotations.
+
+    pydantic puts the union member it tried ('int', 'PserversPerHost', "literal['gpu']", ...) into the
+    location after a field whose type is a union; those are dropped here because the walk knows where
+    a union is, not because of how the tag looks (a user's key `Name` or `int` is kept).
+    """
+    if err_loc[:1] == ("provision",):
+        from .provision.schema import ProvisionSpec
+
+        return ("provision",) + _walk_loc(ProvisionSpec, tuple(err_loc[1:]))
+    return _walk_loc(ClusterSpec, tuple(err_loc))
+
+
+def _unwrap(ann: Any) -> Any:
+    """`ann` without Annotated[...] and without the None of an Optional (pydantic adds no tag for it)."""
+    while True:
+        origin = typing.get_origin(ann)
+        if origin is Annotated:
+            ann = typing.get_args(ann)[0]
+            continue
+        if origin in (Union, types.UnionType):
+            members = [a for a in typing.get_args(ann) if a is not type(None)]
+            if len(members) == 1:
+                ann = members[0]
+                continue
+        return ann
+
+
+def _walk_loc(model: Any, parts: tuple) -> tuple:
+    path: list = []
+    ann: Any = model
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        ann = _unwrap(ann) if ann is not None else None
+        origin = typing.get_origin(ann)
+        if origin in (Union, types.UnionType):  # this part is the tag of the member tried
+            members = [a for a in typing.get_args(ann) if a is not type(None)]
+            ann = next((m for m in members if getattr(m, "__name__", None) == part), None)
+            i += 1
+            continue
+        path.append(part)
+        i += 1
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            f = ann.model_fields.get(part) if isinstance(part, str) else None
+            ann = f.annotation if f is not None else None
+        elif origin is dict:
+            ann = typing.get_args(ann)[1] if typing.get_args(ann) else None
+        elif origin in (tuple, list):
+            args = typing.get_args(ann)
+            if len(args) == 2 and args[1] is Ellipsis or origin is list:
+                ann = args[0] if args else None
+            elif isinstance(part, int) and 0 <= part < len(args):
+                ann = args[part]
+            else:
+                ann = None
+        else:
+            ann = None
+    return tuple(path)
 
 
 def _allowed_keys(parent: tuple) -> list[str]:

@@ -16,12 +16,21 @@ the server is known to be up, and the node layout for ``PMI_process_mapping`` is
 
 Every wait is bounded: registration and each PMI barrier fail after ``timeout`` seconds with a message
 naming the ranks that never arrived.
+
+Authentication (docs/security.md): a connection must begin with an authenticated ``clusterctl_hello``
+(an HMAC-SHA256 of the job token ``CLUSTERCTL_JOB_TOKEN`` over rank, size, host, pid and a nonce) or
+with MPICH's ``initack`` carrying the random ``pmiid`` the server gave that rank in its ready answer
+(the rank puts it in ``PMI_ID``); anything else first, and every later command on such a connection,
+is dropped. Each connection's unsent replies, the key-value store and the name service are bounded.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
+import secrets
 import selectors
 import socket
 import sys
@@ -45,6 +54,16 @@ READY = "clusterctl_ready"
 
 _KVSNAME_MAX, _KEYLEN_MAX, _VALLEN_MAX = 256, 64, 1024
 _MAXLINE = 4096                       # PMIU_MAXLINE in MPICH's client
+_MAX_WBUF = 1 << 20                   # unsent replies a connection may hold (a reader that never reads)
+_MAX_KEYS_BASE, _MAX_KEYS_PER_RANK = 1024, 256   # KVS entries: base + per rank; names: base
+#: The job's shared secret for its processes (set by the host agent; never in argv or logs).
+TOKEN_ENV = "CLUSTERCTL_JOB_TOKEN"
+
+
+def hello_mac(token: str, rank, size, host, pid, nonce) -> str:
+    """HMAC-SHA256 (hex) of a clusterctl_hello's fields, keyed by the job token."""
+    msg = "\0".join(("clusterctl-pmi-hello/1", str(rank), str(size), str(host), str(pid), str(nonce)))
+    return hmac.new(token.encode(), msg.encode(), hashlib.sha256).hexdigest()
 
 
 def _unescape(value: str) -> str:
@@ -128,12 +147,14 @@ class _Conn:
     finalized: bool = False
     closing: bool = False
     in_mcmd: bool = False
+    authed: bool = False          # a valid hello or initack came first
 
 
 class PMIServer:
     """PMI-1 server for one job of ``size`` ranks, served by a daemon thread on ``host:port``."""
 
-    def __init__(self, host: str, port: int, size: int, *, timeout: float, kvsname: str | None = None):
+    def __init__(self, host: str, port: int, size: int, *, timeout: float, kvsname: str | None = None,
+                 token: str | None = None):
         if size < 1:
             raise CollectiveError(f"PMI server: size={size} must be >= 1")
         self.host, self.port, self.size = host, int(port), int(size)
@@ -141,6 +162,10 @@ class PMIServer:
         self.kvsname = kvsname or f"clusterctl_{uuid.uuid4().hex[:12]}"
         self.kvs: dict[str, str] = {}
         self.names: dict[str, str] = {}
+        self.token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+        self.pmiids: dict[int, int] = {}                 # secret PMI_ID -> rank, given in the ready answer
+        self.rejected = 0                                # unauthenticated or over-limit connections dropped
+        self._log_window = [0.0, 0, 0]
         self.hosts: dict[int, tuple[str, int]] = {}      # rank -> (host, pid) from clusterctl_hello
         self.error: str | None = None                    # set when the job failed to assemble
         self._waiting_hello: list[_Conn] = []
@@ -267,10 +292,32 @@ class PMIServer:
         while b"\n" in conn.rbuf:
             raw, _, rest = conn.rbuf.partition(b"\n")
             conn.rbuf = bytearray(rest)
+            if len(raw) > _MAXLINE * 4:
+                self._reject(conn, f"sent a line of {len(raw)} bytes")
+                return
             self._line(conn, raw.decode(errors="replace"))
+            if conn.sock.fileno() < 0:
+                return
+            if len(conn.wbuf) > _MAX_WBUF:
+                self._reject(conn, f"{len(conn.wbuf)} bytes of replies unread")
+                return
         if len(conn.rbuf) > _MAXLINE * 4:
-            log.error("PMI connection %s sent %d bytes without a newline; closing", conn.peer, len(conn.rbuf))
-            self._drop(conn)
+            self._reject(conn, f"sent {len(conn.rbuf)} bytes without a newline")
+
+    def _reject(self, conn: _Conn, why: str) -> None:
+        """Drop a connection that broke the rules; count it; log at most 10 lines per 10 s."""
+        self.rejected += 1
+        w, now = self._log_window, time.monotonic()
+        if now - w[0] >= 10.0:
+            if w[2]:
+                log.warning("PMI: %d more rejected connection(s) not logged", w[2])
+            w[:] = [now, 0, 0]
+        if w[1] < 10:
+            w[1] += 1
+            log.warning("PMI connection %s (rank %s): %s; closing", conn.peer, conn.rank, why)
+        else:
+            w[2] += 1
+        self._drop(conn)
 
     def _send(self, conn: _Conn, cmd: str, **attrs) -> None:
         conn.wbuf += format_command(cmd, **attrs)
@@ -318,8 +365,10 @@ class PMIServer:
         try:
             cmd, a = parse_command(line)
         except CollectiveError as e:
-            log.error("PMI connection %s: %s", conn.peer, e)
-            self._drop(conn)
+            self._reject(conn, str(e))
+            return
+        if not conn.authed and cmd not in (HELLO, "initack"):
+            self._reject(conn, f"{cmd!r} before an authenticated hello or initack")
             return
         log.debug("PMI %s (rank %s): %s", conn.peer, conn.rank, line)
         handler = getattr(self, f"_cmd_{cmd}", None)
@@ -336,6 +385,15 @@ class PMIServer:
             return default
 
     def _cmd_clusterctl_hello(self, conn: _Conn, a: dict) -> None:
+        if conn.authed:
+            self._reject(conn, "a second hello")
+            return
+        if self.token is not None:
+            want = hello_mac(self.token, a.get("rank"), a.get("size"), a.get("host"), a.get("pid"), a.get("nonce"))
+            if not hmac.compare_digest(want.encode(), a.get("mac", "").encode("utf-8", "replace")):
+                self._reject(conn, "hello without a valid MAC of the job token")
+                return
+        conn.authed = True
         rank, size = self._int(a, "rank"), self._int(a, "size")
         problem = None
         if size != self.size:
@@ -362,17 +420,19 @@ class PMIServer:
                     order.append(self.hosts[r][0])
             self.mapping = process_mapping([order.index(self.hosts[r][0]) for r in range(self.size)])
             waiting, self._waiting_hello = self._waiting_hello, []
+            while len(self.pmiids) < self.size:  # a secret PMI_ID per rank: MPICH's initack must carry it
+                self.pmiids.setdefault(secrets.randbelow(2**31 - 2**24) + 2**24, len(self.pmiids))
+            by_rank = {r: i for i, r in self.pmiids.items()}
             for c in waiting:
                 c.closing = True
-                self._send(c, READY, rc=0, kvsname=self.kvsname, mapping=self.mapping)
+                self._send(c, READY, rc=0, kvsname=self.kvsname, mapping=self.mapping, pmiid=by_rank[c.rank])
 
     def _cmd_initack(self, conn: _Conn, a: dict) -> None:
-        rank = self._int(a, "pmiid")
-        if rank is None or not 0 <= rank < self.size:
-            log.error("PMI: initack with pmiid=%r out of range for %d ranks", a.get("pmiid"), self.size)
-            self._drop(conn)
+        rank = self.pmiids.get(self._int(a, "pmiid", -1))
+        if rank is None or conn.authed:
+            self._reject(conn, "initack without a PMI_ID this server gave out")
             return
-        conn.rank = rank
+        conn.rank, conn.authed = rank, True
         # The fullinit answer is four lines (MPICH's "v1-initack" wire form, as hydra's proxy sends it).
         conn.wbuf += b"".join([format_command("initack", rc=0), format_command("set", size=self.size),
                                format_command("set", rank=rank), format_command("set", debug=0)])
@@ -398,6 +458,12 @@ class PMIServer:
         key, value = a.get("key"), a.get("value", "")
         if key is None or a.get("kvsname", self.kvsname) != self.kvsname:
             self._send(conn, "put_result", rc=1, msg=f"bad put: kvsname={a.get('kvsname')} key={key}")
+            return
+        if len(key) > _KEYLEN_MAX or len(value) > _VALLEN_MAX:
+            self._send(conn, "put_result", rc=1, msg=f"key or value longer than {_KEYLEN_MAX}/{_VALLEN_MAX}")
+            return
+        if key not in self.kvs and len(self.kvs) >= _MAX_KEYS_BASE + _MAX_KEYS_PER_RANK * self.size:
+            self._send(conn, "put_result", rc=1, msg=f"the key-value store is full ({len(self.kvs)} keys)")
             return
         self.kvs[key] = value
         self._send(conn, "put_result", rc=0)
@@ -435,7 +501,12 @@ class PMIServer:
         print(f"clusterctl.collective: {msg}", file=sys.stderr, flush=True)
 
     def _cmd_publish_name(self, conn: _Conn, a: dict) -> None:
-        self.names[a.get("service", "")] = a.get("port", "")
+        service, port = a.get("service", ""), a.get("port", "")
+        if len(service) > _KEYLEN_MAX or len(port) > _VALLEN_MAX or (
+                service not in self.names and len(self.names) >= _MAX_KEYS_BASE):
+            self._send(conn, "publish_result", rc=1, msg="name service full or entry too long")
+            return
+        self.names[service] = port
         self._send(conn, "publish_result", rc=0)
 
     def _cmd_unpublish_name(self, conn: _Conn, a: dict) -> None:
@@ -497,7 +568,11 @@ def register(host: str, port: int, *, rank: int, size: int, timeout: float) -> d
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # The node name decides which ranks MPICH treats as local (shared memory); tests may fake nodes.
         node = os.environ.get(NODE_ENV, "").strip() or socket.gethostname()
-        sock.sendall(format_command(HELLO, rank=rank, size=size, host=node, pid=os.getpid()))
+        hello = {"rank": rank, "size": size, "host": node, "pid": os.getpid(), "nonce": secrets.token_hex(16)}
+        token = os.environ.get(TOKEN_ENV)
+        if token:
+            hello["mac"] = hello_mac(token, **hello)
+        sock.sendall(format_command(HELLO, **hello))
         # The server answers when every rank registered, or at its own deadline; allow for clock skew.
         sock.settimeout(timeout + 10)
         buf = b""

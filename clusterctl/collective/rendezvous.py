@@ -80,7 +80,7 @@ def prepare_environment(*, timeout: float) -> None:
     if rank == 0:
         _server = spawn_server(host, port, size, timeout=timeout)   # exits by itself (see spawn_server)
     info = register(host, port, rank=rank, size=size, timeout=timeout)
-    os.environ.update({"PMI_PORT": f"{host}:{port}", "PMI_ID": str(rank), "PMI_RANK": str(rank),
+    os.environ.update({"PMI_PORT": f"{host}:{port}", "PMI_ID": info.get("pmiid", str(rank)), "PMI_RANK": str(rank),
                        "PMI_SIZE": str(size)})
     _joined = info
     log.debug("rank %d/%d joins MPI through the PMI server at %s:%d (kvs %s, mapping %s)", rank, size, host,

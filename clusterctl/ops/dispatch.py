@@ -44,6 +44,14 @@ __all__ = ["LocalFile", "scan_workspace", "list_data_files", "dispatch", "verify
 
 _CACHE_ROOT = cache_root()
 _CACHE_DIR = _CACHE_ROOT / "hashes"
+
+
+def _private_dir(path: Path) -> None:
+    """Create `path` (and the cache root) 0700: the caches name every file of the user's workspace."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for p in (_CACHE_ROOT, path.parent, path):
+        if p == _CACHE_ROOT or _CACHE_ROOT in p.parents:
+            os.chmod(p, 0o700)
 _CHUNK = 1 << 20
 _BULK = 8 << 20  # per-host archive size from which data goes through the OpenSSH client
 _INLINE = 1 << 20  # per-host update size up to which file content travels inside the header
@@ -121,7 +129,7 @@ class _HashCache:
         if self.fresh == self.data:
             return  # nothing was hashed or removed: the file on disk says it all
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _private_dir(self.path.parent)
             _write_atomic(self.path, marshal.dumps(self.fresh, _MARSHAL_VERSION))
         except OSError:
             pass  # a cache that cannot be written only costs re-hashing next time
@@ -395,7 +403,7 @@ class _Records:
         """Record each host's new (generation, manifest); a failure to write only costs a round trip later."""
         written: dict[int, str] = {}
         try:
-            (self.dir / "manifests").mkdir(parents=True, exist_ok=True)
+            _private_dir(self.dir / "manifests")
             for host, (gen, manifest) in records.items():
                 ref = written.get(id(manifest))
                 if ref is None:
@@ -463,7 +471,7 @@ def _read_states(remote, hosts: list[Host], root: str) -> dict[Host, _HostView |
     state_cmd, payload = tool_command("hostws", ["state", root])  # installs the tool if missing, same round trip
     out: dict[Host, _HostView | Result] = {}
     for host, res in remote.run(state_cmd, hosts=hosts, stdin=payload, check=False, what="reading workspace state").items():
-        out[host] = _view_of(json.loads(res.stdout)) if res.ok else res
+        out[host] = _view_of(res.reply()) if res.ok else res
     return out
 
 
@@ -543,7 +551,7 @@ def _dispatch(session: Session, records: "_Records", apply: str, views: dict, as
             elif not res.ok:
                 failed[host] = res
             else:
-                reply = json.loads(res.stdout)
+                reply = res.reply()
                 if "stale" not in reply:
                     done[host] = (plans[host], reply["gen"])
                     succeeded[host] = res
@@ -617,5 +625,5 @@ def verify(session: Session) -> dict[Host, list[dict]]:
     """Each host's drift from its last dispatch: [{'path', 'problem'}]; an empty list means verified."""
     cmd, payload = tool_command("hostws", ["verify", session.plan.workdir])
     results = session.remote.run(cmd, stdin=payload, what="verifying workspaces")
-    return {host: json.loads(res.stdout)["drift"] for host, res in results.items()}
+    return {host: res.reply()["drift"] for host, res in results.items()}
 

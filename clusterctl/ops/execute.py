@@ -10,9 +10,25 @@ from ..remote import LineCallback, Remote, Result, UNREACHABLE
 __all__ = ["execute", "worst_exit_code"]
 
 
+#: After the remote deadline: SIGTERM to the command's process group, then SIGKILL this much later.
+KILL_AFTER_S = 5
+#: The controller's own deadline is the remote one plus this (the remote `timeout` fires first).
+LOCAL_MARGIN_S = 15
+
+
 def execute(remote: Remote, argv: Sequence[str], *, on_line: LineCallback | None = None, timeout: float | None = None):
-    """Run `argv` (quoted, never re-parsed) on every host in parallel; return each host's Result."""
-    return remote.run(join(argv), on_line=on_line, timeout=timeout, check=False)
+    """Run `argv` (quoted, never re-parsed) on every host in parallel; return each host's Result.
+
+    With `timeout`, the deadline is enforced on the host too: coreutils `timeout` runs the command in its
+    own process group and ends the whole group (SIGTERM, SIGKILL 5 s later; exit 124), so nothing is
+    left running there when the controller gives up; hosts without `timeout` run the command as before.
+    """
+    command = join(argv)
+    if timeout is None:
+        return remote.run(command, on_line=on_line, check=False)
+    limited = join(["timeout", "-k", str(KILL_AFTER_S), f"{timeout:g}", "sh", "-c", command])
+    wrapper = f"if command -v timeout >/dev/null 2>&1; then exec {limited}; else exec sh -c {join([command])}; fi"
+    return remote.run(wrapper, on_line=on_line, timeout=timeout + KILL_AFTER_S + LOCAL_MARGIN_S, check=False)
 
 
 def worst_exit_code(results: dict[object, Result]) -> int:

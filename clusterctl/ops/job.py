@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import HostFailure, JobError, RemoteError
+from ..errors import ClusterctlError, HostFailure, JobError, RemoteError
 from ..plan import Host, JobPlan, factor_env
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote
@@ -90,7 +90,7 @@ def _mpi_job_file(plan: JobPlan, home: str) -> dict:
     """`launcher: mpi`: the first host supervises one process, mpiexec, run from the home directory."""
     mpi = plan.mpi
     first = plan.trainers[0]
-    env = {k: first.env[k] for k in ("CLUSTERCTL_JOB", "CLUSTERCTL_ROLE", "TRAINING_ROLE", "PADDLE_TRAINERS_NUM")}
+    env = dict(mpi.env)  # mpiexec passes these to every rank by name (-genvlist / -x NAME)
     return {
         "job": plan.job,
         "host": mpi.host.address,
@@ -164,9 +164,19 @@ def overall_state(host_states: list[str]) -> str:
     return sorted(states)[0]
 
 
+_HOME_MARK = "clusterctl-home:"
+
+
 def _homes(remote: Remote) -> dict[Host, str]:
-    results = remote.run('printf %s "$HOME"', what="finding home directories")
-    return {h: r.stdout.strip() for h, r in results.items()}
+    # a framed line: what a shell's start-up files print before it (even without a newline) is skipped
+    results = remote.run(f'printf "\\n{_HOME_MARK}%s\\n" "$HOME"', what="finding home directories")
+    homes = {}
+    for h, r in results.items():
+        found = [ln[len(_HOME_MARK):] for ln in r.stdout.splitlines() if ln.startswith(_HOME_MARK)]
+        if not found or not found[-1].startswith("/"):
+            raise JobError(f"{h.label}: cannot read the home directory (got {r.stdout.strip()[-200:]!r})")
+        homes[h] = found[-1]
+    return homes
 
 
 def _jobdir(plan: JobPlan) -> str:
@@ -180,8 +190,8 @@ def _agent_cmd(tool: str, *args: str) -> str:
 
 def _parse(res) -> dict:
     try:
-        return json.loads(res.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
+        return res.reply()  # the agent's JSON line, whatever a shell's start-up printed before it
+    except ClusterctlError:
         return {"ok": False, "error": (res.stderr or res.stdout).strip()[-500:] or f"exit {res.exit_code}"}
 
 

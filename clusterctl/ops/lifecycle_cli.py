@@ -11,7 +11,7 @@ import time
 from rich.markup import escape
 from rich.table import Table
 
-from ..console import err, out, write_line
+from ..console import err, out, printable, write_line
 
 __all__ = ["add_cli"]
 
@@ -70,9 +70,9 @@ def render_status(st) -> None:
         )
     out.print(table)
     if st.reason:
-        out.print(f"reason: {escape(st.reason)}")
+        out.print(f"reason: {escape(printable(st.reason))}")  # host-supplied text: control characters escaped
     for host, why in st.unreachable.items():
-        out.print(f"[red]{escape(host)}: {escape(why)}[/]")
+        out.print(f"[red]{escape(host)}: {escape(printable(why))}[/]")
 
 
 def _raw_line(host, stream, line) -> None:

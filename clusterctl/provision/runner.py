@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from ..errors import ProvisionError
 from ..plan import Host
-from ..quoting import join
+from ..quoting import join, redact
 from ..remote import UNREACHABLE, Result
 from . import aptoffline, mesh, wheelhouse
 from .probe import probe_hosts
@@ -86,8 +87,9 @@ class _Logs:
     """Per-host log files, appended to; every line is `[step] text`."""
 
     def __init__(self, folder: Path, hosts, header: str):
-        folder.mkdir(parents=True, exist_ok=True)
-        self._files = {h: open(folder / f"{h.label}.log", "a", encoding="utf-8") for h in hosts}
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._files = {h: open(folder / f"{h.label}.log", "a", encoding="utf-8",
+                               opener=lambda p, f: os.open(p, f, 0o600)) for h in hosts}
         self._lock = threading.Lock()
         for fh in self._files.values():
             fh.write(header + "\n")
@@ -95,7 +97,7 @@ class _Logs:
     def write(self, host: Host, step: str, text: str) -> None:
         with self._lock:
             fh = self._files[host]
-            fh.write(f"[{step}] {text}\n")
+            fh.write(f"[{step}] {redact(text)}\n")
             fh.flush()
 
     def close(self) -> None:

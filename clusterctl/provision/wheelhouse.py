@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ProvisionError
-from ..quoting import join
+from ..quoting import join, redact
 from .steps import HostFacts
 
 __all__ = ["platform_args", "download", "missing_wheels", "tar_stream", "upload_command"]
@@ -60,7 +60,7 @@ def download(
     stamp = folder / _STAMP
     if stamp.is_file() and not force:
         return folder
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     argv = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input",
             "--only-binary=:all:", "--dest", str(folder), *plat]
     if index_url:
@@ -68,16 +68,16 @@ def download(
     for link in find_links:
         argv += ["--find-links", str(link)]
     argv += reqs
-    log(f"$ {join(argv)}")
+    log(f"$ {redact(join(argv))}")  # an index URL may carry credentials: never logged
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT, check=False)
     except subprocess.TimeoutExpired:
         raise ProvisionError(f"pip download timed out after {DOWNLOAD_TIMEOUT}s") from None
     for line in (proc.stdout + proc.stderr).splitlines():
-        log(line)
+        log(redact(line))
     if proc.returncode != 0:
         tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["no output"]
-        raise ProvisionError(f"pip download for Python {facts.python} {facts.machine} failed: {tail[0]}")
+        raise ProvisionError(f"pip download for Python {facts.python} {facts.machine} failed: {redact(tail[0])}")
     stamp.write_text(json.dumps(sorted(p.name for p in folder.glob("*.whl"))) + "\n")
     return folder
 

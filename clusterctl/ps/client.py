@@ -24,7 +24,8 @@ from . import protocol
 from .endpoints import zmq_address
 from .errors import BarrierTimeoutError, CheckpointError, PsConfigError, PsTimeoutError, RemoteOpError
 from .optim import SGD, OptimizerConfig
-from .protocol import Message, decode, encode
+from .errors import AuthError
+from .protocol import MAX_FRAME_BYTES, TOKEN_ENV, Message, decode, encode, job_key
 from .server import MODES
 from .sharding import DEFAULT_MIN_BLOCK_SIZE, Block, ShardPlan, plan_shards
 
@@ -85,6 +86,7 @@ class PSClient:
         timeout: float = 360.0,
         job: str = "",
         context: zmq.Context | None = None,
+        token: str | None = None,
     ):
         if mode not in MODES:
             raise PsConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -105,6 +107,8 @@ class PSClient:
         self.min_block_size = min_block_size
         self.timeout = float(timeout)
         self.job = job
+        # requests carry a MAC of the job token (None: CLUSTERCTL_JOB_TOKEN; ""/unset: none); replies must too
+        self._key = job_key(os.environ.get(TOKEN_ENV) if token is None else token)
         self.plan: ShardPlan | None = None
         self.start_step = 0
         self.step = 0
@@ -118,6 +122,7 @@ class PSClient:
         for ep in self.endpoints:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)  # every request waits for its reply; nothing to flush
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             s.connect(zmq_address(ep))
             self._socks.append(s)
 
@@ -142,7 +147,12 @@ class PSClient:
         a late reply to an earlier request is dropped."""
         for sock, _ in poller.poll(int(left * 1000) + 1):
             i = self._socks.index(sock)
-            msg = decode(sock.recv_multipart(copy=False), request=False)
+            frames = sock.recv_multipart(copy=False)
+            try:
+                msg = decode(frames, request=False, key=self._key)
+            except AuthError:
+                log.warning("dropping a reply without a valid MAC of the job token from %s", self.endpoints[i])
+                continue
             if msg.seq != seq:
                 log.warning("dropping a stale reply (seq %d, want %d) from %s", msg.seq, seq, self.endpoints[i])
                 continue
@@ -155,7 +165,7 @@ class PSClient:
         seq = self._seq
         for i, (fields, tensors) in per_server.items():
             head = {"op": op, "seq": seq, "tid": self.trainer_id, **fields}
-            self._socks[i].send_multipart(encode(head, tensors), copy=False)
+            self._socks[i].send_multipart(encode(head, tensors, key=self._key), copy=False)
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
         replies: dict[int, Message] = {}
@@ -325,7 +335,7 @@ class PSClient:
             for i, msgs in todo.items():  # keep up to WINDOW requests in flight to each pserver
                 while sent[i] < len(msgs) and sent[i] - got[i] < WINDOW:
                     head, tensors = msgs[sent[i]]
-                    self._socks[i].send_multipart(encode(head, tensors, chunk_bytes=chunk), copy=False)
+                    self._socks[i].send_multipart(encode(head, tensors, chunk_bytes=chunk, key=self._key), copy=False)
                     sent[i] += 1
             left = deadline - time.monotonic()
             if left <= 0:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from clusterctl.errors import ClusterctlError
 
 __all__ = [
+    "AuthError",
     "BarrierTimeoutError",
     "CheckpointError",
     "ProtocolError",
@@ -29,6 +30,10 @@ class PsConfigError(PsError):
 
 class ProtocolError(PsError):
     """A message does not follow the wire protocol (malformed header, unknown op, bad frame sizes)."""
+
+
+class AuthError(ProtocolError):
+    """A message without a valid MAC of the job token (an unauthenticated sender)."""
 
 
 class RemoteOpError(PsError):

@@ -11,6 +11,13 @@ Each buffer frame is the tensor's raw little-endian bytes, sent with ``copy=Fals
 ``zmq.Frame`` that NumPy views without copying. Replies use the same layout with ``"ok": true`` or
 ``"ok": false, "code": ..., "error": ...``.
 
+Authentication: when the job has a token (``CLUSTERCTL_JOB_TOKEN``, set by the host agent), the header
+frame is ``MAC + JSON`` where MAC is 64 hex characters of HMAC-SHA256 keyed by :func:`job_key` over
+``b"req\0"`` (requests) or ``b"rep\0"`` (replies) followed by the JSON bytes. The JSON carries the tensor
+table (names, dtypes, sizes), so the frames that follow are bound to it. The MAC is checked before the
+JSON is parsed; a pserver answers a request without a valid MAC with ``"code": "unauthenticated"`` and
+does nothing else (docs/security.md).
+
 Pipelined push_pull (async mode) uses the same layout: each request carries a piece of at most one
 chunk of each listed block, with ``"part": i`` and ``"off": [element offset of each tensor in its
 block, ...]``; the reply echoes both and carries the updated pieces (see docs/ps.md, "Protocol").
@@ -18,6 +25,8 @@ block, ...]``; the reply echoes both and carries the updated pieces (see docs/ps
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -28,11 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ProtocolError
+from .errors import AuthError, ProtocolError
 
 __all__ = [
     "DTYPES",
     "MAX_HEADER_BYTES",
+    "MAX_FRAME_BYTES",
+    "TOKEN_ENV",
+    "job_key",
+    "sign",
     "OPS",
     "PROTOCOL_VERSION",
     "Message",
@@ -52,6 +65,31 @@ MAX_HEADER_BYTES = 64 * 1024
 #: them (no fresh mmap + page faults per message), large enough that per-frame costs stay negligible.
 #: Override with CLUSTERCTL_PS_CHUNK_BYTES (a positive multiple of 8) in every process of the job.
 CHUNK_BYTES = int(os.environ.get("CLUSTERCTL_PS_CHUNK_BYTES") or 4 << 20)
+MAC_LEN = 64  # hex characters of HMAC-SHA256 in front of an authenticated header
+#: Largest single frame a pserver or client accepts (ZMQ_MAXMSGSIZE): one chunk, or a header.
+MAX_FRAME_BYTES = max(CHUNK_BYTES, MAX_HEADER_BYTES + MAC_LEN)
+#: The job's secret for the processes of a job; the host agent sets it (never in argv or logs).
+TOKEN_ENV = "CLUSTERCTL_JOB_TOKEN"
+_HEX = frozenset(b"0123456789abcdef")
+
+
+def job_key(token: str | None) -> bytes | None:
+    """The pserver MAC key derived from the job token (None: no authentication)."""
+    if not token:
+        return None
+    return hmac.new(token.encode(), b"clusterctl-ps/1", hashlib.sha256).digest()
+
+
+def sign(frames: list[Any], key: bytes | None, *, request: bool) -> list[Any]:
+    """``frames`` with the MAC put in front of the header frame (unchanged when ``key`` is None)."""
+    if key is None or not frames:
+        return frames
+    head = bytes(_buffer(frames[0]))
+    return [_mac(key, b"req" if request else b"rep", head) + head, *frames[1:]]
+
+
+def _mac(key: bytes, kind: bytes, data: bytes) -> bytes:
+    return hmac.digest(key, kind + b"\0" + data, "sha256").hex().encode()  # one-shot: the fast C path
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("clusterctl.ps assumes a little-endian host")
@@ -99,8 +137,8 @@ class Message:
 
 
 def encode(header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = None,
-           *, chunk_bytes: int | None = None) -> list[Any]:
-    """Frames for ``header`` plus ``tensors``: each tensor as zero-copy views of at most ``chunk_bytes``."""
+           *, chunk_bytes: int | None = None, key: bytes | None = None, request: bool = True) -> list[Any]:
+    """Frames for ``header`` plus ``tensors`` (zero-copy views of at most ``chunk_bytes``), MACed with ``key``."""
     if chunk_bytes is None:
         chunk_bytes = CHUNK_BYTES
     if chunk_bytes <= 0 or chunk_bytes % 8:
@@ -109,11 +147,11 @@ def encode(header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None =
     head.setdefault("v", PROTOCOL_VERSION)
     frames: list[Any] = []
     table = []
-    for key, arr in (tensors or {}).items():
+    for name, arr in (tensors or {}).items():
         a = np.ascontiguousarray(arr).reshape(-1)
         if a.dtype.name not in DTYPES:
-            raise ProtocolError(f"tensor {key!r} has unsupported dtype {a.dtype.name}")
-        table.append([key, a.dtype.name, int(a.size)])
+            raise ProtocolError(f"tensor {name!r} has unsupported dtype {a.dtype.name}")
+        table.append([name, a.dtype.name, int(a.size)])
         if a.nbytes <= chunk_bytes:
             frames.append(a)
         else:
@@ -121,7 +159,10 @@ def encode(header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None =
             frames.extend(raw[i:i + chunk_bytes] for i in range(0, a.nbytes, chunk_bytes))
     head["t"] = table
     head["c"] = chunk_bytes
-    return [json.dumps(head, separators=(",", ":")).encode(), *frames]
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    if key is not None:
+        raw = _mac(key, b"req" if request else b"rep", raw) + raw
+    return [raw, *frames]
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -130,17 +171,32 @@ def _buffer(frame: Any) -> memoryview:
     return buf if buf is not None else memoryview(frame)
 
 
-def decode(frames: Sequence[Any], *, request: bool = True) -> Message:
-    """Parse and validate ``[header, buffers...]``; raise ProtocolError on anything malformed."""
+def decode(frames: Sequence[Any], *, request: bool = True, key: bytes | None = None) -> Message:
+    """Check the MAC (with ``key``), then parse and validate ``[header, buffers...]``.
+
+    Raises AuthError when ``key`` is set and the header frame does not carry its valid MAC, and
+    ProtocolError on anything malformed.
+    """
     if not frames:
         raise ProtocolError("empty message")
     raw = _buffer(frames[0])
-    if raw.nbytes > MAX_HEADER_BYTES:
+    if raw.nbytes > MAX_HEADER_BYTES + (MAC_LEN if key is not None else 0):
         raise ProtocolError(f"header frame is {raw.nbytes} bytes (limit {MAX_HEADER_BYTES})")
+    data = raw.tobytes()
+    if key is not None:
+        want = _mac(key, b"req" if request else b"rep", data[MAC_LEN:])
+        if len(data) < MAC_LEN or not hmac.compare_digest(want, data[:MAC_LEN]):
+            raise AuthError("the message does not carry a valid MAC of the job token")
+        data = data[MAC_LEN:]
+    elif len(data) > MAC_LEN and data[MAC_LEN:MAC_LEN + 1] == b"{" and set(data[:MAC_LEN]) <= _HEX:
+        raise ProtocolError("the message is signed with a job token but this end has none "
+                            f"(set {TOKEN_ENV} in every process of the job, or in none)")
     try:
-        header = json.loads(raw.tobytes().decode("utf-8"))
+        header = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"header is not UTF-8 JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("header JSON is nested too deeply") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
     if header.get("v") != PROTOCOL_VERSION:
@@ -187,10 +243,11 @@ def decode(frames: Sequence[Any], *, request: bool = True) -> Message:
     return Message(header, tensors)
 
 
-def error_frames(seq: int, code: str, message: str) -> list[bytes]:
-    """Frames of an error reply."""
+def error_frames(seq: int, code: str, message: str, *, key: bytes | None = None) -> list[bytes]:
+    """Frames of an error reply (MACed with ``key``)."""
     head = {"v": PROTOCOL_VERSION, "ok": False, "seq": seq, "code": code, "error": message[:2000], "t": []}
-    return [json.dumps(head, separators=(",", ":")).encode()]
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    return [raw if key is None else _mac(key, b"rep", raw) + raw]
 
 
 def finite_float(value: Any, name: str) -> float:

@@ -15,6 +15,7 @@ overlaps with the update and the reply of earlier ones.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -27,9 +28,10 @@ import zmq
 
 from . import checkpoint as ckpt
 from .endpoints import split_endpoint, zmq_address
-from .errors import BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError
+from .errors import AuthError, BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError
 from .optim import OptimizerConfig, apply_piece, apply_update, begin_update, init_state
-from .protocol import PROTOCOL_VERSION, Message, Tensor, decode, encode, error_frames
+from .protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, TOKEN_ENV, Message, Tensor, decode, encode, error_frames,
+                       job_key, sign)
 
 __all__ = ["MODES", "ParameterServer"]
 
@@ -122,6 +124,8 @@ class ParameterServer:
         checkpoint_dir: str | None = None,
         job: str = "",
         context: zmq.Context | None = None,
+        token: str | None = None,
+        checkpoint_root: str | None = None,
     ):
         if mode not in MODES:
             raise PsConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -142,6 +146,12 @@ class ParameterServer:
         self.k_steps = k_steps
         self.barrier_timeout = float(barrier_timeout)
         self.job = job
+        # token None: the job's CLUSTERCTL_JOB_TOKEN (set by the host agent); "" or unset: no authentication
+        self._key = job_key(os.environ.get(TOKEN_ENV) if token is None else token)
+        # save/load requests may only name this directory or one inside it (default: checkpoint_dir)
+        root = checkpoint_root or checkpoint_dir
+        self.checkpoint_root = os.path.realpath(root) if root else None
+        self._log_window = [0.0, 0, 0]  # rejected-request log lines: window start, lines, suppressed
         self.step = 0  # sync: rounds applied; async/geo: highest trainer step seen + 1
         self.loaded_step = 0  # step of the checkpoint this server started from (0: fresh)
         self.blocks: dict[str, np.ndarray] = {}
@@ -180,6 +190,7 @@ class ParameterServer:
             return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 5000)  # let the final replies flush on close
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a bigger frame drops the sender's connection
         if self.address.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -193,6 +204,8 @@ class ParameterServer:
         self.endpoint = f"{host}:{bound.rsplit(':', 1)[1]}"  # the real port when the plan said 0
         log.info("pserver %d of %d listening on %s (mode=%s, trainers=%d)",
                  self.server_id, self.num_servers, bound, self.mode, self.num_trainers)
+        if self._key is None:
+            log.warning("pserver %d: no job token (%s): requests are NOT authenticated", self.server_id, TOKEN_ENV)
         return bound
 
     def stop(self) -> None:
@@ -373,11 +386,14 @@ class ParameterServer:
             if deferred is not None:
                 self._push_part(envelope, deferred, replay=True)
                 return
-            msg = decode(body or [])
+            msg = decode(body or [], key=self._key)  # the MAC is checked before the header is parsed
             seq = msg.seq
             self.stats["bytes_in"] += sum(t.nbytes for t in msg.tensors.values())
             handler = getattr(self, f"_op_{msg.op}")
             handler(envelope, msg)
+        except AuthError as exc:
+            self.stats["unauthenticated"] = self.stats.get("unauthenticated", 0) + 1
+            self._reject(envelope, seq, "unauthenticated", str(exc), ident)
         except ProtocolError as exc:
             self._reject(envelope, seq, "bad_request", str(exc), ident)
         except _RejectError as exc:
@@ -395,15 +411,29 @@ class ParameterServer:
             peer = ident.get("Peer-Address")
         except (zmq.ZMQError, AttributeError):
             pass
-        log.warning("pserver %d rejected a request from %s (%s): %s", self.server_id, peer, code, message)
+        self._log_rejected("pserver %d rejected a request from %s (%s): %s", self.server_id, peer, code, message)
         frames = error_frames(seq, code, message)
         if extra:
             frames = encode({"ok": False, "seq": seq, "code": code, "error": message, **extra})
         self._send(envelope, frames)
 
+    def _log_rejected(self, fmt: str, *args: Any) -> None:
+        """Log a rejected request: at most 10 lines per 10 s, then one line counting the rest."""
+        w = self._log_window
+        now = time.monotonic()
+        if now - w[0] >= 10.0:
+            if w[2]:
+                log.warning("pserver %d: %d more rejected request(s) not logged", self.server_id, w[2])
+            w[:] = [now, 0, 0]
+        if w[1] < 10:
+            w[1] += 1
+            log.warning(fmt, *args)
+        else:
+            w[2] += 1
+
     def _send(self, envelope: list[Any], frames: list[Any]) -> None:
-        if self._sock is not None:
-            self._sock.send_multipart(envelope + frames, copy=False)
+        if self._sock is not None:  # every reply leaves through here or _send_tracked: both sign it
+            self._sock.send_multipart(envelope + sign(frames, self._key, request=False), copy=False)
 
     def _reply(self, envelope: list[Any], msg: Message, fields: dict[str, Any], pull: Sequence[str] = ()) -> None:
         tensors = {k: self.blocks[k] for k in pull}
@@ -420,7 +450,7 @@ class ParameterServer:
         self.stats["bytes_out"] += sum(_nbytes(f) for f in frames[1:])
         # Zero-copy send of live buffers; remember them until ZeroMQ releases them, so _spare()
         # never recycles a buffer that is still being written to a socket.
-        for part in envelope + frames[:1]:
+        for part in envelope + sign(frames[:1], self._key, request=False):
             self._sock.send(part, zmq.SNDMORE, copy=False)
         body = frames[1:]
         trackers = [self._sock.send(f, zmq.SNDMORE if i < len(body) - 1 else 0, copy=False, track=True)
@@ -742,10 +772,21 @@ class ParameterServer:
         self._note_step(msg)
         self._reply(envelope, msg, {"step": self.step}, pull)
 
+    def _confined(self, op: str, root: Any) -> str:
+        """The real path of a save/load directory, refused unless inside the configured checkpoint root."""
+        if not isinstance(root, str) or not root or "\0" in root:
+            raise ProtocolError(f"{op} needs a non-empty 'dir'")
+        if self.checkpoint_root is None:
+            raise _RejectError("checkpoint_refused", f"pserver {self.server_id} has no checkpoint directory "
+                               "configured (CLUSTERCTL_PS_CHECKPOINT); save/load refused")
+        real = os.path.realpath(os.path.join(self.checkpoint_root, root))
+        if os.path.commonpath([real, self.checkpoint_root]) != self.checkpoint_root:
+            raise _RejectError("checkpoint_refused", f"{op}: {root!r} is outside the checkpoint directory "
+                               f"{self.checkpoint_root} of pserver {self.server_id}")
+        return real
+
     def _op_save(self, envelope: list[Any], msg: Message) -> None:
-        root = msg.header.get("dir")
-        if not isinstance(root, str) or not root:
-            raise ProtocolError("save needs a non-empty 'dir'")
+        root = self._confined("save", msg.header.get("dir"))
         step = msg.header.get("step", self.step)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ProtocolError(f"save step must be a non-negative integer, got {step!r}")
@@ -757,9 +798,7 @@ class ParameterServer:
         self._reply(envelope, msg, {"step": step, "path": str(path)})
 
     def _op_load(self, envelope: list[Any], msg: Message) -> None:
-        root = msg.header.get("dir")
-        if not isinstance(root, str) or not root:
-            raise ProtocolError("load needs a non-empty 'dir'")
+        root = self._confined("load", msg.header.get("dir"))
         if self._round:
             raise _RejectError("busy", "cannot load while a sync round is open")
         self._load(root)

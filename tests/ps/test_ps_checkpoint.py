@@ -51,7 +51,7 @@ def _job(eps, steps, *, save_at=None, root=None, load_root=None):
 
 def test_restart_from_checkpoint_continues_exactly(servers, tmp_path):
     root = tmp_path / "ckpt"
-    g = servers(2, num_trainers=T, mode="sync", barrier_timeout=20)
+    g = servers(2, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_root=str(tmp_path))
     straight = _job(g.endpoints, 8, save_at=4, root=str(root))
     assert g.join(5) and not g.errors
     commit = ckpt.read_commit(root)
@@ -73,9 +73,10 @@ def test_restart_from_checkpoint_continues_exactly(servers, tmp_path):
 
 def test_load_on_request_from_a_trainer(servers, tmp_path):
     root = tmp_path / "ckpt"
-    g = servers(1, num_trainers=T, mode="sync", barrier_timeout=20)
+    g = servers(1, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_root=str(tmp_path))
     straight = _job(g.endpoints, 5, save_at=2, root=str(root))
-    g2 = servers(1, num_trainers=T, mode="sync", barrier_timeout=20)  # fresh, no checkpoint_dir
+    # fresh (nothing to resume from), but save/load allowed under tmp_path
+    g2 = servers(1, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_root=str(tmp_path))
     # trainer 0 asks the running pservers to load; trainers that init afterwards resume at its step
     with PSClient(g2.endpoints, trainer_id=0, num_trainers=T, mode="sync", optimizer=Adam(0.01), timeout=5) as c:
         c.init(_init())
@@ -123,7 +124,7 @@ def test_wrong_server_count_is_refused(tmp_path):
 
 
 def test_missing_shard_reported_through_the_client(servers, tmp_path):
-    g = servers(1, num_trainers=1, mode="sync")
+    g = servers(1, num_trainers=1, mode="sync", checkpoint_root=str(tmp_path))
     with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=5) as c:
         c.init({"w": np.zeros(3, np.float32)})
         with pytest.raises(RemoteOpError) as err:
