@@ -112,6 +112,8 @@ class JobPlan:
     on_failure: str
     grace: float
     mpi: MpiLaunch | None = None
+    restarts: int = 0
+    restart_backoff: float = 1.0
 
     @property
     def trainers(self) -> tuple[Process, ...]:
@@ -254,6 +256,8 @@ def make_plan(spec: ClusterSpec, *, data_files: list[str] | None = None) -> JobP
         on_failure=job.on_failure,
         grace=job.grace,
         mpi=mpi,
+        restarts=job.restarts,
+        restart_backoff=job.restart_backoff,
     )
 
 
