@@ -1081,10 +1081,10 @@ class Supervisor:
             if waiting and now < self.stop_done_at + self.grace + PEER_DONE_LINGER:
                 return
             delay = restart_delay(self.restart_backoff, self.attempt + 1)
-            self.restart_at = now + delay
+            self.restart_at = time.monotonic() + delay  # not `now`: the stop that just ended took time
             self.dirty = True
             log("restart %d of %d in %.1fs" % (self.attempt + 1, self.restarts, delay))
-        if now >= self.restart_at:
+        if time.monotonic() >= self.restart_at:
             self._next_attempt(self.attempt + 1)
 
     def _next_attempt(self, attempt):

@@ -45,7 +45,7 @@ def test_mlp_collective_resumes_where_it_was_saved_and_ends_like_an_uninterrupte
     assert "resumed" not in run(60, 0, ckpt)  # the first attempt saves at 20, 40, 60 and never loads
     resumed = run(100, 1, ckpt)
     assert sorted(re.findall(r"resumed step=(\d+) attempt=1 trainer=(\d)", resumed)) == [("60", "0"), ("60", "1")]
-    assert not re.search(r"^step=(0|20|40) ", resumed, re.M)  # those steps are not trained again
+    assert not re.search(r"^step=(0|20|40) ", resumed, re.MULTILINE)  # those steps are not trained again
     checksums = set(re.findall(r"checksum=([\d.]+)", straight)) | set(re.findall(r"checksum=([\d.]+)", resumed))
     assert len(checksums) == 1, (straight, resumed)
     assert "resumed" not in run(100, 0, ckpt)  # a new job (attempt 0) ignores an old checkpoint

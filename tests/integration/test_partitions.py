@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from clusterlib import clusterctl, docker, node_exec, status_json, tagged_pids
+from clusterlib import clusterctl, docker, node_exec, tagged_pids
 from test_lifecycle import assert_no_orphans, job_ports, job_spec, wait_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -7,13 +7,12 @@ import random
 import sys
 
 import pytest
-
 from clusterlib import ROOT
 
 pytestmark = pytest.mark.integration
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import soak  # noqa: E402
+import soak
 
 
 @pytest.mark.timeout(150)

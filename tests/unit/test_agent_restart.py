@@ -9,10 +9,32 @@ import subprocess
 import time
 
 import pytest
-
-from test_agent import (  # noqa: F401  (cluster is a fixture)
-    AGENT, PY, agent, cluster, coordinator, free_port, launch, proc, status, tagged, terminal, wait_for,
+from test_agent import (
+    AGENT,
+    PY,
+    Cluster,
+    agent,
+    coordinator,
+    free_port,
+    launch,
+    proc,
+    status,
+    tagged,
+    terminal,
+    wait_for,
 )
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.cleanup()
+
+
+def state_when(jobdir, pred):
+    st = status(jobdir)
+    return st if pred(st) else None
 
 
 def attempt_rows(st):
@@ -106,7 +128,7 @@ def test_a_stop_while_a_restart_is_pending_is_final(cluster):
                       coordinator(port, False, 2, 1), restarts=5, restart_backoff=30)
     launch(hA)
     launch(hB)
-    st = wait_for(lambda: (lambda s: s if s["state"] == "restarting" and s["restart_at"] else None)(status(hA)), 10)
+    st = wait_for(lambda: state_when(hA, lambda s: s["state"] == "restarting" and s["restart_at"]), 10)
     assert st and st["attempt"] == 0 and st["restart_at"] > time.time() + 20, status(hA)
     assert wait_for(lambda: status(hB)["state"] == "restarting", 5), status(hB)
     t0 = time.monotonic()
@@ -148,7 +170,7 @@ def test_a_peer_cut_off_from_the_coordinator_stops_then_rejoins_the_restart(clus
     os.kill(resA["supervisor_pid"], signal.SIGSTOP)
     t0 = time.time()
     try:
-        stB = wait_for(lambda: (lambda s: s if s["attempts"][0]["ended_at"] else None)(status(hB)), 8)
+        stB = wait_for(lambda: state_when(hB, lambda s: s["attempts"][0]["ended_at"]), 8)
     finally:
         os.kill(resA["supervisor_pid"], signal.SIGCONT)
     assert stB, status(hB)
