@@ -182,3 +182,17 @@ def test_a_peer_cut_off_from_the_coordinator_stops_then_rejoins_the_restart(clus
     for f in finals:
         assert (f["state"], f["attempt"]) == ("succeeded", 1), f
     assert tagged(job_id) == []
+
+
+@pytest.mark.timeout(30)
+def test_logs_follow_picks_up_each_attempts_file_and_ends_with_the_job(cluster):
+    job_id = cluster.new_job_id()
+    d = cluster.host("hA", job_id, [cluster.process("trainer", 0, "attempts", 1, 4, 0.5)],
+                     restarts=2, restart_backoff=0.2)
+    launch(d)
+    follow = subprocess.run([PY, AGENT, "logs", d, "--follow"], stdout=subprocess.PIPE, timeout=20)
+    assert follow.returncode == 0
+    assert follow.stdout.decode().splitlines() == ["[hA trainer.0] attempt=0 torchelastic=0",
+                                                   "[hA trainer.0#1] attempt=1 torchelastic=1"]
+    final = wait_for(lambda: terminal(d), 5)
+    assert final and final["state"] == "succeeded" and final["attempt"] == 1, status(d)
