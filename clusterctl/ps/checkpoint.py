@@ -203,6 +203,8 @@ def _check_siblings(root: Path, step: int, num_servers: int) -> None:
                 f"pserver(s), but this shard is step {step} of {num_servers}"
             )
     for other in sorted(root.glob("pserver-*/manifest.json")):
+        if other.parent.name.endswith(".prev"):  # a shard's previous checkpoint, kept on purpose
+            continue
         rec = _read_json(other)
         if rec.get("step") != step:
             raise CheckpointError(
