@@ -58,7 +58,6 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 ROLES = ("pserver", "trainer")
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 TERMINAL_JOB_STATES = ("succeeded", "failed", "stopped")
-LIVE_JOB_STATES = ("starting", "running", "stopping", "restarting")
 
 MAX_MESSAGE = 64 * 1024  # protocol: longest accepted JSON line
 AUTH_TIMEOUT = 5.0  # protocol: a new connection must say hello within this
