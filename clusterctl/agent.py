@@ -48,6 +48,9 @@ STOP_REQUEST = "stop-request.json"
 
 JOB_ENV = "CLUSTERCTL_JOB"
 JOBDIR_ENV = "CLUSTERCTL_JOBDIR"
+# The attempt number (0 = the first run), under clusterctl's name and torchrun's.
+RESTART_ENV = ("CLUSTERCTL_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+RESTART_BACKOFF_MAX = 300.0  # restarts: the back-off doubles per restart up to this
 # Variables taken from the host's own environment; everything else comes from the job file.
 BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "USER", "LOGNAME", "TMPDIR")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -160,6 +163,8 @@ def validate_job(raw, source):
     if job["on_failure"] not in ("stop", "continue"):
         raise InputError("%s: on_failure: must be 'stop' or 'continue', got %r" % (source, job["on_failure"]))
     job["grace"] = _num("%s: grace" % source, raw.get("grace", 10))
+    job["restarts"] = _int("%s: restarts" % source, raw.get("restarts", 0))
+    job["restart_backoff"] = _num("%s: restart_backoff" % source, raw.get("restart_backoff", 1.0))
 
     shared_env = raw.get("env", {})  # what all processes share, written once; a process's own env adds to it
     if not isinstance(shared_env, dict) or not all(
@@ -510,6 +515,23 @@ def base_env(job_id, jobdir, extra):
     return env
 
 
+def restart_delay(backoff, restart):
+    """Seconds to wait before restart number `restart` (1 = the first): backoff doubled per restart, capped."""
+    if restart <= 0 or backoff <= 0:
+        return 0.0
+    return min(backoff * 2.0 ** min(restart - 1, 30), max(backoff, RESTART_BACKOFF_MAX))
+
+
+def attempt_log(path, attempt):
+    """The log of `attempt` for a process whose first attempt logs to `path` (trainer.0.log -> trainer.0.attempt1.log)."""
+    if attempt == 0:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    if dot and ext == "log" and "/" not in ext:
+        return "%s.attempt%d.log" % (stem, attempt)
+    return "%s.attempt%d" % (path, attempt)
+
+
 # ---------------------------------------------------------------------------
 # supervisor protocol connection
 
@@ -694,6 +716,17 @@ class Supervisor:
                                else sum(1 for p in job["processes"] if p["role"] == "trainer"))
         self.t0 = time.monotonic()
         self.state = "starting"
+        # restarts: the attempt being run (0 = the first), the finished ones, and whether the decision is final
+        self.restarts = job.get("restarts", 0)
+        self.restart_backoff = job.get("restart_backoff", 1.0)
+        self.attempt = 0
+        self.attempt_t0 = self.t0
+        self.attempt_started_at = time.time()
+        self.attempts = []  # finished attempts: {attempt, outcome, reason, failure, started_at, ended_at}
+        self.final = False  # the current decision ends the job (no restart follows)
+        self.restart_at = None  # coordinator: monotonic time of the next attempt, once every host has stopped
+        self.pending_restart = None  # peer: attempt the coordinator asked for, started once the local stop is done
+        self.term_handled = False
         self.outcome = None  # terminal state decided, while stopping
         self.reason = None
         self.failure = None
@@ -712,7 +745,8 @@ class Supervisor:
         for p in job["processes"]:
             rec = {"role": p["role"], "id": p["id"], "argv": p["argv"], "cwd": p["cwd"], "log": p["log"],
                    "ports": p["ports"], "pid": None, "start_ticks": None, "state": "pending",
-                   "exit_code": None, "started_at": None, "ended_at": None, "error": None, "signalled": False}
+                   "exit_code": None, "started_at": None, "ended_at": None, "error": None, "signalled": False,
+                   "logs": []}
             self.procs.append(rec)
         self.local_exits = []
         # coordinator side
@@ -747,6 +781,11 @@ class Supervisor:
             "supervisor": {"pid": os.getpid(), "start_ticks": self.my_ticks, "started_at": self.started_at},
             "is_coordinator": self.is_coord, "processes": procs, "updated_at": time.time(),
             "stop": self.stop_report,
+            "attempt": self.attempt, "restarts": self.restarts, "attempts": self.attempts,
+            "attempt_started_at": self.attempt_started_at,
+            "restart_pending": self.outcome is not None and not self.final,
+            "restart_at": (time.time() + max(0.0, self.restart_at - time.monotonic())
+                           if self.restart_at is not None else None),
         }
         if self.coord is not None:
             state["coordinator"] = {"address": self.coord["address"], "port": self.coord["port"],
@@ -806,6 +845,17 @@ class Supervisor:
             self.sel.register(self.listener, selectors.EVENT_READ, self._on_accept)
             log("coordinator listening on %s, expecting %d peer(s), %d trainer(s) in total"
                 % (ep, self.coord["hosts"] - 1, self.trainers_total))
+        self._start_attempt()
+        self._loop()
+        if self.waiting is not None:  # ended before the trainers were released
+            self._report_launch("job %s: %s before the trainers started" % (self.state, self.reason))
+        log("supervisor exiting, job state %s (%s)" % (self.state, self.reason))
+        return 0
+
+    def _start_attempt(self):
+        """Spawn this attempt's local processes: pservers first, trainers at once or once the pservers listen."""
+        if self.attempt:
+            log("attempt %d of job %s (restart %d of %d)" % (self.attempt, self.job_id, self.attempt, self.restarts))
         after = self.job.get("start_trainers_after")
         if after and after["endpoints"] and any(r["role"] == "trainer" for r in self.procs):
             # pservers first; trainers once every pserver endpoint accepts connections (see _release_trainers)
@@ -823,11 +873,6 @@ class Supervisor:
         for r in self.procs:
             if r["state"] == "failed":
                 self._local_exit(r)
-        self._loop()
-        if self.waiting is not None:  # ended before the trainers were released
-            self._report_launch("job %s: %s before the trainers started" % (self.state, self.reason))
-        log("supervisor exiting, job state %s (%s)" % (self.state, self.reason))
-        return 0
 
     def _report_launch(self, error):
         self.report({"ok": error is None, "error": error, "jobdir": self.jobdir,
@@ -888,6 +933,11 @@ class Supervisor:
                 continue
             spec = next(p for p in self.job["processes"] if p["role"] == r["role"] and p["id"] == r["id"])
             env = base_env(self.job_id, self.jobdir, spec["env"])
+            for name in RESTART_ENV:
+                env[name] = str(self.attempt)
+            r["log"] = attempt_log(spec["log"], self.attempt)
+            if not any(entry["attempt"] == self.attempt for entry in r["logs"]):
+                r["logs"].append({"attempt": self.attempt, "path": r["log"]})
             try:
                 os.makedirs(os.path.dirname(r["log"]), mode=0o700, exist_ok=True)
                 if os.path.exists(r["log"]):  # keep the previous run's log, start this one fresh
@@ -923,7 +973,8 @@ class Supervisor:
             self._reap()
             if self.waiting is not None:
                 self._release_trainers(now)
-            if self.term_requested and self.outcome is None:
+            if self.term_requested and not self.term_handled:
+                self.term_handled = True
                 self._stop_requested()
             if self.coord is not None:
                 if self.is_coord:
@@ -932,6 +983,8 @@ class Supervisor:
                     self._peer_tick(now)
             if self.stopper is not None and not self.stop_done and self.stopper.step(now):
                 self._stop_finished()
+            if self.is_coord:
+                self._restart_tick(now)
             if self.dirty:
                 self.write_state()
             if self._finished(now):
@@ -944,7 +997,7 @@ class Supervisor:
             self.listener.close()
 
     def _finished(self, now):
-        if not self.stop_done:
+        if not self.stop_done or not self.final:
             return False
         if not self.is_coord or self.coord is None:
             return True
@@ -971,7 +1024,8 @@ class Supervisor:
                 self._local_exit(r)
 
     def _local_exit(self, r):
-        ev = {"role": r["role"], "id": r["id"], "code": r["exit_code"], "host": self.host, "error": r["error"]}
+        ev = {"role": r["role"], "id": r["id"], "code": r["exit_code"], "host": self.host, "error": r["error"],
+              "attempt": self.attempt}
         self.local_exits.append(ev)
         if self.is_coord:
             self._handle_exit(ev)
@@ -992,9 +1046,18 @@ class Supervisor:
             pass
         reason = "stop requested on %s" % self.host
         log(reason)
+        if self.outcome is not None and self.final:
+            return
         if not self.is_coord and self.conn is not None:
             self.conn.send({"type": "stopping", "reason": reason})
-        self.decide("stopped", reason, grace=grace)
+        self._user_stop(reason, grace)
+
+    def _user_stop(self, reason, grace=None):
+        """A user's stop (on any host): final, it never leads to a restart, also while one is pending."""
+        if self.outcome is None:
+            self.decide("stopped", reason, grace=grace, restart=False)
+        elif not self.final:
+            self._finalize("stopped", reason, None)
 
     # -- decisions -------------------------------------------------------
 
@@ -1007,8 +1070,8 @@ class Supervisor:
             log("ignoring malformed exit event from %s: %r" % (ev.get("host"), ev))
             return
         key = (role, pid_)
-        if self.outcome is not None or key in self.exits:
-            return
+        if self.outcome is not None or key in self.exits or ev.get("attempt", self.attempt) != self.attempt:
+            return  # decided already, a repeat, or an exit of an earlier attempt
         self.exits[key] = ev
         failure = {"role": key[0], "id": key[1], "host": ev.get("host"), "exit_code": code}
         what = "%s.%s on %s" % (key[0], key[1], ev.get("host"))
@@ -1035,20 +1098,44 @@ class Supervisor:
                 self.decide("failed", "all trainers ended; %d failure(s), first: %s.%s on %s code %s" % (
                     len(self.failures), first["role"], first["id"], first["host"], first["exit_code"]), first)
 
-    def decide(self, outcome, reason, failure=None, grace=None):
-        """Fix the job's terminal state; the coordinator broadcasts it; stop local processes."""
+    def decide(self, outcome, reason, failure=None, grace=None, restart=None):
+        """Fix the attempt's outcome; the coordinator broadcasts it; stop local processes.
+
+        The decision is final unless `restart` (default: the coordinator's rule: a failure, not a failure
+        to start, with restarts left), in which case the whole job starts again once every host stopped.
+        """
         if self.outcome is not None:
             return
+        if restart is None:
+            restart = (self.is_coord and outcome == "failed" and self.attempt < self.restarts
+                       and not (failure or {}).get("error"))
+        self.final = not restart
         self.outcome, self.reason, self.failure = outcome, reason, failure
         self.decided_at = time.monotonic()
-        log("job %s -> %s: %s" % (self.job_id, outcome, reason))
+        log("job %s -> %s: %s%s" % (self.job_id, outcome, reason,
+                                    "; restart %d of %d follows" % (self.attempt + 1, self.restarts) if restart else ""))
         if self.is_coord:
             for host, conn in list(self.peers.items()):
                 self._send_stop(conn)
         self._begin_stop(self.grace if grace is None else grace)
 
+    def _finalize(self, outcome, reason, failure):
+        """Make a decision that awaited a restart final (a user's stop, the coordinator gone): the job ends."""
+        self.final = True
+        self.outcome, self.reason, self.failure = outcome, reason, failure
+        self.restart_at = self.pending_restart = None
+        log("job %s -> %s: %s (no restart)" % (self.job_id, outcome, reason))
+        if self.is_coord:
+            for host, conn in list(self.peers.items()):
+                self._send_stop(conn)
+        if self.stop_done:
+            self.state = outcome
+            self.stop_done_at = time.monotonic()
+        self.dirty = True
+
     def _send_stop(self, conn):
-        conn.send({"type": "stop", "state": self.outcome, "reason": self.reason, "failure": self.failure})
+        conn.send({"type": "stop", "state": self.outcome, "reason": self.reason, "failure": self.failure,
+                   "attempt": self.attempt, "restart": not self.final})
 
     def _begin_stop(self, grace):
         self.state = "stopping"
@@ -1067,13 +1154,63 @@ class Supervisor:
         self._reap()
         self.stop_done = True
         self.stop_done_at = time.monotonic()
-        self.state = self.outcome
         self.stop_report = {"killed": self.stopper.killed, "leftover": self.stopper.leftover,
                             "finished_at": time.time()}
         self.dirty = True
         log("local processes stopped; killed %s" % self.stopper.killed)
+        if self.final:
+            self.state = self.outcome
+        else:
+            self.state = "restarting"
+            self.attempts.append({"attempt": self.attempt, "outcome": self.outcome, "reason": self.reason,
+                                  "failure": self.failure, "started_at": self.attempt_started_at,
+                                  "ended_at": time.time()})
         if not self.is_coord and self.conn is not None:
-            self.conn.send({"type": "done", "host": self.host})
+            self.conn.send({"type": "done", "host": self.host, "attempt": self.attempt})
+        if not self.final and self.pending_restart is not None:
+            self._next_attempt(self.pending_restart)
+
+    # -- restarts ------------------------------------------------------------
+
+    def _restart_tick(self, now):
+        """Coordinator: once every host stopped the failed attempt, wait the back-off, then start the next."""
+        if not self.stop_done or self.final:
+            return
+        if self.restart_at is None:
+            waiting = [h for h, c in self.peers.items() if not c.done]
+            if waiting and now < self.stop_done_at + self.grace + PEER_DONE_LINGER:
+                return
+            delay = restart_delay(self.restart_backoff, self.attempt + 1)
+            self.restart_at = time.monotonic() + delay  # not `now`: the stop that just ended took time
+            self.dirty = True
+            log("restart %d of %d in %.1fs" % (self.attempt + 1, self.restarts, delay))
+        if time.monotonic() >= self.restart_at:
+            self._next_attempt(self.attempt + 1)
+
+    def _next_attempt(self, attempt):
+        """Start attempt number `attempt` on this host, on the same plan (the coordinator tells the peers)."""
+        self.attempt = attempt
+        self.attempt_t0 = time.monotonic()
+        self.attempt_started_at = time.time()
+        self.outcome = self.reason = self.failure = None
+        self.final = False
+        self.failures = []
+        self.decided_at = self.restart_at = self.pending_restart = None
+        self.stopper, self.stop_done, self.stop_report = None, False, None
+        self.exits, self.local_exits = {}, []
+        self.waiting = None
+        self.popens = {}
+        for r in self.procs:
+            r.update(pid=None, start_ticks=None, state="pending", exit_code=None, started_at=None, ended_at=None,
+                     error=None, signalled=False)
+        self.state = "starting"
+        if self.is_coord:
+            for host, conn in list(self.peers.items()):
+                conn.done = False
+                self.hosts[host] = {"state": "connected", "since": time.time(), "addr": conn.addr}
+                conn.send({"type": "restart", "attempt": attempt})  # a broken connection is noticed by the tick
+        self.dirty = True
+        self._start_attempt()
 
     # -- coordinator side -------------------------------------------------
 
@@ -1207,16 +1344,31 @@ class Supervisor:
         log("host %s connected from %s" % (host, conn.addr))
         conn.send({"type": "welcome", "job": self.job_id,
                    "proof": auth_proof(self.coord["token"], "coordinator", self.job_id, host, conn.nonce, nonce)})
+        self._rejoin(conn, msg)
+
+    def _rejoin(self, conn, msg):
+        """Coordinator: bring a peer that (re)connected to the job's attempt and state."""
+        host = conn.host
+        attempt = msg.get("attempt", 0)
+        attempt = attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else 0
+        conn.done = bool(msg.get("idle")) and self.outcome is not None
+        if msg.get("stopping"):
+            self._user_stop(str(msg["stopping"]))
         if self.outcome is not None:
             self._send_stop(conn)
+            return
+        if attempt != self.attempt:  # it stopped an earlier attempt on its own: it joins this one
+            log("host %s rejoined at attempt %d; sending it attempt %d" % (host, attempt, self.attempt))
+            conn.send({"type": "restart", "attempt": self.attempt})
             return
         exits = msg.get("exits")
         for ev in exits if isinstance(exits, list) else []:
             if isinstance(ev, dict):
                 ev = dict(ev, host=host)
                 self._handle_exit(ev)
-        if msg.get("stopping") and self.outcome is None:
-            self.decide("stopped", str(msg["stopping"]))
+        if msg.get("failed") and self.outcome is None:  # it stopped this attempt by itself (lost us for a while)
+            self.decide("failed", "host %s: %s" % (host, msg["failed"]),
+                        {"host": host, "role": None, "id": None, "exit_code": None})
 
     def _coordinator_message(self, conn, msg):
         kind = msg["type"]
@@ -1226,8 +1378,10 @@ class Supervisor:
             self._handle_exit({"role": msg.get("role"), "id": msg.get("id"), "code": msg.get("code"),
                                "error": msg.get("error"), "host": conn.host})
         elif kind == "stopping":
-            self.decide("stopped", str(msg.get("reason") or "stop requested on %s" % conn.host))
+            self._user_stop(str(msg.get("reason") or "stop requested on %s" % conn.host))
         elif kind == "done":
+            if msg.get("attempt", self.attempt) != self.attempt:
+                return  # a late "done" of an earlier attempt
             conn.done = True
             self.hosts[conn.host] = {"state": "done", "since": time.time()}
             self.dirty = True
@@ -1247,10 +1401,10 @@ class Supervisor:
             if not conn.done and now - conn.last_rx > self.timing["peer_timeout"]:
                 self._drop(conn, "no heartbeat for %.1fs" % (now - conn.last_rx))
         expected = self.coord["hosts"] - 1
-        if (self.outcome is None and len(self.hosts) < expected
-                and now - self.t0 > self.timing["connect_timeout"]):
+        if (self.outcome is None and len(self.peers) < expected
+                and now - self.attempt_t0 > self.timing["connect_timeout"]):
             self.decide("failed", "only %d of %d peer host(s) connected within %.0fs (connected: %s)" % (
-                len(self.hosts), expected, self.timing["connect_timeout"], sorted(self.hosts) or "none"))
+                len(self.peers), expected, self.timing["connect_timeout"], sorted(self.peers) or "none"))
 
     # -- peer side ------------------------------------------------------------
 
@@ -1258,7 +1412,11 @@ class Supervisor:
         if self.conn is not None and not self.welcomed:
             if now > self.conn.deadline:
                 self._peer_lost("coordinator did not authenticate within %.0fs" % AUTH_TIMEOUT)
-            return
+            elif self.lost_since is not None and now - self.lost_since > self.timing["reconnect_timeout"]:
+                # reconnected, but nobody answers (a frozen or cut-off coordinator host still completes TCP handshakes)
+                self._peer_lost("no answer from the coordinator within %.1fs" % self.timing["reconnect_timeout"])
+            else:
+                return
         if self.conn is not None:
             if now - self.conn.last_tx >= self.timing["heartbeat"]:
                 if not self.conn.send({"type": "ping"}):
@@ -1267,16 +1425,29 @@ class Supervisor:
             if now - self.conn.last_rx > self.timing["peer_timeout"]:
                 self._peer_lost("no heartbeat for %.1fs" % (now - self.conn.last_rx))
             return
-        if self.outcome is not None or self.rejected:
+        if self.rejected or (self.outcome is not None and self.final):
             return
         ep = format_endpoint(self.coord["address"], self.coord["port"])
         if not self.ever_connected and now - self.t0 > self.timing["connect_timeout"]:
-            self.decide("failed", "could not connect to coordinator %s within %.0fs: %s" % (
-                ep, self.timing["connect_timeout"], self.last_error))
+            why = "could not connect to coordinator %s within %.0fs: %s" % (
+                ep, self.timing["connect_timeout"], self.last_error)
+            if self.outcome is None:
+                self.decide("failed", why, restart=False)
+            else:
+                self._finalize(self.outcome, self.reason, self.failure)
             return
-        if self.ever_connected and now - self.lost_since > self.timing["reconnect_timeout"]:
-            self.decide("failed", "lost connection to coordinator %s: %s" % (ep, self.lost_why))
-            return
+        if self.ever_connected:
+            away = now - self.lost_since
+            if self.outcome is None and away > self.timing["reconnect_timeout"]:
+                # stop our processes; with restarts left, keep trying to rejoin the coordinator
+                self.decide("failed", "lost connection to coordinator %s: %s" % (ep, self.lost_why),
+                            restart=self.attempt < self.restarts)
+                return
+            if (self.outcome is not None and not self.final
+                    and away > self.timing["reconnect_timeout"] + self.timing["connect_timeout"]):
+                self._finalize("failed", "lost connection to coordinator %s and could not rejoin within %.0fs: %s"
+                               % (ep, self.timing["connect_timeout"], self.lost_why), self.failure)
+                return
         if now < self.next_attempt:
             return
         self._next_backoff()
@@ -1315,7 +1486,9 @@ class Supervisor:
         hello = {"type": "hello", "job": self.job_id, "host": self.host, "version": PROTOCOL_VERSION,
                  "nonce": conn.nonce,
                  "proof": auth_proof(self.coord["token"], "peer", self.job_id, self.host, nonce, conn.nonce),
-                 "exits": self.local_exits, "stopping": self.reason if self.term_requested else None}
+                 "exits": self.local_exits, "stopping": self.reason if self.term_requested else None,
+                 "attempt": self.attempt, "idle": self.stop_done,
+                 "failed": self.reason if self.outcome == "failed" and self.decided_at is not None else None}
         if not conn.send(hello):
             self._peer_lost("send failed")
 
@@ -1335,7 +1508,8 @@ class Supervisor:
             if self.outcome is None:
                 self.log_bad("connect", "connection to coordinator failed (%s); retrying" % why)
             return
-        self.lost_since = time.monotonic()
+        if self.lost_since is None:  # since the last welcome, across failed reconnections
+            self.lost_since = time.monotonic()
         self.lost_why = why
         if self.outcome is None:
             log("lost coordinator connection (%s); retrying for %.1fs" % (why, self.timing["reconnect_timeout"]))
@@ -1372,10 +1546,34 @@ class Supervisor:
             return
         if kind == "welcome":
             pass
+        elif kind == "error":
+            self.rejected = True
+            why = "coordinator rejected this host: %s" % "".join(
+                c if c.isprintable() else "?" for c in str(msg.get("error"))[:200])
+            log(why)
+            self._peer_lost(why)
+            self.decide("failed", why)
         elif kind == "stop":
             state = msg.get("state") if msg.get("state") in TERMINAL_JOB_STATES else "failed"
             failure = msg.get("failure") if isinstance(msg.get("failure"), dict) else None
-            self.decide(state, str(msg.get("reason")), failure)
+            attempt = msg.get("attempt", self.attempt)
+            if isinstance(attempt, int) and attempt < self.attempt:
+                return  # about an attempt this host already left
+            restart = bool(msg.get("restart")) and state == "failed"
+            if self.outcome is None:
+                self.decide(state, str(msg.get("reason")), failure, restart=restart)
+            elif not self.final and not restart:
+                self._finalize(state, str(msg.get("reason")), failure)
+        elif kind == "restart":
+            attempt = msg.get("attempt")
+            if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt <= self.attempt or self.final:
+                return
+            if self.outcome is None:  # still running an earlier attempt: stop it first
+                self.decide("failed", "the coordinator started attempt %d" % attempt, restart=True)
+            if self.stop_done:
+                self._next_attempt(attempt)
+            else:
+                self.pending_restart = attempt
         elif kind != "ping":
             log("ignoring unknown message type %r from coordinator" % kind)
 
@@ -1511,6 +1709,7 @@ def describe(state, now=None):
     for r in state.get("processes") or []:
         p = {k: r.get(k) for k in ("role", "id", "pid", "state", "exit_code", "started_at", "ended_at",
                                    "log", "error")}
+        p["logs"] = r.get("logs") or ([{"attempt": 0, "path": r["log"]}] if r.get("log") else [])
         if p["state"] == "running" and not pid_alive(r.get("pid"), r.get("start_ticks")):
             if not alive:
                 p["state"] = "lost"
@@ -1524,6 +1723,14 @@ def describe(state, now=None):
            "failures": state.get("failures") or [], "is_coordinator": state.get("is_coordinator"),
            "supervisor": {"pid": (state.get("supervisor") or {}).get("pid"), "alive": alive},
            "processes": procs, "updated_at": state.get("updated_at")}
+    attempt = state.get("attempt") or 0
+    attempts = [dict(a) for a in state.get("attempts") or []]
+    if not any(a.get("attempt") == attempt for a in attempts):
+        attempts.append({"attempt": attempt, "outcome": job_state, "reason": reason, "failure": state.get("failure"),
+                         "started_at": state.get("attempt_started_at"), "ended_at": None})
+    out.update(attempt=attempt, restarts=state.get("restarts") or 0, attempts=attempts,
+               restart_at=state.get("restart_at") if alive else None,
+               restart_pending=bool(state.get("restart_pending")) and alive)
     if "hosts" in state:
         out["hosts"] = state["hosts"]
     if "coordinator" in state:
@@ -1900,11 +2107,28 @@ class LogTail:
         return True
 
 
-def _job_over(jobdir):
-    state = read_state(jobdir)
+def _job_over(state):
+    """True when nothing more will be written to this host's logs (follow mode may end)."""
     if state is None or not supervisor_alive(state):
         return True
+    if state.get("state") in TERMINAL_JOB_STATES:
+        return True
+    if (state.get("attempt") or 0) < (state.get("restarts") or 0):
+        return False  # a failure now would start the job again: only a final state ends the logs
     return all(r.get("state") not in ("running", "pending") for r in state.get("processes") or [])
+
+
+def _attempt_logs(p):
+    """[(attempt, path)] of a process record (a job.json process or a state.json one)."""
+    entries = p.get("logs") or [{"attempt": 0, "path": p["log"]}]
+    return [(e["attempt"], e["path"]) for e in entries if isinstance(e, dict) and e.get("path")]
+
+
+def _log_prefix(host, p, attempt):
+    name = "%s.%d" % (p["role"], p["id"])
+    if attempt:
+        name += "#%d" % attempt
+    return ("[%s %s] " % (host, name)).encode("utf-8", "replace")
 
 
 def cmd_logs(args):
@@ -1921,8 +2145,8 @@ def cmd_logs(args):
     if args.lines is not None and args.lines < 0:
         raise InputError("-n must be >= 0")
     out = sys.stdout.buffer
-    tails = [LogTail(("[%s %s.%d] " % (host, p["role"], p["id"])).encode("utf-8", "replace"), p["log"], out)
-             for p in sel]
+    wanted = set((p["role"], p["id"]) for p in sel)
+    tails = [LogTail(_log_prefix(host, p, attempt), path, out) for p in sel for attempt, path in _attempt_logs(p)]
     try:
         if not args.follow:
             missing = [t.path for t in tails if not t.dump(args.lines)]
@@ -1932,8 +2156,16 @@ def cmd_logs(args):
             return 0
         for t in tails:
             t.open(args.lines)
+        known = set(t.path for t in tails)
         while True:
-            over = _job_over(jobdir)  # decide before draining so nothing written before the end is lost
+            state = read_state(jobdir)
+            over = _job_over(state)  # decide before draining so nothing written before the end is lost
+            for p in (state or {}).get("processes") or []:  # a restart's new logs, from their first line
+                if (p.get("role"), p.get("id")) in wanted:
+                    for attempt, path in _attempt_logs(p):
+                        if path not in known:
+                            known.add(path)
+                            tails.append(LogTail(_log_prefix(host, p, attempt), path, out))
             busy = sum(t.poll() for t in tails)
             out.flush()
             if over:

@@ -142,6 +142,8 @@ class JobPlan:
     on_failure: str
     grace: float
     mpi: MpiLaunch | None = None
+    restarts: int = 0
+    restart_backoff: float = 1.0
 
     @functools.cached_property
     def trainers(self) -> tuple[Process, ...]:
@@ -360,6 +362,8 @@ def make_plan(
         on_failure=job.on_failure,
         grace=job.grace,
         mpi=mpi,
+        restarts=job.restarts,
+        restart_backoff=job.restart_backoff,
     )
 
 

@@ -188,6 +188,9 @@ class PserversPerHost(_Model):
     per_host: int = Field(ge=0, le=256)
 
 
+RESTART_ENV = ("CLUSTERCTL_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")  # the attempt number, set by the agent
+
+
 class JobSpec(_Model):
     """What to run and how processes are laid out."""
 
@@ -205,6 +208,8 @@ class JobSpec(_Model):
     log_dir: str = "."  # relative to <workspace.remote>.logs/
     on_failure: Literal["stop", "continue"] = "stop"
     grace: float = Field(10.0, ge=0, le=3600)
+    restarts: int = Field(0, ge=0, le=1000)  # a failed job starts again on the same plan, up to this many times
+    restart_backoff: float = Field(1.0, ge=0, le=300)  # seconds before the first restart, doubled for each next
     sync: Literal["sync", "async", "geo"] = "sync"
     k_steps: int = Field(100, ge=1)
 
@@ -244,7 +249,7 @@ class JobSpec(_Model):
             k = str(k)
             if not ENV_NAME_RE.match(k):
                 raise ValueError(f"{k!r} is not a valid environment variable name")
-            if k in CONTRACT_ENV:
+            if k in CONTRACT_ENV or k in RESTART_ENV:
                 raise ValueError(f"{k} is set by clusterctl from the plan; remove it from job.env")
             out[k] = _scalar_str(x)
         return out

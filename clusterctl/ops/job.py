@@ -71,6 +71,8 @@ def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, d
             "state_root": posixpath.join(home, STATE_ROOT),
             "on_failure": plan.on_failure,
             "grace": plan.grace,
+            "restarts": plan.restarts,
+            "restart_backoff": plan.restart_backoff,
             "start_trainers_after": {"endpoints": pserver_eps, "timeout": WAIT_PSERVERS_S} if pserver_eps else None,
             "coordinator": {
                 "address": ctl_addr,
@@ -97,6 +99,8 @@ def _mpi_job_file(plan: JobPlan, home: str) -> dict:
         "state_root": posixpath.join(home, STATE_ROOT),
         "on_failure": plan.on_failure,
         "grace": plan.grace,
+        "restarts": plan.restarts,
+        "restart_backoff": plan.restart_backoff,
         "processes": [
             {"role": "trainer", "id": 0, "argv": list(mpi.argv), "env": env, "cwd": home,
              "log": _abs(home, plan.log_path(first)), "ports": []}
@@ -126,10 +130,13 @@ class JobStatus:
     """The whole job: overall state, per-process rows, per-host problems."""
 
     job: str
-    state: str  # running | succeeded | failed | stopped | lost | not running
+    state: str  # running | restarting | stopping | succeeded | failed | stopped | lost | not running
     reason: str | None = None
     processes: list[ProcessStatus] = field(default_factory=list)
     unreachable: dict[str, str] = field(default_factory=dict)
+    attempt: int = 0  # 0 = the first run; job.restarts bounds it
+    restarts: int = 0
+    attempts: list[dict] = field(default_factory=list)  # {attempt, outcome, reason, started_at, ended_at}, oldest first
 
     def to_json(self) -> dict:
         """JSON form for `clusterctl status --json`."""
@@ -137,6 +144,9 @@ class JobStatus:
             "job": self.job,
             "state": self.state,
             "reason": self.reason,
+            "attempt": self.attempt,
+            "restarts": self.restarts,
+            "attempts": self.attempts,
             "processes": [vars(p) for p in self.processes],
             "unreachable": self.unreachable,
         }
@@ -147,16 +157,19 @@ def overall_state(host_states: list[str]) -> str:
     states = set(host_states)
     if not states or states <= {"unknown"}:
         return "not running"
-    live = states & {"running", "starting", "stopping"}
+    live = states & {"running", "starting", "stopping", "restarting"}
     if "failed" in states:
         if not live:
             return "failed"
         # not over yet: the rest is being stopped (fail-fast) or still working (on_failure: continue)
-        return "stopping" if "stopping" in live else "running"
+        return "stopping" if live & {"stopping", "restarting"} else "running"
     if "lost" in states:
         return "lost"
     if live:
-        return "running" if live & {"running", "starting"} else "stopping"
+        if live & {"running", "starting"}:
+            return "running"
+        # a failed attempt being stopped, or the back-off before the next one
+        return "restarting" if "restarting" in live else "stopping"
     if "stopped" in states:
         return "stopped"
     if states <= {"succeeded", "unknown"}:
@@ -204,13 +217,21 @@ def status(session: Session) -> JobStatus:
     host_states: list[str] = []
     unreachable: dict[str, str] = {}
     reasons: list[str] = []
+    attempt, restarts, attempts = 0, 0, []
     for host, res in results.items():
         if res.exit_code == 255 and not res.stdout:
             unreachable[host.label] = res.stderr.strip()
             host_states.append("lost")
             continue
         data = _parse(res)
-        host_states.append(data.get("state") or "unknown")
+        state = data.get("state") or "unknown"
+        if state == "stopping" and data.get("restart_pending"):
+            state = "restarting"  # the failed attempt is being stopped; the job starts again after
+        host_states.append(state)
+        restarts = max(restarts, data.get("restarts") or 0)
+        # the host that got furthest knows the most attempts (the coordinator, unless it was cut off)
+        if (data.get("attempt") or 0, len(data.get("attempts") or [])) > (attempt, len(attempts)):
+            attempt, attempts = data.get("attempt") or 0, data.get("attempts") or []
         if data.get("reason") and data.get("state") not in ("running", "succeeded"):
             reasons.append(f"{host.label}: {data['reason']}")
         for p in data.get("processes", []):
@@ -225,7 +246,8 @@ def status(session: Session) -> JobStatus:
     reason = "; ".join(reasons) or (
         "unreachable: " + ", ".join(unreachable) if unreachable else None
     )
-    return JobStatus(plan.job, state, reason, procs, unreachable)
+    attempts = [{k: a.get(k) for k in ("attempt", "outcome", "reason", "started_at", "ended_at")} for a in attempts]
+    return JobStatus(plan.job, state, reason, procs, unreachable, attempt, restarts, attempts)
 
 
 def stop(session: Session, *, grace: float | None = None) -> dict[Host, dict]:
@@ -278,7 +300,7 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
     tool = tools["agent"]
 
     current = status(session)
-    if current.state in ("running", "stopping"):
+    if current.state in ("running", "stopping", "restarting"):
         raise JobError(f"job {plan.job} is already running; stop it first (clusterctl stop)")
 
     say("verifying workspaces")

@@ -46,7 +46,7 @@ def cmd_dispatch(args: argparse.Namespace) -> int:
 
 
 _STATE_STYLE = {"running": "green", "succeeded": "bold green", "exited": "green", "failed": "bold red",
-                "lost": "bold red", "stopped": "yellow", "not running": "dim"}
+                "lost": "bold red", "stopped": "yellow", "not running": "dim", "restarting": "yellow"}
 
 
 def _styled(state: str) -> str:
@@ -69,6 +69,11 @@ def render_status(st) -> None:
             "" if p.uptime_s is None else f"{p.uptime_s:.1f}s",
         )
     out.print(table)
+    if st.restarts or st.attempt:
+        out.print(f"attempt {st.attempt} (restarts allowed: {st.restarts})")
+        for a in st.attempts:
+            if a.get("attempt") != st.attempt or a.get("outcome") in ("succeeded", "failed", "stopped"):
+                out.print(f"  attempt {a.get('attempt')}: {_styled(a.get('outcome') or '?')}: {escape(str(a.get('reason')))}")
     if st.reason:
         out.print(f"reason: {escape(printable(st.reason))}")  # host-supplied text: control characters escaped
     for host, why in st.unreachable.items():

@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--mode", choices=("sync", "async", "geo"), help="override CLUSTERCTL_PS_MODE")
     s.add_argument("--barrier-timeout", type=float, help="override CLUSTERCTL_PS_BARRIER_TIMEOUT (seconds)")
     s.add_argument("--checkpoint", help="override CLUSTERCTL_PS_CHECKPOINT (resume from this directory)")
+    s.add_argument("--checkpoint-every", type=int,
+                   help="override CLUSTERCTL_PS_CHECKPOINT_EVERY (save to the checkpoint directory every N steps)")
     s.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -44,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides["barrier_timeout"] = args.barrier_timeout
     if args.checkpoint:
         overrides["checkpoint_dir"] = args.checkpoint
+    if args.checkpoint_every is not None:
+        overrides["checkpoint_every"] = args.checkpoint_every
     try:
         server = server_from_env(**overrides)
     except PsConfigError as exc:

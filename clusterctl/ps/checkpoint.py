@@ -4,6 +4,8 @@ Layout of a checkpoint directory::
 
     DIR/pserver-<id>/manifest.json   # step, server id/count, mode, optimizer, block table
     DIR/pserver-<id>/tensors.npz     # every block and its optimizer state
+    DIR/pserver-<id>.prev/           # the checkpoint before it (kept so that pservers that crashed between
+                                     # two saves can still agree on a common step: see load_server(step=))
     DIR/checkpoint.json              # commit record written by the trainer that asked for the save,
                                      # only after every pserver reported success
 
@@ -34,6 +36,7 @@ __all__ = [
     "load_server",
     "read_commit",
     "save_server",
+    "saved_steps",
     "server_dir",
     "write_commit",
 ]
@@ -103,9 +106,12 @@ def save_server(root: str | os.PathLike[str], ckpt: ServerCheckpoint, *, job: st
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     _fsync_file(tmp / "manifest.json")
+    prev = final.parent / f"{final.name}.prev"
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     if final.exists():
-        final.rename(old)
+        if prev.exists():
+            prev.rename(old)
+        final.rename(prev)
     tmp.rename(final)
     if old.exists():
         shutil.rmtree(old)
@@ -125,19 +131,44 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int) -> ServerCheckpoint:
-    """Read and verify pserver ``server_id``'s shard of the checkpoint in ``root``."""
+def saved_steps(root: str | os.PathLike[str], server_id: int) -> list[int]:
+    """Steps of pserver ``server_id``'s checkpoints under ``root`` (the latest and the one before), newest first."""
+    steps = []
+    for sdir in (server_dir(root, server_id), server_dir(root, server_id).with_name(f"pserver-{server_id}.prev")):
+        try:
+            step = json.loads((sdir / "manifest.json").read_text()).get("step")
+        except (OSError, ValueError):
+            continue
+        if isinstance(step, int) and not isinstance(step, bool):
+            steps.append(step)
+    return steps
+
+
+def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int, *, step: int | None = None,
+                siblings: bool = True) -> ServerCheckpoint:
+    """Read and verify pserver ``server_id``'s shard of the checkpoint in ``root`` (at ``step``: latest or previous).
+
+    ``siblings=False`` skips the cross-check with other pservers' manifests and the commit record (pservers that
+    save on their own, ``checkpoint_every``, agree on a step through their trainers instead).
+    """
     sdir = server_dir(root, server_id)
+    if step is not None and step not in saved_steps(root, server_id)[:1]:
+        sdir = sdir.with_name(f"pserver-{server_id}.prev")
+        siblings = False
     manifest = _read_json(sdir / "manifest.json")
     if manifest.get("server_id") != server_id or manifest.get("num_servers") != num_servers:
         raise CheckpointError(
             f"{sdir}: saved by pserver {manifest.get('server_id')} of {manifest.get('num_servers')}, "
             f"cannot load into pserver {server_id} of {num_servers}"
         )
-    step = manifest.get("step")
+    want, step = step, manifest.get("step")
     if not isinstance(step, int):
         raise CheckpointError(f"{sdir}/manifest.json: step is not an integer")
-    _check_siblings(Path(root), step, num_servers)
+    if want is not None and step != want:
+        raise CheckpointError(f"{sdir}: pserver {server_id} has no checkpoint at step {want} "
+                              f"(it has {saved_steps(root, server_id)})")
+    if siblings:
+        _check_siblings(Path(root), step, num_servers)
     try:
         with np.load(sdir / "tensors.npz", allow_pickle=False) as npz:
             data = {name: npz[name] for name in npz.files}
@@ -172,6 +203,8 @@ def _check_siblings(root: Path, step: int, num_servers: int) -> None:
                 f"pserver(s), but this shard is step {step} of {num_servers}"
             )
     for other in sorted(root.glob("pserver-*/manifest.json")):
+        if other.parent.name.endswith(".prev"):  # a shard's previous checkpoint, kept on purpose
+            continue
         rec = _read_json(other)
         if rec.get("step") != step:
             raise CheckpointError(

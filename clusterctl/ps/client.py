@@ -257,7 +257,18 @@ class PSClient:
         replies = self._request("init", {i: (fields, parts[i]) for i in parts})
         loaded = {replies[i].header.get("loaded_step", 0) for i in replies}
         if len(loaded) != 1:
-            raise CheckpointError(f"pservers resumed from different checkpoint steps: {sorted(loaded)}")
+            # pservers that save on their own (checkpoint_every) and were stopped between two saves: settle on
+            # the newest step every one of them still holds (each keeps its previous checkpoint)
+            common = set.intersection(*(set(replies[i].header.get("saved_steps") or []) for i in replies))
+            if not common:
+                raise CheckpointError(f"pservers resumed from different checkpoint steps: {sorted(loaded)}")
+            step = max(common)
+            log.info("trainer %d: pservers resumed at steps %s; settling on step %d", self.trainer_id,
+                     sorted(loaded), step)
+            replies = self._request("load", self._all({"step": step}))
+            loaded = {r.header.get("loaded_step") for r in replies.values()}
+            if loaded != {step}:
+                raise CheckpointError(f"pservers could not settle on checkpoint step {step}: {sorted(map(str, loaded))}")
         self.start_step = self.step = int(loaded.pop())
         if self.start_step:
             log.info("trainer %d resumes at step %d", self.trainer_id, self.start_step)

@@ -32,6 +32,7 @@ class PsEnv:
     barrier_timeout: float
     timeout: float
     checkpoint_dir: str | None
+    checkpoint_every: int = 0
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -94,7 +95,7 @@ def from_env(env: Mapping[str, str] | None = None) -> PsEnv:
     barrier = _float(e, "CLUSTERCTL_PS_BARRIER_TIMEOUT", 300.0)
     return PsEnv(role, endpoints, current, trainer_id, num_trainers, pserver_id, mode, k_steps,
                  e.get("CLUSTERCTL_JOB", ""), barrier, _float(e, "CLUSTERCTL_PS_TIMEOUT", barrier + 60.0),
-                 e.get("CLUSTERCTL_PS_CHECKPOINT") or None)
+                 e.get("CLUSTERCTL_PS_CHECKPOINT") or None, _int(e, "CLUSTERCTL_PS_CHECKPOINT_EVERY", 0))
 
 
 def client_from_env(*, optimizer: OptimizerConfig | None = None, env: Mapping[str, str] | None = None,
@@ -118,6 +119,7 @@ def server_from_env(*, env: Mapping[str, str] | None = None, **overrides: Any):
         raise PsConfigError(f"TRAINING_ROLE is {pe.role.upper()}, not PSERVER")
     kw: dict[str, Any] = dict(server_id=pe.pserver_id, num_servers=len(pe.endpoints),
                               num_trainers=pe.num_trainers, mode=pe.mode, k_steps=pe.k_steps,
-                              barrier_timeout=pe.barrier_timeout, checkpoint_dir=pe.checkpoint_dir, job=pe.job)
+                              barrier_timeout=pe.barrier_timeout, checkpoint_dir=pe.checkpoint_dir,
+                              checkpoint_every=pe.checkpoint_every, job=pe.job)
     kw.update(overrides)
     return ParameterServer(pe.current_endpoint, **kw)

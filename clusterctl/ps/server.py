@@ -122,6 +122,7 @@ class ParameterServer:
         k_steps: int = 1,
         barrier_timeout: float = 300.0,
         checkpoint_dir: str | None = None,
+        checkpoint_every: int = 0,
         job: str = "",
         context: zmq.Context | None = None,
         token: str | None = None,
@@ -177,8 +178,16 @@ class ParameterServer:
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
         self._sock: zmq.Socket | None = None
+        if checkpoint_every < 0:
+            raise PsConfigError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        if checkpoint_every and not checkpoint_dir:
+            raise PsConfigError("checkpoint_every needs a checkpoint directory")
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every  # save to checkpoint_dir every this many steps (0: only on request)
+        self._next_save = 0
         if checkpoint_dir and ckpt.has_server_checkpoint(checkpoint_dir, server_id):
-            self._load(checkpoint_dir)
+            # saving on its own, this pserver may be one save ahead of another; trainers settle on a common step
+            self._load(checkpoint_dir, siblings=not checkpoint_every)
         elif checkpoint_dir:
             log.info("no checkpoint for pserver %d under %s; starting fresh", server_id, checkpoint_dir)
 
@@ -222,6 +231,7 @@ class ParameterServer:
                 if sock.poll(self._poll_ms(), zmq.POLLIN):
                     frames = sock.recv_multipart(copy=False)
                     self._dispatch(frames)
+                    self._maybe_save()
                     if self._deferred:
                         self._replay()
                     if len(self.completed) >= self.num_trainers:
@@ -626,7 +636,9 @@ class ParameterServer:
             self.states[key] = init_state(opt, arr)
         log.info("pserver %d: trainer %d init, %d new block(s), %d total", self.server_id,
                  msg.header["tid"], len(fresh), len(self.blocks))
-        self._reply(envelope, msg, {"step": self.step, "loaded_step": self.loaded_step})
+        self._reply(envelope, msg, {"step": self.step, "loaded_step": self.loaded_step,
+                                    "saved_steps": ckpt.saved_steps(self.checkpoint_dir, self.server_id)
+                                    if self.checkpoint_dir else []})
 
     def _op_pull(self, envelope: list[Any], msg: Message) -> None:
         self._reply(envelope, msg, {"step": self.step}, self._pull_keys(msg, "keys"))
@@ -797,15 +809,34 @@ class ParameterServer:
         ), job=self.job)
         self._reply(envelope, msg, {"step": step, "path": str(path)})
 
+    def _maybe_save(self) -> None:
+        """checkpoint_every: save when a step boundary is crossed and no sync round is open."""
+        if not self.checkpoint_every or self._round or not self.blocks or self.step < self._next_save:
+            return
+        if self.step > self.loaded_step or self._next_save:
+            self._publish_all()
+            ckpt.save_server(self.checkpoint_dir, ckpt.ServerCheckpoint(
+                self.server_id, self.num_servers, self.step, self.mode,
+                self.optimizer.to_dict() if self.optimizer else None, dict(self.blocks), self.states,
+            ), job=self.job)
+        self._next_save = (self.step // self.checkpoint_every + 1) * self.checkpoint_every
+
     def _op_load(self, envelope: list[Any], msg: Message) -> None:
-        root = self._confined("load", msg.header.get("dir"))
+        root = self._confined("load", msg.header.get("dir") or self.checkpoint_dir)
+        step = msg.header.get("step")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ProtocolError(f"load step must be a non-negative integer, got {step!r}")
+        if step is not None and step == self.loaded_step and self.step == step:
+            # another trainer settled this pserver on that step already
+            self._reply(envelope, msg, {"step": self.step, "loaded_step": self.loaded_step})
+            return
         if self._round:
             raise _RejectError("busy", "cannot load while a sync round is open")
-        self._load(root)
+        self._load(root, step=step, siblings=step is None)
         self._reply(envelope, msg, {"step": self.step, "loaded_step": self.loaded_step})
 
-    def _load(self, root: str) -> None:
-        loaded = ckpt.load_server(root, self.server_id, self.num_servers)
+    def _load(self, root: str, *, step: int | None = None, siblings: bool = True) -> None:
+        loaded = ckpt.load_server(root, self.server_id, self.num_servers, step=step, siblings=siblings)
         if loaded.mode and loaded.mode != self.mode:
             log.warning("checkpoint %s was saved in mode %s, pserver runs %s", root, loaded.mode, self.mode)
         opt = OptimizerConfig.from_dict(loaded.optimizer) if loaded.optimizer else None

@@ -9,11 +9,18 @@ the gradient of the whole batch: training matches single-process training on the
     python train.py --single                 # the single-process reference
 
 Prints `step=N loss=X trainer=R` lines and a final `done steps=.. loss=.. steps_per_s=.. wall_s=..`.
+
+Resuming: with `--checkpoint-dir DIR` (default: $CHECKPOINT_DIR), rank 0 saves the parameters and the step
+to DIR/mlp_collective.npz every `--save-every` steps; when the job was restarted (CLUSTERCTL_RESTART_COUNT > 0,
+set by clusterctl's `job.restarts`) rank 0 loads it and every rank continues from that step. A first attempt
+never loads. Because every step's batch is a function of the step, a resumed run ends where an
+uninterrupted one does.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -57,10 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="global batch size (divisible by the rank count)")
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--single", action="store_true", help="single-process reference, no MPI")
+    ap.add_argument("--checkpoint-dir", default=os.environ.get("CHECKPOINT_DIR"),
+                    help="save/resume here (default: $CHECKPOINT_DIR)")
+    ap.add_argument("--save-every", type=int, default=20, help="rank 0 saves every N steps (with a checkpoint dir)")
+    ap.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (tests: kill it mid-run)")
     args = ap.parse_args(argv)
 
     x, y = dataset()
     params = init_params()
+    ckpt = os.path.join(args.checkpoint_dir, "mlp_collective.npz") if args.checkpoint_dir else None
+    attempt = int(os.environ.get("CLUSTERCTL_RESTART_COUNT", "0"))
+    first = 0
     rank, size = 0, 1
     if not args.single:
         from clusterctl import collective
@@ -70,12 +84,19 @@ def main(argv: list[str] | None = None) -> int:
         rank, size = collective.rank(), collective.size()
         if args.batch % size:
             ap.error(f"--batch {args.batch} is not divisible by {size} ranks")
+        if ckpt and attempt > 0 and rank == 0 and os.path.exists(ckpt):
+            with np.load(ckpt) as saved:
+                params = {name: saved[name] for name in params}
+                first = int(saved["step"])
+        first = int(collective.broadcast(np.array([first], dtype=np.int64), root=0)[0])
+        if first:
+            print(f"resumed step={first} attempt={attempt} trainer={rank}", flush=True)
         for name in sorted(params):  # identical start everywhere
             params[name] = collective.broadcast(params[name], root=0)
         buf = GradientBuffer({k: v.shape for k, v in params.items()}, dtype=np.float64)
 
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         start = (step * args.batch) % len(x)
         rows = np.arange(start, start + args.batch) % len(x)
         mine = rows[rank::size]
@@ -89,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
             params[name] = params[name] - args.lr * grads[name]
         if step % 20 == 0 or step == args.steps - 1:
             print(f"step={step} loss={loss:.6f} trainer={rank}", flush=True)
+        if ckpt and rank == 0 and (step + 1) % args.save_every == 0:
+            os.makedirs(args.checkpoint_dir, exist_ok=True)
+            np.savez(ckpt + ".tmp.npz", step=step + 1, **params)
+            os.replace(ckpt + ".tmp.npz", ckpt)  # a kill mid-save leaves the previous checkpoint whole
+        if args.step_delay:
+            time.sleep(args.step_delay)
     wall = time.perf_counter() - t0
     checksum = float(sum(np.abs(v).sum() for v in params.values()))
     print(f"done steps={args.steps} loss={loss:.6f} steps_per_s={args.steps / wall:.1f} wall_s={wall:.2f} "

@@ -15,6 +15,9 @@ import time
 role = os.environ["TRAINING_ROLE"]
 me = int(os.environ.get("PADDLE_TRAINER_ID") or os.environ.get("PADDLE_PSERVER_ID"))
 print(f"{role.lower()} {me} argv={sys.argv[1:]} endpoint={os.environ['PADDLE_CURRENT_ENDPOINT']}", flush=True)
+if os.environ.get("CLUSTERCTL_RESTART_COUNT", "0") != "0":  # a restart (job.restarts): say which attempt
+    print(f"attempt={os.environ['CLUSTERCTL_RESTART_COUNT']} torchelastic={os.environ['TORCHELASTIC_RESTART_COUNT']}",
+          flush=True)
 
 if os.environ.get("SETSID_CHILD") == "1" and role == "TRAINER":
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"

@@ -3,6 +3,8 @@
 usage: worker.py sleep                 run until signalled
        worker.py exit CODE DELAY       sleep DELAY seconds, exit with CODE
        worker.py serve HOST PORT       listen on HOST:PORT until signalled (a pserver)
+       worker.py attempts N CODE DELAY print the attempt number, sleep DELAY seconds, exit with CODE
+                                       while the attempt (CLUSTERCTL_RESTART_COUNT) is below N, else 0
        worker.py escape PIDFILE        fork a child that setsid()s, ignores SIGTERM and
                                        writes its pid to PIDFILE; both sleep forever
 """
@@ -25,6 +27,11 @@ def main(argv):
     elif mode == "exit":
         time.sleep(float(argv[3]))
         sys.exit(int(argv[2]))
+    elif mode == "attempts":
+        attempt = int(os.environ["CLUSTERCTL_RESTART_COUNT"])
+        print("attempt=%d torchelastic=%s" % (attempt, os.environ["TORCHELASTIC_RESTART_COUNT"]), flush=True)
+        time.sleep(float(argv[4]))
+        sys.exit(int(argv[3]) if attempt < int(argv[2]) else 0)
     elif mode == "serve":
         srv = socket.create_server((argv[2], int(argv[3])))
         while True:
