@@ -1412,7 +1412,8 @@ class Supervisor:
         if self.conn is not None and not self.welcomed:
             if now > self.conn.deadline:
                 self._peer_lost("coordinator did not authenticate within %.0fs" % AUTH_TIMEOUT)
-            elif self.lost_since is not None and now - self.lost_since > self.timing["reconnect_timeout"]:
+            elif (self.lost_since is not None
+                  and now - (self.conn.deadline - AUTH_TIMEOUT) > self.timing["reconnect_timeout"]):
                 # reconnected, but nobody answers (a frozen or cut-off coordinator host still completes TCP handshakes)
                 self._peer_lost("no answer from the coordinator within %.1fs" % self.timing["reconnect_timeout"])
             else:
