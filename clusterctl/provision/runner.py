@@ -155,7 +155,7 @@ def provision(
                 outcomes = _run_step(session, step, alive, facts, check=check, force=force, on_line=on_line(step))
             for host, outcome in outcomes.items():
                 report.outcomes[(host, step)] = outcome
-                logs.write(host, step, f"=> {outcome.status} {outcome.reason}".rstrip())
+                logs.write(host, step, f"=> {outcome.status} {outcome.reason}".rstrip() + f" ({outcome.seconds:.1f}s)")
                 emit(host, step, "status", outcome.status)
                 if outcome.status == "failed":
                     dead[host] = f"{step} failed"
@@ -243,7 +243,8 @@ def _offline_apt(session, hosts, *, check: bool, force: bool, log) -> dict[Host,
             packages = aptoffline.packages_index(paths)
             index.write_bytes(packages)
             (index.parent / "Release").write_bytes(aptoffline.release_file(packages))
-            uploads[host] = [*send, index, index.parent / "Release"]
+            (index.parent / "clusterctl-manifest.json").write_bytes(aptoffline.manifest(send, state))
+            uploads[host] = [*send, index, index.parent / "Release", index.parent / "clusterctl-manifest.json"]
     if uploads:
         sent = remote.run(aptoffline.upload_command(remote_dir), hosts=list(uploads),
                           stdin=lambda h: wheelhouse.tar_stream(uploads[h]), timeout=spec.provision.timeout,

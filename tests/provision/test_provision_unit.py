@@ -483,8 +483,18 @@ def test_offline_packages_index_and_upload_plan(tmp_path):
     assert f"Filename: ./{debs[0].name}\nSize: {debs[0].stat().st_size}\nSHA256: " in stanzas[0]
     assert "Depends: ctl-a (= 1.0-1)" in stanzas[1]
     assert release_file(index.encode()).decode().splitlines()[-1].endswith(f" {len(index.encode())} Packages")
-    state = HostAptState("amd64", b"", b"", {debs[0].name: debs[0].stat().st_size, debs[1].name: 1})
+    import hashlib
+    import json
+
+    from clusterctl.provision.aptoffline import manifest
+
+    same = (debs[0].stat().st_size, hashlib.sha256(debs[0].read_bytes()).hexdigest())
+    other = (debs[1].stat().st_size, "0" * 64)  # same name and size, other bytes (a rebuilt package)
+    state = HostAptState("amd64", b"", b"", {debs[0].name: same, debs[1].name: other, "old.deb": (3, "ab")})
     assert upload_plan(debs, state) == [debs[1]]
+    assert json.loads(manifest([debs[1]], state)) == {
+        debs[0].name: list(same), debs[1].name: [debs[1].stat().st_size, hashlib.sha256(debs[1].read_bytes()).hexdigest()],
+        "old.deb": [3, "ab"]}
 
 
 def test_self_wheel_is_complete_and_reproducible(tmp_path):
