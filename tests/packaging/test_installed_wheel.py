@@ -52,7 +52,7 @@ def installed(built, tmp_path_factory) -> dict:
     """A fresh venv outside the checkout with the wheel (and its dependencies) installed; an env without the checkout."""
     venv = tmp_path_factory.mktemp("venv") / "v"
     _run([sys.executable, "-m", "venv", venv], cwd=venv.parent)
-    _run([venv / "bin" / "pip", "install", "-q", "--disable-pip-version-check", built["wheel"]], cwd=venv.parent, timeout=600)
+    _run([venv / "bin" / "pip", "install", "-q", "--no-compile", "--disable-pip-version-check", built["wheel"]], cwd=venv.parent, timeout=600)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
     env["COLUMNS"] = "200"
@@ -80,7 +80,7 @@ def test_the_installed_wheel_works_from_another_directory(installed, tmp_path):
 
     # The fab workflow: clusterctl's fabfile from the install, through clusterctl-fab and through plain fab.
     listed = _run([bin_ / "clusterctl-fab", "--list"], cwd=cwd, env=env).stdout
-    assert re.findall(r"^\s+(\S+)", listed, re.M)[:4] == ["kill", "start", "status", "tail-log"], listed
+    assert re.findall(r"^  (\S+)", listed, re.M) == ["kill", "start", "status", "tail-log"], listed
     fab_dir = _run([bin_ / "clusterctl-fab", "--where"], cwd=cwd, env=env).stdout.strip()
     assert Path(fab_dir, "fabfile.py").is_file() and fab_dir.startswith(str(installed["venv"]))
     assert "tail-log" in _run([bin_ / "fab", "--search-root", fab_dir, "--list"], cwd=cwd, env=env).stdout
@@ -105,12 +105,14 @@ def test_the_installed_wheel_works_from_another_directory(installed, tmp_path):
         spec_path = Path(re.search(r"(/\S+/cluster\.yaml)", up.stdout).group(1))
         base = yaml.safe_load(spec_path.read_text())
         base["workspace"] = {"local": str(tmp_path), "remote": "work"}
-        base["provision"] = {"wheelhouse": True, "python": {"venv": "/opt/pkgvenv", "requirements": ["six==1.17.0"]}}
+        # /opt/venv: the node image's venv (creating one would be most of this test's time)
+        base["provision"] = {"wheelhouse": True, "python": {"venv": "/opt/venv", "requirements": ["six==1.17.0"]}}
         spec = tmp_path / "cluster.yaml"
         spec.write_text(yaml.safe_dump(base, sort_keys=False))
 
         assert _run([cli, "validate", spec], cwd=cwd, env=env).stdout.strip().startswith(f"{spec}: valid")
-        assert "PADDLE_TRAINER_ENDPOINTS" in _run([cli, "plan", spec], cwd=cwd, env=env).stdout
+        plan = _run([cli, "plan", spec, "--json"], cwd=cwd, env=env).stdout
+        assert "PADDLE_TRAINER_ENDPOINTS" in plan and json.loads(plan), plan
         hosts = _run([cli, "exec", spec, "--", "hostname"], cwd=cwd, env=env).stdout
         assert f"{CLUSTER}-node0" in hosts and f"{CLUSTER}-node1" in hosts, hosts
 
@@ -118,7 +120,7 @@ def test_the_installed_wheel_works_from_another_directory(installed, tmp_path):
         res = _run([cli, "provision", spec], cwd=cwd, env=cache, timeout=300)
         assert re.search(r"^4 changed, 0 failed, 0 ok in ", res.stdout, re.M), res.stdout
         assert "wheelhouse on" in res.stdout and "uploaded 1 wheel(s)" in res.stdout, res.stdout
-        six = _run([cli, "exec", spec, "--", "/opt/pkgvenv/bin/python", "-c", "import six; print(six.__version__)"], cwd=cwd, env=env)
+        six = _run([cli, "exec", spec, "--", "/opt/venv/bin/python", "-c", "import six; print(six.__version__)"], cwd=cwd, env=env)
         assert six.stdout.count("1.17.0") == 2, six.stdout
         again = _run([cli, "provision", spec], cwd=cwd, env=cache)
         assert re.search(r"^0 changed, 0 failed, 4 ok in ", again.stdout, re.M), again.stdout
