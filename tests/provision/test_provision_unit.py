@@ -398,7 +398,7 @@ def test_unreachable_names_refused_endpoints_quickly(tmp_path):
     assert (rc, _last(out)) == (0, f"CLUSTERCTL_STEP t ok 127.0.0.1:{port} (Connection refused)")
 
 
-def _facts(uid=1000, home="/home/ubuntu", sudo="ok", user="ubuntu") -> HostFacts:
+def _login(uid=1000, home="/home/ubuntu", sudo="ok", user="ubuntu") -> HostFacts:
     return HostFacts(uid=uid, home=home, sudo=sudo, user=user)
 
 
@@ -406,18 +406,18 @@ def test_needs_root_and_sudo_problems():
     from clusterctl.provision.steps import needs_root, sudo_problem
 
     prov = _spec(FULL).provision
-    user = _facts()
+    user = _login()
     assert [s for s in ("apt", "python", "gpu", "mpi", "ssh_mesh", "commands") if needs_root(s, prov, user)] == [
         "apt", "python", "gpu", "mpi"]
-    assert not any(needs_root(s, prov, _facts(uid=0, home="/root", sudo="root")) for s in ("apt", "python", "commands"))
+    assert not any(needs_root(s, prov, _login(uid=0, home="/root", sudo="root")) for s in ("apt", "python", "commands"))
     home_venv = _spec(FULL.replace("venv: /opt/jobvenv", "venv: /home/ubuntu/venv")).provision
     assert [s for s in ("python", "mpi") if needs_root(s, home_venv, user)] == []
     rooted = _spec(HEAD + "  commands:\n    - {name: x, run: 'true', creates: /x, root: true}\n").provision
     assert needs_root("commands", rooted, user)
-    assert sudo_problem("192.0.2.10", _facts(sudo="password")) == (
+    assert sudo_problem("192.0.2.10", _login(sudo="password")) == (
         "sudo needs a password for ubuntu on 192.0.2.10: allow NOPASSWD sudo or log in as root")
-    assert sudo_problem("h", _facts(sudo="missing")) == "sudo is not installed for ubuntu on h: install sudo (NOPASSWD) or log in as root"
-    assert sudo_problem("h", _facts()) == "" and sudo_problem("h", _facts(uid=0, sudo="root")) == ""
+    assert sudo_problem("h", _login(sudo="missing")) == "sudo is not installed for ubuntu on h: install sudo (NOPASSWD) or log in as root"
+    assert sudo_problem("h", _login()) == "" and sudo_problem("h", _login(uid=0, sudo="root")) == ""
 
 
 def test_root_commands_run_through_sudo_n_and_others_do_not(tmp_path):
