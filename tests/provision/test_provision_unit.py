@@ -512,3 +512,18 @@ def test_self_wheel_is_complete_and_reproducible(tmp_path):
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
     meta = zipfile.ZipFile(wheel).read(f"clusterctl-{version}.dist-info/METADATA").decode()
     assert f"Version: {version}\n" in meta and "Requires-Dist: fabric>=3.2" in meta
+
+
+def test_apt_reach_tries_apts_own_proxy(tmp_path):
+    from clusterctl.provision.render import environment
+
+    apt = environment().get_template("_apt.sh.j2").render(lock_timeout=1, step="t", check=False, force=False)
+    conf = tmp_path / "apt.conf"
+    conf.write_text('Acquire::http::Proxy "http://127.0.0.1:9/";\n')  # discard port: nothing listens there
+    script = _lib_script(apt + 'apt_reach "the archive" "\'http://deb.debian.org/debian/pool/x.deb\'"\nfinish ok\n')
+    env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"], "APT_CONFIG": str(conf)}
+    proc = subprocess.run(["bash", "-c", script, "x"], capture_output=True, env=env, timeout=60, check=False)
+    assert (proc.returncode, _last(proc.stdout.decode())) == (1, (
+        "CLUSTERCTL_STEP t failed cannot reach the archive: 127.0.0.1:9 (Connection refused); give a mirror this host "
+        "can reach in apt.sources (with apt.update: sources), or apt.offline: true (the controller downloads the "
+        "packages and uploads them)"))
