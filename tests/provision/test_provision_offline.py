@@ -150,6 +150,23 @@ def test_offline_apt_installs_jq_and_nvidia_packages_with_no_route_out(provclust
     assert "[apt] offline: 3 .deb(s) needed, 0 to upload" in log, log
 
 
+@pytest.mark.timeout(180)
+def test_offline_apt_serves_the_gpu_steps_apt_method(provcluster, prov_spec, cache_home, local_repos):
+    nodes = provcluster.nodes[:2]
+    _reset(nodes)
+    nvidia = {"name": "nvidia-local", "uri": f"file:{local_repos['nvidia']}", "trusted": True}
+    prov = {"apt": {"offline": _offline(), "lock_timeout": 5},
+            "cuda": {"version": "12.4", "method": "apt", "repository": nvidia}, "nccl": "2.21.5"}
+    spec = prov_spec(prov, nodes=[0, 1])
+    first = run_cli("provision", str(spec))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"  gpu on {nodes[0].ip}, {nodes[1].ip}: source offline; install {' '.join(NVIDIA)}; hold {' '.join(n.split('=')[0] for n in NVIDIA)}" in first.stdout, first.stdout
+    for node in nodes:
+        assert docker_exec(node.container, "dpkg-query", "-W", "-f", "${Version}", "libnccl2").stdout == "2.21.5-1+cuda12.4"
+    again = run_cli("provision", str(spec))
+    assert again.returncode == 0 and re.search(r"^0 changed, 0 failed, 2 ok in ", again.stdout, re.M), again.stdout
+
+
 SUDO_SETUP = (
     "set -e; id ubuntu >/dev/null 2>&1 || useradd -m -s /bin/bash ubuntu; "
     "usermod -p '*' ubuntu; "  # no password, but not locked: sshd (UsePAM no) refuses locked accounts
