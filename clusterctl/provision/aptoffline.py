@@ -34,7 +34,7 @@ from .schema import AptSource
 from .steps import source_line
 
 __all__ = ["HOST_STATE_SCRIPT", "HostAptState", "Deb", "parse_state", "missing_packages", "resolve", "download",
-           "packages_index", "release_file", "upload_plan", "upload_command", "local_root"]
+           "packages_index", "release_file", "upload_plan", "manifest", "upload_command", "local_root"]
 
 # Read on the host (any user): apt's configuration, keyrings, architecture, dpkg status, the local repo's files.
 HOST_STATE_SCRIPT = r"""
@@ -61,10 +61,17 @@ with open("/var/lib/dpkg/status", "rb") as fh:
     status = fh.read()
 arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
 files = {}
+try:  # what the controller uploaded earlier: name -> sha256 (written by it, beside the files)
+    with open(os.path.join(repo, "clusterctl-manifest.json")) as fh:
+        manifest = json.load(fh)
+except (OSError, ValueError):
+    manifest = {}
 if os.path.isdir(repo):
     for name in os.listdir(repo):
-        if os.path.isfile(os.path.join(repo, name)):
-            files[name] = os.path.getsize(os.path.join(repo, name))
+        path = os.path.join(repo, name)
+        if name.endswith(".deb") and os.path.isfile(path) and isinstance(manifest.get(name), list):
+            if manifest[name][0] == os.path.getsize(path):
+                files[name] = manifest[name]
 print(json.dumps({"arch": arch, "etc": base64.b64encode(buf.getvalue()).decode(), "skipped": skipped,
                   "status": base64.b64encode(status).decode(), "files": files}))
 """
@@ -77,7 +84,7 @@ class HostAptState:
     arch: str
     etc: bytes  # tar.gz of /etc/apt and /usr/share/keyrings
     status: bytes  # /var/lib/dpkg/status
-    files: dict[str, int] = field(default_factory=dict)  # the host's local repository: name -> size
+    files: dict[str, tuple[int, str]] = field(default_factory=dict)  # the host's repository: .deb -> (size, sha256)
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ def parse_state(stdout: str) -> HostAptState:
     try:
         data = json.loads(stdout.strip().splitlines()[-1])
         return HostAptState(data["arch"], base64.b64decode(data["etc"]), base64.b64decode(data["status"]),
-                            {str(k): int(v) for k, v in data.get("files", {}).items()})
+                            {str(k): (int(v[0]), str(v[1])) for k, v in data.get("files", {}).items()})
     except (ValueError, IndexError, KeyError, TypeError) as exc:
         raise ProvisionError(f"offline apt: the host's state is not readable ({exc.__class__.__name__}): {stdout[:200]!r}") from None
 
@@ -292,8 +299,15 @@ def release_file(packages: bytes) -> bytes:
 
 
 def upload_plan(paths: list[Path], state: HostAptState) -> list[Path]:
-    """The .debs the host's local repository does not already hold (by name and size)."""
-    return [p for p in paths if state.files.get(p.name) != p.stat().st_size]
+    """The .debs the host's local repository does not already hold (the same bytes: size and SHA256)."""
+    return [p for p in paths if state.files.get(p.name) != (p.stat().st_size, _sha256(p))]
+
+
+def manifest(paths: list[Path], state: HostAptState) -> bytes:
+    """The host repository's manifest after uploading `paths`: every .deb it holds -> [size, sha256]."""
+    out = {name: list(entry) for name, entry in state.files.items()}
+    out.update({p.name: [p.stat().st_size, _sha256(p)] for p in paths})
+    return json.dumps(dict(sorted(out.items()))).encode()
 
 
 def upload_command(remote_dir: str) -> str:

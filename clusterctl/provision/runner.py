@@ -16,7 +16,7 @@ from ..remote import UNREACHABLE, Result
 from . import aptoffline, mesh, wheelhouse
 from .probe import probe_hosts
 from .render import render_step
-from .steps import needs_root, requirements, selected_steps, step_context, sudo_problem
+from .steps import gpu_apt_packages, needs_root, requirements, selected_steps, step_context, sudo_problem
 
 __all__ = ["StepOutcome", "ProvisionReport", "provision", "parse_status", "log_dir", "STATUS_PREFIX"]
 
@@ -148,8 +148,8 @@ def provision(
                 continue
             if step == "wheelhouse":
                 outcomes = _wheelhouse(session, steps, alive, facts, check=check, force=force, log=logs.write)
-            elif step == "apt" and prov.apt.offline and prov.apt.offline.enabled:
-                outcomes = _offline_apt(session, alive, check=check, force=force, log=logs.write)
+            elif _offline(prov, step):
+                outcomes = _offline_apt(session, step, alive, check=check, force=force, log=logs.write)
                 rest = [h for h in alive if h not in outcomes]
                 if rest:
                     outcomes.update(_run_step(session, step, rest, facts, check=check, force=force, on_line=on_line(step)))
@@ -157,7 +157,7 @@ def provision(
                 outcomes = _run_step(session, step, alive, facts, check=check, force=force, on_line=on_line(step))
             for host, outcome in outcomes.items():
                 report.outcomes[(host, step)] = outcome
-                logs.write(host, step, f"=> {outcome.status} {outcome.reason}".rstrip())
+                logs.write(host, step, f"=> {outcome.status} {outcome.reason}".rstrip() + f" ({outcome.seconds:.1f}s)")
                 emit(host, step, "status", outcome.status)
                 if outcome.status == "failed":
                     dead[host] = f"{step} failed"
@@ -205,14 +205,29 @@ def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_
     return out
 
 
-def _offline_apt(session, hosts, *, check: bool, force: bool, log) -> dict[Host, StepOutcome]:
+def _offline(prov, step: str) -> bool:
+    """Whether `step` installs apt packages through offline apt (apt.offline: the apt step, the gpu step's apt part)."""
+    if not (prov.apt and prov.apt.offline and prov.apt.offline.enabled):
+        return False
+    return step == "apt" or (step == "gpu" and bool(gpu_apt_packages(prov)))
+
+
+def _offline_apt(session, step: str, hosts, *, check: bool, force: bool, log) -> dict[Host, StepOutcome]:
     """Offline apt's controller side (resolve, download once, upload what each host lacks); the hosts that failed it."""
     spec, remote = session.spec, session.remote
-    apt = spec.provision.apt
+    prov = spec.provision
+    apt = prov.apt
     remote_dir = apt.offline.remote
     cache = aptoffline.local_root(spec)
+    if step == "gpu":
+        if prov.cuda.repository is None:
+            raise ProvisionError("apt.offline with cuda.method apt needs cuda.repository (a repository the controller "
+                                 "can read: NVIDIA's URL, or a local mirror)")
+        wanted_pkgs, wanted_sources = gpu_apt_packages(prov), [prov.cuda.repository]
+    else:
+        wanted_pkgs, wanted_sources = list(apt.packages), list(apt.sources)
     sources = []
-    for src in apt.sources:
+    for src in wanted_sources:
         try:
             sources.append((src, spec.local_path(src.signed_by).read_bytes() if src.signed_by else b""))
         except OSError as exc:
@@ -230,22 +245,23 @@ def _offline_apt(session, hosts, *, check: bool, force: bool, log) -> dict[Host,
             continue
         try:
             state = aptoffline.parse_state(res.stdout)
-            wanted = aptoffline.missing_packages(list(apt.packages), state.status, force=force)
+            wanted = aptoffline.missing_packages(wanted_pkgs, state.status, force=force)
             debs = aptoffline.resolve(cache, state, wanted, sources, refresh=force, reinstall=force,
-                                      log=lambda line, host=host: log(host, "apt", line))
-            paths = aptoffline.download(cache, debs, log=lambda line, host=host: log(host, "apt", line))
+                                      log=lambda line, host=host: log(host, step, line))
+            paths = aptoffline.download(cache, debs, log=lambda line, host=host: log(host, step, line))
         except ProvisionError as exc:
             failed[host] = StepOutcome("failed", str(exc), time.monotonic() - t0)
             continue
         send = aptoffline.upload_plan(paths, state)
-        log(host, "apt", f"offline: {len(paths)} .deb(s) needed, {len(send)} to upload")
+        log(host, step, f"offline: {len(paths)} .deb(s) needed, {len(send)} to upload")
         if paths and not check:
             index = cache / "index" / host.label / "Packages"
             index.parent.mkdir(parents=True, exist_ok=True)
             packages = aptoffline.packages_index(paths)
             index.write_bytes(packages)
             (index.parent / "Release").write_bytes(aptoffline.release_file(packages))
-            uploads[host] = [*send, index, index.parent / "Release"]
+            (index.parent / "clusterctl-manifest.json").write_bytes(aptoffline.manifest(send, state))
+            uploads[host] = [*send, index, index.parent / "Release", index.parent / "clusterctl-manifest.json"]
     if uploads:
         sent = remote.run(aptoffline.upload_command(remote_dir), hosts=list(uploads),
                           stdin=lambda h: wheelhouse.tar_stream(uploads[h]), timeout=spec.provision.timeout,

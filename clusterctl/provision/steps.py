@@ -11,7 +11,7 @@ from ..errors import ProvisionError
 from . import versions
 from .schema import AptSource, ProvisionSpec
 
-__all__ = ["STEP_ORDER", "HostFacts", "needs_root", "sudo_problem", "selected_steps", "requirements", "step_context", "source_line", "read_requirements"]
+__all__ = ["STEP_ORDER", "HostFacts", "gpu_apt_packages", "needs_root", "sudo_problem", "selected_steps", "requirements", "step_context", "source_line", "read_requirements"]
 
 # The order steps run in; each later step may rely on the earlier ones (gpu/mpi need the venv).
 STEP_ORDER = ("wheelhouse", "apt", "python", "gpu", "mpi", "ssh_mesh", "commands")
@@ -129,6 +129,11 @@ def _gpu_pip(prov: ProvisionSpec) -> list[str]:
     return out
 
 
+def gpu_apt_packages(prov: ProvisionSpec) -> list[str]:
+    """The `name=version` apt packages the gpu step installs (cuda/cudnn/nccl with method apt)."""
+    return _gpu_apt(prov)
+
+
 def _gpu_apt(prov: ProvisionSpec) -> list[str]:
     cuda = prov.cuda.version if prov.cuda else ""
     out = []
@@ -223,6 +228,7 @@ def step_context(step: str, spec, *, check: bool, force: bool, wheelhouse_remote
             lock_timeout=int(apt.lock_timeout) if apt else 120,
             update=apt.update if apt else "all",
             repository=_source_ctx(spec, cuda.repository) if cuda.repository else None,
+            offline=apt.offline.remote if apt and apt.offline and apt.offline.enabled else "",
         )
     elif step == "mpi":
         ctx.update(pip, implementation=prov.mpi.implementation, requirements=_mpi_requirements(prov))

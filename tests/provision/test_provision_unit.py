@@ -353,3 +353,177 @@ def test_cli_without_provision_section_is_one_clean_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "clusterctl.cli", "provision", str(path), "--only", "gpu"], capture_output=True, text=True, check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip() == "clusterctl: error: --only gpu: the spec's provision section has no gpu step"
+
+
+# ---------------------------------------------------------------- failures, sudo, offline apt, packaging
+
+
+def _lib_script(body: str) -> str:
+    """The shared step prelude (_lib) followed by `body`, as a step script."""
+    from clusterctl.provision.render import environment
+
+    lib = environment().get_template("_lib.sh.j2").render(step="t", check=False, force=False)
+    return lib + body
+
+
+@pytest.mark.parametrize(
+    "output, cause",
+    [
+        ("Reading package lists...\nE: Unable to locate package jq\nE: second\n", "E: Unable to locate package jq"),
+        ("ERROR: Could not find a version that satisfies the requirement numpy (from versions: none)\n"
+         "ERROR: No matching distribution found for numpy\n", "No matching distribution found for numpy"),
+        ("Traceback (most recent call last):\n  File \"x\", line 1\n"
+         "PermissionError: [Errno 13] Permission denied: '/var/lib/dpkg/lock-frontend'\n",
+         "PermissionError: [Errno 13] Permission denied: '/var/lib/dpkg/lock-frontend'"),
+        ("something\nlast words\n\n", "last words"),
+        ("", ""),
+    ],
+)
+def test_run_why_picks_the_hosts_own_cause(tmp_path, output, cause):
+    (tmp_path / "out").write_text(output)
+    script = _lib_script(f'run_why bash -c "cat {tmp_path}/out; exit 3" || finish failed "$WHY"\n')
+    rc, out = _run_local(script, tmp_path)
+    assert (rc, _last(out)) == (1, f"CLUSTERCTL_STEP t failed {cause}".rstrip())
+    assert output.strip().splitlines()[:1] == out.splitlines()[:1] or not output  # the output still reaches the log
+
+
+def test_unreachable_names_refused_endpoints_quickly(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+        script = _lib_script(f'finish ok "$(unreachable http://127.0.0.1:{port}/debian file:/srv/x \'http://127.0.0.1:{port}/y\')"\n')
+        rc, out = _run_local(script, tmp_path)
+    assert (rc, _last(out)) == (0, f"CLUSTERCTL_STEP t ok 127.0.0.1:{port} (Connection refused)")
+
+
+def _login(uid=1000, home="/home/ubuntu", sudo="ok", user="ubuntu") -> HostFacts:
+    return HostFacts(uid=uid, home=home, sudo=sudo, user=user)
+
+
+def test_needs_root_and_sudo_problems():
+    from clusterctl.provision.steps import needs_root, sudo_problem
+
+    prov = _spec(FULL).provision
+    user = _login()
+    assert [s for s in ("apt", "python", "gpu", "mpi", "ssh_mesh", "commands") if needs_root(s, prov, user)] == [
+        "apt", "python", "gpu", "mpi"]
+    assert not any(needs_root(s, prov, _login(uid=0, home="/root", sudo="root")) for s in ("apt", "python", "commands"))
+    home_venv = _spec(FULL.replace("venv: /opt/jobvenv", "venv: /home/ubuntu/venv")).provision
+    assert [s for s in ("python", "mpi") if needs_root(s, home_venv, user)] == []
+    rooted = _spec(HEAD + "  commands:\n    - {name: x, run: 'true', creates: /x, root: true}\n").provision
+    assert needs_root("commands", rooted, user)
+    assert sudo_problem("192.0.2.10", _login(sudo="password")) == (
+        "sudo needs a password for ubuntu on 192.0.2.10: allow NOPASSWD sudo or log in as root")
+    assert sudo_problem("h", _login(sudo="missing")) == "sudo is not installed for ubuntu on h: install sudo (NOPASSWD) or log in as root"
+    assert sudo_problem("h", _login()) == "" and sudo_problem("h", _login(uid=0, sudo="root")) == ""
+
+
+def test_root_commands_run_through_sudo_n_and_others_do_not(tmp_path):
+    spec = _spec(HEAD + textwrap.indent(textwrap.dedent(f"""\
+        commands:
+          - {{name: asroot, run: "echo root > {tmp_path}/r", creates: {tmp_path}/r, root: true}}
+          - {{name: asuser, run: "echo user > {tmp_path}/u", creates: {tmp_path}/u}}
+        """), "  "))
+    script = render_step("commands.sh.j2", step_context("commands", spec, check=False, force=False, wheelhouse_remote=None, mesh=None))
+    assert 'AS=("${SUDO_RUN[@]}")' in script and "SUDO_RUN=(sudo -n env" in script
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sudo").write_text(f"#!/bin/sh\necho \"sudo $*\" >> {tmp_path}/sudo.log\nshift\nexec \"$@\"\n")
+    (fake / "sudo").chmod(0o755)
+    # a login user that is not root, whatever runs the test
+    (fake / "id").write_text('#!/bin/sh\nif [ "$1" = -u ]; then echo 1000; else exec /usr/bin/id "$@"; fi\n')
+    (fake / "id").chmod(0o755)
+    env = {"HOME": str(tmp_path), "PATH": f"{fake}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", script, "x"], capture_output=True, env=env, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout
+    calls = (tmp_path / "sudo.log").read_text().splitlines()
+    assert calls == [f"sudo -n env CLUSTERCTL_USER_HOME={tmp_path} test -e {tmp_path}/r",
+                     f"sudo -n env CLUSTERCTL_USER_HOME={tmp_path} bash -c echo root > {tmp_path}/r",
+                     f"sudo -n env CLUSTERCTL_USER_HOME={tmp_path} test -e {tmp_path}/r"]
+    assert (tmp_path / "u").read_text() == "user\n"
+
+
+STATUS = b"""Package: jq
+Status: install ok installed
+Version: 1.6-2.1
+
+Package: gone
+Status: deinstall ok config-files
+Version: 1.0
+
+Package: libnccl2
+Status: install ok installed
+Version: 2.20.5-1+cuda12.4
+"""
+
+
+def test_offline_missing_packages_reads_the_hosts_dpkg_status():
+    from clusterctl.provision.aptoffline import installed_versions, missing_packages
+
+    assert installed_versions(STATUS) == {"jq": "1.6-2.1", "libnccl2": "2.20.5-1+cuda12.4"}
+    assert missing_packages(["jq", "gone", "libnccl2=2.21.5-1+cuda12.4", "libnccl2x"], STATUS) == [
+        "gone", "libnccl2=2.21.5-1+cuda12.4", "libnccl2x"]
+    assert missing_packages(["jq", "libnccl2=2.20.5-1+cuda12.4"], STATUS) == []
+    assert missing_packages(["jq"], STATUS, force=True) == ["jq"]
+
+
+def test_offline_packages_index_and_upload_plan(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from provision_helpers import build_repo
+
+    from clusterctl.provision.aptoffline import HostAptState, packages_index, release_file, upload_plan
+
+    repo = build_repo(tmp_path, [("ctl-a", "1.0-1"), ("ctl-b", "2.0-1", "ctl-a (= 1.0-1)")])
+    debs = sorted(repo.glob("*.deb"))
+    index = packages_index(debs).decode()
+    stanzas = index.split("\n\n")
+    assert [s.splitlines()[0] for s in stanzas] == ["Package: ctl-a", "Package: ctl-b"]
+    assert f"Filename: ./{debs[0].name}\nSize: {debs[0].stat().st_size}\nSHA256: " in stanzas[0]
+    assert "Depends: ctl-a (= 1.0-1)" in stanzas[1]
+    assert release_file(index.encode()).decode().splitlines()[-1].endswith(f" {len(index.encode())} Packages")
+    import hashlib
+    import json
+
+    from clusterctl.provision.aptoffline import manifest
+
+    same = (debs[0].stat().st_size, hashlib.sha256(debs[0].read_bytes()).hexdigest())
+    other = (debs[1].stat().st_size, "0" * 64)  # same name and size, other bytes (a rebuilt package)
+    state = HostAptState("amd64", b"", b"", {debs[0].name: same, debs[1].name: other, "old.deb": (3, "ab")})
+    assert upload_plan(debs, state) == [debs[1]]
+    assert json.loads(manifest([debs[1]], state)) == {
+        debs[0].name: list(same), debs[1].name: [debs[1].stat().st_size, hashlib.sha256(debs[1].read_bytes()).hexdigest()],
+        "old.deb": [3, "ab"]}
+
+
+def test_self_wheel_is_complete_and_reproducible(tmp_path):
+    import zipfile
+
+    from clusterctl.provision.selfwheel import build_self_wheel
+
+    wheel, version = build_self_wheel(tmp_path / "a")
+    again, version2 = build_self_wheel(tmp_path / "b")
+    assert version == version2 and wheel.read_bytes() == again.read_bytes()
+    assert wheel.name == f"clusterctl-{version}-py3-none-any.whl" and "+src." in version
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"clusterctl/templates/provision/apt.sh.j2", "clusterctl/fab/fabfile.py", "clusterctl/py.typed",
+            f"clusterctl-{version}.dist-info/RECORD"} <= names
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    meta = zipfile.ZipFile(wheel).read(f"clusterctl-{version}.dist-info/METADATA").decode()
+    assert f"Version: {version}\n" in meta and "Requires-Dist: fabric>=3.2" in meta
+
+
+def test_apt_reach_tries_apts_own_proxy(tmp_path):
+    from clusterctl.provision.render import environment
+
+    apt = environment().get_template("_apt.sh.j2").render(lock_timeout=1, step="t", check=False, force=False)
+    conf = tmp_path / "apt.conf"
+    conf.write_text('Acquire::http::Proxy "http://127.0.0.1:9/";\n')  # discard port: nothing listens there
+    script = _lib_script(apt + 'apt_reach "the archive" "\'http://deb.debian.org/debian/pool/x.deb\'"\nfinish ok\n')
+    env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"], "APT_CONFIG": str(conf)}
+    proc = subprocess.run(["bash", "-c", script, "x"], capture_output=True, env=env, timeout=60, check=False)
+    assert (proc.returncode, _last(proc.stdout.decode())) == (1, (
+        "CLUSTERCTL_STEP t failed cannot reach the archive: 127.0.0.1:9 (Connection refused); give a mirror this host "
+        "can reach in apt.sources (with apt.update: sources), or apt.offline: true (the controller downloads the "
+        "packages and uploads them)"))
