@@ -38,7 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from clusterctl import testcluster as tc
+from clusterctl import testcluster as tc  # noqa: E402
 
 JOB_DIR = ROOT / "tests" / "integration" / "jobs"  # job.py: pservers listen, trainers print step=N
 KINDS = ("kill9_trainer", "kill9_pserver", "kill9_supervisor", "kill9_coordinator_supervisor", "pause_node",

@@ -132,12 +132,12 @@ class HostSpec(_Model):
         if isinstance(v, bool):
             raise ValueError("expected a GPU count or a list of GPU indices")
         if isinstance(v, int):
-            if v < 0:
-                raise ValueError("GPU count must be >= 0")
+            if not 0 <= v <= 1024:
+                raise ValueError("GPU count must be between 0 and 1024")
             return tuple(range(v))
         if isinstance(v, list):
-            if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in v):
-                raise ValueError("GPU indices must be integers >= 0")
+            if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= 1024 for i in v):
+                raise ValueError("GPU indices must be integers between 0 and 1024")
             if len(set(v)) != len(v):
                 raise ValueError("GPU indices must be distinct")
         return v

@@ -12,7 +12,7 @@ from clusterlib import ROOT
 pytestmark = pytest.mark.integration
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import soak
+import soak  # noqa: E402
 
 
 @pytest.mark.timeout(150)

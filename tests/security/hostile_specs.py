@@ -64,6 +64,8 @@ def cases() -> dict[str, bytes]:
     c["tag-map-on-scalar"] = "name: !!map c\n" + VALID[8:]
     c["tag-seq-on-map"] = "job: !!seq {entrypoint: [python]}\nname: c\nhosts: [{address: h1}]\n"
     # huge and odd numbers
+    c["gpus-huge-count"] = "name: c\nhosts: [{address: h1, gpus: 100000000000}]\njob: {entrypoint: [x]}\n"
+    c["gpus-huge-index"] = "name: c\nhosts: [{address: h1, gpus: [100000000000]}]\njob: {entrypoint: [x]}\n"
     c["port-5000-digits"] = VALID + "ssh: {port: " + "9" * 5000 + "}\n"
     c["port-10000-digits"] = VALID + "ssh: {port: 1" + "0" * 10000 + "}\n"
     for port in ("-1", "0", "65536", "99999999999999999999", "0x10000", "1_000_000", ".inf", ".nan", "1.5",
