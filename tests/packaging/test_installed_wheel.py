@@ -80,7 +80,7 @@ def test_the_installed_wheel_works_from_another_directory(installed, tmp_path):
 
     # The fab workflow: clusterctl's fabfile from the install, through clusterctl-fab and through plain fab.
     listed = _run([bin_ / "clusterctl-fab", "--list"], cwd=cwd, env=env).stdout
-    assert re.findall(r"^  (\S+)", listed, re.M) == ["kill", "start", "status", "tail-log"], listed
+    assert re.findall(r"^  (\S+)", listed, re.M) == ["dispatch", "doctor", "exec", "kill", "provision", "start", "status", "tail-log"], listed
     fab_dir = _run([bin_ / "clusterctl-fab", "--where"], cwd=cwd, env=env).stdout.strip()
     assert Path(fab_dir, "fabfile.py").is_file() and fab_dir.startswith(str(installed["venv"]))
     assert "tail-log" in _run([bin_ / "fab", "--search-root", fab_dir, "--list"], cwd=cwd, env=env).stdout
