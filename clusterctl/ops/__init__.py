@@ -2,34 +2,61 @@
 
 from __future__ import annotations
 
+import os
+import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from ..plan import JobPlan, make_plan
+from ..plan import JobPlan
 from ..remote import Remote, SshOptions
-from ..spec import ClusterSpec, load_spec
+
+if TYPE_CHECKING:  # the spec models (pydantic) load only on a plan-cache miss or when an operation needs them
+    from ..spec import ClusterSpec
 
 __all__ = ["Session", "open_session", "plan_for"]
 
 
 class Session:
-    """A loaded spec, its plan, and a Remote to its hosts: what every operation works on."""
+    """A loaded spec, its plan, and a Remote to its hosts: what every operation works on.
 
-    def __init__(self, spec: ClusterSpec, plan: JobPlan, remote: Remote):
-        self.spec, self.plan, self.remote = spec, plan, remote
+    From a cached plan (clusterctl.plancache) the spec is loaded only when an operation asks for it."""
+
+    def __init__(self, spec: "ClusterSpec | None", plan: JobPlan, remote: Remote, *, spec_path: str | None = None):
+        self._spec, self._spec_path, self.plan, self.remote = spec, spec_path, plan, remote
+
+    @property
+    def spec(self) -> "ClusterSpec":
+        """The validated spec (loaded on first use when the session was opened from a cached plan)."""
+        if self._spec is None:
+            from ..spec import load_spec
+
+            self._spec = load_spec(self._spec_path)
+        return self._spec
+
+    @spec.setter
+    def spec(self, value: "ClusterSpec") -> None:
+        self._spec = value
 
 
 def plan_for(spec: ClusterSpec) -> JobPlan:
     """The plan of `spec`: its hosts resolved as `ssh` would (the user's ssh config), its data files
     listed from the controller's disk. A problem the plan finds is reported as a spec error, at its key."""
+    return _plan_for(spec, _data_files(spec))
+
+
+def _data_files(spec: ClusterSpec) -> list[str] | None:
+    if spec.data is None:
+        return None
+    from .dispatch import list_data_files  # dispatch's imports (pathspec) cost ~0.1 s: only for specs with data
+
+    return list_data_files(spec)
+
+
+def _plan_for(spec: ClusterSpec, data_files: list[str] | None) -> JobPlan:
     from ..errors import SpecError, SpecProblem
-    from ..plan import PlanError, ssh_targets
+    from ..plan import PlanError, make_plan, ssh_targets
     from ..sshconfig import config_path, resolve
 
-    data_files = None
-    if spec.data is not None:  # dispatch's imports (pathspec) cost ~0.1 s: only for specs with data
-        from .dispatch import list_data_files
-
-        data_files = list_data_files(spec)
     resolved = resolve(ssh_targets(spec), config_path(spec))
     try:
         return make_plan(spec, data_files=data_files, resolved=resolved)
@@ -55,8 +82,37 @@ def _dotted(path: tuple) -> str:
 
 @contextmanager
 def open_session(spec_or_path: "str | ClusterSpec"):
-    """Load (if given a path) and plan a spec, open a Remote to its hosts, close it afterwards."""
-    spec = spec_or_path if isinstance(spec_or_path, ClusterSpec) else load_spec(spec_or_path)
-    plan = plan_for(spec)
-    with Remote(plan.hosts, SshOptions.from_spec(spec)) as remote:
-        yield Session(spec, plan, remote)
+    """Load (if given a path) and plan a spec, open a Remote to its hosts, close it afterwards.
+
+    Given a path, the plan comes from clusterctl.plancache when the spec and everything it reads are
+    unchanged since the last command (no spec models imported, no `ssh -G`); otherwise the spec is
+    loaded and validated as always (same errors) and the plan kept for next time."""
+    if not isinstance(spec_or_path, (str, os.PathLike)):
+        spec = spec_or_path
+        plan = plan_for(spec)
+        options = SshOptions.from_spec(spec)
+        path = None
+    else:
+        from .. import plancache
+
+        path = str(spec_or_path)
+        cached = plancache.load(path)
+        if cached is not None:
+            spec, plan, options = None, cached.plan, cached.options
+        else:
+            from ..spec import load_spec
+
+            started = time.time_ns()
+            try:
+                with open(path, "rb") as fh:
+                    spec_bytes: bytes | None = fh.read()
+            except OSError:
+                spec_bytes = None  # load_spec reports it
+            spec = load_spec(path)
+            data_files = _data_files(spec)
+            plan = _plan_for(spec, data_files)
+            options = SshOptions.from_spec(spec)
+            if spec_bytes is not None:
+                plancache.store(path, spec_bytes, started, spec, plan, options, data_files)
+    with Remote(plan.hosts, options) as remote:
+        yield Session(spec, plan, remote, spec_path=path)
