@@ -109,11 +109,8 @@ def inputs_of(spec, data_files: list[str] | None) -> dict:
         for f in cfgs:
             for p in [f, *_siblings(f)]:
                 files[p] = None
-    listing = {}
-    if spec.data is not None and data_files is not None:
-        root = str(spec.local_path(spec.data.local))
-        listing[root] = None
-    return {"files": sorted(files), "listings": sorted(listing)}
+    listings = [str(spec.local_path(spec.data.local))] if spec.data is not None and data_files is not None else []
+    return {"files": sorted(files), "listings": listings}
 
 
 def _digests(inputs: dict) -> dict:

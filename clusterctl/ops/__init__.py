@@ -13,7 +13,7 @@ from ..remote import Remote, SshOptions
 if TYPE_CHECKING:  # the spec models (pydantic) load only on a plan-cache miss or when an operation needs them
     from ..spec import ClusterSpec
 
-__all__ = ["Session", "open_session", "plan_for"]
+__all__ = ["Session", "open_session", "plan_for", "load_plan"]
 
 
 class Session:
@@ -80,39 +80,41 @@ def _dotted(path: tuple) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(path))
 
 
+def load_plan(path: str) -> "tuple[ClusterSpec | None, JobPlan, SshOptions]":
+    """The spec at `path`, its plan and connection options: from clusterctl.plancache when the spec and
+    everything it reads are unchanged since a command last planned it (the spec is then None: neither the
+    spec models nor `ssh -G` were needed), else loaded and validated as always and kept for next time."""
+    from .. import plancache
+
+    cached = plancache.load(path)
+    if cached is not None:
+        return None, cached.plan, cached.options
+    from ..spec import load_spec
+
+    started = time.time_ns()
+    try:
+        with open(path, "rb") as fh:
+            spec_bytes: bytes | None = fh.read()
+    except OSError:
+        spec_bytes = None  # load_spec reports it
+    spec = load_spec(path)
+    data_files = _data_files(spec)
+    plan = _plan_for(spec, data_files)
+    options = SshOptions.from_spec(spec)
+    if spec_bytes is not None:
+        plancache.store(path, spec_bytes, started, spec, plan, options, data_files)
+    return spec, plan, options
+
+
 @contextmanager
 def open_session(spec_or_path: "str | ClusterSpec"):
-    """Load (if given a path) and plan a spec, open a Remote to its hosts, close it afterwards.
-
-    Given a path, the plan comes from clusterctl.plancache when the spec and everything it reads are
-    unchanged since the last command (no spec models imported, no `ssh -G`); otherwise the spec is
-    loaded and validated as always (same errors) and the plan kept for next time."""
-    if not isinstance(spec_or_path, (str, os.PathLike)):
-        spec = spec_or_path
-        plan = plan_for(spec)
-        options = SshOptions.from_spec(spec)
-        path = None
+    """Load (if given a path: through load_plan's cache) and plan a spec, open a Remote to its hosts,
+    close it afterwards."""
+    if isinstance(spec_or_path, (str, os.PathLike)):
+        path: str | None = str(spec_or_path)
+        spec, plan, options = load_plan(path)
     else:
-        from .. import plancache
-
-        path = str(spec_or_path)
-        cached = plancache.load(path)
-        if cached is not None:
-            spec, plan, options = None, cached.plan, cached.options
-        else:
-            from ..spec import load_spec
-
-            started = time.time_ns()
-            try:
-                with open(path, "rb") as fh:
-                    spec_bytes: bytes | None = fh.read()
-            except OSError:
-                spec_bytes = None  # load_spec reports it
-            spec = load_spec(path)
-            data_files = _data_files(spec)
-            plan = _plan_for(spec, data_files)
-            options = SshOptions.from_spec(spec)
-            if spec_bytes is not None:
-                plancache.store(path, spec_bytes, started, spec, plan, options, data_files)
+        path, spec = None, spec_or_path
+        plan, options = plan_for(spec), SshOptions.from_spec(spec)
     with Remote(plan.hosts, options) as remote:
         yield Session(spec, plan, remote, spec_path=path)
