@@ -7,8 +7,8 @@ input it was made from is unchanged, compared by content:
 
 - the spec file's bytes (sha256) and the hostfile's, when the spec names one;
 - with `data:`, the listing of every file under data.local (names, not contents: the plan deals names);
-- the ssh config files `ssh -G` reads (the ones clusterctl.sshconfig's cache checks), and whether an
-  `ssh` binary is on PATH;
+- the ssh config files `ssh -G` reads and the files beside them, by size and mtime (the stamp that
+  clusterctl.sshconfig's own cache checks), and whether an `ssh` binary is on PATH;
 - the login user, home directory and uid (what `ssh -G` and `~` resolve to);
 - clusterctl's own code (every module's size and mtime): a new version plans anew.
 
@@ -32,7 +32,7 @@ from .remote import SshOptions
 
 __all__ = ["CachedPlan", "load", "store", "inputs_of", "entry_path"]
 
-_VERSION = 1
+_VERSION = 2
 _CLASSES = {c.__name__: c for c in (Host, Process, MpiLaunch, JobPlan, SshOptions)}
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -94,28 +94,37 @@ def _env_stamp() -> list:
 
 
 def inputs_of(spec, data_files: list[str] | None) -> dict:
-    """What a loaded spec's plan was made from besides the spec's bytes: files to re-read, by digest."""
+    """What a loaded spec's plan was made from besides the spec's bytes: files re-read (by content),
+    ssh config files (by size and mtime, as clusterctl.sshconfig's own cache), data trees (by listing)."""
     from .sshconfig import SYSTEM_CONFIG, USER_CONFIG, _siblings, config_path
 
-    files: dict[str, str | None] = {}
+    files = []
     if spec.hostfile is not None:
         hostfile = Path(spec.hostfile).expanduser()
         if not hostfile.is_absolute():
             hostfile = Path(spec.source).resolve().parent / hostfile
-        files[str(hostfile)] = None
+        files.append(str(hostfile))
     config = config_path(spec)
+    stamped: list[str] = []
     if config is None or config.lower() != "none":
         cfgs = [os.path.expanduser(config)] if config is not None else [SYSTEM_CONFIG, os.path.expanduser(USER_CONFIG)]
-        for f in cfgs:
-            for p in [f, *_siblings(f)]:
-                files[p] = None
+        stamped = sorted({p for f in cfgs for p in [f, *_siblings(f)]})
     listings = [str(spec.local_path(spec.data.local))] if spec.data is not None and data_files is not None else []
-    return {"files": sorted(files), "listings": listings}
+    return {"files": files, "stamped": stamped, "listings": listings}
+
+
+def _stat_stamp(path: str) -> list | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
 
 
 def _digests(inputs: dict) -> dict:
     return {
         "files": {p: _file_digest(p) for p in inputs["files"]},
+        "stamped": {p: _stat_stamp(p) for p in inputs["stamped"]},
         "listings": {p: _listing_digest(p) for p in inputs["listings"]},
         "code": _code_stamp(),
         "env": _env_stamp(),
@@ -197,7 +206,7 @@ def store(spec_path: str, spec_bytes: bytes, started_ns: int, spec, plan: JobPla
     second of the start or after it (the entry could pair new bytes with an old plan: git's "racy" rule).
     Never fails the caller: a cache that cannot be written is only slower."""
     inputs = inputs_of(spec, data_files)
-    if _changed_since(started_ns - _RACY_NS, [spec_path, *inputs["files"]], inputs["listings"]):
+    if _changed_since(started_ns - _RACY_NS, [spec_path, *inputs["files"], *inputs["stamped"]], inputs["listings"]):
         return
     hosts: dict = {}
     try:

@@ -208,3 +208,16 @@ def test_exec_on_a_cache_hit_imports_no_pydantic_paramiko_fabric(project):
     assert "clusterctl.plancache" in hit
     for absent in ("pydantic", "clusterctl.spec", "paramiko", "fabric", "invoke", "yaml", "rich", "jinja2", "numpy", "zmq"):
         assert absent not in hit, f"{absent} imported on a cache hit"
+
+
+def test_a_changed_ssh_config_is_a_miss(project):
+    """The ssh config files are checked by size and mtime, as clusterctl.sshconfig's own cache does."""
+    (project / "sshcfg").write_text("Host 10.0.0.1\n  Port 2201\n")
+    (project / "cluster.yaml").write_text(SPEC.replace("config: none", "config: sshcfg").replace("  port: 2222\n", ""))
+    _age(project / "sshcfg", project / "cluster.yaml", project)
+    _, plan, _ = load_plan("cluster.yaml")
+    assert [h.port for h in plan.hosts] == [2201, 22]
+    assert load_plan("cluster.yaml")[0] is None
+    (project / "sshcfg").write_text("Host 10.0.0.1\n  Port 2209\n")
+    spec, plan, _ = load_plan("cluster.yaml")
+    assert spec is not None and [h.port for h in plan.hosts] == [2209, 22]
