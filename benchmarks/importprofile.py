@@ -4,8 +4,8 @@ module count, the medians of each top-level package's own import time, and which
 
     .venv/bin/python benchmarks/importprofile.py [--python PY] [--repeat 5] -- exec cluster.yaml -- true
 
-The command runs for real (an `exec` reaches the hosts); run it once before (the plan cache fills on
-the first run) unless the cold path is what you want to see. importtime's own overhead inflates the
+The command runs for real (an `exec` reaches the hosts); one untimed run goes first (it fills the plan
+cache), unless `--cold`. importtime's own overhead inflates the
 figures: compare them with each other, and quote wall times from benchmarks/fanout.py.
 """
 
@@ -36,9 +36,12 @@ def main() -> int:
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--cold", action="store_true", help="no untimed first run")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     ns = ap.parse_args()
     args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    if not ns.cold:
+        profile(ns.python, args)
     runs = [profile(ns.python, args) for _ in range(ns.repeat)]
     packages: dict[str, list[int]] = {}
     for run in runs:

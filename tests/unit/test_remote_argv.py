@@ -179,3 +179,30 @@ def test_a_shed_connection_is_retried_with_a_fresh_stdin(monkeypatch):
         res = remote._collect(host, "cat", remote._popen(host, "cat"), lambda: [b"x" * 100_000], 30, remote_mod.time.monotonic())
     assert (res.exit_code, res.stdout) == (0, "100000")
     assert Path(counter.name).read_text() == "3"
+
+
+def test_a_shed_try_prints_nothing_and_the_try_that_stands_prints_everything(monkeypatch):
+    """Streamed lines (exec, logs): ssh's pre-login lines of a shed try are dropped, not shown as if the
+    host had failed; those of the try that stands are shown, in order, stdout and stderr alike."""
+    import subprocess
+    import sys as _sys
+
+    host = Host("10.0.0.7", 22, "root", 0)
+    script = ("import sys; n = int(open(sys.argv[1]).read() or 0); open(sys.argv[1], 'w').write(str(n + 1));\n"
+              "if n < 2:\n"
+              "    sys.stderr.write('kex_exchange_identification: Connection closed by remote host\\n'\n"
+              "                     'Connection closed by UNKNOWN port 65535\\n'); sys.exit(255)\n"
+              "sys.stderr.write('Connection closed by a user line\\nwarning: w\\n'); sys.stdout.write('ran\\n')")
+    counter = tempfile.NamedTemporaryFile(delete=False)
+    seen = []
+    with Remote([host], SshOptions()) as remote:
+        monkeypatch.setattr(remote, "_popen", lambda h, c: subprocess.Popen(
+            [_sys.executable, "-c", script, counter.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE))
+        monkeypatch.setattr(remote_mod.time, "sleep", lambda s: None)
+        res = remote._collect(host, "true", remote._popen(host, "true"), lambda: [], 30, remote_mod.time.monotonic(),
+                              on_line=lambda h, stream, line: seen.append((stream, line)))
+    assert (res.exit_code, res.stdout) == (0, "ran\n")
+    assert Path(counter.name).read_text() == "3"
+    assert sorted(seen) == [("err", "Connection closed by a user line"), ("err", "warning: w"), ("out", "ran")]
+    assert [ln for s, ln in seen if s == "err"] == ["Connection closed by a user line", "warning: w"]
