@@ -498,7 +498,7 @@ _FINAL = ("Connection refused", "timed out", "Could not resolve", "Permission de
 
 
 # What ssh prints when a connection is closed before the login (see _shed), on its own or through a bastion.
-_PRELOGIN = re.compile(r"(kex_exchange_identification: |Connection (closed|reset) by )")
+_PRELOGIN = re.compile(r"(kex_exchange_identification: |banner exchange: Connection to |Connection (closed|reset) by )")
 
 
 class _PreLoginLines:
@@ -535,7 +535,10 @@ def _shed(stderr: str) -> bool:
     reason of its own: what sshd's MaxStartups does to a burst of connections. Never for a refusal, a
     timeout, a failed login or a host key problem."""
     # the identification exchange is the first thing on a connection: a failure there ran nothing yet
-    return "kex_exchange_identification" in stderr and not any(word in stderr for word in _FINAL)
+    # through a bastion the drop can also reach our ssh as a failed write of its banner ("banner exchange:
+    # Connection to UNKNOWN port 65535: Broken pipe", seen with 64 hosts behind one bastion)
+    return ("kex_exchange_identification" in stderr or "banner exchange: Connection to" in stderr) and not any(
+        word in stderr for word in _FINAL)
 
 
 _CONTROL_DIRS: dict[str, str | None] = {}

@@ -150,6 +150,8 @@ def test_ssh_failures_read_as_one_line_naming_the_host():
 @pytest.mark.parametrize("stderr, retried", [
     ("kex_exchange_identification: read: Connection reset by peer\r\nConnection reset by 10.0.0.7 port 22", True),
     ("kex_exchange_identification: Connection closed by remote host\nConnection closed by UNKNOWN port 65535", True),
+    ("banner exchange: Connection to UNKNOWN port 65535: Broken pipe", True),  # a bastion's drop, seen from our side
+    ("Connection timed out during banner exchange\nConnection to 10.0.0.7 port 22 timed out", False),
     ("ssh: connect to host 10.0.0.7 port 22: Connection refused", False),
     ("Connection closed by 10.0.0.7 port 22", False),  # after the login: the command may have run
     ("kex_exchange_identification: Connection closed by remote host\nssh: connect to host b port 22: timed out", False),
