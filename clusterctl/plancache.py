@@ -32,7 +32,7 @@ from .remote import SshOptions
 
 __all__ = ["CachedPlan", "load", "store", "inputs_of", "entry_path"]
 
-_VERSION = 2
+_VERSION = 3
 _CLASSES = {c.__name__: c for c in (Host, Process, MpiLaunch, JobPlan, SshOptions)}
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -134,45 +134,64 @@ def _digests(inputs: dict) -> dict:
 # --- an exact JSON form of the plan dataclasses (tuples stay tuples, hosts are shared, not copied) ---
 
 
-def _encode(value, hosts: dict):
+_LONG = 32  # strings at least this long are stored once (the endpoint lists every process's env repeats)
+
+
+class _Memo:
+    """What an entry stores once: hosts (shared by their processes) and long strings."""
+
+    def __init__(self, strings: list[str] | None = None):
+        self.host_ids: dict[int, int] = {}  # id(Host) -> its number (encoding)
+        self.hosts: list = []  # number -> Host (decoding)
+        self.string_ids: dict[str, int] = {}
+        self.strings: list[str] = strings if strings is not None else []
+
+
+def _encode(value, memo: _Memo):
+    if isinstance(value, str) and len(value) >= _LONG:
+        if value not in memo.string_ids:
+            memo.string_ids[value] = len(memo.strings)
+            memo.strings.append(value)
+        return {"s": memo.string_ids[value]}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, Host) and id(value) in hosts:
-        return {"h": hosts[id(value)][0]}
+    if isinstance(value, Host) and id(value) in memo.host_ids:
+        return {"h": memo.host_ids[id(value)]}
     if is_dataclass(value) and type(value).__name__ in _CLASSES and type(value) is _CLASSES[type(value).__name__]:
-        enc = {"c": type(value).__name__, "f": {f.name: _encode(getattr(value, f.name), hosts) for f in fields(value) if f.init}}
+        enc = {"c": type(value).__name__, "f": {f.name: _encode(getattr(value, f.name), memo) for f in fields(value) if f.init}}
         if isinstance(value, Host):
-            hosts[id(value)] = (len(hosts), value)
-            enc["n"] = hosts[id(value)][0]
+            memo.host_ids[id(value)] = len(memo.host_ids)
         return enc
     if isinstance(value, tuple):
-        return {"t": [_encode(v, hosts) for v in value]}
+        return {"t": [_encode(v, memo) for v in value]}
     if isinstance(value, list):
-        return {"l": [_encode(v, hosts) for v in value]}
+        return {"l": [_encode(v, memo) for v in value]}
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {"d": {k: _encode(v, hosts) for k, v in value.items()}}
+        return {"d": {k: _encode(v, memo) for k, v in value.items()}}
     raise TypeError(f"plan cache: cannot store a {type(value).__name__}")
 
 
-def _decode(value, hosts: dict):
+def _decode(value, memo: _Memo):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if not isinstance(value, dict) or len(value) not in (1, 2, 3):
+    if not isinstance(value, dict) or len(value) not in (1, 2):
         raise ValueError("garbled entry")
+    if "s" in value:
+        return memo.strings[value["s"]]
     if "h" in value:
-        return hosts[value["h"]]
+        return memo.hosts[value["h"]]
     if "c" in value:
         cls = _CLASSES[value["c"]]
-        obj = cls(**{k: _decode(v, hosts) for k, v in value["f"].items()})
-        if cls is Host:
-            hosts[value["n"]] = obj
+        obj = cls(**{k: _decode(v, memo) for k, v in value["f"].items()})
+        if cls is Host:  # numbered in the order the encoder met them, which is the order we meet them
+            memo.hosts.append(obj)
         return obj
     if "t" in value:
-        return tuple(_decode(v, hosts) for v in value["t"])
+        return tuple(_decode(v, memo) for v in value["t"])
     if "l" in value:
-        return [_decode(v, hosts) for v in value["l"]]
+        return [_decode(v, memo) for v in value["l"]]
     if "d" in value:
-        return {k: _decode(v, hosts) for k, v in value["d"].items()}
+        return {k: _decode(v, memo) for k, v in value["d"].items()}
     raise ValueError("garbled entry")
 
 
@@ -190,8 +209,11 @@ def load(spec_path: str) -> CachedPlan | None:
             return None
         if _digests(entry["inputs"]) != entry["digests"]:
             return None
-        hosts: dict = {}
-        plan, options = _decode(entry["plan"], hosts), _decode(entry["options"], hosts)
+        strings = entry["strings"]
+        if not isinstance(strings, list) or not all(isinstance(x, str) for x in strings):
+            return None
+        memo = _Memo(strings)
+        plan, options = _decode(entry["plan"], memo), _decode(entry["options"], memo)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError):  # a garbled entry is a miss
         return None
     if not isinstance(plan, JobPlan) or not isinstance(options, SshOptions):
@@ -208,10 +230,12 @@ def store(spec_path: str, spec_bytes: bytes, started_ns: int, spec, plan: JobPla
     inputs = inputs_of(spec, data_files)
     if _changed_since(started_ns - _RACY_NS, [spec_path, *inputs["files"], *inputs["stamped"]], inputs["listings"]):
         return
-    hosts: dict = {}
+    if len(plan.processes) > _MAX_PROCESSES:
+        return
+    memo = _Memo()
     try:
         entry = {"version": _VERSION, "spec": _sha(spec_bytes), "inputs": inputs, "digests": _digests(inputs),
-                 "plan": _encode(plan, hosts), "options": _encode(options, hosts)}
+                 "plan": _encode(plan, memo), "options": _encode(options, memo), "strings": memo.strings}
     except (OSError, TypeError):
         return
     path = entry_path(spec_path)
@@ -226,6 +250,9 @@ def store(spec_path: str, spec_bytes: bytes, started_ns: int, spec, plan: JobPla
 
 
 _RACY_NS = 1_000_000_000
+# Plans larger than this are not kept: reading back thousands of processes' environments costs about
+# what planning does (docs/benchmarks.md, plans for 10,000 processes).
+_MAX_PROCESSES = 4096
 
 
 def _changed_since(when_ns: int, files: list[str], trees: list[str]) -> bool:

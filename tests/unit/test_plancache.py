@@ -221,3 +221,14 @@ def test_a_changed_ssh_config_is_a_miss(project):
     (project / "sshcfg").write_text("Host 10.0.0.1\n  Port 2209\n")
     spec, plan, _ = load_plan("cluster.yaml")
     assert spec is not None and [h.port for h in plan.hosts] == [2209, 22]
+
+
+def test_long_strings_are_stored_once_and_huge_plans_not_at_all(project, monkeypatch):
+    _, plan, _ = load_plan("cluster.yaml")
+    endpoints = plan.trainers[0].env["PADDLE_TRAINER_ENDPOINTS"]
+    assert len(endpoints) >= plancache._LONG
+    assert plancache.entry_path("cluster.yaml").read_text().count(endpoints) == 1
+    plancache.entry_path("cluster.yaml").unlink()
+    monkeypatch.setattr(plancache, "_MAX_PROCESSES", len(plan.processes) - 1)
+    assert load_plan("cluster.yaml")[0] is not None
+    assert not plancache.entry_path("cluster.yaml").exists()
