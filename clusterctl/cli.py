@@ -7,11 +7,8 @@ import importlib
 import json
 import sys
 
-from rich.markup import escape
-from rich.table import Table
-
 from . import __version__
-from .console import LinePrinter, err, error, out, setup_logging
+from .console import LinePrinter, error, setup_logging
 from .errors import ClusterctlError, SpecError
 
 __all__ = ["main", "build_parser", "guarded"]
@@ -19,10 +16,25 @@ __all__ = ["main", "build_parser", "guarded"]
 # Modules that add their own subcommands with `add_cli(subparsers)`; missing ones are skipped.
 _PLUGINS = ("clusterctl.testcluster", "clusterctl.ops.lifecycle_cli", "clusterctl.ops.provision_cli", "clusterctl.demo",
             "clusterctl.k8s", "clusterctl.testcluster_slurm")
+# The plugin that adds each command, so that `clusterctl status` imports that one plugin, not all of them
+# (they cost up to ~0.2 s: yaml, rich, the spec models). A command missing here (a new one) or no command
+# at all (`--help`) loads every plugin; tests/unit/test_cli_fast.py checks this table against the plugins.
+_COMMAND_PLUGIN = {
+    "testcluster": "clusterctl.testcluster",
+    **dict.fromkeys(("dispatch", "start", "status", "logs", "stop"), "clusterctl.ops.lifecycle_cli"),
+    **dict.fromkeys(("provision", "doctor"), "clusterctl.ops.provision_cli"),
+    "demo": "clusterctl.demo",
+    "k8s": "clusterctl.k8s",
+    "testcluster-slurm": "clusterctl.testcluster_slurm",
+}
+_CORE_COMMANDS = ("validate", "plan", "exec")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Validate a spec; print a one-line summary."""
+    from rich.markup import escape
+
+    from .console import out
     from .ops import plan_for
     from .spec import load_spec
 
@@ -61,6 +73,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(dumps_plan(plan.to_json(expand=args.expand)))
         return 0
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .console import out
+
     procs = plan.processes
     shown = procs if args.all or len(procs) <= PLAN_ROWS else procs[: PLAN_ROWS - 8] + procs[-8:]
     table = Table(title=f"job {plan.job} ({plan.mode})", title_justify="left")
@@ -119,12 +136,17 @@ def cmd_exec(args: argparse.Namespace) -> int:
         if res.exit_code == 255 and not res.stdout:
             error(res.stderr)
         elif res.exit_code:
+            from rich.markup import escape
+
+            from .console import err
+
             err.print(f"[yellow]\\[{escape(host.label)}] exit {res.exit_code}[/]")
     return worst_exit_code(results)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser, plugins included."""
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser, plugins included: all of them, or with `argv` given only the one (if any)
+    that adds the command `argv` names."""
     parser = argparse.ArgumentParser(prog="clusterctl", description="Run distributed training over SSH.")
     parser.add_argument("--version", action="version", version=f"clusterctl {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -147,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     p.set_defaults(func=cmd_exec)
 
-    for name in _PLUGINS:
+    for name in _plugins_for(argv):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -158,9 +180,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plugins_for(argv: list[str] | None) -> tuple[str, ...]:
+    """The plugins to import to parse `argv` (None: all of them)."""
+    for arg in argv if argv is not None else ():
+        if arg in ("-h", "--help", "--version"):
+            break  # the top-level help lists every command
+        if not arg.startswith("-"):  # the only global option (-v) takes no value: this is the command
+            if arg in _CORE_COMMANDS:
+                return ()
+            plugin = _COMMAND_PLUGIN.get(arg)
+            return (plugin,) if plugin in _PLUGINS else _PLUGINS
+    return _PLUGINS
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `clusterctl` console script."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     return guarded(lambda: args.func(args))
@@ -172,6 +208,10 @@ def guarded(fn) -> int:
     try:
         return int(fn() or 0)
     except SpecError as exc:
+        from rich.markup import escape
+
+        from .console import err
+
         for problem in exc.problems:
             err.print(escape(str(problem)))
         return exc.exit_code

@@ -6,22 +6,58 @@ import logging
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.logging import RichHandler
-from rich.markup import escape
+if TYPE_CHECKING:
+    from rich.console import Console
 
-from .plan import Host
+    from .plan import Host
+
+    out: Console  # module attributes made on first access by __getattr__ below
+    err: Console
 
 __all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "write_line", "printable"]
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# `out` and `err` (rich Consoles) are made on first use: rich costs ~0.1 s to import, and a command that
+# only streams lines (`exec`) or fails early never needs it (module __getattr__, PEP 562).
+_consoles: dict = {}
+
+
+def _console(name: str):
+    if name not in _consoles:
+        from rich.console import Console
+
+        _consoles[name] = Console(stderr=name == "err", highlight=False, soft_wrap=True)
+    return _consoles[name]
+
+
+def __getattr__(name: str):
+    """`out` / `err`: the stdout / stderr rich Console, created (and rich imported) on first access."""
+    if name in ("out", "err"):
+        return _console(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _LazyRichHandler(logging.Handler):
+    """A RichHandler on `err`, made (rich imported) when the first record arrives."""
+
+    def __init__(self, level: int = logging.NOTSET):
+        super().__init__(level)
+        self._rich: logging.Handler | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Hand the record to the RichHandler, creating it first when needed."""
+        if self._rich is None:
+            from rich.logging import RichHandler
+
+            self._rich = RichHandler(console=_console("err"), show_time=False, show_path=False, markup=False)
+            self._rich.setFormatter(self.formatter)
+        self._rich.handle(record)
 
 
 def setup_logging(verbose: bool = False) -> None:
     """Send clusterctl's log records (warnings by default) to stderr."""
-    handler = RichHandler(console=err, show_time=False, show_path=False, markup=False)
+    handler = _LazyRichHandler()
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, handlers=[handler], format="%(message)s")
     logging.getLogger("paramiko").setLevel(logging.CRITICAL)  # its failures reach the user as our messages
 
@@ -36,8 +72,10 @@ def printable(text: str) -> str:
 
 def error(message: str) -> None:
     """Print an error message, one `clusterctl: error:` line per line of `message`."""
+    from rich.markup import escape
+
     for line in str(message).splitlines() or [""]:
-        err.print(f"[bold red]clusterctl: error:[/] {escape(printable(line))}")
+        _console("err").print(f"[bold red]clusterctl: error:[/] {escape(printable(line))}")
 
 
 class LinePrinter:

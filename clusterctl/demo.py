@@ -87,7 +87,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     wheel, version = build_wheel(Path(info.state_dir) / "dist")
     spec_path = demo_spec(Path(info.spec_path), Path(info.state_dir) / "demo.yaml", wheel, version)
     out.print(f"{DEMO_NODES} nodes up ({'reused' if info.reused else 'started'}); spec: {escape(str(spec_path))}")
-    cmd_plan(argparse.Namespace(spec=str(spec_path), json=False))
+    cmd_plan(argparse.Namespace(spec=str(spec_path), json=False, expand=False, all=False))
 
     out.print(Rule("2. provision: venv + numpy, pyzmq, clusterctl from a wheelhouse (nodes have no internet)"))
     t0 = time.monotonic()

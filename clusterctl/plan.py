@@ -10,10 +10,13 @@ import functools
 import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import ClusterctlError
-from .spec import ClusterSpec, PserversPerHost
 from .sshconfig import Resolved, Target, unresolved
+
+if TYPE_CHECKING:  # the spec models (pydantic) load only where a spec is laid out, not for a cached plan
+    from .spec import ClusterSpec
 
 __all__ = [
     "Host", "Process", "JobPlan", "MpiLaunch", "PlanError", "make_plan", "make_hosts", "ssh_targets", "render_args", "deal_shards", "DATA_ENV",
@@ -440,6 +443,8 @@ def _env(user_env: dict[str, str], common: dict[str, str], *, role: str, endpoin
 
 
 def _pserver_hosts(spec: ClusterSpec, hosts: tuple[Host, ...]) -> list[Host]:
+    from .spec import PserversPerHost
+
     p = spec.job.pservers
     if spec.job.mode != "pserver":
         return []

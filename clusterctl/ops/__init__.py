@@ -2,35 +2,62 @@
 
 from __future__ import annotations
 
+import os
+import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from ..errors import ClusterctlError
-from ..plan import JobPlan, make_plan
+from ..plan import JobPlan
 from ..remote import Remote, SshOptions
-from ..spec import ClusterSpec, load_spec
 
-__all__ = ["Session", "open_session", "plan_for"]
+if TYPE_CHECKING:  # the spec models (pydantic) load only on a plan-cache miss or when an operation needs them
+    from ..spec import ClusterSpec
+
+__all__ = ["Session", "open_session", "plan_for", "load_plan"]
 
 
 class Session:
-    """A loaded spec, its plan, and a Remote to its hosts: what every operation works on."""
+    """A loaded spec, its plan, and a Remote to its hosts: what every operation works on.
 
-    def __init__(self, spec: ClusterSpec, plan: JobPlan, remote: Remote):
-        self.spec, self.plan, self.remote = spec, plan, remote
+    From a cached plan (clusterctl.plancache) the spec is loaded only when an operation asks for it."""
+
+    def __init__(self, spec: "ClusterSpec | None", plan: JobPlan, remote: Remote, *, spec_path: str | None = None):
+        self._spec, self._spec_path, self.plan, self.remote = spec, spec_path, plan, remote
+
+    @property
+    def spec(self) -> "ClusterSpec":
+        """The validated spec (loaded on first use when the session was opened from a cached plan)."""
+        if self._spec is None:
+            from ..spec import load_spec
+
+            self._spec = load_spec(self._spec_path)
+        return self._spec
+
+    @spec.setter
+    def spec(self, value: "ClusterSpec") -> None:
+        self._spec = value
 
 
 def plan_for(spec: ClusterSpec) -> JobPlan:
     """The plan of `spec`: its hosts resolved as `ssh` would (the user's ssh config), its data files
     listed from the controller's disk. A problem the plan finds is reported as a spec error, at its key."""
+    return _plan_for(spec, _data_files(spec))
+
+
+def _data_files(spec: ClusterSpec) -> list[str] | None:
+    if spec.data is None:
+        return None
+    from .dispatch import list_data_files  # dispatch's imports (pathspec) cost ~0.1 s: only for specs with data
+
+    return list_data_files(spec)
+
+
+def _plan_for(spec: ClusterSpec, data_files: list[str] | None) -> JobPlan:
     from ..errors import SpecError, SpecProblem
-    from ..plan import PlanError, ssh_targets
+    from ..plan import PlanError, make_plan, ssh_targets
     from ..sshconfig import config_path, resolve
 
-    data_files = None
-    if spec.data is not None:  # dispatch's imports (pathspec) cost ~0.1 s: only for specs with data
-        from .dispatch import list_data_files
-
-        data_files = list_data_files(spec)
     resolved = resolve(ssh_targets(spec), config_path(spec))
     try:
         return make_plan(spec, data_files=data_files, resolved=resolved)
@@ -54,13 +81,50 @@ def _dotted(path: tuple) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(path))
 
 
-@contextmanager
-def open_session(spec_or_path: "str | ClusterSpec"):
-    """Load (if given a path) and plan a spec, open a Remote to its hosts, close it afterwards."""
-    spec = spec_or_path if isinstance(spec_or_path, ClusterSpec) else load_spec(spec_or_path)
-    if spec.backend == "slurm":  # its hosts are placeholders until the job runs (ops/slurm.py)
+def load_plan(path: str) -> "tuple[ClusterSpec | None, JobPlan, SshOptions]":
+    """The spec at `path`, its plan and connection options: from clusterctl.plancache when the spec and
+    everything it reads are unchanged since a command last planned it (the spec is then None: neither the
+    spec models nor `ssh -G` were needed), else loaded and validated as always and kept for next time."""
+    from .. import plancache
+
+    cached = plancache.load(path)
+    if cached is not None:
+        return None, cached.plan, cached.options
+    from ..spec import load_spec
+
+    started = time.time_ns()
+    try:
+        with open(path, "rb") as fh:
+            spec_bytes: bytes | None = fh.read()
+    except OSError:
+        spec_bytes = None  # load_spec reports it
+    spec = load_spec(path)
+    _refuse_slurm(spec)
+    data_files = _data_files(spec)
+    plan = _plan_for(spec, data_files)
+    options = SshOptions.from_spec(spec)
+    if spec_bytes is not None:
+        plancache.store(path, spec_bytes, started, spec, plan, options, data_files)
+    return spec, plan, options
+
+
+def _refuse_slurm(spec: "ClusterSpec") -> None:
+    """SSH operations need SSH hosts: a Slurm spec's hosts are placeholders until its job runs (ops/slurm.py)."""
+    if spec.backend == "slurm":
         raise ClusterctlError(f"{spec.source}: this command works on SSH hosts; with backend: slurm use "
                               "dispatch, start, status, logs or stop")
-    plan = plan_for(spec)
-    with Remote(plan.hosts, SshOptions.from_spec(spec)) as remote:
-        yield Session(spec, plan, remote)
+
+
+@contextmanager
+def open_session(spec_or_path: "str | ClusterSpec"):
+    """Load (if given a path: through load_plan's cache) and plan a spec, open a Remote to its hosts,
+    close it afterwards."""
+    if isinstance(spec_or_path, (str, os.PathLike)):
+        path: str | None = str(spec_or_path)
+        spec, plan, options = load_plan(path)
+    else:
+        path, spec = None, spec_or_path
+        _refuse_slurm(spec)
+        plan, options = plan_for(spec), SshOptions.from_spec(spec)
+    with Remote(plan.hosts, options) as remote:
+        yield Session(spec, plan, remote, spec_path=path)

@@ -150,6 +150,8 @@ def test_ssh_failures_read_as_one_line_naming_the_host():
 @pytest.mark.parametrize("stderr, retried", [
     ("kex_exchange_identification: read: Connection reset by peer\r\nConnection reset by 10.0.0.7 port 22", True),
     ("kex_exchange_identification: Connection closed by remote host\nConnection closed by UNKNOWN port 65535", True),
+    ("banner exchange: Connection to UNKNOWN port 65535: Broken pipe", True),  # a bastion's drop, seen from our side
+    ("Connection timed out during banner exchange\nConnection to 10.0.0.7 port 22 timed out", False),
     ("ssh: connect to host 10.0.0.7 port 22: Connection refused", False),
     ("Connection closed by 10.0.0.7 port 22", False),  # after the login: the command may have run
     ("kex_exchange_identification: Connection closed by remote host\nssh: connect to host b port 22: timed out", False),
@@ -179,3 +181,30 @@ def test_a_shed_connection_is_retried_with_a_fresh_stdin(monkeypatch):
         res = remote._collect(host, "cat", remote._popen(host, "cat"), lambda: [b"x" * 100_000], 30, remote_mod.time.monotonic())
     assert (res.exit_code, res.stdout) == (0, "100000")
     assert Path(counter.name).read_text() == "3"
+
+
+def test_a_shed_try_prints_nothing_and_the_try_that_stands_prints_everything(monkeypatch):
+    """Streamed lines (exec, logs): ssh's pre-login lines of a shed try are dropped, not shown as if the
+    host had failed; those of the try that stands are shown, in order, stdout and stderr alike."""
+    import subprocess
+    import sys as _sys
+
+    host = Host("10.0.0.7", 22, "root", 0)
+    script = ("import sys; n = int(open(sys.argv[1]).read() or 0); open(sys.argv[1], 'w').write(str(n + 1));\n"
+              "if n < 2:\n"
+              "    sys.stderr.write('kex_exchange_identification: Connection closed by remote host\\n'\n"
+              "                     'Connection closed by UNKNOWN port 65535\\n'); sys.exit(255)\n"
+              "sys.stderr.write('Connection closed by a user line\\nwarning: w\\n'); sys.stdout.write('ran\\n')")
+    counter = tempfile.NamedTemporaryFile(delete=False)
+    seen = []
+    with Remote([host], SshOptions()) as remote:
+        monkeypatch.setattr(remote, "_popen", lambda h, c: subprocess.Popen(
+            [_sys.executable, "-c", script, counter.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE))
+        monkeypatch.setattr(remote_mod.time, "sleep", lambda s: None)
+        res = remote._collect(host, "true", remote._popen(host, "true"), lambda: [], 30, remote_mod.time.monotonic(),
+                              on_line=lambda h, stream, line: seen.append((stream, line)))
+    assert (res.exit_code, res.stdout) == (0, "ran\n")
+    assert Path(counter.name).read_text() == "3"
+    assert sorted(seen) == [("err", "Connection closed by a user line"), ("err", "warning: w"), ("out", "ran")]
+    assert [ln for s, ln in seen if s == "err"] == ["Connection closed by a user line", "warning: w"]
