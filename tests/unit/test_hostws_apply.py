@@ -137,10 +137,17 @@ def test_previous_generations_are_never_modified_and_the_spare_is_recycled(sites
     assert tree(v1_dir) == v1  # the old generation still holds the old bytes (patched into new files)
     (v1_dir / "left-by-a-job.txt").write_text("x")  # a job that ran in v1 wrote into its workspace
     (v1_dir / "d1" / "f1.bin").unlink()
+    (v1_dir / "job-out" / "deep").mkdir(parents=True)  # and a directory tree of its own
+    (v1_dir / "job-out" / "deep" / "ckpt").write_text("x")
+    (v1_dir / "d0" / "f0.bin").unlink()  # a file replaced by another inode, and one by a symlink
+    (v1_dir / "d0" / "f0.bin").write_text("job's own")
+    (v1_dir / "d0" / "f3.bin").unlink()
+    (v1_dir / "d0" / "f3.bin").symlink_to(v1_dir / "job-out" / "deep" / "ckpt")
     edit(ws / "d0/f0.bin", 0, b"v3")
     (ws / "d2" / "f2.bin").unlink()
     push(ws, root)  # builds v3 out of v1's directory
     assert not v1_dir.exists()
+    assert not (root / "job-out").exists() and not (root / "d0" / "f3.bin").is_symlink()
     assert tree(root) == tree(ws)
     assert tree(v2_dir) == v2
     unchanged = "d0/f3.bin"
