@@ -100,9 +100,7 @@ def measured(step, cgroups: list[Path]):
 _CONTROL = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: socket paths
 
 
-def rsync_all(ws: Path, ips: list[str], info, dest: str, tuned: bool = False) -> tuple[float, int]:
-    """rsync to every node at once. `tuned`: its ssh given what clusterctl's has — the same key exchange
-    (no sntrup761 hybrid), cipher order and connections kept open between runs (ControlPersist)."""
+def _ssh_command(info, tuned: bool) -> str:
     ssh = (
         f"ssh -i {info.key_path} -o UserKnownHostsFile={info.known_hosts_path} "
         "-o StrictHostKeyChecking=yes -o BatchMode=yes"
@@ -110,10 +108,17 @@ def rsync_all(ws: Path, ips: list[str], info, dest: str, tuned: bool = False) ->
     if tuned:
         ssh += (f" -o KexAlgorithms={remote_mod._KEX} -o ControlMaster=auto -o ControlPath={_CONTROL}/%C"
                 " -o ControlPersist=60" + (f" -o Ciphers={remote_mod._CIPHERS}" if remote_mod._CIPHERS else ""))
+    return ssh
+
+
+def rsync_all(ws: Path, ips: list[str], info, dest: str, tuned: bool = False, extra: tuple[str, ...] = ()) -> tuple[float, int]:
+    """rsync to every node at once. `tuned`: its ssh given what clusterctl's has — the same key exchange
+    (no sntrup761 hybrid), cipher order and connections kept open between runs (ControlPersist)."""
+    ssh = _ssh_command(info, tuned)
     t0 = time.perf_counter()
     procs = [
         subprocess.Popen(
-            ["rsync", "-a", "--delete", "--stats", "-e", ssh, f"{ws}/", f"root@{ip}:{dest}/"],
+            ["rsync", "-a", "--delete", "--stats", *extra, "-e", ssh, f"{ws}/", f"root@{ip}:{dest}/"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for ip in ips
@@ -124,6 +129,27 @@ def rsync_all(ws: Path, ips: list[str], info, dest: str, tuned: bool = False) ->
         if p.returncode:
             raise SystemExit(f"rsync failed: {err}")
         sent += int(re.search(r"Total bytes sent: ([\d,]+)", out).group(1).replace(",", ""))
+    return time.perf_counter() - t0, sent
+
+
+_GENERATIONS: dict[str, int] = {}
+
+
+def rsync_generations(ws: Path, ips: list[str], info, base: str) -> tuple[float, int]:
+    """rsync as the engine of our host layout (ssh as ours): each run fills a new directory BASE.d/gN,
+    unchanged files hard-linked from the previous generation (--link-dest, which is also the basis of the
+    delta transfer), then switches the symlink BASE to it atomically over the same kept connections. No
+    drift report, no manifest, no pruning: the least an rsync-based dispatch would cost."""
+    k = _GENERATIONS[base] = _GENERATIONS.get(base, -1) + 1
+    parent, name = base.rsplit("/", 1)
+    t0 = time.perf_counter()
+    _, sent = rsync_all(ws, ips, info, f"{base}.d/g{k}", tuned=True,
+                        extra=(*([f"--link-dest=../g{k - 1}"] if k else []),
+                               f"--rsync-path=mkdir -p {base}.d && rsync"))
+    switch = f"cd {parent} && ln -sfn {name}.d/g{k} {name}.tmp && mv -T {name}.tmp {name}"
+    procs = [subprocess.Popen([*_ssh_command(info, True).split(), f"root@{ip}", switch]) for ip in ips]
+    if any(p.wait() for p in procs):
+        raise SystemExit("switching the generation failed")
     return time.perf_counter() - t0, sent
 
 
@@ -159,9 +185,16 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--name", default="clusterctl-bench")
     ap.add_argument("--no-first", action="store_true", help="time only the 1%% changes (one untimed first dispatch)")
+    ap.add_argument("--link-dest", action="store_true",
+                    help="one more peer: rsync (ssh as ours) into hard-linked generations with an atomic switch")
     ap.add_argument("--no-start", action="store_true", help="skip the start-latency measurement")
     args = ap.parse_args()
 
+    # The command is timed as an installed package runs: with its modules' bytecode cached (pip writes it
+    # at install; a checkout under PYTHONDONTWRITEBYTECODE=1 would compile every module on every run).
+    import compileall
+
+    compileall.compile_dir(str(Path(__file__).resolve().parent.parent / "clusterctl"), quiet=1)
     info = tc.up(args.nodes, name=args.name)
     base = yaml.safe_load(Path(info.spec_path).read_text())
     ips = [n.ip for n in info.nodes][: args.nodes]
@@ -171,7 +204,7 @@ def main() -> int:
         ws = Path(tmp) / "ws"
         paths = make_workspace(ws)
         results: dict[str, list[tuple[float, int, float, float]]] = {
-            f"{who}-{case}": [] for case in ("first", "1%", "1% (CLI)") for who in ("ours", "rsync", "tuned")
+            f"{who}-{case}": [] for case in ("first", "1%", "1% (CLI)") for who in ("ours", "rsync", "tuned", "gens")
         }
         subprocess.run(["pdsh", "-R", "ssh", "-l", "root", "-w", ",".join(ips), "rm -rf bench"],
                        env={**os.environ, "PDSH_SSH_ARGS_APPEND": f"-i {info.key_path} -o UserKnownHostsFile={info.known_hosts_path}"},
@@ -187,6 +220,8 @@ def main() -> int:
                 "rsync": lambda: rsync_all(ws, ips, info, f"bench/{run}-rs{t_}"),
                 "tuned": lambda: rsync_all(ws, ips, info, f"bench/{run}-rt{t_}", tuned=True),
             }
+            if args.link_dest:
+                peers["gens"] = lambda: rsync_generations(ws, ips, info, f"bench/{run}-rg{t_}")
             steps = [("ours", lambda: ours(spec)), *peers.items()]
             loads.append(os.getloadavg()[0])
             for name, step in steps if r % 2 == 0 else steps[::-1]:  # alternate who goes first: 1.6 GB of
@@ -215,15 +250,24 @@ def main() -> int:
             o, r_, t = med[f"ours-{case}"], med[f"rsync-{case}"], med[f"tuned-{case}"]
             print(f"| {case} | {o[0]:.2f} | {r_[0]:.2f} | {o[0] / r_[0]:.2f} | {t[0]:.2f} | {o[0] / t[0]:.2f} "
                   f"| {o[1]:,.0f} | {r_[1]:,.0f} |")
+        if args.link_dest:
+            print("\n| case | clusterctl (s) | rsync into hard-linked generations + switch, ssh as ours (s) | ours ÷ that |")
+            print("| --- | ---: | ---: | ---: |")
+            for case in cases:
+                o, g = med[f"ours-{case}"], med[f"gens-{case}"]
+                print(f"| {case} | {o[0]:.2f} | {g[0]:.2f} | {o[0] / g[0]:.2f} |")
         print("\nCPU seconds, medians (controller / all hosts together):\n")
-        print("| case | clusterctl | rsync ×N | rsync ×N, ssh as ours |")
-        print("| --- | ---: | ---: | ---: |")
+        print("| case | clusterctl | rsync ×N | rsync ×N, ssh as ours |" + (" rsync generations |" if args.link_dest else ""))
+        print("| --- | ---: | ---: | ---: |" + (" ---: |" if args.link_dest else ""))
         for case in cases:
             o, r_, t = med[f"ours-{case}"], med[f"rsync-{case}"], med[f"tuned-{case}"]
-            print(f"| {case} | {o[2]:.2f} / {o[3]:.2f} | {r_[2]:.2f} / {r_[3]:.2f} | {t[2]:.2f} / {t[3]:.2f} |")
-        print("\nPer run (s; ours / rsync / rsync with ssh as ours):")
+            g = med.get(f"gens-{case}")
+            print(f"| {case} | {o[2]:.2f} / {o[3]:.2f} | {r_[2]:.2f} / {r_[3]:.2f} | {t[2]:.2f} / {t[3]:.2f} |"
+                  + (f" {g[2]:.2f} / {g[3]:.2f} |" if g else ""))
+        print("\nPer run (s; ours / rsync / rsync with ssh as ours" + (" / rsync generations" if args.link_dest else "") + "):")
         for case in cases:
-            runs = zip(*(results[f"{who}-{case}"] for who in ("ours", "rsync", "tuned")), strict=True)
+            runs = zip(*(results[f"{who}-{case}"] for who in ("ours", "rsync", "tuned", "gens")[: 3 + args.link_dest]),
+                       strict=True)
             print(f"- {case}: " + ", ".join("/".join(f"{x[0]:.2f}" for x in triple) for triple in runs))
         if args.no_start:
             return 0
