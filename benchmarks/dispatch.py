@@ -144,7 +144,9 @@ def rsync_generations(ws: Path, ips: list[str], info, base: str) -> tuple[float,
     parent, name = base.rsplit("/", 1)
     t0 = time.perf_counter()
     _, sent = rsync_all(ws, ips, info, f"{base}.d/g{k}", tuned=True,
-                        extra=(*([f"--link-dest=../g{k - 1}"] if k else []),
+                        # absolute: a relative --link-dest basis fails verification with the hosts'
+                        # rsync 3.2.7 (Debian's CVE fixes; RsyncProject/rsync#928)
+                        extra=(*([f"--link-dest=/root/{base}.d/g{k - 1}"] if k else []),
                                f"--rsync-path=mkdir -p {base}.d && rsync"))
     switch = f"cd {parent} && ln -sfn {name}.d/g{k} {name}.tmp && mv -T {name}.tmp {name}"
     procs = [subprocess.Popen([*_ssh_command(info, True).split(), f"root@{ip}", switch]) for ip in ips]
