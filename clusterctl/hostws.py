@@ -226,32 +226,6 @@ def recycle(spare, live, staging, manifest, skip, live_stats):
     return True
 
 
-def recycle_ahead(gens, live_gen, manifest, live_stats):
-    """Before the update is known: the spare generation made a copy of the live one (recycle() with
-    nothing skipped), as (the spare's name, the copy's path); None without a spare, or if that failed
-    (the copy is then made once the update is known, as without a spare)."""
-    live = os.path.join(gens, live_gen)
-    spare = spare_gen(gens, live_gen) if os.path.isdir(live) else None
-    if spare is None:
-        return None
-    staging = os.path.join(gens, f"{spare}.{os.getpid()}.tmp")
-    try:
-        if recycle(os.path.join(gens, spare), live, staging, manifest, (), live_stats):
-            return spare, staging
-    except OSError:
-        rmtree(staging)
-    return None
-
-
-def unstage(ahead):
-    """A copy made ahead and not used becomes the spare generation again (its manifest is still there)."""
-    spare, staging = ahead
-    try:
-        os.rename(staging, os.path.join(os.path.dirname(staging), spare))
-    except OSError:
-        rmtree(staging)
-
-
 def remove_paths(staging, delete):
     """Delete files (before extraction, so a file may replace a directory) and directories left empty."""
     for rel in delete:
@@ -434,52 +408,39 @@ def cmd_apply(root):
     manifest = load_manifest(gens, old)
     live_stats = {}
     drift = find_drift(os.path.join(gens, old), manifest, live_stats) if old is not None else []
-    # While the controller scans and plans, the spare generation becomes a copy of the live one (the
-    # update then replaces what it changes, never writing through a link): that work leaves the critical
-    # path. Given nothing to do, or an update it does not apply, the copy is the spare again.
-    ahead = recycle_ahead(gens, old, manifest, live_stats) if old is not None and not drift else None
-    try:
-        length = read_exact(0, 16, eof_ok=True)
-        if not length:  # started ahead and then not needed: nothing to do
-            return
-        header = marshal.loads(read_exact(0, int(length)))
-        gen, changes, patches, delete = header["gen"], header["changes"], header.get("patches", {}), header["delete"]
-        for rel in (*changes, *patches, *delete):  # checked once here: every use below joins them as they are
-            if safe_rel(rel) != rel:
-                fail(f"refusing path that is not normal and relative: {rel!r}")
+    length = read_exact(0, 16, eof_ok=True)
+    if not length:  # started ahead and then not needed: nothing to do
+        return
+    header = marshal.loads(read_exact(0, int(length)))
+    gen, changes, patches, delete = header["gen"], header["changes"], header.get("patches", {}), header["delete"]
+    for rel in (*changes, *patches, *delete):  # checked once here: every use below joins them as they are
+        if safe_rel(rel) != rel:
+            fail(f"refusing path that is not normal and relative: {rel!r}")
 
-        def stale(reason, drift):
-            reply({"stale": reason, "gen": old, "manifest": manifest, "drift": drift})
+    def stale(reason, drift):
+        reply({"stale": reason, "gen": old, "manifest": manifest, "drift": drift})
 
-        if old != header["base"]:
-            if header.get("check"):
-                return stale(f"generation is {old}, not {header['base']}", [])
-            fail(f"{root} changed during dispatch (now {old}, expected {header['base']}); dispatch again")
-        if header.get("check") and drift:
-            return stale("drift", drift)
-        if not changes and not patches and not delete:
-            return reply({"gen": old, "previous": old, "written": 0, "deleted": 0, "unchanged": True})
-        staging, ahead = (ahead[1] if ahead else None), None  # from here on, the copy made ahead is used
-    finally:
-        if ahead is not None:
-            unstage(ahead)
+    if old != header["base"]:
+        if header.get("check"):
+            return stale(f"generation is {old}, not {header['base']}", [])
+        fail(f"{root} changed during dispatch (now {old}, expected {header['base']}); dispatch again")
+    if header.get("check") and drift:
+        return stale("drift", drift)
+    if not changes and not patches and not delete:
+        return reply({"gen": old, "previous": old, "written": 0, "deleted": 0, "unchanged": True})
     new_manifest = dict(manifest)
     new_manifest.update(changes)
     new_manifest.update({rel: p["e"] for rel, p in patches.items()})
     for rel in delete:
         new_manifest.pop(rel, None)
     os.makedirs(gens, exist_ok=True)
-    made_ahead = staging is not None
-    if not made_ahead:
-        staging = os.path.join(gens, gen + ".tmp")
-        if os.path.exists(staging):
-            rmtree(staging)
+    staging = os.path.join(gens, gen + ".tmp")
+    if os.path.exists(staging):
+        rmtree(staging)
     try:
         live = os.path.join(gens, old) if old is not None else None
-        spare = spare_gen(gens, old) if live is not None and not made_ahead else None
-        if made_ahead:
-            pass
-        elif live is None or not os.path.isdir(live):
+        spare = spare_gen(gens, old) if live is not None else None
+        if live is None or not os.path.isdir(live):
             os.makedirs(staging)
         elif spare is None or not recycle(os.path.join(gens, spare), live, staging, manifest,
                                           set(changes) | set(patches) | set(delete), live_stats):

@@ -294,29 +294,3 @@ def test_paths_that_are_not_normal_are_refused(tmp_path):
         res = host("apply", root, b"%016d" % len(blob) + blob)
         assert res.returncode == 1 and b"refusing" in res.stderr, (bad, res.stderr)
         assert not (tmp_path / "escape").exists() and not root.exists()
-
-
-def test_the_copy_made_ahead_is_the_spare_again_when_not_used(sites):
-    """`apply` turns the spare generation into a copy of the live one before its update arrives; given no
-    update, an unchanged one, a stale one or a broken one, that copy is the spare again, under its name."""
-    ws, root = sites
-    make_ws(ws, n=4)
-    push(ws, root)
-    edit(ws / "d0/f0.bin", 0, b"v2")
-    push(ws, root)  # now a live generation and a spare
-    gens = root.parent / "ws.d"
-    listing, live = sorted(os.listdir(gens)), tree(root)
-    spare = next(n for n in listing if n != os.path.basename(os.readlink(root)) and (gens / n).is_dir())
-    files, view = d.scan_workspace(ws, ()), state(root)
-    recorded = d._HostView(view.gen, view.manifest, check=True)
-    elsewhere = d._HostView("20000101-000000-00000000", view.manifest, check=True)
-    for stdin in (b"", d._plan_host("g-same", recorded, files).header, d._plan_host("g-stale", elsewhere, files).header,
-                  b"00000000"):
-        res = host("apply", root, stdin)
-        assert res.returncode in (0, 1), res.stderr
-        assert sorted(os.listdir(gens)) == listing and tree(root) == live
-    assert tree(gens / spare) == live  # the copy made ahead: the next update starts from it
-    edit(ws / "d1/f1.bin", 0, b"v3")
-    push(ws, root)
-    assert spare not in os.listdir(gens) and tree(root) == tree(ws)
-    assert_no_drift(root)
