@@ -208,9 +208,12 @@ def main() -> int:
         results: dict[str, list[tuple[float, int, float, float]]] = {
             f"{who}-{case}": [] for case in ("first", "1%", "1% (CLI)") for who in ("ours", "rsync", "tuned", "gens")
         }
-        subprocess.run(["pdsh", "-R", "ssh", "-l", "root", "-w", ",".join(ips), "rm -rf bench"],
-                       env={**os.environ, "PDSH_SSH_ARGS_APPEND": f"-i {info.key_path} -o UserKnownHostsFile={info.known_hosts_path}"},
-                       capture_output=True)
+        def remove(what: str) -> None:
+            subprocess.run(["pdsh", "-R", "ssh", "-l", "root", "-w", ",".join(ips), f"rm -rf {what}"],
+                           env={**os.environ, "PDSH_SSH_ARGS_APPEND": f"-i {info.key_path} -o UserKnownHostsFile={info.known_hosts_path}"},
+                           capture_output=True)
+
+        remove("bench")
         run = secrets.token_hex(3)  # new targets: a first dispatch knows nothing of them, like rsync
         for r in range(args.repeat):
             t_ = 0 if args.no_first else r  # --no-first: one set of targets, sent once untimed, then changes only
@@ -240,6 +243,8 @@ def main() -> int:
                     os.sync()
                     results[f"{name}-{case}"].append(measured(step, cgroups))
             print({k: tuple(round(x, 3) for x in v[-1]) for k, v in results.items() if v}, flush=True)
+            if not args.no_first:  # this round's targets (1.6 GB per tool), untimed
+                remove(f"bench/{run}-*")
 
         med = {k: [statistics.median(x[j] for x in v) for j in range(4)] for k, v in results.items() if v}
         print(f"\n{args.nodes} nodes, {FILES} files, {TOTAL >> 20} MiB; medians of {args.repeat}; load average "
