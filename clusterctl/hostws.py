@@ -492,8 +492,25 @@ def cmd_apply(root):
                 os.unlink(leftover)
         fail(f"dispatch failed, previous workspace kept: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
     doomed = [n for n in os.listdir(gens) if gen_of(n) not in {gen, old}]
+    if old is None:
+        leave_spare(gens, gen)
     reply({"gen": gen, "previous": old, "written": len(changes) + len(patches), "deleted": len(delete)})
     prune_detached(gens, doomed)
+
+
+def leave_spare(gens, gen):
+    """After a first dispatch: a hard-linked copy of generation `gen` as the spare generation, so that the
+    next dispatch recycles it instead of copying the tree (a link per file) while its controller waits.
+    Best effort: without it, the next dispatch makes its copy itself, as before."""
+    name = gen + "~spare"  # sorts after `gen`: spare_gen() takes it before the generation it copies
+    tmp = os.path.join(gens, name + ".tmp")
+    try:
+        link_tree(os.path.join(gens, gen), tmp)
+        os.rename(tmp, os.path.join(gens, name))
+        os.link(os.path.join(gens, gen + MANIFEST), os.path.join(gens, name + MANIFEST))
+    except OSError:
+        rmtree(tmp)
+        rmtree(os.path.join(gens, name))
 
 
 def prune_detached(gens, names):
