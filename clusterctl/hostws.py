@@ -170,11 +170,15 @@ def spare_gen(gens, live):
 def recycle(spare, live, staging, manifest, skip, live_stats):
     """Turn the spare generation (renamed to `staging`; False if it is gone) into a hard-linked copy of `live` for the paths of
     `manifest`, except those in `skip` (about to be written): what differs from `live` is re-linked, what
-    `live` does not have is removed. Costs two stats per file instead of a link per file plus the later
-    deletion of a whole tree."""
+    `live` does not have is removed. One directory listing per directory (the inode of each entry comes
+    with it) and a link per differing file, instead of a link per file plus the later deletion of a
+    whole tree."""
     try:
         os.rename(spare, staging)  # atomic: a concurrent dispatch that lost the race builds its own copy
     except FileNotFoundError:
+        return False
+    if os.stat(staging).st_dev != os.stat(live).st_dev:  # inodes below are compared within one file system
+        rmtree(staging)
         return False
     # Manifest paths are normal and safe (cmd_apply checks each one as it enters a manifest), and plain
     # string joins below: os.path.join costs more than the system calls here.
@@ -186,18 +190,24 @@ def recycle(spare, live, staging, manifest, skip, live_stats):
         while d not in need_dirs:
             need_dirs.add(d)
             d = d.rpartition("/")[0]
-    cut = len(staging) + 1
-    for dirpath, dirnames, filenames in os.walk(staging, topdown=False):
-        prefix = dirpath[cut:] + "/" if len(dirpath) > len(staging) else ""
-        for name in filenames:
-            if prefix + name not in want:
-                os.unlink(dirpath + "/" + name)
-        for name in dirnames:
-            full = dirpath + "/" + name
-            if os.path.islink(full):
-                os.unlink(full)
-            elif prefix + name not in need_dirs:
-                os.rmdir(full)  # bottom-up: its unwanted contents are gone already
+    inodes = {}  # path -> inode of what staging has there (a file or a symlink, never followed)
+
+    def sweep(directory, prefix):
+        with os.scandir(directory) as it:
+            entries = list(it)
+        for entry in entries:
+            rel = prefix + entry.name
+            if entry.is_dir(follow_symlinks=False):
+                if rel in need_dirs:
+                    sweep(entry.path, rel + "/")
+                else:
+                    rmtree(entry.path)  # nothing of the live generation lives under it
+            elif rel in want:
+                inodes[rel] = entry.inode()  # d_ino from the listing: no stat
+            else:
+                os.unlink(entry.path)
+
+    sweep(staging, "")
     for rel in paths:
         src, dst = live + "/" + rel, staging + "/" + rel
         st = live_stats.get(rel)
@@ -206,18 +216,13 @@ def recycle(spare, live, staging, manifest, skip, live_stats):
                 st = os.stat(src)
             except FileNotFoundError:
                 continue  # missing in the live generation: the controller sends it (drift)
-        try:
-            cur = os.lstat(dst)
-        except FileNotFoundError:
-            cur = None
-        if cur is not None and cur.st_ino == st.st_ino and cur.st_dev == st.st_dev:
+        cur = inodes.get(rel)
+        if cur == st.st_ino:
             continue
         if cur is not None:
-            if os.path.isdir(dst) and not os.path.islink(dst):
-                rmtree(dst)
-            else:
-                os.unlink(dst)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.unlink(dst)
+        else:
+            os.makedirs(staging + "/" + rel.rpartition("/")[0], exist_ok=True)
         os.link(src, dst)
     return True
 
@@ -517,8 +522,25 @@ def cmd_apply(root):
                 os.unlink(leftover)
         fail(f"dispatch failed, previous workspace kept: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
     doomed = [n for n in os.listdir(gens) if gen_of(n) not in {gen, old}]
+    if old is None:
+        leave_spare(gens, gen)
     reply({"gen": gen, "previous": old, "written": len(changes) + len(patches), "deleted": len(delete)})
     prune_detached(gens, doomed)
+
+
+def leave_spare(gens, gen):
+    """After a first dispatch: a hard-linked copy of generation `gen` as the spare generation, so that the
+    next dispatch recycles it instead of copying the tree (a link per file) while its controller waits.
+    Best effort: without it, the next dispatch makes its copy itself, as before."""
+    name = gen + "~spare"  # sorts after `gen`: spare_gen() takes it before the generation it copies
+    tmp = os.path.join(gens, name + ".tmp")
+    try:
+        link_tree(os.path.join(gens, gen), tmp)
+        os.rename(tmp, os.path.join(gens, name))
+        os.link(os.path.join(gens, gen + MANIFEST), os.path.join(gens, name + MANIFEST))
+    except OSError:
+        rmtree(tmp)
+        rmtree(os.path.join(gens, name))
 
 
 def prune_detached(gens, names):

@@ -19,6 +19,7 @@ import io
 import json
 import marshal
 import os
+import re
 import secrets
 import tarfile
 import tempfile
@@ -60,6 +61,10 @@ _MAX_BLOCKS = 1024
 _DIGEST = 8  # bytes of sha256 kept per block (16 hex characters)
 _MARSHAL_VERSION = 4  # what hostws.py writes and reads: any Python 3 reads it
 _TOOL_MISSING = 75  # the apply command's exit code when hostws is not installed on the host
+# `apply` runs hostws as an imported module, not as a script: Python keeps an imported module's bytecode
+# (in __pycache__ beside it, per interpreter version, checked against the source) but compiles a script
+# on every run, ~6 ms of CPU per host per dispatch. argv: tool directory, module name, command, root.
+_RUN_TOOL = "import sys; sys.path[0] = sys.argv[1]; __import__(sys.argv[2]).main(sys.argv[2:])"
 
 
 def block_size(size: int) -> int:
@@ -149,11 +154,24 @@ def _hash_file(path: str, size: int) -> tuple[str, str]:
     return h.hexdigest(), b"".join(parts).hex()
 
 
+def _ignore_matcher(exclude: tuple[str, ...]):
+    """path -> whether the gitignore-style `exclude` patterns ignore it (directories end with "/")."""
+    spec = pathspec.GitIgnoreSpec.from_lines(exclude)
+    active = [p for p in spec.patterns if p.include is not None]
+    regexes = [getattr(p, "regex", None) for p in active]
+    if active and all(p.include for p in active) and all(isinstance(r, re.Pattern) for r in regexes):
+        # Ignoring patterns only (no "!"): a path is ignored when any of them matches, so one regex of
+        # them all decides at once: 5x faster than asking each pattern, once per file of the workspace.
+        combined = re.compile("|".join(f"(?:{r.pattern.replace('(?P<ps_d>', '(?:')})" for r in regexes))
+        return lambda path: combined.match(path) is not None
+    return spec.match_file
+
+
 def scan_workspace(root: Path, exclude: tuple[str, ...], *, prefix: str = "") -> dict[str, LocalFile]:
     """Every file under `root` not matched by the gitignore-style `exclude` patterns, with its hash."""
     if not root.is_dir():
         raise JobError(f"workspace.local {root} is not a directory")
-    ignored = pathspec.GitIgnoreSpec.from_lines(exclude).match_file
+    ignored = _ignore_matcher(exclude)
     cache = _HashCache(root)
     files: dict[str, LocalFile] = {}
 
@@ -485,7 +503,9 @@ def dispatch(session: Session) -> list[HostDispatch]:
     root = plan.workdir
     records = _Records(root)
     hostws = tool_path("hostws")
-    apply = f"test -f {join([hostws])} || exit {_TOOL_MISSING}; exec " + join(["python3", "-S", hostws, "apply", root])
+    tool_dir, _, tool_file = hostws.rpartition("/")
+    apply = f"test -f {join([hostws])} || exit {_TOOL_MISSING}; exec " + join(
+        ["python3", "-S", "-c", _RUN_TOOL, tool_dir, tool_file.removesuffix(".py"), "apply", root])
 
     views: dict[Host, _HostView] = {}
     ask: list[Host] = []

@@ -38,3 +38,20 @@ def test_one_archive_streams_identically_to_many_hosts_at_once(tmp_path):
     assert len({hashlib.sha256(r).hexdigest() for r in results}) == 1
     with tarfile.open(fileobj=io.BytesIO(results[0][len(b"header\n"):]), mode="r") as tar:
         assert sorted(m.name for m in tar.getmembers()) == sorted(files)
+
+
+def test_the_combined_exclude_matcher_agrees_with_pathspec():
+    """Ignoring-only patterns are matched by one regex; it decides every path as pathspec does."""
+    import itertools
+
+    import pathspec
+
+    from clusterctl.ops.dispatch import _ignore_matcher
+
+    names = ["a.py", "b.pyc", ".git", "__pycache__", "build", "x.o", ".venv", "keep", "data.bin", "sub"]
+    paths = ["/".join(p) for n in (1, 2, 3) for p in itertools.product(names, repeat=n)]
+    paths += [p + "/" for p in paths]
+    for exclude in ((".git/", "__pycache__/", "*.pyc", ".venv/"), ("build/", "*.o", "/keep", "sub/*.bin", "**/x.o"),
+                    ("*.pyc", "!keep/b.pyc"), ("a.py",), ()):
+        mine, theirs = _ignore_matcher(exclude), pathspec.GitIgnoreSpec.from_lines(exclude).match_file
+        assert [p for p in paths if mine(p)] == [p for p in paths if theirs(p)], exclude

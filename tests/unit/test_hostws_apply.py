@@ -137,10 +137,17 @@ def test_previous_generations_are_never_modified_and_the_spare_is_recycled(sites
     assert tree(v1_dir) == v1  # the old generation still holds the old bytes (patched into new files)
     (v1_dir / "left-by-a-job.txt").write_text("x")  # a job that ran in v1 wrote into its workspace
     (v1_dir / "d1" / "f1.bin").unlink()
+    (v1_dir / "job-out" / "deep").mkdir(parents=True)  # and a directory tree of its own
+    (v1_dir / "job-out" / "deep" / "ckpt").write_text("x")
+    (v1_dir / "d0" / "f0.bin").unlink()  # a file replaced by another inode, and one by a symlink
+    (v1_dir / "d0" / "f0.bin").write_text("job's own")
+    (v1_dir / "d0" / "f3.bin").unlink()
+    (v1_dir / "d0" / "f3.bin").symlink_to(v1_dir / "job-out" / "deep" / "ckpt")
     edit(ws / "d0/f0.bin", 0, b"v3")
     (ws / "d2" / "f2.bin").unlink()
     push(ws, root)  # builds v3 out of v1's directory
     assert not v1_dir.exists()
+    assert not (root / "job-out").exists() and not (root / "d0" / "f3.bin").is_symlink()
     assert tree(root) == tree(ws)
     assert tree(v2_dir) == v2
     unchanged = "d0/f3.bin"
@@ -287,3 +294,22 @@ def test_paths_that_are_not_normal_are_refused(tmp_path):
         res = host("apply", root, b"%016d" % len(blob) + blob)
         assert res.returncode == 1 and b"refusing" in res.stderr, (bad, res.stderr)
         assert not (tmp_path / "escape").exists() and not root.exists()
+
+
+def test_a_first_dispatch_leaves_a_spare_that_the_next_one_recycles(sites):
+    """So that the first change after a first dispatch recycles too, instead of copying the tree."""
+    ws, root = sites
+    make_ws(ws, n=6)
+    push(ws, root)
+    gens, v1 = root.parent / "ws.d", live_gen(root)
+    spare = gens / (v1.name + "~spare")
+    assert sorted(os.listdir(gens)) == sorted([v1.name, v1.name + ".manifest", spare.name, spare.name + ".manifest"])
+    assert tree(spare) == tree(v1) and os.stat(spare / "d0/f3.bin").st_ino == os.stat(v1 / "d0/f3.bin").st_ino
+    (root / "train.py").write_text("edited on the host\n")  # drift: the hard-linked spare sees it too
+    edit(ws / "d0/f0.bin", 0, b"v2")
+    _, reply, _ = push(ws, root)
+    assert reply["previous"] == v1.name
+    assert sorted(os.listdir(gens)) == sorted([v1.name, v1.name + ".manifest", live_gen(root).name,
+                                               live_gen(root).name + ".manifest"])  # the spare became the new one
+    assert tree(root) == tree(ws)
+    assert_no_drift(root)
