@@ -85,6 +85,7 @@ class SshOptions:
     forward_agent: bool = False
     persist: int = 0  # seconds an idle OpenSSH connection stays open for the next command (0: none)
     config: str | None = "none"  # None: ssh's default config files; "none": none; else a path
+    command_timeout: float = 60.0  # deadline of control commands (status, state reads, job files, preflight)
 
     @classmethod
     def from_spec(cls, spec) -> "SshOptions":
@@ -101,6 +102,7 @@ class SshOptions:
             forward_agent=ssh.forward_agent,
             persist=ssh.persist,
             config=config_path(spec),
+            command_timeout=ssh.command_timeout,
         )
 
     def known_hosts_for(self, host: Host) -> str:
@@ -151,9 +153,16 @@ class Result:
 
     def failure(self) -> HostFailure:
         """This outcome as a failure: when the host was never reached (255, no output), the reason alone."""
-        if self.exit_code == UNREACHABLE and not self.stdout:
+        timed_out = self.exit_code == 124 and self.stderr.startswith("timed out after")  # our deadline, not the command's
+        if not self.stdout and (self.exit_code == UNREACHABLE or timed_out):
             return HostFailure(self.host.label, self.command, None, self.stderr[-_TAIL:], self.stderr)
         return HostFailure(self.host.label, self.command, self.exit_code, self.stderr[-_TAIL:])
+
+
+def _timed_out(timeout: float, command: str) -> str:
+    """The one-line reason of a command that outlived its deadline (its first line names it)."""
+    first = command.strip().splitlines()[0] if command.strip() else command
+    return f"timed out after {timeout:g}s running {first[:200]}{' ...' if first != command.strip() else ''}"
 
 
 def fingerprint(key) -> str:
@@ -174,6 +183,13 @@ class Remote:
         self._early_failures: dict[Host, ClusterctlError] = {}  # from connect_soon(), reported once
         if options.host_key_policy == "off":
             log.warning("host key checking is OFF (ssh.host_key_policy: off): connections can be intercepted")
+
+    @property
+    def control_timeout(self) -> float:
+        """The deadline of a control command (status, a state read, writing job files, preflight): a host whose
+        command has not answered by then is named as timed out (exit 124), even when its SSH connection stays
+        healthy and only the command hangs (ssh.command_timeout; docs/lifecycle.md#deadlines)."""
+        return self.options.command_timeout
 
     def __enter__(self) -> "Remote":
         return self
@@ -271,7 +287,7 @@ class Remote:
         try:
             code, out, err = run_on(conn, host, cmd, stdin, timeout, on_line)
         except Timeout:
-            return Result(host, cmd, 124, "", f"timed out after {timeout:g}s running {cmd[:200]}", time.monotonic() - start)
+            return Result(host, cmd, 124, "", _timed_out(timeout, cmd), time.monotonic() - start)
         except TRANSPORT_ERRORS as exc:
             with self._conn_locks[host]:
                 self._conns.pop(host, None)
@@ -410,7 +426,7 @@ class Remote:
             if code is None:
                 if held is not None:
                     held.release()
-                return Result(host, command, 124, "", f"timed out after {timeout:g}s running {command[:200]}",
+                return Result(host, command, 124, "", _timed_out(timeout, command),
                               time.monotonic() - start)
             spent = time.monotonic() - start
             if not (code == UNREACHABLE and not out and _shed(err)) or attempt == _CONNECT_TRIES - 1 or (

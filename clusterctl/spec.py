@@ -87,6 +87,7 @@ class SshSpec(_Model):
     keepalive: int = Field(15, ge=0, le=3600)
     forward_agent: bool = False
     persist: int = Field(60, ge=0, le=86400)  # seconds the OpenSSH client keeps an idle connection for reuse
+    command_timeout: float = Field(60.0, gt=0, le=86400)  # deadline of control commands on a host
 
     @field_validator("user")
     @classmethod

@@ -488,7 +488,8 @@ def _read_states(remote, hosts: list[Host], root: str) -> dict[Host, _HostView |
     """Ask hosts for their workspace state (installing hostws where missing): a view, or the failed Result."""
     state_cmd, payload = tool_command("hostws", ["state", root])  # installs the tool if missing, same round trip
     out: dict[Host, _HostView | Result] = {}
-    for host, res in remote.run(state_cmd, hosts=hosts, stdin=payload, check=False, what="reading workspace state").items():
+    for host, res in remote.run(state_cmd, hosts=hosts, stdin=payload, check=False, timeout=remote.control_timeout,
+                                what="reading workspace state").items():
         out[host] = _view_of(res.reply()) if res.ok else res
     return out
 
@@ -622,13 +623,16 @@ def _send(remote, apply: str, plans: dict[Host, _HostPlan], wanted, launched: La
 
         started = set(launched.hosts) if launched is not None else set()
         rest = [h for h in plans if h not in started]
+        # a deadline for the whole transfer: ten control deadlines, plus a second per MB at the least
+        deadline = 10 * remote.control_timeout + max((p.payload for p in plans.values()), default=0) / 1e6
         with ThreadPoolExecutor(1) as waiter:  # the launched hosts and the others at the same time
-            early = waiter.submit(launched.finish, {h: feed for h in plans if h in started}) if started else None
+            early = (waiter.submit(launched.finish, {h: feed for h in plans if h in started}, timeout=deadline)
+                     if started else None)
             results: dict[Host, Result] = {}
             if rest and max(plans[h].payload for h in rest) >= _BULK:  # through ssh whatever the host-key policy
-                results = remote.push(apply, hosts=rest, stdin=feed, what="dispatch")
+                results = remote.push(apply, hosts=rest, stdin=feed, timeout=deadline, what="dispatch")
             elif rest:
-                results = remote.run(apply, hosts=rest, stdin=feed, check=False, what="dispatch")
+                results = remote.run(apply, hosts=rest, stdin=feed, check=False, timeout=deadline, what="dispatch")
             if early is not None:
                 results.update(early.result())
     finally:
@@ -644,6 +648,6 @@ def _differs(old: dict | None, new: dict) -> bool:
 def verify(session: Session) -> dict[Host, list[dict]]:
     """Each host's drift from its last dispatch: [{'path', 'problem'}]; an empty list means verified."""
     cmd, payload = tool_command("hostws", ["verify", session.plan.workdir])
-    results = session.remote.run(cmd, stdin=payload, what="verifying workspaces")
+    results = session.remote.run(cmd, stdin=payload, timeout=10 * session.remote.control_timeout, what="verifying workspaces")
     return {host: res.reply()["drift"] for host, res in results.items()}
 

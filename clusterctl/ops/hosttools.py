@@ -50,6 +50,7 @@ def ensure_tools(remote: Remote, modules: tuple[str, ...], hosts=None, *, check:
         hosts=hosts,
         stdin=header + b"".join(sources),
         check=check,
+        timeout=remote.control_timeout,
         what="installing clusterctl's host tools (needs python3 on the host)",
     )
     return paths

@@ -182,7 +182,7 @@ _HOME_MARK = "clusterctl-home:"
 
 def _homes(remote: Remote) -> dict[Host, str]:
     # a framed line: what a shell's start-up files print before it (even without a newline) is skipped
-    results = remote.run(f'printf "\\n{_HOME_MARK}%s\\n" "$HOME"', what="finding home directories")
+    results = remote.run(f'printf "\\n{_HOME_MARK}%s\\n" "$HOME"', timeout=remote.control_timeout, what="finding home directories")
     homes = {}
     for h, r in results.items():
         found = [ln[len(_HOME_MARK):] for ln in r.stdout.splitlines() if ln.startswith(_HOME_MARK)]
@@ -212,14 +212,14 @@ def status(session: Session) -> JobStatus:
     """Every process's state on every host; unreachable hosts are reported, not fatal."""
     plan, remote = session.plan, session.remote
     cmd, payload = tool_command("agent", ["status", _jobdir(plan)])
-    results = remote.run(cmd, stdin=payload, check=False, what="status")
+    results = remote.run(cmd, stdin=payload, check=False, timeout=remote.control_timeout, what="status")
     procs: list[ProcessStatus] = []
     host_states: list[str] = []
     unreachable: dict[str, str] = {}
     reasons: list[str] = []
     attempt, restarts, attempts = 0, 0, []
     for host, res in results.items():
-        if res.exit_code == 255 and not res.stdout:
+        if res.exit_code in (255, 124) and not res.stdout:  # not reached, or its command never answered
             unreachable[host.label] = res.stderr.strip()
             host_states.append("lost")
             continue
@@ -277,7 +277,9 @@ def stop(session: Session, *, grace: float | None = None) -> dict[Host, dict]:
 def preflight(session: Session, tool: str, jobfiles: dict[Host, str]) -> list[str]:
     """Problems that would stop the job from starting, one line each (`host:port in use`, ...)."""
     results = session.remote.run(
-        lambda h: _agent_cmd(tool, "preflight", jobfiles[h]), hosts=list(jobfiles), check=False, what="preflight"
+        lambda h: _agent_cmd(tool, "preflight", jobfiles[h]), hosts=list(jobfiles), check=False,
+        timeout=session.remote.control_timeout,
+        what="preflight"
     )
     problems = []
     for host, res in results.items():
@@ -322,11 +324,13 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
         lambda h: f"umask 077 && mkdir -p {quote(posixpath.dirname(paths[h]))} && cat > {quote(paths[h])}",
         hosts=hosts,
         stdin=lambda h: [json.dumps(files[h]).encode()],
+        timeout=remote.control_timeout,
         what="writing job files",
     )
     if plan.mpi is not None:
         hostfile = posixpath.join(homes[plan.mpi.host], plan.mpi.hostfile_path)
-        remote.run(f"cat > {quote(hostfile)}", hosts=[plan.mpi.host], stdin=plan.mpi.hostfile.encode(), what="writing the MPI hostfile")
+        remote.run(f"cat > {quote(hostfile)}", hosts=[plan.mpi.host], stdin=plan.mpi.hostfile.encode(),
+                   timeout=remote.control_timeout, what="writing the MPI hostfile")
     say("preflight")
     problems = preflight(session, tool, paths)
     if problems:
@@ -394,7 +398,9 @@ def logs(
                 pass
         on_line(h, stream, line)
 
-    results = remote.run(cmd, hosts=targets, on_line=relay, check=False, what="logs")
+    # a follow ends with the job; a plain read of (possibly large) logs gets a generous deadline
+    results = remote.run(cmd, hosts=targets, on_line=relay, check=False, timeout=None if follow else 10 * remote.control_timeout,
+                         what="logs")
     unreachable = [f"{h.label}: {r.stderr.strip()}" for h, r in results.items() if r.exit_code == 255 and not r.stdout]
     if len(problems) == len(targets) and problems:
         raise JobError(f"job {plan.job} has no logs on any host (never started?)")
