@@ -27,6 +27,20 @@ def write_spec(info, path: Path, *, name: str, hosts: int | None = None, **secti
     return path
 
 
+def via(info) -> str:
+    """What clusterctl's connection errors add after a host reached through the cluster's bastion ("" without one)."""
+    return f" (through {info.proxy_jump})" if info.bastion else ""
+
+
+def bastion_pins(info) -> str:
+    """The cluster's known_hosts lines for its bastion ("" without one): a test of the nodes' host keys starts
+    its own known_hosts file from these, so that the first hop is verified as usual."""
+    if not info.bastion:
+        return ""
+    lines = Path(info.known_hosts_path).read_text().splitlines(keepends=True)
+    return "".join(line for line in lines if line.split(maxsplit=1)[0] in (info.bastion.ip, f"[{info.bastion.ip}]:22"))
+
+
 def clusterctl(*args: str, timeout: float = 120, check: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (stdin closed unless `input`), capturing text output."""
     res = subprocess.run(
@@ -48,9 +62,9 @@ def docker(*args: str, check: bool = True, timeout: float = 60) -> subprocess.Co
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=check, timeout=timeout)
 
 
-def node_exec(container: str, script: str, *, check: bool = True, timeout: float = 60) -> str:
-    """Run a shell script inside a node (as root) and return its stdout."""
-    return docker("exec", container, "sh", "-c", script, check=check, timeout=timeout).stdout
+def node_exec(container: str, script: str, *, check: bool = True, timeout: float = 60, user: str = "root") -> str:
+    """Run a shell script inside a node (as root, or as `user`) and return its stdout."""
+    return docker("exec", "-u", user, container, "sh", "-c", script, check=check, timeout=timeout).stdout
 
 
 # Lists pids whose environment carries CLUSTERCTL_JOB=<job> exactly (GUIDE §3's definition of an orphan).
