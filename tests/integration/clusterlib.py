@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from clusterctl.testcluster import NODE_UID
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -86,8 +88,14 @@ for pid in os.listdir("/proc"):
 
 def tagged_pids(container: str, job: str) -> list[int]:
     """Pids in `container` whose environment has CLUSTERCTL_JOB=<job>."""
-    out = docker("exec", container, "python3", "-c", _FIND_TAGGED, job).stdout
-    return [int(x) for x in out.split()]
+    # Docker's root lacks CAP_SYS_PTRACE, without which it cannot read another user's environ: the finder also
+    # runs as the test clusters' login user (uid NODE_UID), whose jobs would otherwise go unseen (and every
+    # orphan check pass).
+    found: set[int] = set()
+    for uid in ("0", str(NODE_UID)):
+        out = docker("exec", "-u", uid, container, "python3", "-c", _FIND_TAGGED, job).stdout
+        found.update(int(x) for x in out.split())
+    return sorted(found)
 
 
 def listening(container: str, port: int) -> bool:

@@ -460,7 +460,7 @@ def test_fab_workflow_with_the_seed_positional_script(clusterctl_on_nodes, tmp_p
     ips = info.aliases[:2] if info.bastion else [n.ip for n in info.nodes[:2]]
     fab = [sys.executable, "-m", "fabric", "-r", str(ROOT), "-i", str(info.key_path), "-H", ",".join(ips)]
     if info.ssh_config_path:
-        fab[4:4] = ["-S", str(info.ssh_config_path)]
+        fab[5:5] = ["-S", str(info.ssh_config_path)]
     common = ["--known-hosts", str(info.known_hosts_path)]
 
     def run(*task, timeout=120):
