@@ -125,7 +125,8 @@ class Soak:
 
     def probe(self, node) -> dict | None:
         """The node's own view of the job (None while the node is paused)."""
-        res = docker("exec", node.container, "python3", "-c", _PROBE, self.job, self.logdir,
+        # as the login user: its ~ holds the job's state (root reads another home's ~ as /root)
+        res = docker("exec", "-u", self.info.user, node.container, "python3", "-c", _PROBE, self.job, self.logdir,
                      ",".join(map(str, self.ports)), check=False, timeout=30)
         if res.returncode != 0:
             return None

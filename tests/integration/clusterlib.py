@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from clusterctl.testcluster import NODE_UID
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -25,6 +27,20 @@ def write_spec(info, path: Path, *, name: str, hosts: int | None = None, **secti
             spec[key] = value
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
+
+
+def via(info) -> str:
+    """What clusterctl's connection errors add after a host reached through the cluster's bastion ("" without one)."""
+    return f" (through {info.proxy_jump})" if info.bastion else ""
+
+
+def bastion_pins(info) -> str:
+    """The cluster's known_hosts lines for its bastion ("" without one): a test of the nodes' host keys starts
+    its own known_hosts file from these, so that the first hop is verified as usual."""
+    if not info.bastion:
+        return ""
+    lines = Path(info.known_hosts_path).read_text().splitlines(keepends=True)
+    return "".join(line for line in lines if line.split(maxsplit=1)[0] in (info.bastion.ip, f"[{info.bastion.ip}]:22"))
 
 
 def clusterctl(*args: str, timeout: float = 120, check: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
@@ -48,9 +64,9 @@ def docker(*args: str, check: bool = True, timeout: float = 60) -> subprocess.Co
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=check, timeout=timeout)
 
 
-def node_exec(container: str, script: str, *, check: bool = True, timeout: float = 60) -> str:
-    """Run a shell script inside a node (as root) and return its stdout."""
-    return docker("exec", container, "sh", "-c", script, check=check, timeout=timeout).stdout
+def node_exec(container: str, script: str, *, check: bool = True, timeout: float = 60, user: str = "root") -> str:
+    """Run a shell script inside a node (as root, or as `user`) and return its stdout."""
+    return docker("exec", "-u", user, container, "sh", "-c", script, check=check, timeout=timeout).stdout
 
 
 # Lists pids whose environment carries CLUSTERCTL_JOB=<job> exactly (GUIDE §3's definition of an orphan).
@@ -72,8 +88,14 @@ for pid in os.listdir("/proc"):
 
 def tagged_pids(container: str, job: str) -> list[int]:
     """Pids in `container` whose environment has CLUSTERCTL_JOB=<job>."""
-    out = docker("exec", container, "python3", "-c", _FIND_TAGGED, job).stdout
-    return [int(x) for x in out.split()]
+    # Docker's root lacks CAP_SYS_PTRACE, without which it cannot read another user's environ: the finder also
+    # runs as the test clusters' login user (uid NODE_UID), whose jobs would otherwise go unseen (and every
+    # orphan check pass).
+    found: set[int] = set()
+    for uid in ("0", str(NODE_UID)):
+        out = docker("exec", "-u", uid, container, "python3", "-c", _FIND_TAGGED, job).stdout
+        found.update(int(x) for x in out.split())
+    return sorted(found)
 
 
 def listening(container: str, port: int) -> bool:

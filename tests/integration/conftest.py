@@ -25,6 +25,10 @@ from clusterctl.errors import ClusterctlError
 # Override when several people share one docker daemon, so that sessions do not tear down each other's.
 PYTEST_CLUSTER_NAME = os.environ.get("CLUSTERCTL_TESTCLUSTER_NAME", "clusterctl-pytest")
 PYTEST_CLUSTER_NODES = 4
+# GUIDE §3 / issue 11 part 5: the shared cluster is shaped like real fleets: login `ubuntu` (root login
+# off, passwordless sudo), nodes on a network this machine has no address on, reached through a bastion,
+# and an ssh config with an alias per node. Tests reach root on a node through `docker exec` or `sudo -n`.
+PYTEST_CLUSTER_USER = "ubuntu"
 # Installed into /opt/venv on every node; other test modules may read this list.
 TESTCLUSTER_PACKAGES: list[str] = ["numpy", "mpi4py", "mpich", "pyzmq", "torch==2.13.0"]
 
@@ -61,7 +65,8 @@ def _bring_up() -> tuple[str, object, float]:
     _update_leases(take=True)  # before `up`: a finishing session must not tear the cluster down under us
     start = time.monotonic()
     try:
-        info = tc.up(PYTEST_CLUSTER_NODES, name=PYTEST_CLUSTER_NAME, packages=list(TESTCLUSTER_PACKAGES))
+        info = tc.up(PYTEST_CLUSTER_NODES, name=PYTEST_CLUSTER_NAME, packages=list(TESTCLUSTER_PACKAGES),
+                     user=PYTEST_CLUSTER_USER, bastion=True, ssh_config=True)
     except ClusterctlError as exc:
         return "fail", f"could not bring up test cluster {PYTEST_CLUSTER_NAME}: {exc}", 0.0
     return "ok", info, time.monotonic() - start
@@ -117,7 +122,8 @@ def _update_leases(take: bool) -> int:
 
 @pytest.fixture(scope="session")
 def testcluster() -> Iterator[tc.ClusterInfo]:
-    """The session's 4-node cluster (ClusterInfo); removed at the end unless CLUSTERCTL_KEEP_TESTCLUSTER=1."""
+    """The session's 4-node cluster (ClusterInfo): login `ubuntu` with passwordless sudo, behind a bastion,
+    with an ssh config; removed at the end unless CLUSTERCTL_KEEP_TESTCLUSTER=1."""
     if "outcome" not in _SESSION:  # e.g. requested dynamically: bring it up now
         _SESSION["outcome"] = _bring_up()
     verdict, payload, _seconds = _SESSION["outcome"]
@@ -181,7 +187,7 @@ def _install_wheel(spec_path, wheel, *, sudo: str = "") -> None:
 @pytest.fixture(scope="session")
 def clusterctl_on_nodes(testcluster: tc.ClusterInfo, clusterctl_wheel) -> tc.ClusterInfo:
     """The session cluster with this checkout of clusterctl installed into every node's /opt/venv (as a wheel)."""
-    _install_wheel(testcluster.spec_path, clusterctl_wheel)
+    _install_wheel(testcluster.spec_path, clusterctl_wheel, sudo="" if testcluster.user == "root" else "sudo -n ")
     return testcluster
 
 

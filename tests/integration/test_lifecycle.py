@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from clusterlib import (
-    ROOT, assert_no_orphans, clusterctl, docker, job_ports, listening, node_exec, status_json, tagged_pids, wait_state,
-    write_spec,
+    ROOT, assert_no_orphans, clusterctl, docker, job_ports, listening, node_exec, status_json, tagged_pids, via,
+    wait_state, write_spec,
 )
 
 pytestmark = pytest.mark.integration
@@ -122,7 +122,7 @@ def test_logs_outlive_later_dispatches(testcluster, tmp_path):
     assert sorted(clusterctl("logs", spec, check=True).stdout.splitlines()) == before
     remote = data["workspace"]["remote"]
     for n in testcluster.nodes[:2]:
-        assert node_exec(n.container, f"ls /root/{remote}.logs").split(), n.container
+        assert node_exec(n.container, f"ls {testcluster.home}/{remote}.logs").split(), n.container
 
 
 @pytest.mark.timeout(180)
@@ -200,9 +200,9 @@ def test_other_jobs_process_with_the_same_script_survives_stop(testcluster, tmp_
     node = testcluster.nodes[0]
     clusterctl("dispatch", mine, check=True)
     # Another job's trainer running the same script name, by hand, tagged with its own job id.
-    other = subprocess.Popen(
-        ["docker", "exec", "-e", "CLUSTERCTL_JOB=it-other", "-e", "TRAINING_ROLE=TRAINER", "-e", "PADDLE_TRAINER_ID=0",
-         "-e", f"PADDLE_CURRENT_ENDPOINT={node.ip}:1", "-e", "STEPS=600", "-w", "/root/clusterctl-it/it-mine",
+    other = subprocess.Popen(  # as the login user, like the job's own processes
+        ["docker", "exec", "-u", testcluster.user, "-e", "CLUSTERCTL_JOB=it-other", "-e", "TRAINING_ROLE=TRAINER", "-e", "PADDLE_TRAINER_ID=0",
+         "-e", f"PADDLE_CURRENT_ENDPOINT={node.ip}:1", "-e", "STEPS=600", "-w", f"{testcluster.home}/clusterctl-it/it-mine",
          node.container, "python3", "job.py", "trainer", "0"],
         stdout=subprocess.DEVNULL,
     )
@@ -260,7 +260,7 @@ def test_paused_host_fails_start_within_connect_timeout(testcluster, tmp_path):
     finally:
         docker("unpause", node.container)
     assert res.returncode != 0
-    assert f"cannot connect to {node.ip}: timed out after 3s" in res.stderr
+    assert f"cannot connect to {node.ip}{via(testcluster)}: timed out after 3s" in res.stderr
     assert elapsed < 3 + 10
     assert_no_orphans(testcluster, "it-paused", job_ports(spec))
 
@@ -270,13 +270,13 @@ def test_drift_makes_start_refuse_naming_host_and_file(testcluster, tmp_path):
     spec = job_spec(testcluster, tmp_path, "it-drift", hosts=2)
     clusterctl("dispatch", spec, check=True)
     node = testcluster.nodes[1]
-    node_exec(node.container, "echo '# edited by hand' >> /root/clusterctl-it/it-drift/job.py")
+    node_exec(node.container, f"echo '# edited by hand' >> {testcluster.home}/clusterctl-it/it-drift/job.py")
     res = clusterctl("start", spec)
     assert res.returncode == 1
     assert f"{node.ip}: workspace job.py modified since the last dispatch" in res.stderr
     assert_no_orphans(testcluster, "it-drift", job_ports(spec), within=1)
     clusterctl("dispatch", spec, check=True)  # repairs the drift
-    assert node_exec(node.container, "tail -n1 /root/clusterctl-it/it-drift/job.py").strip() == "sys.exit(0)"
+    assert node_exec(node.container, f"tail -n1 {testcluster.home}/clusterctl-it/it-drift/job.py").strip() == "sys.exit(0)"
 
 
 def dispatched(out: str) -> dict[str, tuple[int, str]]:
@@ -312,8 +312,8 @@ def test_incremental_dispatch_of_2000_files(testcluster, tmp_path):
         assert files == 1 and as_bytes(sent) < 12 * 1024, third
     for n in testcluster.nodes[:2]:
         remote = yaml.safe_load(spec.read_text())["workspace"]["remote"]
-        assert node_exec(n.container, f"cat /root/{remote}/d03/f007.txt") == "changed\n"
-        assert node_exec(n.container, f"find -L /root/{remote} -type f | wc -l").strip() == "2000"
+        assert node_exec(n.container, f"cat {testcluster.home}/{remote}/d03/f007.txt") == "changed\n"
+        assert node_exec(n.container, f"find -L {testcluster.home}/{remote} -type f | wc -l").strip() == "2000"
 
 
 @pytest.mark.timeout(300)
@@ -329,13 +329,14 @@ def test_dispatch_sends_changed_blocks_and_survives_other_controllers(testcluste
     spec = write_spec(testcluster, tmp_path / "blocks.yaml", name="it-blocks", hosts=2,
                       workspace={"local": str(ws), "remote": remote}, job={"entrypoint": ["true"]})
     nodes = testcluster.nodes[:2]
+    home = testcluster.home
 
     def on_nodes_matches_local():
         want = hashlib.sha256(big.read_bytes()).hexdigest()
         for n in nodes:
-            assert node_exec(n.container, f"sha256sum /root/{remote}/weights.bin").split()[0] == want
-            assert node_exec(n.container, f"cat /root/{remote}/train.py") == (ws / "train.py").read_text()
-            assert node_exec(n.container, f"ls /root/{remote}").split() == ["train.py", "weights.bin"]
+            assert node_exec(n.container, f"sha256sum {home}/{remote}/weights.bin").split()[0] == want
+            assert node_exec(n.container, f"cat {home}/{remote}/train.py") == (ws / "train.py").read_text()
+            assert node_exec(n.container, f"ls {home}/{remote}").split() == ["train.py", "weights.bin"]
 
     clusterctl("dispatch", spec, check=True)
     with open(big, "r+b") as fh:  # 100 bytes in the middle of 3 MiB
@@ -354,15 +355,15 @@ def test_dispatch_sends_changed_blocks_and_survives_other_controllers(testcluste
     clusterctl("dispatch", spec, check=True)
     on_nodes_matches_local()
 
-    node_exec(nodes[0].container, f"echo extra >> /root/{remote}/weights.bin")  # drift
-    node_exec(nodes[1].container, "rm -f /root/.clusterctl/bin/hostws-*.py")  # a host that lost its tools
+    node_exec(nodes[0].container, f"echo extra >> {home}/{remote}/weights.bin")  # drift
+    node_exec(nodes[1].container, f"rm -f {home}/.clusterctl/bin/hostws-*.py")  # a host that lost its tools
     (ws / "train.py").write_text("print('v4')\n")
     clusterctl("dispatch", spec, check=True)
     on_nodes_matches_local()
     from clusterctl.ops.hosttools import tool_path
 
     for n in nodes:  # what `start` checks: no drift left (this version's tool: a kept cluster holds older ones)
-        verify = node_exec(n.container, f"cd /root && python3 {tool_path('hostws')} verify {remote}")
+        verify = node_exec(n.container, f"cd {home} && python3 {tool_path('hostws')} verify {remote}", user=testcluster.user)
         assert '"drift": []' in verify, verify
 
 
@@ -391,7 +392,7 @@ def test_dispatch_reuses_connections_and_gives_up_on_a_frozen_host(testcluster, 
     nodes = testcluster.nodes[:2]
 
     def on_node(n):
-        return node_exec(n.container, f"cat /root/{remote}/train.py", check=False)
+        return node_exec(n.container, f"cat {testcluster.home}/{remote}/train.py", check=False)
 
     try:
         (ws / "train.py").write_text("v1\n")
@@ -413,7 +414,7 @@ def test_dispatch_reuses_connections_and_gives_up_on_a_frozen_host(testcluster, 
             docker("unpause", nodes[1].container)
         assert res.returncode != 0
         assert f"dispatch failed on 1 host(s): {nodes[1].ip}" in res.stderr, res.stderr
-        assert f"cannot connect to {nodes[1].ip}: timed out after 3s" in res.stderr, res.stderr
+        assert f"cannot connect to {nodes[1].ip}{via(testcluster)}: timed out after 3s" in res.stderr, res.stderr
         assert elapsed < 3 + 6, elapsed
         assert on_node(nodes[0]) == "v3\n" and on_node(nodes[1]) == "v2\n"
         clusterctl("dispatch", spec, check=True)  # a new connection to the host that came back
@@ -455,8 +456,11 @@ def test_stock_torch_gloo_script_trains_on_two_nodes(testcluster, tmp_path):
 def test_fab_workflow_with_the_seed_positional_script(clusterctl_on_nodes, tmp_path):
     """`fab -H a,b start | tail-log | status | kill` running examples/seed_positional (seed 000's interface)."""
     info = clusterctl_on_nodes
-    ips = [n.ip for n in info.nodes[:2]]
+    # behind the bastion, the nodes are reached by their ssh config aliases (the config has the key and pins)
+    ips = info.aliases[:2] if info.bastion else [n.ip for n in info.nodes[:2]]
     fab = [sys.executable, "-m", "fabric", "-r", str(ROOT), "-i", str(info.key_path), "-H", ",".join(ips)]
+    if info.ssh_config_path:
+        fab[5:5] = ["-S", str(info.ssh_config_path)]
     common = ["--known-hosts", str(info.known_hosts_path)]
 
     def run(*task, timeout=120):
@@ -465,7 +469,7 @@ def test_fab_workflow_with_the_seed_positional_script(clusterctl_on_nodes, tmp_p
     run("kill")  # a crashed earlier run on a kept cluster
     try:
         start = run("start", "--workspace", str(ROOT / "examples" / "seed_positional"), "--remote-dir",
-                    "/root/clusterctl-it/fab", "--entrypoint", "/opt/venv/bin/python train.py")
+                    f"{info.home}/clusterctl-it/fab", "--entrypoint", "/opt/venv/bin/python train.py")
         assert start.returncode == 0, start.stdout + start.stderr
         deadline = time.monotonic() + 90
         while "succeeded" not in (status := run("status")).stdout and time.monotonic() < deadline:

@@ -24,9 +24,18 @@ def network_of(container: str) -> str:
     return net
 
 
+_HOME = {"home": "/root"}  # the login user's home on the nodes (set from the session cluster below)
+
+
+@pytest.fixture(autouse=True)
+def _login_home(testcluster):
+    _HOME["home"] = testcluster.home
+
+
 def host_state(node, job: str) -> dict:
     """state.json of `job` on `node`, read through docker (works while the node is cut off)."""
-    out = node_exec(node.container, f"cat /root/.clusterctl/jobs/{job}/state.json 2>/dev/null || true", check=False)
+    out = node_exec(node.container, f"cat {_HOME['home']}/.clusterctl/jobs/{job}/state.json 2>/dev/null || true",
+                    check=False)
     return json.loads(out) if out.strip() else {}
 
 

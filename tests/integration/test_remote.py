@@ -10,7 +10,7 @@ import yaml
 from clusterctl.ops import open_session
 from clusterctl.ops.execute import execute
 
-from clusterlib import clusterctl, docker, node_exec, write_spec
+from clusterlib import bastion_pins, clusterctl, docker, node_exec, via, write_spec
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +55,7 @@ def test_metacharacters_arrive_verbatim(testcluster, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_unknown_host_key_fails_without_prompting(testcluster, tmp_path):
-    (tmp_path / "empty_known_hosts").write_text("")
+    (tmp_path / "empty_known_hosts").write_text(bastion_pins(testcluster))  # empty of the nodes' keys
     spec = write_spec(
         testcluster, tmp_path / "c.yaml", name="unknownkey", hosts=1,
         ssh={"known_hosts": str(tmp_path / "empty_known_hosts")}, job={"entrypoint": ["true"]},
@@ -64,23 +64,29 @@ def test_unknown_host_key_fails_without_prompting(testcluster, tmp_path):
     res = clusterctl("exec", spec, "--", "true", timeout=30)
     ip = testcluster.nodes[0].ip
     assert res.returncode == 255
-    assert f"unknown host key for {ip} (ssh-ed25519 SHA256:" in res.stderr
+    if testcluster.bastion:  # through the bastion OpenSSH names the key type, not its fingerprint
+        assert (f"cannot connect to {ip}{via(testcluster)}: unknown host key for {ip} (ed25519); "
+                f"not in {tmp_path / 'empty_known_hosts'}") in res.stderr, res.stderr
+    else:
+        assert f"unknown host key for {ip} (ssh-ed25519 SHA256:" in res.stderr
     assert time.monotonic() - t0 < 15
-    assert (tmp_path / "empty_known_hosts").read_text() == ""  # strict records nothing
+    assert (tmp_path / "empty_known_hosts").read_text() == bastion_pins(testcluster)  # strict records nothing
 
 
 @pytest.mark.timeout(60)
 def test_accept_new_records_the_key_then_verifies_it(testcluster, tmp_path):
     kh = tmp_path / "kh"
+    kh.write_text(bastion_pins(testcluster))  # the first hop pinned as usual: the node's key is the one recorded
+    seeded = len(kh.read_text().splitlines())
     spec = write_spec(
         testcluster, tmp_path / "c.yaml", name="acceptnew", hosts=1,
         ssh={"known_hosts": str(kh), "host_key_policy": "accept-new"}, job={"entrypoint": ["true"]},
     )
     assert clusterctl("exec", spec, "--", "true").returncode == 0
-    recorded = kh.read_text().split()
+    recorded = kh.read_text().splitlines()[seeded].split()
     assert recorded[0] == testcluster.nodes[0].ip and recorded[1] == "ssh-ed25519"
     assert clusterctl("exec", spec, "--", "true").returncode == 0
-    assert len(kh.read_text().splitlines()) == 1
+    assert len(kh.read_text().splitlines()) == seeded + 1
 
 
 @pytest.mark.timeout(90)
@@ -124,7 +130,7 @@ def test_paused_node_fails_within_connect_timeout_and_is_named(testcluster, tmp_
     finally:
         docker("unpause", node.container)
     assert res.returncode == 255
-    assert f"cannot connect to {node.ip}: timed out after 3s" in res.stderr
+    assert f"cannot connect to {node.ip}{via(testcluster)}: timed out after 3s" in res.stderr
     others = {n.hostname for n in testcluster.nodes if n is not node}
     assert {line.split()[1] for line in res.stdout.splitlines()} == others
     assert elapsed < 3 + 6
@@ -159,6 +165,8 @@ def test_dispatch_with_accept_new_goes_over_paramiko_and_records_keys(testcluste
     """accept-new: the OpenSSH client cannot record keys the way we pin them, so the connections are
     paramiko's (bulk data still goes through `ssh`, once paramiko has recorded the key)."""
     kh = tmp_path / "kh"
+    kh.write_text(bastion_pins(testcluster))  # the first hop pinned as usual: the nodes' keys are the ones recorded
+    seeded = len(kh.read_text().splitlines())
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "small.txt").write_text("small\n")
@@ -167,12 +175,12 @@ def test_dispatch_with_accept_new_goes_over_paramiko_and_records_keys(testcluste
                       ssh={"known_hosts": str(kh), "host_key_policy": "accept-new"},
                       workspace={"local": str(ws), "remote": "clusterctl-it/acceptnew"})
     clusterctl("dispatch", spec, check=True, timeout=100)
-    assert len(kh.read_text().splitlines()) == 2
+    assert len(kh.read_text().splitlines()) == seeded + 2
     (ws / "small.txt").write_text("changed\n")
     clusterctl("dispatch", spec, check=True, timeout=100)
     for n in testcluster.nodes[:2]:
-        assert node_exec(n.container, "cat /root/clusterctl-it/acceptnew/small.txt") == "changed\n"
-        assert node_exec(n.container, "stat -c %s /root/clusterctl-it/acceptnew/big.bin").strip() == str(40 << 20)
+        assert node_exec(n.container, f"cat {testcluster.home}/clusterctl-it/acceptnew/small.txt") == "changed\n"
+        assert node_exec(n.container, f"stat -c %s {testcluster.home}/clusterctl-it/acceptnew/big.bin").strip() == str(40 << 20)
 
 
 @pytest.mark.timeout(120)
@@ -180,7 +188,8 @@ def test_stopped_container_fails_within_connect_timeout_and_is_named(testcluster
     """`docker stop`, on a throwaway one-node cluster so the session cluster's addresses never move."""
     from clusterctl import testcluster as tc
 
-    info = tc.up(1, name="clusterctl-pytest-stopped")
+    name = f"{testcluster.name}-stopped"  # the session cluster's shape (login user, bastion)
+    info = tc.up(1, name=name, user=testcluster.user, bastion=testcluster.bastion is not None)
     try:
         spec = write_spec(info, tmp_path / "c.yaml", name="stopped", ssh={"connect_timeout": 3}, job={"entrypoint": ["true"]})
         assert clusterctl("exec", spec, "--", "true").returncode == 0
@@ -189,7 +198,7 @@ def test_stopped_container_fails_within_connect_timeout_and_is_named(testcluster
         res = clusterctl("exec", spec, "--", "true", timeout=60)
         elapsed = time.monotonic() - t0
     finally:
-        tc.down("clusterctl-pytest-stopped")
+        tc.down(name)
     assert res.returncode == 255
-    assert f"clusterctl: error: cannot connect to {info.nodes[0].ip}: " in res.stderr
+    assert f"clusterctl: error: cannot connect to {info.nodes[0].ip}{via(info)}: " in res.stderr
     assert elapsed < 3 + 6, elapsed

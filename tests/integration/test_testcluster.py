@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,8 @@ from clusterctl.spec import load_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-# The session cluster (conftest.py) has this many nodes; its name and packages are read from ClusterInfo
-# (tests do not import conftest: that module name is not unique across test directories).
+# The session cluster (conftest.py) and `flat` below have this many nodes; names and packages are read from
+# ClusterInfo (tests do not import conftest: that module name is not unique across test directories).
 NODES = 4
 
 
@@ -46,56 +47,73 @@ def ssh(info: tc.ClusterInfo, ip: str, command: str, **kw: object) -> subprocess
     return subprocess.run(ssh_argv(info, ip, command, **kw), capture_output=True, text=True, timeout=60)  # type: ignore[arg-type]
 
 
-def test_cluster_shape(testcluster: tc.ClusterInfo) -> None:
-    assert testcluster.name == os.environ.get("CLUSTERCTL_TESTCLUSTER_NAME", "clusterctl-pytest")
-    assert [n.container for n in testcluster.nodes] == [f"{testcluster.name}-node{i}" for i in range(NODES)]
-    assert [n.hostname for n in testcluster.nodes] == [n.container for n in testcluster.nodes]
-    assert len({n.ip for n in testcluster.nodes}) == NODES
-    assert testcluster.key_path.stat().st_mode & 0o777 == 0o600
-    assert testcluster.state_dir == tc.state_dir(testcluster.name)
+_FLAT: dict = {}
 
 
-def test_known_hosts_pins_one_distinct_key_per_node(testcluster: tc.ClusterInfo) -> None:
-    lines = testcluster.known_hosts_path.read_text().splitlines()
-    assert [line.split()[0] for line in lines] == [n.ip for n in testcluster.nodes]
+@pytest.fixture(scope="module")
+def flat(testcluster: tc.ClusterInfo) -> Iterator[tc.ClusterInfo]:
+    """`up`'s default shape (root login on a flat network this machine reaches), `<session name>-flat`: the
+    tests below check that shape itself (direct ssh and paramiko as root, the default spec), which the
+    session cluster no longer has (it is non-root behind a bastion); the session's packages (image cached)."""
+    name = f"{testcluster.name}-flat"
+    start = time.monotonic()
+    info = tc.up(NODES, name=name, packages=testcluster.packages)
+    _FLAT["seconds"] = time.monotonic() - start
+    yield info
+    if os.environ.get("CLUSTERCTL_KEEP_TESTCLUSTER", "") != "1":
+        tc.down(name)
+
+
+def test_cluster_shape(flat: tc.ClusterInfo) -> None:
+    assert flat.name == os.environ.get("CLUSTERCTL_TESTCLUSTER_NAME", "clusterctl-pytest") + "-flat"
+    assert [n.container for n in flat.nodes] == [f"{flat.name}-node{i}" for i in range(NODES)]
+    assert [n.hostname for n in flat.nodes] == [n.container for n in flat.nodes]
+    assert len({n.ip for n in flat.nodes}) == NODES
+    assert flat.key_path.stat().st_mode & 0o777 == 0o600
+    assert flat.state_dir == tc.state_dir(flat.name)
+
+
+def test_known_hosts_pins_one_distinct_key_per_node(flat: tc.ClusterInfo) -> None:
+    lines = flat.known_hosts_path.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == [n.ip for n in flat.nodes]
     assert all(line.split()[1] == "ssh-ed25519" for line in lines)
     assert len({line.split()[2] for line in lines}) == NODES  # per-container host keys
 
 
-def test_real_ssh_reaches_every_node_with_distinct_hostnames(testcluster: tc.ClusterInfo) -> None:
+def test_real_ssh_reaches_every_node_with_distinct_hostnames(flat: tc.ClusterInfo) -> None:
     hostnames = []
-    for node in testcluster.nodes:
-        proc = ssh(testcluster, node.ip, "hostname")
+    for node in flat.nodes:
+        proc = ssh(flat, node.ip, "hostname")
         assert proc.returncode == 0, proc.stderr
         hostnames.append(proc.stdout.strip())
-    assert hostnames == [n.hostname for n in testcluster.nodes]
+    assert hostnames == [n.hostname for n in flat.nodes]
 
 
-def test_wrong_pin_is_refused(testcluster: tc.ClusterInfo, tmp_path: Path) -> None:
-    first, second = testcluster.nodes[0], testcluster.nodes[1]
-    pins = dict(line.split(" ", 1) for line in testcluster.known_hosts_path.read_text().splitlines())
+def test_wrong_pin_is_refused(flat: tc.ClusterInfo, tmp_path: Path) -> None:
+    first, second = flat.nodes[0], flat.nodes[1]
+    pins = dict(line.split(" ", 1) for line in flat.known_hosts_path.read_text().splitlines())
     wrong = tmp_path / "known_hosts"
     wrong.write_text(f"{first.ip} {pins[second.ip]}\n")  # node1's key claimed for node0
-    proc = ssh(testcluster, first.ip, "true", known_hosts=wrong)
+    proc = ssh(flat, first.ip, "true", known_hosts=wrong)
     assert proc.returncode == 255
     assert "Host key verification failed." in proc.stderr
 
 
-def test_password_login_is_disabled(testcluster: tc.ClusterInfo) -> None:
-    argv = ssh_argv(testcluster, testcluster.nodes[0].ip, "true")
+def test_password_login_is_disabled(flat: tc.ClusterInfo) -> None:
+    argv = ssh_argv(flat, flat.nodes[0].ip, "true")
     argv[1:1] = ["-o", "PreferredAuthentications=password,keyboard-interactive", "-o", "PubkeyAuthentication=no"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 255
     assert "Permission denied (publickey)." in proc.stderr
 
 
-def test_paramiko_connects_with_reject_policy(testcluster: tc.ClusterInfo) -> None:
-    node = testcluster.nodes[-1]
+def test_paramiko_connects_with_reject_policy(flat: tc.ClusterInfo) -> None:
+    node = flat.nodes[-1]
     client = paramiko.SSHClient()
-    client.load_host_keys(str(testcluster.known_hosts_path))
+    client.load_host_keys(str(flat.known_hosts_path))
     client.set_missing_host_key_policy(paramiko.RejectPolicy())
     try:
-        client.connect(node.ip, username="root", key_filename=str(testcluster.key_path), timeout=10,
+        client.connect(node.ip, username="root", key_filename=str(flat.key_path), timeout=10,
                        allow_agent=False, look_for_keys=False)  # fmt: skip
         _stdin, stdout, _stderr = client.exec_command("hostname", timeout=30)
         assert stdout.read().decode().strip() == node.hostname
@@ -104,16 +122,16 @@ def test_paramiko_connects_with_reject_policy(testcluster: tc.ClusterInfo) -> No
         client.close()
 
 
-def test_venv_python_has_the_packages(testcluster: tc.ClusterInfo) -> None:
+def test_venv_python_has_the_packages(flat: tc.ClusterInfo) -> None:
     code = "import numpy, mpi4py, zmq, torch; print(torch.__version__, numpy.__name__)"
-    proc = ssh(testcluster, testcluster.nodes[0].ip, f"/opt/venv/bin/python -c '{code}'")
+    proc = ssh(flat, flat.nodes[0].ip, f"/opt/venv/bin/python -c '{code}'")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["2.13.0+cpu", "numpy"]
-    assert "torch==2.13.0" in testcluster.packages
+    assert "torch==2.13.0" in flat.packages
 
 
-def test_pid1_is_an_init_that_reaps_and_sshd_is_its_child(testcluster: tc.ClusterInfo) -> None:
-    proc = ssh(testcluster, testcluster.nodes[1].ip, "ps -o comm= -p 1; ps -o ppid=,args= -C sshd")
+def test_pid1_is_an_init_that_reaps_and_sshd_is_its_child(flat: tc.ClusterInfo) -> None:
+    proc = ssh(flat, flat.nodes[1].ip, "ps -o comm= -p 1; ps -o ppid=,args= -C sshd")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].strip() == "docker-init"
@@ -121,52 +139,52 @@ def test_pid1_is_an_init_that_reaps_and_sshd_is_its_child(testcluster: tc.Cluste
     assert [(ppid, args.split(" [")[0]) for ppid, args in listeners] == [("1", "sshd: /usr/sbin/sshd -D -e")]
 
 
-def test_nodes_reach_each_other_by_hostname(testcluster: tc.ClusterInfo) -> None:
-    last = testcluster.nodes[-1].hostname
+def test_nodes_reach_each_other_by_hostname(flat: tc.ClusterInfo) -> None:
+    last = flat.nodes[-1].hostname
     inner = f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes {last} hostname"
-    proc = ssh(testcluster, testcluster.nodes[0].ip, inner)
+    proc = ssh(flat, flat.nodes[0].ip, inner)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == last
 
 
-def test_spec_written_and_loadable(testcluster: tc.ClusterInfo) -> None:
-    raw = yaml.safe_load(testcluster.spec_path.read_text())
+def test_spec_written_and_loadable(flat: tc.ClusterInfo) -> None:
+    raw = yaml.safe_load(flat.spec_path.read_text())
     assert raw["ssh"] == {
         "user": "root",
         "port": 22,
-        "identity_file": str(testcluster.key_path),
-        "known_hosts": str(testcluster.known_hosts_path),
+        "identity_file": str(flat.key_path),
+        "known_hosts": str(flat.known_hosts_path),
         "host_key_policy": "strict",
         "connect_timeout": 5,
     }
-    assert raw["hosts"] == [{"address": n.ip} for n in testcluster.nodes]
-    spec = load_spec(testcluster.spec_path)
-    assert [h.address for h in spec.hosts] == [n.ip for n in testcluster.nodes]
+    assert raw["hosts"] == [{"address": n.ip} for n in flat.nodes]
+    spec = load_spec(flat.spec_path)
+    assert [h.address for h in spec.hosts] == [n.ip for n in flat.nodes]
     assert spec.ssh.host_key_policy == "strict"
 
 
-def test_status_reports_every_node_running_with_ssh(testcluster: tc.ClusterInfo) -> None:
-    assert tc.status(testcluster.name) == [
-        tc.NodeStatus(n.container, n.hostname, n.ip, "running", True) for n in testcluster.nodes
+def test_status_reports_every_node_running_with_ssh(flat: tc.ClusterInfo) -> None:
+    assert tc.status(flat.name) == [
+        tc.NodeStatus(n.container, n.hostname, n.ip, "running", True) for n in flat.nodes
     ]
 
 
-def test_second_up_reuses_image_and_containers(testcluster: tc.ClusterInfo, testcluster_bringup_seconds: float) -> None:
+def test_second_up_reuses_image_and_containers(flat: tc.ClusterInfo) -> None:
     start = time.monotonic()
-    again = tc.up(NODES, name=testcluster.name, packages=testcluster.packages)
+    again = tc.up(NODES, name=flat.name, packages=flat.packages)
     elapsed = time.monotonic() - start
     assert (again.image_built, again.reused) == (False, True)
-    assert again.image == testcluster.image
-    assert again.nodes == testcluster.nodes
-    assert again.known_hosts_path.read_text() == testcluster.known_hosts_path.read_text()
-    assert elapsed < 15, f"second up took {elapsed:.1f}s (first: {testcluster_bringup_seconds:.1f}s)"
+    assert again.image == flat.image
+    assert again.nodes == flat.nodes
+    assert again.known_hosts_path.read_text() == flat.known_hosts_path.read_text()
+    assert elapsed < 15, f"second up took {elapsed:.1f}s (first: {_FLAT['seconds']:.1f}s)"
 
 
-def test_up_restarts_a_stopped_node(testcluster: tc.ClusterInfo) -> None:
-    victim = testcluster.nodes[2]
+def test_up_restarts_a_stopped_node(flat: tc.ClusterInfo) -> None:
+    victim = flat.nodes[2]
     docker.run(["stop", "--time", "1", victim.container])
-    assert tc.status(testcluster.name)[2].state == "exited"
-    again = tc.up(NODES, name=testcluster.name, packages=testcluster.packages)
+    assert tc.status(flat.name)[2].state == "exited"
+    again = tc.up(NODES, name=flat.name, packages=flat.packages)
     assert again.reused is True
     node = again.nodes[2]
     proc = ssh(again, node.ip, "hostname")
@@ -174,8 +192,8 @@ def test_up_restarts_a_stopped_node(testcluster: tc.ClusterInfo) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_down_of_another_cluster_leaves_this_one_intact(testcluster: tc.ClusterInfo) -> None:
-    other_name = f"{testcluster.name}-other"
+def test_down_of_another_cluster_leaves_this_one_intact(flat: tc.ClusterInfo) -> None:
+    other_name = f"{flat.name}-other"
     try:
         other = tc.up(1, name=other_name)
         assert [n.container for n in other.nodes] == [f"{other_name}-node0"]
@@ -188,19 +206,19 @@ def test_down_of_another_cluster_leaves_this_one_intact(testcluster: tc.ClusterI
     assert tc.down(other_name) == 0  # idempotent
     assert tc.status(other_name) == []
     assert not tc.state_dir(other_name).exists()
-    assert [s.ssh for s in tc.status(testcluster.name)] == [True] * NODES
-    for node in testcluster.nodes:
-        proc = ssh(testcluster, node.ip, "hostname")
+    assert [s.ssh for s in tc.status(flat.name)] == [True] * NODES
+    for node in flat.nodes:
+        proc = ssh(flat, node.ip, "hostname")
         assert (proc.returncode, proc.stdout.strip()) == (0, node.hostname), proc.stderr
 
 
-def test_containers_and_network_carry_the_cluster_label(testcluster: tc.ClusterInfo) -> None:
-    label = f"{tc.LABEL}={testcluster.name}"
+def test_containers_and_network_carry_the_cluster_label(flat: tc.ClusterInfo) -> None:
+    label = f"{tc.LABEL}={flat.name}"
     ids = docker.ids_with_label("container", label)
     assert len(ids) == NODES
     nets = docker.inspect("network", docker.ids_with_label("network", label))
-    assert [n["Name"] for n in nets] == [testcluster.network]
-    assert json.dumps(nets[0]["Labels"]) == json.dumps({tc.LABEL: testcluster.name})
+    assert [n["Name"] for n in nets] == [flat.network]
+    assert json.dumps(nets[0]["Labels"]) == json.dumps({tc.LABEL: flat.name})
 
 
 # ---- pure parts (no docker needed; they run even where the fixture skips) ----
