@@ -12,7 +12,7 @@ import pytest
 from clusterlib import clusterctl, docker, node_exec, tagged_pids
 from test_lifecycle import assert_no_orphans, job_ports, job_spec, wait_state
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 PEER_TIMEOUT, RECONNECT_TIMEOUT = 5.0, 3.0  # the agent's defaults (docs/agent.md)
 SLACK = 4.0  # polling, the local stop (grace) and a loaded machine
