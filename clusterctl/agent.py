@@ -1029,7 +1029,7 @@ class Supervisor:
         self.local_exits.append(ev)
         if self.is_coord:
             self._handle_exit(ev)
-        elif self.conn is not None:
+        elif self.conn is not None and self.welcomed:  # else the next hello carries it (`exits`)
             msg = dict(ev)
             msg["type"] = "exit"
             if not self.conn.send(msg):
@@ -1048,7 +1048,7 @@ class Supervisor:
         log(reason)
         if self.outcome is not None and self.final:
             return
-        if not self.is_coord and self.conn is not None:
+        if not self.is_coord and self.conn is not None and self.welcomed:  # else the hello says `stopping`
             self.conn.send({"type": "stopping", "reason": reason})
         self._user_stop(reason, grace)
 
@@ -1165,7 +1165,7 @@ class Supervisor:
             self.attempts.append({"attempt": self.attempt, "outcome": self.outcome, "reason": self.reason,
                                   "failure": self.failure, "started_at": self.attempt_started_at,
                                   "ended_at": time.time()})
-        if not self.is_coord and self.conn is not None:
+        if not self.is_coord and self.conn is not None and self.welcomed:  # else the hello says `idle`
             self.conn.send({"type": "done", "host": self.host, "attempt": self.attempt})
         if not self.final and self.pending_restart is not None:
             self._next_attempt(self.pending_restart)
