@@ -1,4 +1,4 @@
-"""Network partitions and frozen hosts mid-run : every side decides within the documented time
+"""Network partitions and frozen hosts mid-run: every side decides within the documented time
 (docs/lifecycle.md: peer_timeout 5 s, reconnect_timeout 3 s, connect_timeout 30 s), and once the network is
 back `status` tells the truth on every host and `stop` leaves no orphan and no port held."""
 
