@@ -5,16 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..cache import cache_root
 from ..errors import ProvisionError
 from .steps import HostFacts
 
 __all__ = ["mesh_key", "mesh_context", "cache_root"]
-
-
-def cache_root() -> Path:
-    """clusterctl's controller-side cache ($XDG_CACHE_HOME/clusterctl, default ~/.cache/clusterctl)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "clusterctl"
 
 
 def default_key_path(job: str) -> Path:
