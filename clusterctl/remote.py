@@ -174,9 +174,12 @@ def fingerprint(key) -> str:
 class Remote:
     """Parallel SSH to a fixed set of hosts, with cached connections. Use as a context manager."""
 
-    def __init__(self, hosts: Sequence[Host], options: SshOptions, *, max_workers: int = 64):
+    def __init__(self, hosts: Sequence[Host], options: SshOptions, *, max_workers: int = 64, transport=None):
         self.hosts = tuple(hosts)
         self.options = options
+        # transport: None = the OpenSSH client (or paramiko); else an object whose popen(host, command) starts
+        # the command as a local process with pipes (clusterctl.transport.local.LocalTransport: unit tests)
+        self.transport = transport
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(self.hosts) or 1)))
         self._conns: dict[Host, Connection] = {}
         self._conn_locks = {h: threading.Lock() for h in self.hosts}
@@ -300,6 +303,8 @@ class Remote:
     def _openssh(self) -> bool:
         """Whether the OpenSSH client can go to the hosts by itself: it is installed, and it checks host keys
         against our known_hosts on its own (policy strict; accept-new records keys through paramiko first)."""
+        if self.transport is not None:
+            return True
         return self.options.host_key_policy == "strict" and shutil.which("ssh") is not None
 
     def launch(self, command: str | Callable[[Host], str], *, hosts: Sequence[Host]) -> "Launch":
@@ -327,7 +332,7 @@ class Remote:
         with strict checking against the same known_hosts file. paramiko's pure-Python framing tops
         out far lower. Without an `ssh` binary, or with host-key checking off, it falls back to run().
         """
-        if self.options.host_key_policy == "off" or shutil.which("ssh") is None:
+        if self.transport is None and (self.options.host_key_policy == "off" or shutil.which("ssh") is None):
             return self.run(command, hosts=hosts, stdin=stdin, timeout=timeout, check=False, what=what)
         futures = {h: self._pool.submit(self._push_one, h, command, stdin, timeout) for h in hosts}
         return {h: f.result() for h, f in futures.items()}
@@ -409,6 +414,8 @@ class Remote:
         return command
 
     def _popen(self, host: Host, command: str) -> subprocess.Popen:
+        if self.transport is not None:
+            return self.transport.popen(host, command)
         return subprocess.Popen(
             self._ssh_argv(host, command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
