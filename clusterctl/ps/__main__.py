@@ -53,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PsConfigError as exc:
         log.error("%s", exc)
         return 2
+    except PsError as exc:  # e.g. a checkpoint it must start from is unreadable: one line, not a traceback
+        log.error("pserver could not start: %s", exc)
+        return 1
     stopped: list[int] = []
 
     def _on_term(signum: int, _frame: object) -> None:

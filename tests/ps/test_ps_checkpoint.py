@@ -132,3 +132,20 @@ def test_missing_shard_reported_through_the_client(servers, tmp_path):
         c.complete()
     assert err.value.code == "CheckpointError"
     assert "pserver-0/manifest.json: missing" in str(err.value)
+
+
+def test_a_pserver_that_cannot_load_its_checkpoint_says_why_in_one_line(tmp_path):
+    """A damaged checkpoint to start from: exit 1 and one error line naming the file, not a traceback."""
+    import subprocess
+    import sys
+
+    (tmp_path / "pserver-0").mkdir()
+    (tmp_path / "pserver-0" / "manifest.json").write_text("{not json")
+    env = {"PATH": "/usr/bin:/bin", "TRAINING_ROLE": "PSERVER", "PADDLE_PSERVERS_IP_PORT_LIST": "127.0.0.1:1",
+           "PADDLE_CURRENT_ENDPOINT": "127.0.0.1:1", "PADDLE_TRAINERS_NUM": "1",
+           "CLUSTERCTL_PS_CHECKPOINT": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "clusterctl.ps", "server"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pserver could not start" in lines[0] and "manifest.json" in lines[0], lines
