@@ -121,12 +121,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+class _UsageError(ClusterctlError):
+    """A command line argparse would have refused: exit 2, as argparse does."""
+
+    exit_code = 2
+
+
 def cmd_exec(args: argparse.Namespace) -> int:
     """Run a command on every host; exit with the worst host's exit code."""
     from .ops import open_session
     from .ops.execute import execute, worst_exit_code
 
-    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    argv = args.argv
+    if "--" in argv:  # exec's own options may also come after the spec: `exec SPEC --timeout 5 -- CMD`
+        cut = argv.index("--")
+        if cut:
+            own = argparse.ArgumentParser(prog="clusterctl exec", add_help=False, exit_on_error=False)
+            own.add_argument("--timeout", type=float, default=args.timeout)
+            try:
+                mine, unknown = own.parse_known_args(argv[:cut])
+            except argparse.ArgumentError as exc:
+                raise _UsageError(f"exec: {exc}") from None
+            if unknown:
+                raise _UsageError(f"exec: unknown option {' '.join(unknown)} (exec's options go before --, "
+                                      "the command after it)")
+            args.timeout = mine.timeout
+        argv = argv[cut + 1:]
     if not argv:
         raise ClusterctlError("exec needs a command after --, e.g. clusterctl exec cluster.yaml -- hostname")
     with open_session(args.spec) as session:
