@@ -22,6 +22,10 @@ Authentication (docs/security.md): a connection must begin with an authenticated
 with MPICH's ``initack`` carrying the random ``pmiid`` the server gave that rank in its ready answer
 (the rank puts it in ``PMI_ID``); anything else first, and every later command on such a connection,
 is dropped. Each connection's unsent replies, the key-value store and the name service are bounded.
+
+Why one module of ~650 lines: the PMI wire codec (about 120 lines) and the server that speaks it are one
+protocol, read and reviewed together; the server class is one select loop whose handlers share its
+key-value store and barrier state.
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ per piece of at most one wire chunk. Async applies and answers each piece as soo
 (:meth:`_push_part`); sync reduces, applies and answers each range of a block as soon as every active
 trainer's pieces reached it (:meth:`_advance_round`). Either way the trainers' sending of later pieces
 overlaps with the update and the reply of earlier ones.
+
+Why one module of ~870 lines: the pserver is one event loop over one socket, and its handlers share that
+loop's state (blocks, optimizer states, the open sync round, deferred requests) without locks; split
+across modules they would reach into each other's private state. The pieces that stand alone live
+beside it: the wire format (protocol.py), checkpoints (checkpoint.py), optimizers (optim.py).
 """
 
 from __future__ import annotations
