@@ -19,8 +19,8 @@ from __future__ import annotations
 import marshal
 
 __all__ = [
-    "MARSHAL_VERSION", "TOOL_MISSING", "SIZE", "SHA256", "MODE", "MTIME", "STALE", "STALE_PATCH", "UNCHANGED",
-    "entry", "differs", "patch", "header", "frame",
+    "MARSHAL_VERSION", "TOOL_MISSING", "LENGTH_DIGITS", "SIZE", "SHA256", "MODE", "MTIME", "GEN", "MANIFEST",
+    "DRIFT", "PATH", "STALE", "STALE_PATCH", "UNCHANGED", "entry", "differs", "patch", "header", "frame",
 ]
 
 MARSHAL_VERSION = 4  # what hostws.py writes and reads: any Python 3 reads it
