@@ -15,18 +15,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from clusterctl.ops import dispatch as d
+from clusterctl.ops.dispatch import plan as dplan
+from clusterctl.ops.dispatch import scan as dscan
 from test_hostws_apply import host, live_gen, make_ws, push, state, tree  # noqa: E402  (helpers only)
 
 
 @pytest.fixture(autouse=True)
 def own_hash_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(d, "_CACHE_DIR", tmp_path / "hash-cache")
+    monkeypatch.setattr(dscan, "HASH_CACHE_DIR", tmp_path / "hash-cache")
 
 
 @pytest.fixture(params=["inline", "archive"])
 def sites(request, tmp_path, monkeypatch):
     if request.param == "archive":
-        monkeypatch.setattr(d, "_INLINE", -1)
+        monkeypatch.setattr(dplan, "INLINE", -1)
     ws, root, outside = tmp_path / "ws", tmp_path / "host" / "ws", tmp_path / "outside"
     root.parent.mkdir()
     outside.mkdir()
@@ -57,10 +59,10 @@ def test_a_directory_replaced_by_a_symlink_is_drift_and_the_next_dispatch_stays_
     assert drift(root) == [{"path": "d1/f1.bin", "problem": "replaced"}, {"path": "d1/f4.bin", "problem": "replaced"}]
     (ws / "d1" / "f1.bin").write_bytes(b"new content")
     (ws / "d1" / "new.txt").write_text("new file\n")
-    view = d._HostView(state(root).gen, state(root).manifest, check=True)  # a controller trusting its cache
+    view = d.HostView(state(root).gen, state(root).manifest, check=True)  # a controller trusting its cache
     _, reply, _ = push(ws, root, view)
     assert reply["stale"] == "drift"
-    push(ws, root, d._view_of(reply))
+    push(ws, root, d.view_of(reply))
     assert digests(outside) == before  # nothing written outside
     assert not (live_gen(root) / "d1").is_symlink() and tree(root) == tree(ws)
     assert drift(root) == []

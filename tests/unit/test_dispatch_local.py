@@ -6,7 +6,7 @@ import os
 import tarfile
 import threading
 
-from clusterctl.ops.dispatch import _Archive, scan_workspace
+from clusterctl.ops.dispatch import Archive, scan_workspace
 
 
 def test_scan_applies_gitignore_style_excludes(tmp_path):
@@ -22,7 +22,7 @@ def test_one_archive_streams_identically_to_many_hosts_at_once(tmp_path):
     for i in range(40):
         (tmp_path / f"f{i}.bin").write_bytes(os.urandom(300_000))
     files = scan_workspace(tmp_path, ())
-    archive = _Archive(files, sorted(files))
+    archive = Archive(files, sorted(files))
     results = [None] * 8
 
     def read(i):
@@ -46,12 +46,12 @@ def test_the_combined_exclude_matcher_agrees_with_pathspec():
 
     import pathspec
 
-    from clusterctl.ops.dispatch import _ignore_matcher
+    from clusterctl.ops.dispatch import ignore_matcher
 
     names = ["a.py", "b.pyc", ".git", "__pycache__", "build", "x.o", ".venv", "keep", "data.bin", "sub"]
     paths = ["/".join(p) for n in (1, 2, 3) for p in itertools.product(names, repeat=n)]
     paths += [p + "/" for p in paths]
     for exclude in ((".git/", "__pycache__/", "*.pyc", ".venv/"), ("build/", "*.o", "/keep", "sub/*.bin", "**/x.o"),
                     ("*.pyc", "!keep/b.pyc"), ("a.py",), ()):
-        mine, theirs = _ignore_matcher(exclude), pathspec.GitIgnoreSpec.from_lines(exclude).match_file
+        mine, theirs = ignore_matcher(exclude), pathspec.GitIgnoreSpec.from_lines(exclude).match_file
         assert [p for p in paths if mine(p)] == [p for p in paths if theirs(p)], exclude

@@ -14,22 +14,26 @@ from pathlib import Path
 
 import pytest
 
+import clusterctl
 from clusterctl.ops import dispatch as d
+from clusterctl.ops.dispatch import plan as dplan
+from clusterctl.ops.dispatch import records as drecords
+from clusterctl.ops.dispatch import scan as dscan
 
-HOSTWS = Path(d.__file__).resolve().parents[1] / "hostws.py"
+HOSTWS = Path(clusterctl.__file__).resolve().parent / "hostws.py"
 _gens = itertools.count()
 
 
 @pytest.fixture(autouse=True)
 def own_hash_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(d, "_CACHE_DIR", tmp_path / "hash-cache")
+    monkeypatch.setattr(dscan, "HASH_CACHE_DIR", tmp_path / "hash-cache")
 
 
 @pytest.fixture(autouse=True, params=["inline", "archive"])
 def transport(request, monkeypatch):
     """Every test twice: small updates inside the header (the default), and everything as a tar archive."""
     if request.param == "archive":
-        monkeypatch.setattr(d, "_INLINE", -1)
+        monkeypatch.setattr(dplan, "INLINE", -1)
     return request.param
 
 
@@ -49,22 +53,23 @@ def host(cmd: str, root: Path, stdin: bytes = b"") -> subprocess.CompletedProces
     return subprocess.run([sys.executable, str(HOSTWS), cmd, str(root)], input=stdin, capture_output=True, timeout=60, env=env)
 
 
-def state(root: Path) -> d._HostView:
+def state(root: Path) -> d.HostView:
     res = host("state", root)
     assert res.returncode == 0, res.stderr
-    return d._view_of(json.loads(res.stdout))
+    return d.view_of(json.loads(res.stdout))
 
 
-def push(ws: Path, root: Path, view: d._HostView | None = None, *, deltas: bool = True):
+def push(ws: Path, root: Path, view: d.HostView | None = None, *, deltas: bool = True):
     """Plan against `view` (default: the host's state, as for a host this controller does not know),
     stream header + archive into `hostws.py apply`; returns (plan, reply, bytes sent)."""
     files = d.scan_workspace(ws, ())
-    plan = d._plan_host(f"gen{next(_gens):04d}", view or state(root), files, deltas=deltas)
+    plan = d.plan_host(f"gen{next(_gens):04d}", view or state(root), files, deltas=deltas)
+    header = d.update_bytes(plan, files)
     if plan.inline:
-        data = plan.header
+        data = header
     else:
-        archive = d._Archive(files, plan.whole, plan.patches)
-        data = b"".join(archive.stream(plan.header))
+        archive = d.Archive(files, plan.whole, plan.patches)
+        data = b"".join(archive.stream(header))
         archive.close()
     res = host("apply", root, data)
     assert res.returncode == 0, res.stderr.decode()
@@ -186,11 +191,11 @@ def test_a_stale_record_changes_nothing_and_returns_the_hosts_state(sites):
     push(ws, root)  # another controller moved the host on
     before = tree(root)
     (ws / "train.py").write_text("v3\n")
-    view = d._HostView(remembered.gen, remembered.manifest, check=True)
+    view = d.HostView(remembered.gen, remembered.manifest, check=True)
     plan, reply, _ = push(ws, root, view)
     assert reply["stale"].startswith("generation is ") and reply["gen"] != remembered.gen
     assert tree(root) == before
-    _, reply, _ = push(ws, root, d._view_of(reply))  # planned again from what the host said
+    _, reply, _ = push(ws, root, d.view_of(reply))  # planned again from what the host said
     assert "stale" not in reply and tree(root) == tree(ws)
 
 
@@ -198,14 +203,14 @@ def test_drift_is_found_before_anything_changes(sites):
     ws, root = sites
     make_ws(ws, n=3)
     push(ws, root)
-    view = d._HostView(state(root).gen, state(root).manifest, check=True)
+    view = d.HostView(state(root).gen, state(root).manifest, check=True)
     with open(root / "d1" / "f1.bin", "ab") as fh:
         fh.write(b"edited by hand")
     _, reply, _ = push(ws, root, view)
     assert reply["stale"] == "drift" and reply["drift"] == [{"path": "d1/f1.bin", "problem": "modified"}]
-    _, reply, _ = push(ws, root, d._view_of(reply))
+    _, reply, _ = push(ws, root, d.view_of(reply))
     assert tree(root) == tree(ws)
-    view = d._HostView(reply["gen"], state(root).manifest, check=True)
+    view = d.HostView(reply["gen"], state(root).manifest, check=True)
     _, reply, sent = push(ws, root, view)  # nothing changed anywhere: a header, and no new generation
     assert reply["unchanged"] is True and sent < 200
 
@@ -229,7 +234,7 @@ def test_a_patch_whose_base_differs_is_refused_then_sent_whole(sites):
     assert list(plan.patches) == ["d0/f0.bin"]
     assert reply["stale"] == "patch" and reply["drift"] == [{"path": "d0/f0.bin", "problem": "modified"}]
     assert tree(root) == before
-    plan, reply, _ = push(ws, root, d._view_of(reply))
+    plan, reply, _ = push(ws, root, d.view_of(reply))
     assert plan.whole == ["d0/f0.bin"] and not plan.patches
     assert tree(root) == tree(ws)
 
@@ -243,17 +248,17 @@ def test_block_digests_follow_the_file_size():
 def test_records_round_trip_and_ignore_damage(tmp_path, monkeypatch):
     from clusterctl.plan import Host
 
-    monkeypatch.setattr(d, "_CACHE_ROOT", tmp_path)
+    monkeypatch.setattr(drecords, "RECORDS_DIR", tmp_path / "dispatched")
     a, b = Host("10.0.0.1", 22, "root", 0), Host("10.0.0.2", 22, "root", 1)
     manifest = {"x.py": {"s": 1, "h": "00", "m": 420, "t": 5}}
-    records = d._Records("ws")
+    records = d.Records("ws")
     records.save({a: ("g1", manifest), b: ("g1", manifest)})
     assert len(list((tmp_path / "dispatched" / "manifests").iterdir())) == 1  # stored once
-    view = d._Records("ws").load(a)
+    view = d.Records("ws").load(a)
     assert (view.gen, view.manifest, view.check) == ("g1", manifest, True)
-    assert d._Records("other-root").load(a) is None
+    assert d.Records("other-root").load(a) is None
     records._path(b).write_text("{not json")
-    assert d._Records("ws").load(b) is None
+    assert d.Records("ws").load(b) is None
 
 
 def test_hosts_without_tar_cp_or_rm_get_the_same_result(sites, tmp_path, monkeypatch):
