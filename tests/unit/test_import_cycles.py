@@ -170,6 +170,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
 
 
 def test_cycle_finder_reports_each_component():
+    """Each strongly connected component once, sorted; a module that only reaches a cycle is not in it."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"e"}, "e": {"d", "a"}, "f": {"a"}}
     assert cycles(graph) == [["a", "b", "c"], ["d", "e"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
