@@ -5,7 +5,8 @@ The graph is read from the source with `ast`, not by importing anything: an edge
 or inside a function (a lazy import runs too, later), with relative levels resolved against A's package.
 `from P import n` is an edge to the submodule P.n when there is one, else to P. Importing P.n also runs
 P's `__init__`, so it is an edge to P as well unless A is inside P (then P is already being imported).
-Imports under `if TYPE_CHECKING:` never run and are left out.
+Imports under `if TYPE_CHECKING:` never run and are left out. Names computed at run time
+(cli.py's plugin table through importlib.import_module) are not imports this reader can see.
 """
 
 from __future__ import annotations
