@@ -16,7 +16,7 @@ from .errors import ClusterctlError
 from .sshconfig import Resolved, Target, unresolved
 
 if TYPE_CHECKING:  # the spec models (pydantic) load only where a spec is laid out, not for a cached plan
-    from .spec import ClusterSpec
+    from .spec.models import ClusterSpec
 
 __all__ = [
     "Host", "Process", "JobPlan", "MpiLaunch", "PlanError", "make_plan", "make_hosts", "ssh_targets", "render_args", "deal_shards", "DATA_ENV",
@@ -211,8 +211,8 @@ def deal_shards(names: list[str], trainers: int) -> list[list[str]]:
 def _reuse_last(fn):
     """Return the previous plan when asked again for the same spec object, hosts and data files.
 
-    Loading a spec lays out its plan once to check it (spec.py), and the command then asks for the same
-    plan: with 10,000 processes that second layout cost as much as the first. The key is the hosts that
+    Loading a spec lays out its plan once to check it (clusterctl.spec.checks), and the command then asks
+    for the same plan: with 10,000 processes that second layout cost as much as the first. The key is the hosts that
     `resolved` makes (with `ssh.config: none`, what ssh would resolve is what no resolution gives).
     Specs are frozen; the plan returned is shared between such callers, so nobody may modify it (its
     env dicts included).
@@ -443,14 +443,14 @@ def _env(user_env: dict[str, str], common: dict[str, str], *, role: str, endpoin
 
 
 def _pserver_hosts(spec: ClusterSpec, hosts: tuple[Host, ...]) -> list[Host]:
-    from .spec import PserversPerHost
-
+    # job.pservers is a count, a PserversPerHost or a tuple of addresses; told apart by shape, so that the
+    # plan imports nothing of clusterctl.spec (which lays out the plan to check a spec: no import cycle)
     p = spec.job.pservers
     if spec.job.mode != "pserver":
         return []
     if isinstance(p, int):
         return [hosts[i % len(hosts)] for i in range(p)]
-    if isinstance(p, PserversPerHost):
+    if not isinstance(p, tuple):  # {per_host: N}
         return [h for h in hosts for _ in range(p.per_host)]
     by_addr = {h.address: h for h in reversed(hosts)}  # first host with that address wins
     return [by_addr[a] for a in p]

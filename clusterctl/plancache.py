@@ -75,7 +75,7 @@ def _listing_digest(root: str) -> str | None:
 def _code_stamp() -> list:
     """Size and mtime of clusterctl's modules: any change to the code that plans is a miss."""
     stamp = []
-    for d in (_PACKAGE, _PACKAGE / "ops"):
+    for d in (_PACKAGE, _PACKAGE / "ops", _PACKAGE / "spec"):
         try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import CollectiveError
 
-__all__ = ["Prepared", "prepare", "kind_of", "OPS"]
+__all__ = ["Prepared", "prepare", "reduce_one", "kind_of", "OPS"]
 
 OPS = ("sum", "avg")
 
@@ -260,3 +260,12 @@ def prepare(x, op: str, out, size: int, compression: str | None, communicator) -
     if kind in ("torch", "torch-cuda"):
         return _prepare_torch(x, op, out, size, compression, communicator)
     return _prepare_cupy(x, op, out, size, compression, communicator)
+
+
+def reduce_one(c, prepared: Prepared, op: str, what: str):
+    """Allreduce one prepared buffer on communicator ``c`` (run on its worker thread); return the result."""
+    if prepared.device is not None:
+        c.allreduce_device(prepared.device, what)
+    else:
+        c.allreduce_flat(prepared.src, prepared.dst, op == "avg" and prepared.average_here, what)
+    return prepared.finish()

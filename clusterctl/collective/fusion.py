@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .buffers import OPS, prepare
+from .buffers import OPS, prepare, reduce_one
 from .errors import CollectiveError
 from .shm import shm_supported
 
@@ -173,12 +173,11 @@ class FusedAllreduce:
                 if plan is None:
                     plan = self._copy_plans[k] = c.arena.copy_plan(outs, b.dtype)
             futures.append(c.submit(self._reduce_bucket, ins, outs, buf, plan))
-        from .ops import _reduce_one
         singles = []
         for i in self.single:
             x = self.xs[i]
             prepared = prepare(x, self.op, x if inplace else None, c.size, self.compression, c)
-            singles.append((i, c.submit(_reduce_one, c, prepared, self.op, "allreduce")))
+            singles.append((i, c.submit(reduce_one, c, prepared, self.op, "allreduce")))
         return results, futures, singles
 
     def run(self, *, inplace: bool = False) -> list:

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from ._mpi import default
-from .buffers import kind_of, prepare
+from .buffers import kind_of, prepare, reduce_one
 from .errors import CollectiveError
 
 __all__ = ["Handle", "allreduce", "allreduce_async", "grouped_allreduce", "broadcast",
@@ -29,19 +29,11 @@ class Handle:
         return self._future.result()
 
 
-def _reduce_one(c, prepared, op: str, what: str):
-    if prepared.device is not None:
-        c.allreduce_device(prepared.device, what)
-    else:
-        c.allreduce_flat(prepared.src, prepared.dst, op == "avg" and prepared.average_here, what)
-    return prepared.finish()
-
-
 def allreduce_async(x, op: str = "sum", *, out=None, comm=None, compression: str | None = None) -> Handle:
     """Start an allreduce of ``x`` on the communicator's worker thread; returns a :class:`Handle`."""
     c = default(comm)
     prepared = prepare(x, op, out, c.size, compression, c)
-    return Handle(c.submit(_reduce_one, c, prepared, op, "allreduce"))
+    return Handle(c.submit(reduce_one, c, prepared, op, "allreduce"))
 
 
 def allreduce(x, op: str = "sum", *, out=None, comm=None, compression: str | None = None):

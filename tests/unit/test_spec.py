@@ -188,3 +188,20 @@ def test_cli_validate_exit_codes_and_no_traceback(write_spec):
         f"{bad}:4:3: ssh.port: port out of range (1-65535): 0",
     ]
     assert "Traceback" not in res.stderr and res.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ("  env: {PATH: [1, 2]}", "5:9: job.env.PATH: expected a string"),
+        ("  env:\n    PATH: [1, 2]", "6:5: job.env.PATH: expected a string"),
+        ("  env:\n    GLOG_v: 1\n    Name: {a: 1}", "7:5: job.env.Name: expected a string"),
+    ],
+    ids=["flow", "block", "second-key"],
+)
+def test_capital_env_key_is_the_error_path(write_spec, env, expected):
+    """Issue 14: a user's key starting with a capital letter is kept in the path, not dropped as a union tag."""
+    path = write_spec("name: c\nhosts: [{address: h1}]\njob:\n  entrypoint: [python]\n" + env + "\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert [str(p) for p in info.value.problems] == [f"{path}:{expected}"]

@@ -1,0 +1,102 @@
+"""What every spec model shares: the base model, the port type, address/user/jump-host checks, scalar helpers.
+
+Knows pydantic and nothing of the plan."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["Port", "check_address", "check_user", "parse_jump"]
+
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+_HOSTNAME_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,252})")
+_USER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\$?")
+
+
+def check_address(value: str) -> str:
+    """A host address as ssh takes it: an IPv4/IPv6 address or a host name / ssh config alias.
+
+    Refuses what ssh would read as an option (a leading '-') or what a shell or a log line would
+    misread (spaces, control characters, brackets around a non-IPv6 address)."""
+    import ipaddress
+
+    bare = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    if ":" in bare:
+        try:
+            ipaddress.IPv6Address(bare.split("%", 1)[0])
+        except ValueError:
+            raise ValueError(f"not a host name or IP address: {value!r}") from None
+        return bare
+    if bare != value or not _HOSTNAME_RE.fullmatch(value) or ".." in value:
+        raise ValueError(f"not a host name or IP address: {value!r}")
+    return value
+
+
+def check_user(value: str) -> str:
+    """A login user name: letters, digits, '_', '.', '-' (not first), as useradd allows."""
+    if not _USER_RE.fullmatch(value):
+        raise ValueError(f"not a valid user name: {value!r}")
+    return value
+
+
+def parse_jump(hop: str) -> tuple[str | None, str, int | None]:
+    """`[user@]host[:port]` (IPv6 as `[addr]:port`) -> (user, host, port); ValueError when malformed."""
+    user, sep, rest = hop.rpartition("@")
+    if sep:
+        check_user(user)
+    if rest.startswith("["):
+        host, close, tail = rest[1:].partition("]")
+        if not close or (tail and not tail.startswith(":")):
+            raise ValueError(f"cannot parse jump host {hop!r}: expected [user@]host[:port]")
+        port_text = tail[1:]
+    elif rest.count(":") == 1:
+        host, _, port_text = rest.partition(":")
+    else:
+        host, port_text = rest, ""
+    if port_text and not (port_text.isdigit() and 1 <= int(port_text) <= 65535):
+        raise ValueError(f"bad port in jump host {hop!r}: expected 1-65535")
+    return (user or None), check_address(host), (int(port_text) if port_text else None)
+
+
+def _jump_chain(v: Any) -> Any:
+    """`proxy_jump`: "a,b", [a, b] or "none" -> a tuple of validated hops (first hop first)."""
+    if isinstance(v, str):
+        v = [] if v.strip().lower() == "none" else [part.strip() for part in v.split(",")]
+    if isinstance(v, (list, tuple)):
+        for hop in v:
+            if not isinstance(hop, str) or not hop:
+                raise ValueError("expected jump hosts as [user@]host[:port] strings")
+            parse_jump(hop)
+        return tuple(v)
+    return v
+
+
+def _scalar_str(v: Any) -> Any:
+    """YAML scalars become strings (`1` → "1", `true` → "true"); anything else is left for the type check."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(v)
+    return v
+
+
+def _placeholder_names(arg: str) -> list[str]:
+    """Names inside single braces; `{{` and `}}` are literal braces."""
+    stripped = arg.replace("{{", "").replace("}}", "")
+    return re.findall(r"\{([^{}]*)\}", stripped)
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

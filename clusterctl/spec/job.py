@@ -1,0 +1,171 @@
+"""What runs: the `job:` section (layout, ports, env, placeholders), the workspace and the data shards."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import Field, field_validator
+
+from .fields import Port, _did_you_mean, _Model, _placeholder_names, _scalar_str
+
+__all__ = ["JobSpec", "PortsSpec", "PserversPerHost", "WorkspaceSpec", "DataSpec", "PLACEHOLDERS", "CONTRACT_ENV",
+           "RESTART_ENV"]
+
+
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Placeholders allowed in job.args (see docs/spec.md).
+PLACEHOLDERS = (
+    "role",
+    "id",
+    "trainer_id",
+    "trainers",
+    "pserver_endpoints",
+    "trainer_endpoints",
+    "current_endpoint",
+    "host",
+    "local_rank",
+    "job",
+)
+
+# Env names the plan owns; a user setting one in job.env would silently break the contract.
+CONTRACT_ENV = frozenset(
+    """CLUSTERCTL_JOB CLUSTERCTL_ROLE TRAINING_ROLE POD_IP PADDLE_PORT PADDLE_CURRENT_ENDPOINT
+    PADDLE_TRAINER_ID PADDLE_PSERVER_ID PADDLE_TRAINERS_NUM PADDLE_TRAINER_ENDPOINTS
+    PADDLE_PSERVERS_IP_PORT_LIST RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
+    CUDA_VISIBLE_DEVICES FLAGS_selected_gpus CLUSTERCTL_DATA_FILES""".split()
+)
+
+
+class WorkspaceSpec(_Model):
+    """What to ship: a local directory, where it lands on every host, and what to leave out."""
+
+    local: str = "."
+    remote: str = ""
+    exclude: tuple[str, ...] = (".git/", "__pycache__/", "*.pyc", ".venv/")
+
+    @field_validator("remote")
+    @classmethod
+    def _remote(cls, v: str) -> str:
+        if v.startswith("~/"):
+            v = v[2:]  # ssh sessions start in $HOME: relative paths are relative to it
+        if ".." in Path(v).parts:
+            raise ValueError("must not contain '..'")
+        return v
+
+
+class DataSpec(_Model):
+    """Optional data shards: files matching `pattern` are dealt to trainers by index % trainers."""
+
+    local: str
+    pattern: str = "*"
+    remote: str = "data"
+
+
+class PortsSpec(_Model):
+    """Base ports. A process's port is its base plus its local index on the host."""
+
+    pserver: Port = 6170
+    trainer: Port = 6180
+    master: Port = 6169
+    control: Port = 6168
+
+
+class PserversPerHost(_Model):
+    per_host: int = Field(ge=0, le=256)
+
+
+RESTART_ENV = ("CLUSTERCTL_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")  # the attempt number, set by the agent
+
+
+class JobSpec(_Model):
+    """What to run and how processes are laid out."""
+
+    mode: Literal["pserver", "collective"] = "collective"
+    launcher: Literal["ssh", "mpi"] = "ssh"
+    mpi: Literal["mpich", "openmpi"] = "mpich"
+    mpiexec: str = "mpiexec"
+    mpi_args: tuple[str, ...] = ()
+    entrypoint: tuple[str, ...] = Field(min_length=1)
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    pservers: Union[int, PserversPerHost, tuple[str, ...]] = 0
+    trainers: Union[int, Literal["gpu"]] = 1
+    ports: PortsSpec = PortsSpec()
+    log_dir: str = "."  # relative to <workspace.remote>.logs/
+    on_failure: Literal["stop", "continue"] = "stop"
+    grace: float = Field(10.0, ge=0, le=3600)
+    restarts: int = Field(0, ge=0, le=1000)  # a failed job starts again on the same plan, up to this many times
+    restart_backoff: float = Field(1.0, ge=0, le=300)  # seconds before the first restart, doubled for each next
+    sync: Literal["sync", "async", "geo"] = "sync"
+    k_steps: int = Field(100, ge=1)
+
+    @field_validator("entrypoint", mode="before")
+    @classmethod
+    def _entrypoint(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return shlex.split(v)
+        if isinstance(v, list):
+            return [_scalar_str(x) for x in v]
+        return v
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _args(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [_scalar_str(x) for x in v]
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _placeholders(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in v:
+            for name in _placeholder_names(arg):
+                if name not in PLACEHOLDERS:
+                    hint = _did_you_mean(name, PLACEHOLDERS)
+                    raise ValueError(f"unknown placeholder {{{name}}} in {arg!r}{hint}")
+        return v
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for k, x in v.items():
+            k = str(k)
+            if not ENV_NAME_RE.match(k):
+                raise ValueError(f"{k!r} is not a valid environment variable name")
+            if k in CONTRACT_ENV or k in RESTART_ENV:
+                raise ValueError(f"{k} is set by clusterctl from the plan; remove it from job.env")
+            out[k] = _scalar_str(x)
+        return out
+
+    @field_validator("pservers", mode="before")
+    @classmethod
+    def _pservers(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("expected a count, {per_host: N} or a list of host addresses")
+        if isinstance(v, int) and v < 0:
+            raise ValueError("pserver count must be >= 0")
+        if isinstance(v, dict):
+            unknown = [k for k in v if k != "per_host"]
+            if unknown:
+                raise ValueError(f"unknown key {unknown[0]!r}{_did_you_mean(unknown[0], ['per_host'])}; expected {{per_host: N}}")
+            if not isinstance(v.get("per_host"), int) or isinstance(v.get("per_host"), bool):
+                raise ValueError("expected {per_host: N} with N an integer")
+        elif not isinstance(v, (int, list, tuple)):
+            raise ValueError("expected a count, {per_host: N} or a list of host addresses")
+        return v
+
+    @field_validator("trainers", mode="before")
+    @classmethod
+    def _trainers(cls, v: Any) -> Any:
+        if isinstance(v, bool) or (not isinstance(v, int) and v != "gpu"):
+            raise ValueError("expected trainers per host (an integer) or 'gpu' (one per GPU)")
+        if isinstance(v, int) and not 0 <= v <= 1024:
+            raise ValueError("trainers per host must be between 0 and 1024")
+        return v
