@@ -6,7 +6,7 @@ bastion's sshd, and 30 of them timed out in the banner exchange on a loaded mach
 So Remote lets at most HANDSHAKES_PER_BASTION new connections through one first jump hop be in their
 handshake at a time (and at most HANDSHAKES_DIRECT to hosts reached directly, each its own sshd, for the
 controller's own CPU); a connection leaves the gate when it has logged in (the transport says when: for
-OpenSSH, ssh's LocalCommand, run after the login, touches a file; for paramiko, open() returning), when it
+OpenSSH, ssh's LocalCommand, run after the login (to the first bastion, or to the host reached directly), touches a file; for paramiko, open() returning), when it
 failed, or after HOLD_MAX seconds at most, so a stuck handshake never holds the others for ever. Commands
 over a connection already open (ControlMaster) do not pass the gate at all.
 """

@@ -71,10 +71,11 @@ def common_options(opts: SshOptions) -> list[str]:
     return argv
 
 
-def jump_command(chain: tuple[str, ...], opts: SshOptions) -> str:
+def jump_command(chain: tuple[str, ...], opts: SshOptions, login_flag: str | None = None) -> str:
     """The ProxyCommand that reaches %h:%p through `chain` (first hop first): an ssh of ours to the last
     bastion, itself reached through the ones before it. Tokens of inner levels are escaped (%%) once
-    per level, since each ssh expands the ProxyCommand it runs."""
+    per level, since each ssh expands the ProxyCommand it runs. login_flag: a file the ssh to the first
+    bastion touches once logged in there (from then on the connection no longer counts in its MaxStartups)."""
     from ..spec import parse_jump
 
     command = ""
@@ -83,6 +84,8 @@ def jump_command(chain: tuple[str, ...], opts: SshOptions) -> str:
         argv = ["ssh", *common_options(opts), "-o", "ServerAliveInterval=5", "-o", "ForwardAgent=no",
                 "-o", "ClearAllForwardings=yes"]
         argv += ["-o", f"ProxyCommand={command}"] if command else ["-o", "ProxyJump=none"]
+        if level == 0 and login_flag is not None:
+            argv += _login_signal(login_flag)
         argv += [*(["-l", user] if user else []), *(["-p", str(port)] if port else []), "-W", "%h:%p", "--", name]
         command = " ".join(shlex.quote(a) for a in argv)
         if level < len(chain) - 1:
@@ -100,7 +103,8 @@ def ssh_argv(host: Host, opts: SshOptions, command: str, control: str | None, lo
     """The OpenSSH command line that runs `command` on `host`: strict host keys, no prompts, our bastions.
 
     control: the directory of kept connections' sockets (None: no reuse; only used when opts.persist);
-    login_flag: a file ssh touches once it has logged in (LocalCommand; the handshake gate's signal)."""
+    login_flag: a file ssh touches once it has logged in (LocalCommand; the handshake gate's signal): to the
+    host itself, or behind bastions to the first one (whose sshd's MaxStartups the gate protects)."""
     control = control if opts.persist else None
     alive, missed = opts.keepalive or 15, 3
     if control is not None:  # see below: a reused connection's only wait is its keepalive
@@ -110,7 +114,7 @@ def ssh_argv(host: Host, opts: SshOptions, command: str, control: str | None, lo
     if host.jump:
         # Each bastion is reached by an ssh of ours (ProxyCommand), not by ssh's own ProxyJump, whose
         # hops would not get these options: host keys are checked on every hop, the same way.
-        argv += ["-o", f"ProxyCommand={jump_command(host.jump, opts)}"]
+        argv += ["-o", f"ProxyCommand={jump_command(host.jump, opts, login_flag)}"]
     elif host.jump_none:
         argv += ["-o", "ProxyJump=none"]  # the spec says direct, over the ssh config's ProxyJump
     if control is not None:
@@ -124,12 +128,17 @@ def ssh_argv(host: Host, opts: SshOptions, command: str, control: str | None, lo
             "-o", f"ControlPersist={opts.persist}",
             "-o", f"ServerAliveCountMax={missed}",
         ]  # fmt: skip
-    if login_flag is not None:  # run by ssh after the login, not by a client of a kept connection
-        argv += ["-o", "PermitLocalCommand=yes",
-                 "-o", "LocalCommand=touch " + shlex.quote(login_flag).replace("%", "%%")]
+    if login_flag is not None and not host.jump:  # behind a bastion: the ssh to its first hop signals
+        argv += _login_signal(login_flag)
     # user and port as resolved (what the spec set, else the ssh config's); `--`: an address is
     # never read as an option
     return argv + ["-p", str(host.port), "-l", host.user, "--", host.address, command]
+
+
+def _login_signal(flag: str) -> list[str]:
+    """Options that make an ssh touch `flag` once logged in: LocalCommand runs after the login, and only in
+    an ssh that opened a connection itself (never in a client of a kept one)."""
+    return ["-o", "PermitLocalCommand=yes", "-o", "LocalCommand=touch " + shlex.quote(flag).replace("%", "%%")]
 
 
 def control_socket(host: Host, opts: SshOptions, control: str | None) -> str | None:

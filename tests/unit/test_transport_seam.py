@@ -2,6 +2,7 @@
 OpenSSH argv's login signal and control socket, and no import cycle between remote and sshconn."""
 
 import ast
+import shlex
 import shutil
 import socket
 import subprocess
@@ -187,6 +188,14 @@ def test_the_login_signal_is_ssh_own_local_command(tmp_path):
     o = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "-o")
     assert o["PermitLocalCommand"] == "yes" and o["LocalCommand"] == f"touch '{tmp_path / 'f 1'}'"
     assert argv[-2:] == [H.address, "true"]
+    # behind bastions the ssh to the first bastion signals (its login is what that sshd's MaxStartups counts)
+    two = Host("10.0.1.5", 22, "root", 1, jump=("b1", "b2"))
+    argv = openssh.ssh_argv(two, SshOptions(), "true", None, login_flag="/run/f")
+    o = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "-o")
+    to_b2 = shlex.split(o["ProxyCommand"])
+    to_b1 = shlex.split(dict(to_b2[i + 1].split("=", 1) for i, a in enumerate(to_b2) if a == "-o")["ProxyCommand"])
+    assert "LocalCommand" not in o and to_b2[-1] == "b2" and not any("LocalCommand" in a for a in to_b2[:-1] if "ProxyCommand" not in a)
+    assert to_b1[-1] == "b1" and "LocalCommand=touch /run/f" in to_b1 and "PermitLocalCommand=yes" in to_b1
     assert openssh.ssh_argv(H, SshOptions(), "true", None) == Remote([H], SshOptions())._ssh_argv(H, "true")
 
 
