@@ -7,7 +7,12 @@ goes through the bastion's sshd, whose MaxStartups (OpenSSH's default 10:30:100)
 connections; clusterctl retries a connection shed before the login (clusterctl.remote `_shed`). The first
 `exec` opens every connection (cold); the later ones reuse them (`ssh.persist`).
 
+With `--max-startups 10:30:100` the bastion's sshd is set to that (OpenSSH's default) first, and the
+connections it dropped past MaxStartups are counted per step (its log); `exec` with `ssh.persist: 0`
+(new connections every time) is measured too.
+
     .venv/bin/python benchmarks/scale.py [--nodes 64] [--bastion] [--repeat 3] [--name ct-scale]
+                                         [--max-startups 10:30:100]
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def main() -> int:
     ap.add_argument("--bastion", action="store_true")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--name", default="ct-scale")
+    ap.add_argument("--max-startups", default="", help="set the bastion's sshd MaxStartups to this first")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -63,17 +69,34 @@ def main() -> int:
                job={"mode": "collective", "entrypoint": ["/bin/sleep", "3600"], "trainers": 1})
     spec = state / "scale.yaml"
     spec.write_text(yaml.safe_dump(doc))
+    cold = state / "scale-cold.yaml"
+    cold.write_text(yaml.safe_dump({**doc, "ssh": {**doc.get("ssh", {}), "persist": 0}}))
+    bastion = f"{args.name}-bastion"
+    if args.max_startups:
+        subprocess.run(["docker", "exec", bastion, "sh", "-c",
+                        f"sed -i 's/^MaxStartups .*/MaxStartups {args.max_startups}/' /etc/ssh/sshd_config && "
+                        "kill -HUP $(cat /run/sshd.pid)"], check=True)
+        time.sleep(1)
+        print(f"bastion MaxStartups {args.max_startups}", flush=True)
+
+    def dropped(since: str) -> int:
+        """Connections the bastion dropped past MaxStartups since `since` (docker's log clock)."""
+        log = subprocess.run(["docker", "logs", "--since", since, bastion], capture_output=True, text=True)
+        return sum("past MaxStartups" in ln for ln in (log.stdout + log.stderr).splitlines())
     cli = [sys.executable, "-m", "clusterctl.cli"]
 
     rows: list[tuple[str, float, float, str]] = []
 
     def step(label: str, *cmd: str, repeat: int = 1) -> None:
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
         runs = [timed(cli + list(cmd)) for _ in range(repeat)]
         wall, cpu = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+        drops = f"; bastion dropped {dropped(since)}" if args.bastion else ""
         rows.append((label if repeat == 1 else f"{label} (median of {repeat})", wall, cpu, runs[-1][2]))
-        print(f"{rows[-1][0]}: {wall:.2f}s wall, {cpu:.2f}s CPU   {runs[-1][2][:100]}", flush=True)
+        print(f"{rows[-1][0]}: {wall:.2f}s wall, {cpu:.2f}s CPU{drops}   {runs[-1][2][:100]}", flush=True)
 
     step("exec true, first connections", "exec", str(spec), "--", "true")
+    step("exec true, new connections every time (persist 0)", "exec", str(cold), "--", "true", repeat=args.repeat)
     step("exec true, kept connections", "exec", str(spec), "--", "true", repeat=args.repeat)
     step("dispatch, first (20 files)", "dispatch", str(spec))
     step("dispatch, nothing changed", "dispatch", str(spec))

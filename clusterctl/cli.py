@@ -153,7 +153,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
         width = max(len(h.label) for h in session.plan.hosts)
         results = execute(session.remote, argv, on_line=LinePrinter(width), timeout=args.timeout)
     for host, res in results.items():
-        if res.exit_code == 255 and not res.stdout:
+        if res.unreachable:
             error(res.stderr)
         elif res.exit_code:
             from rich.markup import escape

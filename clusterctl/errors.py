@@ -10,6 +10,10 @@ __all__ = [
     "SpecProblem",
     "RemoteError",
     "HostFailure",
+    "HostError",
+    "CannotConnect",
+    "TimedOut",
+    "CommandFailed",
     "ProvisionError",
     "JobError",
 ]
@@ -64,16 +68,57 @@ class HostFailure:
         return f"{self.host}: exit {self.exit_code}{detail}"
 
 
-class RemoteError(ClusterctlError):
-    """One or more hosts failed; carries every host's failure (and the successful results, if any)."""
+class HostError(ClusterctlError):
+    """One host's failure, typed: str() is the one-line reason a user reads (naming the host)."""
 
-    def __init__(self, failures: list[HostFailure], results: dict | None = None, what: str = "command"):
+    def __init__(self, host: str, reason: str, command: str = ""):
+        self.host, self.reason, self.command = host, reason, command
+        super().__init__(reason)
+
+
+class CannotConnect(HostError):
+    """The host was never reached (or its connection was lost before the command could answer)."""
+
+
+class TimedOut(HostError):
+    """The command did not answer within our deadline (it was ended; Result exit code 124)."""
+
+
+class CommandFailed(HostError):
+    """The command ran and exited non-zero."""
+
+    def __init__(self, host: str, reason: str, command: str = "", exit_code: int = 1, stderr_tail: str = ""):
+        super().__init__(host, reason, command)
+        self.exit_code, self.stderr_tail = exit_code, stderr_tail
+
+
+class RemoteError(ClusterctlError):
+    """One or more hosts failed; carries every host's outcome, as Fabric's GroupException does.
+
+    `failures`: a HostFailure per failed host (what the message shows); `results`: the Results of the hosts
+    that succeeded; `failed`: the Results of the hosts that failed (where they came from a command run);
+    `outcomes`: every host's Result, successes and failures; `errors`: each failed host's typed error
+    (CannotConnect, TimedOut or CommandFailed), by Host."""
+
+    def __init__(self, failures: list[HostFailure], results: dict | None = None, what: str = "command",
+                 failed: dict | None = None):
         self.failures = list(failures)
         self.results = results or {}
+        self.failed = failed or {}
         names = ", ".join(f.host for f in self.failures)
         lines = [f"{what} failed on {len(self.failures)} host(s): {names}"]
         lines += [f"  {f}" for f in self.failures]
         super().__init__("\n".join(lines))
+
+    @property
+    def outcomes(self) -> dict:
+        """Every host's Result (Host -> Result): the successes and the failures, in one mapping."""
+        return {**self.results, **self.failed}
+
+    @property
+    def errors(self) -> dict:
+        """Each failed host's typed error (Host -> CannotConnect | TimedOut | CommandFailed)."""
+        return {host: res.error() for host, res in self.failed.items()}
 
 
 class ProvisionError(ClusterctlError):

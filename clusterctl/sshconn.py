@@ -1,7 +1,8 @@
-"""paramiko/Fabric connections for Remote: opening them (host-key policies, one-line errors) and running
-one command over a channel. Used where the OpenSSH client cannot go alone (host_key_policy accept-new,
-which records first-seen keys, or off) and to word the client's connection failures. Imported on first
-use only: paramiko, Fabric and invoke are a tenth of a second of start-up that most commands never pay.
+"""paramiko/Fabric connections as a transport (ParamikoTransport): opening them (host-key policies, one-line
+errors) and running one command over a channel. Used where the OpenSSH client cannot go alone
+(host_key_policy accept-new, which records first-seen keys, or off) and to word the client's connection
+failures. Imported on first use only: paramiko, Fabric and invoke are a tenth of a second of start-up that
+most commands never pay. Builds on clusterctl.transport.base only (never on clusterctl.remote).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 import paramiko
 from fabric import Config, Connection
 
-from .errors import ClusterctlError
+from .errors import CannotConnect, ClusterctlError
 from .plan import Host
-from .remote import LineSplitter, SshOptions, Stdin, fingerprint
+from .transport.base import (LineSplitter, Result, Running, SshOptions, Stdin, Transport, fingerprint,
+                             timed_out_result, unreachable_result)
+from .transport.gate import HandshakeGate, gate_key
 
 log = logging.getLogger("clusterctl.remote")
 
@@ -122,7 +125,17 @@ def _gateway(chain: tuple[str, ...], opts: SshOptions) -> Connection | None:
 
 
 def open_connection(host: Host, opts: SshOptions) -> Connection:
-    """A new open connection to `host` (through its bastions); raises ClusterctlError with a one-line reason."""
+    """A new open connection to `host` (through its bastions); raises CannotConnect (a ClusterctlError) with
+    a one-line reason."""
+    try:
+        return _open_connection(host, opts)
+    except CannotConnect:
+        raise
+    except ClusterctlError as exc:
+        raise CannotConnect(host.label, str(exc)) from None
+
+
+def _open_connection(host: Host, opts: SshOptions) -> Connection:
     timeout = opts.connect_timeout
     conn = _connection(host.connect_name, host.user, host.port, opts, _gateway(host.jump, opts))
     via = f" (through {', '.join(host.jump)})" if host.jump else ""
@@ -230,3 +243,112 @@ def run_on(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float 
         return code, out.close(), err.close()
     finally:
         chan.close()
+
+
+class ParamikoTransport(Transport):
+    """Commands over paramiko channels, one cached connection per host (opened at most once at a time per
+    host; new ones pass the handshake gate). `pool`: where connections are opened in the background."""
+
+    def __init__(self, options: SshOptions, hosts, pool=None, gate: HandshakeGate | None = None):
+        self.options, self.pool, self.gate = options, pool, gate
+        self._conns: dict[Host, Connection] = {}
+        self._locks: dict[Host, threading.Lock] = {h: threading.Lock() for h in hosts}
+        self._locks_lock = threading.Lock()
+        self._early: dict[Host, ClusterctlError] = {}  # from connect_soon(), reported once
+
+    def _lock(self, host: Host) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(host, threading.Lock())
+
+    def is_open(self, host: Host) -> bool:
+        """Whether a connection to `host` is open now (commands over it start without a handshake)."""
+        conn = self._conns.get(host)
+        return conn is not None and conn.is_connected
+
+    def connection(self, host: Host, keep_failure: bool = False) -> Connection:
+        """The (cached) open connection to `host`; raises ClusterctlError with a one-line reason (kept, with
+        keep_failure, for the next command to `host` instead of costing it a second timeout)."""
+        with self._lock(host):
+            early = self._early.pop(host, None)
+            if early is not None:
+                raise early
+            conn = self._conns.get(host)
+            if conn is not None and conn.is_connected:
+                return conn
+            key = gate_key(host)
+            if self.gate is not None:
+                self.gate.acquire(key)
+            try:
+                conn = open_connection(host, self.options)
+            except ClusterctlError as exc:
+                if keep_failure:
+                    self._early[host] = exc
+                raise
+            finally:
+                if self.gate is not None:
+                    self.gate.release(key)
+            self._conns[host] = conn
+            return conn
+
+    def connect_soon(self, host: Host) -> None:
+        """Start connecting to `host` in the background; a failure is kept for the next command to it."""
+        if self.pool is not None:
+            self.pool.submit(self._connect_early, host)
+
+    def _connect_early(self, host: Host) -> None:
+        try:
+            self.connection(host, keep_failure=True)
+        except ClusterctlError as exc:  # kept (in the lock) for the next command to this host
+            log.debug("connecting to %s early failed: %s", host.label, exc)
+
+    def explain(self, host: Host) -> str | None:
+        """Why a connection to `host` fails, as paramiko words it (both fingerprints, the user); None if it
+        does not fail."""
+        try:
+            self.connection(host)
+        except ClusterctlError as exc:
+            return str(exc)
+        return None
+
+    def run(self, host: Host, cmd: str, stdin: Stdin, timeout: float | None, on_line, start: float | None = None) -> Result:
+        """Run `cmd` on `host` over its connection: the host's Result (255 with the reason when the host was
+        not reached or the connection broke, 124 when `timeout` ended it)."""
+        start = time.monotonic() if start is None else start
+        try:
+            conn = self.connection(host)
+        except ClusterctlError as exc:
+            return unreachable_result(host, cmd, str(exc), time.monotonic() - start)
+        try:
+            code, out, err = run_on(conn, host, cmd, stdin, timeout, on_line)
+        except Timeout:
+            return timed_out_result(host, cmd, timeout, time.monotonic() - start)
+        except TRANSPORT_ERRORS as exc:
+            with self._lock(host):
+                self._conns.pop(host, None)
+            msg = f"connection to {host.label} lost: {exc or type(exc).__name__}"
+            return unreachable_result(host, cmd, msg, time.monotonic() - start)
+        return Result(host, cmd, code, out, err, time.monotonic() - start)
+
+    def start(self, host: Host, command: str) -> "_ChannelRun":
+        """Connect in the background now; the command itself runs when finished (it needs its stdin)."""
+        self.connect_soon(host)
+        return _ChannelRun(self, host, command)
+
+    def close(self) -> None:
+        """Close every connection (safe while workers still run)."""
+        for conn in list(self._conns.values()):  # a snapshot: workers may drop lost connections meanwhile
+            conn.close()
+        self._conns.clear()
+
+
+class _ChannelRun(Running):
+    """A command for one host over paramiko: nothing runs until finish()."""
+
+    deferred = True
+
+    def __init__(self, transport: ParamikoTransport, host: Host, command: str):
+        self.transport, self.host, self.command = transport, host, command
+
+    def finish(self, feed, timeout, on_line) -> Result:
+        """Run the command with what `feed()` yields as its stdin."""
+        return self.transport.run(self.host, self.command, lambda _h: feed(), timeout, on_line)

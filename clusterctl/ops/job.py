@@ -219,7 +219,7 @@ def status(session: Session) -> JobStatus:
     reasons: list[str] = []
     attempt, restarts, attempts = 0, 0, []
     for host, res in results.items():
-        if res.exit_code in (255, 124) and not res.stdout:  # not reached, or its command never answered
+        if not res.answered:  # not reached, or its command never answered (our deadline)
             unreachable[host.label] = res.stderr.strip()
             host_states.append("lost")
             continue
@@ -401,7 +401,7 @@ def logs(
     # a follow ends with the job; a plain read of (possibly large) logs gets a generous deadline
     results = remote.run(cmd, hosts=targets, on_line=relay, check=False, timeout=None if follow else 10 * remote.control_timeout,
                          what="logs")
-    unreachable = [f"{h.label}: {r.stderr.strip()}" for h, r in results.items() if r.exit_code == 255 and not r.stdout]
+    unreachable = [f"{h.label}: {r.stderr.strip()}" for h, r in results.items() if r.unreachable]
     if len(problems) == len(targets) and problems:
         raise JobError(f"job {plan.job} has no logs on any host (never started?)")
     if problems or unreachable:

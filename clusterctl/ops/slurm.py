@@ -170,7 +170,7 @@ def _record_path(plan: JobPlan) -> str:
 def _read_record(remote: Remote, login: Host, plan: JobPlan) -> dict | None:
     res = remote.run(f"cat {quote(_record_path(plan))}", hosts=[login], check=False,
                      what="reading the job record")[login]
-    if res.exit_code == 255 and not res.stdout:
+    if res.unreachable:
         raise SlurmError(f"cannot reach the Slurm login node {login.label}: {res.stderr.strip()[-300:]}")
     if res.exit_code != 0:
         return None
@@ -412,7 +412,7 @@ def logs(
         res = remote.run(cmd, hosts=[host], stdin=payload, on_line=relay, check=False, what="logs")[host]
     if problems:
         raise JobError(f"{host.label}: " + "; ".join(problems))
-    if res.exit_code == 255 and not res.stdout:
+    if res.unreachable:
         raise JobError(f"cannot reach {host.label} for the logs: {res.stderr.strip()[-300:]}")
     return res.exit_code
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import ProvisionError
 from ..plan import Host
 from ..quoting import join, redact
-from ..remote import UNREACHABLE, Result
+from ..remote import Result
 from . import aptoffline, mesh, wheelhouse
 from .probe import probe_hosts
 from .render import render_step
@@ -66,9 +66,9 @@ def log_dir(job: str) -> Path:
 
 def parse_status(step: str, res: Result, timeout: float) -> StepOutcome:
     """Turn a step script's Result into an outcome, from its final `CLUSTERCTL_STEP` line and exit code."""
-    if res.exit_code == UNREACHABLE and not res.stdout:
+    if res.unreachable:
         return StepOutcome("failed", res.stderr.strip() or "host unreachable", res.seconds)
-    if res.exit_code == 124 and not res.stdout and "timed out" in res.stderr:
+    if res.timed_out:
         return StepOutcome("failed", f"timed out after {timeout:g}s (provision.timeout)", res.seconds)
     status_lines = [ln for ln in res.stdout.splitlines() if ln.startswith(STATUS_PREFIX)]
     if not status_lines:

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from clusterctl import remote as remote_mod
 from clusterctl.plan import Host
 from clusterctl.remote import Remote, SshOptions
+from clusterctl.transport import openssh as remote_mod  # the argv, control sockets and shed live there now
+from clusterctl.transport import process as process_mod
+from clusterctl.transport.process import ProcessRun
 
 
 def test_ssh_argv_is_strict_and_quiet(tmp_path):
@@ -24,7 +26,7 @@ def test_ssh_argv_is_strict_and_quiet(tmp_path):
         "-o", "StrictHostKeyChecking=yes",
         "-o", "ConnectTimeout=4",
         "-o", "KexAlgorithms=-sntrup761x25519-sha512@openssh.com,sntrup761x25519-sha512",
-        *(["-o", f"Ciphers={remote_mod._CIPHERS}"] if remote_mod._CIPHERS else []),
+        *(["-o", f"Ciphers={remote_mod.CIPHERS}"] if remote_mod.CIPHERS else []),
         "-o", f"UserKnownHostsFile={tmp_path / 'kh'}",
         "-o", "GlobalKnownHostsFile=/dev/null",
         "-i", "/keys/id", "-o", "IdentitiesOnly=yes",
@@ -158,7 +160,7 @@ def test_ssh_failures_read_as_one_line_naming_the_host():
     ("ubuntu@10.0.0.7: Permission denied (publickey).", False),
 ])
 def test_only_connections_shed_before_the_login_are_tried_again(stderr, retried):
-    assert remote_mod._shed(stderr) is retried
+    assert remote_mod.shed(stderr) is retried
 
 
 def test_a_shed_connection_is_retried_with_a_fresh_stdin(monkeypatch):
@@ -173,12 +175,12 @@ def test_a_shed_connection_is_retried_with_a_fresh_stdin(monkeypatch):
     counter = tempfile.NamedTemporaryFile(delete=False)
     import sys as _sys
 
-    with Remote([host], SshOptions()) as remote:
-        monkeypatch.setattr(remote, "_popen", lambda h, c: subprocess.Popen(
-            [_sys.executable, "-c", script, counter.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE))
-        monkeypatch.setattr(remote_mod.time, "sleep", lambda s: None)
-        res = remote._collect(host, "cat", remote._popen(host, "cat"), lambda: [b"x" * 100_000], 30, remote_mod.time.monotonic())
+    transport = remote_mod.OpenSshTransport(SshOptions())
+    monkeypatch.setattr(transport, "popen", lambda h, c: subprocess.Popen(
+        [_sys.executable, "-c", script, counter.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE))
+    monkeypatch.setattr(process_mod.time, "sleep", lambda s: None)
+    res = ProcessRun(transport, host, "cat").finish(lambda: [b"x" * 100_000], 30, None)
     assert (res.exit_code, res.stdout) == (0, "100000")
     assert Path(counter.name).read_text() == "3"
 
@@ -197,13 +199,12 @@ def test_a_shed_try_prints_nothing_and_the_try_that_stands_prints_everything(mon
               "sys.stderr.write('Connection closed by a user line\\nwarning: w\\n'); sys.stdout.write('ran\\n')")
     counter = tempfile.NamedTemporaryFile(delete=False)
     seen = []
-    with Remote([host], SshOptions()) as remote:
-        monkeypatch.setattr(remote, "_popen", lambda h, c: subprocess.Popen(
-            [_sys.executable, "-c", script, counter.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE))
-        monkeypatch.setattr(remote_mod.time, "sleep", lambda s: None)
-        res = remote._collect(host, "true", remote._popen(host, "true"), lambda: [], 30, remote_mod.time.monotonic(),
-                              on_line=lambda h, stream, line: seen.append((stream, line)))
+    transport = remote_mod.OpenSshTransport(SshOptions())
+    monkeypatch.setattr(transport, "popen", lambda h, c: subprocess.Popen(
+        [_sys.executable, "-c", script, counter.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE))
+    monkeypatch.setattr(process_mod.time, "sleep", lambda s: None)
+    res = ProcessRun(transport, host, "true").finish(lambda: [], 30, lambda h, stream, line: seen.append((stream, line)))
     assert (res.exit_code, res.stdout) == (0, "ran\n")
     assert Path(counter.name).read_text() == "3"
     assert sorted(seen) == [("err", "Connection closed by a user line"), ("err", "warning: w"), ("out", "ran")]
