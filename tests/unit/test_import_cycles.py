@@ -20,8 +20,6 @@ PACKAGE = "clusterctl"
 # Cycles still here, each as the set of modules of one strongly connected component. An entry that no
 # longer exists fails the test too, so this list cannot go stale.
 KNOWN_CYCLES: set[frozenset[str]] = {
-    # removed on branch transport / dsplit; the lead empties this at merge
-    frozenset({"clusterctl.remote", "clusterctl.sshconn"}),  # branch transport
     # not in issue 14's list, outside branch specsplit's files (reported to the lead, left for the merge):
     # slurm_cli imports lifecycle_cli's render_status, lifecycle_cli hands slurm specs to slurm_cli
     frozenset({"clusterctl.ops.lifecycle_cli", "clusterctl.ops.slurm_cli"}),
