@@ -1,9 +1,8 @@
-"""Helpers for the ps tests: free loopback ports and local jobs launched with the plan's env contract."""
+"""Helpers for the ps tests: local jobs launched with the plan's env contract (free ports: tests/helpers.py)."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -12,7 +11,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["REPO", "LocalJob", "free_ports", "in_threads", "job_env", "pulls_during_pushes"]
+from helpers import free_ports
+
+__all__ = ["REPO", "LocalJob", "in_threads", "job_env", "pulls_during_pushes"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,19 +36,6 @@ def in_threads(target: Callable[[int], None], ids: Iterable[int], timeout: float
         t.join(timeout)
     if errors:
         raise errors[0]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports that were free on ``host`` a moment ago."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind((host, 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def job_env(role: str, index: int, pserver_eps: Sequence[str], trainer_eps: Sequence[str],
