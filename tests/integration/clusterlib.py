@@ -1,9 +1,15 @@
-"""Helpers for integration tests: specs derived from the session cluster, CLI runs, docker, orphan checks."""
+"""Helpers for integration tests: specs derived from the session cluster, CLI runs, docker, orphan checks.
+
+Every integration module imports what it shares from here (not from another test module); helpers that
+need no cluster (free ports, the local /proc sweep) are in tests/helpers.py.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,12 +20,17 @@ import yaml
 from clusterctl.testcluster import NODE_UID
 
 ROOT = Path(__file__).resolve().parents[2]
+JOBS = Path(__file__).resolve().parent / "jobs"  # job.py: pservers listen, trainers print step=N
+_ports = itertools.count(7000, 20)  # each job gets its own port range, across every module of the session
 
 
-def write_spec(info, path: Path, *, name: str, hosts: int | None = None, **sections) -> Path:
-    """A spec for the session cluster: its ssh section and first `hosts` nodes, plus `sections`."""
-    base = yaml.safe_load(Path(info.spec_path).read_text())
-    spec = {"name": name, "ssh": dict(base["ssh"]), "hosts": base["hosts"][: hosts or len(base["hosts"])]}
+def port_base() -> int:
+    """The first of 20 ports no other job of this session uses (7000, 7020, ...)."""
+    return next(_ports)
+
+
+def dump_spec(path: Path, spec: dict, sections: dict) -> Path:
+    """Write `spec` plus `sections` (an `ssh` section is merged into the spec's own) to `path` as YAML."""
     for key, value in sections.items():
         if key == "ssh":
             spec["ssh"].update(value)
@@ -27,6 +38,37 @@ def write_spec(info, path: Path, *, name: str, hosts: int | None = None, **secti
             spec[key] = value
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
+
+
+def write_spec(info, path: Path, *, name: str, hosts: int | None = None, **sections) -> Path:
+    """A spec for the session cluster: its ssh section and first `hosts` nodes, plus `sections`."""
+    base = yaml.safe_load(Path(info.spec_path).read_text())
+    spec = {"name": name, "ssh": dict(base["ssh"]), "hosts": base["hosts"][: hosts or len(base["hosts"])]}
+    return dump_spec(path, spec, sections)
+
+
+def job_spec(info, tmp_path, name, *, hosts=3, mode="pserver", pservers=2, trainers=1, env=None, grace=3, **job):
+    """A spec running tests/integration/jobs/job.py on the first `hosts` nodes, on ports of its own; any earlier
+    run of the job (a kept cluster) is stopped first."""
+    base = port_base()
+    spec_job = {
+        "mode": mode,
+        "entrypoint": ["python3", "job.py"],
+        "args": ["{role}", "{id}"],
+        "trainers": trainers,
+        "env": env or {},
+        "grace": grace,
+        "ports": {"control": base, "master": base + 1, "pserver": base + 2, "trainer": base + 10},
+        **job,
+    }
+    if mode == "pserver":
+        spec_job["pservers"] = pservers
+    spec = write_spec(
+        info, tmp_path / f"{name}.yaml", name=name, hosts=hosts,
+        workspace={"local": str(JOBS), "remote": f"clusterctl-it/{name}"}, job=spec_job,
+    )
+    clusterctl("stop", spec)  # a kept cluster may hold a crashed earlier run of this job
+    return spec
 
 
 def via(info) -> str:
@@ -67,6 +109,29 @@ def docker(*args: str, check: bool = True, timeout: float = 60) -> subprocess.Co
 def node_exec(container: str, script: str, *, check: bool = True, timeout: float = 60, user: str = "root") -> str:
     """Run a shell script inside a node (as root, or as `user`) and return its stdout."""
     return docker("exec", "-u", user, container, "sh", "-c", script, check=check, timeout=timeout).stdout
+
+
+def clusterctl_while_paused(container: str, *args, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `clusterctl ARGS` while `container` is frozen (`docker pause`); return its result and wall time."""
+    docker("pause", container)
+    try:
+        t0 = time.monotonic()
+        res = clusterctl(*args, timeout=timeout)
+        elapsed = time.monotonic() - t0
+    finally:
+        docker("unpause", container)
+    return res, elapsed
+
+
+def mlp_single(steps: int, batch: int) -> tuple[str, str]:
+    """(final loss, checksum) that examples/mlp_collective/train.py prints when run as one process (`--single`)
+    on this machine: what every rank of a distributed run of the same steps and batch must match."""
+    single = subprocess.run(
+        [sys.executable, str(ROOT / "examples/mlp_collective/train.py"), "--single", "--steps", str(steps),
+         "--batch", str(batch)],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    return re.search(rf"done steps={steps} loss=([\d.]+) .* checksum=([\d.]+)", single).groups()
 
 
 # Lists pids whose environment carries CLUSTERCTL_JOB=<job> exactly (GUIDE §3's definition of an orphan).

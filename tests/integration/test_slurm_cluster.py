@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterlib import ROOT, clusterctl, docker, status_json, tagged_pids
+from clusterlib import ROOT, clusterctl, docker, mlp_single, status_json, tagged_pids
 
 pytestmark = pytest.mark.integration
 
@@ -154,11 +154,7 @@ def test_mlp_collective_from_the_shared_filesystem(slurm_cluster, tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr
     done = re.findall(r"trainer\.(\d)\] done steps=300 loss=([\d.]+) .* checksum=([\d.]+)", res.stdout)
     assert sorted(t for t, _, _ in done) == ["0", "1", "2"], res.stdout[-3000:]
-    single = subprocess.run(
-        [sys.executable, str(ROOT / "examples/mlp_collective/train.py"), "--single", "--steps", "300", "--batch", "96"],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    ref_sum = re.search(r"checksum=([\d.]+)", single).group(1)
+    _, ref_sum = mlp_single(300, 96)
     assert all(float(c) == pytest.approx(float(ref_sum), rel=1e-9) for _, _, c in done)
     assert status_json(spec)["state"] == "succeeded"
 
