@@ -34,7 +34,9 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def job_pids(job: str) -> list[int]:
-    """Pids on this machine whose /proc/<pid>/environ carries CLUSTERCTL_JOB=<job> exactly (GUIDE §3's orphans)."""
+    """Pids on this machine whose /proc/<pid>/environ carries CLUSTERCTL_JOB=<job> exactly (GUIDE section 3's orphans).
+
+    Self-contained (os only): tests/integration/clusterlib.py sends this function's source to the nodes."""
     needle = f"CLUSTERCTL_JOB={job}".encode()
     found = []
     for name in os.listdir("/proc"):

@@ -6,6 +6,7 @@ need no cluster (free ports, the local /proc sweep) are in tests/helpers.py.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import os
@@ -15,7 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
+from helpers import job_pids
 
 from clusterctl.testcluster import NODE_UID
 
@@ -134,21 +137,18 @@ def mlp_single(steps: int, batch: int) -> tuple[str, str]:
     return re.search(rf"done steps={steps} loss=([\d.]+) .* checksum=([\d.]+)", single).groups()
 
 
-# Lists pids whose environment carries CLUSTERCTL_JOB=<job> exactly (GUIDE §3's definition of an orphan).
-_FIND_TAGGED = r"""
-import os, sys
-job = sys.argv[1].encode()
-for pid in os.listdir("/proc"):
-    if not pid.isdigit():
-        continue
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = fh.read().split(b"\0")
-    except OSError:
-        continue
-    if b"CLUSTERCTL_JOB=" + job in env:
-        print(pid)
-"""
+def assert_mlp_ranks_match_single(stdout: str, *, ranks: int, steps: int, batch: int) -> None:
+    """Every rank 0..ranks-1 of an mlp_collective run (`start --follow` output) printed `done` with the checksum of
+    the single-process run of the same steps and batch."""
+    done = re.findall(rf"trainer\.(\d)\] done steps={steps} loss=([\d.]+) .* checksum=([\d.]+)", stdout)
+    assert sorted(t for t, _, _ in done) == [str(i) for i in range(ranks)], stdout[-3000:]
+    _, ref_sum = mlp_single(steps, batch)
+    assert all(float(c) == pytest.approx(float(ref_sum), rel=1e-9) for _, _, c in done)
+
+
+# Lists pids whose environment carries CLUSTERCTL_JOB=<job> exactly (GUIDE §3's definition of an orphan): the
+# same finder the local tests use (tests/helpers.py), its source run by the node's python3.
+_FIND_TAGGED = "import os, sys\n\n" + inspect.getsource(job_pids) + "\nprint(*job_pids(sys.argv[1]), sep='\\n')\n"
 
 
 def tagged_pids(container: str, job: str) -> list[int]:
