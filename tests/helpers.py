@@ -1,4 +1,4 @@
-"""Helpers shared by every test tier on this machine: free loopback ports and GUIDE §3's orphan finder.
+"""Helpers shared by every test tier on this machine: free loopback ports, GUIDE §3's orphan finder, mpiexec.
 
 Importable as ``helpers`` from any test module: pytest puts tests/ on sys.path when it loads
 tests/conftest.py (rootdir conftest, default "prepend" import mode). Cluster-side helpers (specs for the
@@ -8,9 +8,15 @@ session cluster, CLI runs, the orphan finder run inside the nodes) are in tests/
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import sys
+from pathlib import Path
 
-__all__ = ["free_port", "free_ports", "job_pids"]
+__all__ = ["MPIEXEC", "free_port", "free_ports", "job_pids"]
+
+# MPICH's mpiexec from the `mpich` wheel next to the interpreter, else one on PATH; None: the MPI tests skip.
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,4 +1,5 @@
-"""Helpers for the ps tests: local jobs launched with the plan's env contract (free ports: tests/helpers.py)."""
+"""Helpers for the ps tests: local jobs launched with the plan's env contract, the checkpoint tests' sync job
+(free ports: tests/helpers.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from helpers import free_ports
 
-__all__ = ["REPO", "LocalJob", "in_threads", "job_env", "pulls_during_pushes"]
+from clusterctl.ps import Adam, PSClient
+
+__all__ = ["CKPT_TRAINERS", "REPO", "LocalJob", "ckpt_grads", "ckpt_init", "ckpt_job", "in_threads", "job_env",
+           "pulls_during_pushes"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,3 +157,42 @@ def pulls_during_pushes(endpoints: Sequence[str], n: int, push: str) -> tuple[li
         t.join(20)
         c.complete()
     return seen, torn
+
+
+CKPT_TRAINERS = 3  # the sync trainers of ckpt_job
+
+
+def ckpt_init():
+    """The checkpoint tests' model: W (4000 x 5, seeded) and b."""
+    rng = np.random.default_rng(3)
+    return {"W": rng.normal(size=(4000, 5)).astype(np.float32), "b": np.zeros(5, np.float32)}
+
+
+def ckpt_grads(p, tid, step):
+    """Trainer ``tid``'s seeded least-squares gradients at ``step``."""
+    rng = np.random.default_rng(100 * step + tid)
+    x = rng.normal(size=(3, 4000)).astype(np.float32)
+    err = x @ p["W"] + p["b"] - np.float32(1.0)
+    return {"W": np.float32(2 / 3) * (x.T @ err), "b": np.float32(2 / 3) * err.sum(axis=0)}
+
+
+def ckpt_job(eps, steps, *, save_at=None, root=None, load_root=None):
+    """CKPT_TRAINERS sync trainers from their start step to ``steps``; trainer 0 saves after ``save_at`` steps."""
+    out: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+
+    def trainer(tid):
+        with PSClient(eps, trainer_id=tid, num_trainers=CKPT_TRAINERS, mode="sync", optimizer=Adam(0.01),
+                      timeout=20) as c:
+            p = c.init(ckpt_init())
+            if load_root is not None and tid == 0:
+                c.load(load_root)
+            start = c.start_step
+            for step in range(start, steps):
+                p = c.push_pull(ckpt_grads(p, tid, step), step=step)
+                if tid == 0 and save_at == step + 1:
+                    assert c.save(root, step + 1) == step + 1
+            c.complete()
+            out[tid] = (start, p)
+
+    in_threads(trainer, range(CKPT_TRAINERS))
+    return out
