@@ -50,6 +50,8 @@ __all__ = [
     "state_dir",
     "ensure_docker",
     "add_cli",
+    "add_up_arguments",
+    "add_down_parser",
     "main",
 ]
 
@@ -1307,17 +1309,31 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_up_arguments(p_up: argparse.ArgumentParser, default_name: str, *, base_image: bool = True) -> None:
+    """The options every test cluster's `up` takes (this one's, testcluster_slurm's): --nodes, --name, --spec-out,
+    --base-image (unless base_image=False), --packages."""
+    p_up.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    p_up.add_argument("--name", default=default_name, help=f"cluster name (default {default_name})")
+    p_up.add_argument("--spec-out", help="where to write the spec (default: <state dir>/cluster.yaml)")
+    if base_image:
+        p_up.add_argument("--base-image", help="base image to build nodes FROM (default: local debootstrap build)")
+    p_up.add_argument("--packages", help="comma-separated pip requirements to put in /opt/venv")
+
+
+def add_down_parser(sub: Any, default_name: str, func: Any, help: str) -> None:
+    """A test cluster's `down` subcommand (--name, default `default_name`), handled by `func`."""
+    p_down = sub.add_parser("down", help=help)
+    p_down.add_argument("--name", default=default_name)
+    p_down.set_defaults(func=func)
+
+
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Register `testcluster up|status|down` on an argparse subparsers object; handlers in args.func."""
     parser = subparsers.add_parser("testcluster", help="a cluster of sshd containers on this machine")
     sub = parser.add_subparsers(dest="testcluster_command", required=True, metavar="{up,status,down}")
 
     p_up = sub.add_parser("up", help="create or reuse the cluster and write its spec")
-    p_up.add_argument("--nodes", type=int, required=True, help="number of nodes")
-    p_up.add_argument("--name", default=DEFAULT_NAME, help=f"cluster name (default {DEFAULT_NAME})")
-    p_up.add_argument("--spec-out", help="where to write the spec (default: <state dir>/cluster.yaml)")
-    p_up.add_argument("--base-image", help="base image to build nodes FROM (default: local debootstrap build)")
-    p_up.add_argument("--packages", help="comma-separated pip requirements to put in /opt/venv")
+    add_up_arguments(p_up, DEFAULT_NAME)
     p_up.add_argument("--user", help="a non-root login user with passwordless sudo; root login disabled")
     p_up.add_argument(
         "--bastion", action="store_true", help="nodes only behind <name>-bastion, on a network this machine is not on"
@@ -1337,9 +1353,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p_status.add_argument("--name", default=DEFAULT_NAME)
     p_status.set_defaults(func=cmd_status)
 
-    p_down = sub.add_parser("down", help="remove the cluster's containers and network")
-    p_down.add_argument("--name", default=DEFAULT_NAME)
-    p_down.set_defaults(func=cmd_down)
+    add_down_parser(sub, DEFAULT_NAME, cmd_down, "remove the cluster's containers and network")
     return parser
 
 

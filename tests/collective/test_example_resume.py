@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import MPIEXEC, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "examples" / "mlp_collective" / "train.py"
@@ -26,8 +26,6 @@ def _env(**extra) -> dict:
 
 @pytest.mark.timeout(90)
 def test_mlp_collective_resumes_where_it_was_saved_and_ends_like_an_uninterrupted_run(tmp_path):
-    from test_mpi import MPIEXEC
-
     if MPIEXEC is None:
         pytest.skip("no mpiexec found")
 
@@ -57,9 +55,7 @@ def test_torch_gloo_resumes_from_its_checkpoint_on_a_restart(tmp_path):
     pytest.importorskip("torch")
 
     def run(steps, attempt, ckpt):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         procs = [subprocess.Popen([sys.executable, str(TORCH)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   env=_env(RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                                            STEPS=steps, CHECKPOINT_DIR=ckpt, SAVE_EVERY=10,

@@ -8,19 +8,18 @@ a 2-core machine fine for N = 3, 4.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import MPIEXEC
 
 pytest.importorskip("mpi4py")
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec found")
 

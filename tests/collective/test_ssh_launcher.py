@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import free_port, job_pids
 
 from clusterctl.collective.pmi import format_command, parse_command, process_mapping
 from clusterctl.plan import make_plan
@@ -24,12 +25,6 @@ pytest.importorskip("mpi4py")
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plan_for(trainers: int, script: Path, *args: str):
@@ -53,20 +48,6 @@ def start(trainer, **extra) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def job_processes(job: str) -> list[int]:
-    """Pids of processes whose environment carries CLUSTERCTL_JOB=job (GUIDE §3 'no orphans')."""
-    needle = f"CLUSTERCTL_JOB={job}".encode()
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if needle in (d / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(d.name))
-            except OSError:
-                continue
-    return pids
-
-
 def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     outs = []
     deadline = time.monotonic() + timeout
@@ -83,9 +64,9 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 def assert_no_orphans(job: str) -> None:
     deadline = time.monotonic() + 15
-    while job_processes(job) and time.monotonic() < deadline:
+    while job_pids(job) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = job_processes(job)
+    left = job_pids(job)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes of job {job} left behind: {left}"

@@ -1,25 +1,39 @@
-"""Helpers for integration tests: specs derived from the session cluster, CLI runs, docker, orphan checks."""
+"""Helpers for integration tests: specs derived from the session cluster, CLI runs, docker, orphan checks.
+
+Every integration module imports what it shares from here (not from another test module); helpers that
+need no cluster (free ports, the local /proc sweep) are in tests/helpers.py.
+"""
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
+from helpers import job_pids
 
 from clusterctl.testcluster import NODE_UID
 
 ROOT = Path(__file__).resolve().parents[2]
+JOBS = Path(__file__).resolve().parent / "jobs"  # job.py: pservers listen, trainers print step=N
+_ports = itertools.count(7000, 20)  # each job gets its own port range, across every module of the session
 
 
-def write_spec(info, path: Path, *, name: str, hosts: int | None = None, **sections) -> Path:
-    """A spec for the session cluster: its ssh section and first `hosts` nodes, plus `sections`."""
-    base = yaml.safe_load(Path(info.spec_path).read_text())
-    spec = {"name": name, "ssh": dict(base["ssh"]), "hosts": base["hosts"][: hosts or len(base["hosts"])]}
+def port_base() -> int:
+    """The first of 20 ports no other job of this session uses (7000, 7020, ...)."""
+    return next(_ports)
+
+
+def dump_spec(path: Path, spec: dict, sections: dict) -> Path:
+    """Write `spec` plus `sections` (an `ssh` section is merged into the spec's own) to `path` as YAML."""
     for key, value in sections.items():
         if key == "ssh":
             spec["ssh"].update(value)
@@ -27,6 +41,37 @@ def write_spec(info, path: Path, *, name: str, hosts: int | None = None, **secti
             spec[key] = value
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
+
+
+def write_spec(info, path: Path, *, name: str, hosts: int | None = None, **sections) -> Path:
+    """A spec for the session cluster: its ssh section and first `hosts` nodes, plus `sections`."""
+    base = yaml.safe_load(Path(info.spec_path).read_text())
+    spec = {"name": name, "ssh": dict(base["ssh"]), "hosts": base["hosts"][: hosts or len(base["hosts"])]}
+    return dump_spec(path, spec, sections)
+
+
+def job_spec(info, tmp_path, name, *, hosts=3, mode="pserver", pservers=2, trainers=1, env=None, grace=3, **job):
+    """A spec running tests/integration/jobs/job.py on the first `hosts` nodes, on ports of its own; any earlier
+    run of the job (a kept cluster) is stopped first."""
+    base = port_base()
+    spec_job = {
+        "mode": mode,
+        "entrypoint": ["python3", "job.py"],
+        "args": ["{role}", "{id}"],
+        "trainers": trainers,
+        "env": env or {},
+        "grace": grace,
+        "ports": {"control": base, "master": base + 1, "pserver": base + 2, "trainer": base + 10},
+        **job,
+    }
+    if mode == "pserver":
+        spec_job["pservers"] = pservers
+    spec = write_spec(
+        info, tmp_path / f"{name}.yaml", name=name, hosts=hosts,
+        workspace={"local": str(JOBS), "remote": f"clusterctl-it/{name}"}, job=spec_job,
+    )
+    clusterctl("stop", spec)  # a kept cluster may hold a crashed earlier run of this job
+    return spec
 
 
 def via(info) -> str:
@@ -69,21 +114,41 @@ def node_exec(container: str, script: str, *, check: bool = True, timeout: float
     return docker("exec", "-u", user, container, "sh", "-c", script, check=check, timeout=timeout).stdout
 
 
-# Lists pids whose environment carries CLUSTERCTL_JOB=<job> exactly (GUIDE §3's definition of an orphan).
-_FIND_TAGGED = r"""
-import os, sys
-job = sys.argv[1].encode()
-for pid in os.listdir("/proc"):
-    if not pid.isdigit():
-        continue
+def clusterctl_while_paused(container: str, *args, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `clusterctl ARGS` while `container` is frozen (`docker pause`); return its result and wall time."""
+    docker("pause", container)
     try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = fh.read().split(b"\0")
-    except OSError:
-        continue
-    if b"CLUSTERCTL_JOB=" + job in env:
-        print(pid)
-"""
+        t0 = time.monotonic()
+        res = clusterctl(*args, timeout=timeout)
+        elapsed = time.monotonic() - t0
+    finally:
+        docker("unpause", container)
+    return res, elapsed
+
+
+def mlp_single(steps: int, batch: int) -> tuple[str, str]:
+    """(final loss, checksum) that examples/mlp_collective/train.py prints when run as one process (`--single`)
+    on this machine: what every rank of a distributed run of the same steps and batch must match."""
+    single = subprocess.run(
+        [sys.executable, str(ROOT / "examples/mlp_collective/train.py"), "--single", "--steps", str(steps),
+         "--batch", str(batch)],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    return re.search(rf"done steps={steps} loss=([\d.]+) .* checksum=([\d.]+)", single).groups()
+
+
+def assert_mlp_ranks_match_single(stdout: str, *, ranks: int, steps: int, batch: int) -> None:
+    """Every rank 0..ranks-1 of an mlp_collective run (`start --follow` output) printed `done` with the checksum of
+    the single-process run of the same steps and batch."""
+    done = re.findall(rf"trainer\.(\d)\] done steps={steps} loss=([\d.]+) .* checksum=([\d.]+)", stdout)
+    assert sorted(t for t, _, _ in done) == [str(i) for i in range(ranks)], stdout[-3000:]
+    _, ref_sum = mlp_single(steps, batch)
+    assert all(float(c) == pytest.approx(float(ref_sum), rel=1e-9) for _, _, c in done)
+
+
+# Lists pids whose environment carries CLUSTERCTL_JOB=<job> exactly (GUIDE §3's definition of an orphan): the
+# same finder the local tests use (tests/helpers.py), its source run by the node's python3.
+_FIND_TAGGED = "import os, sys\n\n" + inspect.getsource(job_pids) + "\nprint(*job_pids(sys.argv[1]), sep='\\n')\n"
 
 
 def tagged_pids(container: str, job: str) -> list[int]:

@@ -37,8 +37,4 @@ def test_demo_converges_and_a_second_run_is_incremental(testcluster):  # testclu
     assert re.search(r"^0 changed, 0 failed, \d+ ok in ", second.stdout, re.M), second.stdout
     sent = re.search(r"0 file\(s\), ([\d,]+) bytes to 3 hosts", second.stdout)  # a header per host, no file
     assert sent and int(sent.group(1).replace(",", "")) < 3 * 256, second.stdout
-    t1 = float(re.search(r"total ([\d.]+)s", first.stdout).group(1))
-    t2 = float(re.search(r"total ([\d.]+)s", second.stdout).group(1))
-    p1 = float(re.search(r"provision ([\d.]+)s", first.stdout).group(1))
-    p2 = float(re.search(r"provision ([\d.]+)s", second.stdout).group(1))
-    assert p2 < p1 and t2 <= t1 * 1.5  # provisioning skips; the training itself takes the same time
+    # the two runs' times side by side (provision, total): `benchmarks/provision.py --demo` (ratios live there)

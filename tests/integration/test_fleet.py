@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from clusterlib import ROOT, assert_no_orphans, clusterctl, docker, node_exec, status_json
+from clusterlib import (
+    ROOT, assert_no_orphans, clusterctl, clusterctl_while_paused, docker, dump_spec, node_exec, status_json,
+)
 
 from clusterctl import testcluster as tc
 
@@ -29,13 +31,7 @@ def fleet_spec(info: tc.ClusterInfo, path: Path, *, name: str, aliases: bool = T
                 "hosts": [{"address": f"node{i}"} for i in nodes]}
     else:
         spec = {"name": name, "ssh": dict(base["ssh"]), "hosts": [base["hosts"][i] for i in nodes]}
-    for key, value in sections.items():
-        if key == "ssh":
-            spec["ssh"].update(value)
-        else:
-            spec[key] = value
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
+    return dump_spec(path, spec, sections)
 
 
 @pytest.mark.timeout(60)
@@ -132,13 +128,7 @@ def test_a_frozen_or_refusing_bastion_is_named_within_connect_timeout(fleet, tmp
     spec = fleet_spec(fleet, tmp_path / "d.yaml", name="fleet-down", aliases=False, job={"entrypoint": ["true"]},
                       ssh={"connect_timeout": 3, "persist": 0})
     bastion = fleet.bastion
-    docker("pause", bastion.container)
-    try:
-        t0 = time.monotonic()
-        res = clusterctl("exec", spec, "--", "true", timeout=60)
-        elapsed = time.monotonic() - t0
-    finally:
-        docker("unpause", bastion.container)
+    res, elapsed = clusterctl_while_paused(bastion.container, "exec", spec, "--", "true", timeout=60)
     assert res.returncode == 255
     for node in fleet.nodes[:2]:
         assert f"cannot connect to {node.ip} (through ubuntu@{bastion.ip}): timed out after 3s" in res.stderr, res.stderr

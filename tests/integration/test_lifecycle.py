@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import shutil
 import signal
@@ -18,37 +17,11 @@ import pytest
 import yaml
 
 from clusterlib import (
-    ROOT, assert_no_orphans, clusterctl, docker, job_ports, listening, node_exec, status_json, tagged_pids, via,
-    wait_state, write_spec,
+    JOBS, ROOT, assert_no_orphans, clusterctl, clusterctl_while_paused, job_ports, job_spec, listening, node_exec,
+    port_base, status_json, tagged_pids, via, wait_state, write_spec,
 )
 
 pytestmark = pytest.mark.integration
-
-JOBS = Path(__file__).resolve().parent / "jobs"
-_ports = itertools.count(7000, 20)  # each test gets its own port range
-
-
-def job_spec(info, tmp_path, name, *, hosts=3, mode="pserver", pservers=2, trainers=1, env=None, grace=3, **job):
-    base = next(_ports)
-    spec_job = {
-        "mode": mode,
-        "entrypoint": ["python3", "job.py"],
-        "args": ["{role}", "{id}"],
-        "trainers": trainers,
-        "env": env or {},
-        "grace": grace,
-        "ports": {"control": base, "master": base + 1, "pserver": base + 2, "trainer": base + 10},
-        **job,
-    }
-    if mode == "pserver":
-        spec_job["pservers"] = pservers
-    spec = write_spec(
-        info, tmp_path / f"{name}.yaml", name=name, hosts=hosts,
-        workspace={"local": str(JOBS), "remote": f"clusterctl-it/{name}"}, job=spec_job,
-    )
-    clusterctl("stop", spec)  # a kept cluster may hold a crashed earlier run of this job
-    return spec
-
 
 def nodes_of(info, n):
     return info.nodes[:n]
@@ -252,13 +225,7 @@ def test_paused_host_fails_start_within_connect_timeout(testcluster, tmp_path):
     data["ssh"]["connect_timeout"] = 3
     spec.write_text(yaml.safe_dump(data))
     node = testcluster.nodes[1]
-    docker("pause", node.container)
-    try:
-        t0 = time.monotonic()
-        res = clusterctl("start", spec, timeout=60)
-        elapsed = time.monotonic() - t0
-    finally:
-        docker("unpause", node.container)
+    res, elapsed = clusterctl_while_paused(node.container, "start", spec, timeout=60)
     assert res.returncode != 0
     assert f"cannot connect to {node.ip}{via(testcluster)}: timed out after 3s" in res.stderr
     assert elapsed < 3 + 10
@@ -404,14 +371,8 @@ def test_dispatch_reuses_connections_and_gives_up_on_a_frozen_host(testcluster, 
         assert control_masters(control) == masters  # the same connections carried the second dispatch
         assert [on_node(n) for n in nodes] == ["v2\n", "v2\n"]
 
-        docker("pause", nodes[1].container)
-        try:
-            (ws / "train.py").write_text("v3\n")
-            t0 = time.monotonic()
-            res = clusterctl("dispatch", spec, timeout=60)
-            elapsed = time.monotonic() - t0
-        finally:
-            docker("unpause", nodes[1].container)
+        (ws / "train.py").write_text("v3\n")
+        res, elapsed = clusterctl_while_paused(nodes[1].container, "dispatch", spec, timeout=60)
         assert res.returncode != 0
         assert f"dispatch failed on 1 host(s): {nodes[1].ip}" in res.stderr, res.stderr
         assert f"cannot connect to {nodes[1].ip}{via(testcluster)}: timed out after 3s" in res.stderr, res.stderr
@@ -436,7 +397,7 @@ def test_dispatch_reuses_connections_and_gives_up_on_a_frozen_host(testcluster, 
 
 @pytest.mark.timeout(240)
 def test_stock_torch_gloo_script_trains_on_two_nodes(testcluster, tmp_path):
-    base = next(_ports)
+    base = port_base()
     spec = write_spec(
         testcluster, tmp_path / "torch.yaml", name="it-torch", hosts=2,
         workspace={"local": str(ROOT / "examples" / "torch_gloo"), "remote": "clusterctl-it/torch"},

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from clusterlib import ROOT, clusterctl, status_json, tagged_pids, write_spec
+from clusterlib import ROOT, assert_mlp_ranks_match_single, clusterctl, mlp_single, status_json, tagged_pids, write_spec
 
 pytestmark = pytest.mark.integration
 
@@ -46,11 +44,7 @@ def test_mlp_trains_over_mpi_launch_and_matches_single_process(clusterctl_on_nod
     assert res.returncode == 0, res.stdout + res.stderr
     done = re.findall(r"done steps=300 loss=([\d.]+) .* trainer=(\d) checksum=([\d.]+)", res.stdout)
     assert sorted(t for _, t, _ in done) == ["0", "1", "2"], res.stdout
-    single = subprocess.run(
-        [sys.executable, str(ROOT / "examples/mlp_collective/train.py"), "--single", "--steps", "300", "--batch", "96"],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    ref_loss, ref_sum = re.search(r"done steps=300 loss=([\d.]+) .* checksum=([\d.]+)", single).groups()
+    ref_loss, ref_sum = mlp_single(300, 96)
     for loss, _, checksum in done:
         assert float(checksum) == pytest.approx(float(ref_sum), rel=1e-9)
         assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
@@ -100,11 +94,4 @@ def test_same_training_without_mpiexec_under_the_ssh_launcher(clusterctl_on_node
     clusterctl("dispatch", spec, check=True)
     res = clusterctl("start", spec, "--follow", timeout=200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr
-    done = re.findall(r"trainer\.(\d)\] done steps=300 loss=([\d.]+) .* checksum=([\d.]+)", res.stdout)
-    assert sorted(t for t, _, _ in done) == ["0", "1", "2"], res.stdout[-3000:]
-    single = subprocess.run(
-        [sys.executable, str(ROOT / "examples/mlp_collective/train.py"), "--single", "--steps", "300", "--batch", "96"],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    ref_sum = re.search(r"checksum=([\d.]+)", single).group(1)
-    assert all(float(c) == pytest.approx(float(ref_sum), rel=1e-9) for _, _, c in done)
+    assert_mlp_ranks_match_single(res.stdout, ranks=3, steps=300, batch=96)

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from clusterlib import clusterctl, docker, node_exec, tagged_pids
-from test_lifecycle import assert_no_orphans, job_ports, job_spec, wait_state
+from clusterlib import assert_no_orphans, clusterctl, docker, job_ports, job_spec, node_exec, tagged_pids, wait_state
 
 pytestmark = pytest.mark.integration
 

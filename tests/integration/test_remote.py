@@ -10,7 +10,7 @@ import yaml
 from clusterctl.ops import open_session
 from clusterctl.ops.execute import execute
 
-from clusterlib import bastion_pins, clusterctl, docker, node_exec, via, write_spec
+from clusterlib import bastion_pins, clusterctl, clusterctl_while_paused, docker, node_exec, via, write_spec
 
 pytestmark = pytest.mark.integration
 
@@ -122,13 +122,7 @@ def test_changed_host_key_is_refused_with_both_fingerprints(testcluster, tmp_pat
 def test_paused_node_fails_within_connect_timeout_and_is_named(testcluster, tmp_path):
     node = testcluster.nodes[2]
     spec = write_spec(testcluster, tmp_path / "c.yaml", name="paused", ssh={"connect_timeout": 3}, job={"entrypoint": ["true"]})
-    docker("pause", node.container)
-    try:
-        t0 = time.monotonic()
-        res = clusterctl("exec", spec, "--", "hostname", timeout=40)
-        elapsed = time.monotonic() - t0
-    finally:
-        docker("unpause", node.container)
+    res, elapsed = clusterctl_while_paused(node.container, "exec", spec, "--", "hostname", timeout=40)
     assert res.returncode == 255
     assert f"cannot connect to {node.ip}{via(testcluster)}: timed out after 3s" in res.stderr
     others = {n.hostname for n in testcluster.nodes if n is not node}

@@ -8,8 +8,7 @@ import time
 import pytest
 import yaml
 
-from clusterlib import clusterctl, node_exec, status_json
-from test_lifecycle import assert_no_orphans, job_ports, job_spec, wait_state
+from clusterlib import assert_no_orphans, clusterctl, job_ports, job_spec, node_exec, status_json, wait_state
 
 pytestmark = pytest.mark.integration
 

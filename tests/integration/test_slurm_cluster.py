@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterlib import ROOT, clusterctl, docker, status_json, tagged_pids
+from clusterlib import ROOT, assert_mlp_ranks_match_single, clusterctl, docker, status_json, tagged_pids
 
 pytestmark = pytest.mark.integration
 
@@ -55,8 +53,8 @@ def _session_packages(config) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory, pytestconfig):
-    """A 3-node Slurm cluster with this checkout of clusterctl in every node's /opt/venv."""
+def slurm_cluster(pytestconfig, clusterctl_wheel):
+    """A 3-node Slurm cluster with this checkout of clusterctl (the session's wheel) in every node's /opt/venv."""
     from clusterctl import testcluster as tc
     from clusterctl import testcluster_slurm as tsl
     from clusterctl.errors import ClusterctlError
@@ -70,12 +68,7 @@ def slurm_cluster(tmp_path_factory, pytestconfig):
     t0 = time.monotonic()
     packages = _session_packages(pytestconfig)
     info = tsl.up(NODES, name=CLUSTER_NAME, packages=packages)
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
-        check=True, capture_output=True, timeout=300,
-    )
-    wheel = next(out.glob("clusterctl-*.whl"))
+    wheel = clusterctl_wheel
 
     def install(container: str) -> None:
         docker("cp", str(wheel), f"{container}:/tmp/{wheel.name}")
@@ -152,14 +145,7 @@ def test_mlp_collective_from_the_shared_filesystem(slurm_cluster, tmp_path):
     assert "dispatch to 1 host(s)" in res.stdout  # the login node only: /shared is the same on every node
     res = clusterctl("start", spec, "--follow", timeout=200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr
-    done = re.findall(r"trainer\.(\d)\] done steps=300 loss=([\d.]+) .* checksum=([\d.]+)", res.stdout)
-    assert sorted(t for t, _, _ in done) == ["0", "1", "2"], res.stdout[-3000:]
-    single = subprocess.run(
-        [sys.executable, str(ROOT / "examples/mlp_collective/train.py"), "--single", "--steps", "300", "--batch", "96"],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    ref_sum = re.search(r"checksum=([\d.]+)", single).group(1)
-    assert all(float(c) == pytest.approx(float(ref_sum), rel=1e-9) for _, _, c in done)
+    assert_mlp_ranks_match_single(res.stdout, ranks=3, steps=300, batch=96)
     assert status_json(spec)["state"] == "succeeded"
 
 

@@ -87,8 +87,7 @@ def test_apt_install_pin_hold_idempotent_and_check(provcluster, prov_spec, cache
 
     second = run_cli("provision", str(spec))
     assert second.returncode == 0, second.stdout + second.stderr
-    assert f"0 changed, 0 failed, {len(nodes)} ok" in second.stdout
-    assert second.seconds < first.seconds
+    assert f"0 changed, 0 failed, {len(nodes)} ok" in second.stdout  # its time vs the first's: benchmarks/provision.py
 
     # --check against a newer pin: reports the change, changes nothing on any node.
     newer = prov_spec({"apt": {**APT, "packages": ["ctl-hello=1.1-1", "ctl-lockprobe"], "hold": True}})
@@ -247,7 +246,7 @@ def test_wheelhouse_mpi_and_ssh_mesh_run_allreduce_across_nodes(provcluster, pro
     assert _change(check.stdout, "mpi", nodes) == "pip install mpich + mpi4py (mpi4py 4.1.2 does not match ==4.1.1)"
     assert {n.container: _fs_state(n.container) for n in nodes} == before
     assert f"0 changed, 0 failed, {len(steps) * len(nodes)} ok" in second.stdout, second.stdout
-    assert second.seconds < max(first.seconds / 2, 4.0), (first.seconds, second.seconds)
+    # how much faster the converged run is than the first: benchmarks/provision.py (wall-clock ratios live there)
 
 
 @pytest.mark.timeout(300)

@@ -1,9 +1,9 @@
-"""Helpers for the ps tests: free loopback ports and local jobs launched with the plan's env contract."""
+"""Helpers for the ps tests: local jobs launched with the plan's env contract, the checkpoint tests' sync job
+(free ports: tests/helpers.py)."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["REPO", "LocalJob", "free_ports", "in_threads", "job_env", "pulls_during_pushes"]
+import numpy as np
+from helpers import free_ports
+
+from clusterctl.ps import Adam, PSClient
+
+__all__ = ["CKPT_TRAINERS", "REPO", "LocalJob", "ckpt_grads", "ckpt_init", "ckpt_job", "in_threads", "job_env",
+           "pulls_during_pushes"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,19 +41,6 @@ def in_threads(target: Callable[[int], None], ids: Iterable[int], timeout: float
         t.join(timeout)
     if errors:
         raise errors[0]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports that were free on ``host`` a moment ago."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind((host, 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def job_env(role: str, index: int, pserver_eps: Sequence[str], trainer_eps: Sequence[str],
@@ -164,3 +157,42 @@ def pulls_during_pushes(endpoints: Sequence[str], n: int, push: str) -> tuple[li
         t.join(20)
         c.complete()
     return seen, torn
+
+
+CKPT_TRAINERS = 3  # the sync trainers of ckpt_job
+
+
+def ckpt_init():
+    """The checkpoint tests' model: W (4000 x 5, seeded) and b."""
+    rng = np.random.default_rng(3)
+    return {"W": rng.normal(size=(4000, 5)).astype(np.float32), "b": np.zeros(5, np.float32)}
+
+
+def ckpt_grads(p, tid, step):
+    """Trainer ``tid``'s seeded least-squares gradients at ``step``."""
+    rng = np.random.default_rng(100 * step + tid)
+    x = rng.normal(size=(3, 4000)).astype(np.float32)
+    err = x @ p["W"] + p["b"] - np.float32(1.0)
+    return {"W": np.float32(2 / 3) * (x.T @ err), "b": np.float32(2 / 3) * err.sum(axis=0)}
+
+
+def ckpt_job(eps, steps, *, save_at=None, root=None, load_root=None):
+    """CKPT_TRAINERS sync trainers from their start step to ``steps``; trainer 0 saves after ``save_at`` steps."""
+    out: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+
+    def trainer(tid):
+        with PSClient(eps, trainer_id=tid, num_trainers=CKPT_TRAINERS, mode="sync", optimizer=Adam(0.01),
+                      timeout=20) as c:
+            p = c.init(ckpt_init())
+            if load_root is not None and tid == 0:
+                c.load(load_root)
+            start = c.start_step
+            for step in range(start, steps):
+                p = c.push_pull(ckpt_grads(p, tid, step), step=step)
+                if tid == 0 and save_at == step + 1:
+                    assert c.save(root, step + 1) == step + 1
+            c.complete()
+            out[tid] = (start, p)
+
+    in_threads(trainer, range(CKPT_TRAINERS))
+    return out

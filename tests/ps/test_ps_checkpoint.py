@@ -6,53 +6,18 @@ import json
 
 import numpy as np
 import pytest
-from ps_jobs import in_threads
+from ps_jobs import CKPT_TRAINERS as T
+from ps_jobs import ckpt_init, ckpt_job
 
 from clusterctl.ps import Adam, CheckpointError, PSClient, RemoteOpError
 from clusterctl.ps import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(30)
 
-T = 3
-
-
-def _init():
-    rng = np.random.default_rng(3)
-    return {"W": rng.normal(size=(4000, 5)).astype(np.float32), "b": np.zeros(5, np.float32)}
-
-
-def _grads(p, tid, step):
-    rng = np.random.default_rng(100 * step + tid)
-    x = rng.normal(size=(3, 4000)).astype(np.float32)
-    err = x @ p["W"] + p["b"] - np.float32(1.0)
-    return {"W": np.float32(2 / 3) * (x.T @ err), "b": np.float32(2 / 3) * err.sum(axis=0)}
-
-
-def _job(eps, steps, *, save_at=None, root=None, load_root=None):
-    """T sync trainers from their start step to ``steps``; trainer 0 saves after ``save_at`` steps."""
-    out: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
-
-    def trainer(tid):
-        with PSClient(eps, trainer_id=tid, num_trainers=T, mode="sync", optimizer=Adam(0.01), timeout=20) as c:
-            p = c.init(_init())
-            if load_root is not None and tid == 0:
-                c.load(load_root)
-            start = c.start_step
-            for step in range(start, steps):
-                p = c.push_pull(_grads(p, tid, step), step=step)
-                if tid == 0 and save_at == step + 1:
-                    assert c.save(root, step + 1) == step + 1
-            c.complete()
-            out[tid] = (start, p)
-
-    in_threads(trainer, range(T))
-    return out
-
-
 def test_restart_from_checkpoint_continues_exactly(servers, tmp_path):
     root = tmp_path / "ckpt"
     g = servers(2, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_root=str(tmp_path))
-    straight = _job(g.endpoints, 8, save_at=4, root=str(root))
+    straight = ckpt_job(g.endpoints, 8, save_at=4, root=str(root))
     assert g.join(5) and not g.errors
     commit = ckpt.read_commit(root)
     assert (commit["step"], commit["num_servers"]) == (4, 2)
@@ -64,7 +29,7 @@ def test_restart_from_checkpoint_continues_exactly(servers, tmp_path):
     # a new job whose pservers start from the checkpoint: trainers resume at step 4
     g2 = servers(2, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_dir=str(root))
     assert [s.loaded_step for s in g2.servers] == [4, 4]
-    resumed = _job(g2.endpoints, 8)
+    resumed = ckpt_job(g2.endpoints, 8)
     for tid in range(T):
         assert resumed[tid][0] == 4
         for k in ("W", "b"):
@@ -74,14 +39,14 @@ def test_restart_from_checkpoint_continues_exactly(servers, tmp_path):
 def test_load_on_request_from_a_trainer(servers, tmp_path):
     root = tmp_path / "ckpt"
     g = servers(1, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_root=str(tmp_path))
-    straight = _job(g.endpoints, 5, save_at=2, root=str(root))
+    straight = ckpt_job(g.endpoints, 5, save_at=2, root=str(root))
     # fresh (nothing to resume from), but save/load allowed under tmp_path
     g2 = servers(1, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_root=str(tmp_path))
     # trainer 0 asks the running pservers to load; trainers that init afterwards resume at its step
     with PSClient(g2.endpoints, trainer_id=0, num_trainers=T, mode="sync", optimizer=Adam(0.01), timeout=5) as c:
-        c.init(_init())
+        c.init(ckpt_init())
         assert c.load(str(root)) == 2
-    resumed = _job(g2.endpoints, 5)
+    resumed = ckpt_job(g2.endpoints, 5)
     assert all(resumed[t][0] == 2 for t in range(T))
     np.testing.assert_array_equal(resumed[0][1]["W"], straight[0][1]["W"])
 

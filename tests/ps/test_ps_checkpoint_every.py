@@ -7,7 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
-from test_ps_checkpoint import T, _job
+from ps_jobs import CKPT_TRAINERS as T
+from ps_jobs import ckpt_job
 
 from clusterctl.ps import checkpoint as ckpt
 
@@ -17,14 +18,14 @@ pytestmark = pytest.mark.timeout(30)
 def test_pservers_save_every_n_steps_and_a_restart_resumes_from_the_latest(servers, tmp_path):
     root = tmp_path / "ckpt"
     g = servers(2, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_dir=str(root), checkpoint_every=3)
-    straight = _job(g.endpoints, 8)
+    straight = ckpt_job(g.endpoints, 8)
     assert g.join(5) and not g.errors
     assert [ckpt.saved_steps(root, i) for i in (0, 1)] == [[6, 3], [6, 3]]  # the latest and the one before
     assert not (root / "checkpoint.json").exists()  # no trainer asked: nothing to commit
 
     g2 = servers(2, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_dir=str(root), checkpoint_every=3)
     assert [s.loaded_step for s in g2.servers] == [6, 6]
-    resumed = _job(g2.endpoints, 8)
+    resumed = ckpt_job(g2.endpoints, 8)
     for tid in range(T):  # steps 0..5 are not done again, and the result is the same as without the restart
         assert resumed[tid][0] == 6
         for k in ("W", "b"):
@@ -34,7 +35,7 @@ def test_pservers_save_every_n_steps_and_a_restart_resumes_from_the_latest(serve
 def test_pservers_stopped_between_two_saves_settle_on_a_step_they_all_hold(servers, tmp_path):
     root = tmp_path / "ckpt"
     g = servers(2, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_dir=str(root), checkpoint_every=3)
-    straight = _job(g.endpoints, 8)
+    straight = ckpt_job(g.endpoints, 8)
     assert g.join(5) and not g.errors
     # pserver 1 was killed after pserver 0 saved step 6 but before it did
     shutil.rmtree(root / "pserver-1")
@@ -42,7 +43,7 @@ def test_pservers_stopped_between_two_saves_settle_on_a_step_they_all_hold(serve
     assert [ckpt.saved_steps(root, i) for i in (0, 1)] == [[6, 3], [3]]
     g2 = servers(2, num_trainers=T, mode="sync", barrier_timeout=20, checkpoint_dir=str(root), checkpoint_every=3)
     assert [s.loaded_step for s in g2.servers] == [6, 3]
-    resumed = _job(g2.endpoints, 8)
+    resumed = ckpt_job(g2.endpoints, 8)
     for tid in range(T):
         assert resumed[tid][0] == 3
         for k in ("W", "b"):

@@ -10,7 +10,8 @@ import sys
 import time
 
 import pytest
-from ps_jobs import REPO, LocalJob, free_ports, job_env
+from helpers import free_ports
+from ps_jobs import REPO, LocalJob, job_env
 
 FIT = "examples/fit_a_line/train.py"
 STEP = re.compile(r"^step=(\d+) loss=([0-9.]+) trainer=(\d+) pass=(\d+) mode=(\w+)$")

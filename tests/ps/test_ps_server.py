@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 import zmq
-from ps_jobs import REPO, free_ports, job_env
+from helpers import free_ports
+from ps_jobs import REPO, job_env
 
 from clusterctl.ps import (
     SGD,

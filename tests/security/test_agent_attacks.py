@@ -15,7 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
-from test_agent import TOKEN, Cluster, coordinator, free_port, launch, proc, status, terminal, wait_for  # noqa: E402
+from helpers import free_port  # noqa: E402
+from test_agent import TOKEN, Cluster, coordinator, launch, proc, status, terminal, wait_for  # noqa: E402
 
 
 @pytest.fixture

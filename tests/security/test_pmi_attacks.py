@@ -8,17 +8,12 @@ import threading
 import time
 
 import pytest
+from helpers import free_port
 
 from clusterctl.collective.errors import CollectiveError
 from clusterctl.collective.pmi import TOKEN_ENV, PMIServer, format_command, parse_command, register
 
 TOKEN = "beef" * 16
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from helpers import free_port
 
 from clusterctl.ps import PSClient, ParameterServer
 from clusterctl.ps.errors import ProtocolError, RemoteOpError
@@ -156,9 +156,7 @@ def _rss_mb(pid):
 @pytest.mark.timeout(60)
 def test_an_oversized_frame_does_not_inflate_the_pserver(tmp_path):
     """Finding 3: one 1 GiB frame took a pserver from 33 to 1,016 MiB (here 256 MiB, in a real process)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "TRAINING_ROLE": "PSERVER", "PADDLE_PSERVERS_IP_PORT_LIST": f"127.0.0.1:{port}",
            "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{port}", "PADDLE_TRAINERS_NUM": "1",
            "CLUSTERCTL_JOB_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}

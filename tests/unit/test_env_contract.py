@@ -1,23 +1,17 @@
 """The env contract, proven with a real framework: the plan's env alone lets stock torch gloo rendezvous."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 from clusterctl.plan import make_plan
 from clusterctl.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(120)
