@@ -15,7 +15,7 @@ TOOLS_DIR = ".clusterctl/bin"  # relative to the remote user's home (ssh session
 
 
 def _source(module: str) -> bytes:
-    return resources.files("clusterctl").joinpath(f"{module}.py").read_bytes()
+    return resources.files("clusterctl.host" if module != "slurmjob" else "clusterctl").joinpath(f"{module}.py").read_bytes()
 
 
 def tool_path(module: str) -> str:

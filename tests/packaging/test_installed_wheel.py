@@ -26,7 +26,7 @@ TEMPLATES = {
     "clusterctl/templates/testcluster/Dockerfile",
     "clusterctl/templates/testcluster/sshd_config",
     "clusterctl/fab/fabfile.py",
-    "clusterctl/provision_host.py",
+    "clusterctl/host/provision_host.py",
     "clusterctl/py.typed",
 }
 

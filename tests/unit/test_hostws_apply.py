@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from clusterctl.host import hostws as _hostws
 from clusterctl.ops import dispatch as d
 
-HOSTWS = Path(d.__file__).resolve().parents[1] / "hostws.py"
+HOSTWS = Path(_hostws.__file__).resolve()
 _gens = itertools.count()
 
 
