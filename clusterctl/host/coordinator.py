@@ -13,7 +13,7 @@ import time
 
 from .common import log
 from .jobfile import ROLES, format_endpoint
-from .protocol import (AUTH_TIMEOUT, MAX_PENDING, NONCE_BYTES, PROTOCOL_VERSION, Conn, LogLimiter, _brief,
+from .protocol import (AUTH_TIMEOUT, MAX_PENDING, NONCE_BYTES, PROTOCOL_VERSION, Conn, _brief,
                        auth_proof, proof_ok, version_mismatch)
 from .spawn import restart_delay
 from .states import HostState, JobState
@@ -67,22 +67,22 @@ class CoordinatorRole:
         if err:
             failure["error"] = err
             self.failures.append(failure)
-            self.decide("failed", "%s failed to start: %s" % (what, err), failure)
+            self.decide(JobState.FAILED, "%s failed to start: %s" % (what, err), failure)
             return
         if code != 0 and (key[0] == "trainer" or trainers_running):
             self.failures.append(failure)
             self.dirty = True
             if self.job["on_failure"] == "stop":
-                self.decide("failed", "%s exited with code %s" % (what, code), failure)
+                self.decide(JobState.FAILED, "%s exited with code %s" % (what, code), failure)
                 return
             log("%s exited with code %s; on_failure=continue" % (what, code))
         if self.trainers_total and len(trainers) >= self.trainers_total:
             bad = [e for e in trainers if e.get("code") != 0]
             if not bad and not self.failures:
-                self.decide("succeeded", "all %d trainers exited 0" % self.trainers_total)
+                self.decide(JobState.SUCCEEDED, "all %d trainers exited 0" % self.trainers_total)
             else:
                 first = self.failures[0] if self.failures else None
-                self.decide("failed", "all trainers ended; %d failure(s), first: %s.%s on %s code %s" % (
+                self.decide(JobState.FAILED, "all trainers ended; %d failure(s), first: %s.%s on %s code %s" % (
                     len(self.failures), first["role"], first["id"], first["host"], first["exit_code"]), first)
 
 
@@ -137,11 +137,11 @@ class CoordinatorRole:
         if conn.host is not None and self.peers.get(conn.host) is conn:
             del self.peers[conn.host]
             if not conn.done:
-                self.hosts[conn.host] = {"state": "lost" if self.outcome is None else "disconnected",
+                self.hosts[conn.host] = {"state": HostState.LOST if self.outcome is None else HostState.DISCONNECTED,
                                          "since": time.time(), "why": why}
                 self.dirty = True
                 if self.outcome is None:
-                    self.decide("failed", "lost host %s: %s" % (conn.host, why),
+                    self.decide(JobState.FAILED, "lost host %s: %s" % (conn.host, why),
                                 {"host": conn.host, "role": None, "id": None, "exit_code": None})
         conn.close()
 
@@ -154,10 +154,9 @@ class CoordinatorRole:
     def _hello(self, conn, msg):
         if msg.get("type") != "hello":
             return self._reject(conn, "first message is not a hello", "expected hello")
-        if msg.get("version") != PROTOCOL_VERSION:
-            return self._reject(conn, "protocol version %s" % _brief(msg.get("version"), 20),
-                                "protocol version mismatch: coordinator speaks %d, peer sent %s"
-                                % (PROTOCOL_VERSION, _brief(msg.get("version"), 20)))
+        mismatch = version_mismatch(msg, "coordinator", "peer")
+        if mismatch is not None:  # one line naming both versions, sent to the peer (which logs and fails on it)
+            return self._reject(conn, "protocol version %s" % _brief(msg.get("version"), 20), mismatch)
         host, nonce = msg.get("host"), msg.get("nonce")
         if (not isinstance(host, str) or not host or len(host) > 255 or not isinstance(nonce, str)
                 or len(nonce) != 2 * NONCE_BYTES or not isinstance(msg.get("job"), str)):
@@ -178,7 +177,7 @@ class CoordinatorRole:
             old.close()
         conn.authed, conn.host = True, host
         self.peers[host] = conn
-        self.hosts[host] = {"state": "connected", "since": time.time(), "addr": conn.addr}
+        self.hosts[host] = {"state": HostState.CONNECTED, "since": time.time(), "addr": conn.addr}
         self.dirty = True
         log("host %s connected from %s" % (host, conn.addr))
         conn.send({"type": "welcome", "job": self.job_id,
@@ -206,7 +205,7 @@ class CoordinatorRole:
                 ev = dict(ev, host=host)
                 self._handle_exit(ev)
         if msg.get("failed") and self.outcome is None:  # it stopped this attempt by itself (lost us for a while)
-            self.decide("failed", "host %s: %s" % (host, msg["failed"]),
+            self.decide(JobState.FAILED, "host %s: %s" % (host, msg["failed"]),
                         {"host": host, "role": None, "id": None, "exit_code": None})
 
     def _coordinator_message(self, conn, msg):
@@ -222,7 +221,7 @@ class CoordinatorRole:
             if msg.get("attempt", self.attempt) != self.attempt:
                 return  # a late "done" of an earlier attempt
             conn.done = True
-            self.hosts[conn.host] = {"state": "done", "since": time.time()}
+            self.hosts[conn.host] = {"state": HostState.DONE, "since": time.time()}
             self.dirty = True
         else:
             log("ignoring unknown message type %r from %s" % (kind, conn.host))
@@ -242,6 +241,6 @@ class CoordinatorRole:
         expected = self.coord["hosts"] - 1
         if (self.outcome is None and len(self.peers) < expected
                 and now - self.attempt_t0 > self.timing["connect_timeout"]):
-            self.decide("failed", "only %d of %d peer host(s) connected within %.0fs (connected: %s)" % (
+            self.decide(JobState.FAILED, "only %d of %d peer host(s) connected within %.0fs (connected: %s)" % (
                 len(self.peers), expected, self.timing["connect_timeout"], sorted(self.peers) or "none"))
 

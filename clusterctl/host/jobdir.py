@@ -9,7 +9,7 @@ import os
 import tempfile
 import time
 
-from .common import InputError, emit
+from .common import InputError, emit, log
 from .jobfile import JOB_FILE, load_job
 from .procfs import pid_alive
 from .states import TERMINAL_JOB_STATES, JobState, ProcState
@@ -42,13 +42,31 @@ def write_json_atomic(path, obj):
 
 
 def read_state(jobdir):
-    """state.json of a job dir as a dict, or None when absent/unreadable."""
+    """state.json of a job dir as a dict; None when there is none; raise StateFileError when it is unreadable."""
+    path = os.path.join(jobdir, STATE_FILE)
     try:
-        with open(os.path.join(jobdir, STATE_FILE), "rb") as f:
-            state = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        with open(path, "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    return state if isinstance(state, dict) else None
+    except OSError as e:
+        raise StateFileError("cannot read job state %s: %s" % (path, e.strerror or e))
+    try:
+        state = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise StateFileError("job state %s is corrupt (not JSON: %s)" % (path, e))
+    if not isinstance(state, dict):
+        raise StateFileError("job state %s is corrupt (not a JSON object)" % path)
+    return state
+
+
+def read_state_or_none(jobdir):
+    """read_state, with an unreadable state.json logged and taken as none (launch, stop and logs go on)."""
+    try:
+        return read_state(jobdir)
+    except StateFileError as e:
+        log(str(e))
+        return None
 
 
 def supervisor_alive(state):
@@ -57,8 +75,9 @@ def supervisor_alive(state):
     return pid_alive(sup.get("pid"), sup.get("start_ticks"))
 
 
-def job_from_dir(jobdir):
-    state = read_state(jobdir)
+def job_from_dir(jobdir, strict=True):
+    """(state.json, None) once launched, else (None, job.json or None); strict: a corrupt state.json raises."""
+    state = read_state(jobdir) if strict else read_state_or_none(jobdir)
     if state is not None:
         return state, None
     path = os.path.join(jobdir, JOB_FILE)
@@ -74,17 +93,17 @@ def describe(state, now=None):
     job_state = state.get("state")
     reason = state.get("reason")
     if not alive and job_state not in TERMINAL_JOB_STATES:
-        job_state = "lost"
+        job_state = JobState.LOST
         reason = "supervisor is not running (was %s: %s)" % (state.get("state"), state.get("reason"))
     procs = []
     for r in state.get("processes") or []:
         p = {k: r.get(k) for k in ("role", "id", "pid", "state", "exit_code", "started_at", "ended_at",
                                    "log", "error")}
         p["logs"] = r.get("logs") or ([{"attempt": 0, "path": r["log"]}] if r.get("log") else [])
-        if p["state"] == "running" and not pid_alive(r.get("pid"), r.get("start_ticks")):
+        if p["state"] == ProcState.RUNNING and not pid_alive(r.get("pid"), r.get("start_ticks")):
             if not alive:
-                p["state"] = "lost"
-        if p["state"] == "running" and not alive:
+                p["state"] = ProcState.LOST
+        if p["state"] == ProcState.RUNNING and not alive:
             p["orphaned"] = True
         if p["started_at"]:
             p["uptime_s"] = round((p["ended_at"] or now) - p["started_at"], 3)
@@ -112,9 +131,14 @@ def describe(state, now=None):
 def cmd_status(args):
     """Print the job's state on this host."""
     jobdir = os.path.abspath(args.jobdir)
-    state, job = job_from_dir(jobdir)
+    try:
+        state, job = job_from_dir(jobdir)
+    except StateFileError as e:  # not "never launched": the job may be running; say what is wrong
+        emit({"ok": False, "state": JobState.UNKNOWN, "jobdir": jobdir, "processes": [], "job": None,
+              "error": str(e), "reason": str(e)})
+        return 2
     if state is None:
-        emit({"ok": False, "state": "unknown", "jobdir": jobdir, "processes": [],
+        emit({"ok": False, "state": JobState.UNKNOWN, "jobdir": jobdir, "processes": [],
               "job": job["job"] if job else None,
               "error": "no job state in %s (never launched here?)" % jobdir})
         return 1

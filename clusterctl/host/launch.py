@@ -10,7 +10,7 @@ import time
 import traceback
 
 from .common import InputError, emit, log
-from .jobdir import LOCK_FILE, STATE_FILE, STOP_REQUEST, SUPERVISOR_LOG, read_state, supervisor_alive
+from .jobdir import LOCK_FILE, STATE_FILE, STOP_REQUEST, SUPERVISOR_LOG, read_state_or_none, supervisor_alive
 from .jobfile import load_job
 from .procfs import tagged_processes
 from .supervisor import LAUNCH_REPORT_TIMEOUT, Supervisor
@@ -42,11 +42,11 @@ def cmd_launch(args):
     try:
         fcntl.flock(lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        state = read_state(jobdir) or {}
+        state = read_state_or_none(jobdir) or {}
         emit({"ok": False, "error": "job %s already has a supervisor in %s (pid %s)" % (
             job["job"], jobdir, (state.get("supervisor") or {}).get("pid")), "pids": {}, "jobdir": jobdir})
         return 1
-    prev = read_state(jobdir)
+    prev = read_state_or_none(jobdir)  # a corrupt one: the lock above proves no supervisor holds the dir
     if prev is not None and supervisor_alive(prev):
         emit({"ok": False, "error": "job %s already has a supervisor in %s (pid %s)" % (
             job["job"], jobdir, prev["supervisor"]["pid"]), "pids": {}, "jobdir": jobdir})

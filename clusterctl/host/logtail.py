@@ -6,7 +6,7 @@ import sys
 import time
 
 from .common import InputError, log
-from .jobdir import job_from_dir, read_state, supervisor_alive
+from .jobdir import job_from_dir, read_state_or_none, supervisor_alive
 from .jobfile import JOB_FILE
 from .states import TERMINAL_JOB_STATES, ProcState
 
@@ -134,7 +134,7 @@ def _job_over(state):
         return True
     if (state.get("attempt") or 0) < (state.get("restarts") or 0):
         return False  # a failure now would start the job again: only a final state ends the logs
-    return all(r.get("state") not in ("running", "pending") for r in state.get("processes") or [])
+    return all(r.get("state") not in (ProcState.RUNNING, ProcState.PENDING) for r in state.get("processes") or [])
 
 
 def _attempt_logs(p):
@@ -153,7 +153,7 @@ def _log_prefix(host, p, attempt):
 def cmd_logs(args):
     """Write the selected log files to stdout, each line prefixed '[host role.id] '."""
     jobdir = os.path.abspath(args.jobdir)
-    state, job = job_from_dir(jobdir)
+    state, job = job_from_dir(jobdir, strict=False)
     if state is None and job is None:
         raise InputError("no job state or %s in %s" % (JOB_FILE, jobdir))
     procs = (state or job)["processes"]
@@ -177,7 +177,7 @@ def cmd_logs(args):
             t.open(args.lines)
         known = set(t.path for t in tails)
         while True:
-            state = read_state(jobdir)
+            state = read_state_or_none(jobdir)
             over = _job_over(state)  # decide before draining so nothing written before the end is lost
             for p in (state or {}).get("processes") or []:  # a restart's new logs, from their first line
                 if (p.get("role"), p.get("id")) in wanted:

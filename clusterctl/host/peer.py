@@ -55,7 +55,7 @@ class PeerRole:
             why = "could not connect to coordinator %s within %.0fs: %s" % (
                 ep, self.timing["connect_timeout"], self.last_error)
             if self.outcome is None:
-                self.decide("failed", why, restart=False)
+                self.decide(JobState.FAILED, why, restart=False)
             else:
                 self._finalize(self.outcome, self.reason, self.failure)
             return
@@ -63,12 +63,12 @@ class PeerRole:
             away = now - self.lost_since
             if self.outcome is None and away > self.timing["reconnect_timeout"]:
                 # stop our processes; with restarts left, keep trying to rejoin the coordinator
-                self.decide("failed", "lost connection to coordinator %s: %s" % (ep, self.lost_why),
+                self.decide(JobState.FAILED, "lost connection to coordinator %s: %s" % (ep, self.lost_why),
                             restart=self.attempt < self.restarts)
                 return
             if (self.outcome is not None and not self.final
                     and away > self.timing["reconnect_timeout"] + self.timing["connect_timeout"]):
-                self._finalize("failed", "lost connection to coordinator %s and could not rejoin within %.0fs: %s"
+                self._finalize(JobState.FAILED, "lost connection to coordinator %s and could not rejoin within %.0fs: %s"
                                % (ep, self.timing["connect_timeout"], self.lost_why), self.failure)
                 return
         if now < self.next_attempt:
@@ -94,12 +94,12 @@ class PeerRole:
         """Peer: answer the coordinator's challenge with our proof of the token and our own nonce."""
         ep = format_endpoint(self.coord["address"], self.coord["port"])
         conn = self.conn
-        if msg.get("version") != PROTOCOL_VERSION:
-            why = ("protocol version mismatch: coordinator %s speaks %s, this agent %d (upload the same agent.py "
-                   "to every host)" % (ep, _brief(msg.get("version"), 20), PROTOCOL_VERSION))
+        mismatch = version_mismatch(msg, "this host's agent", "coordinator %s" % ep)
+        if mismatch is not None:  # the coordinator's version: in its challenge, which the welcome's proof covers
+            why = mismatch + " (upload the same agent to every host)"
             self.rejected = True
             self._peer_lost(why)
-            self.decide("failed", why)
+            self.decide(JobState.FAILED, why)
             return
         nonce = msg.get("nonce")
         if conn.their_nonce is not None or not isinstance(nonce, str) or len(nonce) != 2 * NONCE_BYTES:
@@ -111,7 +111,7 @@ class PeerRole:
                  "proof": auth_proof(self.coord["token"], "peer", self.job_id, self.host, nonce, conn.nonce),
                  "exits": self.local_exits, "stopping": self.reason if self.term_requested else None,
                  "attempt": self.attempt, "idle": self.stop_done,
-                 "failed": self.reason if self.outcome == "failed" and self.decided_at is not None else None}
+                 "failed": self.reason if self.outcome == JobState.FAILED and self.decided_at is not None else None}
         if not conn.send(hello):
             self._peer_lost("send failed")
 
@@ -161,7 +161,7 @@ class PeerRole:
                     c if c.isprintable() else "?" for c in str(msg.get("error"))[:200])
                 log(why)
                 self._peer_lost(why)
-                self.decide("failed", why)
+                self.decide(JobState.FAILED, why)
             else:
                 self.log_bad("impostor", "coordinator %s did not prove the job token (sent %s); closing"
                              % (conn.addr, _brief(kind, 40)))
@@ -175,14 +175,14 @@ class PeerRole:
                 c if c.isprintable() else "?" for c in str(msg.get("error"))[:200])
             log(why)
             self._peer_lost(why)
-            self.decide("failed", why)
+            self.decide(JobState.FAILED, why)
         elif kind == "stop":
-            state = msg.get("state") if msg.get("state") in TERMINAL_JOB_STATES else "failed"
+            state = msg.get("state") if msg.get("state") in TERMINAL_JOB_STATES else JobState.FAILED
             failure = msg.get("failure") if isinstance(msg.get("failure"), dict) else None
             attempt = msg.get("attempt", self.attempt)
             if isinstance(attempt, int) and attempt < self.attempt:
                 return  # about an attempt this host already left
-            restart = bool(msg.get("restart")) and state == "failed"
+            restart = bool(msg.get("restart")) and state == JobState.FAILED
             if self.outcome is None:
                 self.decide(state, str(msg.get("reason")), failure, restart=restart)
             elif not self.final and not restart:
@@ -192,7 +192,7 @@ class PeerRole:
             if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt <= self.attempt or self.final:
                 return
             if self.outcome is None:  # still running an earlier attempt: stop it first
-                self.decide("failed", "the coordinator started attempt %d" % attempt, restart=True)
+                self.decide(JobState.FAILED, "the coordinator started attempt %d" % attempt, restart=True)
             if self.stop_done:
                 self._next_attempt(attempt)
             else:

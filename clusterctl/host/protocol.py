@@ -32,8 +32,7 @@ def version_mismatch(msg, mine, theirs):
     got = msg.get("version")
     if got == PROTOCOL_VERSION and not isinstance(got, bool):
         return None
-    return ("protocol version mismatch: %s speaks %d, %s sent %s (upload the same agent to every host)"
-            % (mine, PROTOCOL_VERSION, theirs, _brief(got, 20)))
+    return "protocol version mismatch: %s speaks %d, %s sent %s" % (mine, PROTOCOL_VERSION, theirs, _brief(got, 20))
 
 
 class ProtocolError(Exception):

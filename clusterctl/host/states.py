@@ -30,6 +30,7 @@ class JobState(StrEnum):
     STOPPED = "stopped"
     LOST = "lost"  # the supervisor is gone and never recorded a terminal state
     UNKNOWN = "unknown"  # no state on the host (never launched there)
+    NOT_RUNNING = "not running"  # the controller's fold of every host's state: no state on any host
 
 
 class ProcState(StrEnum):

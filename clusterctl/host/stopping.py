@@ -10,7 +10,7 @@ import signal
 import time
 
 from .common import InputError, emit, log
-from .jobdir import LOCK_FILE, STATE_FILE, STOP_REQUEST, job_from_dir, read_state, supervisor_alive, write_json_atomic
+from .jobdir import LOCK_FILE, STATE_FILE, STOP_REQUEST, job_from_dir, read_state_or_none, supervisor_alive, write_json_atomic
 from .jobfile import JOB_ID_RE
 from .procfs import group_members, pid_alive, proc_stat, tagged_processes
 from .states import TERMINAL_JOB_STATES, JobState, ProcState
@@ -120,7 +120,7 @@ class Stopper:
 def cmd_stop(args):
     """Stop the job on this host: supervisor first, then anything left, then the environ sweep."""
     jobdir = os.path.abspath(args.jobdir)
-    state, job = job_from_dir(jobdir)
+    state, job = job_from_dir(jobdir, strict=False)  # a corrupt state.json: still stop by the job's tag
     job_id = args.job or (state or {}).get("job") or (job or {}).get("job") or os.path.basename(jobdir)
     if not JOB_ID_RE.match(job_id):
         raise InputError("cannot tell the job id of %s; pass --job" % jobdir)
@@ -154,12 +154,12 @@ def cmd_stop(args):
             sup_stopped = "killed"
         else:
             sup_stopped = "exited"
-        state = read_state(jobdir) or state
+        state = read_state_or_none(jobdir) or state
         killed.extend(((state.get("stop") or {}).get("killed")) or [])
     # whatever the supervisor left (or everything, when it was dead): same sequence, run here
     groups = []
     for r in (state or {}).get("processes") or []:
-        if r.get("state") == "running" and pid_alive(r.get("pid"), r.get("start_ticks")):
+        if r.get("state") == ProcState.RUNNING and pid_alive(r.get("pid"), r.get("start_ticks")):
             groups.append(r)
     stopper = Stopper(job_id, jobdir, groups, grace)
     own = stopper.run()
@@ -169,12 +169,12 @@ def cmd_stop(args):
     if state is not None and not supervisor_alive(state):
         changed = False
         for r in state.get("processes") or []:
-            if r.get("state") == "running":
-                r["state"] = "stopped" if any(g is r for g in groups) else "lost"
+            if r.get("state") == ProcState.RUNNING:
+                r["state"] = ProcState.STOPPED if any(g is r for g in groups) else ProcState.LOST
                 r["ended_at"] = r.get("ended_at") or time.time()
                 changed = True
         if state.get("state") not in TERMINAL_JOB_STATES:
-            state["state"], state["reason"] = "stopped", "stopped by 'agent stop' (supervisor was not running)"
+            state["state"], state["reason"] = JobState.STOPPED, "stopped by 'agent stop' (supervisor was not running)"
             changed = True
         if changed:
             try:

@@ -16,12 +16,12 @@ import time
 from .common import log
 from .coordinator import PEER_DONE_LINGER, CoordinatorRole
 from .jobdir import STATE_FILE, STOP_REQUEST, write_json_atomic
-from .jobfile import DEFAULT_TIMINGS, RESTART_ENV, ROLES, TOKEN_ENV, format_endpoint, parse_endpoint
+from .jobfile import DEFAULT_TIMINGS, RESTART_ENV, ROLES, TOKEN_ENV, parse_endpoint
 from .peer import PeerRole
 from .procfs import proc_stat
 from .protocol import PROTOCOL_VERSION, LogLimiter, ProtocolError, _brief
 from .spawn import _pdeathsig_setup, _private_opener, attempt_log, base_env, process_token
-from .states import JobState, ProcState
+from .states import HostState, JobState, ProcState
 from .stopping import Stopper
 
 LAUNCH_REPORT_TIMEOUT = 60.0
@@ -48,7 +48,7 @@ class Supervisor(CoordinatorRole, PeerRole):
         self.trainers_total = (self.coord["trainers_total"] if self.coord is not None
                                else sum(1 for p in job["processes"] if p["role"] == "trainer"))
         self.t0 = time.monotonic()
-        self.state = "starting"
+        self.state = JobState.STARTING
         # restarts: the attempt being run (0 = the first), the finished ones, and whether the decision is final
         self.restarts = job.get("restarts", 0)
         self.restart_backoff = job.get("restart_backoff", 1.0)
@@ -77,7 +77,7 @@ class Supervisor(CoordinatorRole, PeerRole):
         self.popens = {}
         for p in job["processes"]:
             rec = {"role": p["role"], "id": p["id"], "argv": p["argv"], "cwd": p["cwd"], "log": p["log"],
-                   "ports": p["ports"], "pid": None, "start_ticks": None, "state": "pending",
+                   "ports": p["ports"], "pid": None, "start_ticks": None, "state": ProcState.PENDING,
                    "exit_code": None, "started_at": None, "ended_at": None, "error": None, "signalled": False,
                    "logs": []}
             self.procs.append(rec)
@@ -149,9 +149,9 @@ class Supervisor(CoordinatorRole, PeerRole):
             msg = self._listen()
             if msg is not None:
                 log(msg)
-                self.state, self.reason = "failed", msg
+                self.state, self.reason = JobState.FAILED, msg
                 for r in self.procs:
-                    r["state"], r["error"] = "stopped", "not started: " + msg
+                    r["state"], r["error"] = ProcState.STOPPED, "not started: " + msg
                 self.write_state()
                 self.report({"ok": False, "error": msg, "pids": {}, "jobdir": self.jobdir,
                              "supervisor_pid": os.getpid()})
@@ -176,13 +176,13 @@ class Supervisor(CoordinatorRole, PeerRole):
                                 "deadline": time.monotonic() + after["timeout"], "timeout": after["timeout"]}
         else:
             spawn_error = self._spawn_all()
-        if self.state == "starting":
-            self.state = "running"
+        if self.state == JobState.STARTING:
+            self.state = JobState.RUNNING
         self.write_state()
         if self.waiting is None:
             self._report_launch(spawn_error)
         for r in self.procs:
-            if r["state"] == "failed":
+            if r["state"] == ProcState.FAILED:
                 self._local_exit(r)
 
     def _report_launch(self, error):
@@ -196,8 +196,8 @@ class Supervisor(CoordinatorRole, PeerRole):
         if self.outcome is not None:  # the job was stopped or failed while waiting
             self.waiting = None
             for r in self.procs:
-                if r["state"] == "pending":
-                    r["state"], r["error"] = "stopped", "not started: the job ended first"
+                if r["state"] == ProcState.PENDING:
+                    r["state"], r["error"] = ProcState.STOPPED, "not started: the job ended first"
             self.dirty = True
             self._report_launch("job %s: %s before the trainers started" % (self.outcome, self.reason))
             return
@@ -219,7 +219,7 @@ class Supervisor(CoordinatorRole, PeerRole):
             self.dirty = True
             self._report_launch(error)
             for r in self.procs:
-                if r["state"] == "failed" and r["role"] == "trainer":
+                if r["state"] == ProcState.FAILED and r["role"] == "trainer":
                     self._local_exit(r)
             return
         if now >= w["deadline"]:
@@ -229,8 +229,8 @@ class Supervisor(CoordinatorRole, PeerRole):
             log(msg)
             first = None
             for r in self.procs:
-                if r["state"] == "pending":
-                    r["state"], r["error"], r["ended_at"] = "failed", "not started: " + msg, time.time()
+                if r["state"] == ProcState.PENDING:
+                    r["state"], r["error"], r["ended_at"] = ProcState.FAILED, "not started: " + msg, time.time()
                     first = first or r
             self.dirty = True
             self._report_launch(msg)
@@ -240,7 +240,7 @@ class Supervisor(CoordinatorRole, PeerRole):
     def _spawn_all(self, roles=ROLES):
         preexec = _pdeathsig_setup(os.getpid())
         for r in self.procs:
-            if r["role"] not in roles or r["state"] != "pending":
+            if r["role"] not in roles or r["state"] != ProcState.PENDING:
                 continue
             spec = next(p for p in self.job["processes"] if p["role"] == r["role"] and p["id"] == r["id"])
             env = base_env(self.job_id, self.jobdir, spec["env"])
@@ -261,13 +261,13 @@ class Supervisor(CoordinatorRole, PeerRole):
                 err = "cannot start %s.%d (%s in %s): %s" % (
                     r["role"], r["id"], r["argv"][0], r["cwd"], getattr(e, "strerror", None) or e)
                 log(err)
-                r["state"], r["error"], r["ended_at"] = "failed", err, time.time()
+                r["state"], r["error"], r["ended_at"] = ProcState.FAILED, err, time.time()
                 for rest in self.procs:
-                    if rest["state"] == "pending" and rest["role"] in roles:
-                        rest["state"], rest["error"] = "stopped", "not started: an earlier process failed to start"
+                    if rest["state"] == ProcState.PENDING and rest["role"] in roles:
+                        rest["state"], rest["error"] = ProcState.STOPPED, "not started: an earlier process failed to start"
                 return err
             st = proc_stat(popen.pid)
-            r.update(pid=popen.pid, start_ticks=st[2] if st else None, state="running",
+            r.update(pid=popen.pid, start_ticks=st[2] if st else None, state=ProcState.RUNNING,
                      started_at=time.time())
             self.popens[(r["role"], r["id"])] = popen
             log("started %s.%d pid %d: %s" % (r["role"], r["id"], popen.pid, r["argv"]))
@@ -319,16 +319,16 @@ class Supervisor(CoordinatorRole, PeerRole):
     def _reap(self):
         for r in self.procs:
             popen = self.popens.get((r["role"], r["id"]))
-            if popen is None or r["state"] != "running":
+            if popen is None or r["state"] != ProcState.RUNNING:
                 continue
             rc = popen.poll()
             if rc is None:
                 continue
             r["exit_code"], r["ended_at"] = rc, time.time()
             if r["signalled"]:
-                r["state"] = "stopped"
+                r["state"] = ProcState.STOPPED
             else:
-                r["state"] = "exited" if rc == 0 else "failed"
+                r["state"] = ProcState.EXITED if rc == 0 else ProcState.FAILED
             self.dirty = True
             log("%s.%d pid %d ended with %s -> %s" % (r["role"], r["id"], r["pid"], rc, r["state"]))
             if not r["signalled"]:
@@ -366,9 +366,9 @@ class Supervisor(CoordinatorRole, PeerRole):
     def _user_stop(self, reason, grace=None):
         """A user's stop (on any host): final, it never leads to a restart, also while one is pending."""
         if self.outcome is None:
-            self.decide("stopped", reason, grace=grace, restart=False)
+            self.decide(JobState.STOPPED, reason, grace=grace, restart=False)
         elif not self.final:
-            self._finalize("stopped", reason, None)
+            self._finalize(JobState.STOPPED, reason, None)
 
     # -- decisions -------------------------------------------------------
 
@@ -381,7 +381,7 @@ class Supervisor(CoordinatorRole, PeerRole):
         if self.outcome is not None:
             return
         if restart is None:
-            restart = (self.is_coord and outcome == "failed" and self.attempt < self.restarts
+            restart = (self.is_coord and outcome == JobState.FAILED and self.attempt < self.restarts
                        and not (failure or {}).get("error"))
         self.final = not restart
         self.outcome, self.reason, self.failure = outcome, reason, failure
@@ -408,14 +408,14 @@ class Supervisor(CoordinatorRole, PeerRole):
         self.dirty = True
 
     def _begin_stop(self, grace):
-        self.state = "stopping"
+        self.state = JobState.STOPPING
         groups = []
         for r in self.procs:
-            if r["state"] == "running":
+            if r["state"] == ProcState.RUNNING:
                 r["signalled"] = True
                 groups.append(r)
-            elif r["state"] == "pending":
-                r["state"] = "stopped"
+            elif r["state"] == ProcState.PENDING:
+                r["state"] = ProcState.STOPPED
         self.stopper = Stopper(self.job_id, self.jobdir, groups, grace)
         self.stopper.start(time.monotonic())
         self.dirty = True
@@ -431,7 +431,7 @@ class Supervisor(CoordinatorRole, PeerRole):
         if self.final:
             self.state = self.outcome
         else:
-            self.state = "restarting"
+            self.state = JobState.RESTARTING
             self.attempts.append({"attempt": self.attempt, "outcome": self.outcome, "reason": self.reason,
                                   "failure": self.failure, "started_at": self.attempt_started_at,
                                   "ended_at": time.time()})
@@ -456,13 +456,13 @@ class Supervisor(CoordinatorRole, PeerRole):
         self.waiting = None
         self.popens = {}
         for r in self.procs:
-            r.update(pid=None, start_ticks=None, state="pending", exit_code=None, started_at=None, ended_at=None,
+            r.update(pid=None, start_ticks=None, state=ProcState.PENDING, exit_code=None, started_at=None, ended_at=None,
                      error=None, signalled=False)
-        self.state = "starting"
+        self.state = JobState.STARTING
         if self.is_coord:
             for host, conn in list(self.peers.items()):
                 conn.done = False
-                self.hosts[host] = {"state": "connected", "since": time.time(), "addr": conn.addr}
+                self.hosts[host] = {"state": HostState.CONNECTED, "since": time.time(), "addr": conn.addr}
                 conn.send({"type": "restart", "attempt": attempt})  # a broken connection is noticed by the tick
         self.dirty = True
         self._start_attempt()
