@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Host side of `clusterctl dispatch`: apply a workspace update atomically, report state, detect drift.
 
-Stdlib only (Python >= 3.9): this file is uploaded to every host and run there with `python3`.
+Stdlib only (Python >= 3.9): part of the host package (clusterctl/host), uploaded to every host and run
+there with `python3`. The wire format it reads (frame, header keys, manifest entries) is clusterctl/host/wire.py.
 
 Layout on the host, for workspace ROOT:
     ROOT                  symlink -> ROOT.d/<gen>   (switched atomically with rename)
@@ -31,16 +32,37 @@ runs once per host per dispatch, and importing json (which imports re) is a tent
 Both come only from the controller over SSH or from this script; replies stay JSON.
 """
 
+if __name__ == "__main__" and not __package__:
+    # Run as a file (python3 .../hostws.py): import the package this file is part of, so that the
+    # relative imports below work (PEP 366), with the package's own directory off sys.path.
+    import os
+    import sys
+
+    _here = os.path.dirname(os.path.abspath(__file__))
+    _top, _parts = _here, []
+    while os.path.isfile(os.path.join(_top, "__init__.py")):
+        _top, _name = os.path.split(_top)
+        _parts.insert(0, _name)
+    if sys.path and os.path.abspath(sys.path[0] or ".") == _here:
+        sys.path[0] = _top
+    else:
+        sys.path.insert(0, _top)
+    __package__ = ".".join(_parts)
+    __import__(__package__)
+
 import errno
 import marshal
 import os
 import stat as _stat
 import sys
 
+from . import wire
+from .wire import (ENTRY_MODE, ENTRY_MTIME_NS, ENTRY_SHA256, ENTRY_SIZE, PATCH_BLOCK, PATCH_DATA, PATCH_ENTRY,
+                   PATCH_RANGES)
+
 # hashlib, json, shutil and tarfile are imported where needed: this runs once per host per
 # dispatch, and on a busy host Python's start-up is a good part of its time.
-MANIFEST = ".manifest"
-MARSHAL_VERSION = 4
+MANIFEST = wire.MANIFEST_SUFFIX
 
 CHUNK = 1 << 20
 
@@ -71,7 +93,7 @@ def load_manifest(gens, gen):
         return {}
     try:
         with open(os.path.join(gens, gen + MANIFEST), "rb") as fh:
-            return marshal.loads(fh.read())  # marshal.load(fh) reads in small pieces: 6x slower
+            return wire.load_manifest(fh.read())  # marshal.load(fh) reads in small pieces: 6x slower
     except FileNotFoundError:
         pass
     try:  # written by clusterctl before 0.2: JSON
@@ -336,8 +358,8 @@ def write_file(staging, rel, data, entry, tmp):
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     with open(tmp, "wb") as fh:
         fh.write(data)
-    os.chmod(tmp, entry["m"])
-    os.utime(tmp, ns=(entry["t"], entry["t"]))
+    os.chmod(tmp, entry[ENTRY_MODE])
+    os.utime(tmp, ns=(entry[ENTRY_MTIME_NS], entry[ENTRY_MTIME_NS]))
     os.replace(tmp, dest)
 
 
@@ -358,16 +380,16 @@ def apply_patch(delta_path, base_path, tmp_path, patch):
     extracted at `delta_path`) and the rest of `base_path`; return its sha256."""
     import io
 
-    entry, bs = patch["e"], patch["b"]
-    size = entry["s"]
+    entry, bs = patch[PATCH_ENTRY], patch[PATCH_BLOCK]
+    size = entry[ENTRY_SIZE]
     h = new_sha256()
     try:
-        with (io.BytesIO(patch["d"]) if "d" in patch else open(delta_path, "rb")) as delta, \
+        with (io.BytesIO(patch[PATCH_DATA]) if PATCH_DATA in patch else open(delta_path, "rb")) as delta, \
                 open(base_path, "rb", opener=_nofollow) as base, open(tmp_path, "wb") as out:
             if size <= 64 << 20:  # in memory: one read, the blocks spliced in, one write
                 data = bytearray(base.read(size))
                 data.extend(bytes(size - len(data)))
-                for first, count in patch["r"]:
+                for first, count in patch[PATCH_RANGES]:
                     start = first * bs
                     n = min(count * bs, size - start)
                     block = delta.read(n)
@@ -379,7 +401,7 @@ def apply_patch(delta_path, base_path, tmp_path, patch):
                 h.update(data)
                 out.write(data)
             else:
-                fresh = block_set(patch["r"])
+                fresh = block_set(patch[PATCH_RANGES])
                 for i in range((size + bs - 1) // bs):
                     n = min(bs, size - i * bs)
                     block = delta.read(n) if i in fresh else os.pread(base.fileno(), n, i * bs)
@@ -393,8 +415,8 @@ def apply_patch(delta_path, base_path, tmp_path, patch):
         if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
             raise
         raise PatchError(str(exc)) from None
-    os.chmod(tmp_path, entry["m"])
-    os.utime(tmp_path, ns=(entry["t"], entry["t"]))
+    os.chmod(tmp_path, entry[ENTRY_MODE])
+    os.utime(tmp_path, ns=(entry[ENTRY_MTIME_NS], entry[ENTRY_MTIME_NS]))
     os.replace(tmp_path, delta_path)
     return h.hexdigest()
 
@@ -437,10 +459,10 @@ def cmd_apply(root):
     manifest = load_manifest(gens, old)
     live_stats = {}
     drift = find_drift(os.path.join(gens, old), manifest, live_stats) if old is not None else []
-    length = read_exact(0, 16, eof_ok=True)
+    length = read_exact(0, wire.LENGTH_DIGITS, eof_ok=True)
     if not length:  # started ahead and then not needed: nothing to do
         return
-    header = marshal.loads(read_exact(0, int(length)))
+    header = marshal.loads(read_exact(0, wire.parse_length(length)))
     gen, changes, patches, delete = header["gen"], header["changes"], header.get("patches", {}), header["delete"]
     for rel in (*changes, *patches, *delete):  # checked once here: every use below joins them as they are
         if safe_rel(rel) != rel:
@@ -459,7 +481,7 @@ def cmd_apply(root):
         return reply({"gen": old, "previous": old, "written": 0, "deleted": 0, "unchanged": True})
     new_manifest = dict(manifest)
     new_manifest.update(changes)
-    new_manifest.update({rel: p["e"] for rel, p in patches.items()})
+    new_manifest.update({rel: p[PATCH_ENTRY] for rel, p in patches.items()})
     for rel in delete:
         new_manifest.pop(rel, None)
     os.makedirs(gens, exist_ok=True)
@@ -485,9 +507,9 @@ def cmd_apply(root):
             with os.fdopen(0, "rb", closefd=False) as stream:
                 digests = extract(stream, staging)
         if digests is not None:  # Python extraction hashed while writing
-            bad = [rel for rel in changes if digests.get(rel) != changes[rel]["h"]]
+            bad = [rel for rel in changes if digests.get(rel) != changes[rel][ENTRY_SHA256]]
         else:  # GNU tar or inline: SSH's MAC guarantees the bytes; sizes catch a truncated stream
-            bad = [rel for rel in changes if os.stat(os.path.join(staging, rel)).st_size != changes[rel]["s"]]
+            bad = [rel for rel in changes if os.stat(os.path.join(staging, rel)).st_size != changes[rel][ENTRY_SIZE]]
         if bad:
             raise OSError(f"content check failed after transfer: {', '.join(bad[:5])}")
         unpatched = []
@@ -497,13 +519,13 @@ def cmd_apply(root):
                                      os.path.join(gens, gen + ".patch.tmp"), patch)
             except PatchError:
                 digest = None
-            if digest != patch["e"]["h"]:  # the base differs from its manifest entry: ask for the whole file
+            if digest != patch[PATCH_ENTRY][ENTRY_SHA256]:  # the base differs from its manifest entry: ask for the whole file
                 unpatched.append({"path": rel, "problem": "modified"})
         if unpatched:
             rmtree(staging)
             return stale("patch", unpatched)
         with open(os.path.join(gens, gen + MANIFEST + ".tmp"), "wb") as fh:
-            fh.write(marshal.dumps(new_manifest, MARSHAL_VERSION))
+            fh.write(wire.dump_manifest(new_manifest))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(os.path.join(gens, gen + MANIFEST + ".tmp"), os.path.join(gens, gen + MANIFEST))
@@ -631,18 +653,19 @@ def find_drift(base, manifest, stats=None):
             continue
         if stats is not None:
             stats[rel] = st
-        if st.st_size == entry["s"] and st.st_mtime_ns == entry["t"]:
+        if st.st_size == entry[ENTRY_SIZE] and st.st_mtime_ns == entry[ENTRY_MTIME_NS]:
             continue
-        if st.st_size != entry["s"] or sha256(p) != entry["h"]:
+        if st.st_size != entry[ENTRY_SIZE] or sha256(p) != entry[ENTRY_SHA256]:
             drift.append({"path": rel, "problem": "modified"})
     return drift
 
 
 def main(argv):
-    if len(argv) != 3 or argv[1] not in ("state", "apply", "verify"):
+    """Run one command: argv is [state|apply|verify, ROOT] (no program name)."""
+    if len(argv) != 2 or argv[0] not in ("state", "apply", "verify"):
         fail("usage: hostws.py state|apply|verify ROOT", 2)
-    {"state": cmd_state, "apply": cmd_apply, "verify": cmd_verify}[argv[1]](argv[2])
+    {"state": cmd_state, "apply": cmd_apply, "verify": cmd_verify}[argv[0]](argv[1])
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main(sys.argv[1:])

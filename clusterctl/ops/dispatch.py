@@ -39,7 +39,7 @@ from ..quoting import join
 from ..remote import Launch, Result
 from ..spec import ClusterSpec
 from . import Session
-from .hosttools import tool_command, tool_path
+from .hosttools import package_dir, tool_argv, tool_command
 
 __all__ = ["LocalFile", "scan_workspace", "list_data_files", "dispatch", "verify", "HostDispatch"]
 
@@ -503,10 +503,7 @@ def dispatch(session: Session) -> list[HostDispatch]:
     plan, remote = session.plan, session.remote
     root = plan.workdir
     records = _Records(root)
-    hostws = tool_path("hostws")
-    tool_dir, _, tool_file = hostws.rpartition("/")
-    apply = f"test -f {join([hostws])} || exit {_TOOL_MISSING}; exec " + join(
-        ["python3", "-S", "-c", _RUN_TOOL, tool_dir, tool_file.removesuffix(".py"), "apply", root])
+    apply = f"test -d {join([package_dir()])} || exit {_TOOL_MISSING}; exec " + join(tool_argv("hostws", ["apply", root]))
 
     views: dict[Host, _HostView] = {}
     ask: list[Host] = []
