@@ -8,8 +8,8 @@ place; the loser removes its copy). The package is uploaded under the name ``clu
 ``clusterctl``, and run with ``python3 -S -E``, so a clusterctl (or anything else) installed on the host,
 on PYTHONPATH or in site-packages, is never imported by mistake; inside the package every import is
 relative. Tools run as imported modules, not as scripts, so Python keeps their bytecode in __pycache__
-beside them (a script is compiled on every run): `agent status` took 22 ms instead of 47 ms for the
-single-file agent (docs/benchmarks.md, "Host package upload").
+beside them (a script is compiled on every run): `agent status` took 37.8 ms (median) instead of 78.4 ms
+for the single-file agent and 52.0 ms for a zipapp (docs/benchmarks.md, "Host package upload").
 
 slurmjob.py is not part of the package (yet): it travels inside the sbatch script, and through
 `tool_command("slurmjob", ...)` as a single file, as before.
