@@ -29,6 +29,8 @@ TEMPLATES = {
     "clusterctl/host/provision_host.py",
     "clusterctl/py.typed",
 }
+# and the whole host package: uploaded to hosts from the installed package's own files (ops/hosttools.py)
+TEMPLATES |= {f"clusterctl/host/{p.name}" for p in (ROOT / "clusterctl" / "host").glob("*.py")}
 
 
 def _run(argv, *, cwd, env=None, timeout=300, check=True) -> subprocess.CompletedProcess:
