@@ -49,6 +49,12 @@ def test_the_host_package_imports_only_the_standard_library_and_itself():
     assert not bad, bad
 
 
+def test_the_host_package_parses_as_python_3_9():
+    """Hosts run their own python3 (>= 3.9): no newer syntax in the package."""
+    for path in sorted(HOST.glob("*.py")):
+        ast.parse(path.read_text(), str(path), feature_version=(3, 9))
+
+
 def test_states_are_strings_on_the_wire_and_compare_with_what_json_gives_back():
     assert json.dumps({"s": JobState.RUNNING, "p": [ProcState.EXITED]}) == '{"s": "running", "p": ["exited"]}'
     assert json.loads(json.dumps(JobState.FAILED)) == JobState.FAILED and "%s" % ProcState.LOST == "lost"
