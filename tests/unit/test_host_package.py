@@ -18,9 +18,17 @@ from clusterctl.host import jobfile, protocol, states
 from clusterctl.host.states import JobState, ProcState
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_agent import AGENT, PY, cluster, coordinator, free_port, launch, terminal, wait_for  # noqa: E402,F401
+from test_agent import AGENT, PY, Cluster, coordinator, free_port, launch, terminal, wait_for  # noqa: E402
 
 HOST = Path(jobfile.__file__).resolve().parent
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Job dirs of simulated hosts (test_agent's), cleaned up after the test."""
+    c = Cluster(tmp_path)
+    yield c
+    c.cleanup()
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
