@@ -1,4 +1,4 @@
-"""start · status · logs · stop: the job lifecycle, driven through the per-host agent (clusterctl/agent.py).
+"""start · status · logs · stop: the job lifecycle, driven through the per-host agent (clusterctl/host/agent.py).
 
 The controller decides everything (the plan) and writes one job file per host; each host's agent
 supervises its processes, and the agents talk to each other (through the coordinator on the first
@@ -18,8 +18,10 @@ from ..errors import ClusterctlError, HostFailure, JobError, RemoteError
 from ..plan import Host, JobPlan, factor_env
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote
+from ..host.jobfile import build_job, coordinator_entry, process_entry
+from ..host.states import ACTIVE_JOB_STATES, JobState
 from . import Session
-from .hosttools import ensure_tools, tool_command
+from .hosttools import ensure_tools, tool_argv, tool_command
 
 __all__ = [
     "STATE_ROOT",
@@ -42,7 +44,10 @@ def _abs(home: str, path: str) -> str:
 
 
 def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, dict]:
-    """The agent's job file for every host that runs processes (pure): paths made absolute, ordering, coordinator."""
+    """The agent's job file for every host that runs processes (pure): paths made absolute, ordering, coordinator.
+
+    Built with clusterctl/host/jobfile.py's `build_job`, which checks each file with the agent's own validator.
+    """
     if plan.mpi is not None:
         return {plan.mpi.host: _mpi_job_file(plan, homes[plan.mpi.host])}
     ctl_addr, ctl_port = plan.control_endpoint.rsplit(":", 1)
@@ -54,37 +59,24 @@ def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, d
         # what the host's processes share (the endpoint lists above all) is written once, as "env"
         shared_env, own_env = factor_env([p.env for p in on_host])
         procs = [
-            {
-                "role": p.role,
-                "id": p.id,
-                "argv": list(p.argv),
-                "env": env,
-                "cwd": _abs(home, plan.workdir),
-                "log": _abs(home, plan.log_path(p)),
-                "ports": [p.endpoint],
-            }
+            process_entry(p.role, p.id, p.argv, env, _abs(home, plan.workdir), _abs(home, plan.log_path(p)), [p.endpoint])
             for p, env in zip(on_host, own_env)
         ]
-        files[host] = {
-            "job": plan.job,
-            "host": host.address,
-            "state_root": posixpath.join(home, STATE_ROOT),
-            "on_failure": plan.on_failure,
-            "grace": plan.grace,
-            "restarts": plan.restarts,
-            "restart_backoff": plan.restart_backoff,
-            "start_trainers_after": {"endpoints": pserver_eps, "timeout": WAIT_PSERVERS_S} if pserver_eps else None,
-            "coordinator": {
-                "address": ctl_addr,
-                "port": int(ctl_port),
-                "token": token,
-                "is_coordinator": host == plan.hosts[0],
-                "hosts": len(plan.hosts),
-                "trainers_total": len(plan.trainers),
-            },
-            "env": shared_env,
-            "processes": procs,
-        }
+        files[host] = build_job(
+            plan.job,
+            host.address,
+            procs,
+            posixpath.join(home, STATE_ROOT),
+            on_failure=plan.on_failure,
+            grace=plan.grace,
+            restarts=plan.restarts,
+            restart_backoff=plan.restart_backoff,
+            start_trainers_after={"endpoints": pserver_eps, "timeout": WAIT_PSERVERS_S} if pserver_eps else None,
+            coordinator=coordinator_entry(
+                ctl_addr, int(ctl_port), token, host == plan.hosts[0], len(plan.hosts), len(plan.trainers)
+            ),
+            env=shared_env,
+        )
     return files
 
 
@@ -93,19 +85,16 @@ def _mpi_job_file(plan: JobPlan, home: str) -> dict:
     mpi = plan.mpi
     first = plan.trainers[0]
     env = dict(mpi.env)  # mpiexec passes these to every rank by name (-genvlist / -x NAME)
-    return {
-        "job": plan.job,
-        "host": mpi.host.address,
-        "state_root": posixpath.join(home, STATE_ROOT),
-        "on_failure": plan.on_failure,
-        "grace": plan.grace,
-        "restarts": plan.restarts,
-        "restart_backoff": plan.restart_backoff,
-        "processes": [
-            {"role": "trainer", "id": 0, "argv": list(mpi.argv), "env": env, "cwd": home,
-             "log": _abs(home, plan.log_path(first)), "ports": []}
-        ],
-    }
+    return build_job(
+        plan.job,
+        mpi.host.address,
+        [process_entry("trainer", 0, mpi.argv, env, home, _abs(home, plan.log_path(first)))],
+        posixpath.join(home, STATE_ROOT),
+        on_failure=plan.on_failure,
+        grace=plan.grace,
+        restarts=plan.restarts,
+        restart_backoff=plan.restart_backoff,
+    )
 
 
 # ------------------------------------------------------------------------------------------ status
@@ -154,26 +143,27 @@ class JobStatus:
 
 def overall_state(host_states: list[str]) -> str:
     """Fold per-host job states into the job's state (pure)."""
+    S = JobState
     states = set(host_states)
-    if not states or states <= {"unknown"}:
-        return "not running"
-    live = states & {"running", "starting", "stopping", "restarting"}
-    if "failed" in states:
+    if not states or states <= {S.UNKNOWN}:
+        return S.NOT_RUNNING
+    live = states & {S.RUNNING, S.STARTING, S.STOPPING, S.RESTARTING}
+    if S.FAILED in states:
         if not live:
-            return "failed"
+            return S.FAILED
         # not over yet: the rest is being stopped (fail-fast) or still working (on_failure: continue)
-        return "stopping" if live & {"stopping", "restarting"} else "running"
-    if "lost" in states:
-        return "lost"
+        return S.STOPPING if live & {S.STOPPING, S.RESTARTING} else S.RUNNING
+    if S.LOST in states:
+        return S.LOST
     if live:
-        if live & {"running", "starting"}:
-            return "running"
+        if live & {S.RUNNING, S.STARTING}:
+            return S.RUNNING
         # a failed attempt being stopped, or the back-off before the next one
-        return "restarting" if "restarting" in live else "stopping"
-    if "stopped" in states:
-        return "stopped"
-    if states <= {"succeeded", "unknown"}:
-        return "succeeded"
+        return S.RESTARTING if S.RESTARTING in live else S.STOPPING
+    if S.STOPPED in states:
+        return S.STOPPED
+    if states <= {S.SUCCEEDED, S.UNKNOWN}:
+        return S.SUCCEEDED
     return sorted(states)[0]
 
 
@@ -197,8 +187,8 @@ def _jobdir(plan: JobPlan) -> str:
     return posixpath.join(STATE_ROOT, plan.job)
 
 
-def _agent_cmd(tool: str, *args: str) -> str:
-    return join(["python3", tool, *args])
+def _agent_cmd(*args: str) -> str:
+    return join(tool_argv("agent", list(args)))
 
 
 def _parse(res) -> dict:
@@ -221,18 +211,18 @@ def status(session: Session) -> JobStatus:
     for host, res in results.items():
         if not res.answered:  # not reached, or its command never answered (our deadline)
             unreachable[host.label] = res.stderr.strip()
-            host_states.append("lost")
+            host_states.append(JobState.LOST)
             continue
         data = _parse(res)
-        state = data.get("state") or "unknown"
-        if state == "stopping" and data.get("restart_pending"):
-            state = "restarting"  # the failed attempt is being stopped; the job starts again after
+        state = data.get("state") or JobState.UNKNOWN
+        if state == JobState.STOPPING and data.get("restart_pending"):
+            state = JobState.RESTARTING  # the failed attempt is being stopped; the job starts again after
         host_states.append(state)
         restarts = max(restarts, data.get("restarts") or 0)
         # the host that got furthest knows the most attempts (the coordinator, unless it was cut off)
         if (data.get("attempt") or 0, len(data.get("attempts") or [])) > (attempt, len(attempts)):
             attempt, attempts = data.get("attempt") or 0, data.get("attempts") or []
-        if data.get("reason") and data.get("state") not in ("running", "succeeded"):
+        if data.get("reason") and data.get("state") not in (JobState.RUNNING, JobState.SUCCEEDED):
             reasons.append(f"{host.label}: {data['reason']}")
         for p in data.get("processes", []):
             procs.append(
@@ -277,7 +267,7 @@ def stop(session: Session, *, grace: float | None = None) -> dict[Host, dict]:
 def preflight(session: Session, tool: str, jobfiles: dict[Host, str]) -> list[str]:
     """Problems that would stop the job from starting, one line each (`host:port in use`, ...)."""
     results = session.remote.run(
-        lambda h: _agent_cmd(tool, "preflight", jobfiles[h]), hosts=list(jobfiles), check=False,
+        lambda h: _agent_cmd("preflight", jobfiles[h]), hosts=list(jobfiles), check=False,
         timeout=session.remote.control_timeout,
         what="preflight"
     )
@@ -298,11 +288,10 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
     plan, remote = session.plan, session.remote
     say = on_progress or (lambda msg: None)
     homes = _homes(remote)
-    tools = ensure_tools(remote, ("agent", "hostws"))
-    tool = tools["agent"]
+    tool = ensure_tools(remote, ("agent", "hostws"))["agent"]  # one package: the agent and the workspace tool
 
     current = status(session)
-    if current.state in ("running", "stopping", "restarting"):
+    if current.state in ACTIVE_JOB_STATES:
         raise JobError(f"job {plan.job} is already running; stop it first (clusterctl stop)")
 
     say("verifying workspaces")
@@ -338,7 +327,7 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
 
     say("launching")
     results = remote.run(
-        lambda h: _agent_cmd(tool, "launch", paths[h]), hosts=hosts, check=False, timeout=WAIT_PSERVERS_S + 60, what="launch"
+        lambda h: _agent_cmd("launch", paths[h]), hosts=hosts, check=False, timeout=WAIT_PSERVERS_S + 60, what="launch"
     )
     failed = {h: r for h, r in results.items() if r.exit_code != 0}
     if failed:
@@ -373,7 +362,7 @@ def logs(
     if not targets:
         what = " ".join(f"{k}={v}" for k, v in (("host", host), ("role", role), ("id", id)) if v is not None)
         raise JobError(f"no process of job {plan.job} matches {what}")
-    tool = ensure_tools(remote, ("agent",), hosts=targets)["agent"]
+    ensure_tools(remote, ("agent",), hosts=targets)
 
     def cmd(h: Host) -> str:
         args = ["logs", _jobdir(plan), "--host-label", h.label]
@@ -385,7 +374,7 @@ def logs(
             args += ["--id", str(id)]
         if lines is not None:
             args += ["-n", str(lines)]
-        return _agent_cmd(tool, *args)
+        return _agent_cmd(*args)
 
     problems: list[str] = []
 

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..console import err, out, printable, write_line
+from ..host.states import TERMINAL_JOB_STATES, JobState, ProcState
 
 __all__ = ["add_cli"]
 
@@ -45,8 +46,9 @@ def cmd_dispatch(args: argparse.Namespace) -> int:
     return 0
 
 
-_STATE_STYLE = {"running": "green", "succeeded": "bold green", "exited": "green", "failed": "bold red",
-                "lost": "bold red", "stopped": "yellow", "not running": "dim", "restarting": "yellow"}
+_STATE_STYLE = {JobState.RUNNING: "green", JobState.SUCCEEDED: "bold green", ProcState.EXITED: "green",
+                JobState.FAILED: "bold red", JobState.LOST: "bold red", JobState.STOPPED: "yellow",
+                JobState.NOT_RUNNING: "dim", JobState.RESTARTING: "yellow"}
 
 
 def _styled(state: str) -> str:
@@ -72,7 +74,7 @@ def render_status(st) -> None:
     if st.restarts or st.attempt:
         out.print(f"attempt {st.attempt} (restarts allowed: {st.restarts})")
         for a in st.attempts:
-            if a.get("attempt") != st.attempt or a.get("outcome") in ("succeeded", "failed", "stopped"):
+            if a.get("attempt") != st.attempt or a.get("outcome") in TERMINAL_JOB_STATES:
                 out.print(f"  attempt {a.get('attempt')}: {_styled(a.get('outcome') or '?')}: {escape(str(a.get('reason')))}")
     if st.reason:
         out.print(f"reason: {escape(printable(st.reason))}")  # host-supplied text: control characters escaped
@@ -184,7 +186,7 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
         except KeyboardInterrupt:
             return _stop_after_interrupt(session)
         render_status(final)
-        return 0 if final.state == "succeeded" else 1
+        return 0 if final.state == JobState.SUCCEEDED else 1
 
 
 def cmd_start(args: argparse.Namespace) -> int:

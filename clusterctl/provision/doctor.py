@@ -123,7 +123,7 @@ def _peer_summary(f: dict) -> str:
 
 
 def _facts_source() -> bytes:
-    return resources.files("clusterctl").joinpath("provision_host.py").read_bytes()
+    return resources.files("clusterctl.host").joinpath("provision_host.py").read_bytes()
 
 
 def compare(facts: dict[Host, dict], hosts) -> list[str]:

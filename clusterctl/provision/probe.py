@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 
-from .. import provision_host
+from ..host import provision_host
 from ..quoting import join
 from ..remote import Remote
 from .steps import HostFacts

@@ -323,14 +323,15 @@ def test_dispatch_sends_changed_blocks_and_survives_other_controllers(testcluste
     on_nodes_matches_local()
 
     node_exec(nodes[0].container, f"echo extra >> {home}/{remote}/weights.bin")  # drift
-    node_exec(nodes[1].container, f"rm -f {home}/.clusterctl/bin/hostws-*.py")  # a host that lost its tools
+    node_exec(nodes[1].container, f"rm -rf {home}/.clusterctl/bin/host-*")  # a host that lost its tools
     (ws / "train.py").write_text("print('v4')\n")
     clusterctl("dispatch", spec, check=True)
     on_nodes_matches_local()
-    from clusterctl.ops.hosttools import tool_path
+    from clusterctl.ops.hosttools import tool_argv
+    from clusterctl.quoting import join
 
     for n in nodes:  # what `start` checks: no drift left (this version's tool: a kept cluster holds older ones)
-        verify = node_exec(n.container, f"cd {home} && python3 {tool_path('hostws')} verify {remote}", user=testcluster.user)
+        verify = node_exec(n.container, f"cd {home} && {join(tool_argv('hostws', ['verify', remote]))}", user=testcluster.user)
         assert '"drift": []' in verify, verify
 
 

@@ -26,9 +26,11 @@ TEMPLATES = {
     "clusterctl/templates/testcluster/Dockerfile",
     "clusterctl/templates/testcluster/sshd_config",
     "clusterctl/fab/fabfile.py",
-    "clusterctl/provision_host.py",
+    "clusterctl/host/provision_host.py",
     "clusterctl/py.typed",
 }
+# and the whole host package: uploaded to hosts from the installed package's own files (ops/hosttools.py)
+TEMPLATES |= {f"clusterctl/host/{p.name}" for p in (ROOT / "clusterctl" / "host").glob("*.py")}
 
 
 def _run(argv, *, cwd, env=None, timeout=300, check=True) -> subprocess.CompletedProcess:

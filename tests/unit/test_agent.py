@@ -17,10 +17,10 @@ import uuid
 
 import pytest
 
-from clusterctl import agent as agent_mod
+from clusterctl.host import agent as agent_mod
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-AGENT = os.path.join(ROOT, "clusterctl", "agent.py")
+AGENT = os.path.join(ROOT, "clusterctl", "host", "agent.py")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_helpers", "worker.py")
 PY = sys.executable
 TOKEN = "5ec7e7" * 8

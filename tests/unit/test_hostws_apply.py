@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-import clusterctl
+from clusterctl.host import hostws as _hostws
 from clusterctl.ops import dispatch as d
 from clusterctl.ops.dispatch import plan as dplan
 from clusterctl.ops.dispatch import records as drecords
 from clusterctl.ops.dispatch import scan as dscan
 
-HOSTWS = Path(clusterctl.__file__).resolve().parent / "hostws.py"
+HOSTWS = Path(_hostws.__file__).resolve()
 _gens = itertools.count()
 
 

@@ -10,7 +10,8 @@ import uuid
 
 import pytest
 
-from clusterctl import agent, cli
+from clusterctl import cli
+from clusterctl.host import agent
 from clusterctl.ops.job import job_files
 from clusterctl.plan import expand_env, factor_env, make_plan
 from clusterctl.spec import parse_spec

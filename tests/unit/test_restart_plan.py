@@ -2,7 +2,7 @@
 
 import pytest
 
-from clusterctl.agent import attempt_log, restart_delay, validate_job
+from clusterctl.host.agent import attempt_log, restart_delay, validate_job
 from clusterctl.errors import SpecError
 from clusterctl.ops.job import job_files, overall_state
 from clusterctl.plan import make_plan

@@ -3,7 +3,7 @@
 Each host keeps the manifest of its last dispatch; only files whose content differs travel, as one tar
 stream per distinct change set (built once, streamed to every host that needs it). A changed file whose
 previous content this controller hashed travels as its changed fixed-size blocks only. The host applies
-the stream to a hard-linked staging copy and switches a symlink (see clusterctl/hostws.py).
+the stream to a hard-linked staging copy and switches a symlink (see clusterctl/host/hostws.py).
 
 One round trip per host: the controller remembers what it last dispatched to each host (generation and
 manifest, under ~/.cache/clusterctl/dispatched) and sends the update straight away; the host checks that
@@ -16,7 +16,7 @@ By concern:
     plan.py     the planner, pure: local files + each host's state -> each host's update, by change set
     archive.py  the bytes that travel: the framed header, the tar archive streamed to many hosts
     records.py  the controller's records of what each host has
-    wire.py     the header, manifest and reply format shared with hostws.py
+    (the header, manifest and reply format: clusterctl/host/wire.py, imported by both sides)
     run.py      the orchestration: dispatch(), verify()
 """
 

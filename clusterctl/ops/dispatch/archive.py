@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator, Mapping
 
 from ...errors import JobError
-from . import wire
+from ...host import wire
 from .delta import CHUNK, Patch, patch_bytes
 from .plan import HostPlan
 from .scan import LocalFile
@@ -34,7 +34,7 @@ def update_bytes(plan: HostPlan, files: Mapping[str, LocalFile]) -> bytes:
     patches = {rel: wire.patch(plan.manifest[rel], p.block, p.ranges,
                                patch_bytes(files[rel].source, files[rel].size, p) if plan.inline else None)
                for rel, p in plan.patches.items()}
-    return wire.frame(wire.header(
+    return wire.frame_header(wire.header(
         gen=plan.gen, base=plan.base, check=plan.check,
         changes={rel: plan.manifest[rel] for rel in plan.whole}, patches=patches, delete=plan.delete,
         archive=bool(plan.whole or plan.patches) and not plan.inline,

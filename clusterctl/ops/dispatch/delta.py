@@ -7,7 +7,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 
-from . import wire
+from ...host import wire
 
 __all__ = ["BLOCK", "MAX_BLOCKS", "DIGEST", "CHUNK", "block_size", "hash_file", "Patch", "delta", "patch_bytes"]
 
@@ -53,10 +53,10 @@ def delta(size: int, blocks: str, previous: tuple[str, str] | None, base: dict |
     """The blocks of a file (`size` bytes, block digests `blocks`) that differ from the host's content
     `base` (its manifest entry), when that content is `previous` (sha256, block digests: what this
     controller hashed at its previous scan) and sending the changed blocks saves at least half of the file."""
-    if base is None or previous is None or previous[0] != base[wire.SHA256] or not blocks:
+    if base is None or previous is None or previous[0] != base[wire.ENTRY_SHA256] or not blocks:
         return None
     bs = block_size(size)
-    if block_size(base[wire.SIZE]) != bs:
+    if block_size(base[wire.ENTRY_SIZE]) != bs:
         return None
     width = 2 * DIGEST
     new, old = blocks, previous[1]
@@ -70,7 +70,7 @@ def delta(size: int, blocks: str, previous: tuple[str, str] | None, base: dict |
             ranges[-1][1] += 1
         else:
             ranges.append([i, 1])
-    return Patch(base[wire.SHA256], bs, tuple((a, n) for a, n in ranges), payload)
+    return Patch(base[wire.ENTRY_SHA256], bs, tuple((a, n) for a, n in ranges), payload)
 
 
 def patch_bytes(source: str, size: int, patch: Patch) -> bytes:

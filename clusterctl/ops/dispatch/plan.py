@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 
-from . import wire
+from ...host import wire
 from .delta import Patch, delta
 from .scan import LocalFile
 

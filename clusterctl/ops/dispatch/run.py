@@ -12,20 +12,15 @@ from ...errors import RemoteError
 from ...plan import DATA_ENV, Host
 from ...quoting import join
 from ...remote import Launch, Result
-from ..hosttools import tool_command, tool_path
+from ..hosttools import package_dir, tool_argv, tool_command
 from ..session import Session
-from . import wire
+from ...host import wire
 from .archive import Archive, update_bytes
 from .plan import BULK, HostPlan, HostView, plan_dispatch, view_of
 from .records import Records
 from .scan import LocalFile, scan_workspace
 
 __all__ = ["HostDispatch", "dispatch", "verify", "host_files"]
-
-# `apply` runs hostws as an imported module, not as a script: Python keeps an imported module's bytecode
-# (in __pycache__ beside it, per interpreter version, checked against the source) but compiles a script
-# on every run, ~6 ms of CPU per host per dispatch. argv: tool directory, module name, command, root.
-_RUN_TOOL = "import sys; sys.path[0] = sys.argv[1]; __import__(sys.argv[2]).main(sys.argv[2:])"
 
 
 @dataclass(frozen=True)
@@ -70,10 +65,9 @@ def dispatch(session: Session) -> list[HostDispatch]:
     plan, remote = session.plan, session.remote
     root = plan.workdir
     records = Records(root)
-    hostws = tool_path("hostws")
-    tool_dir, _, tool_file = hostws.rpartition("/")
-    apply = f"test -f {join([hostws])} || exit {wire.TOOL_MISSING}; exec " + join(
-        ["python3", "-S", "-c", _RUN_TOOL, tool_dir, tool_file.removesuffix(".py"), "apply", root])
+    # the host package runs as imported modules (their bytecode is kept): see ops/hosttools.py
+    apply = f"test -d {join([package_dir()])} || exit {wire.TOOL_MISSING_EXIT}; exec " + join(
+        tool_argv("hostws", ["apply", root]))
 
     views: dict[Host, HostView] = {}
     ask: list[Host] = []
@@ -129,7 +123,7 @@ def _dispatch(session: Session, records: Records, apply: str, views: dict, ask: 
         views = {}
         for host, res in results.items():
             sent[host] += streamed[host]
-            if res.exit_code == wire.TOOL_MISSING and not res.stdout:
+            if res.exit_code == wire.TOOL_MISSING_EXIT and not res.stdout:
                 ask.append(host)
             elif not res.ok:
                 failed[host] = res

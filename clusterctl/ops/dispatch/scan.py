@@ -16,7 +16,7 @@ import pathspec
 from ...cache import cache_root
 from ...errors import JobError
 from ...spec import ClusterSpec
-from . import wire
+from ...host import wire
 from .delta import hash_file
 
 __all__ = ["CACHE_ROOT", "HASH_CACHE_DIR", "LocalFile", "HashCache", "ignore_matcher", "scan_workspace",
@@ -55,7 +55,7 @@ class LocalFile:
 
     def entry(self) -> dict:
         """The manifest entry, as hostws.py stores and checks it."""
-        return wire.entry(self.size, self.sha256, self.mode, self.mtime * 10**9)
+        return wire.manifest_entry(self.size, self.sha256, self.mode, self.mtime * 10**9)
 
 
 class HashCache:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Host side of `clusterctl dispatch`: apply a workspace update atomically, report state, detect drift.
 
-Stdlib only (Python >= 3.9): this file is uploaded to every host and run there with `python3`.
+Stdlib only (Python >= 3.9): part of the host package (clusterctl/host), uploaded to every host and run
+there with `python3`. The wire format it reads (frame, header keys, manifest entries) is clusterctl/host/wire.py.
 
 Layout on the host, for workspace ROOT:
     ROOT                  symlink -> ROOT.d/<gen>   (switched atomically with rename)
@@ -31,23 +32,37 @@ runs once per host per dispatch, and importing json (which imports re) is a tent
 Both come only from the controller over SSH or from this script; replies stay JSON.
 """
 
-import errno
+if __name__ == "__main__" and not __package__:
+    # Run as a file (python3 .../hostws.py): import the package this file is part of, so that the
+    # relative imports below work (PEP 366), with the package's own directory off sys.path.
+    import os
+    import sys
+
+    _here = os.path.dirname(os.path.abspath(__file__))
+    _top, _parts = _here, []
+    while os.path.isfile(os.path.join(_top, "__init__.py")):
+        _top, _name = os.path.split(_top)
+        _parts.insert(0, _name)
+    if sys.path and os.path.abspath(sys.path[0] or ".") == _here:
+        sys.path[0] = _top
+    else:
+        sys.path.insert(0, _top)
+    __package__ = ".".join(_parts)
+    __import__(__package__)
+
 import marshal
 import os
 import stat as _stat
 import sys
 
+from . import wire
+from .wire import ENTRY_MTIME_NS, ENTRY_SHA256, ENTRY_SIZE, PATCH_ENTRY
+from .wsfiles import (PatchError, apply_patch, extract, extract_tar, fail, read_exact, rmtree, safe_rel, sha256, spawn,
+                      which, write_file)
+
 # hashlib, json, shutil and tarfile are imported where needed: this runs once per host per
 # dispatch, and on a busy host Python's start-up is a good part of its time.
-MANIFEST = ".manifest"
-MARSHAL_VERSION = 4
-
-CHUNK = 1 << 20
-
-
-def fail(msg, code=1):
-    sys.stderr.write(msg.rstrip() + "\n")
-    sys.exit(code)
+MANIFEST = wire.MANIFEST_SUFFIX
 
 
 def paths(root):
@@ -71,7 +86,7 @@ def load_manifest(gens, gen):
         return {}
     try:
         with open(os.path.join(gens, gen + MANIFEST), "rb") as fh:
-            return marshal.loads(fh.read())  # marshal.load(fh) reads in small pieces: 6x slower
+            return wire.load_manifest(fh.read())  # marshal.load(fh) reads in small pieces: 6x slower
     except FileNotFoundError:
         pass
     try:  # written by clusterctl before 0.2: JSON
@@ -81,55 +96,6 @@ def load_manifest(gens, gen):
             return json.load(fh)
     except FileNotFoundError:
         return {}
-
-
-def which(name):
-    for d in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep):
-        if os.access(os.path.join(d, name), os.X_OK):
-            return os.path.join(d, name)
-    return None
-
-
-def spawn(argv, stderr=False):
-    """Run argv (stdin inherited, stdout discarded); return (exit code, stderr bytes if asked)."""
-    r, w = os.pipe() if stderr else (None, None)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    actions = [(os.POSIX_SPAWN_DUP2, devnull, 1), (os.POSIX_SPAWN_DUP2, w if stderr else devnull, 2)]
-    try:
-        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions)
-    finally:
-        os.close(devnull)
-        if stderr:
-            os.close(w)
-    err = b""
-    if stderr:
-        with os.fdopen(r, "rb") as fh:
-            err = fh.read()
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), err
-
-
-def rmtree(path):
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def new_sha256():
-    """A sha256 object (hashlib's is OpenSSL's: with SHA extensions, 5x faster than CPython's own
-    _sha256, which more than pays for loading it)."""
-    import hashlib
-
-    return hashlib.sha256()
-
-
-def sha256(path):
-    h = new_sha256()
-    with open(path, "rb") as fh:
-        while True:
-            block = fh.read(CHUNK)
-            if not block:
-                return h.hexdigest()
-            h.update(block)
 
 
 def cmd_state(root):
@@ -261,144 +227,6 @@ def clear_planted(staging, rels):
                 break
 
 
-def safe_rel(name):
-    norm = os.path.normpath(name)
-    if norm.startswith("/") or norm == ".." or norm.startswith("../") or "\x00" in norm:
-        fail(f"refusing unsafe path in archive: {name!r}")
-    return norm
-
-
-def read_exact(fd, n, eof_ok=False):
-    """Exactly n bytes from a raw fd (no read-ahead, so a child can inherit the rest of the stream); with
-    eof_ok, b"" when the stream ends before its first byte."""
-    chunks = []
-    while n:
-        block = os.read(fd, n)
-        if not block:
-            if eof_ok and not chunks:
-                return b""
-            fail("stream ended early: dispatch header incomplete")
-        chunks.append(block)
-        n -= len(block)
-    return b"".join(chunks)
-
-
-def extract_tar(staging):
-    """Extract the rest of stdin with GNU tar; raise OSError with its message on failure."""
-    code, stderr = spawn(["tar", "-x", "-f", "-", "-C", staging, "--unlink-first", "--no-same-owner"], stderr=True)
-    if code != 0:
-        lines = [ln for ln in stderr.decode("utf-8", "replace").splitlines() if not ln.startswith("tar: Exiting")]
-        first = lines[0].replace("tar: ", "", 1) if lines else f"tar exited {code}"
-        st = os.statvfs(staging)
-        if st.f_bavail * st.f_frsize < CHUNK:  # tar says "Wrote only N of M bytes"; say why
-            raise OSError(f"{os.strerror(errno.ENOSPC)} ({first})")
-        raise OSError(first)
-
-
-def extract(stream, staging):
-    """Extract regular files from a tar stream, unlinking any existing file first; return {path: sha256}."""
-    import tarfile  # only where there is no GNU tar
-
-    digests = {}
-    with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK) as tar:
-        for member in tar:
-            rel = safe_rel(member.name)
-            dest = os.path.join(staging, rel)
-            if member.isdir():
-                os.makedirs(dest, exist_ok=True)
-                continue
-            if not member.isfile():
-                fail(f"refusing non-regular file in archive: {member.name!r}")
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            if os.path.lexists(dest):
-                os.unlink(dest)
-            src = tar.extractfile(member)
-            h = new_sha256()
-            with open(dest, "wb") as out:
-                while True:
-                    block = src.read(CHUNK)
-                    if not block:
-                        break
-                    h.update(block)  # checked against the manifest below: no second read
-                    out.write(block)
-            os.chmod(dest, member.mode & 0o7777)
-            os.utime(dest, ns=(member.mtime * 10**9, member.mtime * 10**9))
-            digests[rel] = h.hexdigest()
-    return digests
-
-
-def write_file(staging, rel, data, entry, tmp):
-    """Create file `rel` of `staging` with `data` and the entry's mode and mtime (replacing, never
-    writing through, what is there: it may be a hard link into the live generation)."""
-    dest = os.path.join(staging, rel)
-    if os.path.isdir(dest) and not os.path.islink(dest):
-        rmtree(dest)
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.chmod(tmp, entry["m"])
-    os.utime(tmp, ns=(entry["t"], entry["t"]))
-    os.replace(tmp, dest)
-
-
-class PatchError(Exception):
-    pass
-
-
-def _nofollow(path, flags):
-    return os.open(path, flags | os.O_NOFOLLOW)
-
-
-def block_set(ranges):
-    return {i for first, count in ranges for i in range(first, first + count)}
-
-
-def apply_patch(delta_path, base_path, tmp_path, patch):
-    """Write the new file at `delta_path` from its changed blocks (inline in `patch`, or the archive member
-    extracted at `delta_path`) and the rest of `base_path`; return its sha256."""
-    import io
-
-    entry, bs = patch["e"], patch["b"]
-    size = entry["s"]
-    h = new_sha256()
-    try:
-        with (io.BytesIO(patch["d"]) if "d" in patch else open(delta_path, "rb")) as delta, \
-                open(base_path, "rb", opener=_nofollow) as base, open(tmp_path, "wb") as out:
-            if size <= 64 << 20:  # in memory: one read, the blocks spliced in, one write
-                data = bytearray(base.read(size))
-                data.extend(bytes(size - len(data)))
-                for first, count in patch["r"]:
-                    start = first * bs
-                    n = min(count * bs, size - start)
-                    block = delta.read(n)
-                    if len(block) != n:
-                        raise PatchError("short delta")
-                    data[start : start + n] = block
-                if len(data) != size:
-                    raise PatchError("bad block range")
-                h.update(data)
-                out.write(data)
-            else:
-                fresh = block_set(patch["r"])
-                for i in range((size + bs - 1) // bs):
-                    n = min(bs, size - i * bs)
-                    block = delta.read(n) if i in fresh else os.pread(base.fileno(), n, i * bs)
-                    if len(block) != n:
-                        raise PatchError("short block")
-                    h.update(block)
-                    out.write(block)
-            if delta.read(1):
-                raise PatchError("unused delta bytes")
-    except OSError as exc:  # the base file is gone or is a symlink (never followed): sent whole
-        if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-            raise
-        raise PatchError(str(exc)) from None
-    os.chmod(tmp_path, entry["m"])
-    os.utime(tmp_path, ns=(entry["t"], entry["t"]))
-    os.replace(tmp_path, delta_path)
-    return h.hexdigest()
-
-
 def gen_of(name):
     """The generation a name in ROOT.d belongs to (a directory, its manifest, or leftovers of either)."""
     for suffix in (MANIFEST, ".json", ".patch.tmp", ".tmp"):
@@ -437,10 +265,10 @@ def cmd_apply(root):
     manifest = load_manifest(gens, old)
     live_stats = {}
     drift = find_drift(os.path.join(gens, old), manifest, live_stats) if old is not None else []
-    length = read_exact(0, 16, eof_ok=True)
+    length = read_exact(0, wire.LENGTH_DIGITS, eof_ok=True)
     if not length:  # started ahead and then not needed: nothing to do
         return
-    header = marshal.loads(read_exact(0, int(length)))
+    header = marshal.loads(read_exact(0, wire.parse_length(length)))
     gen, changes, patches, delete = header["gen"], header["changes"], header.get("patches", {}), header["delete"]
     for rel in (*changes, *patches, *delete):  # checked once here: every use below joins them as they are
         if safe_rel(rel) != rel:
@@ -459,7 +287,7 @@ def cmd_apply(root):
         return reply({"gen": old, "previous": old, "written": 0, "deleted": 0, "unchanged": True})
     new_manifest = dict(manifest)
     new_manifest.update(changes)
-    new_manifest.update({rel: p["e"] for rel, p in patches.items()})
+    new_manifest.update({rel: p[PATCH_ENTRY] for rel, p in patches.items()})
     for rel in delete:
         new_manifest.pop(rel, None)
     os.makedirs(gens, exist_ok=True)
@@ -485,9 +313,9 @@ def cmd_apply(root):
             with os.fdopen(0, "rb", closefd=False) as stream:
                 digests = extract(stream, staging)
         if digests is not None:  # Python extraction hashed while writing
-            bad = [rel for rel in changes if digests.get(rel) != changes[rel]["h"]]
+            bad = [rel for rel in changes if digests.get(rel) != changes[rel][ENTRY_SHA256]]
         else:  # GNU tar or inline: SSH's MAC guarantees the bytes; sizes catch a truncated stream
-            bad = [rel for rel in changes if os.stat(os.path.join(staging, rel)).st_size != changes[rel]["s"]]
+            bad = [rel for rel in changes if os.stat(os.path.join(staging, rel)).st_size != changes[rel][ENTRY_SIZE]]
         if bad:
             raise OSError(f"content check failed after transfer: {', '.join(bad[:5])}")
         unpatched = []
@@ -497,13 +325,13 @@ def cmd_apply(root):
                                      os.path.join(gens, gen + ".patch.tmp"), patch)
             except PatchError:
                 digest = None
-            if digest != patch["e"]["h"]:  # the base differs from its manifest entry: ask for the whole file
+            if digest != patch[PATCH_ENTRY][ENTRY_SHA256]:  # the base differs from its manifest entry: ask for the whole file
                 unpatched.append({"path": rel, "problem": "modified"})
         if unpatched:
             rmtree(staging)
             return stale("patch", unpatched)
         with open(os.path.join(gens, gen + MANIFEST + ".tmp"), "wb") as fh:
-            fh.write(marshal.dumps(new_manifest, MARSHAL_VERSION))
+            fh.write(wire.dump_manifest(new_manifest))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(os.path.join(gens, gen + MANIFEST + ".tmp"), os.path.join(gens, gen + MANIFEST))
@@ -631,18 +459,19 @@ def find_drift(base, manifest, stats=None):
             continue
         if stats is not None:
             stats[rel] = st
-        if st.st_size == entry["s"] and st.st_mtime_ns == entry["t"]:
+        if st.st_size == entry[ENTRY_SIZE] and st.st_mtime_ns == entry[ENTRY_MTIME_NS]:
             continue
-        if st.st_size != entry["s"] or sha256(p) != entry["h"]:
+        if st.st_size != entry[ENTRY_SIZE] or sha256(p) != entry[ENTRY_SHA256]:
             drift.append({"path": rel, "problem": "modified"})
     return drift
 
 
 def main(argv):
-    if len(argv) != 3 or argv[1] not in ("state", "apply", "verify"):
+    """Run one command: argv is [state|apply|verify, ROOT] (no program name)."""
+    if len(argv) != 2 or argv[0] not in ("state", "apply", "verify"):
         fail("usage: hostws.py state|apply|verify ROOT", 2)
-    {"state": cmd_state, "apply": cmd_apply, "verify": cmd_verify}[argv[1]](argv[2])
+    {"state": cmd_state, "apply": cmd_apply, "verify": cmd_verify}[argv[0]](argv[1])
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main(sys.argv[1:])

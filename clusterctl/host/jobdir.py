@@ -1,0 +1,146 @@
+"""A job's directory on the host: its file names, state.json (written atomically, read strictly), `agent status`.
+
+A missing state.json means the job was never launched here; a state.json that cannot be read or parsed is
+an error (`StateFileError`), never taken for "never launched".
+"""
+
+import json
+import os
+import tempfile
+import time
+
+from .common import InputError, emit, log
+from .jobfile import JOB_FILE, load_job
+from .procfs import pid_alive
+from .states import TERMINAL_JOB_STATES, JobState, ProcState
+
+STATE_FILE = "state.json"
+LOCK_FILE = ".lock"
+SUPERVISOR_LOG = "supervisor.log"
+STOP_REQUEST = "stop-request.json"
+
+
+class StateFileError(InputError):
+    """state.json exists but cannot be read or is not a JSON object."""
+
+
+def write_json_atomic(path, obj):
+    """Write JSON to path via a temporary file and os.replace."""
+    d = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, sort_keys=True, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def read_state(jobdir):
+    """state.json of a job dir as a dict; None when there is none; raise StateFileError when it is unreadable."""
+    path = os.path.join(jobdir, STATE_FILE)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise StateFileError("cannot read job state %s: %s" % (path, e.strerror or e))
+    try:
+        state = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise StateFileError("job state %s is corrupt (not JSON: %s)" % (path, e))
+    if not isinstance(state, dict):
+        raise StateFileError("job state %s is corrupt (not a JSON object)" % path)
+    return state
+
+
+def read_state_or_none(jobdir):
+    """read_state, with an unreadable state.json logged and taken as none (launch, stop and logs go on)."""
+    try:
+        return read_state(jobdir)
+    except StateFileError as e:
+        log(str(e))
+        return None
+
+
+def supervisor_alive(state):
+    """True when the supervisor recorded in state is running."""
+    sup = (state or {}).get("supervisor") or {}
+    return pid_alive(sup.get("pid"), sup.get("start_ticks"))
+
+
+def job_from_dir(jobdir, strict=True):
+    """(state.json, None) once launched, else (None, job.json or None); strict: a corrupt state.json raises."""
+    state = read_state(jobdir) if strict else read_state_or_none(jobdir)
+    if state is not None:
+        return state, None
+    path = os.path.join(jobdir, JOB_FILE)
+    if os.path.exists(path):
+        return None, load_job(path)
+    return None, None
+
+
+def describe(state, now=None):
+    """Status JSON for a state.json dict, resolving 'lost' processes and jobs."""
+    now = time.time() if now is None else now
+    alive = supervisor_alive(state)
+    job_state = state.get("state")
+    reason = state.get("reason")
+    if not alive and job_state not in TERMINAL_JOB_STATES:
+        job_state = JobState.LOST
+        reason = "supervisor is not running (was %s: %s)" % (state.get("state"), state.get("reason"))
+    procs = []
+    for r in state.get("processes") or []:
+        p = {k: r.get(k) for k in ("role", "id", "pid", "state", "exit_code", "started_at", "ended_at",
+                                   "log", "error")}
+        p["logs"] = r.get("logs") or ([{"attempt": 0, "path": r["log"]}] if r.get("log") else [])
+        if p["state"] == ProcState.RUNNING and not pid_alive(r.get("pid"), r.get("start_ticks")):
+            if not alive:
+                p["state"] = ProcState.LOST
+        if p["state"] == ProcState.RUNNING and not alive:
+            p["orphaned"] = True
+        if p["started_at"]:
+            p["uptime_s"] = round((p["ended_at"] or now) - p["started_at"], 3)
+        procs.append(p)
+    out = {"ok": True, "job": state.get("job"), "host": state.get("host"), "jobdir": state.get("jobdir"),
+           "state": job_state, "reason": reason, "failure": state.get("failure"),
+           "failures": state.get("failures") or [], "is_coordinator": state.get("is_coordinator"),
+           "supervisor": {"pid": (state.get("supervisor") or {}).get("pid"), "alive": alive},
+           "processes": procs, "updated_at": state.get("updated_at")}
+    attempt = state.get("attempt") or 0
+    attempts = [dict(a) for a in state.get("attempts") or []]
+    if not any(a.get("attempt") == attempt for a in attempts):
+        attempts.append({"attempt": attempt, "outcome": job_state, "reason": reason, "failure": state.get("failure"),
+                         "started_at": state.get("attempt_started_at"), "ended_at": None})
+    out.update(attempt=attempt, restarts=state.get("restarts") or 0, attempts=attempts,
+               restart_at=state.get("restart_at") if alive else None,
+               restart_pending=bool(state.get("restart_pending")) and alive)
+    if "hosts" in state:
+        out["hosts"] = state["hosts"]
+    if "coordinator" in state:
+        out["coordinator"] = state["coordinator"]
+    return out
+
+
+def cmd_status(args):
+    """Print the job's state on this host."""
+    jobdir = os.path.abspath(args.jobdir)
+    try:
+        state, job = job_from_dir(jobdir)
+    except StateFileError as e:  # not "never launched": the job may be running; say what is wrong
+        emit({"ok": False, "state": JobState.UNKNOWN, "jobdir": jobdir, "processes": [], "job": None,
+              "error": str(e), "reason": str(e)})
+        return 2
+    if state is None:
+        emit({"ok": False, "state": JobState.UNKNOWN, "jobdir": jobdir, "processes": [],
+              "job": job["job"] if job else None,
+              "error": "no job state in %s (never launched here?)" % jobdir})
+        return 1
+    emit(describe(state))
+    return 0

@@ -1,0 +1,226 @@
+"""The job file: the one schema, built on the controller (`build_job`) and checked on the host (`validate_job`).
+
+The controller (clusterctl/ops/job.py) writes one job file per host with `build_job`, which checks what it
+built with the same `validate_job` the agent runs on the host before it starts anything, so the two sides
+cannot drift apart. Also here: the names of the environment variables that tag a job's processes.
+"""
+
+import json
+import os
+import re
+
+from .common import InputError
+
+JOB_FILE = "job.json"  # the job dir is the directory that holds it
+JOB_ENV = "CLUSTERCTL_JOB"
+JOBDIR_ENV = "CLUSTERCTL_JOBDIR"
+# The attempt number (0 = the first run), under clusterctl's name and torchrun's.
+RESTART_ENV = ("CLUSTERCTL_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+# the job's processes' shared secret (pserver / PMI authentication), derived from the coordinator token;
+# passed in the environment only (never argv, never logged)
+TOKEN_ENV = "CLUSTERCTL_JOB_TOKEN"
+
+ROLES = ("pserver", "trainer")
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+DEFAULT_TIMINGS = {
+    "connect_timeout": 30.0,  # peers: first connection; coordinator: all peers connected
+    "heartbeat": 1.0,  # ping interval, both directions
+    "peer_timeout": 5.0,  # silence after which a connection is considered dead
+    "reconnect_timeout": 3.0,  # peer: time to re-establish a lost coordinator connection
+}
+
+_ABSENT = object()
+
+
+def process_entry(role, id, argv, env, cwd, log, ports=()):
+    """One entry of a job file's "processes": what runs, where, with which env and log, on which ports."""
+    return {"role": role, "id": id, "argv": list(argv), "env": dict(env), "cwd": cwd, "log": log,
+            "ports": list(ports)}
+
+
+def coordinator_entry(address, port, token, is_coordinator, hosts, trainers_total):
+    """A job file's "coordinator" section: where the coordinator listens, the job token, this host's part."""
+    return {"address": address, "port": port, "token": token, "is_coordinator": is_coordinator, "hosts": hosts,
+            "trainers_total": trainers_total}
+
+
+def build_job(job, host, processes, state_root, on_failure="stop", grace=10.0, restarts=0, restart_backoff=1.0,
+              start_trainers_after=_ABSENT, coordinator=_ABSENT, env=_ABSENT):
+    """A job file (dict, for json.dumps) for one host, checked by the host's own validator; raise ValueError.
+
+    The optional sections are written only when given (`start_trainers_after` may be given as None).
+    """
+    out = {"job": job, "host": host, "state_root": state_root, "on_failure": on_failure, "grace": grace,
+           "restarts": restarts, "restart_backoff": restart_backoff}
+    if start_trainers_after is not _ABSENT:
+        out["start_trainers_after"] = start_trainers_after
+    if coordinator is not _ABSENT:
+        out["coordinator"] = coordinator
+    if env is not _ABSENT:
+        out["env"] = env
+    out["processes"] = list(processes)
+    try:
+        validate_job(out, "job file for %s" % host)
+    except InputError as e:
+        raise ValueError(str(e)) from None
+    return out
+
+
+def parse_endpoint(text):
+    """Split 'host:port' or '[v6]:port' into (host, port); raise ValueError."""
+    if not isinstance(text, str) or ":" not in text:
+        raise ValueError("expected HOST:PORT, got %r" % (text,))
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or text[end + 1:end + 2] != ":":
+            raise ValueError("expected [ADDR]:PORT, got %r" % (text,))
+        host, port_s = text[1:end], text[end + 2:]
+    else:
+        host, _, port_s = text.rpartition(":")
+    if not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ValueError("expected HOST:PORT with port 1-65535, got %r" % (text,))
+    return host, int(port_s)
+
+
+def format_endpoint(host, port):
+    """Inverse of parse_endpoint."""
+    return "[%s]:%d" % (host, port) if ":" in host else "%s:%d" % (host, port)
+
+
+def _num(where, value, minimum=0.0):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise InputError("%s: must be a number >= %s, got %r" % (where, minimum, value))
+    return float(value)
+
+
+def _int(where, value, minimum=0):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError("%s: must be an integer >= %d, got %r" % (where, minimum, value))
+    return value
+
+
+def _str(where, value):
+    if not isinstance(value, str) or not value:
+        raise InputError("%s: must be a non-empty string, got %r" % (where, value))
+    return value
+
+
+def validate_job(raw, source):
+    """Check a job dict and return a normalized copy; raise InputError naming the key."""
+    if not isinstance(raw, dict):
+        raise InputError("%s: top level must be a JSON object" % source)
+    job = {}
+    job["job"] = _str("%s: job" % source, raw.get("job"))
+    if not JOB_ID_RE.match(job["job"]):
+        raise InputError("%s: job: %r must match %s" % (source, job["job"], JOB_ID_RE.pattern))
+    job["host"] = _str("%s: host" % source, raw.get("host", "localhost"))
+    job["state_root"] = raw.get("state_root")
+    job["on_failure"] = raw.get("on_failure", "stop")
+    if job["on_failure"] not in ("stop", "continue"):
+        raise InputError("%s: on_failure: must be 'stop' or 'continue', got %r" % (source, job["on_failure"]))
+    job["grace"] = _num("%s: grace" % source, raw.get("grace", 10))
+    job["restarts"] = _int("%s: restarts" % source, raw.get("restarts", 0))
+    job["restart_backoff"] = _num("%s: restart_backoff" % source, raw.get("restart_backoff", 1.0))
+
+    shared_env = raw.get("env", {})  # what all processes share, written once; a process's own env adds to it
+    if not isinstance(shared_env, dict) or not all(
+            isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in shared_env.items()):
+        raise InputError("%s: env: must be an object of string to string (no '=' in names)" % source)
+    procs = raw.get("processes")
+    if not isinstance(procs, list):
+        raise InputError("%s: processes: must be a list" % source)
+    seen = set()
+    job["processes"] = []
+    for i, p in enumerate(procs):
+        where = "%s: processes[%d]" % (source, i)
+        if not isinstance(p, dict):
+            raise InputError("%s: must be an object" % where)
+        role = p.get("role")
+        if role not in ROLES:
+            raise InputError("%s.role: must be one of %s, got %r" % (where, "/".join(ROLES), role))
+        pid = _int(where + ".id", p.get("id"))
+        if (role, pid) in seen:
+            raise InputError("%s: duplicate process %s.%d" % (where, role, pid))
+        seen.add((role, pid))
+        argv = p.get("argv")
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv) or not argv[0]:
+            raise InputError("%s.argv: must be a non-empty list of strings" % where)
+        env = p.get("env", {})
+        if not isinstance(env, dict) or not all(
+                isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()):
+            raise InputError("%s.env: must be an object of string to string (no '=' in names)" % where)
+        env = dict(shared_env, **env)
+        if env.get(JOB_ENV, job["job"]) != job["job"]:
+            raise InputError("%s.env.%s: %r differs from job %r" % (where, JOB_ENV, env[JOB_ENV], job["job"]))
+        cwd = _str(where + ".cwd", p.get("cwd"))
+        logp = _str(where + ".log", p.get("log"))
+        if not os.path.isabs(cwd) or not os.path.isabs(logp):
+            raise InputError("%s: cwd and log must be absolute paths" % where)
+        ports = p.get("ports", [])
+        if not isinstance(ports, list):
+            raise InputError("%s.ports: must be a list of HOST:PORT strings" % where)
+        for j, ep in enumerate(ports):
+            try:
+                parse_endpoint(ep)
+            except ValueError as e:
+                raise InputError("%s.ports[%d]: %s" % (where, j, e))
+        job["processes"].append({"role": role, "id": pid, "argv": list(argv), "env": dict(env),
+                                 "cwd": cwd, "log": logp, "ports": list(ports)})
+
+    after = raw.get("start_trainers_after")
+    if after is None:
+        job["start_trainers_after"] = None
+    else:
+        where = "%s: start_trainers_after" % source
+        if not isinstance(after, dict) or not isinstance(after.get("endpoints"), list):
+            raise InputError("%s: must be an object with an endpoints list" % where)
+        for j, ep in enumerate(after["endpoints"]):
+            try:
+                parse_endpoint(ep)
+            except ValueError as e:
+                raise InputError("%s.endpoints[%d]: %s" % (where, j, e))
+        job["start_trainers_after"] = {"endpoints": list(after["endpoints"]),
+                                       "timeout": _num(where + ".timeout", after.get("timeout", 120))}
+
+    coord = raw.get("coordinator")
+    if coord is None:
+        job["coordinator"] = None
+    else:
+        where = "%s: coordinator" % source
+        if not isinstance(coord, dict):
+            raise InputError("%s: must be an object" % where)
+        c = {"address": _str(where + ".address", coord.get("address")),
+             "port": _int(where + ".port", coord.get("port"), 1),
+             "token": _str(where + ".token", coord.get("token")),
+             "is_coordinator": coord.get("is_coordinator"),
+             "hosts": _int(where + ".hosts", coord.get("hosts", 1), 1)}
+        if c["port"] > 65535:
+            raise InputError("%s.port: must be <= 65535" % where)
+        if not isinstance(c["is_coordinator"], bool):
+            raise InputError("%s.is_coordinator: must be true or false" % where)
+        local_trainers = sum(1 for p in job["processes"] if p["role"] == "trainer")
+        if "trainers_total" in coord:
+            c["trainers_total"] = _int(where + ".trainers_total", coord["trainers_total"])
+        elif c["is_coordinator"] and c["hosts"] > 1:
+            raise InputError("%s.trainers_total: required on the coordinator of a multi-host job" % where)
+        else:
+            c["trainers_total"] = local_trainers
+        for key, default in DEFAULT_TIMINGS.items():
+            c[key] = _num(where + "." + key, coord.get(key, default))
+        job["coordinator"] = c
+    return job
+
+
+def load_job(path):
+    """Read and validate a job file; raise InputError."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise InputError("cannot read job file %s: %s" % (path, e.strerror or e))
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InputError("job file %s is not valid JSON: %s" % (path, e))
+    return validate_job(raw, path)

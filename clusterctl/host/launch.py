@@ -1,0 +1,116 @@
+"""`agent launch`: validate the job file, daemonize the supervisor, relay its launch report."""
+
+import errno
+import fcntl
+import json
+import os
+import selectors
+import sys
+import time
+import traceback
+
+from .common import InputError, emit, log
+from .jobdir import LOCK_FILE, STATE_FILE, STOP_REQUEST, SUPERVISOR_LOG, read_state_or_none, supervisor_alive
+from .jobfile import load_job
+from .procfs import tagged_processes
+from .supervisor import LAUNCH_REPORT_TIMEOUT, Supervisor
+
+
+def _close_fds(keep):
+    try:
+        fds = [int(x) for x in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = list(range(3, 256))
+    for fd in fds:
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError as e:
+                if e.errno != errno.EBADF:
+                    raise
+
+
+def cmd_launch(args):
+    """Validate the job, daemonize a supervisor, report the spawned pids."""
+    jobfile = os.path.abspath(args.jobfile)
+    job = load_job(jobfile)
+    jobdir = os.path.dirname(jobfile)
+    try:
+        lockfd = os.open(os.path.join(jobdir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise InputError("cannot use job dir %s: %s" % (jobdir, e.strerror))
+    try:
+        fcntl.flock(lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        state = read_state_or_none(jobdir) or {}
+        emit({"ok": False, "error": "job %s already has a supervisor in %s (pid %s)" % (
+            job["job"], jobdir, (state.get("supervisor") or {}).get("pid")), "pids": {}, "jobdir": jobdir})
+        return 1
+    prev = read_state_or_none(jobdir)  # a corrupt one: the lock above proves no supervisor holds the dir
+    if prev is not None and supervisor_alive(prev):
+        emit({"ok": False, "error": "job %s already has a supervisor in %s (pid %s)" % (
+            job["job"], jobdir, prev["supervisor"]["pid"]), "pids": {}, "jobdir": jobdir})
+        return 1
+    lingering = tagged_processes(job["job"], jobdir)
+    if lingering:
+        emit({"ok": False, "pids": {}, "jobdir": jobdir, "error": "job %s still has %d process(es) on this host "
+              "(pids %s); run 'stop' first" % (job["job"], len(lingering), sorted(lingering))})
+        return 1
+    for name in (STATE_FILE, STOP_REQUEST):
+        try:
+            os.unlink(os.path.join(jobdir, name))
+        except FileNotFoundError:
+            pass
+    logpath = os.path.join(jobdir, SUPERVISOR_LOG)
+    rfd, wfd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # first child: new session, fork again so the daemon is no session leader
+        code = 70
+        try:
+            os.close(rfd)
+            os.setsid()
+            if os.fork() != 0:
+                os._exit(0)
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            logfd = os.open(logpath, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            os.dup2(devnull, 0)
+            os.dup2(logfd, 1)
+            os.dup2(logfd, 2)
+            _close_fds({wfd, lockfd})
+            os.chdir("/")
+            code = Supervisor(job, jobdir, wfd).run()
+        except BaseException:
+            try:
+                log("supervisor crashed:\n" + traceback.format_exc())
+            except OSError:  # nowhere left to report to; the exit code (70) still says it
+                code = 71
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    os.close(lockfd)
+    os.waitpid(pid, 0)
+    data = b""
+    after = job.get("start_trainers_after") or {}
+    report_timeout = LAUNCH_REPORT_TIMEOUT + after.get("timeout", 0)
+    deadline = time.monotonic() + report_timeout
+    sel = selectors.DefaultSelector()
+    sel.register(rfd, selectors.EVENT_READ)
+    while time.monotonic() < deadline:
+        if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+            continue
+        chunk = os.read(rfd, 65536)
+        if not chunk:
+            break
+        data += chunk
+    os.close(rfd)
+    try:
+        result = json.loads(data.decode("utf-8").strip().splitlines()[-1])
+    except (ValueError, IndexError, UnicodeDecodeError):
+        result = {"ok": False, "pids": {}, "jobdir": jobdir,
+                  "error": "supervisor did not report within %.0fs; see %s" % (report_timeout, logpath)}
+    result["job"] = job["job"]
+    result["host"] = job["host"]
+    emit(result)
+    return 0 if result.get("ok") else 1

@@ -1,0 +1,204 @@
+"""`agent logs`: the selected processes' logs (every attempt), prefixed and multiplexed, with --follow."""
+
+import os
+import socket
+import sys
+import time
+
+from .common import InputError, log
+from .jobdir import job_from_dir, read_state_or_none, supervisor_alive
+from .jobfile import JOB_FILE
+from .states import TERMINAL_JOB_STATES, ProcState
+
+LOG_CHUNK = 64 * 1024
+LOG_MAX_PARTIAL = 4 * 1024 * 1024  # --follow: a partial line longer than this is emitted in pieces
+
+
+def _tail_offset(f, size, n):
+    """Offset where the last n lines of an open binary file start."""
+    if n <= 0 or size == 0:
+        return size
+    f.seek(size - 1)
+    end = size - 1 if f.read(1) == b"\n" else size
+    pos, count = end, 0
+    while pos > 0:
+        step = min(LOG_CHUNK, pos)
+        pos -= step
+        f.seek(pos)
+        block = f.read(step)
+        idx = len(block)
+        while True:
+            idx = block.rfind(b"\n", 0, idx)
+            if idx < 0:
+                break
+            count += 1
+            if count == n:
+                return pos + idx + 1
+    return 0
+
+
+class LogTail:
+    """One log file being multiplexed: keeps offset and a partial last line."""
+
+    def __init__(self, prefix, path, out):
+        self.prefix = prefix
+        self.path = path
+        self.out = out
+        self.f = None
+        self.ino = None
+        self.offset = 0
+        self.partial = b""
+
+    def open(self, tail_lines):
+        try:
+            self.f = open(self.path, "rb")
+        except OSError:
+            return False
+        st = os.fstat(self.f.fileno())
+        self.ino = st.st_ino
+        self.offset = _tail_offset(self.f, st.st_size, tail_lines) if tail_lines is not None else 0
+        self.f.seek(self.offset)
+        return True
+
+    def _write_lines(self, data):
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        for line in lines:
+            self.out.write(self.prefix + line + b"\n")
+        if len(self.partial) > LOG_MAX_PARTIAL:
+            self.out.write(self.prefix + self.partial + b"\n")
+            self.partial = b""
+
+    def flush_partial(self):
+        if self.partial:
+            self.out.write(self.prefix + self.partial + b"\n")
+            self.partial = b""
+
+    def poll(self, budget=LOG_CHUNK * 16):
+        """Read what is new (up to budget bytes); handle truncation and replacement."""
+        if self.f is None:
+            if not self.open(None):
+                return 0
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            st = None
+        if st is not None and (st.st_ino != self.ino or st.st_size < self.offset):
+            self.flush_partial()
+            self.f.close()
+            self.f = None
+            if not self.open(None):
+                return 0
+        got = 0
+        while got < budget:
+            chunk = self.f.read(LOG_CHUNK)
+            if not chunk:
+                break
+            self.offset += len(chunk)
+            got += len(chunk)
+            self._write_lines(chunk)
+        return got
+
+    def dump(self, tail_lines):
+        """Non-follow mode: stream from the start (or the last n lines) to EOF."""
+        if not self.open(tail_lines):
+            return False
+        at_start = True
+        while True:
+            chunk = self.f.read(LOG_CHUNK)
+            if not chunk:
+                break
+            parts = chunk.split(b"\n")
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                if at_start and (part or not last):
+                    self.out.write(self.prefix)
+                self.out.write(part)
+                if not last:
+                    self.out.write(b"\n")
+                    at_start = True
+                elif part:
+                    at_start = False
+        if not at_start:
+            self.out.write(b"\n")
+        self.f.close()
+        return True
+
+
+def _job_over(state):
+    """True when nothing more will be written to this host's logs (follow mode may end)."""
+    if state is None or not supervisor_alive(state):
+        return True
+    if state.get("state") in TERMINAL_JOB_STATES:
+        return True
+    if (state.get("attempt") or 0) < (state.get("restarts") or 0):
+        return False  # a failure now would start the job again: only a final state ends the logs
+    return all(r.get("state") not in (ProcState.RUNNING, ProcState.PENDING) for r in state.get("processes") or [])
+
+
+def _attempt_logs(p):
+    """[(attempt, path)] of a process record (a job.json process or a state.json one)."""
+    entries = p.get("logs") or [{"attempt": 0, "path": p["log"]}]
+    return [(e["attempt"], e["path"]) for e in entries if isinstance(e, dict) and e.get("path")]
+
+
+def _log_prefix(host, p, attempt):
+    name = "%s.%d" % (p["role"], p["id"])
+    if attempt:
+        name += "#%d" % attempt
+    return ("[%s %s] " % (host, name)).encode("utf-8", "replace")
+
+
+def cmd_logs(args):
+    """Write the selected log files to stdout, each line prefixed '[host role.id] '."""
+    jobdir = os.path.abspath(args.jobdir)
+    state, job = job_from_dir(jobdir, strict=False)
+    if state is None and job is None:
+        raise InputError("no job state or %s in %s" % (JOB_FILE, jobdir))
+    procs = (state or job)["processes"]
+    host = args.host_label or (state or job).get("host") or socket.gethostname()
+    sel = [p for p in procs if (args.role is None or p["role"] == args.role) and (args.id is None or p["id"] == args.id)]
+    if not sel:
+        raise InputError("no process matches role=%s id=%s in %s" % (args.role, args.id, jobdir))
+    if args.lines is not None and args.lines < 0:
+        raise InputError("-n must be >= 0")
+    out = sys.stdout.buffer
+    wanted = set((p["role"], p["id"]) for p in sel)
+    tails = [LogTail(_log_prefix(host, p, attempt), path, out) for p in sel for attempt, path in _attempt_logs(p)]
+    try:
+        if not args.follow:
+            missing = [t.path for t in tails if not t.dump(args.lines)]
+            out.flush()
+            for path in missing:
+                log("log file %s does not exist (yet)" % path)
+            return 0
+        for t in tails:
+            t.open(args.lines)
+        known = set(t.path for t in tails)
+        while True:
+            state = read_state_or_none(jobdir)
+            over = _job_over(state)  # decide before draining so nothing written before the end is lost
+            for p in (state or {}).get("processes") or []:  # a restart's new logs, from their first line
+                if (p.get("role"), p.get("id")) in wanted:
+                    for attempt, path in _attempt_logs(p):
+                        if path not in known:
+                            known.add(path)
+                            tails.append(LogTail(_log_prefix(host, p, attempt), path, out))
+            busy = sum(t.poll() for t in tails)
+            out.flush()
+            if over:
+                while sum(t.poll() for t in tails):
+                    pass
+                for t in tails:
+                    t.flush_partial()
+                out.flush()
+                return 0
+            if not busy:
+                time.sleep(args.interval)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,235 @@
+"""The host package (clusterctl/host): stdlib only, the protocol version checked on both sides, a corrupt
+state file reported as such, states as string enums, the job-file schema shared by controller and host."""
+
+from __future__ import annotations
+
+import ast
+import enum
+import json
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from clusterctl.host import jobfile, protocol, states
+from clusterctl.host.states import JobState, ProcState
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_agent import AGENT, PY, Cluster, coordinator, free_port, launch, terminal, wait_for  # noqa: E402
+
+HOST = Path(jobfile.__file__).resolve().parent
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Job dirs of simulated hosts (test_agent's), cleaned up after the test."""
+    c = Cluster(tmp_path)
+    yield c
+    c.cleanup()
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(level, top-level module) of every import in a module, at any depth (lazy imports included)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(0, a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out.append((node.level, (node.module or "").split(".")[0]))
+    return out
+
+
+def test_the_host_package_imports_only_the_standard_library_and_itself():
+    modules = sorted(HOST.glob("*.py"))
+    assert len(modules) >= 10, modules
+    own = {p.stem for p in modules}
+    bad = []
+    for path in modules:
+        for level, name in _imports(path):
+            if level > 0:  # relative: must name a module of the package
+                if name and name not in own:
+                    bad.append(f"{path.name}: from .{name}")
+            elif name not in sys.stdlib_module_names and name != "__future__":
+                bad.append(f"{path.name}: import {name}")
+    assert not bad, bad
+
+
+def test_the_host_package_parses_as_python_3_9():
+    """Hosts run their own python3 (>= 3.9): no newer syntax in the package."""
+    for path in sorted(HOST.glob("*.py")):
+        ast.parse(path.read_text(), str(path), feature_version=(3, 9))
+
+
+def test_states_are_strings_on_the_wire_and_compare_with_what_json_gives_back():
+    assert json.dumps({"s": JobState.RUNNING, "p": [ProcState.EXITED]}) == '{"s": "running", "p": ["exited"]}'
+    assert json.loads(json.dumps(JobState.FAILED)) == JobState.FAILED and "%s" % ProcState.LOST == "lost"
+    assert f"{JobState.STOPPED}" == "stopped" and "succeeded" in states.TERMINAL_JOB_STATES
+
+
+def test_states_on_a_python_without_strenum(monkeypatch):
+    """Hosts may run Python 3.9: the fallback behaves like enum.StrEnum."""
+    monkeypatch.delattr(enum, "StrEnum")
+    ns: dict = {"__name__": "states_py39"}
+    exec(compile(Path(states.__file__).read_text(), states.__file__, "exec"), ns)
+    job_state = ns["JobState"]
+    assert job_state.RUNNING == "running" and str(job_state.RUNNING) == "running" and f"{job_state.LOST}" == "lost"
+    assert json.dumps([job_state.FAILED]) == '["failed"]'
+    assert json.dumps({"a": job_state.STOPPED}, indent=1) == '{\n "a": "stopped"\n}'
+
+
+def test_version_mismatch_names_both_versions():
+    assert protocol.version_mismatch({"version": protocol.PROTOCOL_VERSION}, "a", "b") is None
+    assert protocol.version_mismatch({"version": True}, "coordinator", "peer") is not None
+    assert (protocol.version_mismatch({}, "coordinator", "peer")
+            == "protocol version mismatch: coordinator speaks 2, peer sent None")
+    assert (protocol.version_mismatch({"version": 3}, "this host's agent", "coordinator 10.0.0.1:29400")
+            == "protocol version mismatch: this host's agent speaks 2, coordinator 10.0.0.1:29400 sent 3")
+
+
+class _OldCoordinator:
+    """Listens on the coordinator's port and challenges every connection with another protocol version."""
+
+    def __init__(self, port: int, version: int):
+        self.srv = socket.create_server(("127.0.0.1", port))
+        self.srv.settimeout(0.2)
+        self.version, self.stop, self.received = version, threading.Event(), b""
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.srv.accept()
+            except socket.timeout:
+                continue
+            with conn:
+                conn.settimeout(1)
+                try:
+                    conn.sendall(json.dumps({"type": "challenge", "version": self.version, "nonce": "ab" * 32}).encode() + b"\n")
+                    self.received += conn.makefile("rb").readline()
+                except OSError:
+                    pass
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        self.srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_refuses_a_coordinator_of_another_protocol_version(cluster):
+    job_id = cluster.new_job_id()
+    port = free_port()
+    old = _OldCoordinator(port, 1)
+    try:
+        hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "sleep")], coordinator(port, False, 2, 1))
+        launch(hB)
+        final = wait_for(lambda: terminal(hB), 20)
+    finally:
+        old.close()
+    assert final and final["state"] == "failed", final
+    assert final["reason"] == (f"protocol version mismatch: this host's agent speaks 2, coordinator 127.0.0.1:{port} "
+                               "sent 1 (upload the same agent to every host)"), final
+    assert old.received == b""  # it said nothing (no hello, no proof) to a coordinator it cannot talk to
+
+
+def _agent(*args):
+    res = subprocess.run([PY, AGENT, *args], capture_output=True, text=True, timeout=30)
+    return res.returncode, json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("content", [b'{"state": "runn', b"[1, 2]", b"\xff\xfe"])
+def test_a_corrupt_state_file_is_an_error_not_never_launched(cluster, content):
+    job_id = cluster.new_job_id()
+    d = cluster.host("hA", job_id, [cluster.process("trainer", 0, "exit", 0, 0)])
+    rc, out = _agent("status", d)
+    assert rc == 1 and "never launched" in out["error"], out  # no state.json at all: never launched
+    (Path(d) / "state.json").write_bytes(content)
+    rc, out = _agent("status", d)
+    assert rc == 2 and out["ok"] is False and out["state"] == "unknown", out
+    assert "is corrupt" in out["error"] and "never launched" not in out["error"] and out["reason"] == out["error"], out
+    rc, out = _agent("stop", d, "--grace", "0")  # stop still works: by the job file and the environ sweep
+    assert rc == 0 and out["ok"] and out["job"] == job_id, out
+
+
+def test_the_job_file_is_built_and_checked_by_one_schema(tmp_path):
+    proc = jobfile.process_entry("trainer", 0, ["python3", "t.py"], {"A": "1"}, "/w", "/w/t.log", ["127.0.0.1:5000"])
+    coord = jobfile.coordinator_entry("127.0.0.1", 29400, "t" * 32, True, 1, 1)
+    job = jobfile.build_job("j-1", "h", [proc], "/s", start_trainers_after=None, coordinator=coord, env={"B": "2"})
+    assert list(job) == ["job", "host", "state_root", "on_failure", "grace", "restarts", "restart_backoff",
+                         "start_trainers_after", "coordinator", "env", "processes"]
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    loaded = jobfile.load_job(str(path))  # what the agent runs on the host
+    assert loaded["processes"][0]["env"] == {"A": "1", "B": "2"} and loaded["coordinator"]["port"] == 29400
+    assert "start_trainers_after" not in jobfile.build_job("j-1", "h", [proc], "/s")
+    with pytest.raises(ValueError, match=r"job file for h: processes\[0\].role: must be one of pserver/trainer"):
+        jobfile.build_job("j-1", "h", [dict(proc, role="worker")], "/s")
+    with pytest.raises(ValueError, match="coordinator.port: must be <= 65535"):
+        jobfile.build_job("j-1", "h", [proc], "/s", coordinator=dict(coord, port=70000))
+
+
+# ------------------------------------------------------------------ the upload, over the local fake transport
+
+
+def _local_remote(tmp_path, n=2):
+    from clusterctl.plan import Host
+    from clusterctl.remote import Remote, SshOptions
+    from clusterctl.transport.local import LocalTransport
+
+    hosts = [Host(f"n{i}", 22, "u", i) for i in range(n)]
+    return Remote(hosts, SshOptions(), transport=LocalTransport(tmp_path / "hosts")), hosts
+
+
+def test_the_host_package_is_one_content_addressed_upload_run_with_bytecode(tmp_path):
+    from clusterctl.ops import hosttools
+
+    remote, hosts = _local_remote(tmp_path)
+    pkg = hosttools.package_dir()
+    assert pkg.startswith(".clusterctl/bin/host-") and hosttools.tool_path("agent") == f"{pkg}/clusterctl_host/agent.py"
+    cmd, payload = hosttools.tool_command("agent", ["status", ".clusterctl/jobs/nothing"])
+    with remote:
+        first = remote.run(cmd, stdin=payload, check=False)
+        again = remote.run(cmd, stdin=payload, check=False)
+    for host in hosts:
+        home = tmp_path / "hosts" / host.address
+        shipped = sorted(p.name for p in (home / pkg / "clusterctl_host").glob("*.py"))
+        assert shipped == sorted(p.name for p in HOST.glob("*.py"))
+        assert (home / pkg / "clusterctl_host" / "jobfile.py").read_bytes() == (HOST / "jobfile.py").read_bytes()
+        assert list((home / pkg / "clusterctl_host" / "__pycache__").glob("agent.*.pyc"))  # imported, not a script
+        for res in (first[host], again[host]):
+            assert res.exit_code == 1 and res.reply()["error"].startswith("no job state in "), res
+        assert [p.name for p in (home / ".clusterctl" / "bin").iterdir()] == [pkg.rsplit("/", 1)[1]]  # no leftovers
+
+
+def test_the_host_never_imports_a_clusterctl_installed_there(tmp_path):
+    """A `clusterctl` or `clusterctl_host` on the host's PYTHONPATH (or in site-packages) is never imported."""
+    from clusterctl.ops import hosttools
+
+    remote, (host,) = _local_remote(tmp_path, 1)
+    home = tmp_path / "hosts" / host.address
+    for name in ("clusterctl", "clusterctl_host"):
+        (home / "site" / name).mkdir(parents=True)
+        (home / "site" / name / "__init__.py").write_text("raise SystemExit('imported the wrong package')\n")
+    cmd, payload = hosttools.tool_command("agent", ["status", "nowhere"])
+    with remote:
+        res = remote.run(f"PYTHONPATH=$HOME/site; export PYTHONPATH; {cmd}", stdin=payload, check=False)[host]
+    assert res.exit_code == 1 and "wrong package" not in res.stderr and res.reply()["state"] == "unknown", res
+
+
+def test_ensure_tools_then_the_workspace_tool(tmp_path):
+    from clusterctl.ops import hosttools
+    from clusterctl.quoting import join
+
+    remote, hosts = _local_remote(tmp_path)
+    with remote:
+        paths = hosttools.ensure_tools(remote, ("agent", "hostws"))
+        out = remote.run(join(hosttools.tool_argv("hostws", ["verify", "ws"])), check=False)
+    assert paths == {"agent": hosttools.tool_path("agent"), "hostws": hosttools.tool_path("hostws")}
+    for host in hosts:
+        assert out[host].reply() == {"gen": None, "drift": [{"path": "", "problem": "never dispatched"}]}
+    with pytest.raises(ValueError, match="separate commands"):  # each installer reads its own part of stdin
+        hosttools.ensure_tools(remote, ("agent", "slurmjob"))
