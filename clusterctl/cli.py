@@ -14,13 +14,13 @@ from .errors import ClusterctlError, SpecError
 __all__ = ["main", "build_parser", "guarded"]
 
 # Modules that add their own subcommands with `add_cli(subparsers)`; missing ones are skipped.
-_PLUGINS = ("clusterctl.testcluster", "clusterctl.ops.lifecycle_cli", "clusterctl.ops.provision_cli", "clusterctl.demo",
+_PLUGINS = ("clusterctl.testcluster_cli", "clusterctl.ops.lifecycle_cli", "clusterctl.ops.provision_cli", "clusterctl.demo",
             "clusterctl.k8s", "clusterctl.testcluster_slurm")
 # The plugin that adds each command, so that `clusterctl status` imports that one plugin, not all of them
 # (they cost up to ~0.2 s: yaml, rich, the spec models). A command missing here (a new one) or no command
 # at all (`--help`) loads every plugin; tests/unit/test_cli_fast.py checks this table against the plugins.
 _COMMAND_PLUGIN = {
-    "testcluster": "clusterctl.testcluster",
+    "testcluster": "clusterctl.testcluster_cli",
     **dict.fromkeys(("dispatch", "start", "status", "logs", "stop"), "clusterctl.ops.lifecycle_cli"),
     **dict.fromkeys(("provision", "doctor"), "clusterctl.ops.provision_cli"),
     "demo": "clusterctl.demo",

@@ -49,10 +49,8 @@ __all__ = [
     "down",
     "state_dir",
     "ensure_docker",
-    "add_cli",
     "add_up_arguments",
     "add_down_parser",
-    "main",
 ]
 
 DEFAULT_NAME = "clusterctl-test"
@@ -1236,79 +1234,6 @@ def _remove(name: str) -> int:
 # --------------------------------------------------------------------------------------------- CLI
 
 
-def _console() -> Any:
-    from rich.console import Console
-
-    return Console(log_path=False)
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    """`testcluster up`: bring the cluster up and print its nodes and spec path."""
-    from rich.table import Table
-
-    if getattr(args, "slurm", False):  # a Slurm cluster on these nodes: clusterctl/testcluster_slurm.py
-        from .testcluster_slurm import cmd_up as slurm_up
-
-        return slurm_up(args)
-    console = _console()
-    packages = [p for p in (args.packages or "").split(",") if p.strip()]
-    info = up(
-        args.nodes,
-        name=args.name,
-        spec_out=Path(args.spec_out) if args.spec_out else None,
-        base_image=args.base_image,
-        packages=packages,
-        progress=lambda msg: console.log(msg, markup=False, highlight=False),
-        user=args.user,
-        bastion=args.bastion,
-        ssh_config=args.ssh_config,
-        sudo_password_nodes=args.sudo_password_node or (),
-    )
-    table = Table(title=f"test cluster {info.name}")
-    for column in ("container", "ip", "hostname"):
-        table.add_column(column)
-    for node in info.nodes:
-        table.add_row(node.container, node.ip, node.hostname)
-    if info.bastion:
-        table.add_row(info.bastion.container, info.bastion.ip, info.bastion.hostname)
-    console.print(table)
-    how = "reused" if info.reused else "started"
-    image = f"{info.image} ({'built' if info.image_built else 'cached'})"
-    console.print(f"{how} in {info.timings['total']:.1f}s; image {image}")
-    console.print(f"spec:        {info.spec_path}")
-    console.print(f"key:         {info.key_path}")
-    console.print(f"known_hosts: {info.known_hosts_path}")
-    if info.ssh_config_path:
-        console.print(f"ssh_config:  {info.ssh_config_path}   (ssh -F {info.ssh_config_path} node0)")
-    console.print(f"login:       {info.user}" + (f" via {info.proxy_jump}" if info.proxy_jump else ""))
-    return 0
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    """`testcluster status`: print each node's state; exit 1 if a node is down or absent."""
-    from rich.table import Table
-
-    console = _console()
-    nodes = status(args.name)
-    if not nodes:
-        console.print(f"no test cluster named {args.name}")
-        return 1
-    table = Table(title=f"test cluster {args.name}")
-    for column in ("container", "ip", "state", "ssh"):
-        table.add_column(column)
-    for node in nodes:
-        table.add_row(node.container, node.ip, node.state, "yes" if node.ssh else "[red]no[/red]")
-    console.print(table)
-    return 0 if all(n.ssh for n in nodes) else 1
-
-
-def cmd_down(args: argparse.Namespace) -> int:
-    """`testcluster down`: remove the cluster's containers and network."""
-    removed = down(args.name)
-    _console().print(f"removed {removed} docker object(s) of test cluster {args.name}")
-    return 0
-
-
 def add_up_arguments(p_up: argparse.ArgumentParser, default_name: str, *, base_image: bool = True) -> None:
     """The options every test cluster's `up` takes (this one's, testcluster_slurm's): --nodes, --name, --spec-out,
     --base-image (unless base_image=False), --packages."""
@@ -1325,54 +1250,3 @@ def add_down_parser(sub: Any, default_name: str, func: Any, help: str) -> None:
     p_down = sub.add_parser("down", help=help)
     p_down.add_argument("--name", default=default_name)
     p_down.set_defaults(func=func)
-
-
-def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `testcluster up|status|down` on an argparse subparsers object; handlers in args.func."""
-    parser = subparsers.add_parser("testcluster", help="a cluster of sshd containers on this machine")
-    sub = parser.add_subparsers(dest="testcluster_command", required=True, metavar="{up,status,down}")
-
-    p_up = sub.add_parser("up", help="create or reuse the cluster and write its spec")
-    add_up_arguments(p_up, DEFAULT_NAME)
-    p_up.add_argument("--user", help="a non-root login user with passwordless sudo; root login disabled")
-    p_up.add_argument(
-        "--bastion", action="store_true", help="nodes only behind <name>-bastion, on a network this machine is not on"
-    )
-    p_up.add_argument("--ssh-config", action="store_true", help="write <spec dir>/ssh_config: Host node0.., bastion")
-    p_up.add_argument(
-        "--sudo-password-node",
-        type=int,
-        action="append",
-        metavar="K",
-        help="node K's sudo wants a password (never written anywhere); repeatable; needs --user",
-    )
-    p_up.add_argument("--slurm", action="store_true", help="add slurm-wlm and munge and start Slurm (docs/slurm.md)")
-    p_up.set_defaults(func=cmd_up)
-
-    p_status = sub.add_parser("status", help="show the cluster's nodes")
-    p_status.add_argument("--name", default=DEFAULT_NAME)
-    p_status.set_defaults(func=cmd_status)
-
-    add_down_parser(sub, DEFAULT_NAME, cmd_down, "remove the cluster's containers and network")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry point: `python -m clusterctl.testcluster up --nodes 3`."""
-    words = list(sys.argv[1:] if argv is None else argv)
-    if not words or words[0] != "testcluster":
-        words.insert(0, "testcluster")  # reuse add_cli's parser without making users type it twice
-    parser = argparse.ArgumentParser(prog="python -m clusterctl.testcluster")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(words)
-    try:
-        return int(args.func(args))
-    except ClusterctlError as exc:
-        console = _console()
-        console.print("error:", style="bold red", end=" ")
-        console.print(str(exc), markup=False, highlight=False)
-        return exc.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -52,7 +52,7 @@ def run_dispatch(spec) -> int:
 
 def run_status(spec, *, as_json: bool = False) -> int:
     """Print the job's status from Slurm."""
-    from .lifecycle_cli import render_status
+    from .render import render_status
     from .slurm import status
 
     s, plan = _plan(spec)
@@ -93,7 +93,7 @@ def run_stop(spec) -> int:
 
 def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> int:
     """(Dispatch,) submit; with follow, stream logs until the job ends and exit with its state."""
-    from .lifecycle_cli import render_status
+    from .render import render_status
     from .slurm import dispatch, logs, start, status
 
     s, plan = _plan(spec)

@@ -274,13 +274,15 @@ def test_spec_dict_has_the_documented_shape() -> None:
 def test_cli_parses_the_documented_commands() -> None:
     import argparse
 
+    from clusterctl import testcluster_cli
+
     parser = argparse.ArgumentParser()
-    tc.add_cli(parser.add_subparsers(dest="command"))
+    testcluster_cli.add_cli(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["testcluster", "up", "--nodes", "3", "--name", "x", "--packages", "numpy,torch==2.13.0"])
     assert (args.func, args.nodes, args.name, args.packages, args.spec_out, args.base_image) == (
-        tc.cmd_up, 3, "x", "numpy,torch==2.13.0", None, None,
+        testcluster_cli.cmd_up, 3, "x", "numpy,torch==2.13.0", None, None,
     )  # fmt: skip
-    assert parser.parse_args(["testcluster", "down"]).func is tc.cmd_down
+    assert parser.parse_args(["testcluster", "down"]).func is testcluster_cli.cmd_down
     assert parser.parse_args(["testcluster", "status", "--name", "y"]).name == "y"
 
 
@@ -535,8 +537,10 @@ def test_ssh_config_quotes_paths_with_blanks_and_has_no_jump_without_a_bastion()
 def test_cli_parses_the_fleet_options() -> None:
     import argparse
 
+    from clusterctl import testcluster_cli
+
     parser = argparse.ArgumentParser()
-    tc.add_cli(parser.add_subparsers(dest="command"))
+    testcluster_cli.add_cli(parser.add_subparsers(dest="command"))
     words = ["testcluster", "up", "--nodes", "2", "--user", "ubuntu", "--bastion", "--ssh-config"]
     args = parser.parse_args([*words, "--sudo-password-node", "1", "--sudo-password-node", "0"])
     assert (args.user, args.bastion, args.ssh_config, args.sudo_password_node) == ("ubuntu", True, True, [1, 0])

@@ -17,15 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "clusterctl"
 
-# Cycles still here, each as the set of modules of one strongly connected component. An entry that no
-# longer exists fails the test too, so this list cannot go stale.
-KNOWN_CYCLES: set[frozenset[str]] = {
-    # not in issue 14's list, outside branch specsplit's files (reported to the lead, left for the merge):
-    # slurm_cli imports lifecycle_cli's render_status, lifecycle_cli hands slurm specs to slurm_cli
-    frozenset({"clusterctl.ops.lifecycle_cli", "clusterctl.ops.slurm_cli"}),
-    # testcluster_slurm builds on testcluster, whose `up --slurm` calls testcluster_slurm.cmd_up
-    frozenset({"clusterctl.testcluster", "clusterctl.testcluster_slurm"}),
-}
+# Cycles still here, each as the set of modules of one strongly connected component (none today). An
+# entry that no longer exists fails the test too, so this list cannot go stale.
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:

@@ -1,0 +1,46 @@
+"""How a job's status reads on the terminal: one table, shared by the SSH and Slurm front ends."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+from rich.table import Table
+
+from ..console import out, printable
+from ..host.states import TERMINAL_JOB_STATES, JobState, ProcState
+
+__all__ = ["render_status"]
+
+_STATE_STYLE = {JobState.RUNNING: "green", JobState.SUCCEEDED: "bold green", ProcState.EXITED: "green",
+                JobState.FAILED: "bold red", JobState.LOST: "bold red", JobState.STOPPED: "yellow",
+                JobState.NOT_RUNNING: "dim", JobState.RESTARTING: "yellow"}
+
+
+def _styled(state: str) -> str:
+    style = _STATE_STYLE.get(state, "")
+    return f"[{style}]{escape(state)}[/]" if style else escape(state)
+
+
+def render_status(st) -> None:
+    """Print a job's status as a table plus its overall state."""
+    if not st.processes and not st.unreachable:
+        out.print(f"job {escape(st.job)} is not running (no state on any host)")
+        return
+    table = Table(title=f"job {st.job}: {_styled(st.state)}", title_justify="left")
+    for col in ("host", "role", "id", "pid", "state", "exit", "uptime"):
+        table.add_column(col, no_wrap=True)
+    for p in st.processes:
+        table.add_row(
+            escape(p.host), p.role, str(p.id), str(p.pid or ""), _styled(p.state or "?"),
+            "" if p.exit_code is None else str(p.exit_code),
+            "" if p.uptime_s is None else f"{p.uptime_s:.1f}s",
+        )
+    out.print(table)
+    if st.restarts or st.attempt:
+        out.print(f"attempt {st.attempt} (restarts allowed: {st.restarts})")
+        for a in st.attempts:
+            if a.get("attempt") != st.attempt or a.get("outcome") in TERMINAL_JOB_STATES:
+                out.print(f"  attempt {a.get('attempt')}: {_styled(a.get('outcome') or '?')}: {escape(str(a.get('reason')))}")
+    if st.reason:
+        out.print(f"reason: {escape(printable(st.reason))}")  # host-supplied text: control characters escaped
+    for host, why in st.unreachable.items():
+        out.print(f"[red]{escape(host)}: {escape(printable(why))}[/]")
