@@ -6,6 +6,11 @@ cluster spec that clusterctl can use as is. ``down`` removes only what carries t
 Options shape it like a real fleet: a non-root login user with sudo (root login disabled), a bastion
 in front of nodes on a network this machine has no address on, an OpenSSH config with an alias per
 node, a node whose sudo wants a password. See docs/testcluster.md.
+
+Why one module of ~1,250 lines: it is a test tool, not part of the controller or the host package, and
+its pieces (the debootstrap base image, the node image, the networks, the fleet shapes, the spec and
+ssh config it writes) are one recipe whose steps share the cluster's naming and locking; its command line
+is in testcluster_cli.py and its Slurm extension in testcluster_slurm.py.
 """
 
 from __future__ import annotations

@@ -116,12 +116,12 @@ class Communicator:
         if self.fusion_threshold < 0:
             raise CollectiveError(f"fusion_threshold={fusion_threshold!r}: must not be negative")
         from .topology import discover
-        from ._progress import Progress
+        from ._progress import RequestPoller
         self.comm = comm.Dup()
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.ctl = comm.Dup()
         self.topo, self.local, self.cross = discover(self.comm, MPI)
-        self.progress = Progress(self.ctl, self.topo, MPI, timeout=self.timeout, on_timeout=self.on_timeout)
+        self.progress = RequestPoller(self.ctl, self.topo, MPI, timeout=self.timeout, on_timeout=self.on_timeout)
         use_shm = _env_bool(SHM_ENV, True) if shm is None else bool(shm)
         # Hierarchical slices need equal ranks per node; otherwise fall back to MPI for everything.
         self.arena = None

@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import CollectiveError, CollectiveTimeout
 
-__all__ = ["Progress"]
+__all__ = ["RequestPoller"]
 
 log = logging.getLogger("clusterctl.collective")
 
@@ -26,7 +26,7 @@ TAG_PING = 7301
 TAG_PONG = 7302
 
 
-class Progress:
+class RequestPoller:
     """Polls requests until done or a deadline, serving and sending liveness pings on ``ctl``."""
 
     def __init__(self, ctl, topo, MPI, *, timeout: float, on_timeout: str):

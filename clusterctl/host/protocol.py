@@ -35,7 +35,7 @@ def version_mismatch(msg, mine, theirs):
     return "protocol version mismatch: %s speaks %d, %s sent %s" % (mine, PROTOCOL_VERSION, theirs, _brief(got, 20))
 
 
-class ProtocolError(Exception):
+class PeerProtocolError(Exception):
     """Garbage on a coordinator connection."""
 
 
@@ -129,7 +129,7 @@ class Conn:
         return True
 
     def receive(self):
-        """Read available data; return messages, or None on EOF; raise ProtocolError."""
+        """Read available data; return messages, or None on EOF; raise PeerProtocolError."""
         try:
             data = self.sock.recv(65536)
         except (BlockingIOError, socket.timeout, InterruptedError):
@@ -144,20 +144,20 @@ class Conn:
         while b"\n" in self.buf:
             line, self.buf = self.buf.split(b"\n", 1)
             if len(line) > MAX_MESSAGE:
-                raise ProtocolError("line longer than %d bytes" % MAX_MESSAGE)
+                raise PeerProtocolError("line longer than %d bytes" % MAX_MESSAGE)
             if not line.strip():
                 continue
             if not json_depth_ok(line):
-                raise ProtocolError("JSON nested deeper than %d" % MAX_DEPTH)
+                raise PeerProtocolError("JSON nested deeper than %d" % MAX_DEPTH)
             try:
                 msg = json.loads(line.decode("utf-8"))
             except (UnicodeDecodeError, ValueError, RecursionError):
-                raise ProtocolError("not JSON")
+                raise PeerProtocolError("not JSON")
             if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-                raise ProtocolError("not a message object")
+                raise PeerProtocolError("not a message object")
             msgs.append(msg)
         if len(self.buf) > MAX_MESSAGE:
-            raise ProtocolError("line longer than %d bytes" % MAX_MESSAGE)
+            raise PeerProtocolError("line longer than %d bytes" % MAX_MESSAGE)
         return msgs
 
     def close(self):

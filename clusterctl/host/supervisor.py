@@ -19,7 +19,7 @@ from .jobdir import STATE_FILE, STOP_REQUEST, write_json_atomic
 from .jobfile import DEFAULT_TIMINGS, RESTART_ENV, ROLES, TOKEN_ENV, parse_endpoint
 from .peer import PeerRole
 from .procfs import proc_stat
-from .protocol import PROTOCOL_VERSION, LogLimiter, ProtocolError, _brief
+from .protocol import PROTOCOL_VERSION, LogLimiter, PeerProtocolError, _brief
 from .spawn import _pdeathsig_setup, _private_opener, attempt_log, base_env, process_token
 from .states import HostState, JobState, ProcState
 from .stopping import Stopper
@@ -488,7 +488,7 @@ class Supervisor(CoordinatorRole, PeerRole):
             return
         try:
             msgs = conn.receive()
-        except ProtocolError as e:
+        except PeerProtocolError as e:
             self.log_bad("garbage", "garbage from %s (%s): %s; closing" % (conn.addr, conn.host or "unauthenticated", e))
             if conn is self.conn:
                 self._peer_lost("protocol error: %s" % e)

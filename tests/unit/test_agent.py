@@ -18,6 +18,7 @@ import uuid
 import pytest
 
 from clusterctl.host import agent as agent_mod
+from helpers import free_port, job_pids as tagged  # noqa: F401  (test_agent_attacks, test_agent_restart import them from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AGENT = os.path.join(ROOT, "clusterctl", "host", "agent.py")
@@ -43,29 +44,6 @@ def agent(*args, timeout=30):
         return p.returncode, json.loads(out)
     except ValueError:
         raise AssertionError("agent %s printed non-JSON: %r (stderr %r)" % (args, out, p.stderr))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tagged(job_id):
-    """Pids whose /proc/<pid>/environ carries CLUSTERCTL_JOB=<job_id> (GUIDE section 3)."""
-    needle = ("CLUSTERCTL_JOB=%s" % job_id).encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/environ" % name, "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if needle in env:
-            found.append(int(name))
-    return found
 
 
 def alive(pid):
