@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import stat
+import sys
 import textwrap
 import time
 from contextlib import contextmanager
@@ -97,6 +98,9 @@ class FakeCluster:
         self.root = self.tmp / "hosts"
         self.bin = self.tmp / "bin"
         self.bin.mkdir(parents=True, exist_ok=True)
+        # the hosts' python3: this interpreter's base (not a venv with clusterctl in it, not a version manager's
+        # shim script, which would cost every host command a `bash` and a lookup)
+        (self.bin / "python3").symlink_to(getattr(sys, "_base_executable", None) or sys.executable)
         self.local = self.tmp / "ws"
         self.local.mkdir(exist_ok=True)
         for rel, text in (files if files is not None else {"train.py": "print('hello')\n"}).items():
