@@ -138,12 +138,25 @@ def test_a_plan_problem_is_reported_at_its_key(tmp_path, monkeypatch, capsys):
     port = data["job"]["ports"]["control"]
     assert err == (f"{c.spec_path}:{n}:3: job.ports: two planned endpoints on 127.0.0.1:{port}: "
                    "the job's control port and trainer.0\n")
+    # one found only once the hosts are resolved as ssh resolves them: two aliases of one machine
+    (tmp_path / "ssh_config").write_text("Host n0 n1\n    HostName 127.0.0.1\n")
+    data = yaml.safe_load(c.spec_path.read_text())
+    data["job"]["ports"]["trainer"] = data["job"]["ports"]["control"] + 2
+    data["ssh"]["config"] = "ssh_config"
+    for h in data["hosts"]:
+        del h["train_address"]
+    c.spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    code, out, err = cli(capsys, "status", c.spec_path)
+    lines = c.spec_path.read_text().splitlines()
+    assert code == 2 and err.startswith(f"{c.spec_path}:{lines.index('- address: n1') + 1}:3: hosts[1]: n1 and hosts[0] (n0) "
+                                        "both resolve to 127.0.0.1: ")
 
 
 def test_provision_and_doctor_from_the_command_line(tmp_path, monkeypatch, capsys):
     section = {"timeout": 30, "commands": [{"name": "mark", "run": "echo made > marker", "creates": "marker"},
                                            {"name": "nope", "run": "[ \"$(basename $HOME)\" != n1 ]", "unless": "false"}]}
     c = FakeCluster(tmp_path, extra={"provision": section}).everywhere(monkeypatch)
+    os.utime(c.spec_path, (1e9, 1e9))  # an old spec: its plan is cached by the first command, reused by the next
     code, out, _ = cli(capsys, "provision", c.spec_path, "--check")
     assert code == 0 and "--check (nothing was changed)" in out and "would change" in out
     assert not (c.home(0) / "marker").exists()
@@ -153,8 +166,9 @@ def test_provision_and_doctor_from_the_command_line(tmp_path, monkeypatch, capsy
     assert "command nope exited 1" in out
     assert "[n0] [commands] CLUSTERCTL_STEP commands changed" not in err  # status lines are not echoed
     assert (c.home(0) / "marker").read_text() == "made\n"
-    code, out, _ = cli(capsys, "provision", c.spec_path, "--only", "apt")
-    assert code != 0
+    assert len(list((tmp_path / "cache" / "clusterctl" / "plans").glob("*.json"))) == 1
+    code, out, err = cli(capsys, "provision", c.spec_path, "--only", "apt")
+    assert code != 0 and "--only apt: the spec's provision section has no apt step" in err
     code, out, _ = cli(capsys, "doctor", c.spec_path, "--json")
     doc = json.loads(out)
     assert sorted(doc) and code in (0, 1)
@@ -233,6 +247,46 @@ def test_slurm_start_status_logs_and_stop(tmp_path, monkeypatch, capsys):
     assert code == 0 and "succeeded" in out
     code, out, _ = cli(capsys, "stop", c.spec_path)
     assert code == 0 and f"job {c.name} is not running (swept 2 node(s))" in out
+
+
+def test_slurm_start_follow_and_what_slurm_refuses(tmp_path, monkeypatch, capsys):
+    c = slurm_cluster(tmp_path, monkeypatch)
+    login = c.root / "login"
+    logs = login / f"{c.remote_dir}.logs"
+    code, out, err = cli(capsys, "logs", c.spec_path)
+    assert code != 0 and f"job {c.name} was never submitted from login" in err
+    code, out, err = cli(capsys, "provision", c.spec_path)
+    assert code != 0 and "this command works on SSH hosts; with backend: slurm use" in err
+    fake_exe(c.bin, "sbatch", 'echo "sbatch: error: invalid partition specified: debug" >&2; exit 1\n')
+    code, out, err = cli(capsys, "start", c.spec_path)
+    assert code != 0 and "sbatch on login failed: sbatch: error: invalid partition specified: debug" in err
+    fake_exe(c.bin, "sbatch", 'echo "Submitted batch job"\n')
+    code, out, err = cli(capsys, "start", c.spec_path)
+    assert code != 0 and "sbatch on login answered 'Submitted batch job', not a job id" in err
+    # a job that runs at once and ends: its state file and logs are there when the follow starts
+    state = {"job": c.name, "slurm_job": "4242", "state": "succeeded", "reason": None,
+             "steps": {"trainer": {"code": 0, "stopped": False, "tasks": {}}},
+             "processes": [{"role": "trainer", "id": 0, "node": "node1"}, {"role": "trainer", "id": 1, "node": "node2"}]}
+    fake_exe(c.bin, "sbatch", f"""\
+        cat > /dev/null
+        echo COMPLETED > "$HOME/slurm-state"
+        echo '{json.dumps(state)}' > {logs}/slurm-state.json
+        echo "loss 0.5" > {logs}/trainer.0.log; echo "loss 0.4" > {logs}/trainer.1.log
+        echo 4242
+        """)
+    code, out, err = cli(capsys, "start", c.spec_path, "--follow")
+    assert code == 0
+    assert "[node1 trainer.0] loss 0.5" in out.splitlines() and "[node2 trainer.1] loss 0.4" in out.splitlines()
+    assert f"job {c.name}: succeeded" in out and "exited" in out
+    code, out, _ = cli(capsys, "logs", c.spec_path, "--role", "trainer", "--id", "1", "-n", "1", "--follow")
+    assert (code, out.splitlines()) == (0, ["[node2 trainer.1] loss 0.4"])
+    fake_exe(c.bin, "sacct", "exit 0\n")
+    (login / "slurm-state").write_text("gone\n")  # neither scontrol nor sacct knows the job any more
+    code, out, _ = cli(capsys, "status", c.spec_path, "--json")
+    assert json.loads(out)["state"] == "unknown"
+    (login / ".clusterctl" / "slurm" / f"{c.name}.json").write_text("{not json")
+    code, out, err = cli(capsys, "status", c.spec_path)
+    assert code != 0 and f"login:~/.clusterctl/slurm/{c.name}.json is not JSON; remove it" in err
 
 
 def test_slurm_dispatch_and_a_batch_program_that_failed_early(tmp_path, monkeypatch, capsys):

@@ -11,6 +11,7 @@ import pytest
 from clusterctl.errors import JobError, RemoteError
 from clusterctl.ops.dispatch import dispatch
 from clusterctl.ops.job import job_files, logs, start, status, stop
+from clusterctl.ops.lifecycle_cli import render_status
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fakehosts import FakeCluster, FaultyTransport, job_pids, wait_until  # noqa: E402
@@ -99,14 +100,20 @@ def test_a_failing_trainer_fails_the_job_and_stops_the_others(tmp_path):
     assert job_pids(c.name) == []
 
 
-def test_a_failed_attempt_is_restarted_and_succeeds(tmp_path):
+def test_a_failed_attempt_is_restarted_and_succeeds(tmp_path, capsys):
     c = cluster(tmp_path, hosts=1, env={"FAIL_RANK_0": "5"}, restarts=2, restart_backoff=0)
     with c.session() as s:
         start(s)
         st = wait_until(lambda: (x := status(s)).state == "succeeded" and x)
+        assert [line for _, line in collect(s)] == ["[n0 trainer.0] hello from rank 0 attempt 0 job env None",
+                                                    "[n0 trainer.0#1] hello from rank 0 attempt 1 job env None"]
     assert (st.attempt, st.restarts) == (1, 2)
     assert [(a["attempt"], a["outcome"]) for a in st.attempts] == [(0, "failed"), (1, "succeeded")]
     assert (c.workspace(0) / "ran-0-0").exists() and (c.workspace(0) / "ran-0-1").exists()
+    render_status(st)  # as `clusterctl status` shows it
+    shown = capsys.readouterr().out
+    assert "attempt 1 (restarts allowed: 2)" in shown
+    assert "  attempt 0: failed: trainer.0 on n0 exited with code 5" in shown
 
 
 def test_pservers_start_before_the_trainers_and_stop_when_they_are_done(tmp_path):
