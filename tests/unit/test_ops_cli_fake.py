@@ -206,7 +206,7 @@ SLURM = {
 
 
 def slurm_cluster(tmp_path, monkeypatch, workspace="shared"):
-    c = FakeCluster(tmp_path, files={"train.py": TRAIN}, hosts=0 or 1)
+    c = FakeCluster(tmp_path, files={"train.py": TRAIN}, hosts=1)
     data = yaml.safe_load(c.spec_path.read_text())
     data.pop("hosts")
     data.update(backend="slurm", slurm={"login": "login", "nodes": 2, "partition": "debug", "workspace": workspace})

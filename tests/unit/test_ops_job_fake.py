@@ -3,6 +3,7 @@ processes on this machine, each host a directory (tests/unit/fakehosts.py)."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -172,8 +173,6 @@ def test_start_refuses_an_undispatched_workspace_and_a_busy_port(tmp_path):
             start(s)
         dispatch(s)
         port = s.plan.trainers[1].port
-        import socket
-
         with socket.create_server(("127.0.0.2", port)):
             with pytest.raises(JobError) as info:
                 start(s)
