@@ -104,8 +104,8 @@ def test_status_exits_1_when_a_host_is_unreachable(tmp_path, monkeypatch, capsys
     code, out, _ = cli(capsys, "status", c.spec_path)
     assert code == 1
     assert "n1: cannot connect to n1: Connection refused" in out and "lost" in out
-    code, out, _ = cli(capsys, "dispatch", c.spec_path)
-    assert code != 0
+    code, out, err = cli(capsys, "dispatch", c.spec_path)
+    assert code != 0 and "dispatch failed on 1 host(s): n1" in err and "cannot connect to n1: Connection refused" in err
 
 
 def test_exec_runs_one_argv_everywhere_and_exits_with_the_worst_code(tmp_path, monkeypatch, capsys):
