@@ -126,14 +126,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
     from .ops import open_session
     from .ops.execute import execute, worst_exit_code
 
-    argv = args.argv
-    if argv[:1] != ["--"] and argv[:1] and argv[0].split("=")[0] == "--timeout" and "--" in argv:
-        # `exec SPEC --timeout S -- CMD`: REMAINDER took exec's own option after the spec as the command's start
-        cut = argv.index("--")
-        opts = argparse.ArgumentParser(prog="clusterctl exec", add_help=False)
-        opts.add_argument("--timeout", type=float)
-        args.timeout, argv = opts.parse_args(argv[:cut]).timeout, argv[cut:]
-    argv = argv[1:] if argv[:1] == ["--"] else argv
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise ClusterctlError("exec needs a command after --, e.g. clusterctl exec cluster.yaml -- hostname")
     with open_session(args.spec) as session:

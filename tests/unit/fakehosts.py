@@ -26,7 +26,7 @@ from clusterctl.remote import Remote, SshOptions
 from clusterctl.spec import load_spec
 from clusterctl.transport.local import LocalTransport
 
-__all__ = ["FakeCluster", "FaultyTransport", "free_port_base", "fake_exe", "wait_until", "job_pids"]
+__all__ = ["FakeCluster", "FaultyTransport", "refused", "free_port_base", "fake_exe", "wait_until", "job_pids"]
 
 
 def _bindable(addr: str, port: int) -> bool:
@@ -167,6 +167,13 @@ class FakeCluster:
         monkeypatch.setattr(Remote, "__init__", init)
         monkeypatch.setenv("XDG_CACHE_HOME", str(self.tmp / "cache"))
         return self
+
+
+def refused(host: str) -> str:
+    """A regex of how a `down` host of FaultyTransport is named: Remote words the OpenSSH client's own failure
+    ("cannot connect to n1: Connection refused"); a transport that reads no ssh message in an exit 255 names
+    its last line ("connection to n1 lost: ssh: connect to host n1 port 22: Connection refused")."""
+    return rf"(cannot connect to {host}|connection to {host} lost: ssh: connect to host {host} port 22): Connection refused"
 
 
 class FaultyTransport:

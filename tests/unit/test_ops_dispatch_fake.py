@@ -2,6 +2,7 @@
 updates in each host's directory (tests/unit/fakehosts.py)."""
 
 import os
+import re
 import shutil
 import sys
 
@@ -11,7 +12,7 @@ from clusterctl.errors import JobError, RemoteError
 from clusterctl.ops.dispatch import dispatch, verify
 
 sys.path.insert(0, os.path.dirname(__file__))
-from fakehosts import FakeCluster, FaultyTransport  # noqa: E402
+from fakehosts import FakeCluster, FaultyTransport, refused  # noqa: E402
 
 
 def tree(path):
@@ -120,7 +121,7 @@ def test_a_host_that_cannot_be_reached_fails_the_dispatch_by_name_and_the_others
         with pytest.raises(RemoteError) as info:
             dispatch(s)
     assert "dispatch failed on 1 host(s): n1" in str(info.value)
-    assert "cannot connect to n1: Connection refused" in str(info.value)
+    assert re.search(refused("n1"), str(info.value))
     assert tree(c.workspace(0)) == {"train.py": b"print(1)\n"}
     assert not c.workspace(1).exists()
     # lost later, while its update travels (this controller has a record of it now): named the same way
@@ -129,7 +130,7 @@ def test_a_host_that_cannot_be_reached_fails_the_dispatch_by_name_and_the_others
         dispatch(s)
     c.write("train.py", "print(3)\n")
     with c.session(transport=FaultyTransport(c.transport, down={"n0"}, only="apply")) as s:
-        with pytest.raises(RemoteError, match=r"(?s)dispatch failed on 1 host.*n0: cannot connect to n0"):
+        with pytest.raises(RemoteError, match=r"(?s)dispatch failed on 1 host.*n0: " + refused("n0")):
             dispatch(s)
     assert (c.workspace(1) / "train.py").read_text() == "print(3)\n"
     assert (c.workspace(0) / "train.py").read_text() == "print(2)\n"
