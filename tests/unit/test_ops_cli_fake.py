@@ -71,7 +71,7 @@ def test_start_follow_streams_the_logs_and_exits_with_the_jobs_state(tmp_path, m
     assert "[n0 trainer.0] step of rank 0" in out.splitlines() and "[n1 trainer.1] step of rank 1" in out.splitlines()
     assert "succeeded" in out
     data = yaml.safe_load(c.spec_path.read_text())
-    data["job"]["env"].update(EXIT="4", SLEEP="1")
+    data["job"]["env"].update(EXIT="4", SLEEP="2")  # time for the peer to join before the coordinator fails fast
     c.spec_path.write_text(yaml.safe_dump(data))
     code, out, _ = cli(capsys, "start", c.spec_path, "--dispatch", "--follow")
     assert code == 1
