@@ -148,6 +148,11 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
                 return 0
             logs(session, on_line=_raw_line, follow=True)
             final = status(session)
+            # a host's logs end with its processes; the job's state (the coordinator's verdict) follows shortly
+            deadline = time.monotonic() + 30
+            while final.state in ("running", "stopping", "restarting") and time.monotonic() < deadline:
+                time.sleep(0.2)
+                final = status(session)
         except KeyboardInterrupt:
             return _stop_after_interrupt(session)
         render_status(final)

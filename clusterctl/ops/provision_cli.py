@@ -68,7 +68,7 @@ class _Progress:
                 later = self.steps[self.steps.index(step) + 1 :]
                 self.current[host] = later[0] if later and text != "failed" else ""
             elif self.verbose and not text.startswith("CLUSTERCTL_STEP "):
-                err.print(f"[{escape(host.label)}] [{step}] {escape(text)}", highlight=False)
+                err.print(f"\\[{escape(host.label)}] \\[{step}] {escape(text)}", highlight=False)  # rich: a literal [
             if self.live is not None:
                 self.live.update(self.table())
 

@@ -97,12 +97,15 @@ class _Logs:
     def write(self, host: Host, step: str, text: str) -> None:
         with self._lock:
             fh = self._files[host]
+            if fh.closed:  # a line that came after the run ended (a timed-out step's leftover child): not logged
+                return
             fh.write(f"[{step}] {redact(text)}\n")
             fh.flush()
 
     def close(self) -> None:
-        for fh in self._files.values():
-            fh.close()
+        with self._lock:
+            for fh in self._files.values():
+                fh.close()
 
 
 def provision(

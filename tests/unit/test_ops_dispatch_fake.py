@@ -1,0 +1,143 @@
+"""Dispatch (clusterctl.ops.dispatch: dispatch, verify) over fake hosts: the real host tool (hostws) applies the
+updates in each host's directory (tests/unit/fakehosts.py)."""
+
+import os
+import re
+import shutil
+import sys
+
+import pytest
+
+from clusterctl.errors import JobError, RemoteError
+from clusterctl.ops.dispatch import dispatch, verify
+
+sys.path.insert(0, os.path.dirname(__file__))
+from fakehosts import FakeCluster, FaultyTransport, refused  # noqa: E402
+
+
+def tree(path):
+    """{relative path: content} of every file under `path` (following the workspace symlink)."""
+    out = {}
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            out[os.path.relpath(full, path)] = open(full, "rb").read()
+    return out
+
+
+def sent(results):
+    """{host label: (files sent, deleted)} of a dispatch."""
+    return {r.host.label: (r.files_sent, r.deleted) for r in results}
+
+
+def test_first_and_incremental_dispatches_send_only_what_changed(tmp_path):
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n", "lib/util.py": "X = 1\n", "old.txt": "old\n",
+                                     "skip.pyc": "compiled", ".git/HEAD": "ref"})
+    with c.session() as s:
+        first = dispatch(s)
+        assert sent(first) == {"n0": (3, 0), "n1": (3, 0)}
+        assert len({r.generation for r in first}) == 1
+        assert all(r.bytes_sent > 0 for r in first)
+        want = {"train.py": b"print(1)\n", "lib/util.py": b"X = 1\n", "old.txt": b"old\n"}
+        assert tree(c.workspace(0)) == tree(c.workspace(1)) == want  # excludes left out
+        assert os.path.islink(c.workspace(0))
+
+        again = dispatch(s)  # nothing changed: nothing travels, the generation stays
+        assert sent(again) == {"n0": (0, 0), "n1": (0, 0)}
+        assert [r.generation for r in again] == [r.generation for r in first]
+
+        c.write("train.py", "print(2)\n")
+        c.write("new/data.txt", "new\n")
+        (c.local / "old.txt").unlink()
+        third = dispatch(s)
+        assert sent(third) == {"n0": (2, 1), "n1": (2, 1)}
+        assert third[0].generation != first[0].generation
+        want = {"train.py": b"print(2)\n", "lib/util.py": b"X = 1\n", "new/data.txt": b"new\n"}
+        assert tree(c.workspace(0)) == tree(c.workspace(1)) == want
+        assert verify(s) == {h: [] for h in s.plan.hosts}
+
+
+def test_drift_on_a_host_is_found_by_verify_and_repaired_by_the_next_dispatch(tmp_path):
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n", "cfg.txt": "a\n"})
+    with c.session() as s:
+        dispatch(s)
+        (c.workspace(1) / "cfg.txt").write_text("edited on the host\n")
+        (c.workspace(1) / "train.py").unlink()
+        drift = {h.label: sorted(d["path"] for d in items) for h, items in verify(s).items()}
+        assert drift == {"n0": [], "n1": ["cfg.txt", "train.py"]}
+        res = dispatch(s)
+        assert sent(res) == {"n0": (0, 0), "n1": (2, 0)}
+        assert tree(c.workspace(1)) == {"train.py": b"print(1)\n", "cfg.txt": b"a\n"}
+        assert verify(s) == {h: [] for h in s.plan.hosts}
+
+
+def test_a_host_at_another_generation_or_without_the_host_tool_is_brought_up_to_date(tmp_path):
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n", "b.txt": "b\n"})
+    with c.session() as s:
+        dispatch(s)
+        shutil.rmtree(c.home(1))  # n1 was reinstalled: this controller's record of it is stale
+        shutil.rmtree(c.home(0) / ".clusterctl" / "bin")  # n0 lost the host tool, not its workspace
+        res = dispatch(s)
+        assert sent(res) == {"n0": (0, 0), "n1": (2, 0)}
+        assert tree(c.workspace(1)) == {"train.py": b"print(1)\n", "b.txt": b"b\n"}
+        c.write("b.txt", "b2\n")
+        assert sent(dispatch(s)) == {"n0": (1, 0), "n1": (1, 0)}
+        assert (c.workspace(0) / "b.txt").read_text() == (c.workspace(1) / "b.txt").read_text() == "b2\n"
+
+
+def test_big_files_stream_as_an_archive_and_a_small_change_as_its_blocks(tmp_path):
+    big = os.urandom(9 << 20)  # over the bulk threshold: an archive through Remote.push
+    c = FakeCluster(tmp_path, hosts=1, files={"big.bin": big, "small.txt": "s\n"})
+    with c.session() as s:
+        (first,) = dispatch(s)
+        assert (first.files_sent, first.bytes_sent > len(big)) == (2, True)
+        assert (c.workspace(0) / "big.bin").read_bytes() == big
+        changed = bytearray(big)
+        changed[5_000_000:5_000_010] = b"0123456789"  # one block of the file
+        c.write("big.bin", bytes(changed))
+        (second,) = dispatch(s)
+        assert second.files_sent == 1 and second.bytes_sent < 100_000  # the changed block, not 9 MiB
+        assert (c.workspace(0) / "big.bin").read_bytes() == bytes(changed)
+
+
+def test_each_host_gets_its_trainers_data_shards(tmp_path):
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n"},
+                    extra={"data": {"local": "shards", "pattern": "part-*", "remote": "data"}})
+    for i in range(4):
+        (tmp_path / "shards").mkdir(exist_ok=True)
+        (tmp_path / "shards" / f"part-{i}").write_text(f"shard {i}\n")
+    (tmp_path / "shards" / "README").write_text("not a shard")
+    with c.session() as s:
+        assert [p.env["CLUSTERCTL_DATA_FILES"] for p in s.plan.trainers] == ["data/part-0:data/part-2",
+                                                                            "data/part-1:data/part-3"]
+        assert sent(dispatch(s)) == {"n0": (3, 0), "n1": (3, 0)}
+    assert tree(c.workspace(0)) == {"train.py": b"print(1)\n", "data/part-0": b"shard 0\n", "data/part-2": b"shard 2\n"}
+    assert tree(c.workspace(1)) == {"train.py": b"print(1)\n", "data/part-1": b"shard 1\n", "data/part-3": b"shard 3\n"}
+
+
+def test_a_host_that_cannot_be_reached_fails_the_dispatch_by_name_and_the_others_get_theirs(tmp_path):
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n"})
+    with c.session(transport=FaultyTransport(c.transport, down={"n1"})) as s:
+        with pytest.raises(RemoteError) as info:
+            dispatch(s)
+    assert "dispatch failed on 1 host(s): n1" in str(info.value)
+    assert re.search(refused("n1"), str(info.value))
+    assert tree(c.workspace(0)) == {"train.py": b"print(1)\n"}
+    assert not c.workspace(1).exists()
+    # lost later, while its update travels (this controller has a record of it now): named the same way
+    c.write("train.py", "print(2)\n")
+    with c.session() as s:
+        dispatch(s)
+    c.write("train.py", "print(3)\n")
+    with c.session(transport=FaultyTransport(c.transport, down={"n0"}, only="apply")) as s:
+        with pytest.raises(RemoteError, match=r"(?s)dispatch failed on 1 host.*n0: " + refused("n0")):
+            dispatch(s)
+    assert (c.workspace(1) / "train.py").read_text() == "print(3)\n"
+    assert (c.workspace(0) / "train.py").read_text() == "print(2)\n"
+
+
+def test_a_workspace_that_is_not_a_directory_is_a_clear_error(tmp_path):
+    c = FakeCluster(tmp_path)
+    shutil.rmtree(c.local)
+    with c.session() as s, pytest.raises(JobError, match=r"workspace.local .*/ws is not a directory"):
+        dispatch(s)
