@@ -8,12 +8,13 @@ session cluster, CLI runs, the orphan finder run inside the nodes) are in tests/
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import sys
 from pathlib import Path
 
-__all__ = ["MPIEXEC", "free_port", "free_ports", "job_pids"]
+__all__ = ["MPIEXEC", "free_port", "free_ports", "free_port_base", "job_pids"]
 
 # MPICH's mpiexec from the `mpich` wheel next to the interpreter, else one on PATH; None: the MPI tests skip.
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
@@ -39,10 +40,31 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
+def _bindable(addr: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_base(width: int, addrs: tuple[str, ...] = ("127.0.0.1",)) -> int:
+    """A port p such that p .. p+width-1 are free on every address in `addrs` (just now). Below the kernel's
+    ephemeral range (32768 and up), where no outgoing connection, and no other test's port 0, takes it meanwhile."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - width)
+        if all(_bindable(a, p) for a in addrs for p in range(base, base + width)):
+            return base
+    raise RuntimeError("no free port range found")
+
+
 def job_pids(job: str) -> list[int]:
     """Pids on this machine whose /proc/<pid>/environ carries CLUSTERCTL_JOB=<job> exactly (GUIDE section 3's orphans).
 
-    Self-contained (os only): tests/integration/clusterlib.py sends this function's source to the nodes."""
+    A zombie's environ reads empty, so only live processes are found. Self-contained (os only):
+    tests/integration/clusterlib.py sends this function's source to the nodes."""
     needle = f"CLUSTERCTL_JOB={job}".encode()
     found = []
     for name in os.listdir("/proc"):

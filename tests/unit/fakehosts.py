@@ -10,9 +10,7 @@ Fake executables (`apt-get`, `sbatch`, ...) go into `bin`, first on every fake h
 from __future__ import annotations
 
 import os
-import random
 import secrets
-import socket
 import stat
 import sys
 import textwrap
@@ -26,28 +24,9 @@ from clusterctl.ops import Session, plan_for
 from clusterctl.remote import Remote, SshOptions
 from clusterctl.spec import load_spec
 from clusterctl.transport.local import LocalTransport
+from helpers import free_port_base, job_pids  # noqa: F401  (re-exported for the fake-host tests)
 
 __all__ = ["FakeCluster", "FaultyTransport", "refused", "free_port_base", "fake_exe", "wait_until", "job_pids"]
-
-
-def _bindable(addr: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_base(width: int, addrs: tuple[str, ...] = ("127.0.0.1",)) -> int:
-    """A port p such that p .. p+width-1 are free on every address in `addrs` (just now). Below the kernel's
-    ephemeral range (32768 and up), where no outgoing connection, and no other test's port 0, takes it meanwhile."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - width)
-        if all(_bindable(a, p) for a in addrs for p in range(base, base + width)):
-            return base
-    raise RuntimeError("no free port range found")
 
 
 def fake_exe(folder: Path, name: str, script: str) -> Path:
@@ -69,25 +48,6 @@ def wait_until(pred, timeout: float = 15.0, interval: float = 0.1):
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s (last: {got!r})")
         time.sleep(interval)
-
-
-def job_pids(job: str) -> list[int]:
-    """Live pids whose environment carries CLUSTERCTL_JOB=<job> (the GUIDE's definition of an orphan)."""
-    needle = f"CLUSTERCTL_JOB={job}".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as fh:
-                env = fh.read().split(b"\0")
-            with open(f"/proc/{name}/stat") as fh:
-                zombie = fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-        except OSError:
-            continue
-        if needle in env and not zombie:
-            found.append(int(name))
-    return found
 
 
 class FakeCluster:
