@@ -139,21 +139,50 @@ def collect_once(host: Host, proc: subprocess.Popen, chunks: Iterable[bytes], ti
     readers = [threading.Thread(target=drain, args=(n, s), daemon=True) for n, s in (("out", proc.stdout), ("err", proc.stderr))]
     for t in readers:
         t.start()
-    try:
-        for chunk in chunks:
-            proc.stdin.write(chunk)
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass  # the remote command (or ssh) ended early; its exit code and stderr say why
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return None, "", ""
+    if timeout is None:
+        _write_stdin(proc, chunks)
+        code = proc.wait()
+    else:  # the deadline covers writing stdin too: a command that never reads it must not block us past it
+        failed: list[BaseException] = []
+        writer = threading.Thread(target=_write_stdin, args=(proc, chunks, failed), daemon=True)
+        deadline = time.monotonic() + timeout
+        writer.start()
+        writer.join(timeout)
+        try:
+            code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None or failed:
+            proc.kill()
+            proc.wait()
+            writer.join(5)  # its next write fails now that the process is gone
+        if failed:
+            raise failed[0]  # the local stream failed (not the host): as without a deadline
+        if code is None:
+            return None, "", ""
     for t in readers:
         t.join()
     return code, outputs.get("out", ""), outputs.get("err", "")
+
+
+def _write_stdin(proc: subprocess.Popen, chunks: Iterable[bytes], failed: list | None = None) -> None:
+    """Write `chunks` to the process's stdin and close it. The process ending early (or being ended at the
+    deadline) only stops the writing: its exit code and stderr say why. An error of the local stream itself
+    is raised, or with `failed` given (a writer thread) put there."""
+    try:
+        for chunk in chunks:
+            try:
+                proc.stdin.write(chunk)
+            except (BrokenPipeError, ValueError):  # ValueError: stdin closed because the process was ended
+                return
+        try:
+            proc.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass
+    except BaseException as exc:
+        if failed is None:
+            raise
+        failed.append(exc)
 
 
 class _PreLoginLines:

@@ -26,3 +26,30 @@ def test_failures_and_deadlines_read_as_over_ssh(tmp_path):
         slow = remote.run("sleep 5", timeout=0.5, check=False)[hosts[0]]
     assert (failed.exit_code, failed.stderr.strip()) == (3, "oops")
     assert slow.exit_code == 124 and slow.stderr.startswith("timed out after 0.5s")
+
+
+def test_the_deadline_holds_while_a_command_ignores_a_large_stdin(tmp_path):
+    """A host command that never reads its stdin fills the pipe: writing must not hold us past the deadline."""
+    import time
+
+    remote, hosts = _remote(tmp_path, 1)
+    t0 = time.monotonic()
+    with remote:
+        res = remote.run("sleep 30", stdin=b"x" * (8 << 20), timeout=1, check=False)[hosts[0]]
+    assert res.timed_out and res.exit_code == 124
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_failing_local_stream_is_raised_not_taken_for_the_host(tmp_path):
+    """An error of the stream we feed (a local file gone, say) is ours: raised, with or without a deadline."""
+    import pytest
+
+    def feed(_host):
+        yield b"first"
+        raise OSError("local file vanished")
+
+    remote, hosts = _remote(tmp_path, 1)
+    with remote:
+        for timeout in (None, 5):
+            with pytest.raises(OSError, match="vanished"):
+                remote.run("cat > /dev/null", stdin=feed, timeout=timeout, check=False)
