@@ -26,7 +26,7 @@ from importlib import resources
 from ..quoting import join, quote
 from ..remote import Remote
 
-__all__ = ["tool_path", "tool_argv", "package_dir", "ensure_tools", "tool_command", "TOOLS_DIR", "HOST_PACKAGE"]
+__all__ = ["tool_path", "tool_argv", "package_dir", "ensure_tools", "install_on", "tool_command", "TOOLS_DIR", "HOST_PACKAGE"]
 
 TOOLS_DIR = ".clusterctl/bin"  # relative to the remote user's home (ssh sessions start there)
 HOST_PACKAGE = "clusterctl_host"  # the host package's name on hosts: never the controller's own `clusterctl`
@@ -163,6 +163,14 @@ def ensure_tools(remote: Remote, modules: tuple[str, ...], hosts=None, *, check:
         what="installing clusterctl's host tools (needs python3 on the host)",
     )
     return {m: tool_path(m) for m in modules}
+
+
+def install_on(remote: Remote, modules: tuple[str, ...], hosts) -> dict:
+    """ensure_tools() that never raises: each host's Result of the install (failed ones: unreachable, or no
+    python3), so that a caller can go on with the hosts that have the tools."""
+    cmd, payload = _install(modules)
+    return remote.run(cmd, hosts=hosts, stdin=payload, check=False, timeout=remote.control_timeout,
+                      what="installing clusterctl's host tools (needs python3 on the host)")
 
 
 def tool_command(module: str, args: list[str]) -> tuple[str, bytes]:

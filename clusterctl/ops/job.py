@@ -21,7 +21,7 @@ from ..remote import LineCallback, Remote
 from ..host.jobfile import build_job, coordinator_entry, process_entry
 from ..host.states import ACTIVE_JOB_STATES, JobState
 from . import Session
-from .hosttools import ensure_tools, tool_argv, tool_command
+from .hosttools import ensure_tools, install_on, tool_argv, tool_command
 
 __all__ = [
     "STATE_ROOT",
@@ -362,7 +362,12 @@ def logs(
     if not targets:
         what = " ".join(f"{k}={v}" for k, v in (("host", host), ("role", role), ("id", id)) if v is not None)
         raise JobError(f"no process of job {plan.job} matches {what}")
-    ensure_tools(remote, ("agent",), hosts=targets)
+    installed = install_on(remote, ("agent",), targets)  # a host down: the others' logs still come
+    missing = [f"{h.label}: {(r.error() or r.stderr.strip() or f'exit {r.exit_code}')}" for h, r in installed.items()
+               if not r.ok]
+    targets = [h for h in targets if installed[h].ok]
+    if not targets:
+        raise JobError("logs: no host could be asked:\n" + "\n".join(missing))
 
     def cmd(h: Host) -> str:
         args = ["logs", _jobdir(plan), "--host-label", h.label]
@@ -393,6 +398,6 @@ def logs(
     unreachable = [f"{h.label}: {r.stderr.strip()}" for h, r in results.items() if r.unreachable]
     if len(problems) == len(targets) and problems:
         raise JobError(f"job {plan.job} has no logs on any host (never started?)")
-    if problems or unreachable:
-        raise JobError("logs incomplete:\n" + "\n".join(problems + unreachable))
+    if problems or unreachable or missing:
+        raise JobError("logs incomplete:\n" + "\n".join(problems + unreachable + missing))
     return {h: r.exit_code for h, r in results.items()}

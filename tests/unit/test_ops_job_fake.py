@@ -214,8 +214,11 @@ def test_an_unreachable_host_is_named_by_status_logs_start_and_stop(tmp_path):
             start(s)
         with pytest.raises(RemoteError, match="n1.*Connection refused"):
             stop(s)
-        with pytest.raises(RemoteError, match="n1.*Connection refused"):
-            collect(s)
+        # n1 down before anything reached it: n0's logs still come, then the error names n1
+        seen = []
+        with pytest.raises(JobError, match="logs incomplete:\nn1: .*Connection refused"):
+            logs(s, on_line=lambda h, stream, line: seen.append((h.label, line)))
+        assert seen == [("n0", "[n0 trainer.0] hello from rank 0 attempt 0 job env None")]
         assert collect(s, host="n0") == [("n0", "[n0 trainer.0] hello from rank 0 attempt 0 job env None")]
     # n1 is lost between installing the host tools and reading its logs: n0's lines still come through
     lines = []
