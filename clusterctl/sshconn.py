@@ -60,11 +60,30 @@ class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
         path = Path(self.known_hosts)
         with self._lock:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a", encoding="utf-8") as fh:
+            with open(path, "a+", encoding="utf-8") as fh:
                 fcntl.flock(fh, fcntl.LOCK_EX)
-                fh.write(line)
+                # another connection (a bastion shared by many hosts, another clusterctl) may have recorded
+                # it since this client loaded the file: record each key once, and never a second one
+                fh.seek(0)
+                recorded = paramiko.HostKeys()
+                for known in fh.read().splitlines():
+                    try:
+                        entry = paramiko.hostkeys.HostKeyEntry.from_line(known) if known.strip() else None
+                    except (paramiko.hostkeys.InvalidHostKey, ValueError):
+                        continue  # a line paramiko cannot read (ssh may): not ours to judge here
+                    if entry is not None and entry.key is not None:
+                        for name in entry.hostnames:
+                            recorded.add(name, entry.key.get_name(), entry.key)
+                seen = (recorded.lookup(hostname) or {}).get(key.get_name())
+                if seen is not None and seen != key:
+                    raise _HostKeyError(f"host key for {hostname} changed while connecting: {self.known_hosts} now "
+                                        f"has {fingerprint(seen)}, the host sent {fingerprint(key)}")
+                if seen is None:
+                    fh.seek(0, os.SEEK_END)
+                    fh.write(line)
         client.get_host_keys().add(hostname, key.get_name(), key)
-        log.warning("recorded new host key for %s (%s) in %s", hostname, fingerprint(key), self.known_hosts)
+        if seen is None:
+            log.warning("recorded new host key for %s (%s) in %s", hostname, fingerprint(key), self.known_hosts)
 
 
 class _OffPolicy(paramiko.MissingHostKeyPolicy):
