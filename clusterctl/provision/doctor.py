@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from ..plan import Host
+from ..errors import RemoteError
 from ..quoting import join
 
 __all__ = ["DoctorReport", "doctor", "host_params", "compare", "COMPARED"]
@@ -178,8 +179,8 @@ def doctor(session) -> DoctorReport:
             report.problems.append(f"{host.label}: {tail[0]}")
             continue
         try:
-            report.facts[host] = json.loads(res.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
+            report.facts[host] = res.reply()  # the last JSON object on stdout
+        except RemoteError:
             report.errors[host] = "facts script printed no JSON"
             report.facts[host] = None
             report.problems.append(f"{host.label}: facts script printed no JSON: {res.stdout.strip()[:200]!r}")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import inspect
-import json
+
 
 from ..host import provision_host
+from ..errors import RemoteError
 from ..quoting import join
 from ..remote import Remote
 from .steps import HostFacts
@@ -52,10 +53,11 @@ def probe_hosts(remote: Remote, hosts, *, interpreter: str, wheelhouse: str) -> 
             failed[host] = f"probe failed (exit {res.exit_code}): {tail[-1] if tail else 'no output'}"
             continue
         try:
-            data = json.loads(res.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
+            data = res.reply()  # the last JSON object on stdout, whatever a shell's start-up printed before it
+            data["wheels"] = tuple((n, int(s)) for n, s in data.get("wheels", ()))
+            facts[host] = HostFacts(**data)
+        except RemoteError:
             failed[host] = f"probe printed no JSON: {res.stdout.strip()[:200]!r}"
-            continue
-        data["wheels"] = tuple((n, int(s)) for n, s in data.get("wheels", ()))
-        facts[host] = HostFacts(**data)
+        except (TypeError, ValueError):
+            failed[host] = f"probe printed an unexpected reply: {res.stdout.strip()[:200]!r}"
     return facts, failed
