@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import inspect
 
-
-from ..host import provision_host
 from ..errors import RemoteError
+from ..host import provision_host
 from ..quoting import join
 from ..remote import Remote
 from .steps import HostFacts
