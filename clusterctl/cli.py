@@ -38,7 +38,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from .ops import plan_for
     from .spec import load_spec
 
-    spec = load_spec(args.spec)
+    spec = load_spec(args.spec, layout=False)  # plan_for lays it out (once) and reports its problems
     plan = plan_for(spec)
     out.print(
         f"{escape(args.spec)}: valid: job {spec.name} ({spec.job.mode}), {len(plan.hosts)} host(s), "
@@ -69,7 +69,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .ops import plan_for
     from .spec import load_spec
 
-    plan = plan_for(load_spec(args.spec))
+    plan = plan_for(load_spec(args.spec, layout=False))
     if args.json:
         sys.stdout.write(dumps_plan(plan.to_json(expand=args.expand)))
         return 0

@@ -211,8 +211,8 @@ def deal_shards(names: list[str], trainers: int) -> list[list[str]]:
 def _reuse_last(fn):
     """Return the previous plan when asked again for the same spec object, hosts and data files.
 
-    Loading a spec lays out its plan once to check it (clusterctl.spec.checks), and the command then asks
-    for the same plan: with 10,000 processes that second layout cost as much as the first. The key is the hosts that
+    A caller that loads a spec with its layout check (clusterctl.spec.checks; commands skip it and lay out
+    once) and then asks for the same plan gets it without a second layout (0.3 s at 10,000 processes). The key is the hosts that
     `resolved` makes (with `ssh.config: none`, what ssh would resolve is what no resolution gives).
     Specs are frozen; the plan returned is shared between such callers, so nobody may modify it (its
     env dicts included).

@@ -77,7 +77,7 @@ def load_plan(path: str) -> "tuple[ClusterSpec | None, JobPlan, SshOptions]":
             spec_bytes: bytes | None = fh.read()
     except OSError:
         spec_bytes = None  # load_spec reports it
-    spec = load_spec(path)
+    spec = load_spec(path, layout=False)  # laid out once, just below (PlanErrors at their keys there)
     _refuse_slurm(spec)
     data_files = _data_files(spec)
     plan = _plan_for(spec, data_files)

@@ -42,8 +42,9 @@ def _slurm_problems(loc: Located, source: str, spec: ClusterSpec) -> list[SpecPr
     return problems
 
 
-def semantic_problems(loc: Located, source: str, spec: ClusterSpec) -> list[SpecProblem]:
-    """What is wrong with a well-typed `spec`: Slurm's constraints, hosts, pservers, then its plan's layout."""
+def semantic_problems(loc: Located, source: str, spec: ClusterSpec, *, layout: bool = True) -> list[SpecProblem]:
+    """What is wrong with a well-typed `spec`: Slurm's constraints, hosts, pservers, then (with `layout`)
+    its plan's layout."""
     problems = _slurm_problems(loc, source, spec)
     if problems:
         return problems
@@ -70,7 +71,7 @@ def semantic_problems(loc: Located, source: str, spec: ClusterSpec) -> list[Spec
         problems.append(problem(loc, source, ("job", "pservers"), "pserver mode needs at least one pserver"))
     if spec.job.mode == "collective" and _pserver_count(spec) > 0:
         problems.append(problem(loc, source, ("job", "pservers"), "collective mode runs no pservers; set mode: pserver"))
-    if problems:
+    if problems or not layout:
         return problems
     try:
         make_plan(spec)

@@ -25,8 +25,12 @@ PASSWORD_KEY_RE = re.compile(r"(^|[_-])(password|passwd|passphrase|pass)$", re.I
 MAX_HOSTFILE_BYTES = 1 << 20
 
 
-def load_spec(path: str | Path) -> ClusterSpec:
-    """Read, parse and validate the spec at `path`; raise SpecError with every problem found."""
+def load_spec(path: str | Path, *, layout: bool = True) -> ClusterSpec:
+    """Read, parse and validate the spec at `path`; raise SpecError with every problem found.
+
+    layout=False leaves out the one check that lays out the plan (ports, endpoints, GPUs): for callers
+    that plan the spec next (clusterctl.ops.plan_for reports the same problems at the same keys), so that
+    a command lays out its plan once."""
     path = Path(path)
     try:
         with path.open("rb") as f:
@@ -38,11 +42,12 @@ def load_spec(path: str | Path) -> ClusterSpec:
         raise SpecError([SpecProblem(str(path), 1, 1, "", f"cannot read spec: {exc.strerror or exc}")]) from None
     except UnicodeDecodeError:
         raise SpecError([SpecProblem(str(path), 1, 1, "", "spec is not UTF-8 text")]) from None
-    return parse_spec(text, str(path))
+    return parse_spec(text, str(path), layout=layout)
 
 
-def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
-    """Validate spec `text` (named `source` in messages); raise SpecError with every problem found."""
+def parse_spec(text: str, source: str = "<spec>", *, layout: bool = True) -> ClusterSpec:
+    """Validate spec `text` (named `source` in messages); raise SpecError with every problem found
+    (layout: as in load_spec)."""
     try:
         loc = load_located(text)
     except YamlSyntaxError as exc:
@@ -77,7 +82,7 @@ def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
         raise SpecError(sorted(dedupe(problems), key=lambda p: (p.file != source, p.line, p.column))) from None
     if provision is not None:
         object.__setattr__(spec, "provision", provision)  # frozen model: set once, here
-    problems += semantic_problems(loc, source, spec)
+    problems += semantic_problems(loc, source, spec, layout=layout)
     if problems:
         raise SpecError(problems)
     return spec
