@@ -18,7 +18,7 @@ from ..errors import ClusterctlError, HostFailure, JobError, RemoteError
 from ..plan import Host, JobPlan, factor_env
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote
-from ..host.jobfile import build_job, coordinator_entry, process_entry
+from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
 from ..host.states import ACTIVE_JOB_STATES, JobState
 from . import Session
 from .hosttools import ensure_tools, install_on, tool_argv, tool_command
@@ -50,7 +50,7 @@ def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, d
     """
     if plan.mpi is not None:
         return {plan.mpi.host: _mpi_job_file(plan, homes[plan.mpi.host])}
-    ctl_addr, ctl_port = plan.control_endpoint.rsplit(":", 1)
+    ctl_addr, ctl_port = parse_endpoint(plan.control_endpoint)  # an IPv6 address without its brackets
     pserver_eps = [p.endpoint for p in plan.pservers]
     files = {}
     for host in plan.hosts:
