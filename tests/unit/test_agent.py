@@ -1,4 +1,4 @@
-"""Tests for clusterctl/agent.py with real processes on 127.0.0.1.
+"""Tests for clusterctl/host (the agent) with real processes on 127.0.0.1.
 
 Several "hosts" are simulated on one machine: each has its own job dir and host
 label, and they share one job id and one coordinator (an ephemeral port).  The agent

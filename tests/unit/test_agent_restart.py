@@ -1,4 +1,4 @@
-"""Restarts in clusterctl/agent.py (job keys `restarts`, `restart_backoff`), with real processes on 127.0.0.1.
+"""Restarts in clusterctl/host (the agent) (job keys `restarts`, `restart_backoff`), with real processes on 127.0.0.1.
 
 Same simulated hosts as tests/unit/test_agent.py: one job dir and host label per "host", one coordinator.
 """
