@@ -7,14 +7,17 @@ session cluster, CLI runs, the orphan finder run inside the nodes) are in tests/
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import socket
 import sys
+import time
+import threading
 from pathlib import Path
 
-__all__ = ["MPIEXEC", "free_port", "free_ports", "free_port_base", "job_pids"]
+__all__ = ["MPIEXEC", "free_port", "free_ports", "free_port_base", "job_pids", "FakeCoordinator"]
 
 # MPICH's mpiexec from the `mpich` wheel next to the interpreter, else one on PATH; None: the MPI tests skip.
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
@@ -78,3 +81,43 @@ def job_pids(job: str) -> list[int]:
         if needle in env:
             found.append(int(name))
     return found
+
+
+class FakeCoordinator:
+    """Listens on a job's coordinator port as an agent's coordinator would not: challenges every connection
+    (protocol `version`), records what the peer answers in `received`, then sends `after` (e.g. a forged
+    welcome and stop). `connections` counts the connections it took."""
+
+    def __init__(self, port: int, *, version: int = 2, after: bytes = b"", timeout: float = 2.0):
+        self.srv = socket.create_server(("127.0.0.1", port))
+        self.srv.settimeout(0.2)
+        self.version, self.after, self.timeout = version, after, timeout
+        self.received, self.connections, self.stop = b"", 0, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        """Accept, challenge, read one line, send `after`; until close()."""
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.srv.accept()
+            except socket.timeout:
+                continue
+            self.connections += 1
+            with conn:
+                conn.settimeout(self.timeout)
+                try:
+                    challenge = {"type": "challenge", "version": self.version, "nonce": "ab" * 32}
+                    conn.sendall(json.dumps(challenge).encode() + b"\n")
+                    self.received += conn.makefile("rb").readline()
+                    if self.after:
+                        conn.sendall(self.after)
+                        time.sleep(0.1)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        """Stop listening."""
+        self.stop.set()
+        self.thread.join(5)
+        self.srv.close()

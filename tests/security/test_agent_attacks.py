@@ -7,15 +7,13 @@ import json
 import socket
 import stat
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
-from helpers import free_port  # noqa: E402
+from helpers import FakeCoordinator, free_port  # noqa: E402
 from test_agent import TOKEN, Cluster, coordinator, launch, proc, status, terminal, wait_for  # noqa: E402
 
 
@@ -84,40 +82,10 @@ def test_connection_churn_is_counted_and_its_log_lines_rate_limited(cluster):
     assert stat.S_IMODE(log.stat().st_mode) == 0o600
 
 
-class Impostor:
+def Impostor(port):
     """Listens on the coordinator's port: sends a challenge, records the hello, forges a stop."""
-
-    def __init__(self, port):
-        self.srv = socket.create_server(("127.0.0.1", port))
-        self.srv.settimeout(0.2)
-        self.received = b""
-        self.connections = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self):
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.srv.accept()
-            except socket.timeout:
-                continue
-            self.connections += 1
-            with conn:
-                conn.settimeout(2)
-                try:
-                    conn.sendall(json.dumps({"type": "challenge", "version": 2, "nonce": "ab" * 32}).encode() + b"\n")
-                    self.received += conn.makefile("rb").readline()
-                    conn.sendall(b'{"type": "welcome", "job": "x", "proof": "' + b"0" * 64 + b'"}\n'
-                                 b'{"type": "stop", "state": "failed", "reason": "impostor says stop"}\n')
-                    time.sleep(0.1)
-                except OSError:
-                    pass
-
-    def close(self):
-        self.stop.set()
-        self.thread.join(5)
-        self.srv.close()
+    return FakeCoordinator(port, after=b'{"type": "welcome", "job": "x", "proof": "' + b"0" * 64 + b'"}\n'
+                                       b'{"type": "stop", "state": "failed", "reason": "impostor says stop"}\n')
 
 
 @pytest.mark.timeout(60)

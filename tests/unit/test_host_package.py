@@ -6,10 +6,8 @@ from __future__ import annotations
 import ast
 import enum
 import json
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from clusterctl.host import jobfile, protocol, states
 from clusterctl.host.states import JobState, ProcState
 
 sys.path.insert(0, str(Path(__file__).parent))
+from helpers import FakeCoordinator  # noqa: E402
 from test_agent import AGENT, PY, Cluster, coordinator, free_port, launch, terminal, wait_for  # noqa: E402
 
 HOST = Path(jobfile.__file__).resolve().parent
@@ -89,41 +88,11 @@ def test_version_mismatch_names_both_versions():
             == "protocol version mismatch: this host's agent speaks 2, coordinator 10.0.0.1:29400 sent 3")
 
 
-class _OldCoordinator:
-    """Listens on the coordinator's port and challenges every connection with another protocol version."""
-
-    def __init__(self, port: int, version: int):
-        self.srv = socket.create_server(("127.0.0.1", port))
-        self.srv.settimeout(0.2)
-        self.version, self.stop, self.received = version, threading.Event(), b""
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self):
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.srv.accept()
-            except socket.timeout:
-                continue
-            with conn:
-                conn.settimeout(1)
-                try:
-                    conn.sendall(json.dumps({"type": "challenge", "version": self.version, "nonce": "ab" * 32}).encode() + b"\n")
-                    self.received += conn.makefile("rb").readline()
-                except OSError:
-                    pass
-
-    def close(self):
-        self.stop.set()
-        self.thread.join(5)
-        self.srv.close()
-
-
 @pytest.mark.timeout(60)
 def test_a_peer_refuses_a_coordinator_of_another_protocol_version(cluster):
     job_id = cluster.new_job_id()
     port = free_port()
-    old = _OldCoordinator(port, 1)
+    old = FakeCoordinator(port, version=1, timeout=1)
     try:
         hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "sleep")], coordinator(port, False, 2, 1))
         launch(hB)
