@@ -115,6 +115,15 @@ class PeerRole:
         if not conn.send(hello):
             self._peer_lost("send failed")
 
+    def _rejected(self, msg):
+        """The coordinator refused this host: the job fails here. Its text is the other end's: cut short."""
+        self.rejected = True
+        why = "coordinator rejected this host: %s" % "".join(
+            c if c.isprintable() else "?" for c in str(msg.get("error"))[:200])
+        log(why)
+        self._peer_lost(why)
+        self.decide(JobState.FAILED, why)
+
     def _peer_lost(self, why):
         if self.conn is None:
             return
@@ -154,14 +163,8 @@ class PeerRole:
                 self.ever_connected = True
                 self.lost_since = None
             elif kind == "error" and conn.their_nonce is not None:
-                # unauthenticated, but only the coordinator (or whoever holds its port) sends it;
-                # the text is the other end's, so it is cut short
-                self.rejected = True
-                why = "coordinator rejected this host: %s" % "".join(
-                    c if c.isprintable() else "?" for c in str(msg.get("error"))[:200])
-                log(why)
-                self._peer_lost(why)
-                self.decide(JobState.FAILED, why)
+                # unauthenticated, but only the coordinator (or whoever holds its port) sends it
+                self._rejected(msg)
             else:
                 self.log_bad("impostor", "coordinator %s did not prove the job token (sent %s); closing"
                              % (conn.addr, _brief(kind, 40)))
@@ -170,12 +173,7 @@ class PeerRole:
         if kind == "welcome":
             pass
         elif kind == "error":
-            self.rejected = True
-            why = "coordinator rejected this host: %s" % "".join(
-                c if c.isprintable() else "?" for c in str(msg.get("error"))[:200])
-            log(why)
-            self._peer_lost(why)
-            self.decide(JobState.FAILED, why)
+            self._rejected(msg)
         elif kind == "stop":
             state = msg.get("state") if msg.get("state") in TERMINAL_JOB_STATES else JobState.FAILED
             failure = msg.get("failure") if isinstance(msg.get("failure"), dict) else None

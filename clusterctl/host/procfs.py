@@ -49,14 +49,7 @@ def tagged_processes(job_id, jobdir=None):
     prefix = ("%s=" % JOBDIR_ENV).encode()
     me = os.getpid()
     found = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return found
-    for name in names:
-        if not name.isdigit():
-            continue
-        pid = int(name)
+    for pid in _pids():
         if pid == me:
             continue
         entries = _read_environ(pid)
@@ -76,16 +69,17 @@ def tagged_processes(job_id, jobdir=None):
 def group_members(pgids):
     """{pgid: [pids]} of live (non-zombie) processes in the given groups."""
     out = {}
-    if not pgids:
-        return out
+    for pid in _pids() if pgids else ():
+        st = proc_stat(pid)
+        if st is not None and st[1] in pgids and st[0] not in ("Z", "X", "x"):
+            out.setdefault(st[1], []).append(pid)
+    return out
+
+
+def _pids():
+    """Every pid in /proc now (none when /proc cannot be read)."""
     try:
         names = os.listdir("/proc")
     except OSError:
-        return out
-    for name in names:
-        if not name.isdigit():
-            continue
-        st = proc_stat(int(name))
-        if st is not None and st[1] in pgids and st[0] not in ("Z", "X", "x"):
-            out.setdefault(st[1], []).append(int(name))
-    return out
+        return []
+    return [int(n) for n in names if n.isdigit()]
