@@ -153,23 +153,19 @@ def _install(modules: tuple[str, ...] | list[str]) -> tuple[str, bytes]:
 
 def ensure_tools(remote: Remote, modules: tuple[str, ...], hosts=None, *, check: bool = True) -> dict[str, str]:
     """Make sure each host has the current host package (and single-file tools); one round trip. Returns module → path."""
-    cmd, payload = _install(modules)
-    remote.run(
-        cmd,
-        hosts=hosts,
-        stdin=payload,
-        check=check,
-        timeout=remote.control_timeout,
-        what="installing clusterctl's host tools (needs python3 on the host)",
-    )
+    _run_install(remote, modules, hosts, check)
     return {m: tool_path(m) for m in modules}
 
 
 def install_on(remote: Remote, modules: tuple[str, ...], hosts) -> dict:
     """ensure_tools() that never raises: each host's Result of the install (failed ones: unreachable, or no
     python3), so that a caller can go on with the hosts that have the tools."""
+    return _run_install(remote, modules, hosts, False)
+
+
+def _run_install(remote: Remote, modules: tuple[str, ...], hosts, check: bool) -> dict:
     cmd, payload = _install(modules)
-    return remote.run(cmd, hosts=hosts, stdin=payload, check=False, timeout=remote.control_timeout,
+    return remote.run(cmd, hosts=hosts, stdin=payload, check=check, timeout=remote.control_timeout,
                       what="installing clusterctl's host tools (needs python3 on the host)")
 
 

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..console import err, out, write_line
-from ..host.states import JobState
+from ..host.states import ACTIVE_JOB_STATES, JobState
 from .render import render_status
 
 __all__ = ["add_cli"]
@@ -150,7 +150,7 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
             final = status(session)
             # a host's logs end with its processes; the job's state (the coordinator's verdict) follows shortly
             deadline = time.monotonic() + 30
-            while final.state in ("running", "stopping", "restarting") and time.monotonic() < deadline:
+            while final.state in ACTIVE_JOB_STATES and time.monotonic() < deadline:
                 time.sleep(0.2)
                 final = status(session)
         except KeyboardInterrupt:
