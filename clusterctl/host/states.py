@@ -31,6 +31,7 @@ class JobState(StrEnum):
     LOST = "lost"  # the supervisor is gone and never recorded a terminal state
     UNKNOWN = "unknown"  # no state on the host (never launched there)
     NOT_RUNNING = "not running"  # the controller's fold of every host's state: no state on any host
+    PENDING = "pending"  # backend: slurm: the batch job waits for its allocation
 
 
 class ProcState(StrEnum):
@@ -42,6 +43,7 @@ class ProcState(StrEnum):
     FAILED = "failed"
     STOPPED = "stopped"  # ended by a stop (or never started because of one)
     LOST = "lost"  # was running when its supervisor died, and is gone
+    NOT_STARTED = "not started"  # backend: slurm: its srun step never began
 
 
 class HostState(StrEnum):

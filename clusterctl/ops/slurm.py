@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import ClusterctlError, JobError
+from ..host.states import JobState, ProcState
 from ..plan import Host, JobPlan
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote, SshOptions
@@ -40,9 +41,9 @@ RECORD_DIR = ".clusterctl/slurm"  # on the login node, relative to its home
 WAIT_PSERVERS_S = 120.0
 STOP_WAIT_S = 30.0
 _LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
-_STATES = {"PENDING": "pending", "CONFIGURING": "pending", "REQUEUED": "pending", "RUNNING": "running",
-           "SUSPENDED": "running", "RESIZING": "running", "COMPLETING": "stopping", "COMPLETED": "succeeded",
-           "CANCELLED": "stopped"}
+_STATES = {"PENDING": JobState.PENDING, "CONFIGURING": JobState.PENDING, "REQUEUED": JobState.PENDING,
+           "RUNNING": JobState.RUNNING, "SUSPENDED": JobState.RUNNING, "RESIZING": JobState.RUNNING,
+           "COMPLETING": JobState.STOPPING, "COMPLETED": JobState.SUCCEEDED, "CANCELLED": JobState.STOPPED}
 
 
 class SlurmError(ClusterctlError):
@@ -153,7 +154,7 @@ def _fields(line: str) -> dict[str, str]:
 def slurm_state(state: str) -> str:
     """Our job state for Slurm's JobState word (pure)."""
     word = state.split()[0].rstrip("+") if state else ""
-    return _STATES.get(word, "failed" if word else "not running")
+    return _STATES.get(word, JobState.FAILED if word else JobState.NOT_RUNNING)
 
 
 # ------------------------------------------------------------------------------------- login node
@@ -311,21 +312,21 @@ def process_rows(state: str, found: dict) -> list[ProcessStatus]:
     rows = []
     steps = found.get("steps") or {}
     for p in found.get("processes", []):
-        if state in ("running", "stopping") and found.get("state") == "running":
-            pstate, code = "running", None
+        if state in (JobState.RUNNING, JobState.STOPPING) and found.get("state") == JobState.RUNNING:
+            pstate, code = ProcState.RUNNING, None
         elif p["role"] in steps:
             step = steps[p["role"]]
             codes = step.get("tasks") or {}  # srun's reports of tasks that ended badly, first one first
             first = next(iter(codes), None)
             code = codes.get(str(p["id"]), 0 if step["code"] == 0 or codes else None)
             if code == 0:
-                pstate = "exited"
-            elif step["stopped"] or state == "stopped" or (str(p["id"]) != first and code in (137, 143)):
-                pstate = "stopped"  # by us, by scancel, or by srun's kill-on-bad-exit after the first failure
+                pstate = ProcState.EXITED
+            elif step["stopped"] or state == JobState.STOPPED or (str(p["id"]) != first and code in (137, 143)):
+                pstate = ProcState.STOPPED  # by us, by scancel, or by srun's kill-on-bad-exit after the first failure
             else:
-                pstate = "failed"
+                pstate = ProcState.FAILED
         else:
-            pstate, code = ("stopped" if state == "stopped" else "not started"), None
+            pstate, code = (ProcState.STOPPED if state == JobState.STOPPED else ProcState.NOT_STARTED), None
         rows.append(ProcessStatus(p["node"], p["role"], p["id"], None, pstate, code, None))
     return rows
 
@@ -340,17 +341,17 @@ def _batch_tail(spec: ClusterSpec, plan: JobPlan, host: Host, job_id: str, lines
 def _status(spec: ClusterSpec, plan: JobPlan, remote: Remote, login: Host) -> JobStatus:
     record = _read_record(remote, login, plan)
     if record is None:
-        return JobStatus(plan.job, "not running", "never submitted from this login node")
+        return JobStatus(plan.job, JobState.NOT_RUNNING, "never submitted from this login node")
     sj = _query(remote, login, str(record["slurm_job"]))
     if sj is None:
-        return JobStatus(plan.job, "unknown", f"Slurm job {record['slurm_job']} is no longer known to Slurm")
+        return JobStatus(plan.job, JobState.UNKNOWN, f"Slurm job {record['slurm_job']} is no longer known to Slurm")
     state = slurm_state(sj.state)
     where = f" on {','.join(sj.nodes)}" if sj.nodes else ""
     reason = f"Slurm job {sj.id} {sj.state} (exit {sj.exit_code}){where}" + (f": {sj.reason}" if sj.reason else "")
     procs: list[ProcessStatus] = []
-    log_host = _log_host(spec, remote, login, sj) if state != "pending" else None
+    log_host = _log_host(spec, remote, login, sj) if state != JobState.PENDING else None
     found = _read_state_file(spec, plan, log_host) if log_host else None
-    if log_host and state == "failed" and not (found and found.get("slurm_job") == sj.id):
+    if log_host and state == JobState.FAILED and not (found and found.get("slurm_job") == sj.id):
         tail = _batch_tail(spec, plan, log_host, sj.id)  # the batch program itself failed early
         reason += f"; slurm-{sj.id}.out ends: {tail}" if tail else ""
     if found and found.get("slurm_job") == sj.id:

@@ -10,6 +10,7 @@ from rich.markup import escape
 
 from ..console import err, out, write_line
 from ..errors import JobError
+from ..host.states import JobState
 from ..spec import ClusterSpec, load_spec
 
 __all__ = ["load", "is_slurm", "run_dispatch", "run_start", "run_status", "run_logs", "run_stop"]
@@ -106,15 +107,15 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
     if not follow:
         return 0
     try:
-        while (st := status(s, plan)).state == "pending":
+        while (st := status(s, plan)).state == JobState.PENDING:
             time.sleep(0.5)
-        if st.state not in ("unknown", "not running"):
+        if st.state not in (JobState.UNKNOWN, JobState.NOT_RUNNING):
             try:
                 logs(s, plan, on_line=_raw_line, follow=True)
             except JobError as exc:  # e.g. the batch program failed before writing any state
                 err.print(f"[yellow]{escape(str(exc))}[/]")
         deadline = time.monotonic() + 60
-        while (st := status(s, plan)).state in ("running", "stopping") and time.monotonic() < deadline:
+        while (st := status(s, plan)).state in (JobState.RUNNING, JobState.STOPPING) and time.monotonic() < deadline:
             time.sleep(0.5)
     except KeyboardInterrupt:
         from .slurm import stop
@@ -126,4 +127,4 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
         render_status(st)
     else:
         out.print(f"job {escape(st.job)}: {escape(st.state)}" + (f" ({escape(st.reason)})" if st.reason else ""))
-    return 0 if st.state == "succeeded" else 1
+    return 0 if st.state == JobState.SUCCEEDED else 1
