@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .fields import _Model, _scalar_str
+from .fields import _Model, _scalar_str, check_address
 
 __all__ = ["KubernetesSpec", "KubernetesVolumeSpec", "SlurmSpec"]
 
@@ -94,6 +94,7 @@ class SlurmSpec(_Model):
     @field_validator("login")
     @classmethod
     def _login(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+", v):
-            raise ValueError(f"not a host name, ssh alias or IP address: {v!r}")
-        return v
+        try:
+            return check_address(v)  # as every host address: never read by ssh as an option
+        except ValueError:
+            raise ValueError(f"not a host name, ssh alias or IP address: {v!r}") from None
