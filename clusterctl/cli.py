@@ -35,8 +35,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from .console import out
+    from .backends import load_spec
     from .ops import plan_for
-    from .spec import load_spec
 
     spec = load_spec(args.spec, layout=False)  # plan_for lays it out (once) and reports its problems
     plan = plan_for(spec)
@@ -66,8 +66,8 @@ def dumps_plan(doc: dict) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan as a table (summarised when large) or as JSON."""
+    from .backends import load_spec
     from .ops import plan_for
-    from .spec import load_spec
 
     plan = plan_for(load_spec(args.spec, layout=False))
     if args.json:
@@ -129,7 +129,7 @@ class _UsageError(ClusterctlError):
 
 def cmd_exec(args: argparse.Namespace) -> int:
     """Run a command on every host; exit with the worst host's exit code."""
-    from .ops import open_session
+    from .backends import ssh_session
     from .ops.execute import execute, worst_exit_code
 
     argv = args.argv
@@ -149,7 +149,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
         argv = argv[cut + 1:]
     if not argv:
         raise ClusterctlError("exec needs a command after --, e.g. clusterctl exec cluster.yaml -- hostname")
-    with open_session(args.spec) as session:
+    with ssh_session(args.spec) as session:
         width = max(len(h.label) for h in session.plan.hosts)
         results = execute(session.remote, argv, on_line=LinePrinter(width), timeout=args.timeout)
     for host, res in results.items():

@@ -68,9 +68,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo end to end; exit 0 when every trainer converged (loss < 10)."""
     from . import testcluster as tc
     from .cli import cmd_plan
-    from .ops import open_session
-    from .ops.dispatch import dispatch
-    from .ops.job import logs, start, status, stop
+    from .backends import open_backend
     from .ops.lifecycle_cli import _stop_after_interrupt, render_status
     from .ops.provision_cli import cmd_provision
     from .progress import Progress
@@ -96,10 +94,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return code
     t_provision = time.monotonic() - t0
 
-    with open_session(str(spec_path)) as session:
+    with open_backend(str(spec_path)) as backend:
         out.print(Rule("3. dispatch the workspace (incremental, atomic)"))
         t0 = time.monotonic()
-        sent = dispatch(session)
+        sent = backend.dispatch()
         out.print(
             f"{sum(d.files_sent for d in sent)} file(s), {sum(d.bytes_sent for d in sent):,} bytes to "
             f"{len(sent)} hosts in {time.monotonic() - t0:.1f}s"
@@ -109,26 +107,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
         progress = Progress()
         t0 = time.monotonic()
         try:
-            stop(session)  # a previous demo interrupted half way leaves nothing behind
-            start(session)
+            backend.stop()  # a previous demo interrupted half way leaves nothing behind
+            backend.start()
             with Live(progress.table("training"), console=out, refresh_per_second=8, transient=True) as live:
 
                 def on_line(host, stream, line):
                     if progress.feed(line):
                         live.update(progress.table("training"))
 
-                logs(session, on_line=on_line, follow=True)
-            final = status(session)
+                backend.logs(on_line=on_line, follow=True)
+            final = backend.status()
         except KeyboardInterrupt:
-            return _stop_after_interrupt(session)
+            return _stop_after_interrupt(backend)
         t_train = time.monotonic() - t0
 
         out.print(Rule("5. result"))
         out.print(progress.table(f"fit_a_line: job {final.state} in {t_train:.1f}s"))
         render_status(final)
         out.print(Rule("6. stop"))
-        results = stop(session)
-        left = any(r.get("was_running") for r in results.values())
+        left = backend.stop().was_running
         out.print("stopped the remaining processes" if left else "nothing left to stop: pservers exited when the trainers finished")
 
     losses = [progress.trainers[t].loss for t in sorted(progress.trainers) if progress.trainers[t].loss is not None]

@@ -147,6 +147,8 @@ class JobPlan:
     mpi: MpiLaunch | None = None
     restarts: int = 0
     restart_backoff: float = 1.0
+    auth: str = "token"  # job.auth: "none" runs the job's servers unauthenticated
+    backend: str = "ssh"  # where the job runs (clusterctl.backends)
 
     @functools.cached_property
     def trainers(self) -> tuple[Process, ...]:
@@ -367,6 +369,8 @@ def make_plan(
         mpi=mpi,
         restarts=job.restarts,
         restart_backoff=job.restart_backoff,
+        auth=job.auth,
+        backend=spec.backend,
     )
 
 

@@ -8,6 +8,7 @@ its own module, imported only when it runs (``status`` never imports the supervi
 Subcommands (each prints exactly one JSON object on stdout, except ``logs``)::
 
     launch JOBFILE                 start the supervisor daemon for the job
+    run JOBFILE                    run the supervisor in the foreground (Slurm tasks, Kubernetes pods)
     status JOBDIR                  job and per-process state
     stop JOBDIR [--grace S]        SIGTERM groups, SIGKILL after grace, sweep by environ
     preflight JOBFILE              ports / entrypoints / log dirs problems
@@ -81,6 +82,10 @@ def build_parser():
     s = sub.add_parser("launch", help="start the job's supervisor on this host")
     s.add_argument("jobfile")
     s.set_defaults(func=("launch", "cmd_launch"))
+
+    s = sub.add_parser("run", help="run the job's supervisor in the foreground (exit code: the job's outcome)")
+    s.add_argument("jobfile")
+    s.set_defaults(func=("launch", "cmd_run"))
 
     s = sub.add_parser("status", help="job state on this host")
     s.add_argument("jobdir")

@@ -19,6 +19,10 @@ RESTART_ENV = ("CLUSTERCTL_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
 # the job's processes' shared secret (pserver / PMI authentication), derived from the coordinator token;
 # passed in the environment only (never argv, never logged)
 TOKEN_ENV = "CLUSTERCTL_JOB_TOKEN"
+# set to "none" (instead of a token) in the processes of a job whose spec says `job.auth: none` in so many
+# words: the job's servers (pserver, PMI) then serve unauthenticated; without either they refuse to serve
+AUTH_ENV = "CLUSTERCTL_AUTH"
+AUTH_MODES = ("token", "none")
 
 ROLES = ("pserver", "trainer")
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -46,13 +50,16 @@ def coordinator_entry(address, port, token, is_coordinator, hosts, trainers_tota
 
 
 def build_job(job, host, processes, state_root, on_failure="stop", grace=10.0, restarts=0, restart_backoff=1.0,
-              start_trainers_after=_ABSENT, coordinator=_ABSENT, env=_ABSENT):
+              start_trainers_after=_ABSENT, coordinator=_ABSENT, env=_ABSENT, auth="token", token=None):
     """A job file (dict, for json.dumps) for one host, checked by the host's own validator; raise ValueError.
 
     The optional sections are written only when given (`start_trainers_after` may be given as None).
+    `token` is the job's secret (the processes get a key derived from it); `auth: none` runs without one.
     """
     out = {"job": job, "host": host, "state_root": state_root, "on_failure": on_failure, "grace": grace,
-           "restarts": restarts, "restart_backoff": restart_backoff}
+           "restarts": restarts, "restart_backoff": restart_backoff, "auth": auth}
+    if token is not None:
+        out["token"] = token
     if start_trainers_after is not _ABSENT:
         out["start_trainers_after"] = start_trainers_after
     if coordinator is not _ABSENT:
@@ -122,6 +129,12 @@ def validate_job(raw, source):
     job["grace"] = _num("%s: grace" % source, raw.get("grace", 10))
     job["restarts"] = _int("%s: restarts" % source, raw.get("restarts", 0))
     job["restart_backoff"] = _num("%s: restart_backoff" % source, raw.get("restart_backoff", 1.0))
+    job["auth"] = raw.get("auth", "token")
+    if job["auth"] not in AUTH_MODES:
+        raise InputError("%s: auth: must be one of %s, got %r" % (source, "/".join(AUTH_MODES), job["auth"]))
+    job["token"] = raw.get("token")
+    if job["token"] is not None:
+        _str("%s: token" % source, job["token"])
 
     shared_env = raw.get("env", {})  # what all processes share, written once; a process's own env adds to it
     if not isinstance(shared_env, dict) or not all(

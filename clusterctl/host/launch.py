@@ -30,9 +30,9 @@ def _close_fds(keep):
                     raise
 
 
-def cmd_launch(args):
-    """Validate the job, daemonize a supervisor, report the spawned pids."""
-    jobfile = os.path.abspath(args.jobfile)
+def _claim(jobfile):
+    """Load the job file and take its job dir for a new supervisor: (job, jobdir, lock fd), or (job, jobdir,
+    refusal) when a supervisor or a process of the job is still there (the refusal is the JSON reply)."""
     job = load_job(jobfile)
     jobdir = os.path.dirname(jobfile)
     try:
@@ -42,25 +42,49 @@ def cmd_launch(args):
     try:
         fcntl.flock(lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
+        os.close(lockfd)
         state = read_state_or_none(jobdir) or {}
-        emit({"ok": False, "error": "job %s already has a supervisor in %s (pid %s)" % (
-            job["job"], jobdir, (state.get("supervisor") or {}).get("pid")), "pids": {}, "jobdir": jobdir})
-        return 1
+        return job, jobdir, {"ok": False, "error": "job %s already has a supervisor in %s (pid %s)" % (
+            job["job"], jobdir, (state.get("supervisor") or {}).get("pid")), "pids": {}, "jobdir": jobdir}
     prev = read_state_or_none(jobdir)  # a corrupt one: the lock above proves no supervisor holds the dir
     if prev is not None and supervisor_alive(prev):
-        emit({"ok": False, "error": "job %s already has a supervisor in %s (pid %s)" % (
-            job["job"], jobdir, prev["supervisor"]["pid"]), "pids": {}, "jobdir": jobdir})
-        return 1
+        os.close(lockfd)
+        return job, jobdir, {"ok": False, "error": "job %s already has a supervisor in %s (pid %s)" % (
+            job["job"], jobdir, prev["supervisor"]["pid"]), "pids": {}, "jobdir": jobdir}
     lingering = tagged_processes(job["job"], jobdir)
     if lingering:
-        emit({"ok": False, "pids": {}, "jobdir": jobdir, "error": "job %s still has %d process(es) on this host "
-              "(pids %s); run 'stop' first" % (job["job"], len(lingering), sorted(lingering))})
-        return 1
+        os.close(lockfd)
+        return job, jobdir, {"ok": False, "pids": {}, "jobdir": jobdir, "error": "job %s still has %d process(es) "
+                             "on this host (pids %s); run 'stop' first" % (job["job"], len(lingering), sorted(lingering))}
     for name in (STATE_FILE, STOP_REQUEST):
         try:
             os.unlink(os.path.join(jobdir, name))
         except FileNotFoundError:
             pass
+    return job, jobdir, lockfd
+
+
+def cmd_run(args):
+    """Run the job's supervisor in the foreground (a Slurm task, a Kubernetes pod's main process): its log
+    on stderr, the exit code the job's outcome (0: succeeded, 1: anything else, 2: bad input)."""
+    job, jobdir, lock = _claim(os.path.abspath(args.jobfile))
+    if isinstance(lock, dict):
+        emit(lock)
+        return 1
+    try:
+        sup = Supervisor(job, jobdir)
+        sup.run()
+        return 0 if sup.state == "succeeded" else 1
+    finally:
+        os.close(lock)
+
+
+def cmd_launch(args):
+    """Validate the job, daemonize a supervisor, report the spawned pids."""
+    job, jobdir, lockfd = _claim(os.path.abspath(args.jobfile))
+    if isinstance(lockfd, dict):
+        emit(lockfd)
+        return 1
     logpath = os.path.join(jobdir, SUPERVISOR_LOG)
     rfd, wfd = os.pipe()
     sys.stdout.flush()

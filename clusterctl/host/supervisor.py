@@ -16,7 +16,7 @@ import time
 from .common import log
 from .coordinator import PEER_DONE_LINGER, CoordinatorRole
 from .jobdir import STATE_FILE, STOP_REQUEST, write_json_atomic
-from .jobfile import DEFAULT_TIMINGS, RESTART_ENV, ROLES, TOKEN_ENV, parse_endpoint
+from .jobfile import AUTH_ENV, DEFAULT_TIMINGS, RESTART_ENV, ROLES, TOKEN_ENV, parse_endpoint
 from .peer import PeerRole
 from .procfs import proc_stat
 from .protocol import PROTOCOL_VERSION, LogLimiter, PeerProtocolError, _brief
@@ -39,9 +39,13 @@ class Supervisor(CoordinatorRole, PeerRole):
         self.grace = job["grace"]
         self.coord = job["coordinator"]
         self.is_coord = self.coord is None or self.coord["is_coordinator"]
-        if self.coord is not None:  # the processes' shared secret (pserver / PMI auth): in their environment only
-            for p in job["processes"]:
-                p["env"][TOKEN_ENV] = process_token(self.coord["token"])
+        # the processes' shared secret (pserver / PMI auth): in their environment only, or `auth: none` said so
+        token = job.get("token") or (self.coord or {}).get("token")
+        for p in job["processes"]:
+            if job.get("auth") == "none":
+                p["env"][AUTH_ENV] = "none"
+            elif token:
+                p["env"][TOKEN_ENV] = process_token(token)
         self.timing = dict(DEFAULT_TIMINGS)
         if self.coord is not None:
             self.timing.update({k: self.coord[k] for k in DEFAULT_TIMINGS})

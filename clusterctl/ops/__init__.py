@@ -7,7 +7,6 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from ..errors import ClusterctlError
 from ..plan import JobPlan
 from ..remote import Remote, SshOptions
 from .session import Session
@@ -60,10 +59,13 @@ def _dotted(path: tuple) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(path))
 
 
-def load_plan(path: str) -> "tuple[ClusterSpec | None, JobPlan, SshOptions]":
+def load_plan(path: str, *, check=None) -> "tuple[ClusterSpec | None, JobPlan, SshOptions]":
     """The spec at `path`, its plan and connection options: from clusterctl.plancache when the spec and
     everything it reads are unchanged since a command last planned it (the spec is then None: neither the
-    spec models nor `ssh -G` were needed), else loaded and validated as always and kept for next time."""
+    spec models nor `ssh -G` were needed), else loaded and validated as always and kept for next time.
+
+    `check(spec)` (the backend's problems, clusterctl.backends) runs on a freshly loaded spec before its plan
+    is kept: a plan in the cache passed it."""
     from .. import plancache
 
     cached = plancache.load(path)
@@ -77,8 +79,7 @@ def load_plan(path: str) -> "tuple[ClusterSpec | None, JobPlan, SshOptions]":
             spec_bytes: bytes | None = fh.read()
     except OSError:
         spec_bytes = None  # load_spec reports it
-    spec = load_spec(path, layout=False)  # laid out once, just below (PlanErrors at their keys there)
-    _refuse_slurm(spec)
+    spec = load_spec(path, layout=False, check=check)  # laid out once, just below (PlanErrors at their keys there)
     data_files = _data_files(spec)
     plan = _plan_for(spec, data_files)
     options = SshOptions.from_spec(spec)
@@ -87,23 +88,20 @@ def load_plan(path: str) -> "tuple[ClusterSpec | None, JobPlan, SshOptions]":
     return spec, plan, options
 
 
-def _refuse_slurm(spec: "ClusterSpec") -> None:
-    """SSH operations need SSH hosts: a Slurm spec's hosts are placeholders until its job runs (ops/slurm.py)."""
-    if spec.backend == "slurm":
-        raise ClusterctlError(f"{spec.source}: this command works on SSH hosts; with backend: slurm use "
-                              "dispatch, start, status, logs or stop")
-
-
 @contextmanager
-def open_session(spec_or_path: "str | ClusterSpec"):
-    """Load (if given a path: through load_plan's cache) and plan a spec, open a Remote to its hosts,
-    close it afterwards."""
+def open_session(spec_or_path: "str | ClusterSpec", *, check=None, transport=None):
+    """Load (if given a path: through load_plan's cache) and plan a spec, open a Remote to its hosts (over
+    `transport`, default the OpenSSH client), close it afterwards. `check(spec)` as for load_plan; commands
+    open sessions through clusterctl.backends.ssh_session, which passes the backend's."""
     if isinstance(spec_or_path, (str, os.PathLike)):
         path: str | None = str(spec_or_path)
-        spec, plan, options = load_plan(path)
+        spec, plan, options = load_plan(path, check=check)
     else:
         path, spec = None, spec_or_path
-        _refuse_slurm(spec)
+        if check is not None and check(spec):
+            from ..errors import SpecError
+
+            raise SpecError(check(spec))
         plan, options = plan_for(spec), SshOptions.from_spec(spec)
-    with Remote(plan.hosts, options) as remote:
+    with Remote(plan.hosts, options, transport=transport) as remote:
         yield Session(spec, plan, remote, spec_path=path)

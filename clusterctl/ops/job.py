@@ -12,7 +12,6 @@ import json
 import posixpath
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from ..errors import ClusterctlError, HostFailure, JobError, RemoteError
 from ..plan import Host, JobPlan, factor_env
@@ -20,6 +19,7 @@ from ..quoting import join, quote
 from ..remote import LineCallback, Remote
 from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
 from ..host.states import ACTIVE_JOB_STATES, JobState
+from ..host.status import JobStatus, ProcessStatus, overall_state
 from . import Session
 from .hosttools import ensure_tools, install_on, tool_argv, tool_command
 
@@ -49,7 +49,7 @@ def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, d
     Built with clusterctl/host/jobfile.py's `build_job`, which checks each file with the agent's own validator.
     """
     if plan.mpi is not None:
-        return {plan.mpi.host: _mpi_job_file(plan, homes[plan.mpi.host])}
+        return {plan.mpi.host: _mpi_job_file(plan, homes[plan.mpi.host], token)}
     ctl_addr, ctl_port = parse_endpoint(plan.control_endpoint)  # an IPv6 address without its brackets
     pserver_eps = [p.endpoint for p in plan.pservers]
     files = {}
@@ -76,11 +76,13 @@ def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, d
                 ctl_addr, int(ctl_port), token, host == plan.hosts[0], len(plan.hosts), len(plan.trainers)
             ),
             env=shared_env,
+            auth=plan.auth,
+            token=token,
         )
     return files
 
 
-def _mpi_job_file(plan: JobPlan, home: str) -> dict:
+def _mpi_job_file(plan: JobPlan, home: str, token: str) -> dict:
     """`launcher: mpi`: the first host supervises one process, mpiexec, run from the home directory."""
     mpi = plan.mpi
     first = plan.trainers[0]
@@ -94,77 +96,12 @@ def _mpi_job_file(plan: JobPlan, home: str) -> dict:
         grace=plan.grace,
         restarts=plan.restarts,
         restart_backoff=plan.restart_backoff,
+        auth=plan.auth,
+        token=token,
     )
 
 
 # ------------------------------------------------------------------------------------------ status
-
-
-@dataclass(frozen=True)
-class ProcessStatus:
-    """One process as its host's agent reports it."""
-
-    host: str
-    role: str
-    id: int
-    pid: int | None
-    state: str  # running | exited | failed | stopped | lost
-    exit_code: int | None
-    uptime_s: float | None
-    error: str | None = None
-
-
-@dataclass
-class JobStatus:
-    """The whole job: overall state, per-process rows, per-host problems."""
-
-    job: str
-    state: str  # running | restarting | stopping | succeeded | failed | stopped | lost | not running
-    reason: str | None = None
-    processes: list[ProcessStatus] = field(default_factory=list)
-    unreachable: dict[str, str] = field(default_factory=dict)
-    attempt: int = 0  # 0 = the first run; job.restarts bounds it
-    restarts: int = 0
-    attempts: list[dict] = field(default_factory=list)  # {attempt, outcome, reason, started_at, ended_at}, oldest first
-
-    def to_json(self) -> dict:
-        """JSON form for `clusterctl status --json`."""
-        return {
-            "job": self.job,
-            "state": self.state,
-            "reason": self.reason,
-            "attempt": self.attempt,
-            "restarts": self.restarts,
-            "attempts": self.attempts,
-            "processes": [vars(p) for p in self.processes],
-            "unreachable": self.unreachable,
-        }
-
-
-def overall_state(host_states: list[str]) -> str:
-    """Fold per-host job states into the job's state (pure)."""
-    S = JobState
-    states = set(host_states)
-    if not states or states <= {S.UNKNOWN}:
-        return S.NOT_RUNNING
-    live = states & {S.RUNNING, S.STARTING, S.STOPPING, S.RESTARTING}
-    if S.FAILED in states:
-        if not live:
-            return S.FAILED
-        # not over yet: the rest is being stopped (fail-fast) or still working (on_failure: continue)
-        return S.STOPPING if live & {S.STOPPING, S.RESTARTING} else S.RUNNING
-    if S.LOST in states:
-        return S.LOST
-    if live:
-        if live & {S.RUNNING, S.STARTING}:
-            return S.RUNNING
-        # a failed attempt being stopped, or the back-off before the next one
-        return S.RESTARTING if S.RESTARTING in live else S.STOPPING
-    if S.STOPPED in states:
-        return S.STOPPED
-    if states <= {S.SUCCEEDED, S.UNKNOWN}:
-        return S.SUCCEEDED
-    return sorted(states)[0]
 
 
 _HOME_MARK = "clusterctl-home:"

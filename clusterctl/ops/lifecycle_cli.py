@@ -26,24 +26,33 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def cmd_dispatch(args: argparse.Namespace) -> int:
-    """Ship the workspace to every host; print what each host received."""
-    from . import open_session
-    from .dispatch import dispatch
-    from .slurm_cli import load, run_dispatch
+def _open(spec):
+    """The spec's backend (clusterctl.backends): the one object every lifecycle command talks to."""
+    from ..backends import open_backend
 
-    spec = load(args.spec)
-    if spec.backend == "slurm":
-        return run_dispatch(spec)
-    t0 = time.monotonic()
-    with open_session(spec) as session:
-        results = dispatch(session)
-    table = Table(title=f"dispatch ({time.monotonic() - t0:.1f}s)", title_justify="left")
+    return open_backend(spec)
+
+
+def _say(msg: str) -> None:
+    err.print(f"[dim]{escape(msg)}…[/]")
+
+
+def render_dispatch(results, seconds: float) -> None:
+    """What each host received: one row per host."""
+    table = Table(title=f"dispatch ({seconds:.1f}s)", title_justify="left")
     for col in ("host", "files sent", "bytes sent", "deleted", "generation"):
         table.add_column(col)
     for r in results:
         table.add_row(escape(r.host.label), str(r.files_sent), _human(r.bytes_sent), str(r.deleted), r.generation)
     out.print(table)
+
+
+def cmd_dispatch(args: argparse.Namespace) -> int:
+    """Ship the workspace to every host; print what each host received."""
+    t0 = time.monotonic()
+    with _open(args.spec) as backend:
+        results = backend.dispatch(on_progress=_say)
+    render_dispatch(results, time.monotonic() - t0)
     return 0
 
 
@@ -54,16 +63,8 @@ def _raw_line(host, stream, line) -> None:
 
 def run_status(spec, *, as_json: bool = False) -> int:
     """Print the job's status; exit 0 unless a host is unreachable."""
-    from . import slurm_cli
-
-    spec = slurm_cli.load(spec)
-    if spec.backend == "slurm":
-        return slurm_cli.run_status(spec, as_json=as_json)
-    from . import open_session
-    from .job import status
-
-    with open_session(spec) as session:
-        st = status(session)
+    with _open(spec) as backend:
+        st = backend.status()
     if as_json:
         sys.stdout.write(json.dumps(st.to_json(), indent=2) + "\n")
     else:
@@ -71,90 +72,76 @@ def run_status(spec, *, as_json: bool = False) -> int:
     return 1 if st.unreachable else 0
 
 
+def render_stop(report) -> None:
+    """One line: stopped where, how many processes killed; or not running."""
+    where = f" ({escape(report.detail)})" if report.detail else ""
+    if report.was_running:
+        killed = f", {report.killed} process(es) killed" if report.killed else ""
+        out.print(f"job {escape(report.job)} stopped on {report.hosts} host(s){where}{killed}")
+    else:
+        out.print(f"job {escape(report.job)} is not running{where}")
+    for host, pids in report.left.items():
+        err.print(f"[red]{escape(host)}: processes of the job still alive: {escape(str(pids))}[/]")
+
+
 def run_stop(spec) -> int:
     """Stop the job everywhere; say so when it was not running."""
-    from . import slurm_cli
-
-    spec = slurm_cli.load(spec)
-    if spec.backend == "slurm":
-        return slurm_cli.run_stop(spec)
-    from . import open_session
-    from .job import stop
-
-    with open_session(spec) as session:
-        results = stop(session)
-    was_running = any(r.get("was_running") for r in results.values())
-    killed = sum(len(r.get("killed") or []) for r in results.values())
-    if was_running:
-        out.print(f"job {escape(session.plan.job)} stopped on {len(results)} host(s)" + (f" ({killed} process(es) killed)" if killed else ""))
-    else:
-        out.print(f"job {escape(session.plan.job)} is not running")
-    return 0
+    with _open(spec) as backend:
+        report = backend.stop()
+    render_stop(report)
+    return 1 if report.left else 0
 
 
 def run_logs(spec, *, follow=False, role=None, id=None, host=None, lines=None) -> int:
     """Print `[host role.id] line` for every selected log, optionally following."""
-    from . import slurm_cli
-
-    spec = slurm_cli.load(spec)
-    if spec.backend == "slurm":
-        return slurm_cli.run_logs(spec, follow=follow, role=role, id=id, host=host, lines=lines)
-    from . import open_session
-    from .job import logs
-
-    with open_session(spec) as session:
-        codes = logs(session, on_line=_raw_line, follow=follow, role=role, id=id, host=host, lines=lines)
-    return max(codes.values(), default=0)
+    with _open(spec) as backend:
+        return backend.logs(on_line=_raw_line, follow=follow, role=role, id=id, host=host, lines=lines)
 
 
-def _stop_after_interrupt(session) -> int:
+def _stop_after_interrupt(backend) -> int:
     """Ctrl+C while a job was starting or followed: stop it everywhere through fresh connections."""
-    from . import open_session
-    from .job import status, stop
+    from ..backends import open_backend
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not abort the cleanup
     try:
         err.print("[yellow]interrupted: stopping the job…[/]")
-        session.remote.close()  # ends the follow channels, which hold the worker threads
-        with open_session(session.spec) as fresh:
-            stop(fresh)
-            render_status(status(fresh))
+        backend.close()  # ends the follow channels, which hold the worker threads
+        with open_backend(backend.spec) as fresh:
+            fresh.stop()
+            render_status(fresh.status())
     finally:
         signal.signal(signal.SIGINT, previous)
     return 130
 
 
+# after the logs of a followed job end, how long its verdict (the coordinator's decision) may take to show
+VERDICT_WAIT_S = 30.0
+
+
 def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> int:
     """(Dispatch,) start, print the status; with follow, stream logs until the end and exit with the job's state."""
-    from . import slurm_cli
-
-    spec = slurm_cli.load(spec)
-    if spec.backend == "slurm":
-        return slurm_cli.run_start(spec, dispatch_first=dispatch_first, follow=follow)
-    from . import open_session
-    from .dispatch import dispatch
-    from .job import logs, start, status
-
-    with open_session(spec) as session:
+    with _open(spec) as backend:
         if dispatch_first:
-            sent = dispatch(session)
+            sent = backend.dispatch(on_progress=_say)
             out.print(f"dispatched: {sum(d.files_sent for d in sent)} file(s), {_human(sum(d.bytes_sent for d in sent))}")
         t0 = time.monotonic()
         try:
-            st = start(session, on_progress=lambda m: err.print(f"[dim]{escape(m)}…[/]"))
+            st = backend.start(on_progress=_say)
             out.print(f"started in {time.monotonic() - t0:.1f}s")
             render_status(st)
             if not follow:
                 return 0
-            logs(session, on_line=_raw_line, follow=True)
-            final = status(session)
+            while (st := backend.status()).state == JobState.PENDING:  # a batch job waiting for its allocation
+                time.sleep(0.5)
+            backend.logs(on_line=_raw_line, follow=True)
+            final = backend.status()
             # a host's logs end with its processes; the job's state (the coordinator's verdict) follows shortly
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + VERDICT_WAIT_S
             while final.state in ACTIVE_JOB_STATES and time.monotonic() < deadline:
                 time.sleep(0.2)
-                final = status(session)
+                final = backend.status()
         except KeyboardInterrupt:
-            return _stop_after_interrupt(session)
+            return _stop_after_interrupt(backend)
         render_status(final)
         return 0 if final.state == JobState.SUCCEEDED else 1
 

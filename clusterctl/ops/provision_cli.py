@@ -78,9 +78,9 @@ def cmd_provision(args: argparse.Namespace) -> int:
     from ..errors import ProvisionError
     from ..provision.runner import provision
     from ..provision.steps import selected_steps
-    from . import open_session
+    from ..backends import ssh_session
 
-    with open_session(args.spec) as session:
+    with ssh_session(args.spec) as session:
         if session.spec.provision is None:
             raise ProvisionError(f"{args.spec} has no provision: section (see docs/provisioning.md)")
         steps = selected_steps(session.spec.provision, args.only)
@@ -121,9 +121,9 @@ def cmd_provision(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Check every host and compare them; exit 1 on a problem or a cross-host mismatch."""
     from ..provision.doctor import doctor
-    from . import open_session
+    from ..backends import ssh_session
 
-    with open_session(args.spec) as session:
+    with ssh_session(args.spec) as session:
         report = doctor(session)
     if args.json:
         sys.stdout.write(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")

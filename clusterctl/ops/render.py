@@ -23,7 +23,11 @@ def _styled(state: str) -> str:
 def render_status(st) -> None:
     """Print a job's status as a table plus its overall state."""
     if not st.processes and not st.unreachable:
-        out.print(f"job {escape(st.job)} is not running (no state on any host)")
+        if st.state == JobState.NOT_RUNNING and not st.reason:
+            out.print(f"job {escape(st.job)} is not running (no state on any host)")
+        else:  # e.g. a batch job waiting for its allocation
+            why = f" ({escape(printable(st.reason))})" if st.reason else ""
+            out.print(f"job {escape(st.job)}: {_styled(st.state)}{why}")
         return
     table = Table(title=f"job {st.job}: {_styled(st.state)}", title_justify="left")
     for col in ("host", "role", "id", "pid", "state", "exit", "uptime"):

@@ -1,5 +1,6 @@
 """The semantic checks of a validated spec: what its models cannot see alone (duplicate hosts, pservers
-named but not listed, Slurm's constraints) and what only laying out its plan finds.
+named but not listed) and what only laying out its plan finds. What a backend cannot honour is that
+backend's check (clusterctl.backends), made by every command that runs the spec.
 
 Imports the models and clusterctl.plan; neither imports this module (clusterctl.spec.loading calls it)."""
 
@@ -16,39 +17,11 @@ from .models import ClusterSpec
 __all__ = ["semantic_problems"]
 
 
-def _slurm_problems(loc: Located, source: str, spec: ClusterSpec) -> list[SpecProblem]:
-    if spec.backend != "slurm":
-        return [problem(loc, source, ("slurm",), "a slurm: section needs backend: slurm")] if spec.slurm else []
-    if spec.slurm is None:
-        return [problem(loc, source, ("backend",), "backend: slurm needs a slurm: section (login:, nodes:, ...)")]
-    problems = []
-    given = loc.data.get("hosts") if isinstance(loc.data, dict) else None
-    if spec.slurm.nodes is None and not given:
-        problems.append(problem(loc, source, ("slurm",), "give slurm.nodes (or hosts, for the shape of each node)"))
-    if spec.slurm.nodes is not None and given and spec.slurm.nodes != len(given):
-        problems.append(problem(loc, source, ("slurm", "nodes"), f"{spec.slurm.nodes} nodes but {len(given)} hosts"))
-    if isinstance(spec.job.pservers, tuple):
-        problems.append(problem(loc, source, ("job", "pservers"),
-                                 "under Slurm the nodes are known at run time: give a count or {per_host: N}"))
-    if spec.job.launcher == "mpi":
-        problems.append(problem(loc, source, ("job", "launcher"),
-                                 "launcher: mpi is not supported with backend: slurm"))
-    if spec.data is not None:
-        problems.append(problem(loc, source, ("data",), "data: is not supported with backend: slurm yet; "
-                                 "put the files in the workspace"))
-    if spec.slurm.workspace == "shared" and not spec.workspace.remote.startswith("/"):
-        problems.append(problem(loc, source, ("workspace", "remote"),
-                                 "slurm.workspace: shared needs an absolute path on the shared filesystem"))
-    return problems
-
-
 def semantic_problems(loc: Located, source: str, spec: ClusterSpec, *, layout: bool = True) -> list[SpecProblem]:
     """What is wrong with a well-typed `spec`: Slurm's constraints, hosts, pservers, then (with `layout`)
     its plan's layout."""
-    problems = _slurm_problems(loc, source, spec)
-    if problems:
-        return problems
-    if not spec.hosts:
+    problems: list[SpecProblem] = []
+    if not spec.hosts and spec.slurm is None:  # under Slurm the nodes give the hosts (clusterctl.backends.slurm)
         where = ("hostfile",) if spec.hostfile else ("hosts",)
         problems.append(problem(loc, source, where, "no hosts: list at least one host"))
     seen: dict[tuple[str, int], int] = {}

@@ -100,6 +100,9 @@ class JobSpec(_Model):
     grace: float = Field(10.0, ge=0, le=3600)
     restarts: int = Field(0, ge=0, le=1000)  # a failed job starts again on the same plan, up to this many times
     restart_backoff: float = Field(1.0, ge=0, le=300)  # seconds before the first restart, doubled for each next
+    # token: every server of the job (pserver, PMI) authenticates with the job's token; none: they serve
+    # anyone who can reach them (a trusted, isolated network only; said in so many words)
+    auth: Literal["token", "none"] = "token"
     sync: Literal["sync", "async", "geo"] = "sync"
     k_steps: int = Field(100, ge=1)
 

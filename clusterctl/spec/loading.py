@@ -25,12 +25,13 @@ PASSWORD_KEY_RE = re.compile(r"(^|[_-])(password|passwd|passphrase|pass)$", re.I
 MAX_HOSTFILE_BYTES = 1 << 20
 
 
-def load_spec(path: str | Path, *, layout: bool = True) -> ClusterSpec:
+def load_spec(path: str | Path, *, layout: bool = True, check=None) -> ClusterSpec:
     """Read, parse and validate the spec at `path`; raise SpecError with every problem found.
 
     layout=False leaves out the one check that lays out the plan (ports, endpoints, GPUs): for callers
     that plan the spec next (clusterctl.ops.plan_for reports the same problems at the same keys), so that
-    a command lays out its plan once."""
+    a command lays out its plan once. `check(spec)`: more problems (the spec's backend's, clusterctl.backends),
+    reported before the semantic checks, which they may explain."""
     path = Path(path)
     try:
         with path.open("rb") as f:
@@ -42,12 +43,12 @@ def load_spec(path: str | Path, *, layout: bool = True) -> ClusterSpec:
         raise SpecError([SpecProblem(str(path), 1, 1, "", f"cannot read spec: {exc.strerror or exc}")]) from None
     except UnicodeDecodeError:
         raise SpecError([SpecProblem(str(path), 1, 1, "", "spec is not UTF-8 text")]) from None
-    return parse_spec(text, str(path), layout=layout)
+    return parse_spec(text, str(path), layout=layout, check=check)
 
 
-def parse_spec(text: str, source: str = "<spec>", *, layout: bool = True) -> ClusterSpec:
+def parse_spec(text: str, source: str = "<spec>", *, layout: bool = True, check=None) -> ClusterSpec:
     """Validate spec `text` (named `source` in messages); raise SpecError with every problem found
-    (layout: as in load_spec)."""
+    (layout, check: as in load_spec)."""
     try:
         loc = load_located(text)
     except YamlSyntaxError as exc:
@@ -82,6 +83,11 @@ def parse_spec(text: str, source: str = "<spec>", *, layout: bool = True) -> Clu
         raise SpecError(sorted(dedupe(problems), key=lambda p: (p.file != source, p.line, p.column))) from None
     if provision is not None:
         object.__setattr__(spec, "provision", provision)  # frozen model: set once, here
+    spec._located = loc
+    if check is not None:
+        problems += check(spec)
+        if problems:
+            raise SpecError(problems)
     problems += semantic_problems(loc, source, spec, layout=layout)
     if problems:
         raise SpecError(problems)

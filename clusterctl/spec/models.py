@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from .backends import KubernetesSpec, KubernetesVolumeSpec, SlurmSpec
 from .fields import _Model
@@ -39,6 +39,14 @@ class ClusterSpec(_Model):
     provision: Any = None
     kubernetes: KubernetesSpec | None = None
     source: str = Field("<spec>", exclude=True)
+    # the YAML it came from, with every key's line:column (clusterctl.yamlpos.Located): set by the loader, so
+    # that checks made later (a backend's keys: clusterctl.backends) still point at the spec's lines
+    _located: Any = PrivateAttr(default=None)
+
+    @property
+    def located(self):
+        """The spec's YAML with positions (None for a spec built in code)."""
+        return self._located
 
     @field_validator("name")
     @classmethod

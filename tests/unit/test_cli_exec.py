@@ -20,7 +20,7 @@ class _Session:
 @pytest.fixture
 def seen(tmp_path, monkeypatch):
     """Runs exec against two local fake hosts; records the timeout each command got."""
-    import clusterctl.ops
+    import clusterctl.backends
     import clusterctl.ops.execute as execute
 
     got = {}
@@ -37,7 +37,7 @@ def seen(tmp_path, monkeypatch):
             yield _Session(remote)
 
     monkeypatch.setattr(execute, "execute", spy)
-    monkeypatch.setattr(clusterctl.ops, "open_session", fake_session)
+    monkeypatch.setattr(clusterctl.backends, "ssh_session", fake_session)
     return got
 
 

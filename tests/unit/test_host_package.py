@@ -128,7 +128,7 @@ def test_the_job_file_is_built_and_checked_by_one_schema(tmp_path):
     proc = jobfile.process_entry("trainer", 0, ["python3", "t.py"], {"A": "1"}, "/w", "/w/t.log", ["127.0.0.1:5000"])
     coord = jobfile.coordinator_entry("127.0.0.1", 29400, "t" * 32, True, 1, 1)
     job = jobfile.build_job("j-1", "h", [proc], "/s", start_trainers_after=None, coordinator=coord, env={"B": "2"})
-    assert list(job) == ["job", "host", "state_root", "on_failure", "grace", "restarts", "restart_backoff",
+    assert list(job) == ["job", "host", "state_root", "on_failure", "grace", "restarts", "restart_backoff", "auth",
                          "start_trainers_after", "coordinator", "env", "processes"]
     path = tmp_path / "job.json"
     path.write_text(json.dumps(job))

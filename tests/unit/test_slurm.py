@@ -15,6 +15,7 @@ import uuid
 import pytest
 
 from clusterctl import slurmjob
+from clusterctl.backends import problems as backend_problems
 from clusterctl.errors import SpecError
 from clusterctl.ops.slurm import batch_script, job_file, process_rows, slurm_state
 from clusterctl.plan import make_plan
@@ -29,8 +30,9 @@ job: {mode: pserver, entrypoint: [python, train.py], args: ["--ep={current_endpo
 
 
 def problems(text: str) -> list[str]:
+    """What `clusterctl validate` says: the spec's own problems, else its backend's (clusterctl.backends)."""
     with pytest.raises(SpecError) as info:
-        parse_spec(text, "s.yaml")
+        parse_spec(text, "s.yaml", check=backend_problems)
     return [f"{p.path}: {p.message}" for p in info.value.problems]
 
 
@@ -52,17 +54,18 @@ def test_hosts_give_the_shape_of_each_node():
 @pytest.mark.parametrize("text, expected", [
     (BASE.replace("slurm: {login: login1, nodes: 3, partition: gpu, time: \"01:00:00\"}\n", ""),
      "backend: backend: slurm needs a slurm: section (login:, nodes:, ...)"),
-    (BASE.replace("backend: slurm\n", ""), "slurm: a slurm: section needs backend: slurm"),
+    (BASE.replace("backend: slurm\n", ""), "slurm: not supported with backend: ssh: a slurm: section needs backend: slurm"),
     (BASE.replace("nodes: 3, ", ""), "slurm: give slurm.nodes (or hosts, for the shape of each node)"),
     (BASE + "hosts: [{address: a}]\n", "slurm.nodes: 3 nodes but 1 hosts"),
     (BASE.replace("pservers: 2", "pservers: [a]"),
      "job.pservers: under Slurm the nodes are known at run time: give a count or {per_host: N}"),
     (BASE.replace("mode: pserver", "mode: collective, launcher: mpi").replace("pservers: 2, ", ""),
-     "job.launcher: launcher: mpi is not supported with backend: slurm"),
+     "job.launcher: not supported with backend: slurm: launcher: mpi is not supported; use launcher: ssh "
+     "(clusterctl's own PMI server)"),
     (BASE.replace("time:", "workspace: shared, time:") + "workspace: {remote: rel/dir}\n",
      "workspace.remote: slurm.workspace: shared needs an absolute path on the shared filesystem"),
     (BASE + "data: {local: d}\n",
-     "data: data: is not supported with backend: slurm yet; put the files in the workspace"),
+     "data: not supported with backend: slurm: data: is not dealt under Slurm yet; put the files in the workspace"),
     (BASE.replace("login: login1", "login: 'a b'"), "slurm.login: not a host name, ssh alias or IP address: 'a b'"),
     (BASE.replace("login: login1", "login: '-oProxyCommand=x'"),
      "slurm.login: not a host name, ssh alias or IP address: '-oProxyCommand=x'"),
