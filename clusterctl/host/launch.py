@@ -65,9 +65,15 @@ def _claim(jobfile):
 
 
 def cmd_run(args):
+    """`agent run JOBFILE`: see run_job_file."""
+    return run_job_file(args.jobfile)
+
+
+def run_job_file(path):
     """Run the job's supervisor in the foreground (a Slurm task, a Kubernetes pod's main process): its log
-    on stderr, the exit code the job's outcome (0: succeeded, 1: anything else, 2: bad input)."""
-    job, jobdir, lock = _claim(os.path.abspath(args.jobfile))
+    on stderr, the exit code the job's outcome (0: succeeded, 1: anything else). Raise InputError on a bad
+    job file. The job dir is the job file's directory (0700: it holds the token)."""
+    job, jobdir, lock = _claim(os.path.abspath(path))
     if isinstance(lock, dict):
         emit(lock)
         return 1
