@@ -60,7 +60,7 @@ class ClusterSpec(_Model):
         if not self.workspace.remote:
             ws = self.workspace.model_copy(update={"remote": f"clusterctl/{self.name}"})
             object.__setattr__(self, "workspace", ws)
-        if self.backend == "slurm" and self.slurm is not None:
+        if self.slurm is not None:  # a slurm: section (refused by every other backend's check: clusterctl.backends)
             object.__setattr__(self, "hosts", _slurm_hosts(self.slurm, self.hosts))
         return self
 

@@ -13,7 +13,7 @@ from clusterctl.backends.base import Backend
 from clusterctl.errors import SpecError
 from clusterctl.spec import ClusterSpec, parse_spec
 
-ROOT = Path(backends.__file__).resolve().parent.parent
+ROOT = Path(backends.__file__).resolve().parents[2]
 
 
 def test_the_specs_backend_choices_are_the_registry():
@@ -31,14 +31,15 @@ def test_every_registered_backend_implements_the_interface(name):
 def test_nothing_outside_the_registry_branches_on_a_backends_name():
     """`spec.backend == "slurm"` and the like belong to clusterctl/backends only (docs/architecture.md)."""
     pattern = re.compile(r"""backend\s*(==|!=|in)\s*\(?\s*["']""")
-    found = []
+    found, scanned = [], 0
     for path in sorted((ROOT / "clusterctl").rglob("*.py")):
+        scanned += 1
         if "backends" in path.relative_to(ROOT).parts:
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
-    assert not found, found
+    assert scanned > 50 and not found, (scanned, found)
 
 
 def test_an_unsupported_key_is_refused_at_its_line_and_column():
