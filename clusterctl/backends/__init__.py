@@ -23,6 +23,7 @@ __all__ = ["REGISTRY", "names", "backend_class", "open_backend", "ssh_session", 
 REGISTRY: dict[str, str] = {
     "ssh": "clusterctl.backends.ssh:SshBackend",
     "slurm": "clusterctl.backends.slurm:SlurmBackend",
+    "local": "clusterctl.backends.local:LocalBackend",
 }
 
 
@@ -63,6 +64,11 @@ def load_spec(path, *, layout: bool = True) -> "ClusterSpec":
     return load(path, layout=layout, check=problems)
 
 
+def _resolves(spec: "ClusterSpec") -> bool:
+    """Whether the spec's hosts are resolved through the user's ssh config (`ssh -G`) when planned."""
+    return backend_class(spec.backend).resolve_hosts
+
+
 def open_backend(spec_or_path: "str | os.PathLike | ClusterSpec", **kwargs) -> "Backend":
     """The spec's backend, ready to use as a context manager: from a path through the plan cache (the spec is
     then loaded only if an operation needs it), or from a loaded spec. kwargs go to the backend (e.g. the
@@ -71,13 +77,13 @@ def open_backend(spec_or_path: "str | os.PathLike | ClusterSpec", **kwargs) -> "
 
     if isinstance(spec_or_path, (str, os.PathLike)):
         path = str(spec_or_path)
-        spec, plan, options = load_plan(path, check=problems)
+        spec, plan, options = load_plan(path, check=problems, resolve=_resolves)
     else:
         from ..remote import SshOptions
 
         path, spec = None, spec_or_path
         check(spec)
-        plan, options = plan_for(spec), SshOptions.from_spec(spec)
+        plan, options = plan_for(spec, resolve=_resolves(spec)), SshOptions.from_spec(spec)
     return backend_class(plan.backend)(spec, plan, spec_path=path, options=options, **kwargs)
 
 

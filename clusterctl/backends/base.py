@@ -56,6 +56,8 @@ class Backend(abc.ABC):
     unsupported: ClassVar[tuple[tuple[str, str], ...]] = ()
     #: whether the spec's hosts are machines that `ssh` reaches (provision, doctor, exec work on them)
     ssh_hosts: ClassVar[bool] = False
+    #: whether the plan resolves the spec's hosts through the user's ssh config (`ssh -G`)
+    resolve_hosts: ClassVar[bool] = True
 
     def __init__(self, spec: ClusterSpec | None, plan: JobPlan, *, spec_path: str | None = None, options=None):
         self._spec, self.plan, self.spec_path, self.options = spec, plan, spec_path, options

@@ -53,13 +53,17 @@ class SshBackend(Backend):
         """Verify workspaces, preflight, launch a supervisor on every host."""
         from ..ops.job import start
 
-        return start(self.session, on_progress=on_progress)
+        st = start(self.session, on_progress=on_progress)
+        st.backend = self.name
+        return st
 
     def status(self) -> JobStatus:
         """Every host's supervisor's view, folded."""
         from ..ops.job import status
 
-        return status(self.session)
+        st = status(self.session)
+        st.backend = self.name
+        return st
 
     def logs(self, *, on_line: LineCallback, follow: bool = False, role: str | None = None, id: int | None = None,
              host: str | None = None, lines: int | None = None) -> int:

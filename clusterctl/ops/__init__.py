@@ -17,10 +17,11 @@ if TYPE_CHECKING:  # the spec models (pydantic) load only on a plan-cache miss o
 __all__ = ["Session", "open_session", "plan_for", "load_plan"]
 
 
-def plan_for(spec: ClusterSpec) -> JobPlan:
-    """The plan of `spec`: its hosts resolved as `ssh` would (the user's ssh config), its data files
-    listed from the controller's disk. A problem the plan finds is reported as a spec error, at its key."""
-    return _plan_for(spec, _data_files(spec))
+def plan_for(spec: ClusterSpec, *, resolve: bool = True) -> JobPlan:
+    """The plan of `spec`: its hosts resolved as `ssh` would (the user's ssh config; `resolve=False`: taken
+    as written, for a backend whose hosts `ssh` does not reach), its data files listed from the controller's
+    disk. A problem the plan finds is reported as a spec error, at its key."""
+    return _plan_for(spec, _data_files(spec), resolve=resolve)
 
 
 def _data_files(spec: ClusterSpec) -> list[str] | None:
@@ -31,12 +32,13 @@ def _data_files(spec: ClusterSpec) -> list[str] | None:
     return list_data_files(spec)
 
 
-def _plan_for(spec: ClusterSpec, data_files: list[str] | None) -> JobPlan:
+def _plan_for(spec: ClusterSpec, data_files: list[str] | None, *, resolve: bool = True) -> JobPlan:
     from ..errors import SpecError, SpecProblem
     from ..plan import PlanError, make_plan, ssh_targets
-    from ..sshconfig import config_path, resolve
+    from ..sshconfig import config_path
+    from ..sshconfig import resolve as ssh_resolve
 
-    resolved = resolve(ssh_targets(spec), config_path(spec))
+    resolved = ssh_resolve(ssh_targets(spec), config_path(spec)) if resolve else None
     try:
         return make_plan(spec, data_files=data_files, resolved=resolved)
     except PlanError as exc:
@@ -59,13 +61,14 @@ def _dotted(path: tuple) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(path))
 
 
-def load_plan(path: str, *, check=None) -> "tuple[ClusterSpec | None, JobPlan, SshOptions]":
+def load_plan(path: str, *, check=None, resolve=None) -> "tuple[ClusterSpec | None, JobPlan, SshOptions]":
     """The spec at `path`, its plan and connection options: from clusterctl.plancache when the spec and
     everything it reads are unchanged since a command last planned it (the spec is then None: neither the
     spec models nor `ssh -G` were needed), else loaded and validated as always and kept for next time.
 
     `check(spec)` (the backend's problems, clusterctl.backends) runs on a freshly loaded spec before its plan
-    is kept: a plan in the cache passed it."""
+    is kept: a plan in the cache passed it. `resolve(spec)`: whether its hosts are resolved through the ssh
+    config (default: yes)."""
     from .. import plancache
 
     cached = plancache.load(path)
@@ -81,7 +84,7 @@ def load_plan(path: str, *, check=None) -> "tuple[ClusterSpec | None, JobPlan, S
         spec_bytes = None  # load_spec reports it
     spec = load_spec(path, layout=False, check=check)  # laid out once, just below (PlanErrors at their keys there)
     data_files = _data_files(spec)
-    plan = _plan_for(spec, data_files)
+    plan = _plan_for(spec, data_files, resolve=True if resolve is None else resolve(spec))
     options = SshOptions.from_spec(spec)
     if spec_bytes is not None:
         plancache.store(path, spec_bytes, started, spec, plan, options, data_files)
