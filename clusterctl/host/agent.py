@@ -9,6 +9,7 @@ Subcommands (each prints exactly one JSON object on stdout, except ``logs``)::
 
     launch JOBFILE                 start the supervisor daemon for the job
     run JOBFILE                    run the supervisor in the foreground (Slurm tasks, Kubernetes pods)
+    up                             start in one round trip: the job document on stdin (see up.py)
     status JOBDIR                  job and per-process state
     stop JOBDIR [--grace S]        SIGTERM groups, SIGKILL after grace, sweep by environ
     preflight JOBFILE              ports / entrypoints / log dirs problems
@@ -86,6 +87,9 @@ def build_parser():
     s = sub.add_parser("run", help="run the job's supervisor in the foreground (exit code: the job's outcome)")
     s.add_argument("jobfile")
     s.set_defaults(func=("launch", "cmd_run"))
+
+    s = sub.add_parser("up", help="start's one round trip: check, write the job file (stdin), preflight, launch")
+    s.set_defaults(func=("up", "cmd_up"))
 
     s = sub.add_parser("status", help="job state on this host")
     s.add_argument("jobdir")

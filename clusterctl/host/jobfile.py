@@ -67,8 +67,11 @@ def build_job(job, host, processes, state_root, on_failure="stop", grace=10.0, r
     if env is not _ABSENT:
         out["env"] = env
     out["processes"] = list(processes)
+    # paths may be relative to the host's home (`agent up` makes them absolute there): checked as if under /
+    rooted = [dict(p, **{k: "/" + p[k] for k in ("cwd", "log") if isinstance(p.get(k), str) and p[k]
+                         and not os.path.isabs(p[k])}) if isinstance(p, dict) else p for p in out["processes"]]
     try:
-        validate_job(out, "job file for %s" % host)
+        validate_job(dict(out, processes=rooted), "job file for %s" % host)
     except InputError as e:
         raise ValueError(str(e)) from None
     return out

@@ -87,10 +87,16 @@ def run_job_file(path):
 
 def cmd_launch(args):
     """Validate the job, daemonize a supervisor, report the spawned pids."""
-    job, jobdir, lockfd = _claim(os.path.abspath(args.jobfile))
+    code, result = launch_job(args.jobfile)
+    emit(result)
+    return code
+
+
+def launch_job(path):
+    """Daemonize a supervisor for the job file at `path`: (exit code, the launch report: ok, pids, error)."""
+    job, jobdir, lockfd = _claim(os.path.abspath(path))
     if isinstance(lockfd, dict):
-        emit(lockfd)
-        return 1
+        return 1, lockfd
     logpath = os.path.join(jobdir, SUPERVISOR_LOG)
     rfd, wfd = os.pipe()
     sys.stdout.flush()
@@ -142,5 +148,4 @@ def cmd_launch(args):
                   "error": "supervisor did not report within %.0fs; see %s" % (report_timeout, logpath)}
     result["job"] = job["job"]
     result["host"] = job["host"]
-    emit(result)
-    return 0 if result.get("ok") else 1
+    return (0 if result.get("ok") else 1), result

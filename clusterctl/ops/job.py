@@ -16,12 +16,12 @@ from collections.abc import Callable
 from ..errors import ClusterctlError, HostFailure, JobError, RemoteError
 from ..plan import Host, JobPlan, factor_env
 from ..quoting import join, quote
-from ..remote import LineCallback, Remote
+from ..remote import LineCallback
 from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
-from ..host.states import ACTIVE_JOB_STATES, JobState
+from ..host.states import JobState
 from ..host.status import JobStatus, ProcessStatus, overall_state
 from . import Session
-from .hosttools import ensure_tools, install_on, tool_argv, tool_command
+from .hosttools import ensure_tools, install_on, package_dir, tool_argv, tool_command
 
 __all__ = [
     "STATE_ROOT",
@@ -39,15 +39,17 @@ STATE_ROOT = ".clusterctl/jobs"  # relative to each host's home
 WAIT_PSERVERS_S = 120.0
 
 
-def _abs(home: str, path: str) -> str:
-    return path if posixpath.isabs(path) else posixpath.join(home, path)
+def _abs(home: str | None, path: str) -> str:
+    return path if home is None or posixpath.isabs(path) else posixpath.join(home, path)
 
 
-def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, dict]:
-    """The agent's job file for every host that runs processes (pure): paths made absolute, ordering, coordinator.
+def job_files(plan: JobPlan, homes: dict[Host, str] | None, token: str) -> dict[Host, dict]:
+    """The agent's job file for every host that runs processes (pure): ordering, coordinator, paths made
+    absolute against `homes` (None: left relative to each host's home, which `agent up` resolves there).
 
     Built with clusterctl/host/jobfile.py's `build_job`, which checks each file with the agent's own validator.
     """
+    homes = homes if homes is not None else dict.fromkeys(plan.hosts)
     if plan.mpi is not None:
         return {plan.mpi.host: _mpi_job_file(plan, homes[plan.mpi.host], token)}
     ctl_addr, ctl_port = parse_endpoint(plan.control_endpoint)  # an IPv6 address without its brackets
@@ -66,7 +68,7 @@ def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, d
             plan.job,
             host.address,
             procs,
-            posixpath.join(home, STATE_ROOT),
+            _abs(home, STATE_ROOT),
             on_failure=plan.on_failure,
             grace=plan.grace,
             restarts=plan.restarts,
@@ -82,7 +84,7 @@ def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, d
     return files
 
 
-def _mpi_job_file(plan: JobPlan, home: str, token: str) -> dict:
+def _mpi_job_file(plan: JobPlan, home: str | None, token: str) -> dict:
     """`launcher: mpi`: the first host supervises one process, mpiexec, run from the home directory."""
     mpi = plan.mpi
     first = plan.trainers[0]
@@ -90,8 +92,8 @@ def _mpi_job_file(plan: JobPlan, home: str, token: str) -> dict:
     return build_job(
         plan.job,
         mpi.host.address,
-        [process_entry("trainer", 0, mpi.argv, env, home, _abs(home, plan.log_path(first)))],
-        posixpath.join(home, STATE_ROOT),
+        [process_entry("trainer", 0, mpi.argv, env, home or ".", _abs(home, plan.log_path(first)))],
+        _abs(home, STATE_ROOT),
         on_failure=plan.on_failure,
         grace=plan.grace,
         restarts=plan.restarts,
@@ -102,21 +104,6 @@ def _mpi_job_file(plan: JobPlan, home: str, token: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ status
-
-
-_HOME_MARK = "clusterctl-home:"
-
-
-def _homes(remote: Remote) -> dict[Host, str]:
-    # a framed line: what a shell's start-up files print before it (even without a newline) is skipped
-    results = remote.run(f'printf "\\n{_HOME_MARK}%s\\n" "$HOME"', timeout=remote.control_timeout, what="finding home directories")
-    homes = {}
-    for h, r in results.items():
-        found = [ln[len(_HOME_MARK):] for ln in r.stdout.splitlines() if ln.startswith(_HOME_MARK)]
-        if not found or not found[-1].startswith("/"):
-            raise JobError(f"{h.label}: cannot read the home directory (got {r.stdout.strip()[-200:]!r})")
-        homes[h] = found[-1]
-    return homes
 
 
 def _jobdir(plan: JobPlan) -> str:
@@ -140,17 +127,27 @@ def status(session: Session) -> JobStatus:
     plan, remote = session.plan, session.remote
     cmd, payload = tool_command("agent", ["status", _jobdir(plan)])
     results = remote.run(cmd, stdin=payload, check=False, timeout=remote.control_timeout, what="status")
-    procs: list[ProcessStatus] = []
-    host_states: list[str] = []
+    replies: dict[Host, dict | None] = {}
     unreachable: dict[str, str] = {}
-    reasons: list[str] = []
-    attempt, restarts, attempts = 0, 0, []
     for host, res in results.items():
         if not res.answered:  # not reached, or its command never answered (our deadline)
             unreachable[host.label] = res.stderr.strip()
+            replies[host] = None
+        else:
+            replies[host] = _parse(res)
+    return fold_status(plan.job, replies, unreachable)
+
+
+def fold_status(job: str, replies: "dict[Host, dict | None]", unreachable: dict[str, str]) -> JobStatus:
+    """The job's status from each host's `agent status` reply (None: the host did not answer) (pure)."""
+    procs: list[ProcessStatus] = []
+    host_states: list[str] = []
+    reasons: list[str] = []
+    attempt, restarts, attempts = 0, 0, []
+    for host, data in replies.items():
+        if data is None:
             host_states.append(JobState.LOST)
             continue
-        data = _parse(res)
         state = data.get("state") or JobState.UNKNOWN
         if state == JobState.STOPPING and data.get("restart_pending"):
             state = JobState.RESTARTING  # the failed attempt is being stopped; the job starts again after
@@ -174,16 +171,17 @@ def status(session: Session) -> JobStatus:
         "unreachable: " + ", ".join(unreachable) if unreachable else None
     )
     attempts = [{k: a.get(k) for k in ("attempt", "outcome", "reason", "started_at", "ended_at")} for a in attempts]
-    return JobStatus(plan.job, state, reason, procs, unreachable, attempt, restarts, attempts)
+    return JobStatus(job, state, reason, procs, unreachable, attempt, restarts, attempts)
 
 
-def stop(session: Session, *, grace: float | None = None) -> dict[Host, dict]:
-    """Stop the job everywhere: SIGTERM, SIGKILL after grace, sweep by CLUSTERCTL_JOB. Idempotent."""
+def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | None = None) -> dict[Host, dict]:
+    """Stop the job everywhere (or on `hosts`): SIGTERM, SIGKILL after grace, sweep by CLUSTERCTL_JOB. Idempotent."""
     plan, remote = session.plan, session.remote
     g = plan.grace if grace is None else grace
     cmd, payload = tool_command("agent", ["stop", _jobdir(plan), "--grace", f"{g:g}", "--job", plan.job])
     results = remote.run(
         cmd,
+        hosts=hosts,
         stdin=payload,
         timeout=g + 60,
         check=False,
@@ -201,80 +199,92 @@ def stop(session: Session, *, grace: float | None = None) -> dict[Host, dict]:
     return parsed
 
 
-def preflight(session: Session, tool: str, jobfiles: dict[Host, str]) -> list[str]:
-    """Problems that would stop the job from starting, one line each (`host:port in use`, ...)."""
-    results = session.remote.run(
-        lambda h: _agent_cmd("preflight", jobfiles[h]), hosts=list(jobfiles), check=False,
-        timeout=session.remote.control_timeout,
-        what="preflight"
-    )
-    problems = []
-    for host, res in results.items():
-        if res.exit_code not in (0, 1):
-            problems.append(f"{host.label}: {res.stderr.strip() or 'preflight failed'}")
-            continue
-        for p in _parse(res).get("problems", []):
-            problems.append(f"{host.label}: {p.get('message') or p}")
-    return problems
+# `agent up` exits with this when this version of the host package is not on the host yet
+NEEDS_PACKAGE = 97
+
+
+def _up_command() -> str:
+    return f"{{ test -d {quote(package_dir())} || exit {NEEDS_PACKAGE}; }} && {_agent_cmd('up')}"
+
+
+def _up_docs(plan: JobPlan, token: str) -> dict[Host, bytes]:
+    """The `agent up` document for every host that runs a supervisor (pure): its job file (paths relative to
+    its home), the workspace to check, and the files to write first."""
+    files = job_files(plan, None, token)
+    docs = {}
+    for host, job in files.items():
+        doc: dict = {"job": job, "jobdir": _jobdir(plan), "workspace": plan.workdir}
+        if plan.mpi is not None and host == plan.mpi.host:
+            doc["files"] = {plan.mpi.hostfile_path: plan.mpi.hostfile}
+        docs[host] = json.dumps(doc).encode()
+    return docs
+
+
+def _reason(host: Host, res, reply: dict) -> str:
+    stage = reply.get("stage")
+    if stage == "workspace":
+        items = reply.get("drift") or []
+        return "\n".join(f"{host.label}: workspace {'not dispatched' if not d.get('path') else d['path'] + ' ' + str(d.get('problem'))}"
+                         " since the last dispatch" for d in items[:20])
+    if stage == "preflight":
+        return "\n".join(f"{host.label}: {p.get('message') or p}" for p in reply.get("problems") or [])
+    return f"{host.label}: {reply.get('error') or (res.error() if not res.answered else None) or res.stderr.strip() or f'exit {res.exit_code}'}"
 
 
 def start(session: Session, *, on_progress: Callable[[str], None] | None = None) -> JobStatus:
-    """Verify workspaces, preflight every host, then launch; on a partial start stop what started."""
-    from .dispatch import verify
-
+    """One round trip per host (`agent up`: not already running, workspace as dispatched, job file, preflight,
+    launch); on any host's failure, stop what this start launched and say why, host by host."""
     plan, remote = session.plan, session.remote
     say = on_progress or (lambda msg: None)
-    homes = _homes(remote)
-    tool = ensure_tools(remote, ("agent", "hostws"))["agent"]  # one package: the agent and the workspace tool
-
-    current = status(session)
-    if current.state in ACTIVE_JOB_STATES:
-        raise JobError(f"job {plan.job} is already running; stop it first (clusterctl stop)")
-
-    say("verifying workspaces")
-    drift = verify(session)
-    problems = [
-        f"{h.label}: workspace {'not dispatched' if not d['path'] else d['path'] + ' ' + d['problem']} since the last dispatch"
-        for h, items in drift.items()
-        for d in items
-    ]
-    if problems:
-        raise JobError("workspace drift; run clusterctl dispatch first:\n" + "\n".join(problems))
-
     token = secrets.token_hex(16)
-    files = job_files(plan, homes, token)
-    hosts = list(files)  # with launcher: mpi, only the first host
-    paths = {h: posixpath.join(homes[h], STATE_ROOT, plan.job, "job.json") for h in hosts}
-    say("writing job files")
-    remote.run(
-        lambda h: f"umask 077 && mkdir -p {quote(posixpath.dirname(paths[h]))} && cat > {quote(paths[h])}",
-        hosts=hosts,
-        stdin=lambda h: [json.dumps(files[h]).encode()],
-        timeout=remote.control_timeout,
-        what="writing job files",
-    )
-    if plan.mpi is not None:
-        hostfile = posixpath.join(homes[plan.mpi.host], plan.mpi.hostfile_path)
-        remote.run(f"cat > {quote(hostfile)}", hosts=[plan.mpi.host], stdin=plan.mpi.hostfile.encode(),
-                   timeout=remote.control_timeout, what="writing the MPI hostfile")
-    say("preflight")
-    problems = preflight(session, tool, paths)
-    if problems:
-        raise JobError("preflight failed, nothing started:\n" + "\n".join(problems))
+    docs = _up_docs(plan, token)
+    hosts = list(docs)  # with launcher: mpi, only the first host runs a supervisor (mpiexec)
+    others = [h for h in plan.hosts if h not in docs]
+    drift: dict = {}
+    if others:  # mpiexec's ranks run in the other hosts' workspaces: check them as well
+        from .dispatch import verify
 
+        say("verifying workspaces")
+        drift = {h: items for h, items in verify(session, hosts=others).items() if items}
+    if drift:
+        problems = [f"{h.label}: workspace {'not dispatched' if not d['path'] else d['path'] + ' ' + d['problem']} "
+                    "since the last dispatch" for h, items in drift.items() for d in items]
+        raise JobError("workspace drift; run clusterctl dispatch first:\n" + "\n".join(problems))
     say("launching")
-    results = remote.run(
-        lambda h: _agent_cmd("launch", paths[h]), hosts=hosts, check=False, timeout=WAIT_PSERVERS_S + 60, what="launch"
-    )
+    timeout = WAIT_PSERVERS_S + 60
+    results = remote.run(_up_command(), hosts=hosts, stdin=lambda h: [docs[h]], check=False, timeout=timeout,
+                         what="start")
+    missing = [h for h, r in results.items() if r.exit_code == NEEDS_PACKAGE]
+    if missing:  # the first start with this version of clusterctl on these hosts: upload the host package once
+        say("installing clusterctl's host package")
+        ensure_tools(remote, ("agent",), missing)
+        results.update(remote.run(_up_command(), hosts=missing, stdin=lambda h: [docs[h]], check=False,
+                                  timeout=timeout, what="start"))
+    replies = {h: _parse(r) if r.answered else {} for h, r in results.items()}
     failed = {h: r for h, r in results.items() if r.exit_code != 0}
     if failed:
-        reasons = [f"{h.label}: {_parse(r).get('error') or r.stderr.strip()}" for h, r in failed.items()]
-        try:
-            stop(session)
-        except RemoteError as exc:
-            reasons.append(f"(cleanup also failed: {exc})")
-        raise JobError("start failed; everything started was stopped, logs kept:\n" + "\n".join(reasons))
-    return status(session)
+        reasons = [_reason(h, r, replies[h]) for h, r in failed.items()]
+        # stop what this start launched, and only that: a host that refused because the job already runs
+        # there keeps running it
+        launched = [h for h in hosts if replies[h].get("stage") in ("launched", "launch")]
+        if launched:
+            try:
+                stop(session, hosts=launched)
+            except RemoteError as exc:
+                reasons.append(f"(cleanup also failed: {exc})")
+        # with every host's supervisor waiting for the others before it starts anything, a start that failed
+        # somewhere started no process: the launch reports say which processes did start
+        started = any(replies[h].get("pids") for h in launched)
+        stages = {replies[h].get("stage") for h in failed}
+        if stages == {"running"}:
+            raise JobError(f"job {plan.job} is already running; stop it first (clusterctl stop):\n" + "\n".join(reasons))
+        if stages == {"workspace"}:
+            what = "workspace drift; run clusterctl dispatch first" + (" (everything started was stopped)" if started else "")
+        else:
+            what = "preflight failed" if stages == {"preflight"} else "start failed"
+            what += "; everything started was stopped, logs kept" if started else ", nothing started"
+        raise JobError(what + ":\n" + "\n".join(reasons))
+    return fold_status(plan.job, {h: replies[h].get("status") or {} for h in hosts}, {})
 
 
 def logs(

@@ -38,7 +38,7 @@ def test_dispatch_start_status_logs_stop_from_the_command_line(tmp_path, monkeyp
     assert code == 0 and "n0" in out and "n1" in out and "generation" in out
     code, out, err = cli(capsys, "start", spec)
     assert code == 0 and "started in" in out and "running" in out
-    assert "preflight…" in err
+    assert "launching…" in err
     code, out, _ = cli(capsys, "status", spec, "--json")
     doc = json.loads(out)
     assert code == 0 and doc["state"] == "running"

@@ -52,7 +52,7 @@ def test_a_job_runs_to_success_and_its_logs_and_files_are_on_each_host(tmp_path)
     progress = []
     with c.session() as s:
         st = start(s, on_progress=progress.append)
-        assert progress == ["verifying workspaces", "writing job files", "preflight", "launching"]
+        assert progress == ["launching"]  # one round trip: `agent up` (checks, job file, preflight, launch)
         assert st.state in ("running", "succeeded") and len(st.processes) == 2
         done = wait_until(lambda: (x := status(s)).state == "succeeded" and x)
         assert [(p.host, p.role, p.id, p.state, p.exit_code) for p in done.processes] == [
@@ -72,6 +72,37 @@ def test_a_job_runs_to_success_and_its_logs_and_files_are_on_each_host(tmp_path)
     assert (c.workspace(0) / "ran-0-0").read_text() == eps
     assert (c.workspace(1) / "ran-1-0").read_text() == eps
     assert not (c.workspace(0) / "ran-1-0").exists()
+
+
+class Counting:
+    """The fake transport, counting the commands each host is sent."""
+
+    def __init__(self, inner):
+        self.inner, self.sent = inner, {}
+
+    def popen(self, host, command):
+        self.sent[host.address] = self.sent.get(host.address, 0) + 1
+        return self.inner.popen(host, command)
+
+
+def test_start_is_one_round_trip_per_host_and_says_why_a_host_refused(tmp_path):
+    c = cluster(tmp_path, env={"SLEEP": "30"})
+    counting = Counting(c.transport)
+    with c.session(transport=counting) as s:
+        stop(s)  # the host package is installed by now (as after any dispatch or earlier command)
+        counting.sent.clear()
+        st = start(s)
+        assert counting.sent == {"n0": 1, "n1": 1} and st.state == "running", counting.sent
+        assert [(p.host, p.state) for p in st.processes] == [("n0", "running"), ("n1", "running")]
+        stop(s)
+        # a file of n1's workspace changed since the dispatch: n1 says so, n0 (launched) is stopped again
+        (c.workspace(1) / "train.py").write_text("changed\n")
+        with pytest.raises(JobError) as info:
+            start(s)
+        assert str(info.value).splitlines() == [
+            "workspace drift; run clusterctl dispatch first (everything started was stopped):",
+            "n1: workspace train.py modified since the last dispatch"], str(info.value)
+        assert job_pids(c.name) == []
 
 
 def test_stop_ends_a_running_job_everywhere_with_no_orphans(tmp_path):
@@ -177,9 +208,10 @@ def test_start_refuses_an_undispatched_workspace_and_a_busy_port(tmp_path):
         with socket.create_server(("127.0.0.2", port)):
             with pytest.raises(JobError) as info:
                 start(s)
-        assert str(info.value).startswith("preflight failed, nothing started:\n")
+        # n0 passed its checks and launched (one round trip each), and was stopped again
+        assert str(info.value).startswith("preflight failed; everything started was stopped, logs kept:\n")
         assert f"n1: trainer.1: cannot bind 127.0.0.2:{port}" in str(info.value)
-        assert status(s).state == "not running"
+        assert status(s).state == "stopped" and job_pids(c.name) == []
 
 
 def test_a_failed_launch_stops_whatever_started(tmp_path):
@@ -190,7 +222,7 @@ def test_a_failed_launch_stops_whatever_started(tmp_path):
     try:
         with c.session() as s, pytest.raises(JobError) as info:
             start(s)
-        assert str(info.value).startswith("start failed; everything started was stopped, logs kept:\nn0: job ")
+        assert str(info.value).startswith("start failed, nothing started:\nn0: job ")
         assert "still has 1 process(es) on this host" in str(info.value)
         assert stray.wait(timeout=10) == -signal.SIGTERM
     finally:
@@ -210,7 +242,7 @@ def test_an_unreachable_host_is_named_by_status_logs_start_and_stop(tmp_path):
         assert list(st.unreachable) == ["n1"] and re.fullmatch(refused("n1"), st.unreachable["n1"])
         assert st.reason == "unreachable: n1"
         assert [p.host for p in st.processes] == ["n0"]
-        with pytest.raises(RemoteError, match="n1.*Connection refused"):
+        with pytest.raises(JobError, match="start failed; everything started was stopped, logs kept:\nn1: .*Connection refused"):
             start(s)
         with pytest.raises(RemoteError, match="n1.*Connection refused"):
             stop(s)

@@ -204,8 +204,9 @@ def _send(remote, apply: str, planned, wanted, launched: Launch | None = None) -
     return results, streamed
 
 
-def verify(session: Session) -> dict[Host, list[dict]]:
-    """Each host's drift from its last dispatch: [{'path', 'problem'}]; an empty list means verified."""
+def verify(session: Session, *, hosts=None) -> dict[Host, list[dict]]:
+    """Each host's (or each of `hosts`') drift from its last dispatch: [{'path', 'problem'}]; [] means verified."""
     cmd, payload = tool_command("hostws", ["verify", session.plan.workdir])
-    results = session.remote.run(cmd, stdin=payload, timeout=10 * session.remote.control_timeout, what="verifying workspaces")
+    results = session.remote.run(cmd, hosts=hosts, stdin=payload, timeout=10 * session.remote.control_timeout,
+                                 what="verifying workspaces")
     return {host: res.reply()[wire.DRIFT] for host, res in results.items()}
