@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import ClusterctlError
+from .host.layout import DATA_ENV, LayoutError, deal_shards, layout, render_args
 from .sshconfig import Resolved, Target, unresolved
 
 if TYPE_CHECKING:  # the spec models (pydantic) load only where a spec is laid out, not for a cached plan
@@ -20,11 +21,8 @@ if TYPE_CHECKING:  # the spec models (pydantic) load only where a spec is laid o
 
 __all__ = [
     "Host", "Process", "JobPlan", "MpiLaunch", "PlanError", "make_plan", "make_hosts", "ssh_targets", "render_args", "deal_shards", "DATA_ENV",
-    "factor_env", "expand_env",
+    "factor_env", "expand_env", "layout_inputs",
 ]
-
-DATA_ENV = "CLUSTERCTL_DATA_FILES"
-
 
 class PlanError(ClusterctlError):
     """The spec is well-formed but cannot be laid out (e.g. two endpoints on one host:port)."""
@@ -202,14 +200,6 @@ class JobPlan:
         return out
 
 
-def deal_shards(names: list[str], trainers: int) -> list[list[str]]:
-    """Deal data files to trainers as seed 004 does: sorted file i goes to trainer i % trainers."""
-    shards: list[list[str]] = [[] for _ in range(trainers)]
-    for i, name in enumerate(sorted(names)):
-        shards[i % trainers].append(name)
-    return shards
-
-
 def _reuse_last(fn):
     """Return the previous plan when asked again for the same spec object, hosts and data files.
 
@@ -254,6 +244,29 @@ def make_hosts(spec: ClusterSpec, resolved: Sequence[Resolved] | None = None) ->
     return tuple(hosts)
 
 
+def layout_inputs(spec: ClusterSpec, hosts: tuple[Host, ...], data_files: list[str] | None) -> tuple[list[dict], dict]:
+    """What clusterctl/host/layout.py lays out for `spec` on `hosts` (pure): the hosts' slots and the job, as
+    JSON-able data (job files carry them, so that a host can lay the job out again)."""
+    job = spec.job
+    slots = _trainer_slots(spec, hosts)
+    layout_hosts = [{"index": h.index, "address": h.address, "endpoint": h.endpoint_address, "trainers": n,
+                     "gpus": list(gpus)} for h, n, gpus in slots]
+    p = job.pservers
+    if isinstance(p, int):  # told apart by shape: the plan imports nothing of clusterctl.spec
+        pservers: dict = {"count": p}
+    elif not isinstance(p, tuple):
+        pservers = {"per_host": p.per_host}
+    else:
+        pservers = {"on": list(p)}
+    ports = job.ports
+    doc = {"name": spec.name, "mode": job.mode, "entrypoint": list(job.entrypoint), "args": list(job.args),
+           "env": dict(job.env), "ports": {"control": ports.control, "master": ports.master, "pserver": ports.pserver,
+                                           "trainer": ports.trainer},
+           "pservers": pservers, "sync": job.sync, "k_steps": job.k_steps,
+           "data": None if spec.data is None else {"remote": spec.data.remote, "files": list(data_files or [])}}
+    return layout_hosts, doc
+
+
 @_reuse_last
 def make_plan(
     spec: ClusterSpec, *, data_files: list[str] | None = None, resolved: Sequence[Resolved] | None = None
@@ -261,109 +274,35 @@ def make_plan(
     """Lay out every process of `spec`'s job; raise PlanError when the layout is impossible.
 
     `data_files` are the names (relative to `data.local`) of the spec's data shards, listed by the caller;
-    `resolved` what OpenSSH resolves each host to (see make_hosts).
+    `resolved` what OpenSSH resolves each host to (see make_hosts). The layout itself is
+    clusterctl/host/layout.py's, which the hosts share.
     """
     job = spec.job
     hosts = make_hosts(spec, resolved)
-    pserver_hosts = _pserver_hosts(spec, hosts)
+    layout_hosts, layout_job = layout_inputs(spec, hosts, data_files)
+    try:
+        laid = layout(layout_hosts, layout_job)
+    except LayoutError as exc:
+        raise PlanError(exc.path, exc.message) from None
+    processes = tuple(
+        Process(hosts[p["host"]], p["role"], p["id"], p["rank"], p["local_rank"], p["endpoint"], tuple(p["gpus"]),
+                p["env"], tuple(p["argv"]))
+        for p in laid["processes"]
+    )
     trainer_slots = _trainer_slots(spec, hosts)
-
-    used: dict[tuple[str, int], tuple[str, Host]] = {}
-
-    def claim(host: Host, port: int, what: str, path: tuple) -> str:
-        addr = host.endpoint_address
-        key = (addr, port)
-        if port > 65535:
-            raise PlanError(path, f"{what} needs port {port} on {addr}, beyond 65535; lower the base port")
-        if key in used:
-            other, other_host = used[key]
-            if other_host != host:  # one machine named twice, or a host that needs its own train_address
-                raise PlanError(("hosts", host.index), (
-                    f"{host.address} and hosts[{other_host.index}] ({other_host.address}) both "
-                    f"resolve to {addr}: {other} and {what} would share {_hostport(addr, port)}; give one of them "
-                    "hosts[].train_address (the address the other hosts reach it at)"))
-            raise PlanError(("job", "ports"), f"two planned endpoints on {_hostport(addr, port)}: {other} and {what}")
-        used[key] = (what, host)
-        return _hostport(addr, port)
-
-    control = claim(hosts[0], job.ports.control, "the job's control port", ("job", "ports", "control"))
-
-    pservers: list[tuple[Host, int, str]] = []
-    local_count: dict[Host, int] = {}
-    for pid, host in enumerate(pserver_hosts):
-        local = local_count.get(host, 0)
-        local_count[host] = local + 1
-        ep = claim(host, job.ports.pserver + local, f"pserver.{pid}", ("job", "ports", "pserver"))
-        pservers.append((host, local, ep))
-
-    trainers: list[tuple[Host, int, str, tuple[int, ...]]] = []
-    for host, n, gpus in trainer_slots:
-        for local in range(n):
-            tid = len(trainers)
-            ep = claim(host, job.ports.trainer + local, f"trainer.{tid}", ("job", "ports", "trainer"))
-            trainers.append((host, local, ep, _gpu_share(gpus, n, local, host)))
-
-    master_addr = (trainers[0][0] if trainers else hosts[0]).endpoint_address
-    if trainers:
-        claim(trainers[0][0], job.ports.master, "the trainers' master (rendezvous) port", ("job", "ports", "master"))
-
-    pserver_eps = ",".join(ep for _, _, ep in pservers)
-    trainer_eps = ",".join(ep for _, _, ep, _ in trainers)
-    per_host_trainers = {h: n for h, n, _ in trainer_slots}
-    common = {
-        "CLUSTERCTL_JOB": spec.name,
-        "PADDLE_TRAINERS_NUM": str(len(trainers)),
-        "PADDLE_TRAINER_ENDPOINTS": trainer_eps,
-    }
-    if job.mode == "pserver":
-        common["PADDLE_PSERVERS_IP_PORT_LIST"] = pserver_eps
-        common["CLUSTERCTL_PS_MODE"] = job.sync
-        common["CLUSTERCTL_PS_K_STEPS"] = str(job.k_steps)
-
-    shards = deal_shards(data_files or [], len(trainers))
-    processes: list[Process] = []
-    for pid, (host, local, ep) in enumerate(pservers):
-        env = _env(job.env, common, role="pserver", endpoint=ep)
-        env["PADDLE_PSERVER_ID"] = str(pid)
-        fmt = _placeholders(spec, "pserver", pid, pid, len(trainers), pserver_eps, trainer_eps, ep, host, local)
-        processes.append(
-            Process(host, "pserver", pid, None, local, ep, (), env, tuple(job.entrypoint) + render_args(job.args, fmt))
-        )
-    for tid, (host, local, ep, gpus) in enumerate(trainers):
-        env = _env(job.env, common, role="trainer", endpoint=ep)
-        env.update(
-            PADDLE_TRAINER_ID=str(tid),
-            RANK=str(tid),
-            WORLD_SIZE=str(len(trainers)),
-            LOCAL_RANK=str(local),
-            LOCAL_WORLD_SIZE=str(per_host_trainers[host]),
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(job.ports.master),
-        )
-        if spec.data is not None:
-            env[DATA_ENV] = ":".join(posixpath.join(spec.data.remote.strip("/"), n) for n in shards[tid])
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-            # Inside the process the visible GPUs are renumbered from 0.
-            env["FLAGS_selected_gpus"] = ",".join(str(i) for i in range(len(gpus)))
-        fmt = _placeholders(spec, "trainer", tid, tid, len(trainers), pserver_eps, trainer_eps, ep, host, local)
-        processes.append(
-            Process(host, "trainer", tid, tid, local, ep, gpus, env, tuple(job.entrypoint) + render_args(job.args, fmt))
-        )
-
     workdir = spec.workspace.remote
     # beside the workspace, not in it: what a job writes into the workspace lives only as long as its
     # generation (dispatch switches to a new one, and recycles the old one a dispatch later)
     log_dir = job.log_dir if posixpath.isabs(job.log_dir) else posixpath.normpath(posixpath.join(workdir + ".logs", job.log_dir))
-    mpi = _mpi_launch(spec, hosts, trainer_slots, len(trainers), workdir) if job.launcher == "mpi" else None
+    mpi = _mpi_launch(spec, hosts, trainer_slots, sum(1 for p in processes if p.role == "trainer"), workdir) if job.launcher == "mpi" else None
     return JobPlan(
         job=spec.name,
         mode=job.mode,
         hosts=hosts,
-        processes=tuple(processes),
+        processes=processes,
         workdir=workdir,
         log_dir=log_dir,
-        control_endpoint=control,
+        control_endpoint=laid["control"],
         on_failure=job.on_failure,
         grace=job.grace,
         mpi=mpi,
@@ -372,11 +311,6 @@ def make_plan(
         auth=job.auth,
         backend=spec.backend,
     )
-
-
-def _hostport(addr: str, port: int) -> str:
-    """`addr:port`, IPv6 addresses in brackets (`[fd00::1]:6170`), as endpoint lists carry them."""
-    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
 # Placeholders whose value differs per rank: a single mpiexec command line cannot carry them.
@@ -412,54 +346,6 @@ def _mpi_launch(spec: ClusterSpec, hosts, trainer_slots, total: int, workdir: st
     return MpiLaunch(hosts[0], tuple(argv), hostfile, path, env)
 
 
-def render_args(args: tuple[str, ...], values: dict[str, str]) -> tuple[str, ...]:
-    """Substitute `{placeholder}`s in each arg; `{{`/`}}` are literal braces. Values are never re-parsed."""
-    return tuple(arg.format_map(values) for arg in args)
-
-
-def _placeholders(spec, role, pid, trainer_id, trainers, pserver_eps, trainer_eps, ep, host, local) -> dict[str, str]:
-    return {
-        "role": role,
-        "id": str(pid),
-        "trainer_id": str(trainer_id),
-        "trainers": str(trainers),
-        "pserver_endpoints": pserver_eps,
-        "trainer_endpoints": trainer_eps,
-        "current_endpoint": ep,
-        "host": host.endpoint_address,
-        "local_rank": str(local),
-        "job": spec.name,
-    }
-
-
-def _env(user_env: dict[str, str], common: dict[str, str], *, role: str, endpoint: str) -> dict[str, str]:
-    ip, port = endpoint.rsplit(":", 1)
-    env = dict(user_env)
-    env.update(common)
-    env.update(
-        CLUSTERCTL_ROLE=role,
-        TRAINING_ROLE=role.upper(),
-        POD_IP=ip,
-        PADDLE_PORT=port,
-        PADDLE_CURRENT_ENDPOINT=endpoint,
-    )
-    return env
-
-
-def _pserver_hosts(spec: ClusterSpec, hosts: tuple[Host, ...]) -> list[Host]:
-    # job.pservers is a count, a PserversPerHost or a tuple of addresses; told apart by shape, so that the
-    # plan imports nothing of clusterctl.spec (which lays out the plan to check a spec: no import cycle)
-    p = spec.job.pservers
-    if spec.job.mode != "pserver":
-        return []
-    if isinstance(p, int):
-        return [hosts[i % len(hosts)] for i in range(p)]
-    if not isinstance(p, tuple):  # {per_host: N}
-        return [h for h in hosts for _ in range(p.per_host)]
-    by_addr = {h.address: h for h in reversed(hosts)}  # first host with that address wins
-    return [by_addr[a] for a in p]
-
-
 def _trainer_slots(spec: ClusterSpec, hosts: tuple[Host, ...]) -> list[tuple[Host, int, tuple[int, ...]]]:
     slots = []
     for h, hs in zip(hosts, spec.hosts):
@@ -473,16 +359,6 @@ def _trainer_slots(spec: ClusterSpec, hosts: tuple[Host, ...]) -> list[tuple[Hos
     if sum(n for _, n, _ in slots) == 0:
         raise PlanError(("job", "trainers"), "the job has no trainers")
     return slots
-
-
-def _gpu_share(gpus: tuple[int, ...], n: int, local: int, host: Host) -> tuple[int, ...]:
-    """Split a host's GPUs evenly and contiguously among its `n` trainers."""
-    if not gpus:
-        return ()
-    if n > len(gpus):
-        raise PlanError(("hosts", host.index, "gpus"), f"{n} trainers on {host.address} but only {len(gpus)} GPUs")
-    per = len(gpus) // n
-    return gpus[local * per : (local + 1) * per]
 
 
 def factor_env(envs: Sequence[Mapping[str, str]]) -> tuple[dict[str, str], list[dict[str, str]]]:
