@@ -179,7 +179,8 @@ def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_
     if step == "ssh_mesh":
         key_path = spec.local_path(prov.ssh_mesh.key) if prov.ssh_mesh.key else mesh.default_key_path(spec.name)
         private, public = mesh.mesh_key(key_path, spec.name)
-        mesh_ctx = mesh.mesh_context(spec.name, public, session.plan.hosts, facts)
+        # the hosts the probe reached (a host that failed it has no facts, and no key to pin)
+        mesh_ctx = mesh.mesh_context(spec.name, public, [h for h in session.plan.hosts if h in facts], facts)
         stdin = private
     try:
         ctx = step_context(step, spec, check=check, force=force, wheelhouse_remote=wh.remote if wh else None, mesh=mesh_ctx)
