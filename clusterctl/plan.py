@@ -26,6 +26,11 @@ __all__ = [
 DATA_ENV = "CLUSTERCTL_DATA_FILES"
 
 
+# The most processes (pservers + trainers) one job may have: a spec asking for more is refused at its key
+# before any process is laid out; a plan this size takes about a second to lay out (docs/spec.md).
+MAX_PROCESSES = 16_384
+
+
 class PlanError(ClusterctlError):
     """The spec is well-formed but cannot be laid out (e.g. two endpoints on one host:port)."""
 
@@ -265,8 +270,9 @@ def make_plan(
     """
     job = spec.job
     hosts = make_hosts(spec, resolved)
-    pserver_hosts = _pserver_hosts(spec, hosts)
     trainer_slots = _trainer_slots(spec, hosts)
+    _check_size(spec, hosts, trainer_slots)  # before any per-process list is built
+    pserver_hosts = _pserver_hosts(spec, hosts)
 
     used: dict[tuple[str, int], tuple[str, Host]] = {}
 
@@ -444,6 +450,24 @@ def _env(user_env: dict[str, str], common: dict[str, str], *, role: str, endpoin
         PADDLE_CURRENT_ENDPOINT=endpoint,
     )
     return env
+
+
+def _check_size(spec: ClusterSpec, hosts: tuple[Host, ...], trainer_slots) -> None:
+    """PlanError at the key that asks for more than MAX_PROCESSES processes (counted, not laid out)."""
+    p = spec.job.pservers
+    if spec.job.mode != "pserver":
+        pservers = 0
+    elif isinstance(p, int):
+        pservers = p
+    elif isinstance(p, tuple):
+        pservers = len(p)
+    else:  # {per_host: N}
+        pservers = p.per_host * len(hosts)
+    trainers = sum(n for _, n, _ in trainer_slots)
+    if pservers + trainers > MAX_PROCESSES:
+        key = "pservers" if pservers > MAX_PROCESSES or pservers >= trainers else "trainers"
+        raise PlanError(("job", key), f"{pservers} pserver(s) and {trainers} trainer(s): a job has at most "
+                                      f"{MAX_PROCESSES} processes (docs/spec.md)")
 
 
 def _pserver_hosts(spec: ClusterSpec, hosts: tuple[Host, ...]) -> list[Host]:
