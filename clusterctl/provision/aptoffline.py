@@ -352,11 +352,12 @@ class _Sockets:
         self.open: list[socket.socket] = []
         self.fired = False
 
-    def add(self, sock: socket.socket) -> None:
+    def add(self, sock: socket.socket) -> socket.socket:
         with self.lock:
             self.open.append(sock)
             if self.fired:
                 sock.shutdown(socket.SHUT_RDWR)
+        return sock
 
     def fire(self) -> None:
         with self.lock:
@@ -372,9 +373,10 @@ def _opener(sockets: _Sockets) -> urllib.request.OpenerDirector:
     """urllib with its usual proxy and redirect handling, every connection's socket registered in `sockets`."""
     def tracked(base):
         class Conn(base):
-            def connect(self):
-                super().connect()
-                sockets.add(self.sock)
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                # registered as soon as it is open: before a proxy's CONNECT or a TLS handshake, which may drip too
+                self._create_connection = lambda *a, **k: sockets.add(socket.create_connection(*a, **k))
         return Conn
 
     http_conn, https_conn = tracked(http.client.HTTPConnection), tracked(http.client.HTTPSConnection)
