@@ -434,3 +434,23 @@ def test_apt_get_update_against_a_dripping_index_is_killed_at_the_deadline(tmp_p
     assert 4 <= took < 4 + SLACK_S, took
     [root] = (cache / "roots").iterdir()
     assert _apt_processes(root) == []  # apt-get and its http methods were killed with it
+
+
+@pytest.mark.timeout(120)
+def test_many_hosts_share_one_deadline_not_one_each(tmp_path, repo, mirrors):
+    """apt-get update used to have 600 s per host, one host after another; now one deadline covers all hosts,
+    and hosts with different configurations are resolved in parallel."""
+    slow = mirrors(repo, drip="index")
+    source = AptSource(name="m", uri=slow.url, trusted=True)
+    states = {f"node{i}": HostAptState("amd64", {"etc/apt/preferences.d/p": f"# host {i}\n".encode()}, b"")
+              for i in range(4)}  # four configurations: four apt roots, four apt-get updates
+    t0 = time.monotonic()
+    out = aptoffline.resolve_all(tmp_path, states, dict.fromkeys(states, ["ctl-safe"]), [(source, b"")],
+                                 deadline=aptoffline.Deadline(4, "apt.offline.timeout"), refresh=False,
+                                 reinstall=False, log=lambda key, line: None)
+    took = time.monotonic() - t0
+    assert sorted(out) == sorted(states) and len(list((tmp_path / "roots").iterdir())) == 4
+    for key, err in out.items():
+        assert isinstance(err, ProvisionError) and str(err).startswith(
+            f"offline apt for {key}: apt-get update did not finish within 4s (apt.offline.timeout); still fetching "), err
+    assert 4 <= took < 4 + SLACK_S, took  # not 4 x 4 s
