@@ -24,6 +24,11 @@ __all__ = [
     "factor_env", "expand_env", "layout_inputs",
 ]
 
+# The most processes (pservers + trainers) one job may have: a spec asking for more is refused at its key
+# before any process is laid out; a plan this size takes about a second to lay out (docs/spec.md).
+MAX_PROCESSES = 16_384
+
+
 class PlanError(ClusterctlError):
     """The spec is well-formed but cannot be laid out (e.g. two endpoints on one host:port)."""
 
@@ -279,6 +284,7 @@ def make_plan(
     """
     job = spec.job
     hosts = make_hosts(spec, resolved)
+    _check_size(spec, hosts, _trainer_slots(spec, hosts))  # before any per-process list is built
     layout_hosts, layout_job = layout_inputs(spec, hosts, data_files)
     try:
         laid = layout(layout_hosts, layout_job)
@@ -344,6 +350,24 @@ def _mpi_launch(spec: ClusterSpec, hosts, trainer_slots, total: int, workdir: st
             argv += ["-x", k]
     argv += [*job.mpi_args, *job.entrypoint, *args]
     return MpiLaunch(hosts[0], tuple(argv), hostfile, path, env)
+
+
+def _check_size(spec: ClusterSpec, hosts: tuple[Host, ...], trainer_slots) -> None:
+    """PlanError at the key that asks for more than MAX_PROCESSES processes (counted, not laid out)."""
+    p = spec.job.pservers
+    if spec.job.mode != "pserver":
+        pservers = 0
+    elif isinstance(p, int):
+        pservers = p
+    elif isinstance(p, tuple):
+        pservers = len(p)
+    else:  # {per_host: N}
+        pservers = p.per_host * len(hosts)
+    trainers = sum(n for _, n, _ in trainer_slots)
+    if pservers + trainers > MAX_PROCESSES:
+        key = "pservers" if pservers > MAX_PROCESSES or pservers >= trainers else "trainers"
+        raise PlanError(("job", key), f"{pservers} pserver(s) and {trainers} trainer(s): a job has at most "
+                                      f"{MAX_PROCESSES} processes (docs/spec.md)")
 
 
 def _trainer_slots(spec: ClusterSpec, hosts: tuple[Host, ...]) -> list[tuple[Host, int, tuple[int, ...]]]:

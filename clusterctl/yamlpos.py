@@ -54,6 +54,7 @@ class Located:
 # libyaml's parser when PyYAML was built with it: ~10x faster on a spec of 1,250 hosts, same nodes and
 # marks. Bad YAML is parsed again by the pure-Python parser, whose messages say what it expected.
 _FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_STR_TAG = "tag:yaml.org,2002:str"
 
 
 def _mark(node: yaml.Node) -> tuple[int, int]:
@@ -222,6 +223,8 @@ class _Builder:
         return self._scalar(node)
 
     def _scalar(self, node: yaml.Node) -> object:
+        if node.tag == _STR_TAG and isinstance(node, yaml.ScalarNode):
+            return node.value  # what SafeConstructor.construct_yaml_str returns, without its per-node bookkeeping
         try:
             return self.loader.construct_object(node, deep=True)
         except (ValueError, TypeError, AttributeError, OverflowError) as exc:

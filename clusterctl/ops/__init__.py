@@ -27,6 +27,13 @@ def plan_for(spec: ClusterSpec, *, resolve: bool = True) -> JobPlan:
 def _data_files(spec: ClusterSpec) -> list[str] | None:
     if spec.data is None:
         return None
+    root = spec.local_path(spec.data.local)
+    if not root.is_dir():  # the plan deals its files to the trainers: a spec error at the key, as the plan's are
+        from ..errors import SpecError, SpecProblem
+
+        line, col = spec_position(spec, ("data", "local"))
+        why = "does not exist" if not root.exists() else "is not a directory"
+        raise SpecError([SpecProblem(spec.source, line, col, "data.local", f"{root} {why} (the data shards' directory)")])
     from .dispatch import list_data_files  # dispatch's imports (pathspec) cost ~0.1 s: only for specs with data
 
     return list_data_files(spec)
@@ -48,6 +55,8 @@ def _plan_for(spec: ClusterSpec, data_files: list[str] | None, *, resolve: bool 
 
 def spec_position(spec: ClusterSpec, path: tuple) -> tuple[int, int]:
     """Line and column of `path` in the spec's file (1, 1 when it cannot be read back)."""
+    if getattr(spec, "located", None) is not None:  # kept by the loader: the file is not parsed again
+        return spec.located.position(path)
     from ..yamlpos import YamlSyntaxError, load_located
 
     try:

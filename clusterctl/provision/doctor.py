@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from ..plan import Host
-from ..errors import RemoteError
 from ..quoting import join
+from .hostdata import BadReply, Collector, doctor_facts, shown
 
 __all__ = ["DoctorReport", "doctor", "host_params", "compare", "COMPARED"]
 
+MAX_REPLY = 16 << 20  # bytes of a host's facts kept (its venv's package list is most of them)
 WINDOW = 3.0  # seconds each host keeps trying its peers (and keeps its listener open, a bit longer)
 
 # Facts that must agree across hosts (mismatches hang or break collectives); name → getter.
@@ -162,28 +163,30 @@ def doctor(session) -> DoctorReport:
     prov = spec.provision
     venv = prov.python.venv if prov and prov.python else ""
     source = _facts_source()
+    collect = Collector(MAX_REPLY)  # a host's reply is untrusted: bounded, then checked (hostdata.py)
     results = remote.run(
         lambda h: join(["python3", "-", json.dumps(host_params(plan, venv, h))]),
         stdin=source,
         timeout=120,
         check=False,
         what="doctor",
+        on_line=collect,
     )
     report = DoctorReport(spec.name, plan.hosts, {})
     for host in plan.hosts:
         res = results[host]
         if not res.ok:
             tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.exit_code}"]
-            report.errors[host] = tail[0]
+            report.errors[host] = shown(tail[0], 300)
             report.facts[host] = None
-            report.problems.append(f"{host.label}: {tail[0]}")
+            report.problems.append(f"{host.label}: {shown(tail[0], 300)}")
             continue
         try:
-            report.facts[host] = res.reply()  # the last JSON object on stdout
-        except RemoteError:
-            report.errors[host] = "facts script printed no JSON"
+            report.facts[host] = doctor_facts(collect.reply(host))  # the last JSON object on stdout, checked
+        except BadReply as exc:
+            report.errors[host] = f"facts script: {exc}"
             report.facts[host] = None
-            report.problems.append(f"{host.label}: facts script printed no JSON: {res.stdout.strip()[:200]!r}")
+            report.problems.append(f"{host.label}: facts script printed an unexpected reply: {exc}")
     for host in plan.hosts:
         f = report.facts.get(host)
         if f is None:

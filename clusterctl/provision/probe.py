@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import inspect
 
-from ..errors import RemoteError
 from ..host import provision_host
 from ..quoting import join
 from ..remote import Remote
+from .hostdata import BadReply, Collector, probe_facts, shown
 from .steps import HostFacts
 
 __all__ = ["probe_hosts", "PROBE_SCRIPT"]
@@ -40,23 +40,28 @@ print(json.dumps({
 """
 
 
+MAX_REPLY = 16 << 20  # bytes of stdout kept per host (a wheelhouse of 100,000 files lists in ~8 MiB)
+TIMEOUT = 60.0
+
+
 def probe_hosts(remote: Remote, hosts, *, interpreter: str, wheelhouse: str) -> tuple[dict, dict]:
-    """Facts per host, and the reason for every host the probe could not run on (host → message)."""
+    """Facts per host, and the reason for every host the probe could not run on (host → message).
+
+    A host's reply is untrusted (hostdata.py): bounded while it arrives, every fact checked before the
+    other steps (and the other hosts, through ssh_mesh) see it."""
+    collect = Collector(MAX_REPLY)
     results = remote.run(
-        join([interpreter, "-c", PROBE_SCRIPT, wheelhouse]), hosts=hosts, check=False, timeout=60, what="probe"
+        join([interpreter, "-c", PROBE_SCRIPT, wheelhouse]), hosts=hosts, check=False, timeout=TIMEOUT, what="probe",
+        on_line=collect,
     )
     facts, failed = {}, {}
     for host, res in results.items():
         if not res.ok:
             tail = (res.stderr or res.stdout).strip().splitlines()
-            failed[host] = f"probe failed (exit {res.exit_code}): {tail[-1] if tail else 'no output'}"
+            failed[host] = f"probe failed (exit {res.exit_code}): {shown(tail[-1]) if tail else 'no output'}"
             continue
         try:
-            data = res.reply()  # the last JSON object on stdout, whatever a shell's start-up printed before it
-            data["wheels"] = tuple((n, int(s)) for n, s in data.get("wheels", ()))
-            facts[host] = HostFacts(**data)
-        except RemoteError:
-            failed[host] = f"probe printed no JSON: {res.stdout.strip()[:200]!r}"
-        except (TypeError, ValueError):
-            failed[host] = f"probe printed an unexpected reply: {res.stdout.strip()[:200]!r}"
+            facts[host] = HostFacts(**probe_facts(collect.reply(host)))
+        except BadReply as exc:
+            failed[host] = f"probe printed an unexpected reply: {exc}"
     return facts, failed

@@ -179,7 +179,8 @@ def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_
     if step == "ssh_mesh":
         key_path = spec.local_path(prov.ssh_mesh.key) if prov.ssh_mesh.key else mesh.default_key_path(spec.name)
         private, public = mesh.mesh_key(key_path, spec.name)
-        mesh_ctx = mesh.mesh_context(spec.name, public, session.plan.hosts, facts)
+        # the hosts the probe reached (a host that failed it has no facts, and no key to pin)
+        mesh_ctx = mesh.mesh_context(spec.name, public, [h for h in session.plan.hosts if h in facts], facts)
         stdin = private
     try:
         ctx = step_context(step, spec, check=check, force=force, wheelhouse_remote=wh.remote if wh else None, mesh=mesh_ctx)
@@ -216,42 +217,67 @@ def _offline(prov, step: str) -> bool:
 
 
 def _offline_apt(session, step: str, hosts, *, check: bool, force: bool, log) -> dict[Host, StepOutcome]:
-    """Offline apt's controller side (resolve, download once, upload what each host lacks); the hosts that failed it."""
+    """Offline apt's controller side (resolve, download once, upload what each host lacks); the hosts that failed it.
+
+    What a host sends is untrusted (aptstate.py reads it within limits, against an allow-list); everything on
+    the controller runs under one deadline, apt.offline.timeout, for all these hosts together."""
     spec, remote = session.spec, session.remote
     prov = spec.provision
     apt = prov.apt
     remote_dir = apt.offline.remote
     cache = aptoffline.local_root(spec)
+    deadline = aptoffline.Deadline(apt.offline.timeout, "apt.offline.timeout")
     if step == "gpu":
         if prov.cuda.repository is None:
             raise ProvisionError("apt.offline with cuda.method apt needs cuda.repository (a repository the controller "
                                  "can read: NVIDIA's URL, or a local mirror)")
-        wanted_pkgs, wanted_sources = gpu_apt_packages(prov), [prov.cuda.repository]
+        wanted_pkgs, wanted_sources, where = gpu_apt_packages(prov), [prov.cuda.repository], "cuda.repository"
     else:
-        wanted_pkgs, wanted_sources = list(apt.packages), list(apt.sources)
+        wanted_pkgs, wanted_sources, where = list(apt.packages), list(apt.sources), "apt.sources"
+    roots = aptoffline.file_roots(spec)
+    aptoffline.check_file_sources(wanted_sources, roots, where)
     sources = []
     for src in wanted_sources:
         try:
             sources.append((src, spec.local_path(src.signed_by).read_bytes() if src.signed_by else b""))
         except OSError as exc:
             raise ProvisionError(f"cannot read apt keyring {src.signed_by}: {exc.strerror or exc}") from None
+    readers = {h: aptoffline.StateReader(h.label) for h in hosts}
+    state_timeout = min(120.0, deadline.left())
     results = remote.run(join(["python3", "-c", aptoffline.HOST_STATE_SCRIPT, remote_dir]), hosts=hosts, check=False,
-                         timeout=120, what="apt state")
+                         timeout=state_timeout, what="apt state", on_line=lambda h, stream, line: readers[h](h, stream, line))
     failed: dict[Host, StepOutcome] = {}
-    uploads: dict[Host, list[Path]] = {}
+    states, wanted = {}, {}
     for host in hosts:
         res = results[host]
-        t0 = time.monotonic()
+        if res.timed_out:
+            failed[host] = StepOutcome("failed", f"offline apt for {host.label}: reading the host's apt state took over "
+                                                 f"{state_timeout:.0f}s", res.seconds)
+            continue
         if not res.ok:
             tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.exit_code}"]
             failed[host] = StepOutcome("failed", f"offline apt: cannot read the host's apt state: {tail[0]}", res.seconds)
             continue
         try:
-            state = aptoffline.parse_state(res.stdout)
-            wanted = aptoffline.missing_packages(wanted_pkgs, state.status, force=force)
-            debs = aptoffline.resolve(cache, state, wanted, sources, refresh=force, reinstall=force,
-                                      log=lambda line, host=host: log(host, step, line))
-            paths = aptoffline.download(cache, debs, log=lambda line, host=host: log(host, step, line))
+            states[host] = readers[host].state()
+        except ProvisionError as exc:
+            failed[host] = StepOutcome("failed", str(exc), res.seconds)
+            continue
+        for note in states[host].notes:
+            log(host, step, f"host: {note}")
+        wanted[host] = aptoffline.missing_packages(wanted_pkgs, states[host].status, force=force)
+    t0 = time.monotonic()
+    resolved = aptoffline.resolve_all(cache, states, wanted, sources, deadline=deadline, refresh=force, reinstall=force,
+                                      log=lambda host, line: log(host, step, line))
+    uploads: dict[Host, list[Path]] = {}
+    for host, state in states.items():
+        debs = resolved[host]
+        if isinstance(debs, ProvisionError):
+            failed[host] = StepOutcome("failed", str(debs), time.monotonic() - t0)
+            continue
+        try:
+            paths = aptoffline.download(cache, debs, deadline=deadline, file_roots=roots, label=host.label,
+                                        log=lambda line, host=host: log(host, step, line))
         except ProvisionError as exc:
             failed[host] = StepOutcome("failed", str(exc), time.monotonic() - t0)
             continue

@@ -89,6 +89,12 @@ class AptOfflineSpec(_Model):
     enabled: bool = True
     local: str = "~/.cache/clusterctl/apt-offline"  # controller-side cache: package indexes and .debs
     remote: str = ".clusterctl/apt-offline"  # the host's local repository (relative: under the login user's home)
+    # controller directories that `file:` sources (apt.sources, cuda.repository) may be read from; relative to
+    # the spec; nothing else on the controller is ever read through a `file:` URI
+    file_roots: tuple[str, ...] = ()
+    # seconds the controller may spend on offline apt for one step, all hosts together (served in parallel):
+    # reading their state, apt-get update, resolving and downloading
+    timeout: float = Field(600.0, gt=0, le=86400)
 
     @model_validator(mode="before")
     @classmethod
@@ -135,6 +141,15 @@ class AptSpec(_Model):
         if dup:
             raise ValueError(f"two sources named {dup[0]}")
         return v
+
+    @model_validator(mode="after")
+    def _file_roots(self) -> AptSpec:
+        if self.offline and self.offline.enabled and not self.offline.file_roots:
+            local = [s for s in self.sources if s.uri.startswith("file:")]
+            if local:
+                raise ValueError(f"offline apt reads the file: source {local[0].name} on the controller: name its "
+                                 "directory (or one above it) in apt.offline.file_roots")
+        return self
 
 
 class GpuComponent(_Model):
@@ -320,6 +335,11 @@ class ProvisionSpec(_Model):
             raise ValueError("cudnn and nccl need cuda.version (their builds are per CUDA major)")
         if self.pip_gpu() and not self.python:
             raise ValueError("method: pip installs into the job's venv: add a python: section (python.venv)")
+        offline = self.apt.offline if self.apt else None
+        repo = self.cuda.repository if self.cuda else None
+        if offline and offline.enabled and not offline.file_roots and repo and repo.uri.startswith("file:"):
+            raise ValueError(f"offline apt reads the file: repository {repo.name} (cuda.repository) on the controller: "
+                             "name its directory (or one above it) in apt.offline.file_roots")
         return self
 
     def gpu_method(self, component: str) -> str | None:

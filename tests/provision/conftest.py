@@ -23,7 +23,8 @@ from clusterctl.errors import ClusterctlError
 sys.path.insert(0, str(Path(__file__).parent))
 from provision_helpers import NVIDIA_DIR, REPO_DIR, build_repo, copy_into
 
-CLUSTER = "clusterctl-provtest"
+# CLUSTERCTL_TESTCLUSTER_NAME (several sessions on one machine): our cluster is "<that name>-prov"
+CLUSTER = (os.environ["CLUSTERCTL_TESTCLUSTER_NAME"] + "-prov") if os.environ.get("CLUSTERCTL_TESTCLUSTER_NAME") else "clusterctl-provtest"
 NODES = 3
 TEST_PACKAGES = [("ctl-hello", "1.0-1"), ("ctl-hello", "1.1-1"), ("ctl-lockprobe", "1.0-1")]
 # Named and versioned like NVIDIA's packages; empty payloads.

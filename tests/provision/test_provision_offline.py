@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,10 @@ def _reset(nodes, script: str = OFFLINE_RESET) -> None:
         docker_exec(node.container, "sh", "-c", script)
 
 
-def _offline(**extra) -> dict:
-    return {"local": str(APT_OFFLINE_CACHE), **extra}
+def _offline(local_repos: dict | None = None, **extra) -> dict:
+    """apt.offline for the tests: the shared cache; the controller-side local repositories as file_roots."""
+    roots = [str(p) for p in (local_repos or {}).values()]
+    return {"local": str(APT_OFFLINE_CACHE), **({"file_roots": roots} if roots else {}), **extra}
 
 
 @pytest.mark.timeout(120)
@@ -114,7 +117,7 @@ def test_offline_apt_installs_jq_and_nvidia_packages_with_no_route_out(provclust
                             "import socket; socket.create_connection(('151.101.2.132', 80), timeout=3)", check=False)
         assert probe.returncode != 0
     nvidia = {"name": "nvidia-local", "uri": f"file:{local_repos['nvidia']}", "trusted": True}
-    apt = {"packages": ["jq", *NVIDIA], "sources": [nvidia], "hold": True, "lock_timeout": 5, "offline": _offline()}
+    apt = {"packages": ["jq", *NVIDIA], "sources": [nvidia], "hold": True, "lock_timeout": 5, "offline": _offline(local_repos)}
     spec = prov_spec({"apt": apt}, nodes=[0, 1])
 
     check = run_cli("provision", str(spec), "--check")
@@ -155,7 +158,7 @@ def test_offline_apt_serves_the_gpu_steps_apt_method(provcluster, prov_spec, cac
     nodes = provcluster.nodes[:2]
     _reset(nodes)
     nvidia = {"name": "nvidia-local", "uri": f"file:{local_repos['nvidia']}", "trusted": True}
-    prov = {"apt": {"offline": _offline(), "lock_timeout": 5},
+    prov = {"apt": {"offline": _offline(local_repos), "lock_timeout": 5},
             "cuda": {"version": "12.4", "method": "apt", "repository": nvidia}, "nccl": "2.21.5"}
     spec = prov_spec(prov, nodes=[0, 1])
     first = run_cli("provision", str(spec))
@@ -188,7 +191,7 @@ def test_non_root_login_uses_sudo_n_for_root_steps_and_names_a_password_sudo(pro
 
     testrepo = {"name": "testrepo", "uri": f"file:{local_repos['test']}", "trusted": True}
     prov = {
-        "apt": {"packages": ["ctl-hello=1.0-1"], "sources": [testrepo], "hold": True, "offline": _offline()},
+        "apt": {"packages": ["ctl-hello=1.0-1"], "sources": [testrepo], "hold": True, "offline": _offline(local_repos)},
         "python": {"venv": "/opt/ubvenv"},
         "commands": [
             {"name": "rootfile", "run": "id -un > /etc/clusterctl-root-test", "creates": "/etc/clusterctl-root-test", "root": True},
@@ -216,3 +219,35 @@ def test_non_root_login_uses_sudo_n_for_root_steps_and_names_a_password_sudo(pro
     doc = run_cli("doctor", str(spec))
     assert re.search(r"│ login\s+│ ubuntu\s+│ ubuntu\s+│", doc.stdout), doc.stdout
     assert re.search(r"│ sudo\s+│ passwordless\s+│ needs a password\s+│", doc.stdout), doc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_offline_apt_never_runs_a_hosts_apt_hooks_on_the_controller(provcluster, prov_spec, cache_home, local_repos, tmp_path):
+    """A host's apt.conf.d hooks (issue 21): the controller's apt never reads them; the host's own apt still does."""
+    node = provcluster.nodes[0]
+    _reset([node])
+    marker = tmp_path / "hook-ran" / "marker"  # a controller path: must not appear here
+    hook = f'"mkdir -p {marker.parent} && touch {marker}";'
+    conf = f"APT::Update::Pre-Invoke {{ {hook} }};\nAPT::Update::Post-Invoke-Success {{ {hook} }};\n"
+    setup = (f"printf '%s' {shlex.quote(conf)} > /etc/apt/apt.conf.d/99clusterctl-test-hook && "
+             "echo 'machine mirror.example login u password SECRET-IN-AUTH-CONF' > /etc/apt/auth.conf")
+    docker_exec(node.container, "sh", "-c", setup)
+    try:
+        testrepo = {"name": "testrepo", "uri": f"file:{local_repos['test']}", "trusted": True}
+        cache = tmp_path / "apt-offline"  # this test's own: every apt root in it was made by this run
+        spec = prov_spec({"apt": {"packages": ["ctl-hello=1.0-1"], "sources": [testrepo],
+                                  "offline": _offline(local_repos, local=str(cache))}}, nodes=[0])
+        res = run_cli("provision", str(spec), "--force")  # --force: the controller runs apt-get update for this host
+        assert res.returncode == 0, res.stdout + res.stderr
+        log = (cache_home / "clusterctl" / "provision" / "provjob" / f"{node.ip}.log").read_text()
+        assert re.search(r"^\[apt\] controller: Reading package lists", log, re.M), log  # the update did run here
+        assert not marker.exists(), "the host's apt hook ran on the controller"
+        # the hooks are real: the host's own apt-get update (its apt step) ran them, on the host
+        assert docker_exec(node.container, "test", "-e", str(marker), check=False).returncode == 0
+        assert list((cache / "roots").iterdir())
+        for path in (cache / "roots").rglob("*"):
+            assert "apt.conf.d" not in path.parts and not path.name.startswith("auth.conf"), path
+            if path.is_file():
+                assert b"SECRET-IN-AUTH-CONF" not in path.read_bytes(), path
+    finally:
+        docker_exec(node.container, "sh", "-c", f"rm -rf /etc/apt/apt.conf.d/99clusterctl-test-hook /etc/apt/auth.conf {marker.parent}")

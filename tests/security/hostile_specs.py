@@ -1,4 +1,5 @@
-"""A corpus of hostile cluster specs: each must give one-line `FILE:LINE:COL: ...` problems and exit 2."""
+"""A corpus of hostile cluster specs: each must give one-line `FILE:LINE:COL: ...` problems and exit 2
+(cases()), or, for the large valid ones (bounded_cases()), one `valid` line and exit 0; all within 2 s."""
 
 from __future__ import annotations
 
@@ -132,7 +133,38 @@ def cases() -> dict[str, bytes]:
     c["stray-document-end"] = "...\n...\n" + VALID + "]\n"
     # size
     c["two-mib"] = VALID + "# " + "x" * (2 << 20) + "\n"
+    # more processes than a job may have (clusterctl.plan.MAX_PROCESSES): refused at the key before any is laid out
+    c["pservers-huge"] = _job("mode: pserver, pservers: 100000000000")
+    c["pservers-over-limit"] = _job("mode: pserver, pservers: 16384")
+    c["pservers-list-huge"] = _job("mode: pserver, pservers: [" + ", ".join(["h1"] * 20000) + "]")
+    c["pservers-per-host-many-hosts"] = _hosts(100, "mode: pserver, pservers: {per_host: 256}")
+    c["trainers-many-hosts"] = _hosts(20, "trainers: 1024")
+    c["slots-many-hosts"] = _hosts(17, "", host="slots: 1024")
+    c["gpus-many-hosts"] = _hosts(17, "trainers: gpu", host="gpus: 1024")
+    # data.local that cannot be listed: a spec error at the key (validate and plan list it)
+    c["data-local-missing"] = VALID + "data: {local: ./no-such-directory}\n"
+    c["data-local-a-file"] = VALID + "data: {local: /dev/null}\n"
     return {k: (v if isinstance(v, bytes) else v.encode("utf-8", "surrogatepass")) for k, v in c.items()}
+
+
+def _hosts(n: int, job: str, host: str = "") -> str:
+    """A spec of n hosts (ssh.config none: resolving them is not what is measured) and the given job keys."""
+    extra = f", {host}" if host else ""
+    hosts = ", ".join(f"{{address: h{i}{extra}}}" for i in range(n))
+    return f"name: c\nssh: {{config: none}}\nhosts: [{hosts}]\njob: {{entrypoint: [python, t.py]{', ' if job else ''}{job}}}\n"
+
+
+def bounded_cases() -> dict[str, bytes]:
+    """name -> spec: large but valid specs, at clusterctl.plan.MAX_PROCESSES; each must end within the same bound
+    as the hostile ones, with exit 0 or 2."""
+    ports = "ports: {pserver: 1000, trainer: 60000, master: 61000, control: 61001}"
+    c = {
+        "trainers-at-limit": _hosts(16, "trainers: 1024"),
+        "trainers-at-limit-many-hosts": _hosts(2048, "trainers: 8"),
+        "pservers-at-limit": _hosts(64, f"mode: pserver, pservers: 16320, {ports}"),
+        "pservers-per-host-at-limit": _hosts(63, f"mode: pserver, pservers: {{per_host: 256}}, trainers: 4, {ports}"),
+    }
+    return {k: v.encode() for k, v in c.items()}
 
 
 def hostfile_cases() -> dict[str, bytes]:

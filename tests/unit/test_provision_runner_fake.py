@@ -222,7 +222,7 @@ def _deb(folder, name="fakepkg-fk", version="1.0"):
 def test_offline_apt_resolves_downloads_and_uploads_on_the_controller(tmp_path, monkeypatch):
     deb = _deb(tmp_path)
     digest = hashlib.sha256(deb.read_bytes()).hexdigest()
-    section = {"apt": {"packages": ["fakepkg-fk"], "offline": {"local": str(tmp_path / "aptcache")}}}
+    section = {"apt": {"packages": ["fakepkg-fk"], "offline": {"local": str(tmp_path / "aptcache"), "file_roots": [str(tmp_path)]}}}
     c = cluster(tmp_path, monkeypatch, section)
     # the host's apt step itself is not under test here (and must not touch this machine's /etc/apt)
     fake_exe(c.bin, "bash", 'echo "CLUSTERCTL_STEP apt ok"\n')
@@ -230,11 +230,15 @@ def test_offline_apt_resolves_downloads_and_uploads_on_the_controller(tmp_path, 
     ctl = tmp_path / "controller-bin"
     fake_exe(ctl, "apt-get", f"""\
         case " $* " in *" update "*) exit 0 ;; esac
-        echo "'{deb.as_uri()}' {deb.name} {deb.stat().st_size} SHA256:{digest}"
+        echo "'{deb.as_uri()}' {deb.name} {deb.stat().st_size} MD5Sum:0"
+        """)
+    # and apt-cache the index's SHA256 for it (apt-get --print-uris gives MD5 at most)
+    fake_exe(ctl, "apt-cache", f"""\
+        printf 'Package: fakepkg-fk\\nFilename: ./{deb.name}\\nSize: {deb.stat().st_size}\\nSHA256: {digest}\\n'
         """)
     monkeypatch.setenv("PATH", f"{ctl}:{os.environ['PATH']}")
     checked = run(c, check=True, only=["apt"])  # resolved and downloaded; nothing uploaded under --check
-    assert (tmp_path / "aptcache" / "debs" / deb.name).read_bytes() == deb.read_bytes()
+    assert (tmp_path / "aptcache" / "debs" / f"sha256-{digest[:32]}" / deb.name).read_bytes() == deb.read_bytes()
     assert not (c.home(0) / ".clusterctl" / "apt-offline").exists()
     assert outcomes(checked) == {(h, "apt"): ("ok", "") for h in ("n0", "n1")}
     # the upload to n1 fails (its tar cannot write): that host fails the step, naming why; n0 got the files
