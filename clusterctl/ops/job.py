@@ -28,6 +28,7 @@ __all__ = [
     "job_files",
     "start",
     "status",
+    "fold_status",
     "stop",
     "logs",
     "JobStatus",
@@ -140,17 +141,24 @@ def status(session: Session) -> JobStatus:
     plan, remote = session.plan, session.remote
     cmd, payload = tool_command("agent", ["status", _jobdir(plan)])
     results = remote.run(cmd, stdin=payload, check=False, timeout=remote.control_timeout, what="status")
-    procs: list[ProcessStatus] = []
-    host_states: list[str] = []
+    replies: dict[str, dict] = {}
     unreachable: dict[str, str] = {}
-    reasons: list[str] = []
-    attempt, restarts, attempts = 0, 0, []
     for host, res in results.items():
         if not res.answered:  # not reached, or its command never answered (our deadline)
             unreachable[host.label] = res.stderr.strip()
-            host_states.append(JobState.LOST)
-            continue
-        data = _parse(res)
+        else:
+            replies[host.label] = _parse(res)
+    return fold_status(plan.job, replies, unreachable)
+
+
+def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str]) -> JobStatus:
+    """The job's status from every host's `agent status` reply (host label -> reply) and the hosts that did
+    not answer (label -> why), whatever started the supervisors (pure)."""
+    procs: list[ProcessStatus] = []
+    host_states: list[str] = [JobState.LOST for _ in unreachable]
+    reasons: list[str] = []
+    attempt, restarts, attempts = 0, 0, []
+    for label, data in replies.items():
         state = data.get("state") or JobState.UNKNOWN
         if state == JobState.STOPPING and data.get("restart_pending"):
             state = JobState.RESTARTING  # the failed attempt is being stopped; the job starts again after
@@ -160,11 +168,11 @@ def status(session: Session) -> JobStatus:
         if (data.get("attempt") or 0, len(data.get("attempts") or [])) > (attempt, len(attempts)):
             attempt, attempts = data.get("attempt") or 0, data.get("attempts") or []
         if data.get("reason") and data.get("state") not in (JobState.RUNNING, JobState.SUCCEEDED):
-            reasons.append(f"{host.label}: {data['reason']}")
+            reasons.append(f"{label}: {data['reason']}")
         for p in data.get("processes", []):
             procs.append(
                 ProcessStatus(
-                    host.label, p["role"], p["id"], p.get("pid"), p.get("state"), p.get("exit_code"),
+                    label, p["role"], p["id"], p.get("pid"), p.get("state"), p.get("exit_code"),
                     p.get("uptime_s"), p.get("error"),
                 )
             )
@@ -174,7 +182,7 @@ def status(session: Session) -> JobStatus:
         "unreachable: " + ", ".join(unreachable) if unreachable else None
     )
     attempts = [{k: a.get(k) for k in ("attempt", "outcome", "reason", "started_at", "ended_at")} for a in attempts]
-    return JobStatus(plan.job, state, reason, procs, unreachable, attempt, restarts, attempts)
+    return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, attempts)
 
 
 def stop(session: Session, *, grace: float | None = None) -> dict[Host, dict]:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from .fields import _Model, _scalar_str, check_address
+from .job import one_line
 
 __all__ = ["KubernetesSpec", "KubernetesVolumeSpec", "SlurmSpec"]
 
@@ -87,7 +88,8 @@ class SlurmSpec(_Model):
     @classmethod
     def _args(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         for arg in v:
-            if not arg.startswith("-") or any(c in arg for c in "\r\n"):
+            one_line(arg)  # an #SBATCH line each: a newline would end it (and every #SBATCH option after it)
+            if not arg.startswith("-"):
                 raise ValueError(f"each item is one sbatch option on one line, starting with '-': {arg!r}")
         return v
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import unicodedata
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -12,7 +13,7 @@ from pydantic import Field, field_validator
 from .fields import Port, _did_you_mean, _Model, _placeholder_names, _scalar_str
 
 __all__ = ["JobSpec", "PortsSpec", "PserversPerHost", "WorkspaceSpec", "DataSpec", "PLACEHOLDERS", "CONTRACT_ENV",
-           "RESTART_ENV"]
+           "RESTART_ENV", "one_line"]
 
 
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -40,6 +41,22 @@ CONTRACT_ENV = frozenset(
 )
 
 
+def one_line(value: str) -> str:
+    """A path (or an #SBATCH value) as one line of printable characters: a control or line-separator character
+    would end a line of the sbatch script, of a shell command or of a log, so it is refused (ValueError)."""
+    for i, c in enumerate(value):
+        if unicodedata.category(c) in ("Cc", "Zl", "Zp"):
+            raise ValueError(f"control character {c!r} at character {i + 1} of {value!r}: "
+                             "paths and #SBATCH values must be one line of printable characters")
+    return value
+
+
+def _one_line_each(values: tuple[str, ...]) -> tuple[str, ...]:
+    for v in values:
+        one_line(v)
+    return values
+
+
 class WorkspaceSpec(_Model):
     """What to ship: a local directory, where it lands on every host, and what to leave out."""
 
@@ -47,9 +64,20 @@ class WorkspaceSpec(_Model):
     remote: str = ""
     exclude: tuple[str, ...] = (".git/", "__pycache__/", "*.pyc", ".venv/")
 
+    @field_validator("local")
+    @classmethod
+    def _local(cls, v: str) -> str:
+        return one_line(v)
+
+    @field_validator("exclude")
+    @classmethod
+    def _exclude(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return _one_line_each(v)
+
     @field_validator("remote")
     @classmethod
     def _remote(cls, v: str) -> str:
+        one_line(v)
         if v.startswith("~/"):
             v = v[2:]  # ssh sessions start in $HOME: relative paths are relative to it
         if ".." in Path(v).parts:
@@ -63,6 +91,11 @@ class DataSpec(_Model):
     local: str
     pattern: str = "*"
     remote: str = "data"
+
+    @field_validator("local", "pattern", "remote")
+    @classmethod
+    def _paths(cls, v: str) -> str:
+        return one_line(v)
 
 
 class PortsSpec(_Model):
@@ -105,6 +138,11 @@ class JobSpec(_Model):
     auth: Literal["token", "none"] = "token"
     sync: Literal["sync", "async", "geo"] = "sync"
     k_steps: int = Field(100, ge=1)
+
+    @field_validator("log_dir", "mpiexec")
+    @classmethod
+    def _paths(cls, v: str) -> str:
+        return one_line(v)
 
     @field_validator("entrypoint", mode="before")
     @classmethod
