@@ -96,8 +96,8 @@ def job_templates(plan: JobPlan) -> list[dict]:
 
 
 def _control(text: str) -> str | None:
-    """The first control or line-separator character in text, as repr() shows it; None when there is none."""
-    return next((repr(c)[1:-1] for c in text if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+    """The first control or line-separator character in text; None when there is none."""
+    return next((c for c in text if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
 
 
 def sbatch_options(spec: ClusterSpec, plan: JobPlan) -> list[str]:

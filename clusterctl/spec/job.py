@@ -6,14 +6,14 @@ import re
 import shlex
 import unicodedata
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from .fields import Port, _did_you_mean, _Model, _placeholder_names, _scalar_str
 
 __all__ = ["JobSpec", "PortsSpec", "PserversPerHost", "WorkspaceSpec", "DataSpec", "PLACEHOLDERS", "CONTRACT_ENV",
-           "RESTART_ENV", "one_line"]
+           "RESTART_ENV", "one_line", "OneLine"]
 
 
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -51,10 +51,7 @@ def one_line(value: str) -> str:
     return value
 
 
-def _one_line_each(values: tuple[str, ...]) -> tuple[str, ...]:
-    for v in values:
-        one_line(v)
-    return values
+OneLine = Annotated[str, AfterValidator(one_line)]  # an item of a list, refused at its own index
 
 
 class WorkspaceSpec(_Model):
@@ -62,17 +59,12 @@ class WorkspaceSpec(_Model):
 
     local: str = "."
     remote: str = ""
-    exclude: tuple[str, ...] = (".git/", "__pycache__/", "*.pyc", ".venv/")
+    exclude: tuple[OneLine, ...] = (".git/", "__pycache__/", "*.pyc", ".venv/")
 
     @field_validator("local")
     @classmethod
     def _local(cls, v: str) -> str:
         return one_line(v)
-
-    @field_validator("exclude")
-    @classmethod
-    def _exclude(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        return _one_line_each(v)
 
     @field_validator("remote")
     @classmethod
