@@ -18,6 +18,11 @@ __all__ = ["SlurmBackend"]
 _PLACED = "Slurm places the nodes; hosts: gives only the shape (gpus, slots) of node i"
 
 
+def _killed(reply: dict) -> int:
+    """How many processes a node's `agent stop` ended (a process sent SIGTERM and then SIGKILL counts once)."""
+    return len({e.get("pid") if isinstance(e, dict) else e for e in reply.get("killed") or []})
+
+
 class SlurmBackend(Backend):
     """Jobs as Slurm batch jobs: sbatch, scontrol/sacct, srun --overlap, scancel over ssh to a login node."""
 
@@ -106,7 +111,7 @@ class SlurmBackend(Backend):
             job=self.plan.job,
             was_running=res["was_running"] or any(r.get("was_running") for r in replies.values()),
             hosts=len(replies),
-            killed=sum(len(r.get("killed") or []) for r in replies.values()),
+            killed=sum(_killed(r) for r in replies.values()),
             left=left,
             detail=detail,
         )

@@ -17,10 +17,11 @@ their token, and sends them with this package inside the batch script. Then, all
             supervisor's `agent status` through `srun --overlap`), `stop` (every supervisor's `agent stop`
             through `srun --overlap`, then scancel); one JSON object on stdout each
     node-status / node-stop   (one `srun --overlap` task per node, started by `login`) `agent status|stop`
-            on this node's job directory, as one JSON line
+            on this node's job directory; the reply in short base64 lines (srun cuts and interleaves long ones)
 """
 
 import argparse
+import base64
 import contextlib
 import fcntl
 import io
@@ -54,7 +55,8 @@ STEP_TIMEOUT = 60.0  # login: a status step's deadline (an agent status answers 
 STOP_EXTRA = 30.0  # login: a stop step's deadline beyond the grace; scancel's wait too
 _LAYOUT_ENV = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
                "SLURM_DISTRIBUTION", "SLURM_CPUS_PER_TASK")
-REPLY_KEY = "clusterctl_slurm_node"  # marks a node command's JSON line in srun's output
+REPLY_MARK = "clusterctl-slurm-reply"  # starts the lines of a node command's reply in srun's output
+REPLY_CHUNK = 600  # base64 characters per reply line: srun cuts lines longer than 1024 bytes (and interleaves them)
 
 # The first thing that runs on a node, as `python3 -S -E -c BOOT batch|node`, its stdin (base64 for `batch`,
 # from the batch script's here-document): one JSON line (the package's directory under the home, its files,
@@ -490,14 +492,7 @@ def _node_step(rec, sj, args, timeout, name):
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode("utf-8", "replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = "srun did not end within %gs" % timeout
-    replies = {}
-    for line in out.splitlines():
-        try:
-            data = json.loads(line) if line.startswith("{") else None
-        except ValueError:
-            continue
-        if isinstance(data, dict) and data.get(REPLY_KEY) in sj["nodes"]:
-            replies[data[REPLY_KEY]] = data.get("reply")
+    replies = {n: r for n, r in read_replies(out).items() if n in sj["nodes"]}
     missing = [n for n in sj["nodes"] if n not in replies]
     return replies, (err.strip()[-500:] or "no answer") if missing else ""
 
@@ -604,6 +599,42 @@ def _agent(argv):
         return None
 
 
+def reply_lines(node, reply):
+    """A node command's reply as short lines (`MARK node i/n base64`), whole through srun's output whatever its
+    size, among the other nodes' lines."""
+    data = base64.b64encode(json.dumps(reply).encode()).decode()
+    parts = [data[i:i + REPLY_CHUNK] for i in range(0, len(data), REPLY_CHUNK)] or [""]
+    return ["%s %s %d/%d %s" % (REPLY_MARK, node, i, len(parts), part) for i, part in enumerate(parts)]
+
+
+def read_replies(text):
+    """{node: reply} from srun's output holding reply_lines() of several nodes (other lines ignored; a node
+    whose reply is incomplete or garbled is left out)."""
+    parts = {}
+    for line in text.splitlines():
+        fields = line.split(" ")
+        if len(fields) != 4 or fields[0] != REPLY_MARK or "/" not in fields[2]:
+            continue
+        i, _, n = fields[2].partition("/")
+        if i.isdigit() and n.isdigit():
+            parts.setdefault(fields[1], {})[int(i)] = (int(n), fields[3])
+    out = {}
+    for node, got in parts.items():
+        counts = set(n for n, _ in got.values())
+        if len(counts) != 1 or sorted(got) != list(range(counts.pop())):
+            continue
+        try:
+            out[node] = json.loads(base64.b64decode("".join(got[i][1] for i in sorted(got))).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            continue
+    return out
+
+
+def _emit_reply(node, reply):
+    sys.stdout.write("".join(line + "\n" for line in reply_lines(node, reply)))
+    sys.stdout.flush()
+
+
 def _this_node():
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
@@ -612,7 +643,7 @@ def cmd_node_status(args):
     """This node's supervisor's `agent status`, as one JSON line."""
     node = _this_node()
     jobdir = _home_path(jobdir_rel(args.job, args.slurm_job, node))
-    emit({REPLY_KEY: node, "reply": _agent(["status", jobdir])})
+    _emit_reply(node, _agent(["status", jobdir]))
     return 0
 
 
@@ -620,7 +651,7 @@ def cmd_node_stop(args):
     """This node's `agent stop` (the supervisor's stop with grace, then the sweep by the job's tag), as one line."""
     node = _this_node()
     jobdir = _home_path(jobdir_rel(args.job, args.slurm_job, node))
-    emit({REPLY_KEY: node, "reply": _agent(["stop", jobdir, "--grace", "%g" % args.grace, "--job", args.job])})
+    _emit_reply(node, _agent(["stop", jobdir, "--grace", "%g" % args.grace, "--job", args.job]))
     return 0
 
 

@@ -197,7 +197,7 @@ def _query(remote: Remote, login: Host, plan: JobPlan, *, replies: bool) -> dict
 
 
 def _nodes(spec: ClusterSpec, sj: dict, addresses: dict) -> list[tuple[str, Host]]:
-    """(node name, how ssh reaches it: NodeAddr) for every node of the job, node 0 first."""
+    """(node name, how ssh reaches it: NodeAddr) for each node of `sj["nodes"]`, in that order."""
     return [(n, _host(spec, addresses.get(n) or n, i)) for i, n in enumerate(sj["nodes"])]
 
 
@@ -257,9 +257,12 @@ def _status_from(spec: ClusterSpec, plan: JobPlan, q: dict) -> JobStatus:
     if sj is None:
         return JobStatus(plan.job, JobState.UNKNOWN, f"Slurm job {rec['slurm_job']} is no longer known to Slurm",
                          backend="slurm")
-    replies, unreachable = q.get("replies") or {}, {}
-    if not replies and sj["nodes"] and slurm_state(sj["state"]) != JobState.PENDING:
-        replies, unreachable = _node_replies(spec, plan, sj, q["addresses"])  # the job ended: ask the nodes
+    replies, unreachable = dict(q.get("replies") or {}), {}
+    missing = [n for n in sj["nodes"] if n not in replies]
+    if missing and slurm_state(sj["state"]) != JobState.PENDING:
+        # the job ended (no step can ask), or the step missed a node: ask those nodes over ssh
+        more, unreachable = _node_replies(spec, plan, dict(sj, nodes=missing), q["addresses"])
+        replies.update(more)
     tail = ""
     if slurm_state(sj["state"]) == JobState.FAILED and not any(
             r and r.get("state") not in (None, JobState.UNKNOWN) for r in replies.values()):

@@ -6,6 +6,7 @@ directory's creation (private, never reused), slurm.conf."""
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import re
@@ -288,6 +289,18 @@ def test_a_job_directory_under_a_directory_others_can_write_or_a_symlink_is_refu
 def test_job_directory_names_are_checked(job, sid, node):
     with pytest.raises(ValueError, match="unsafe"):
         glue.jobdir_rel(job, sid, node)
+
+
+def test_node_replies_survive_sruns_output_whole():
+    """srun cuts output lines longer than 1024 bytes and interleaves the pieces of several tasks: each node's
+    reply travels as short lines, read back whole among the other nodes' lines and noise."""
+    big = {"processes": [{"log": "/x" * 400, "id": i} for i in range(30)], "state": "running"}
+    lines = {n: glue.reply_lines(n, dict(big, node=n)) for n in ("n0", "n1", "n2")}
+    assert all(len(line) < 1024 for ls in lines.values() for line in ls) and len(lines["n0"]) > 5
+    mixed = [line for group in itertools.zip_longest(*lines.values()) for line in group if line]
+    mixed += ["srun: warning: noise", "n0 1/2 x"]
+    assert glue.read_replies("\n".join(mixed)) == {n: dict(big, node=n) for n in lines}
+    assert glue.read_replies("\n".join(lines["n1"][:-1] + lines["n2"])) == {"n2": dict(big, node="n2")}  # n1 cut short
 
 
 # -------------------------------------------------------------------------------- Slurm's word
