@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 from ..errors import ClusterctlError, JobError
 from ..host import slurm as glue
+from ..host import slurmctl
 from ..host.states import JobState
 from ..plan import Host, JobPlan
 from ..quoting import join, quote
@@ -38,7 +39,7 @@ __all__ = ["job_templates", "batch_script", "sbatch_options", "slurm_state", "sl
 
 WAIT_SUPERVISORS_S = 120.0
 LOGS_TIMEOUT_S = 600.0  # logs without --follow: a generous deadline for large logs  # logs --follow: how long a running job's supervisors may take to appear
-STOP_EXTRA_S = 2 * glue.STOP_EXTRA  # the login's stop command: its step and scancel's wait, beyond the grace
+STOP_EXTRA_S = 2 * slurmctl.STOP_EXTRA  # the login's stop command: its step and scancel's wait, beyond the grace
 _STATES = {"PENDING": JobState.PENDING, "CONFIGURING": JobState.PENDING, "REQUEUED": JobState.PENDING,
            "RUNNING": JobState.RUNNING, "SUSPENDED": JobState.RUNNING, "RESIZING": JobState.RUNNING,
            "COMPLETING": JobState.STOPPING, "COMPLETED": JobState.SUCCEEDED, "CANCELLED": JobState.STOPPED}
@@ -185,15 +186,15 @@ def _reply(res, login: Host, what: str) -> dict:
 
 
 def _login_tool(remote: Remote, login: Host, args: list[str], *, what: str, timeout: float | None = None) -> dict:
-    """One `slurm login ...` command on the login node (the host package installed there first if missing)."""
-    cmd, payload = tool_command("slurm", ["login", *args])
+    """One `slurmctl login ...` command on the login node (the host package installed there first if missing)."""
+    cmd, payload = tool_command("slurmctl", ["login", *args])
     res = remote.run(cmd, hosts=[login], stdin=payload, check=False, timeout=timeout, what=what)[login]
     return _reply(res, login, what)
 
 
 def _query(remote: Remote, login: Host, plan: JobPlan, *, replies: bool) -> dict:
     args = ["query", "--job", plan.job] + (["--replies"] if replies else [])
-    return _login_tool(remote, login, args, what="asking Slurm", timeout=remote.control_timeout + glue.STEP_TIMEOUT)
+    return _login_tool(remote, login, args, what="asking Slurm", timeout=remote.control_timeout + slurmctl.STEP_TIMEOUT)
 
 
 def _nodes(spec: ClusterSpec, sj: dict, addresses: dict) -> list[tuple[str, Host]]:
@@ -315,7 +316,7 @@ def start(spec: ClusterSpec, plan: JobPlan, *, on_progress: Callable[[str], None
     login = _login(spec)
     script = batch_script(spec, plan)
     with _remote(spec, (login,)) as remote:
-        ensure_tools(remote, ("slurm",), [login])
+        ensure_tools(remote, ("slurmctl",), [login])
         if spec.slurm.workspace == "shared":
             _mkdir(remote, plan.log_dir)
         else:  # sbatch --output must be writable on whichever node becomes the batch host
@@ -325,7 +326,7 @@ def start(spec: ClusterSpec, plan: JobPlan, *, on_progress: Callable[[str], None
         say("submitting the batch job")
         record = {"log_dir": plan.log_dir, "workspace": spec.slurm.workspace, "package": package_dir(),
                   "nodes": len(plan.hosts)}
-        cmd = join(tool_argv("slurm", ["login", "submit", "--job", plan.job, "--record", json.dumps(record)]))
+        cmd = join(tool_argv("slurmctl", ["login", "submit", "--job", plan.job, "--record", json.dumps(record)]))
         res = remote.run(cmd, hosts=[login], stdin=script.encode(), check=False, what="sbatch")[login]
         _reply(res, login, "sbatch")
         return _status_from(spec, plan, _query(remote, login, plan, replies=True))

@@ -17,6 +17,7 @@ import pytest
 from clusterctl.backends import problems as backend_problems
 from clusterctl.errors import JobError, SpecError
 from clusterctl.host import slurm as glue
+from clusterctl.host import slurmctl
 from clusterctl.host.jobfile import validate_job
 from clusterctl.ops.hosttools import _package_payload, package_dir
 from clusterctl.ops.slurm import batch_script, job_templates, sbatch_options, slurm_state, slurm_status
@@ -295,12 +296,12 @@ def test_node_replies_survive_sruns_output_whole():
     """srun cuts output lines longer than 1024 bytes and interleaves the pieces of several tasks: each node's
     reply travels as short lines, read back whole among the other nodes' lines and noise."""
     big = {"processes": [{"log": "/x" * 400, "id": i} for i in range(30)], "state": "running"}
-    lines = {n: glue.reply_lines(n, dict(big, node=n)) for n in ("n0", "n1", "n2")}
+    lines = {n: slurmctl.reply_lines(n, dict(big, node=n)) for n in ("n0", "n1", "n2")}
     assert all(len(line) < 1024 for ls in lines.values() for line in ls) and len(lines["n0"]) > 5
     mixed = [line for group in itertools.zip_longest(*lines.values()) for line in group if line]
     mixed += ["srun: warning: noise", "n0 1/2 x"]
-    assert glue.read_replies("\n".join(mixed)) == {n: dict(big, node=n) for n in lines}
-    assert glue.read_replies("\n".join(lines["n1"][:-1] + lines["n2"])) == {"n2": dict(big, node="n2")}  # n1 cut short
+    assert slurmctl.read_replies("\n".join(mixed)) == {n: dict(big, node=n) for n in lines}
+    assert slurmctl.read_replies("\n".join(lines["n1"][:-1] + lines["n2"])) == {"n2": dict(big, node="n2")}  # n1 cut short
 
 
 # -------------------------------------------------------------------------------- Slurm's word
