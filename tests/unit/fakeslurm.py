@@ -120,7 +120,7 @@ class Fake:
             job = self.job(job_id)
             if job["cancelled"]:
                 os.killpg(proc.pid, signal.SIGKILL)
-            job.update(state="RUNNING", pgids=job["pgids"] + [proc.pid], batch=proc.pid)
+            job.update(state="RUNNING", pgids=job["pgids"] + [proc.pid], batch=proc.pid, ran=True)
             self.save(job)
         rc = proc.wait()
         with self.locked():
@@ -218,8 +218,9 @@ class Fake:
             if job is None or (self.state / "forget").exists():
                 print("slurm_load_jobs error: Invalid job id specified", file=sys.stderr)
                 return 1
+            nodes = ",".join(job["nodes"]) if job.get("ran") else "(null)"  # as Slurm: none before the allocation
             print(f"JobId={job['id']} JobName={job['name']} JobState={job['state']} Reason=None "
-                  f"ExitCode={job['exit_code']} NodeList={','.join(job['nodes'])} BatchHost={job['nodes'][0]}")
+                  f"ExitCode={job['exit_code']} NodeList={nodes} BatchHost={job['nodes'][0] if job.get('ran') else ''}")
             return 0
         print(f"scontrol: unknown {args}", file=sys.stderr)
         return 1
@@ -227,7 +228,7 @@ class Fake:
     def sacct(self, args: list[str]) -> int:
         job = self.job(args[args.index("-j") + 1])
         if job is not None and not (self.state / "forget-sacct").exists():
-            print(f"{job['state']}|{job['exit_code']}|{','.join(job['nodes'])}")
+            print(f"{job['state']}|{job['exit_code']}|{','.join(job['nodes']) if job.get('ran') else 'None assigned'}")
         return 0
 
     def sinfo(self, args: list[str]) -> int:

@@ -239,7 +239,7 @@ def test_slurm_start_status_logs_and_stop(tmp_path, monkeypatch, capsys):
     record = json.loads((login / ".clusterctl" / "slurm" / f"{c.name}.json").read_text())
     assert record["slurm_job"] == "4242" and record["log_dir"] == f"{login}/{c.remote_dir}.logs"
     st = _status(capsys, c)
-    assert (st["backend"], st["state"], st["reason"]) == ("slurm", "pending", "Slurm job 4242 PENDING (exit 0:0) on node1,node2")
+    assert (st["backend"], st["state"], st["reason"]) == ("slurm", "pending", "Slurm job 4242 PENDING (exit 0:0)")
     code, out, err = cli(capsys, "start", c.spec_path)
     assert code != 0 and f"sbatch on login failed: job {c.name} is already pending as Slurm job 4242" in err
 
@@ -311,6 +311,8 @@ def test_slurm_restarts_and_fail_fast_are_the_supervisors(tmp_path, monkeypatch,
 
 
 def test_slurm_dispatch_and_a_batch_that_failed_before_any_supervisor(tmp_path, monkeypatch, capsys):
+    from fakeslurm import install
+
     c = slurm_cluster(tmp_path, monkeypatch, workspace="dispatch", allocate=1)  # Slurm gives 1 node of 2
     code, out, err = cli(capsys, "logs", c.spec_path)
     assert code != 0 and f"job {c.name} was never submitted from login" in err
@@ -334,6 +336,13 @@ def test_slurm_dispatch_and_a_batch_that_failed_before_any_supervisor(tmp_path, 
     fake_exe(c.bin, "sbatch", 'cat >/dev/null; echo "Submitted batch job"\n')
     code, out, err = cli(capsys, "start", c.spec_path)
     assert code != 0 and "sbatch on login failed: sbatch answered 'Submitted batch job', not a job id" in err
+    install(c.bin, c.slurm, c.root, 2)  # the fake sbatch again
+    (c.slurm / "hold").touch()  # a job stopped while it waits for its allocation: cancelled, nothing ran
+    code, out, _ = cli(capsys, "start", c.spec_path)
+    assert code == 0 and _status(capsys, c)["state"] == "pending"
+    code, out, _ = cli(capsys, "stop", c.spec_path)
+    assert (code, out.strip()) == (0, f"job {c.name} stopped on 0 host(s) (Slurm job 4243 CANCELLED)")
+    assert not (c.root / "127.0.0.1" / ".clusterctl" / "slurm" / "jobs" / c.name / "4243-node1").exists()
     (c.root / "login" / ".clusterctl" / "slurm" / f"{c.name}.json").write_text("{not json")
     code, out, err = cli(capsys, "status", c.spec_path)
     assert code != 0 and f"asking Slurm on login failed: ~/.clusterctl/slurm/{c.name}.json is not a job record; remove it" in err
