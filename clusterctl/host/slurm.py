@@ -43,10 +43,11 @@ STOP_CANCEL_WAIT = 15.0  # batch: after a user's stop, how long to wait for the 
 _LAYOUT_ENV = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
                "SLURM_DISTRIBUTION", "SLURM_CPUS_PER_TASK")
 
-# The first thing that runs on a node, as `python3 -S -E -c BOOT batch|node`, its stdin (base64 for `batch`,
+# The first thing that runs on a node, as `python3 -S -E -c BOOT batch|node`. Its stdin (base64 for `batch`,
 # from the batch script's here-document): one JSON line (the package's directory under the home, its files,
-# the blob's size and sha256), the zlib blob of the package's files, then the rest (the job, JSON). It installs the package where missing (a private temporary directory
-# renamed into place, as clusterctl/ops/hosttools.py does over ssh) and hands the rest to boot() below.
+# the blob's size and sha256), the zlib blob of the package's files, then the rest (the job, JSON). It
+# installs the package where missing (a private temporary directory renamed into place, as
+# clusterctl/ops/hosttools.py does over ssh) and hands the rest to boot() below.
 BOOT = r"""
 import base64, hashlib, json, os, shutil, sys, tempfile, zlib
 os.umask(0o077)
@@ -280,7 +281,11 @@ def cmd_batch(head, blob, job):
         os.chmod(output, 0o600)  # sbatch made it with the submitter's umask (077 when clusterctl submits)
     except OSError:
         pass
-    nodes, addresses = allocation(job.get("endpoints", "ip"))
+    try:
+        nodes, addresses = allocation(job.get("endpoints", "ip"))
+    except (OSError, subprocess.CalledProcessError, KeyError) as e:
+        _say("job %s: cannot read the allocation from scontrol: %s" % (job["job"], e))
+        return 2
     if len(nodes) != len(job["templates"]):
         _say("job %s was planned for %d node(s) but Slurm allocated %d: %s"
              % (job["job"], len(job["templates"]), len(nodes), ",".join(nodes)))

@@ -69,7 +69,7 @@ def read_record(job):
 
 
 def _fields(line):
-    """`Key=Value Key2=Value2` (scontrol --oneliner) as a dict; Reason's value may hold spaces up to the next key."""
+    """`Key=Value Key2=Value2` (scontrol --oneliner) as a dict, each value up to the next space."""
     return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", line))
 
 
