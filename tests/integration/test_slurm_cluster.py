@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterlib import ROOT, assert_mlp_ranks_match_single, clusterctl, docker, node_exec, status_json, tagged_pids
+from clusterlib import (ROOT, assert_mlp_ranks_match_single, clusterctl, docker, listening, node_exec, status_json,
+                        tagged_pids)
 
 pytestmark = pytest.mark.integration
 
@@ -344,10 +345,12 @@ def test_the_jobs_token_files_and_stop(slurm_cluster, tmp_path):
     # stop: exactly the job's processes (1 pserver, 3 trainers, their 3 setsid children), none left anywhere
     tagged = {n.container: tagged_pids(n.container, "it-slurm-stop") for n in nodes}
     assert sorted(len(p) for p in tagged.values()) == [2, 2, 3], tagged
+    assert listening(head, 7540) and listening(head, 7545)
     res = clusterctl("stop", spec, check=True, timeout=120)
     assert res.stdout.strip() == (f"job it-slurm-stop stopped on 3 host(s) (Slurm job {slurm_id} CANCELLED), "
                                   "7 process(es) killed"), res.stdout
     assert not no_tagged(info, "it-slurm-stop", timeout=2)
+    assert not [p for p in (7540, 7545) if listening(head, p)]  # the coordinator's and the pserver's ports are free
     st = status_json(spec)
     assert st["state"] == "stopped" and st["reason"].startswith(f"Slurm job {slurm_id} CANCELLED"), st
     assert "is not running" in clusterctl("stop", spec, check=True).stdout
