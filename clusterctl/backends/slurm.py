@@ -1,7 +1,9 @@
 """`backend: slurm`: the job as one Slurm batch job, submitted over ssh to `slurm.login` (docs/slurm.md).
 
-The plan is made as for SSH, with node i of the allocation planned as ``slurm-node-<i>.invalid``; the
-operations are in clusterctl/ops/slurm.py.
+The plan is made as for SSH, with node i of the allocation planned as ``slurm-node-<i>.invalid``; inside the
+allocation the same host supervisor as over SSH runs on every node (clusterctl/host/slurm.py), so the token,
+restarts, fail-fast, attempt logs, the status reply and the sweep are the supervisor's. The operations are
+in clusterctl/ops/slurm.py.
 """
 
 from __future__ import annotations
@@ -13,20 +15,33 @@ from .base import Backend, LineCallback, Progress, StopReport
 
 __all__ = ["SlurmBackend"]
 
+_PLACED = "Slurm places the nodes; hosts: gives only the shape (gpus, slots) of node i"
+
+
+def _killed(reply: dict) -> int:
+    """How many processes a node's `agent stop` ended (a process sent SIGTERM and then SIGKILL counts once)."""
+    return len({e.get("pid") if isinstance(e, dict) else e for e in reply.get("killed") or []})
+
 
 class SlurmBackend(Backend):
-    """Jobs as Slurm batch jobs: sbatch, scontrol/sacct, scancel over ssh to a login node."""
+    """Jobs as Slurm batch jobs: sbatch, scontrol/sacct, srun --overlap, scancel over ssh to a login node."""
 
     name: ClassVar[str] = "slurm"
-    summary: ClassVar[str] = "one Slurm batch job, submitted over ssh to slurm.login"
+    summary: ClassVar[str] = "one Slurm batch job, submitted over ssh to slurm.login: a supervisor on each node"
     unsupported = (
-        ("job.launcher", "launcher: mpi is not supported; use launcher: ssh (clusterctl's own PMI server)"),
         ("data", "data: is not dealt under Slurm yet; put the files in the workspace"),
+        ("hostfile", "Slurm places the nodes; give slurm.nodes (or hosts: for the shape of each node)"),
+        ("hosts.*.address", _PLACED),
+        ("hosts.*.port", _PLACED),
+        ("hosts.*.user", _PLACED + " (ssh.user is the login's and the nodes' user)"),
+        ("hosts.*.proxy_jump", _PLACED + " (ssh.proxy_jump reaches the login node and the nodes)"),
+        ("hosts.*.train_address", _PLACED + " (slurm.endpoints: ip | hostname picks the endpoints' address)"),
     )
 
     @classmethod
     def check_spec(cls, spec) -> list:
-        """slurm: section present; nodes or hosts give the shape; pservers by count; a shared workspace is absolute."""
+        """slurm: section present; nodes or hosts give the shape; pservers by count; launcher ssh; a shared
+        workspace is absolute; the log dir is an #SBATCH value (one word)."""
         from ..spec.errors import problem
 
         loc, source, problems = spec.located, spec.source, []
@@ -39,12 +54,19 @@ class SlurmBackend(Backend):
             problems.append(problem(loc, source, ("slurm",), "give slurm.nodes (or hosts, for the shape of each node)"))
         if spec.slurm.nodes is not None and given and spec.slurm.nodes != len(given):
             problems.append(problem(loc, source, ("slurm", "nodes"), f"{spec.slurm.nodes} nodes but {len(given)} hosts"))
+        if spec.job.launcher == "mpi":
+            problems.append(problem(loc, source, ("job", "launcher"), "not supported with backend: slurm: launcher: "
+                                    "mpi; use launcher: ssh (clusterctl's own PMI server)"))
         if isinstance(spec.job.pservers, tuple):
             problems.append(problem(loc, source, ("job", "pservers"),
                                     "under Slurm the nodes are known at run time: give a count or {per_host: N}"))
         if spec.slurm.workspace == "shared" and not spec.workspace.remote.startswith("/"):
             problems.append(problem(loc, source, ("workspace", "remote"),
                                     "slurm.workspace: shared needs an absolute path on the shared filesystem"))
+        bad = next((c for c in spec.job.log_dir if c.isspace() or c == "\\"), None)
+        if bad is not None:
+            problems.append(problem(loc, source, ("job", "log_dir"), f"under Slurm the log dir is an #SBATCH "
+                                    f"--output value: no whitespace or backslash (found {bad!r})"))
         return problems
 
     def dispatch(self, *, on_progress: Progress | None = None) -> list:
@@ -54,24 +76,20 @@ class SlurmBackend(Backend):
         return dispatch(self.spec, self.plan)
 
     def start(self, *, on_progress: Progress | None = None) -> JobStatus:
-        """Submit the batch job."""
+        """Submit the batch job (it starts a supervisor on every node)."""
         from ..ops.slurm import start
 
-        st = start(self.spec, self.plan, on_progress=on_progress)
-        st.backend = self.name
-        return st
+        return start(self.spec, self.plan, on_progress=on_progress)
 
     def status(self) -> JobStatus:
-        """Slurm's view of the job and the batch program's state file."""
+        """Slurm's word for the allocation, folded with every node's supervisor's status."""
         from ..ops.slurm import status
 
-        st = status(self.spec, self.plan)
-        st.backend = self.name
-        return st
+        return status(self.spec, self.plan)
 
     def logs(self, *, on_line: LineCallback, follow: bool = False, role: str | None = None, id: int | None = None,
              host: str | None = None, lines: int | None = None) -> int:
-        """The job's output files, read on the batch host (or the login node, for a shared workspace)."""
+        """Every node's logs (every attempt), read by its agent over ssh."""
         from ..errors import JobError
         from ..ops.slurm import logs
 
@@ -80,10 +98,20 @@ class SlurmBackend(Backend):
         return logs(self.spec, self.plan, on_line=on_line, follow=follow, role=role, id=id, lines=lines)
 
     def stop(self, *, grace: float | None = None) -> StopReport:
-        """scancel, then the sweep of the job's nodes."""
+        """Every supervisor's stop (grace, then the sweep by the job's tag), then scancel."""
         from ..ops.slurm import stop
 
         res = stop(self.spec, self.plan, grace=grace)
-        detail = f"Slurm job {res['slurm_job']}" if res["slurm_job"] else ""
-        return StopReport(job=self.plan.job, was_running=res["was_running"], hosts=len(res["nodes"]),
-                          killed=len(res["killed"]), detail=detail)
+        replies = {n: r for n, r in res["replies"].items() if r}
+        sj = res["slurm"]
+        detail = f"Slurm job {sj['id']} {sj['state']}" if sj else (
+            f"Slurm job {res['slurm_job']}" if res["slurm_job"] else "")
+        left = {n: r["left"] for n, r in replies.items() if r.get("left")}
+        return StopReport(
+            job=self.plan.job,
+            was_running=res["was_running"] or any(r.get("was_running") for r in replies.values()),
+            hosts=len(replies),
+            killed=sum(_killed(r) for r in replies.values()),
+            left=left,
+            detail=detail,
+        )

@@ -11,8 +11,9 @@ relative. Tools run as imported modules, not as scripts, so Python keeps their b
 beside them (a script is compiled on every run): `agent status` took 37.8 ms (median) instead of 78.4 ms
 for the single-file agent and 52.0 ms for a zipapp (docs/benchmarks.md, "Host package upload").
 
-slurmjob.py is not part of the package (yet): it travels inside the sbatch script, and through
-`tool_command("slurmjob", ...)` as a single file, as before.
+Under Slurm the package travels inside the batch script instead (clusterctl/ops/slurm.py), to the same
+``~/.clusterctl/bin/host-<hash>/`` on every node. The single-file mechanism below (`_SINGLE_FILE`) served
+the old slurmjob.py, which is gone; nothing ships a single-file tool today.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ __all__ = [
     "job_files",
     "start",
     "status",
+    "fold_status",
     "stop",
     "logs",
     "JobStatus",
@@ -127,27 +128,24 @@ def status(session: Session) -> JobStatus:
     plan, remote = session.plan, session.remote
     cmd, payload = tool_command("agent", ["status", _jobdir(plan)])
     results = remote.run(cmd, stdin=payload, check=False, timeout=remote.control_timeout, what="status")
-    replies: dict[Host, dict | None] = {}
+    replies: dict[str, dict] = {}
     unreachable: dict[str, str] = {}
     for host, res in results.items():
         if not res.answered:  # not reached, or its command never answered (our deadline)
             unreachable[host.label] = res.stderr.strip()
-            replies[host] = None
         else:
-            replies[host] = _parse(res)
+            replies[host.label] = _parse(res)
     return fold_status(plan.job, replies, unreachable)
 
 
-def fold_status(job: str, replies: "dict[Host, dict | None]", unreachable: dict[str, str]) -> JobStatus:
-    """The job's status from each host's `agent status` reply (None: the host did not answer) (pure)."""
+def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str]) -> JobStatus:
+    """The job's status from every host's `agent status` reply (host label -> reply) and the hosts that did
+    not answer (label -> why), whatever started the supervisors (pure)."""
     procs: list[ProcessStatus] = []
-    host_states: list[str] = []
+    host_states: list[str] = [JobState.LOST for _ in unreachable]
     reasons: list[str] = []
     attempt, restarts, attempts = 0, 0, []
-    for host, data in replies.items():
-        if data is None:
-            host_states.append(JobState.LOST)
-            continue
+    for label, data in replies.items():
         state = data.get("state") or JobState.UNKNOWN
         if state == JobState.STOPPING and data.get("restart_pending"):
             state = JobState.RESTARTING  # the failed attempt is being stopped; the job starts again after
@@ -157,11 +155,11 @@ def fold_status(job: str, replies: "dict[Host, dict | None]", unreachable: dict[
         if (data.get("attempt") or 0, len(data.get("attempts") or [])) > (attempt, len(attempts)):
             attempt, attempts = data.get("attempt") or 0, data.get("attempts") or []
         if data.get("reason") and data.get("state") not in (JobState.RUNNING, JobState.SUCCEEDED):
-            reasons.append(f"{host.label}: {data['reason']}")
+            reasons.append(f"{label}: {data['reason']}")
         for p in data.get("processes", []):
             procs.append(
                 ProcessStatus(
-                    host.label, p["role"], p["id"], p.get("pid"), p.get("state"), p.get("exit_code"),
+                    label, p["role"], p["id"], p.get("pid"), p.get("state"), p.get("exit_code"),
                     p.get("uptime_s"), p.get("error"),
                 )
             )
@@ -171,7 +169,7 @@ def fold_status(job: str, replies: "dict[Host, dict | None]", unreachable: dict[
         "unreachable: " + ", ".join(unreachable) if unreachable else None
     )
     attempts = [{k: a.get(k) for k in ("attempt", "outcome", "reason", "started_at", "ended_at")} for a in attempts]
-    return JobStatus(job, state, reason, procs, unreachable, attempt, restarts, attempts)
+    return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, attempts)
 
 
 def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | None = None) -> dict[Host, dict]:
@@ -284,7 +282,7 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
             what = "preflight failed" if stages == {"preflight"} else "start failed"
             what += "; everything started was stopped, logs kept" if started else ", nothing started"
         raise JobError(what + ":\n" + "\n".join(reasons))
-    return fold_status(plan.job, {h: replies[h].get("status") or {} for h in hosts}, {})
+    return fold_status(plan.job, {h.label: replies[h].get("status") or {} for h in hosts}, {})
 
 
 def logs(

@@ -1,12 +1,15 @@
 """`backend: slurm`: dispatch · start · status · logs · stop of one Slurm batch job, over ssh to the login node.
 
-The plan is made as for SSH, with node i of the allocation planned as ``slurm-node-<i>.invalid``. `start`
-submits one batch script (sbatch, over ssh to ``slurm.login``) carrying clusterctl/slurmjob.py and the
-job file; inside the allocation that program puts the real node addresses in place and starts the
-pservers and the trainers as srun steps (see its docs). `status` asks Slurm (scontrol, else sacct) and
-reads the job's state file; `logs` reads the per-process output files; `stop` is scancel plus our sweep
-of every node of the job by CLUSTERCTL_JOB. Which job is ours: the login node keeps
-``~/.clusterctl/slurm/<job>.json`` (the Slurm job id and where the logs are).
+The plan is made as for SSH, with node i of the allocation planned as ``slurm-node-<i>.invalid`` and every
+node's home as ``HOME_MARK``; `start` builds the SSH path's job file for every node (ops/job.py's
+`job_files`: processes, env, the coordinator on node 0, restarts, fail-fast), strips their token, and submits
+one batch script carrying them and the host package. Inside the allocation clusterctl/host/slurm.py makes the
+job's token and starts the host supervisor on every node (one srun task per node), with the real addresses
+put in place. From then on the job is the supervisors': `status` folds their `agent status` replies (through
+`srun --overlap` from the login node while the job runs, over ssh to the nodes once it has ended) with
+Slurm's word; `logs` reads every node's logs (every attempt) with `agent logs` over ssh; `stop` runs every
+supervisor's `agent stop` (grace, then the sweep by CLUSTERCTL_JOB) through `srun --overlap`, then scancel.
+Which Slurm job is ours: the login node keeps ``~/.clusterctl/slurm/<job>.json``.
 """
 
 from __future__ import annotations
@@ -14,52 +17,37 @@ from __future__ import annotations
 import base64
 import json
 import posixpath
-import re
 import time
+import unicodedata
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from ..errors import ClusterctlError, JobError
-from ..host.states import JobState, ProcState
+from ..host import slurm as glue
+from ..host import slurmctl
+from ..host.states import JobState
 from ..plan import Host, JobPlan
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote, SshOptions
-from ..slurmjob import STATE_FILE
 from ..spec import ClusterSpec
 from . import Session
-from .hosttools import _source, tool_command
-from .job import JobStatus, ProcessStatus
+from .hosttools import _package_payload, ensure_tools, install_on, package_dir, tool_argv, tool_command
+from .job import JobStatus, fold_status, job_files
 
-__all__ = [
-    "RECORD_DIR", "job_file", "batch_script", "slurm_state", "process_rows",
-    "dispatch", "start", "status", "logs", "stop",
-    "SlurmJob",
-]
+__all__ = ["job_templates", "batch_script", "sbatch_options", "slurm_state", "slurm_status",
+           "dispatch", "start", "status", "logs", "stop", "SlurmError"]
 
-RECORD_DIR = ".clusterctl/slurm"  # on the login node, relative to its home
-WAIT_PSERVERS_S = 120.0
-STOP_WAIT_S = 30.0
-_LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+WAIT_SUPERVISORS_S = 120.0
+LOGS_TIMEOUT_S = 600.0  # logs without --follow: a generous deadline for large logs  # logs --follow: how long a running job's supervisors may take to appear
+STOP_EXTRA_S = 2 * slurmctl.STOP_EXTRA  # the login's stop command: its step and scancel's wait, beyond the grace
 _STATES = {"PENDING": JobState.PENDING, "CONFIGURING": JobState.PENDING, "REQUEUED": JobState.PENDING,
            "RUNNING": JobState.RUNNING, "SUSPENDED": JobState.RUNNING, "RESIZING": JobState.RUNNING,
            "COMPLETING": JobState.STOPPING, "COMPLETED": JobState.SUCCEEDED, "CANCELLED": JobState.STOPPED}
+_PLACEHOLDER_TOKEN = "planned"  # build_job wants one; stripped before the job files leave the controller
 
 
 class SlurmError(ClusterctlError):
     """Slurm refused or failed a command (sbatch, scontrol, scancel) on the login node."""
-
-
-@dataclass(frozen=True)
-class SlurmJob:
-    """What Slurm says about our job: id, state (Slurm's word), exit code, nodes, batch host."""
-
-    id: str
-    state: str
-    exit_code: str
-    nodes: tuple[str, ...]
-    batch_host: str | None
-    reason: str | None
 
 
 def _host(spec: ClusterSpec, address: str, index: int) -> Host:
@@ -72,7 +60,7 @@ def _host(spec: ClusterSpec, address: str, index: int) -> Host:
 
 
 def _node_plan(plan: JobPlan, hosts: tuple[Host, ...]) -> JobPlan:
-    """A plan over real machines (no processes): what dispatch and the sweep need."""
+    """A plan over real machines (no processes): what dispatch needs."""
     return JobPlan(job=plan.job, mode=plan.mode, hosts=hosts, processes=(), workdir=plan.workdir,
                    log_dir=plan.log_dir, control_endpoint="", on_failure=plan.on_failure, grace=plan.grace)
 
@@ -95,66 +83,86 @@ def _run(remote: Remote, host: Host, command: str, *, stdin: bytes | None = None
 # ------------------------------------------------------------------------------------------- pure
 
 
-def job_file(spec: ClusterSpec, plan: JobPlan) -> dict:
-    """The job file slurmjob.py reads inside the allocation (pure): processes with placeholder addresses."""
-    return {
-        "version": 1,
-        "job": plan.job,
-        "nodes": len(plan.hosts),
-        "log_dir": plan.log_dir,
-        "grace": plan.grace,
-        "on_failure": plan.on_failure,
-        "endpoints": spec.slurm.endpoints,
-        "wait_pservers": WAIT_PSERVERS_S,
-        "processes": [
-            {"role": p.role, "id": p.id, "node": p.host.index, "endpoint": p.endpoint, "env": dict(p.env),
-             "argv": list(p.argv), "cwd": plan.workdir}
-            for p in plan.processes
-        ],
-    }
+def job_templates(plan: JobPlan) -> list[dict]:
+    """Node i's job file as planned, for every node (pure): the SSH path's (ops/job.py `job_files`, checked
+    by the agent's validator) with placeholder addresses and home, and no token (the job makes its own)."""
+    files = job_files(plan, {h: glue.HOME_MARK for h in plan.hosts}, _PLACEHOLDER_TOKEN)
+    out = []
+    for host in plan.hosts:
+        f = dict(files[host])
+        f.pop("token", None)
+        f["coordinator"] = {k: v for k, v in f["coordinator"].items() if k != "token"}
+        out.append(f)
+    return out
 
 
-def _sbatch_options(spec: ClusterSpec, plan: JobPlan) -> list[str]:
+def _control(text: str) -> str | None:
+    """The first control or line-separator character in text; None when there is none."""
+    return next((c for c in text if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+
+
+def sbatch_options(spec: ClusterSpec, plan: JobPlan) -> list[str]:
+    """The #SBATCH options (pure): one supervisor task per node, with a CPU for each of its processes."""
     s = spec.slurm
     per_node = max((len(plan.on_host(h)) for h in plan.hosts), default=1) or 1
-    opts = [f"--job-name=clusterctl-{plan.job}", f"--nodes={len(plan.hosts)}", f"--ntasks-per-node={per_node}",
-            f"--output={posixpath.join(plan.log_dir, 'slurm-%j.out')}"]
+    output = posixpath.join(plan.log_dir.replace("%", "%%"), "slurm-%j.out")  # % starts Slurm's patterns
+    opts = [f"--job-name=clusterctl-{plan.job}", f"--nodes={len(plan.hosts)}", "--ntasks-per-node=1",
+            f"--cpus-per-task={per_node}", f"--output={output}"]
     for flag, value in (("partition", s.partition), ("time", s.time), ("account", s.account), ("qos", s.qos)):
         if value:
             opts.append(f"--{flag}={value}")
     if s.gpus_per_node:
         opts.append(f"--gres=gpu:{s.gpus_per_node}")
-    return opts + list(s.sbatch_args)
+    opts += list(s.sbatch_args)
+    for opt in opts:  # the spec refuses these at their line; a spec made in code is checked here
+        bad = _control(opt)
+        if bad:
+            raise JobError(f"#SBATCH {opt!r} holds the control character {bad!r}: it would end the option's line")
+    return opts
 
 
-def batch_script(spec: ClusterSpec, plan: JobPlan, program: bytes) -> str:
-    """The sbatch script (pure): #SBATCH options, then slurmjob.py and the job file unpacked and run."""
-    for arg in spec.slurm.sbatch_args:
-        if "\n" in arg or "\r" in arg:
-            raise JobError(f"slurm.sbatch_args: {arg!r} spans lines")
-    lines = ["#!/bin/bash", *(f"#SBATCH {opt}" for opt in _sbatch_options(spec, plan))]
+def batch_script(spec: ClusterSpec, plan: JobPlan) -> str:
+    """The sbatch script (pure): #SBATCH options, then python3 running the glue (clusterctl/host/slurm.py BOOT)
+    with the host package and every node's job file (no token) on stdin, base64 in a here-document."""
+    job = {"job": plan.job, "log_dir": plan.log_dir, "endpoints": spec.slurm.endpoints,
+           "gpus_per_node": spec.slurm.gpus_per_node, "templates": job_templates(plan)}
+    blob = base64.encodebytes(_package_payload() + json.dumps(job, sort_keys=True).encode()).decode()
+    lines = ["#!/bin/bash", *(f"#SBATCH {opt}" for opt in sbatch_options(spec, plan))]
     lines += [
-        f"# clusterctl job {plan.job}: {len(plan.pservers)} pserver(s), {len(plan.trainers)} trainer(s)",
-        "set -eu",
-        'd=$(mktemp -d "/tmp/clusterctl-slurm-$SLURM_JOB_ID.XXXXXX")',
+        f"# clusterctl job {plan.job}: {len(plan.pservers)} pserver(s), {len(plan.trainers)} trainer(s); "
+        "one clusterctl supervisor per node (docs/slurm.md)",
+        "umask 077",
+        f"exec python3 -S -E -c {quote(glue.BOOT)} batch <<'CLUSTERCTL_EOF'",
+        blob.rstrip("\n"),
+        "CLUSTERCTL_EOF",
     ]
-    job = json.dumps(job_file(spec, plan), sort_keys=True).encode()
-    for name, data in (("slurmjob.py", program), ("job.json", job)):
-        b64 = base64.encodebytes(data).decode()
-        lines += [f'base64 -d > "$d/{name}" <<\'CLUSTERCTL_EOF\'', b64.rstrip("\n"), "CLUSTERCTL_EOF"]
-    lines.append('exec python3 "$d/slurmjob.py" batch "$d"')
     return "\n".join(lines) + "\n"
-
-
-def _fields(line: str) -> dict[str, str]:
-    """`Key=Value Key2=Value2` (scontrol --oneliner) as a dict; values hold no spaces except Reason's."""
-    return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", line))
 
 
 def slurm_state(state: str) -> str:
     """Our job state for Slurm's JobState word (pure)."""
     word = state.split()[0].rstrip("+") if state else ""
     return _STATES.get(word, JobState.FAILED if word else JobState.NOT_RUNNING)
+
+
+def slurm_status(job: str, sj: dict, replies: dict[str, dict], unreachable: dict[str, str], tail: str = "") -> JobStatus:
+    """The job's status (pure): Slurm's word for the allocation, folded with the supervisors' replies (node
+    name -> `agent status` reply) when any supervisor has a state, as over SSH (ops/job.py fold_status)."""
+    where = f" on {','.join(sj['nodes'])}" if sj.get("nodes") else ""
+    head = f"Slurm job {sj['id']} {sj['state']} (exit {sj['exit_code']}){where}" + (
+        f": {sj['reason']}" if sj.get("reason") else "")
+    answered = {n: r for n, r in replies.items() if r and r.get("state") not in (None, JobState.UNKNOWN)}
+    word_state = slurm_state(sj["state"])
+    if not answered:  # no supervisor (yet, or any more reachable): Slurm's word is all there is
+        if word_state == JobState.RUNNING:
+            word_state, head = JobState.STARTING, head + "; starting the supervisors"
+        st = JobStatus(job, word_state, head + (f"; slurm-{sj['id']}.out ends: {tail}" if tail else ""),
+                       unreachable=dict(unreachable), backend="slurm")
+        return st
+    st = fold_status(job, answered, unreachable)
+    st.backend = "slurm"
+    st.reason = head + (f"; {st.reason}" if st.reason else "")
+    return st
 
 
 # ------------------------------------------------------------------------------------- login node
@@ -164,77 +172,126 @@ def _login(spec: ClusterSpec) -> Host:
     return _host(spec, spec.slurm.login, 0)
 
 
-def _record_path(plan: JobPlan) -> str:
-    return posixpath.join(RECORD_DIR, f"{plan.job}.json")
-
-
-def _read_record(remote: Remote, login: Host, plan: JobPlan) -> dict | None:
-    res = remote.run(f"cat {quote(_record_path(plan))}", hosts=[login], check=False,
-                     what="reading the job record")[login]
+def _reply(res, login: Host, what: str) -> dict:
     if res.unreachable:
         raise SlurmError(f"cannot reach the Slurm login node {login.label}: {res.stderr.strip()[-300:]}")
-    if res.exit_code != 0:
-        return None
     try:
-        return json.loads(res.stdout)
-    except ValueError:
-        raise SlurmError(f"{login.label}:~/{_record_path(plan)} is not JSON; remove it") from None
+        data = res.reply()
+    except ClusterctlError:
+        why = (res.stderr or res.stdout).strip()[-800:] or f"exit {res.exit_code}"
+        raise SlurmError(f"{what} on {login.label} failed: {why}") from None
+    if not data.get("ok"):
+        raise SlurmError(f"{what} on {login.label} failed: {data.get('error')}")
+    return data
 
 
-def _query(remote: Remote, login: Host, job_id: str) -> SlurmJob | None:
-    """Slurm's view of job_id: `scontrol show job` while slurmctld remembers it, else sacct; None if neither."""
-    res = remote.run(join(["scontrol", "--oneliner", "show", "job", job_id]), hosts=[login], check=False,
-                     what="scontrol show job")[login]
-    if res.exit_code == 0 and "JobState=" in res.stdout:
-        f = _fields(res.stdout)
-        nodes = _hostnames(remote, login, f.get("NodeList", ""))
-        batch = f.get("BatchHost") or None
-        return SlurmJob(job_id, f.get("JobState", ""), f.get("ExitCode", ""), nodes, batch,
-                        f.get("Reason") if f.get("Reason") not in (None, "None") else None)
-    res = remote.run(join(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,NodeList"]),
-                     hosts=[login], check=False, what="sacct")[login]
-    rows = [r.split("|") for r in res.stdout.splitlines() if r.count("|") == 2]
-    if res.exit_code != 0 or not rows:
-        return None
-    state, code, nodelist = rows[0]
-    nodes = _hostnames(remote, login, nodelist)
-    return SlurmJob(job_id, state, code, nodes, nodes[0] if nodes else None, None)
+def _login_tool(remote: Remote, login: Host, args: list[str], *, what: str, timeout: float | None = None) -> dict:
+    """One `slurmctl login ...` command on the login node (the host package installed there first if missing)."""
+    cmd, payload = tool_command("slurmctl", ["login", *args])
+    res = remote.run(cmd, hosts=[login], stdin=payload, check=False, timeout=timeout, what=what)[login]
+    return _reply(res, login, what)
 
 
-def _hostnames(remote: Remote, login: Host, nodelist: str) -> tuple[str, ...]:
-    if not nodelist or nodelist in ("(null)", "None assigned"):
-        return ()
-    out = _run(remote, login, join(["scontrol", "show", "hostnames", nodelist]), what="scontrol show hostnames")
-    return tuple(out.split())
+def _query(remote: Remote, login: Host, plan: JobPlan, *, replies: bool) -> dict:
+    args = ["query", "--job", plan.job] + (["--replies"] if replies else [])
+    return _login_tool(remote, login, args, what="asking Slurm", timeout=remote.control_timeout + slurmctl.STEP_TIMEOUT)
 
 
-def _addresses(remote: Remote, login: Host, partition: str | None, names: tuple[str, ...] = ()) -> dict[str, str]:
-    """NodeName → NodeAddr (how ssh reaches it) for the given nodes, or every node of the partition."""
-    argv = ["sinfo", "--noheader", "--Node", "--format=%N %o"]
-    if names:
-        argv.append("--nodes=" + ",".join(names))
-    elif partition:
-        argv.append(f"--partition={partition}")
-    out = _run(remote, login, join(argv), what="sinfo")
-    found: dict[str, str] = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            found.setdefault(parts[0], parts[1])
-    return found
+def _nodes(spec: ClusterSpec, sj: dict, addresses: dict) -> list[tuple[str, Host]]:
+    """(node name, how ssh reaches it: NodeAddr) for each node of `sj["nodes"]`, in that order."""
+    return [(n, _host(spec, addresses.get(n) or n, i)) for i, n in enumerate(sj["nodes"])]
 
 
-def _node_hosts(spec: ClusterSpec, addrs: dict[str, str]) -> tuple[Host, ...]:
-    return tuple(_host(spec, a, i) for i, a in enumerate(dict.fromkeys(addrs.values())))
+_CONTROL = -1.0  # _agent_on_nodes' default deadline: the spec's command_timeout
+
+
+def _agent_on_nodes(spec: ClusterSpec, nodes: list[tuple[str, Host]], args: Callable[[str], list[str]], *,
+                    what: str, timeout: float | None = _CONTROL, on_line=None) -> dict:
+    """`agent ARGS(node)` on each node over ssh: {node name: Result}; timeout None: no deadline."""
+    by_host = {h: n for n, h in nodes}
+    cmds = {h: tool_command("agent", args(n))[0] for n, h in nodes}
+    payload = tool_command("agent", [])[1]
+    with _remote(spec, tuple(by_host)) as remote:
+        results = remote.run(lambda h: cmds[h], hosts=list(by_host), stdin=payload, check=False,
+                             timeout=remote.control_timeout if timeout == _CONTROL else timeout, what=what,
+                             on_line=on_line)
+    return {by_host[h]: r for h, r in results.items()}
+
+
+def _parse(res) -> dict:
+    try:
+        return res.reply()
+    except ClusterctlError:
+        return {"ok": False, "error": (res.stderr or res.stdout).strip()[-500:] or f"exit {res.exit_code}"}
+
+
+def _jobdir(plan: JobPlan, sj: dict, node: str) -> str:
+    return glue.jobdir_rel(plan.job, sj["id"], node)
+
+
+def _node_replies(spec: ClusterSpec, plan: JobPlan, sj: dict, addresses: dict) -> tuple[dict, dict]:
+    """Every node's `agent status` over ssh (the job has ended, so no srun step can ask): replies, unreachable."""
+    results = _agent_on_nodes(spec, _nodes(spec, sj, addresses), lambda n: ["status", _jobdir(plan, sj, n)],
+                              what="status")
+    replies = {n: _parse(r) for n, r in results.items() if r.answered}
+    unreachable = {n: r.stderr.strip()[-300:] for n, r in results.items() if not r.answered}
+    return replies, unreachable
+
+
+def _batch_tail(spec: ClusterSpec, plan: JobPlan, sj: dict, addresses: dict, lines: int = 3) -> str:
+    """The last lines of the batch's output file (on the batch host), for a job that failed before any supervisor."""
+    where = spec.slurm.login if spec.slurm.workspace == "shared" else (
+        addresses.get(sj.get("batch_host") or "") or sj.get("batch_host"))
+    if not where:
+        return ""
+    host = _host(spec, where, 1)
+    path = posixpath.join(plan.log_dir, f"slurm-{sj['id']}.out")
+    with _remote(spec, (host,)) as remote:
+        res = remote.run(join(["tail", "-n", str(lines), path]), hosts=[host], check=False, what="batch output")[host]
+    return " | ".join(res.stdout.strip().splitlines()) if res.exit_code == 0 else ""
+
+
+def _status_from(spec: ClusterSpec, plan: JobPlan, q: dict) -> JobStatus:
+    rec, sj = q["record"], q["slurm"]
+    if rec is None:
+        return JobStatus(plan.job, JobState.NOT_RUNNING, "never submitted from this login node", backend="slurm")
+    if sj is None:
+        return JobStatus(plan.job, JobState.UNKNOWN, f"Slurm job {rec['slurm_job']} is no longer known to Slurm",
+                         backend="slurm")
+    replies, unreachable = dict(q.get("replies") or {}), {}
+    missing = [n for n in sj["nodes"] if n not in replies]
+    if missing and slurm_state(sj["state"]) != JobState.PENDING:
+        # the job ended (no step can ask), or the step missed a node: ask those nodes over ssh
+        more, unreachable = _node_replies(spec, plan, dict(sj, nodes=missing), q["addresses"])
+        replies.update(more)
+    tail = ""
+    if slurm_state(sj["state"]) == JobState.FAILED and not any(
+            r and r.get("state") not in (None, JobState.UNKNOWN) for r in replies.values()):
+        tail = _batch_tail(spec, plan, sj, q["addresses"])  # the batch itself failed before any supervisor
+    return slurm_status(plan.job, sj, replies, unreachable, tail)
 
 
 # ------------------------------------------------------------------------------------- operations
 
 
-def _mkdir_on_nodes(spec: ClusterSpec, plan: JobPlan, addrs: dict[str, str]) -> None:
-    hosts = _node_hosts(spec, addrs)
-    with _remote(spec, hosts) as remote:
-        remote.run(join(["mkdir", "-p", plan.log_dir]), what="creating the log directory")
+def _mkdir(remote: Remote, path: str, what: str = "creating the log directory") -> None:
+    remote.run(f"umask 077 && mkdir -p {quote(path)}", what=what)
+
+
+def _partition_nodes(spec: ClusterSpec, remote: Remote, login: Host) -> tuple[Host, ...]:
+    """Every node of the partition, as ssh reaches it (NodeAddr): where a dispatched workspace must be."""
+    argv = ["sinfo", "--noheader", "--Node", "--format=%N %o"]
+    if spec.slurm.partition:
+        argv.append(f"--partition={spec.slurm.partition}")
+    found: dict[str, str] = {}
+    for line in _run(remote, login, join(argv), what="sinfo").splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            found.setdefault(parts[0], parts[1])
+    if not found:
+        raise SlurmError(f"sinfo on {login.label} lists no nodes" + (
+            f" in partition {spec.slurm.partition}" if spec.slurm.partition else ""))
+    return tuple(_host(spec, a, i) for i, a in enumerate(dict.fromkeys(found.values())))
 
 
 def dispatch(spec: ClusterSpec, plan: JobPlan) -> list:
@@ -243,129 +300,53 @@ def dispatch(spec: ClusterSpec, plan: JobPlan) -> list:
 
     login = _login(spec)
     if spec.slurm.workspace == "shared":
-        hosts = (login,)
+        hosts: tuple[Host, ...] = (login,)
     else:
         with _remote(spec, (login,)) as remote:
-            addrs = _addresses(remote, login, spec.slurm.partition)
-        if not addrs:
-            raise SlurmError(f"sinfo on {login.label} lists no nodes" + (
-                f" in partition {spec.slurm.partition}" if spec.slurm.partition else ""))
-        hosts = _node_hosts(spec, addrs)
-    node_plan = _node_plan(plan, hosts)
+            hosts = _partition_nodes(spec, remote, login)
     with _remote(spec, hosts) as remote:
-        results = ssh_dispatch(Session(spec, node_plan, remote))
-        remote.run(join(["mkdir", "-p", plan.log_dir]), what="creating the log directory")
+        results = ssh_dispatch(Session(spec, _node_plan(plan, hosts), remote))
+        _mkdir(remote, plan.log_dir)
     return results
 
 
 def start(spec: ClusterSpec, plan: JobPlan, *, on_progress: Callable[[str], None] | None = None) -> JobStatus:
-    """Submit the job as one batch script; refuse while our previous job of this name is pending or running."""
+    """Submit the job as one batch script; refused while our previous Slurm job of this name is pending or running."""
     say = on_progress or (lambda msg: None)
     login = _login(spec)
+    script = batch_script(spec, plan)
     with _remote(spec, (login,)) as remote:
-        record = _read_record(remote, login, plan)
-        if record is not None:
-            prev = _query(remote, login, str(record["slurm_job"]))
-            if prev is not None and prev.state.split()[0].rstrip("+") in _LIVE:
-                raise JobError(f"job {plan.job} is already {prev.state.lower()} as Slurm job {prev.id}; "
-                               "stop it first (clusterctl stop)")
+        ensure_tools(remote, ("slurmctl",), [login])
         if spec.slurm.workspace == "shared":
-            _run(remote, login, join(["mkdir", "-p", plan.log_dir]), what="creating the log directory")
+            _mkdir(remote, plan.log_dir)
         else:  # sbatch --output must be writable on whichever node becomes the batch host
             say("creating the log directory on the partition's nodes")
-            _mkdir_on_nodes(spec, plan, _addresses(remote, login, spec.slurm.partition))
+            with _remote(spec, _partition_nodes(spec, remote, login)) as nodes:
+                _mkdir(nodes, plan.log_dir)
         say("submitting the batch job")
-        script = batch_script(spec, plan, _source("slurmjob"))
-        out = _run(remote, login, "sbatch --parsable", stdin=script.encode(), what="sbatch")
-        job_id = out.strip().split(";")[0]
-        if not job_id.isdigit():
-            raise SlurmError(f"sbatch on {login.label} answered {out.strip()[-200:]!r}, not a job id")
-        record = {"slurm_job": job_id, "log_dir": plan.log_dir, "workspace": spec.slurm.workspace,
-                  "submitted_at": time.time()}
-        _run(remote, login, f"mkdir -p {quote(RECORD_DIR)} && cat > {quote(_record_path(plan))}",
-             stdin=json.dumps(record).encode(), what="writing the job record")
-        return _status(spec, plan, remote, login)
-
-
-def _log_host(spec: ClusterSpec, remote: Remote, login: Host, sj: SlurmJob | None) -> Host | None:
-    """Where the job's logs are: the login node (shared fs), else the batch host."""
-    if spec.slurm.workspace == "shared":
-        return login
-    if sj is None or not sj.batch_host:
-        return None
-    addr = _addresses(remote, login, None, (sj.batch_host,)).get(sj.batch_host, sj.batch_host)
-    return _host(spec, addr, 1)
-
-
-def _read_state_file(spec: ClusterSpec, plan: JobPlan, host: Host) -> dict | None:
-    path = posixpath.join(plan.log_dir, STATE_FILE)
-    with _remote(spec, (host,)) as remote:
-        res = remote.run(f"cat {quote(path)}", hosts=[host], check=False, what="reading the job state")[host]
-    try:
-        return json.loads(res.stdout) if res.exit_code == 0 else None
-    except ValueError:
-        return None
-
-
-def process_rows(state: str, found: dict) -> list[ProcessStatus]:
-    """Each process's row from the job's state (ours) and the batch program's state file (pure)."""
-    rows = []
-    steps = found.get("steps") or {}
-    for p in found.get("processes", []):
-        if state in (JobState.RUNNING, JobState.STOPPING) and found.get("state") == JobState.RUNNING:
-            pstate, code = ProcState.RUNNING, None
-        elif p["role"] in steps:
-            step = steps[p["role"]]
-            codes = step.get("tasks") or {}  # srun's reports of tasks that ended badly, first one first
-            first = next(iter(codes), None)
-            code = codes.get(str(p["id"]), 0 if step["code"] == 0 or codes else None)
-            if code == 0:
-                pstate = ProcState.EXITED
-            elif step["stopped"] or state == JobState.STOPPED or (str(p["id"]) != first and code in (137, 143)):
-                pstate = ProcState.STOPPED  # by us, by scancel, or by srun's kill-on-bad-exit after the first failure
-            else:
-                pstate = ProcState.FAILED
-        else:
-            pstate, code = (ProcState.STOPPED if state == JobState.STOPPED else ProcState.NOT_STARTED), None
-        rows.append(ProcessStatus(p["node"], p["role"], p["id"], None, pstate, code, None))
-    return rows
-
-
-def _batch_tail(spec: ClusterSpec, plan: JobPlan, host: Host, job_id: str, lines: int = 3) -> str:
-    path = posixpath.join(plan.log_dir, f"slurm-{job_id}.out")
-    with _remote(spec, (host,)) as remote:
-        res = remote.run(join(["tail", "-n", str(lines), path]), hosts=[host], check=False, what="batch output")[host]
-    return " | ".join(res.stdout.strip().splitlines()) if res.exit_code == 0 else ""
-
-
-def _status(spec: ClusterSpec, plan: JobPlan, remote: Remote, login: Host) -> JobStatus:
-    record = _read_record(remote, login, plan)
-    if record is None:
-        return JobStatus(plan.job, JobState.NOT_RUNNING, "never submitted from this login node")
-    sj = _query(remote, login, str(record["slurm_job"]))
-    if sj is None:
-        return JobStatus(plan.job, JobState.UNKNOWN, f"Slurm job {record['slurm_job']} is no longer known to Slurm")
-    state = slurm_state(sj.state)
-    where = f" on {','.join(sj.nodes)}" if sj.nodes else ""
-    reason = f"Slurm job {sj.id} {sj.state} (exit {sj.exit_code}){where}" + (f": {sj.reason}" if sj.reason else "")
-    procs: list[ProcessStatus] = []
-    log_host = _log_host(spec, remote, login, sj) if state != JobState.PENDING else None
-    found = _read_state_file(spec, plan, log_host) if log_host else None
-    if log_host and state == JobState.FAILED and not (found and found.get("slurm_job") == sj.id):
-        tail = _batch_tail(spec, plan, log_host, sj.id)  # the batch program itself failed early
-        reason += f"; slurm-{sj.id}.out ends: {tail}" if tail else ""
-    if found and found.get("slurm_job") == sj.id:
-        if found.get("reason"):
-            reason += f"; {found['reason']}"
-        procs = process_rows(state, found)
-    return JobStatus(plan.job, state, reason, procs)
+        record = {"log_dir": plan.log_dir, "workspace": spec.slurm.workspace, "package": package_dir(),
+                  "nodes": len(plan.hosts)}
+        cmd = join(tool_argv("slurmctl", ["login", "submit", "--job", plan.job, "--record", json.dumps(record)]))
+        res = remote.run(cmd, hosts=[login], stdin=script.encode(), check=False, what="sbatch")[login]
+        _reply(res, login, "sbatch")
+        return _status_from(spec, plan, _query(remote, login, plan, replies=True))
 
 
 def status(spec: ClusterSpec, plan: JobPlan) -> JobStatus:
-    """The job's state from Slurm (scontrol, else sacct) and, when readable, its processes from the state file."""
+    """Slurm's word for the job, folded with every supervisor's own status."""
     login = _login(spec)
     with _remote(spec, (login,)) as remote:
-        return _status(spec, plan, remote, login)
+        q = _query(remote, login, plan, replies=True)
+    return _status_from(spec, plan, q)
+
+
+def _supervisors_up(q: dict) -> bool:
+    """Whether every node's supervisor answered (or the job no longer runs)."""
+    sj = q["slurm"]
+    if sj is None or slurm_state(sj["state"]) != JobState.RUNNING:
+        return True
+    replies = q.get("replies") or {}
+    return all((replies.get(n) or {}).get("state") not in (None, JobState.UNKNOWN) for n in sj["nodes"])
 
 
 def logs(
@@ -378,73 +359,81 @@ def logs(
     id: int | None = None,
     lines: int | None = None,
 ) -> int:
-    """Stream `[node role.id] line` from the job's output files; with follow, until the job ends."""
+    """Stream `[node role.id] line` from every selected log of every attempt (`agent logs` on each node, over
+    ssh); with follow, until the job ends."""
     login = _login(spec)
     with _remote(spec, (login,)) as remote:
-        record = _read_record(remote, login, plan)
-        if record is None:
-            raise JobError(f"job {plan.job} was never submitted from {login.label}")
-        sj = _query(remote, login, str(record["slurm_job"]))
-        host = _log_host(spec, remote, login, sj)
-    if host is None:
-        raise JobError(f"job {plan.job} (Slurm job {record['slurm_job']}) has not started: no logs yet")
-    args = ["logs", plan.log_dir]
-    if follow:
-        args.append("--follow")
-    if role:
-        args += ["--role", role]
-    if id is not None:
-        args += ["--id", str(id)]
-    if lines is not None:
-        args += ["-n", str(lines)]
-    cmd, payload = tool_command("slurmjob", args)
+        q = _query(remote, login, plan, replies=follow)
+        deadline = time.monotonic() + WAIT_SUPERVISORS_S
+        while follow and not _supervisors_up(q) and time.monotonic() < deadline:
+            time.sleep(1.0)
+            q = _query(remote, login, plan, replies=True)
+    rec, sj = q["record"], q["slurm"]
+    if rec is None:
+        raise JobError(f"job {plan.job} was never submitted from {login.label}")
+    if sj is None or not sj["nodes"]:
+        raise JobError(f"job {plan.job} (Slurm job {rec['slurm_job']}) has not started: no logs yet")
+    wanted = [i for i, h in enumerate(plan.hosts)
+              if any(role in (None, p.role) and id in (None, p.id) for p in plan.on_host(h))]
+    if not wanted:
+        what = " ".join(f"{k}={v}" for k, v in (("role", role), ("id", id)) if v is not None)
+        raise JobError(f"no process of job {plan.job} matches {what}")
+    nodes = [pair for i, pair in enumerate(_nodes(spec, sj, q["addresses"])) if i in wanted]
+    hosts = tuple(h for _, h in nodes)
+    with _remote(spec, hosts) as remote:
+        installed = install_on(remote, ("agent",), list(hosts))
+    missing = [f"{n}: {r.error() or r.stderr.strip() or f'exit {r.exit_code}'}" for n, h in nodes
+               for r in [installed[h]] if not r.ok]
+    nodes = [(n, h) for n, h in nodes if installed[h].ok]
+    if not nodes:
+        raise JobError("logs: no node could be asked:\n" + "\n".join(missing))
+
+    def args(node: str) -> list[str]:
+        out = ["logs", _jobdir(plan, sj, node), "--host-label", node]
+        out += ["--follow"] if follow else []
+        out += ["--role", role] if role else []
+        out += ["--id", str(id)] if id is not None else []
+        return out + (["-n", str(lines)] if lines is not None else [])
+
     problems: list[str] = []
 
     def relay(h: Host, stream: str, line: str) -> None:
-        if line.startswith("{"):
+        if line.startswith("{"):  # the agent's own JSON message, not a log line
             try:
-                problems.append(json.loads(line).get("error", line))
+                problems.append(f"{h.label}: {json.loads(line).get('error', line)}")
                 return
             except ValueError:
                 pass
         on_line(h, stream, line)
 
-    with _remote(spec, (host,)) as remote:
-        res = remote.run(cmd, hosts=[host], stdin=payload, on_line=relay, check=False, what="logs")[host]
-    if problems:
-        raise JobError(f"{host.label}: " + "; ".join(problems))
-    if res.unreachable:
-        raise JobError(f"cannot reach {host.label} for the logs: {res.stderr.strip()[-300:]}")
-    return res.exit_code
+    results = _agent_on_nodes(spec, nodes, args, what="logs", timeout=None if follow else LOGS_TIMEOUT_S,
+                              on_line=relay)
+    unreachable = [f"{n}: {r.stderr.strip()}" for n, r in results.items() if r.unreachable]
+    if problems or unreachable or missing:
+        raise JobError("logs incomplete:\n" + "\n".join(problems + unreachable + missing))
+    return max((r.exit_code for r in results.values()), default=0)
 
 
 def stop(spec: ClusterSpec, plan: JobPlan, *, grace: float | None = None) -> dict:
-    """scancel the job, wait until Slurm has ended it, then sweep its nodes by CLUSTERCTL_JOB. Idempotent."""
-    from .job import stop as sweep
-
+    """Every supervisor's stop (grace, then the sweep by CLUSTERCTL_JOB), then scancel; nodes of a job that had
+    already ended are swept over ssh. Idempotent. Returns what happened, for the backend's StopReport."""
     login = _login(spec)
     g = plan.grace if grace is None else grace
     with _remote(spec, (login,)) as remote:
-        record = _read_record(remote, login, plan)
-        if record is None:
-            return {"was_running": False, "slurm_job": None, "nodes": [], "killed": []}
-        job_id = str(record["slurm_job"])
-        sj = _query(remote, login, job_id)
-        was_running = sj is not None and sj.state.split()[0].rstrip("+") in _LIVE
-        if was_running:
-            _run(remote, login, join(["scancel", job_id]), what="scancel")
-            deadline = time.monotonic() + g + STOP_WAIT_S
-            while sj is not None and sj.state.split()[0].rstrip("+") in _LIVE and time.monotonic() < deadline:
-                time.sleep(0.5)
-                sj = _query(remote, login, job_id)
-            if sj is not None and sj.state.split()[0].rstrip("+") in _LIVE:
-                raise SlurmError(f"Slurm job {job_id} is still {sj.state} {g + STOP_WAIT_S:g}s after scancel")
-        names = sj.nodes if sj is not None else ()
-        addrs = _addresses(remote, login, None, names) if names else {}
-    killed: list = []
-    if addrs:
-        hosts = _node_hosts(spec, addrs)
-        with _remote(spec, hosts) as remote:
-            swept = sweep(Session(spec, _node_plan(plan, hosts), remote), grace=min(g, 5.0))
-        killed = [pid for r in swept.values() for pid in (r.get("killed") or [])]
-    return {"was_running": was_running, "slurm_job": job_id, "nodes": list(names), "killed": killed}
+        res = _login_tool(remote, login, ["stop", "--job", plan.job, "--grace", f"{g:g}"], what="stop",
+                          timeout=remote.control_timeout + g + STOP_EXTRA_S)
+    rec, sj = res["record"], res["slurm"]
+    out = {"was_running": res["was_running"], "slurm_job": rec and rec["slurm_job"], "slurm": sj,
+           "nodes": list(sj["nodes"]) if sj else [], "replies": dict(res.get("replies") or {})}
+    if sj is None:
+        return out
+    todo = [(n, h) for n, h in _nodes(spec, sj, res["addresses"]) if n not in out["replies"]]
+    if todo:  # the job had ended (or the step did not reach them): the sweep over ssh, by the job's tag
+        swept = _agent_on_nodes(spec, todo, lambda n: ["stop", _jobdir(plan, sj, n), "--grace", f"{min(g, 5.0):g}",
+                                                       "--job", plan.job], what="stop", timeout=g + 60)
+        out["replies"].update({n: _parse(r) for n, r in swept.items() if r.answered})
+        lost = {n: r.stderr.strip()[-300:] or f"exit {r.exit_code}" for n, r in swept.items() if not r.answered}
+        if lost:
+            raise SlurmError(f"Slurm job {sj['id']} is {sj['state']}, but the sweep of its nodes by the job's tag "
+                             "could not reach " + "; ".join(f"{n}: {why}" for n, why in lost.items()))
+    return out

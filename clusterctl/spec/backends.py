@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from .fields import _Model, _scalar_str, check_address
+from .job import one_line
 
 __all__ = ["KubernetesSpec", "KubernetesVolumeSpec", "SlurmSpec"]
 
@@ -62,6 +63,14 @@ class KubernetesSpec(_Model):
                         for k, qs in kinds.items()} if isinstance(kinds, dict) else kinds for r, kinds in v.items()}
 
 
+def _sbatch_arg(arg: str) -> str:
+    """One item of slurm.sbatch_args: an #SBATCH line of its own (a newline would end it, and every option after)."""
+    one_line(arg)
+    if not arg.startswith("-"):
+        raise ValueError(f"each item is one sbatch option on one line, starting with '-': {arg!r}")
+    return arg
+
+
 class SlurmSpec(_Model):
     """`backend: slurm`: one batch job submitted with sbatch over ssh to the login node (docs/slurm.md)."""
 
@@ -72,7 +81,7 @@ class SlurmSpec(_Model):
     time: str | None = None  # sbatch --time, e.g. "01:00:00"
     account: str | None = None
     qos: str | None = None
-    sbatch_args: tuple[str, ...] = ()  # extra sbatch options, one per item
+    sbatch_args: tuple[Annotated[str, AfterValidator(_sbatch_arg)], ...] = ()  # extra sbatch options, one per item
     workspace: Literal["dispatch", "shared"] = "dispatch"  # shared: workspace.remote is on a shared fs
     endpoints: Literal["ip", "hostname"] = "ip"  # what endpoints use: the node's IP or its Slurm name
 
@@ -81,14 +90,6 @@ class SlurmSpec(_Model):
     def _word(cls, v: str | None) -> str | None:
         if v is not None and not re.fullmatch(r"[A-Za-z0-9_.:,+=@/-]+", v):
             raise ValueError(f"expected one word (letters, digits, _.:,+=@/-), got {v!r}")
-        return v
-
-    @field_validator("sbatch_args")
-    @classmethod
-    def _args(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for arg in v:
-            if not arg.startswith("-") or any(c in arg for c in "\r\n"):
-                raise ValueError(f"each item is one sbatch option on one line, starting with '-': {arg!r}")
         return v
 
     @field_validator("login")

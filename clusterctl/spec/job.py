@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import re
 import shlex
+import unicodedata
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from .fields import Port, _did_you_mean, _Model, _placeholder_names, _scalar_str
 
 __all__ = ["JobSpec", "PortsSpec", "PserversPerHost", "WorkspaceSpec", "DataSpec", "PLACEHOLDERS", "CONTRACT_ENV",
-           "RESTART_ENV"]
+           "RESTART_ENV", "one_line", "OneLine"]
 
 
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -40,16 +41,35 @@ CONTRACT_ENV = frozenset(
 )
 
 
+def one_line(value: str) -> str:
+    """A path (or an #SBATCH value) as one line of printable characters: a control or line-separator character
+    would end a line of the sbatch script, of a shell command or of a log, so it is refused (ValueError)."""
+    for i, c in enumerate(value):
+        if unicodedata.category(c) in ("Cc", "Zl", "Zp"):
+            raise ValueError(f"control character {c!r} at character {i + 1} of {value!r}: "
+                             "paths and #SBATCH values must be one line of printable characters")
+    return value
+
+
+OneLine = Annotated[str, AfterValidator(one_line)]  # an item of a list, refused at its own index
+
+
 class WorkspaceSpec(_Model):
     """What to ship: a local directory, where it lands on every host, and what to leave out."""
 
     local: str = "."
     remote: str = ""
-    exclude: tuple[str, ...] = (".git/", "__pycache__/", "*.pyc", ".venv/")
+    exclude: tuple[OneLine, ...] = (".git/", "__pycache__/", "*.pyc", ".venv/")
+
+    @field_validator("local")
+    @classmethod
+    def _local(cls, v: str) -> str:
+        return one_line(v)
 
     @field_validator("remote")
     @classmethod
     def _remote(cls, v: str) -> str:
+        one_line(v)
         if v.startswith("~/"):
             v = v[2:]  # ssh sessions start in $HOME: relative paths are relative to it
         if ".." in Path(v).parts:
@@ -63,6 +83,11 @@ class DataSpec(_Model):
     local: str
     pattern: str = "*"
     remote: str = "data"
+
+    @field_validator("local", "pattern", "remote")
+    @classmethod
+    def _paths(cls, v: str) -> str:
+        return one_line(v)
 
 
 class PortsSpec(_Model):
@@ -105,6 +130,11 @@ class JobSpec(_Model):
     auth: Literal["token", "none"] = "token"
     sync: Literal["sync", "async", "geo"] = "sync"
     k_steps: int = Field(100, ge=1)
+
+    @field_validator("log_dir", "mpiexec")
+    @classmethod
+    def _paths(cls, v: str) -> str:
+        return one_line(v)
 
     @field_validator("entrypoint", mode="before")
     @classmethod

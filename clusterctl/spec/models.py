@@ -55,12 +55,17 @@ class ClusterSpec(_Model):
             raise ValueError("use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _slurm_shapes(cls, data: Any) -> Any:
+        return _slurm_shapes(data)
+
     @model_validator(mode="after")
     def _defaults(self) -> "ClusterSpec":
         if not self.workspace.remote:
             ws = self.workspace.model_copy(update={"remote": f"clusterctl/{self.name}"})
             object.__setattr__(self, "workspace", ws)
-        if self.slurm is not None:  # a slurm: section (refused by every other backend's check: clusterctl.backends)
+        if self.slurm is not None:  # Slurm places the nodes (a slurm: section under another backend is refused)
             object.__setattr__(self, "hosts", _slurm_hosts(self.slurm, self.hosts))
         return self
 
@@ -75,12 +80,24 @@ class ClusterSpec(_Model):
         return p if p.is_absolute() else self.base_dir / p
 
 
+def _slurm_shapes(data: Any) -> Any:
+    """With a slurm: section, hosts: entries give only the shape of node i: one without an address gets node
+    i's placeholder (an address given is refused by the Slurm backend, at its line)."""
+    from ..host.slurm import node_token
+
+    if not isinstance(data, dict) or data.get("slurm") is None or not isinstance(data.get("hosts"), list):
+        return data
+    hosts = [dict(h, address=node_token(i)) if isinstance(h, dict) and "address" not in h else h
+             for i, h in enumerate(data["hosts"])]
+    return dict(data, hosts=hosts)
+
+
 def _slurm_hosts(slurm: SlurmSpec, hosts: tuple[HostSpec, ...]) -> tuple[HostSpec, ...]:
     """Under Slurm, node i of the allocation is planned as host `slurm-node-<i>.invalid` (set at run time)."""
-    from ..slurmjob import node_token
+    from ..host.slurm import node_token
 
     if hosts:  # the hosts give the shape (gpus, slots) of node i; Slurm picks the machines
-        keep = {"address": None, "port": None, "proxy_jump": None, "train_address": None}  # Slurm places them
+        keep = {"address": None, "port": None, "user": None, "proxy_jump": None, "train_address": None}
         return tuple(h.model_copy(update={**keep, "address": node_token(i)}) for i, h in enumerate(hosts))
     gpus = tuple(range(slurm.gpus_per_node))
     return tuple(HostSpec(address=node_token(i), gpus=gpus) for i in range(slurm.nodes or 0))

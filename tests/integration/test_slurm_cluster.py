@@ -1,14 +1,20 @@
 """backend: slurm against a real Slurm cluster (Debian's slurm-wlm and munge in containers, testcluster_slurm).
 
-fit_a_line in pserver sync mode (workspace dispatched to every node), mlp_collective (workspace on the
-cluster's shared filesystem), a failed trainer (the job fails, nothing is left) and a stop (no process
-carrying the job's CLUSTERCTL_JOB on any node, ports free).
+Every job runs clusterctl's host supervisor on each node of the allocation (one srun task per node), so what
+is shown here is the supervisor's: fit_a_line in pserver sync mode (workspace dispatched to every node),
+mlp_collective (workspace on the cluster's shared filesystem), restarts (kill -9 of a trainer: a new
+attempt, success, both attempts' logs and status), fail-fast (a trainer exits 3: the job fails naming it,
+the rest stopped), and a job whose pserver a stranger cannot use (the job's token: a made-up `init` is
+refused and the job goes on), whose files are private, which runs nothing a local user pre-created at the
+old predictable /tmp names, and whose stop kills exactly its processes and leaves no orphan on any node.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,29 +22,42 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterlib import ROOT, assert_mlp_ranks_match_single, clusterctl, docker, status_json, tagged_pids
+from clusterlib import (ROOT, assert_mlp_ranks_match_single, clusterctl, docker, listening, node_exec, status_json,
+                        tagged_pids)
 
 pytestmark = pytest.mark.integration
 
 NODES = 3
 CLUSTER_NAME = os.environ.get("CLUSTERCTL_TESTCLUSTER_NAME", "clusterctl-pytest") + "-slurm"
+VENV_PY = "/opt/venv/bin/python"
+# How long a started job may take to have every supervisor up: sbatch, the allocation, the package and the
+# srun step (docs/slurm.md); generous for a loaded machine.
+UP_S = 90
 
-# Every trainer leaves a child behind that setsid()s, ignores SIGTERM and sleeps: it escapes its srun
-# step (proctrack/linuxproc tracks the process tree), so only our sweep by CLUSTERCTL_JOB can end it.
+# Every trainer leaves a child behind that setsid()s, ignores SIGTERM and sleeps: it escapes its supervisor's
+# process group and Slurm's step (proctrack/linuxproc follows the process tree), so only the sweep by
+# CLUSTERCTL_JOB ends it. Attempt 0 of trainer FAIL_TRAINER exits 3; with SLOW_ATTEMPT0 every trainer of
+# attempt 0 waits to be killed, and later attempts finish at once.
 ORPHANING = """\
 import os, signal, sys, time
+if os.environ["TRAINING_ROLE"] == "PSERVER":
+    from clusterctl.ps.__main__ import main
+    sys.exit(main(["server"]))
+attempt = int(os.environ["CLUSTERCTL_RESTART_COUNT"])
 if os.fork() == 0:
     os.setsid()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(600)
     os._exit(0)
 tid = int(os.environ["PADDLE_TRAINER_ID"])
-print(f"trainer={tid} rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} "
+print(f"trainer={tid} attempt={attempt} rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} "
       f"endpoint={os.environ['PADDLE_CURRENT_ENDPOINT']} master={os.environ['MASTER_ADDR']}", flush=True)
-fail = os.environ.get("FAIL_TRAINER")
-if fail is not None and int(fail) == tid:
+if os.environ.get("FAIL_TRAINER") == str(tid):
     time.sleep(1)
     sys.exit(3)
+if os.environ.get("SLOW_ATTEMPT0") and attempt > 0:
+    time.sleep(1)
+    sys.exit(0)
 time.sleep(600)
 """
 
@@ -87,7 +106,8 @@ def slurm_spec(info, path: Path, name: str, workspace: Path, remote: str, job: d
     """A backend: slurm spec for the test Slurm cluster (its own written spec's ssh and slurm sections)."""
     base = yaml.safe_load(Path(info.spec_path).read_text())
     slurm = dict(base["slurm"], workspace="shared" if shared else "dispatch")
-    spec = {"name": name, "backend": "slurm", "slurm": slurm, "ssh": base["ssh"],
+    # a loaded machine (2 cores, many test clusters) can take longer than the written spec's 5 s to accept ssh
+    spec = {"name": name, "backend": "slurm", "slurm": slurm, "ssh": dict(base["ssh"], connect_timeout=30),
             "workspace": {"local": str(workspace), "remote": remote}, "job": job}
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
@@ -103,17 +123,40 @@ def no_tagged(info, job: str, timeout: float = 15) -> dict[str, list[int]]:
         time.sleep(0.5)
 
 
+def wait_status(spec: Path, pred, timeout: float = UP_S) -> dict:
+    """Poll `clusterctl status --json` until pred(status) holds; the status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = status_json(spec)
+        if pred(st):
+            return st
+        assert time.monotonic() < deadline, f"status never matched within {timeout}s: {st}"
+        time.sleep(0.5)
+
+
+def _orphaning_job(info, tmp_path, name: str, job: dict, base: int) -> Path:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "job.py").write_text(ORPHANING)
+    spec_job = {"mode": "collective", "entrypoint": [VENV_PY, "job.py"], "trainers": 1, "grace": 2,
+                "ports": {"control": base, "master": base + 1, "pserver": base + 5, "trainer": base + 10}, **job}
+    spec = slurm_spec(info, tmp_path / f"{name}.yaml", name, ws, f"clusterctl-it/{name}", spec_job)
+    clusterctl("stop", spec, check=True)
+    return spec
+
+
 @pytest.mark.timeout(600)  # the first test also brings the cluster up (an image build when not cached)
 def test_fit_a_line_pserver_sync_through_slurm(slurm_cluster, tmp_path):
     info = slurm_cluster
     spec = slurm_spec(info, tmp_path / "fal.yaml", "it-slurm-fal", ROOT / "examples" / "fit_a_line",
                       "clusterctl-it/slurm-fal",
                       {"mode": "pserver", "entrypoint": ["/opt/venv/bin/python", "train.py"], "pservers": 2,
-                       "trainers": 1, "sync": "sync", "grace": 3, "ports": {"pserver": 7470, "trainer": 7480}})
+                       "trainers": 1, "sync": "sync", "grace": 3,
+                       "ports": {"control": 7460, "pserver": 7470, "trainer": 7480}})
     clusterctl("stop", spec, check=True)
     plan = clusterctl("plan", spec, "--json", check=True).stdout
     assert '"PADDLE_PSERVERS_IP_PORT_LIST": "slurm-node-0.invalid:7470,slurm-node-1.invalid:7470"' in plan
-    res = clusterctl("start", spec, "--dispatch", "--follow", timeout=150)
+    res = clusterctl("start", spec, "--dispatch", "--follow", timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr
     done = re.findall(r"\[(\S+) trainer\.(\d)\] done steps=\d+ loss=([\d.]+) .* mode=(\w+)", res.stdout)
     assert sorted(t for _, t, _, _ in done) == ["0", "1", "2"], res.stdout[-3000:]
@@ -123,82 +166,198 @@ def test_fit_a_line_pserver_sync_through_slurm(slurm_cluster, tmp_path):
     pserver_log = clusterctl("logs", spec, "--role", "pserver", "--id", "1", check=True).stdout
     assert f"[{info.nodes[1].hostname} pserver.1]" in pserver_log
     assert f"listening on tcp://{info.nodes[1].ip}:7470" in pserver_log
+    assert "NOT authenticated" not in pserver_log  # the job's token reached the pserver
     final = status_json(spec)
-    assert final["state"] == "succeeded", final
-    assert re.search(r"Slurm job \d+ COMPLETED", final["reason"])
-    assert {(p["role"], p["id"], p["state"]) for p in final["processes"]} == {
-        ("pserver", 0, "exited"), ("pserver", 1, "exited"),
-        ("trainer", 0, "exited"), ("trainer", 1, "exited"), ("trainer", 2, "exited")}
+    assert (final["backend"], final["state"]) == ("slurm", "succeeded"), final
+    assert re.match(r"Slurm job \d+ COMPLETED \(exit 0:0\) on ", final["reason"]), final["reason"]
+    rows = {(p["host"], p["role"], p["id"]): p["state"] for p in final["processes"]}
+    hosts = [n.hostname for n in info.nodes]
+    assert {k: v for k, v in rows.items() if k[1] == "trainer"} == {
+        (hosts[i], "trainer", i): "exited" for i in range(3)}
+    assert set(k for k in rows if k[1] == "pserver") == {(hosts[0], "pserver", 0), (hosts[1], "pserver", 1)}
     assert not no_tagged(info, "it-slurm-fal")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_mlp_collective_from_the_shared_filesystem(slurm_cluster, tmp_path):
     info = slurm_cluster
     spec = slurm_spec(info, tmp_path / "mlp.yaml", "it-slurm-mlp", ROOT / "examples" / "mlp_collective",
                       "/shared/it-slurm-mlp",
                       {"mode": "collective", "entrypoint": ["/opt/venv/bin/python", "train.py"],
                        "args": ["--steps", "300", "--batch", "96"], "trainers": 1, "env": {"UCX_TLS": "tcp,self"},
-                       "grace": 3, "ports": {"master": 7501, "trainer": 7510}}, shared=True)
+                       "grace": 3, "ports": {"control": 7500, "master": 7501, "trainer": 7510}}, shared=True)
     clusterctl("stop", spec, check=True)
     res = clusterctl("dispatch", spec, check=True)
-    assert "dispatch to 1 host(s)" in res.stdout  # the login node only: /shared is the same on every node
-    res = clusterctl("start", spec, "--follow", timeout=200)
+    assert re.findall(r"^│ (\S+) ", res.stdout, re.MULTILINE) == [info.nodes[0].ip], res.stdout  # the login node only
+    res = clusterctl("start", spec, "--follow", timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr
     assert_mlp_ranks_match_single(res.stdout, ranks=3, steps=300, batch=96)
     assert status_json(spec)["state"] == "succeeded"
 
 
-def _orphaning_job(info, tmp_path, name: str, env: dict, base: int) -> Path:
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "job.py").write_text(ORPHANING)
-    return slurm_spec(info, tmp_path / f"{name}.yaml", name, ws, f"clusterctl-it/{name}",
-                      {"mode": "collective", "entrypoint": ["/opt/venv/bin/python", "job.py"], "trainers": 1,
-                       "env": env, "grace": 2, "ports": {"master": base, "trainer": base + 10}})
+@pytest.mark.timeout(300)
+def test_a_killed_trainer_restarts_the_job_through_the_supervisor(slurm_cluster, tmp_path):
+    info = slurm_cluster
+    hosts = [n.hostname for n in info.nodes]
+    spec = _orphaning_job(info, tmp_path, "it-slurm-restart", {"env": {"SLOW_ATTEMPT0": "1"}, "restarts": 1,
+                                                                  "restart_backoff": 1}, 7560)
+    clusterctl("start", spec, "--dispatch", check=True, timeout=120)
+    st = wait_status(spec, lambda s: len(s["processes"]) == 3 and all(p["state"] == "running" for p in s["processes"]))
+    assert (st["state"], st["attempt"], st["restarts"]) == ("running", 0, 1), st
+    victim = next(p for p in st["processes"] if p["id"] == 1)
+    assert victim["host"] == hosts[1]
+    node_exec(info.nodes[1].container, f"kill -9 {victim['pid']}")
+    st = wait_status(spec, lambda s: s["state"] in ("succeeded", "failed", "stopped"))
+    assert (st["state"], st["attempt"]) == ("succeeded", 1), st
+    assert [(a["attempt"], a["outcome"], a["reason"]) for a in st["attempts"]] == [
+        (0, "failed", f"trainer.1 on {hosts[1]} exited with code -9"),
+        (1, "succeeded", "all 3 trainers exited 0")], st["attempts"]
+    assert [(p["host"], p["id"], p["state"], p["exit_code"]) for p in st["processes"]] == [
+        (hosts[i], i, "exited", 0) for i in range(3)]
+    assert re.match(r"Slurm job \d+ COMPLETED \(exit 0:0\)", st["reason"]), st["reason"]
+    logs = clusterctl("logs", spec, check=True).stdout.splitlines()
+    for i in range(3):
+        for attempt, suffix in ((0, ""), (1, "#1")):
+            line = next((ln for ln in logs if ln.startswith(f"[{hosts[i]} trainer.{i}{suffix}] ")), None)
+            assert line is not None and f"trainer={i} attempt={attempt} rank={i} world=3" in line, logs
+    assert not no_tagged(info, "it-slurm-restart")  # both attempts' setsid children included
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_a_failed_trainer_fails_the_job_and_leaves_nothing(slurm_cluster, tmp_path):
     info = slurm_cluster
-    spec = _orphaning_job(info, tmp_path, "it-slurm-fail", {"FAIL_TRAINER": "1"}, 7520)
-    clusterctl("stop", spec, check=True)
-    res = clusterctl("start", spec, "--dispatch", "--follow", timeout=120)
+    hosts = [n.hostname for n in info.nodes]
+    spec = _orphaning_job(info, tmp_path, "it-slurm-fail", {"env": {"FAIL_TRAINER": "1"}}, 7520)
+    res = clusterctl("start", spec, "--dispatch", "--follow", timeout=180)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr
-    ranks = re.findall(r"\[(\S+) trainer\.(\d)\] trainer=\d rank=(\d) world=3 endpoint=([\d.]+):(\d+) master=([\d.]+)",
-                       res.stdout)
-    assert sorted(r[1] for r in ranks) == ["0", "1", "2"], res.stdout
+    ranks = re.findall(r"\[(\S+) trainer\.(\d)\] trainer=\d attempt=0 rank=(\d) world=3 endpoint=([\d.]+):(\d+) "
+                       r"master=([\d.]+)", res.stdout)
+    assert sorted(r[1] for r in ranks) == ["0", "1", "2"], res.stdout + res.stderr
     by_node = {n.hostname: n.ip for n in info.nodes}
     assert all(by_node[node] == ip and port == "7530" and master == info.nodes[0].ip
                for node, _, _, ip, port, master in ranks), ranks
     st = status_json(spec)
     assert st["state"] == "failed", st
-    assert "FAILED" in st["reason"] and "trainer.1 failed (exit 3)" in st["reason"], st["reason"]
+    assert re.match(r"Slurm job \d+ FAILED \(exit 1:0\) on ", st["reason"]), st["reason"]
+    assert f"trainer.1 on {hosts[1]} exited with code 3" in st["reason"], st["reason"]
     by = {(p["role"], p["id"]): (p["state"], p["exit_code"]) for p in st["processes"]}
-    assert by[("trainer", 1)] == ("failed", 3), by
-    assert by[("trainer", 0)][0] == by[("trainer", 2)][0] == "stopped", by
+    assert by == {("trainer", 0): ("stopped", -15), ("trainer", 1): ("failed", 3), ("trainer", 2): ("stopped", -15)}
     assert not no_tagged(info, "it-slurm-fail")  # the setsid children that ignored SIGTERM included
 
 
-@pytest.mark.timeout(180)
-def test_stop_scancels_and_leaves_no_orphan(slurm_cluster, tmp_path):
+# The old batch program's predictable names (before the supervisor): srun executed the first, read the second.
+OLD_NAMES = ("/tmp/clusterctl-slurm-{id}-slurmjob.py", "/tmp/clusterctl-slurm-{id}-tasks.json")
+PWNED = "import os; open('/tmp/pwned-{id}', 'w').write(str(os.getuid()))"
+# Every file holding the token (read from the job file named first, never put in an argv): the processes'
+# command lines and environments, then the trees named after it.
+FIND_TOKEN = """\
+import os, sys
+token = __import__("json").load(open(sys.argv[1]))["token"].encode()
+paths = [f"/proc/{p}/{k}" for p in os.listdir("/proc") if p.isdigit() for k in ("cmdline", "environ")]
+for top in sys.argv[2:]:
+    paths += [os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs]
+for path in paths:
+    try:
+        with open(path, "rb") as fh:
+            if token in fh.read():
+                print(path)
+    except OSError:
+        pass
+"""
+STRANGER = """\
+import json, sys, zmq
+s = zmq.Context().socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.connect("tcp://" + sys.argv[1])
+for op in ("init", "complete"):  # a made-up init, then the complete that ended the pserver when it had no token
+    s.send_multipart([json.dumps({"seq": 1, "op": op, "tid": 0, "mode": "sync", "plan": "made-up"}).encode()])
+    if not s.poll(5000):
+        print(json.dumps({"op": op, "reply": None}))
+        continue
+    raw = s.recv_multipart()[0]
+    print(json.dumps({"op": op, "reply": json.loads(raw[raw.index(b"{"):])}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_jobs_token_files_and_stop(slurm_cluster, tmp_path):
     info = slurm_cluster
-    spec = _orphaning_job(info, tmp_path, "it-slurm-stop", {}, 7540)
-    clusterctl("stop", spec, check=True)
+    head, nodes, hosts = info.nodes[0].container, info.nodes, [n.hostname for n in info.nodes]
+    spec = _orphaning_job(info, tmp_path, "it-slurm-stop", {"mode": "pserver", "pservers": 1}, 7540)
     clusterctl("dispatch", spec, check=True)
-    res = clusterctl("start", spec, check=True)
-    assert re.search(r"submitted in [\d.]+s", res.stdout), res.stdout
+    # a local user pre-creates the old predictable names, world-writable, with code of theirs, for the next jobs
+    probe = node_exec(head, "sbatch --parsable --wrap=true").strip()
+    ids = [int(probe) + k for k in range(1, 4)]
+    for n in nodes:
+        for i in ids:
+            for name in OLD_NAMES:
+                node_exec(n.container, f"printf %s {shlex.quote(PWNED.format(id=i))} > {name.format(id=i)} && "
+                          f"chmod 0777 {name.format(id=i)} && chown nobody {name.format(id=i)}", user="root")
+    before = {n.container: node_exec(n.container, "ls /tmp") for n in nodes}
+
+    res = clusterctl("start", spec, check=True, timeout=120)
+    assert re.search(r"started in [\d.]+s", res.stdout), res.stdout
     again = clusterctl("start", spec)
-    assert again.returncode != 0 and "already" in again.stderr + again.stdout, again.stdout + again.stderr
-    deadline = time.monotonic() + 60
-    while sum(len(tagged_pids(n.container, "it-slurm-stop")) for n in info.nodes) < 6 and time.monotonic() < deadline:
-        time.sleep(0.5)  # 3 trainers, each with its setsid child
-    counts = {n.container: len(tagged_pids(n.container, "it-slurm-stop")) for n in info.nodes}
-    assert all(c == 2 for c in counts.values()), counts
-    assert status_json(spec)["state"] == "running"
-    res = clusterctl("stop", spec, check=True)
-    assert "job it-slurm-stop stopped (Slurm job" in res.stdout, res.stdout
-    assert not no_tagged(info, "it-slurm-stop", timeout=2)
+    assert again.returncode == 1 and re.search(r"job it-slurm-stop is already (pending|running) as Slurm job \d+; "
+                                               r"stop it first", again.stderr), again.stdout + again.stderr
+    st = wait_status(spec, lambda s: len(s["processes"]) == 4 and all(p["state"] == "running" for p in s["processes"]))
+    slurm_id = re.match(r"Slurm job (\d+) RUNNING", st["reason"]).group(1)
+    assert int(slurm_id) in ids
+    deadline = time.monotonic() + 30
+    while "listening on" not in clusterctl("logs", spec, "--role", "pserver").stdout:
+        assert time.monotonic() < deadline, "the pserver never said it listens"
+        time.sleep(0.5)
+
+    # the token: made inside the allocation, the same in every node's job file, and nowhere else
+    jobdirs = {n.container: f"/root/.clusterctl/slurm/jobs/it-slurm-stop/{slurm_id}-{n.hostname}" for n in nodes}
+    tokens = {json.loads(node_exec(c, f"cat {d}/job.json"))["token"] for c, d in jobdirs.items()}
+    assert len(tokens) == 1 and len(token := tokens.pop()) == 64
+    script = node_exec(head, f"scontrol write batch_script {slurm_id} -")
+    assert script.startswith("#!/bin/bash\n#SBATCH --job-name=clusterctl-it-slurm-stop\n") and token not in script
+    logs_dir = "/root/clusterctl-it/it-slurm-stop.logs"
+    for c in jobdirs:
+        where = node_exec(c, f"python3 -c {shlex.quote(FIND_TOKEN)} {jobdirs[c]}/job.json {logs_dir} /tmp /root/.clusterctl")
+        assert where.split() == [f"{jobdirs[c]}/job.json"], (c, where)
+        pids = tagged_pids(c, "it-slurm-stop")
+        keys = {node_exec(c, f"tr '\\0' '\\n' < /proc/{p}/environ | sed -n 's/^CLUSTERCTL_JOB_TOKEN=//p'").strip()
+                for p in pids}
+        assert len(keys) == 1 and len(key := keys.pop()) == 64 and key != token, keys  # the derived key only
+    # the files: the job's own directories 0700, its files 0600
+    modes = node_exec(head, f"stat -c '%a %n' {jobdirs[head]} {jobdirs[head]}/job.json {jobdirs[head]}/state.json "
+                            f"{logs_dir} {logs_dir}/slurm-{slurm_id}.out {logs_dir}/trainer.0.log {logs_dir}/pserver.0.log")
+    assert [line.split()[0] for line in modes.splitlines()] == ["700", "600", "600", "700", "600", "600", "600"], modes
+
+    # a stranger's made-up init is refused, and so is its complete: the pserver serves on
+    pserver = f"{nodes[0].ip}:7545"
+    node_exec(nodes[1].container, f"cat > /root/stranger.py <<'EOF'\n{STRANGER}EOF")
+    out = node_exec(nodes[1].container, f"{VENV_PY} /root/stranger.py {pserver}")
+    replies = [json.loads(line) for line in out.splitlines()]
+    assert [r["op"] for r in replies] == ["init", "complete"], out
+    for r in replies:
+        assert r["reply"]["ok"] is False and r["reply"]["code"] == "unauthenticated", out
+    time.sleep(1)  # were the complete accepted, the pserver would exit now: give it the time to
     st = status_json(spec)
-    assert st["state"] == "stopped" and "CANCELLED" in st["reason"], st
+    assert st["state"] == "running" and {(p["role"], p["state"]) for p in st["processes"]} == {
+        ("pserver", "running"), ("trainer", "running")}, st
+    pserver_log = clusterctl("logs", spec, "--role", "pserver", check=True).stdout
+    assert f"[{hosts[0]} pserver.0]" in pserver_log and "NOT authenticated" not in pserver_log
+
+    # stop: exactly the job's processes (1 pserver, 3 trainers, their 3 setsid children), none left anywhere
+    tagged = {n.container: tagged_pids(n.container, "it-slurm-stop") for n in nodes}
+    assert sorted(len(p) for p in tagged.values()) == [2, 2, 3], tagged
+    assert listening(head, 7540) and listening(head, 7545)
+    res = clusterctl("stop", spec, check=True, timeout=120)
+    assert res.stdout.strip() == (f"job it-slurm-stop stopped on 3 host(s) (Slurm job {slurm_id} CANCELLED), "
+                                  "7 process(es) killed"), res.stdout
+    assert not no_tagged(info, "it-slurm-stop", timeout=2)
+    assert not [p for p in (7540, 7545) if listening(head, p)]  # the coordinator's and the pserver's ports are free
+    st = status_json(spec)
+    assert st["state"] == "stopped" and st["reason"].startswith(f"Slurm job {slurm_id} CANCELLED"), st
     assert "is not running" in clusterctl("stop", spec, check=True).stdout
+
+    # nothing the local user left at the old names ran, and the job made no file in /tmp
+    for n in nodes:
+        assert node_exec(n.container, "ls /tmp") == before[n.container], n.container
+        assert node_exec(n.container, "ls /tmp/pwned-* 2>/dev/null || true") == ""
+        for i in ids:
+            assert node_exec(n.container, f"cat {OLD_NAMES[0].format(id=i)}") == PWNED.format(id=i)

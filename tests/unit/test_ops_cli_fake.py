@@ -186,131 +186,163 @@ def _listening(addr, port):
 
 # ------------------------------------------------------------------------------------------- Slurm
 
-# The Slurm commands on the fake login host: sbatch keeps the script and answers job 4242; scontrol and sacct
-# report the state the test writes to ~/slurm-state ("gone": slurmctld forgot the job, sacct still knows it);
-# scancel cancels; sinfo lists two nodes, reached as the fake hosts n1 and n2.
-SLURM = {
-    "sbatch": 'cat > "$HOME/sbatch.script"; echo "$*" > "$HOME/sbatch.args"; echo 4242\n',
-    "scontrol": """\
-        if [ "$1" = show ] && [ "$2" = hostnames ]; then echo node1; echo node2; exit 0; fi
-        s=$(cat "$HOME/slurm-state" 2>/dev/null || echo PENDING)
-        [ "$s" = gone ] && exit 1
-        echo "JobId=4242 JobName=x JobState=$s Reason=None ExitCode=0:0 NodeList=node[1-2] BatchHost=node1"
-        """,
-    "sacct": 'echo "COMPLETED|0:0|node[1-2]"\n',
-    "scancel": 'echo CANCELLED > "$HOME/slurm-state"\n',
-    "sinfo": 'echo "node1 n1"; echo "node2 n2"\n',
-}
+# A fake Slurm (tests/unit/fakeslurm.py) on the fake hosts: sbatch runs the batch script for real on node1
+# (home: the fake host 127.0.0.1), srun runs one task per node (node2: 127.0.0.2), scancel signals the job's
+# process groups. The batch script, the glue (clusterctl/host/slurm.py) and the supervisors are the real ones.
+SLURM_TRAIN = """\
+import os, sys, time
+rank, attempt = int(os.environ["RANK"]), int(os.environ["CLUSTERCTL_RESTART_COUNT"])
+print(f"rank {rank} attempt {attempt} token {len(os.environ.get('CLUSTERCTL_JOB_TOKEN', ''))}", flush=True)
+if str(rank) == os.environ.get("FAIL_RANK") and attempt < int(os.environ.get("FAIL_ATTEMPTS", "99")):
+    sys.exit(3)
+time.sleep(float(os.environ.get("SLEEP", "0")))
+"""
 
 
-def slurm_cluster(tmp_path, monkeypatch, workspace="shared"):
-    c = FakeCluster(tmp_path, files={"train.py": TRAIN}, hosts=1)
+def slurm_cluster(tmp_path, monkeypatch, workspace="shared", job=None, allocate=None):
+    from fakeslurm import install
+
+    c = FakeCluster(tmp_path, files={"train.py": SLURM_TRAIN}, hosts=2, job=job)  # free ports on 127.0.0.1 and .2
     data = yaml.safe_load(c.spec_path.read_text())
     data.pop("hosts")
     data.update(backend="slurm", slurm={"login": "login", "nodes": 2, "partition": "debug", "workspace": workspace})
     if workspace == "shared":  # an absolute path on the shared filesystem: here, the login host's directory
         data["workspace"]["remote"] = str(c.root / "login" / c.remote_dir)
-    data["job"].pop("ports")
     c.spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
-    for name, script in SLURM.items():
-        fake_exe(c.bin, name, script)
+    c.slurm = tmp_path / "slurm"
+    install(c.bin, c.slurm, c.root, 2, allocate=allocate)
     return c.everywhere(monkeypatch)
 
 
+def _status(capsys, c) -> dict:
+    code, out, _ = cli(capsys, "status", c.spec_path, "--json")
+    assert code == 0, out
+    return json.loads(out)
+
+
+def _mode(path) -> str:
+    return oct(os.stat(path).st_mode & 0o777)
+
+
 def test_slurm_start_status_logs_and_stop(tmp_path, monkeypatch, capsys):
-    c = slurm_cluster(tmp_path, monkeypatch)
-    login = c.root / "login"
+    c = slurm_cluster(tmp_path, monkeypatch, job={"env": {"SLEEP": "60"}, "restarts": 2})
+    login, node1, node2 = c.root / "login", c.root / "127.0.0.1", c.root / "127.0.0.2"
+    (c.slurm / "hold").touch()  # the job waits for its allocation
+    code, out, _ = cli(capsys, "dispatch", c.spec_path)
+    assert code == 0 and out.count("│ login") == 1, out  # the shared filesystem: the login node only
     code, out, _ = cli(capsys, "start", c.spec_path)
     assert code == 0 and "started in" in out
-    assert (login / "sbatch.args").read_text().strip() == "--parsable"
-    script = (login / "sbatch.script").read_text()
-    assert f"#SBATCH --job-name=clusterctl-{c.name}" in script and "#SBATCH --nodes=2" in script
-    assert "#SBATCH --partition=debug" in script
+    script = (c.slurm / "script-4242.sh").read_text()
+    assert re.findall(r"^#SBATCH (.*)$", script, re.MULTILINE) == [
+        f"--job-name=clusterctl-{c.name}", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1",
+        f"--output={login}/{c.remote_dir}.logs/slurm-%j.out", "--partition=debug"]
     record = json.loads((login / ".clusterctl" / "slurm" / f"{c.name}.json").read_text())
-    assert record["slurm_job"] == "4242"
-    code, out, _ = cli(capsys, "status", c.spec_path, "--json")
-    assert json.loads(out)["state"] == "pending"
+    assert record["slurm_job"] == "4242" and record["log_dir"] == f"{login}/{c.remote_dir}.logs"
+    st = _status(capsys, c)
+    assert (st["backend"], st["state"], st["reason"]) == ("slurm", "pending", "Slurm job 4242 PENDING (exit 0:0)")
     code, out, err = cli(capsys, "start", c.spec_path)
-    assert code != 0 and "already pending as Slurm job 4242" in err
-    # the job runs: slurmjob's state file and a trainer's log in the (shared) log directory
-    (login / "slurm-state").write_text("RUNNING\n")
+    assert code != 0 and f"sbatch on login failed: job {c.name} is already pending as Slurm job 4242" in err
+
+    (c.slurm / "hold").unlink()  # the allocation: a supervisor on each node starts its trainer
+    st = wait_until(lambda: (s := _status(capsys, c))["state"] == "running" and len(s["processes"]) == 2 and s)
+    assert [(p["host"], p["role"], p["id"], p["state"]) for p in st["processes"]] == [
+        ("node1", "trainer", 0, "running"), ("node2", "trainer", 1, "running")]
+    assert (st["attempt"], st["restarts"]) == (0, 2) and all(p["pid"] for p in st["processes"])
     logs = login / f"{c.remote_dir}.logs"
-    assert logs.is_dir()  # made before the submission
-    state = {"job": c.name, "slurm_job": "4242", "state": "running", "steps": {}, "reason": None,
-             "processes": [{"role": "trainer", "id": 0, "node": "node1"}, {"role": "trainer", "id": 1, "node": "node2"}]}
-    (logs / "slurm-state.json").write_text(json.dumps(state))
-    (logs / "trainer.0.log").write_text("epoch 1\n")
-    code, out, _ = cli(capsys, "status", c.spec_path)
-    assert code == 0 and "running" in out and "node1" in out
+    wait_until(lambda: all((logs / f"trainer.{i}.log").exists() and (logs / f"trainer.{i}.log").read_text() for i in (0, 1)))
     code, out, err = cli(capsys, "logs", c.spec_path, "--host", "n1")
     assert code != 0 and "--host selects nothing under backend: slurm" in err
-    code, out, err = cli(capsys, "logs", c.spec_path)
-    assert code == 0 and out.splitlines() == ["[node1 trainer.0] epoch 1"]
+    code, out, _ = cli(capsys, "logs", c.spec_path)
+    assert code == 0 and sorted(out.splitlines()) == ["[node1 trainer.0] rank 0 attempt 0 token 64",
+                                                      "[node2 trainer.1] rank 1 attempt 0 token 64"]
+
+    # the files: the job's own directories and files are the user's alone; the token only in the job files
+    jobdirs = [h / ".clusterctl" / "slurm" / "jobs" / c.name / f"4242-{n}" for h, n in ((node1, "node1"), (node2, "node2"))]
+    for d in jobdirs:
+        assert _mode(d) == "0o700" and _mode(d / "job.json") == "0o600" and _mode(d / "state.json") == "0o600"
+    assert _mode(logs) == "0o700" and _mode(logs / "trainer.0.log") == "0o600" and _mode(logs / "slurm-4242.out") == "0o600"
+    token = json.loads((jobdirs[0] / "job.json").read_text())["token"]
+    assert len(token) == 64 and json.loads((jobdirs[1] / "job.json").read_text())["token"] == token
+    assert token not in script and token not in (logs / "slurm-4242.out").read_text()
+    assert all(token not in p.read_text() for p in logs.iterdir())
+
     code, out, _ = cli(capsys, "stop", c.spec_path)
-    assert code == 0 and f"job {c.name} stopped on 2 host(s) (Slurm job 4242)" in out
-    assert (login / "slurm-state").read_text().strip() == "CANCELLED"
-    code, out, _ = cli(capsys, "status", c.spec_path, "--json")
-    assert json.loads(out)["state"] == "stopped"
-    (login / "slurm-state").write_text("gone\n")  # slurmctld forgot it: sacct still knows
-    code, out, _ = cli(capsys, "status", c.spec_path)
-    assert code == 0 and "succeeded" in out
+    assert (code, out.strip()) == (0, f"job {c.name} stopped on 2 host(s) (Slurm job 4242 CANCELLED), 2 process(es) killed")
+    assert job_pids(c.name) == []
+    st = _status(capsys, c)
+    assert st["state"] == "stopped" and st["reason"].startswith("Slurm job 4242 CANCELLED (exit 143:0) on node1,node2; ")
+    assert {p["state"] for p in st["processes"]} == {"stopped"}
     code, out, _ = cli(capsys, "stop", c.spec_path)
-    assert code == 0 and f"job {c.name} is not running (Slurm job 4242)" in out
+    assert (code, out.strip()) == (0, f"job {c.name} is not running (Slurm job 4242 CANCELLED)")
+    (c.slurm / "forget").touch()  # slurmctld forgot the job: sacct still knows it
+    assert _status(capsys, c)["state"] == "stopped"
+    (c.slurm / "forget-sacct").touch()  # neither knows it any more
+    st = _status(capsys, c)
+    assert (st["state"], st["reason"]) == ("unknown", "Slurm job 4242 is no longer known to Slurm")
 
 
-def test_slurm_start_follow_and_what_slurm_refuses(tmp_path, monkeypatch, capsys):
-    c = slurm_cluster(tmp_path, monkeypatch)
-    login = c.root / "login"
-    logs = login / f"{c.remote_dir}.logs"
+def test_slurm_restarts_and_fail_fast_are_the_supervisors(tmp_path, monkeypatch, capsys):
+    c = slurm_cluster(tmp_path, monkeypatch, job={"env": {"FAIL_RANK": "1", "FAIL_ATTEMPTS": "1", "SLEEP": "0.5"},
+                                                   "restarts": 1, "restart_backoff": 0.1})
+    code, out, err = cli(capsys, "start", c.spec_path, "--dispatch", "--follow")
+    assert code == 0, out + err
+    lines = out.splitlines()
+    for line in ("[node1 trainer.0] rank 0 attempt 0 token 64", "[node2 trainer.1] rank 1 attempt 0 token 64",
+                 "[node1 trainer.0#1] rank 0 attempt 1 token 64", "[node2 trainer.1#1] rank 1 attempt 1 token 64"):
+        assert line in lines, out
+    assert f"job {c.name}: succeeded" in out
+    st = _status(capsys, c)
+    assert (st["state"], st["attempt"]) == ("succeeded", 1)
+    assert [(a["attempt"], a["outcome"], a["reason"]) for a in st["attempts"]] == [
+        (0, "failed", "trainer.1 on node2 exited with code 3"), (1, "succeeded", "all 2 trainers exited 0")]
+
+    # fail-fast: no restart left; trainer.1 fails, trainer.0 is stopped, nothing is left
+    data = yaml.safe_load(c.spec_path.read_text())
+    data["job"].update(restarts=0, env={"FAIL_RANK": "1", "SLEEP": "60"})
+    c.spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    code, out, err = cli(capsys, "start", c.spec_path, "--follow")
+    assert code == 1, out + err
+    st = _status(capsys, c)
+    assert st["state"] == "failed" and st["reason"].startswith("Slurm job 4243 FAILED (exit 1:0) on node1,node2; ")
+    assert "trainer.1 on node2 exited with code 3" in st["reason"]
+    assert [(p["host"], p["id"], p["state"], p["exit_code"]) for p in st["processes"]] == [
+        ("node1", 0, "stopped", -15), ("node2", 1, "failed", 3)]
+    assert job_pids(c.name) == []
+
+
+def test_slurm_dispatch_and_a_batch_that_failed_before_any_supervisor(tmp_path, monkeypatch, capsys):
+    from fakeslurm import install
+
+    c = slurm_cluster(tmp_path, monkeypatch, workspace="dispatch", allocate=1)  # Slurm gives 1 node of 2
     code, out, err = cli(capsys, "logs", c.spec_path)
     assert code != 0 and f"job {c.name} was never submitted from login" in err
     code, out, err = cli(capsys, "provision", c.spec_path)
     assert code != 0 and "this command works on SSH hosts; with backend: slurm use" in err
-    fake_exe(c.bin, "sbatch", 'echo "sbatch: error: invalid partition specified: debug" >&2; exit 1\n')
-    code, out, err = cli(capsys, "start", c.spec_path)
-    assert code != 0 and "sbatch on login failed: sbatch: error: invalid partition specified: debug" in err
-    fake_exe(c.bin, "sbatch", 'echo "Submitted batch job"\n')
-    code, out, err = cli(capsys, "start", c.spec_path)
-    assert code != 0 and "sbatch on login answered 'Submitted batch job', not a job id" in err
-    # a job that runs at once and ends: its state file and logs are there when the follow starts
-    state = {"job": c.name, "slurm_job": "4242", "state": "succeeded", "reason": None,
-             "steps": {"trainer": {"code": 0, "stopped": False, "tasks": {}}},
-             "processes": [{"role": "trainer", "id": 0, "node": "node1"}, {"role": "trainer", "id": 1, "node": "node2"}]}
-    fake_exe(c.bin, "sbatch", f"""\
-        cat > /dev/null
-        echo COMPLETED > "$HOME/slurm-state"
-        echo '{json.dumps(state)}' > {logs}/slurm-state.json
-        echo "loss 0.5" > {logs}/trainer.0.log; echo "loss 0.4" > {logs}/trainer.1.log
-        echo 4242
-        """)
-    code, out, err = cli(capsys, "start", c.spec_path, "--follow")
-    assert code == 0
-    assert "[node1 trainer.0] loss 0.5" in out.splitlines() and "[node2 trainer.1] loss 0.4" in out.splitlines()
-    assert f"job {c.name}: succeeded" in out and "exited" in out
-    code, out, _ = cli(capsys, "logs", c.spec_path, "--role", "trainer", "--id", "1", "-n", "1", "--follow")
-    assert (code, out.splitlines()) == (0, ["[node2 trainer.1] loss 0.4"])
-    fake_exe(c.bin, "sacct", "exit 0\n")
-    (login / "slurm-state").write_text("gone\n")  # neither scontrol nor sacct knows the job any more
-    code, out, _ = cli(capsys, "status", c.spec_path, "--json")
-    assert json.loads(out)["state"] == "unknown"
-    (login / ".clusterctl" / "slurm" / f"{c.name}.json").write_text("{not json")
-    code, out, err = cli(capsys, "status", c.spec_path)
-    assert code != 0 and f"login:~/.clusterctl/slurm/{c.name}.json is not JSON; remove it" in err
-
-
-def test_slurm_dispatch_and_a_batch_program_that_failed_early(tmp_path, monkeypatch, capsys):
-    c = slurm_cluster(tmp_path, monkeypatch, workspace="dispatch")
     code, out, _ = cli(capsys, "dispatch", c.spec_path)
-    assert code == 0 and "dispatch (" in out and out.count("│ n") == 2, out
-    assert (c.root / "n1" / c.remote_dir / "train.py").read_text() == TRAIN
-    assert (c.root / "n2" / c.remote_dir / "train.py").read_text() == TRAIN
-    assert (c.root / "n2" / f"{c.remote_dir}.logs").is_dir()
+    assert code == 0 and "dispatch (" in out and out.count("│ 127.0.0.") == 2, out
+    for node in ("127.0.0.1", "127.0.0.2"):
+        assert (c.root / node / c.remote_dir / "train.py").read_text() == SLURM_TRAIN
+        assert _mode(c.root / node / f"{c.remote_dir}.logs") == "0o700"
     code, out, _ = cli(capsys, "status", c.spec_path)
     assert code == 0 and "never submitted" in out
     code, out, _ = cli(capsys, "start", c.spec_path)
     assert code == 0
-    login = c.root / "login"
-    (login / "slurm-state").write_text("FAILED\n")
-    (c.root / "n1" / f"{c.remote_dir}.logs" / "slurm-4242.out").write_text("python3: can't open file\n")
-    code, out, _ = cli(capsys, "status", c.spec_path)
-    assert "failed" in out and "slurm-4242.out ends: python3: can't open file" in out
+    st = wait_until(lambda: (s := _status(capsys, c))["state"] == "failed" and s)
+    assert st["reason"] == (f"Slurm job 4242 FAILED (exit 2:0) on node1; slurm-4242.out ends: clusterctl-slurm: job "
+                            f"{c.name} was planned for 2 node(s) but Slurm allocated 1: node1")
+    fake_exe(c.bin, "sbatch", 'cat >/dev/null; echo "sbatch: error: invalid partition specified: debug" >&2; exit 1\n')
+    code, out, err = cli(capsys, "start", c.spec_path)
+    assert code != 0 and "sbatch on login failed: sbatch failed: sbatch: error: invalid partition specified: debug" in err
+    fake_exe(c.bin, "sbatch", 'cat >/dev/null; echo "Submitted batch job"\n')
+    code, out, err = cli(capsys, "start", c.spec_path)
+    assert code != 0 and "sbatch on login failed: sbatch answered 'Submitted batch job', not a job id" in err
+    install(c.bin, c.slurm, c.root, 2)  # the fake sbatch again
+    (c.slurm / "hold").touch()  # a job stopped while it waits for its allocation: cancelled, nothing ran
+    code, out, _ = cli(capsys, "start", c.spec_path)
+    assert code == 0 and _status(capsys, c)["state"] == "pending"
+    code, out, _ = cli(capsys, "stop", c.spec_path)
+    assert (code, out.strip()) == (0, f"job {c.name} stopped on 0 host(s) (Slurm job 4243 CANCELLED)")
+    assert not (c.root / "127.0.0.1" / ".clusterctl" / "slurm" / "jobs" / c.name / "4243-node1").exists()
+    (c.root / "login" / ".clusterctl" / "slurm" / f"{c.name}.json").write_text("{not json")
+    code, out, err = cli(capsys, "status", c.spec_path)
+    assert code != 0 and f"asking Slurm on login failed: ~/.clusterctl/slurm/{c.name}.json is not a job record; remove it" in err

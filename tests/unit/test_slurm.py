@@ -1,23 +1,26 @@
-"""backend: slurm, pure parts: spec checks, the plan with placeholder nodes, resolve(), the batch script,
-Slurm states, slurm.conf; and slurmjob's task middleman, sweep and logs run for real on this machine."""
+"""backend: slurm, pure parts: spec checks (control characters and what Slurm cannot honour, at line:column),
+the plan with placeholder nodes, the per-node job files (the SSH path's, no token), the batch script, the
+node glue's address/home/token substitution, Slurm's word folded with the supervisors' replies, the job
+directory's creation (private, never reused), slurm.conf."""
 
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import re
-import subprocess
-import sys
-import time
-import uuid
+import zlib
 
 import pytest
 
-from clusterctl import slurmjob
 from clusterctl.backends import problems as backend_problems
-from clusterctl.errors import SpecError
-from clusterctl.ops.slurm import batch_script, job_file, process_rows, slurm_state
+from clusterctl.errors import JobError, SpecError
+from clusterctl.host import slurm as glue
+from clusterctl.host import slurmctl
+from clusterctl.host.jobfile import validate_job
+from clusterctl.ops.hosttools import _package_payload, package_dir
+from clusterctl.ops.slurm import batch_script, job_templates, sbatch_options, slurm_state, slurm_status
 from clusterctl.plan import make_plan
 from clusterctl.spec import parse_spec
 
@@ -29,11 +32,15 @@ job: {mode: pserver, entrypoint: [python, train.py], args: ["--ep={current_endpo
 """
 
 
-def problems(text: str) -> list[str]:
-    """What `clusterctl validate` says: the spec's own problems, else its backend's (clusterctl.backends)."""
+def located(text: str) -> list[tuple[int, int, str, str]]:
+    """What `clusterctl validate` says: (line, column, key, message) of each problem, the spec's own first."""
     with pytest.raises(SpecError) as info:
         parse_spec(text, "s.yaml", check=backend_problems)
-    return [f"{p.path}: {p.message}" for p in info.value.problems]
+    return [(p.line, p.column, p.path, p.message) for p in info.value.problems]
+
+
+def problems(text: str) -> list[str]:
+    return [f"{path}: {message}" for _, _, path, message in located(text)]
 
 
 def test_slurm_spec_plans_node_i_as_a_placeholder():
@@ -45,23 +52,24 @@ def test_slurm_spec_plans_node_i_as_a_placeholder():
     assert plan.pservers[1].env["PADDLE_PSERVERS_IP_PORT_LIST"] == "slurm-node-0.invalid:6170,slurm-node-1.invalid:6170"
 
 
-def test_hosts_give_the_shape_of_each_node():
-    spec = parse_spec(BASE.replace("nodes: 3, ", "") + "hosts: [{address: a, gpus: 2}, {address: b, slots: 3}]\n")
+def test_hosts_give_the_shape_of_each_node_without_addresses():
+    spec = parse_spec(BASE.replace("nodes: 3, ", "") + "hosts: [{gpus: 2}, {slots: 3}]\n", check=backend_problems)
     assert [(h.address, h.gpus, h.slots) for h in spec.hosts] == [
         ("slurm-node-0.invalid", (0, 1), None), ("slurm-node-1.invalid", (), 3)]
 
 
+SLURM_LINE = 'slurm: {login: login1, nodes: 3, partition: gpu, time: "01:00:00"}\n'
+
+
 @pytest.mark.parametrize("text, expected", [
-    (BASE.replace("slurm: {login: login1, nodes: 3, partition: gpu, time: \"01:00:00\"}\n", ""),
-     "backend: backend: slurm needs a slurm: section (login:, nodes:, ...)"),
+    (BASE.replace(SLURM_LINE, ""), "backend: backend: slurm needs a slurm: section (login:, nodes:, ...)"),
     (BASE.replace("backend: slurm\n", ""), "slurm: not supported with backend: ssh: a slurm: section needs backend: slurm"),
     (BASE.replace("nodes: 3, ", ""), "slurm: give slurm.nodes (or hosts, for the shape of each node)"),
-    (BASE + "hosts: [{address: a}]\n", "slurm.nodes: 3 nodes but 1 hosts"),
+    (BASE + "hosts: [{gpus: 1}]\n", "slurm.nodes: 3 nodes but 1 hosts"),
     (BASE.replace("pservers: 2", "pservers: [a]"),
      "job.pservers: under Slurm the nodes are known at run time: give a count or {per_host: N}"),
     (BASE.replace("mode: pserver", "mode: collective, launcher: mpi").replace("pservers: 2, ", ""),
-     "job.launcher: not supported with backend: slurm: launcher: mpi is not supported; use launcher: ssh "
-     "(clusterctl's own PMI server)"),
+     "job.launcher: not supported with backend: slurm: launcher: mpi; use launcher: ssh (clusterctl's own PMI server)"),
     (BASE.replace("time:", "workspace: shared, time:") + "workspace: {remote: rel/dir}\n",
      "workspace.remote: slurm.workspace: shared needs an absolute path on the shared filesystem"),
     (BASE + "data: {local: d}\n",
@@ -73,49 +81,230 @@ def test_hosts_give_the_shape_of_each_node():
     (BASE.replace("partition: gpu", 'partition: "gpu\\nrm -rf ~"'),  # a real newline: an #SBATCH line injected
      "slurm.partition: expected one word (letters, digits, _.:,+=@/-), got 'gpu\\nrm -rf ~'"),
     (BASE.replace("time:", "sbatch_args: [exclusive], time:"),
-     "slurm.sbatch_args: each item is one sbatch option on one line, starting with '-': 'exclusive'"),
+     "slurm.sbatch_args[0]: each item is one sbatch option on one line, starting with '-': 'exclusive'"),
+    (BASE.replace("pservers: 2,", "pservers: 2, log_dir: 'my logs',"),
+     "job.log_dir: under Slurm the log dir is an #SBATCH --output value: no whitespace or backslash (found ' ')"),
 ])
 def test_slurm_spec_problems(text, expected):
     assert problems(text) == [expected]
 
 
-def _addresses(n: int) -> tuple[list[str], list[str]]:
-    return [f"n{i:02d}" for i in range(n)], [f"10.0.0.{i + 1}" for i in range(n)]
+def test_what_slurm_places_is_refused_at_each_key():
+    text = BASE.replace("nodes: 3, ", "") + (
+        "hosts:\n"
+        "  - {address: a, gpus: 1}\n"
+        "  - port: 2222\n"
+        "    user: bob\n"
+        "    proxy_jump: bastion\n"
+        "    train_address: 10.0.0.2\n")
+    why = "not supported with backend: slurm: Slurm places the nodes; hosts: gives only the shape (gpus, slots) of node i"
+    assert located(text) == [
+        (6, 6, "hosts[0].address", why),
+        (7, 5, "hosts[1].port", why),
+        (8, 5, "hosts[1].user", why + " (ssh.user is the login's and the nodes' user)"),
+        (9, 5, "hosts[1].proxy_jump", why + " (ssh.proxy_jump reaches the login node and the nodes)"),
+        (10, 5, "hosts[1].train_address", why + " (slurm.endpoints: ip | hostname picks the endpoints' address)"),
+    ]
 
 
-def test_resolve_puts_the_allocations_addresses_in_every_env_value_and_arg():
-    spec = parse_spec(BASE.replace("nodes: 3", "nodes: 12"))
-    job = job_file(spec, make_plan(spec))
-    nodes, addrs = _addresses(12)
-    tasks = slurmjob.resolve(job, nodes, addrs)
-    assert [t["node"] for t in tasks["pserver"]] == ["n00", "n01"]
-    t = tasks["trainer"][23]  # node 11, local 1: `slurm-node-1.invalid` must not match inside `-11.`
-    assert (t["node"], t["endpoint"], t["env"]["POD_IP"], t["argv"]) == (
-        "n11", "10.0.0.12:6181", "10.0.0.12", ["python", "train.py", "--ep=10.0.0.12:6181"])
-    assert t["env"]["MASTER_ADDR"] == "10.0.0.1" and t["env"]["RANK"] == "23" and t["env"]["WORLD_SIZE"] == "24"
-    eps = t["env"]["PADDLE_TRAINER_ENDPOINTS"].split(",")
-    assert eps[:3] == ["10.0.0.1:6180", "10.0.0.1:6181", "10.0.0.2:6180"] and len(eps) == 24
-    assert not any("invalid" in json.dumps(x) for x in tasks.values())
+def test_a_hostfile_is_refused(tmp_path):
+    (tmp_path / "hosts.txt").write_text("a\nb\n")
+    with pytest.raises(SpecError) as info:
+        parse_spec(BASE + "hostfile: hosts.txt\n", str(tmp_path / "s.yaml"), check=backend_problems)
+    assert [(p.line, p.path, p.message) for p in info.value.problems] == [
+        (5, "hostfile", "not supported with backend: slurm: Slurm places the nodes; give slurm.nodes (or hosts: for "
+                        "the shape of each node)")]
 
 
-def test_resolve_refuses_an_allocation_of_another_size():
-    job = job_file(parse_spec(BASE), make_plan(parse_spec(BASE)))
-    with pytest.raises(ValueError, match=r"planned for 3 node\(s\) but Slurm allocated 2: n00,n01"):
-        slurmjob.resolve(job, *_addresses(2))
+CONTROL = "paths and #SBATCH values must be one line of printable characters"
 
 
-def test_batch_script_carries_the_options_the_program_and_the_job_file():
+@pytest.mark.parametrize("where, yaml_value, line, column, key, shown", [
+    ("job", 'log_dir: "logs\\n#SBATCH --wrap=id"', 4, 115, "job.log_dir", "'\\n' at character 5 of 'logs\\n#SBATCH --wrap=id'"),
+    ("job", 'log_dir: "a\\rb"', 4, 115, "job.log_dir", "'\\r' at character 2 of 'a\\rb'"),
+    ("job", 'log_dir: "a\\u2028b"', 4, 115, "job.log_dir", "'\\u2028' at character 2 of 'a\\u2028b'"),
+    ("workspace", 'remote: "w\\x1bs"', 6, 3, "workspace.remote", "'\\x1b' at character 2 of 'w\\x1bs'"),
+    ("workspace", 'local: "w\\x00s"', 6, 3, "workspace.local", "'\\x00' at character 2 of 'w\\x00s'"),
+    ("workspace", 'exclude: [ok, "a\\tb"]', 6, 17, "workspace.exclude[1]", "'\\t' at character 2 of 'a\\tb'"),
+    ("slurm", 'sbatch_args: ["--x=1\\n#SBATCH --wrap=id"]', 3, 82, "slurm.sbatch_args[0]",
+     "'\\n' at character 6 of '--x=1\\n#SBATCH --wrap=id'"),
+    ("slurm", 'sbatch_args: ["--x=\\x85"]', 3, 82, "slurm.sbatch_args[0]", "'\\x85' at character 5 of '--x=\\x85'"),
+])
+def test_control_characters_are_refused_at_line_and_column(where, yaml_value, line, column, key, shown):
+    text = BASE
+    if where == "job":
+        text = text.replace("trainers: 2}", f"trainers: 2, {yaml_value}}}")
+    elif where == "slurm":
+        text = text.replace('time: "01:00:00"}', f'time: "01:00:00", {yaml_value}}}')
+    else:
+        text += f"workspace:\n  {yaml_value}\n"
+    assert located(text) == [(line, column, key, f"control character {shown}: {CONTROL}")]
+
+
+def test_control_characters_are_refused_for_every_backend():
+    text = "name: x\nhosts: [{address: a}]\njob: {entrypoint: python3 t.py, log_dir: \"l\\x07\"}\n"
+    assert problems(text) == [f"job.log_dir: control character '\\x07' at character 2 of 'l\\x07': {CONTROL}"]
+
+
+# ------------------------------------------------------------------------------- job files and script
+
+
+def test_every_node_gets_the_ssh_paths_job_file_without_a_token():
+    spec = parse_spec(BASE.replace("trainers: 2}", "trainers: 2, restarts: 3, restart_backoff: 2, on_failure: continue}"))
+    plan = make_plan(spec)
+    files = job_templates(plan)
+    assert len(files) == 3 and "planned" not in json.dumps(files) and all("token" not in f for f in files)
+    assert [(f["host"], f["coordinator"]["is_coordinator"]) for f in files] == [
+        ("slurm-node-0.invalid", True), ("slurm-node-1.invalid", False), ("slurm-node-2.invalid", False)]
+    assert {(f["restarts"], f["restart_backoff"], f["on_failure"], f["auth"]) for f in files} == {(3, 2.0, "continue", "token")}
+    assert files[0]["coordinator"]["address"] == "slurm-node-0.invalid" and files[0]["coordinator"]["port"] == 6168
+    assert files[2]["start_trainers_after"]["endpoints"] == ["slurm-node-0.invalid:6170", "slurm-node-1.invalid:6170"]
+    assert files[1]["processes"][0]["log"] == glue.HOME_MARK + "/clusterctl/sj.logs/pserver.1.log"
+
+
+def _unpack(script: str) -> tuple[dict, bytes, dict]:
+    blob = re.search(r"<<'CLUSTERCTL_EOF'\n(.*?)\nCLUSTERCTL_EOF\n\Z", script, re.DOTALL).group(1)
+    raw = base64.b64decode(blob)
+    line, _, raw = raw.partition(b"\n")
+    head = json.loads(line)
+    return head, raw[:head["size"]], json.loads(raw[head["size"]:])
+
+
+def test_batch_script_carries_the_options_the_glue_the_package_and_every_job_file():
     spec = parse_spec(BASE.replace("time:", "account: ml, sbatch_args: ['--exclusive'], gpus_per_node: 2, time:"))
     plan = make_plan(spec)
-    script = batch_script(spec, plan, b"print('program')\n")
+    script = batch_script(spec, plan)
     options = re.findall(r"^#SBATCH (.*)$", script, re.MULTILINE)
-    assert options == ["--job-name=clusterctl-sj", "--nodes=3", "--ntasks-per-node=3",
+    assert options == ["--job-name=clusterctl-sj", "--nodes=3", "--ntasks-per-node=1", "--cpus-per-task=3",
                        "--output=clusterctl/sj.logs/slurm-%j.out", "--partition=gpu", "--time=01:00:00",
                        "--account=ml", "--gres=gpu:2", "--exclusive"]
-    blobs = re.findall(r"<<'CLUSTERCTL_EOF'\n(.*?)\nCLUSTERCTL_EOF", script, re.DOTALL)
-    assert base64.b64decode(blobs[0]) == b"print('program')\n"
-    assert json.loads(base64.b64decode(blobs[1])) == job_file(spec, plan)
-    assert script.endswith('exec python3 "$d/slurmjob.py" batch "$d"\n')
+    body = script.split("\n", len(options) + 2)[-1]
+    assert body.startswith("umask 077\nexec python3 -S -E -c '\nimport base64, hashlib")
+    assert f"{glue.BOOT}' batch <<'CLUSTERCTL_EOF'\n" in body
+    head, blob, job = _unpack(script)
+    assert head["dir"] == package_dir() and head["sha256"] == json.loads(_package_payload().split(b"\n")[0])["sha256"]
+    files = dict(zip([name for name, _ in head["files"]], _split(zlib.decompress(blob), head["files"])))
+    assert files["clusterctl_host/slurm.py"] == open(glue.__file__, "rb").read()
+    assert job == {"job": "sj", "log_dir": "clusterctl/sj.logs", "endpoints": "ip", "gpus_per_node": 2,
+                   "templates": job_templates(plan)}
+    assert all("token" not in f and "token" not in f["coordinator"] for f in job["templates"])
+
+
+def _split(data: bytes, layout) -> list[bytes]:
+    out, pos = [], 0
+    for _, size in layout:
+        out.append(data[pos:pos + size])
+        pos += size
+    return out
+
+
+def test_the_output_option_escapes_slurms_patterns():
+    spec = parse_spec(BASE.replace("trainers: 2}", "trainers: 2, log_dir: /scratch/100%/x}"))
+    assert "--output=/scratch/100%%/x/slurm-%j.out" in sbatch_options(spec, make_plan(spec))
+
+
+def test_a_spec_made_in_code_with_a_newline_in_an_sbatch_value_is_refused_by_the_script():
+    spec = parse_spec(BASE)
+    spec = spec.model_copy(update={"slurm": spec.slurm.model_construct(**{**dict(spec.slurm), "qos": "a\nb"})})
+    with pytest.raises(JobError, match=r"#SBATCH '--qos=a\\nb' holds the control character '\\n'"):
+        batch_script(spec, make_plan(spec))
+
+
+# ------------------------------------------------------------------------------------ node glue
+
+
+def _addresses(n: int) -> list[str]:
+    return [f"10.0.0.{i + 1}" for i in range(n)]
+
+
+def test_the_node_glue_puts_addresses_home_name_and_token_in_place():
+    spec = parse_spec(BASE.replace("nodes: 3", "nodes: 12"))
+    templates = job_templates(make_plan(spec))
+    job = glue.node_job(templates[11], _addresses(12), "/home/u", "n11", "s3cret")
+    assert validate_job(job, "test")["token"] == "s3cret"
+    assert (job["host"], job["coordinator"]["address"], job["coordinator"]["token"]) == ("n11", "10.0.0.1", "s3cret")
+    t = job["processes"][1]  # trainer 23: node 11, local 1: `slurm-node-1.invalid` must not match inside `-11.`
+    assert (t["role"], t["id"], t["argv"], t["ports"]) == ("trainer", 23, ["python", "train.py", "--ep=10.0.0.12:6181"],
+                                                          ["10.0.0.12:6181"])
+    assert (t["cwd"], t["log"]) == ("/home/u/clusterctl/sj", "/home/u/clusterctl/sj.logs/trainer.23.log")
+    assert job["env"]["POD_IP"] == "10.0.0.12" and job["env"]["PADDLE_PSERVERS_IP_PORT_LIST"] == "10.0.0.1:6170,10.0.0.2:6170"
+    eps = job["env"]["PADDLE_TRAINER_ENDPOINTS"].split(",")
+    assert eps[:3] == ["10.0.0.1:6180", "10.0.0.1:6181", "10.0.0.2:6180"] and len(eps) == 24
+    assert job["start_trainers_after"]["endpoints"] == ["10.0.0.1:6170", "10.0.0.2:6170"]
+    assert "invalid" not in json.dumps(job)
+    assert "token" not in templates[11] and "token" not in templates[11]["coordinator"]  # the template is untouched
+
+
+def test_the_node_glue_refuses_an_allocation_smaller_than_the_plan():
+    templates = job_templates(make_plan(parse_spec(BASE)))
+    with pytest.raises(ValueError, match=r"slurm-node-2.invalid:6181' names a node the allocation does not have \(2 nodes\)$"):
+        glue.node_job(templates[2], _addresses(2), "/home/u", "n2", "t")
+
+
+def test_planned_gpus_become_the_gpus_slurm_gave_the_node():
+    assert glue.gpu_map("0,1", "2,3") == "2,3" and glue.gpu_map("1", "5,7") == "7" and glue.gpu_map("1", None) == "1"
+    with pytest.raises(ValueError, match="GPU 2 planned but Slurm gave this node 4,5"):
+        glue.gpu_map("2", "4,5")
+    spec = parse_spec(BASE.replace("time:", "gpus_per_node: 2, time:").replace("pservers: 2, trainers: 2", "pservers: 1, trainers: gpu"))
+    job = glue.node_job(job_templates(make_plan(spec))[1], _addresses(3), "/h", "n1", "t", gpus="6,7")
+    assert [(p["id"], p["env"]["CUDA_VISIBLE_DEVICES"]) for p in job["processes"] if p["role"] == "trainer"] == [(2, "6"), (3, "7")]
+
+
+def test_step_argv_runs_one_supervisor_per_node_with_the_whole_stdin():
+    assert glue.step_argv(3, "4", 2) == [
+        "srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--input=all", "--label", "--kill-on-bad-exit=0",
+        "--wait=0", "--mpi=none", "--chdir=/", "--job-name=clusterctl-supervisor", "--cpus-per-task=4", "--gres=gpu:2",
+        "python3", "-S", "-E", "-c", glue.BOOT, "node"]
+
+
+def test_the_job_directory_is_created_private_and_never_reused(tmp_path):
+    rel = glue.jobdir_rel("j", "42", "n1")
+    assert rel == ".clusterctl/slurm/jobs/j/42-n1"
+    path = glue.create_jobdir(str(tmp_path), rel)
+    assert path == str(tmp_path / rel)
+    for p in (tmp_path / ".clusterctl", tmp_path / ".clusterctl/slurm", tmp_path / ".clusterctl/slurm/jobs",
+              tmp_path / ".clusterctl/slurm/jobs/j", tmp_path / rel):
+        assert oct(p.stat().st_mode & 0o777) == "0o700", p
+    with pytest.raises(ValueError, match=f"job directory {re.escape(path)} already exists: refusing to reuse it"):
+        glue.create_jobdir(str(tmp_path), rel)
+    glue.write_private(os.path.join(path, "job.json"), b"{}")
+    assert oct(os.stat(os.path.join(path, "job.json")).st_mode & 0o777) == "0o600"
+    with pytest.raises(FileExistsError):
+        glue.write_private(os.path.join(path, "job.json"), b"{}")
+
+
+def test_a_job_directory_under_a_directory_others_can_write_or_a_symlink_is_refused(tmp_path):
+    (tmp_path / ".clusterctl").mkdir(mode=0o700)
+    (tmp_path / ".clusterctl").chmod(0o777)
+    with pytest.raises(ValueError, match=r"\.clusterctl is writable by others \(mode 777\)"):
+        glue.create_jobdir(str(tmp_path), glue.jobdir_rel("j", "1", "n"))
+    (tmp_path / ".clusterctl").chmod(0o755)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / ".clusterctl" / "slurm").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"\.clusterctl/slurm is not a directory \(a symlink\?\)"):
+        glue.create_jobdir(str(tmp_path), glue.jobdir_rel("j", "1", "n"))
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+@pytest.mark.parametrize("job, sid, node", [("j", "1", "../x"), ("j", "1;rm", "n"), ("../j", "1", "n"), ("j", "", "n")])
+def test_job_directory_names_are_checked(job, sid, node):
+    with pytest.raises(ValueError, match="unsafe"):
+        glue.jobdir_rel(job, sid, node)
+
+
+def test_node_replies_survive_sruns_output_whole():
+    """srun cuts output lines longer than 1024 bytes and interleaves the pieces of several tasks: each node's
+    reply travels as short lines, read back whole among the other nodes' lines and noise."""
+    big = {"processes": [{"log": "/x" * 400, "id": i} for i in range(30)], "state": "running"}
+    lines = {n: slurmctl.reply_lines(n, dict(big, node=n)) for n in ("n0", "n1", "n2")}
+    assert all(len(line) < 1024 for ls in lines.values() for line in ls) and len(lines["n0"]) > 5
+    mixed = [line for group in itertools.zip_longest(*lines.values()) for line in group if line]
+    mixed += ["srun: warning: noise", "n0 1/2 x"]
+    assert slurmctl.read_replies("\n".join(mixed)) == {n: dict(big, node=n) for n in lines}
+    assert slurmctl.read_replies("\n".join(lines["n1"][:-1] + lines["n2"])) == {"n2": dict(big, node="n2")}  # n1 cut short
+
+
+# -------------------------------------------------------------------------------- Slurm's word
 
 
 @pytest.mark.parametrize("word, state", [
@@ -127,29 +316,39 @@ def test_slurm_states(word, state):
     assert slurm_state(word) == state
 
 
-def _found(steps, state="failed"):
-    procs = [{"role": "pserver", "id": 0, "node": "n0"}]
-    procs += [{"role": "trainer", "id": i, "node": f"n{i}"} for i in range(3)]
-    return {"state": state, "processes": procs, "steps": steps}
+SJ = {"id": "7", "state": "RUNNING", "exit_code": "0:0", "nodes": ["n0", "n1"], "batch_host": "n0", "reason": None}
 
 
-def _rows(state, found):
-    return [(r.role, r.id, r.host, r.state, r.exit_code) for r in process_rows(state, found)]
+def _reply(state, procs, **extra):
+    return {"ok": True, "state": state, "reason": extra.pop("reason", None), "attempt": extra.pop("attempt", 0),
+            "restarts": 1, "attempts": extra.pop("attempts", []), "processes": procs, **extra}
 
 
-def test_process_rows_name_the_first_failure_and_what_was_stopped_after_it():
-    found = _found({"trainer": {"code": 3, "stopped": False, "tasks": {"1": 3, "2": 143, "0": 143}},
-                    "pserver": {"code": 143, "stopped": True, "tasks": {"0": 143}}})
-    assert _rows("failed", found) == [("pserver", 0, "n0", "stopped", 143), ("trainer", 0, "n0", "stopped", 143),
-                                      ("trainer", 1, "n1", "failed", 3), ("trainer", 2, "n2", "stopped", 143)]
+def test_slurm_status_folds_the_supervisors_replies_as_over_ssh():
+    replies = {
+        "n0": _reply("failed", [{"role": "trainer", "id": 0, "pid": 5, "state": "stopped", "exit_code": -15}],
+                     reason="trainer.1 on n1 exited with code 3"),
+        "n1": _reply("failed", [{"role": "trainer", "id": 1, "pid": 6, "state": "failed", "exit_code": 3}],
+                     reason="trainer.1 on n1 exited with code 3"),
+    }
+    st = slurm_status("j", dict(SJ, state="FAILED", exit_code="1:0"), replies, {})
+    assert (st.backend, st.state) == ("slurm", "failed")
+    assert st.reason == ("Slurm job 7 FAILED (exit 1:0) on n0,n1; n0: trainer.1 on n1 exited with code 3; "
+                         "n1: trainer.1 on n1 exited with code 3")
+    assert [(p.host, p.role, p.id, p.state, p.exit_code) for p in st.processes] == [
+        ("n0", "trainer", 0, "stopped", -15), ("n1", "trainer", 1, "failed", 3)]
 
 
-def test_process_rows_of_a_success_a_running_job_and_a_cancelled_one():
-    ok = _found({"trainer": {"code": 0, "stopped": False, "tasks": {}},
-                 "pserver": {"code": 0, "stopped": False, "tasks": {}}}, state="succeeded")
-    assert {r[3] for r in _rows("succeeded", ok)} == {"exited"}
-    assert {r[3] for r in _rows("running", _found({}, state="running"))} == {"running"}
-    assert {(r[3], r[4]) for r in _rows("stopped", _found({}, state="stopped"))} == {("stopped", None)}
+def test_slurm_status_before_and_without_supervisors():
+    st = slurm_status("j", dict(SJ, state="PENDING", nodes=[], reason="Resources"), {}, {})
+    assert (st.state, st.reason, st.processes) == ("pending", "Slurm job 7 PENDING (exit 0:0): Resources", [])
+    none = {"n0": {"ok": False, "state": "unknown", "error": "no job state"}}
+    st = slurm_status("j", SJ, none, {})
+    assert (st.state, st.reason) == ("starting", "Slurm job 7 RUNNING (exit 0:0) on n0,n1; starting the supervisors")
+    st = slurm_status("j", dict(SJ, state="FAILED", exit_code="2:0"), none, {"n1": "Connection refused"},
+                      tail="python3: not found")
+    assert (st.state, st.unreachable) == ("failed", {"n1": "Connection refused"})
+    assert st.reason == "Slurm job 7 FAILED (exit 2:0) on n0,n1; slurm-7.out ends: python3: not found"
 
 
 def test_slurm_conf_runs_the_controller_on_node0_without_cgroups():
@@ -163,69 +362,3 @@ def test_slurm_conf_runs_the_controller_on_node0_without_cgroups():
                  "NodeName=ct-node1 NodeAddr=10.1.0.3 CPUs=16 State=UNKNOWN"):
         assert line in lines
     assert lines[-1] == "PartitionName=debug Nodes=ct-node0,ct-node1 Default=YES MaxTime=INFINITE State=UP"
-
-
-# ------------------------------------------------------------------- slurmjob for real, on this machine
-
-
-def _tasks_file(tmp_path, argv, node="here", env=None):
-    tasks = {"trainer": [{"role": "trainer", "id": 0, "node": node, "address": "127.0.0.1", "endpoint": "",
-                          "env": env or {}, "argv": argv, "cwd": str(tmp_path)}], "pserver": []}
-    path = tmp_path / "tasks.json"
-    path.write_text(json.dumps(tasks))
-    return path
-
-
-def _task(path, **env):
-    return subprocess.run([sys.executable, slurmjob.__file__, "task", str(path), "trainer"], capture_output=True,
-                          text=True, timeout=30,
-                          env={**os.environ, "SLURM_PROCID": "0", "SLURMD_NODENAME": "here", **env})
-
-
-def test_task_runs_the_planned_argv_with_its_env_in_its_cwd_and_returns_its_code(tmp_path):
-    code = "import os, sys; print(os.getcwd(), os.environ['RANK']); sys.exit(7)"
-    res = _task(_tasks_file(tmp_path, [sys.executable, "-c", code], env={"RANK": "5"}))
-    assert (res.returncode, res.stdout) == (7, f"{tmp_path} 5\n")
-
-
-def test_task_refuses_to_run_on_another_node(tmp_path):
-    res = _task(_tasks_file(tmp_path, ["true"], node="elsewhere"))
-    assert res.returncode == 2
-    assert res.stderr == "clusterctl-slurm: trainer.0 planned on elsewhere but started on here\n"
-
-
-def test_task_does_not_wait_for_a_child_left_holding_the_output(tmp_path):
-    code = "import subprocess, sys; subprocess.Popen(['sleep', '30'], start_new_session=True); print('bye')"
-    job = f"ut-{uuid.uuid4().hex[:8]}"
-    t0 = time.monotonic()
-    res = _task(_tasks_file(tmp_path, [sys.executable, "-c", code], env={"CLUSTERCTL_JOB": job}))
-    assert (res.returncode, res.stdout) == (0, "bye\n")
-    assert time.monotonic() - t0 < 10
-    left = slurmjob._tagged(job)
-    assert left, "the leftover child carries the job's tag"
-    assert slurmjob.sweep(job, grace=1)
-    assert not slurmjob._tagged(job)
-
-
-def test_sweep_kills_what_ignores_sigterm(tmp_path):
-    job = f"ut-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen([sys.executable, "-c",
-                             "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                             "print('up', flush=True); time.sleep(60)"], env={**os.environ, "CLUSTERCTL_JOB": job},
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "up\n"
-    slurmjob.sweep(job, grace=0.5)
-    assert proc.wait(5) == -9
-    assert not slurmjob._tagged(job)
-
-
-def test_logs_prefix_each_line_with_node_and_process(tmp_path, capsys):
-    state = {"state": "succeeded", "processes": [{"role": "trainer", "id": 0, "node": "n1", "endpoint": "x"},
-                                                 {"role": "pserver", "id": 0, "node": "n0", "endpoint": "y"}]}
-    (tmp_path / slurmjob.STATE_FILE).write_text(json.dumps(state))
-    (tmp_path / "trainer.0.log").write_text("a\nb\nc\n")
-    (tmp_path / "pserver.0.log").write_text("p\n")
-    assert slurmjob.main(["logs", str(tmp_path), "--follow"]) == 0
-    assert capsys.readouterr().out == "[n1 trainer.0] a\n[n1 trainer.0] b\n[n1 trainer.0] c\n[n0 pserver.0] p\n"
-    assert slurmjob.main(["logs", str(tmp_path), "--role", "trainer", "-n", "1"]) == 0
-    assert capsys.readouterr().out == "[n1 trainer.0] c\n"

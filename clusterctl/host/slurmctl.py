@@ -1,0 +1,340 @@
+"""The Slurm job's control commands: on the login node (over ssh) and their steps on the nodes (docs/slurm.md).
+
+    login submit   sbatch the script on stdin (under umask 077), unless the job's previous Slurm job is still
+                   pending or running; record it in ``~/.clusterctl/slurm/<job>.json`` (0600)
+    login query    the record, Slurm's word (`scontrol show job`, else sacct), the nodes and their NodeAddr;
+                   with --replies and a running job, every supervisor's `agent status` (one srun --overlap step)
+    login stop     every supervisor's `agent stop` (grace, then the sweep by the job's tag) through srun
+                   --overlap, then scancel, and the wait until Slurm has ended the job
+    node-status / node-stop   (one srun --overlap task per node) `agent status|stop` on this node's job
+                   directory; the reply in short base64 lines (srun cuts and interleaves long ones)
+
+Each `login` command prints one JSON object. Stdlib only (Python 3.9), as the rest of the host package.
+"""
+
+import argparse
+import base64
+import contextlib
+import io
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+from .common import emit
+from .slurm import NAME_RE, RECORD_DIR, _home_path, jobdir_rel
+
+__all__ = ["overlap_argv", "read_record", "query_job", "live", "reply_lines", "read_replies", "main",
+           "STEP_TIMEOUT", "STOP_EXTRA"]
+
+LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "REQUEUE_HOLD",
+        "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED")  # Slurm's words for a job not over
+STEP_TIMEOUT = 60.0  # a status step's deadline (an agent status answers in well under a second)
+STOP_EXTRA = 30.0  # a stop step's deadline beyond the grace; scancel's wait too
+REPLY_MARK = "clusterctl-slurm-reply"  # starts the lines of a node command's reply in srun's output
+REPLY_CHUNK = 600  # base64 characters per reply line: srun cuts lines longer than 1024 bytes (and interleaves them)
+
+
+def overlap_argv(slurm_job, nodes, package, args, name):
+    """srun's argv for a short step beside the running job (--overlap): one task per node runs this module's
+    `ARGS` (node-status, node-stop) from `package` (the package's directory under the home the job installed)."""
+    run = ("import os, sys; sys.path[0] = os.path.join(os.path.expanduser('~'), sys.argv[1]); "
+           "sys.exit(__import__(sys.argv[2], fromlist=['main']).main(sys.argv[3:]))")
+    return ["srun", "--overlap", "--jobid=%s" % slurm_job, "--nodes=%d" % nodes, "--ntasks=%d" % nodes,
+            "--ntasks-per-node=1", "--mpi=none", "--chdir=/", "--job-name=" + name, "--quiet",
+            "python3", "-S", "-E", "-c", run, package, __name__, *args]
+
+
+def _record_path(job):
+    return os.path.join(os.path.expanduser("~"), RECORD_DIR, "%s.json" % job)
+
+
+def read_record(job):
+    """The login node's record of the job's last submission, or None; raise ValueError when it is garbage."""
+    try:
+        with open(_record_path(job), "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        return None
+    try:
+        rec = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        rec = None
+    if not isinstance(rec, dict) or not NAME_RE.match(str(rec.get("slurm_job", ""))):
+        raise ValueError("~/%s/%s.json is not a job record; remove it" % (RECORD_DIR, job))
+    return rec
+
+
+def _fields(line):
+    """`Key=Value Key2=Value2` (scontrol --oneliner) as a dict, each value up to the next space."""
+    return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", line))
+
+
+def _hostnames(nodelist):
+    if not nodelist or nodelist in ("(null)", "None assigned", "None"):
+        return []
+    res = subprocess.run(["scontrol", "show", "hostnames", nodelist], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, universal_newlines=True)
+    return res.stdout.split() if res.returncode == 0 else []
+
+
+def query_job(slurm_job):
+    """Slurm's view of a job (`scontrol show job` while slurmctld remembers it, else sacct), or None."""
+    res = subprocess.run(["scontrol", "--oneliner", "show", "job", str(slurm_job)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, universal_newlines=True)
+    if res.returncode == 0 and "JobState=" in res.stdout:
+        f = _fields(res.stdout)
+        reason = f.get("Reason")
+        return {"id": str(slurm_job), "state": f.get("JobState", ""), "exit_code": f.get("ExitCode", ""),
+                "nodes": _hostnames(f.get("NodeList", "")), "batch_host": f.get("BatchHost") or None,
+                "reason": reason if reason not in (None, "None") else None}
+    try:
+        res = subprocess.run(["sacct", "-n", "-P", "-X", "-j", str(slurm_job), "-o", "State,ExitCode,NodeList"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+    except OSError:
+        return None
+    rows = [r.split("|") for r in res.stdout.splitlines() if r.count("|") == 2]
+    if res.returncode != 0 or not rows:
+        return None
+    state, code, nodelist = rows[0]
+    nodes = _hostnames(nodelist)
+    return {"id": str(slurm_job), "state": state, "exit_code": code, "nodes": nodes,
+            "batch_host": nodes[0] if nodes else None, "reason": None}
+
+
+def live(sj):
+    """Whether Slurm's word for the job says it still holds (or waits for) its allocation."""
+    return _word(sj) in LIVE
+
+
+def _word(sj):
+    return sj["state"].split()[0].rstrip("+") if sj and sj["state"] else ""
+
+
+def node_addresses(nodes):
+    """NodeName -> NodeAddr (where ssh reaches it) for the given nodes."""
+    if not nodes:
+        return {}
+    res = subprocess.run(["scontrol", "show", "node", "--oneliner", ",".join(nodes)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, universal_newlines=True)
+    found = {}
+    for line in res.stdout.splitlines():
+        f = _fields(line)
+        if "NodeName" in f:
+            found[f["NodeName"]] = f.get("NodeAddr") or f["NodeName"]
+    return found
+
+
+def _node_step(rec, sj, args, timeout, name):
+    """Run `slurm ARGS` on every node of a running job (srun --overlap): {node: reply}, and srun's complaint."""
+    argv = overlap_argv(sj["id"], len(sj["nodes"]), rec["package"], args, name)
+    try:
+        res = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             universal_newlines=True, timeout=timeout)
+        out, err = res.stdout, res.stderr
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode("utf-8", "replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = "srun did not end within %gs" % timeout
+    replies = {n: r for n, r in read_replies(out).items() if n in sj["nodes"]}
+    missing = [n for n in sj["nodes"] if n not in replies]
+    return replies, (err.strip()[-500:] or "no answer") if missing else ""
+
+
+def cmd_login_submit(args):
+    """sbatch the script on stdin, unless the job's previous Slurm job is still pending or running; record it."""
+    rec = read_record(args.job)
+    if rec is not None:
+        prev = query_job(rec["slurm_job"])
+        if live(prev):
+            emit({"ok": False, "error": "job %s is already %s as Slurm job %s; stop it first (clusterctl stop)"
+                  % (args.job, _word(prev).lower(), prev["id"])})
+            return 1
+    script = sys.stdin.buffer.read()
+    res = subprocess.run(["sbatch", "--parsable"], input=script, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = res.stdout.decode("utf-8", "replace"), res.stderr.decode("utf-8", "replace")
+    if res.returncode != 0:
+        emit({"ok": False, "error": "sbatch failed: %s" % ((err or out).strip()[-800:] or "exit %d" % res.returncode)})
+        return 1
+    job_id = out.strip().split(";")[0]
+    if not job_id.isdigit():
+        emit({"ok": False, "error": "sbatch answered %r, not a job id" % out.strip()[-200:]})
+        return 1
+    record = dict(json.loads(args.record), slurm_job=job_id, submitted_at=time.time())
+    path = _record_path(args.job)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(record, fh)
+    os.replace(tmp, path)
+    emit({"ok": True, "slurm_job": job_id})
+    return 0
+
+
+def cmd_login_query(args):
+    """The job's record, Slurm's word, its nodes and their addresses; with --replies (and a running job) every
+    node's `agent status` through srun --overlap."""
+    rec = read_record(args.job)
+    out = {"ok": True, "record": rec, "slurm": None, "addresses": {}, "replies": None, "step_error": ""}
+    if rec is None:
+        emit(out)
+        return 0
+    sj = query_job(rec["slurm_job"])
+    out["slurm"] = sj
+    if sj:
+        out["addresses"] = node_addresses(sj["nodes"])
+        if args.replies and _word(sj) == "RUNNING" and sj["nodes"] and rec.get("package"):
+            out["replies"], out["step_error"] = _node_step(
+                rec, sj, ["node-status", "--job", args.job, "--slurm-job", sj["id"]], STEP_TIMEOUT,
+                "clusterctl-status")
+    emit(out)
+    return 0
+
+
+def cmd_login_stop(args):
+    """Stop a running job's supervisors (their `agent stop`, with grace, through srun --overlap), then scancel
+    and wait until Slurm has ended the job."""
+    rec = read_record(args.job)
+    out = {"ok": True, "record": rec, "slurm": None, "was_running": False, "replies": None, "step_error": "",
+           "addresses": {}, "error": None}
+    if rec is None:
+        emit(out)
+        return 0
+    sj = query_job(rec["slurm_job"])
+    out["slurm"] = sj
+    if sj:
+        out["addresses"] = node_addresses(sj["nodes"])
+    if not live(sj):
+        emit(out)
+        return 0
+    out["was_running"] = True
+    if _word(sj) == "RUNNING" and sj["nodes"] and rec.get("package"):
+        out["replies"], out["step_error"] = _node_step(
+            rec, sj, ["node-stop", "--job", args.job, "--slurm-job", sj["id"], "--grace", "%g" % args.grace],
+            args.grace + STOP_EXTRA, "clusterctl-stop")
+    cancel = subprocess.run(["scancel", sj["id"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            universal_newlines=True)
+    deadline = time.monotonic() + args.grace + STOP_EXTRA
+    now = query_job(sj["id"])
+    while live(now) and time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = query_job(sj["id"])
+    out["slurm"] = now or sj
+    if live(now):
+        out["ok"] = False
+        out["error"] = "Slurm job %s is still %s %gs after scancel%s" % (
+            sj["id"], now["state"], args.grace + STOP_EXTRA,
+            ": " + cancel.stderr.strip()[-300:] if cancel.returncode else "")
+    emit(out)
+    return 0
+
+
+def _agent(argv):
+    """Run an `agent` subcommand here, its one JSON reply captured (None when it printed none)."""
+    from . import agent
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        agent.main(argv)
+    lines = [ln for ln in buf.getvalue().splitlines() if ln.startswith("{")]
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
+
+
+def reply_lines(node, reply):
+    """A node command's reply as short lines (`MARK node i/n base64`), whole through srun's output whatever its
+    size, among the other nodes' lines."""
+    data = base64.b64encode(json.dumps(reply).encode()).decode()
+    parts = [data[i:i + REPLY_CHUNK] for i in range(0, len(data), REPLY_CHUNK)] or [""]
+    return ["%s %s %d/%d %s" % (REPLY_MARK, node, i, len(parts), part) for i, part in enumerate(parts)]
+
+
+def read_replies(text):
+    """{node: reply} from srun's output holding reply_lines() of several nodes (other lines ignored; a node
+    whose reply is incomplete or garbled is left out)."""
+    parts = {}
+    for line in text.splitlines():
+        fields = line.split(" ")
+        if len(fields) != 4 or fields[0] != REPLY_MARK or "/" not in fields[2]:
+            continue
+        i, _, n = fields[2].partition("/")
+        if i.isdigit() and n.isdigit():
+            parts.setdefault(fields[1], {})[int(i)] = (int(n), fields[3])
+    out = {}
+    for node, got in parts.items():
+        counts = set(n for n, _ in got.values())
+        if len(counts) != 1 or sorted(got) != list(range(counts.pop())):
+            continue
+        try:
+            out[node] = json.loads(base64.b64decode("".join(got[i][1] for i in sorted(got))).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            continue
+    return out
+
+
+def _emit_reply(node, reply):
+    sys.stdout.write("".join(line + "\n" for line in reply_lines(node, reply)))
+    sys.stdout.flush()
+
+
+def _this_node():
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def cmd_node_status(args):
+    """This node's supervisor's `agent status`, as one JSON line."""
+    node = _this_node()
+    jobdir = _home_path(jobdir_rel(args.job, args.slurm_job, node))
+    _emit_reply(node, _agent(["status", jobdir]))
+    return 0
+
+
+def cmd_node_stop(args):
+    """This node's `agent stop` (the supervisor's stop with grace, then the sweep by the job's tag), as one line."""
+    node = _this_node()
+    jobdir = _home_path(jobdir_rel(args.job, args.slurm_job, node))
+    _emit_reply(node, _agent(["stop", jobdir, "--grace", "%g" % args.grace, "--job", args.job]))
+    return 0
+
+
+def main(argv=None):
+    """Command line: `login submit|query|stop`, `node-status`, `node-stop` (see the module docs)."""
+    parser = argparse.ArgumentParser(prog="clusterctl-slurm")
+    sub = parser.add_subparsers(dest="cmd")
+    p = sub.add_parser("login")
+    lsub = p.add_subparsers(dest="what")
+    q = lsub.add_parser("submit")
+    q.add_argument("--job", required=True)
+    q.add_argument("--record", required=True, help="JSON: what the record keeps besides the Slurm job id")
+    q.set_defaults(func=cmd_login_submit)
+    q = lsub.add_parser("query")
+    q.add_argument("--job", required=True)
+    q.add_argument("--replies", action="store_true")
+    q.set_defaults(func=cmd_login_query)
+    q = lsub.add_parser("stop")
+    q.add_argument("--job", required=True)
+    q.add_argument("--grace", type=float, required=True)
+    q.set_defaults(func=cmd_login_stop)
+    for name, func in (("node-status", cmd_node_status), ("node-stop", cmd_node_stop)):
+        q = sub.add_parser(name)
+        q.add_argument("--job", required=True)
+        q.add_argument("--slurm-job", required=True)
+        if name == "node-stop":
+            q.add_argument("--grace", type=float, required=True)
+        q.set_defaults(func=func)
+    args = parser.parse_args(argv)
+    os.umask(0o077)  # sbatch records it: the batch's output file, logs and job dirs are the user's alone
+    if not getattr(args, "func", None):
+        parser.error("a command is required")
+    if not NAME_RE.match(args.job):
+        emit({"ok": False, "error": "not a job name: %r" % args.job})
+        return 2
+    try:
+        return args.func(args)
+    except ValueError as e:
+        emit({"ok": False, "error": str(e)})
+        return 2
