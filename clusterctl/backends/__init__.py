@@ -23,6 +23,7 @@ __all__ = ["REGISTRY", "names", "backend_class", "open_backend", "ssh_session", 
 REGISTRY: dict[str, str] = {
     "ssh": "clusterctl.backends.ssh:SshBackend",
     "slurm": "clusterctl.backends.slurm:SlurmBackend",
+    "kubernetes": "clusterctl.backends.kubernetes:KubernetesBackend",
 }
 
 

@@ -26,7 +26,7 @@ class ClusterSpec(_Model):
     """A whole cluster spec. `source` is the file it came from (for messages and relative paths)."""
 
     name: str
-    backend: Literal["ssh", "slurm"] = "ssh"
+    backend: Literal["ssh", "slurm", "kubernetes"] = "ssh"
     slurm: SlurmSpec | None = None
     ssh: SshSpec = SshSpec()
     hosts: tuple[HostSpec, ...] = ()
