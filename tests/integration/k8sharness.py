@@ -60,6 +60,12 @@ def pod_image(packages: list[str], wheel) -> tuple[str, bool]:
                 f"RUN /opt/venv/bin/pip install -q --no-deps --no-index /tmp/{path.name} && rm /tmp/{path.name}\n"
                 "LABEL clusterctl.k8s-pod=1\nENTRYPOINT []\n")
             subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=900)
+        # the images of earlier sources: one image per checkout is enough (a GB each, shared layers aside)
+        old = subprocess.run(["docker", "images", "--filter", "label=clusterctl.k8s-pod=1", "--format",
+                              "{{.Repository}}:{{.Tag}}"], capture_output=True, text=True).stdout.split()
+        stale = [t for t in old if t.startswith(POD_IMAGE_REPO + ":") and t != tag]
+        if stale:
+            subprocess.run(["docker", "rmi", *stale], capture_output=True)
         return tag, True
 
 

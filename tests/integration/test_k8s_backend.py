@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -40,8 +41,6 @@ def _session_packages(config) -> list[str]:
 @pytest.fixture(scope="module")
 def image(pytestconfig, request):
     """The pods' image: the test cluster's node image plus this checkout's wheel in /opt/venv."""
-    import os
-
     from clusterctl import testcluster as tc
     from clusterctl.errors import ClusterctlError
 
@@ -57,23 +56,37 @@ def image(pytestconfig, request):
 
 @pytest.fixture(scope="module")
 def kube(tmp_path_factory, image):
-    """A fake cluster (state dir, docker network, `kubectl`), removed with every container at the end."""
+    """A fake cluster (state dir, docker network, `kubectl`), removed with every container at the end. This
+    process's environment points at it too (the backend, called in-process to poll the status, runs kubectl)."""
     k = h.up(tmp_path_factory.mktemp("fakekube"))
-    yield k
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in k.env().items():
+            if os.environ.get(key) != value:
+                mp.setenv(key, value)
+        yield k
     h.down(k)
 
 
 def _status(kube, spec) -> dict:
+    """`clusterctl status --json`, the CLI run as a user would."""
     res = h.clusterctl(kube, "status", spec, "--json")
     assert res.stdout.startswith("{"), res.stdout + res.stderr
     return json.loads(res.stdout)
 
 
+def _backend_status(spec) -> dict:
+    """The backend's status, called in-process (what `clusterctl status --json` prints, without its start-up)."""
+    from clusterctl.backends import open_backend
+
+    with open_backend(str(spec)) as backend:
+        return backend.status().to_json()
+
+
 def _wait(kube, spec, ok, timeout: float, what: str) -> dict:
-    """Poll `clusterctl status --json` until ok(status)."""
+    """Poll the job's status until ok(status)."""
     deadline = time.monotonic() + timeout
     while True:
-        st = _status(kube, spec)
+        st = _backend_status(spec)
         if ok(st):
             return st
         if time.monotonic() > deadline:

@@ -69,7 +69,7 @@ def test_hosts_give_the_shape_of_each_node():
     (BASE.replace("login: login1", "login: 'a b'"), "slurm.login: not a host name, ssh alias or IP address: 'a b'"),
     (BASE.replace("login: login1", "login: '-oProxyCommand=x'"),
      "slurm.login: not a host name, ssh alias or IP address: '-oProxyCommand=x'"),
-    (BASE.replace("backend: slurm", "backend: k8s"), "backend: expected one of 'ssh' or 'slurm', got 'k8s'"),
+    (BASE.replace("backend: slurm", "backend: k8s"), "backend: expected one of 'ssh', 'slurm' or 'kubernetes', got 'k8s'"),
     (BASE.replace("partition: gpu", 'partition: "gpu\\nrm -rf ~"'),  # a real newline: an #SBATCH line injected
      "slurm.partition: expected one word (letters, digits, _.:,+=@/-), got 'gpu\\nrm -rf ~'"),
     (BASE.replace("time:", "sbatch_args: [exclusive], time:"),
