@@ -561,6 +561,7 @@ class KubernetesBackend(Backend):
                     if proc.returncode != 0 and now is not None and now.phase != "ended":
                         errors.append(f"kubectl logs -f {f.name}: {_tail_line(err) or 'exit %d' % proc.returncode}")
                     return
+                time.sleep(FOLLOW_POLL_S)  # the stream ended while the container runs: follow it again
 
         while True:
             jobs_exist, pods = self._snapshot()
