@@ -29,6 +29,10 @@ What a pod is here (what the kubelet and the Job controller would do, as far as 
   the main container (SIGTERM to its PID 1, SIGKILL after the grace), then every container of the pod is removed.
 - `exec` is `docker exec` into the running main container (the container's environment, like the runtime's);
   `logs` is `docker logs` with stderr merged into stdout, as the kubelet keeps them.
+
+Why one file of about 700 lines: `kubectl` on PATH is a two-line script importing this module, and the
+per-pod "kubelet" is this same file run detached; the store, the verbs and the kubelet share the state layout
+and the locking, and nothing else uses them.
 """
 
 from __future__ import annotations
