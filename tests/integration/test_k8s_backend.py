@@ -236,6 +236,7 @@ def test_fit_a_line_trains_to_success_and_a_stranger_is_refused_by_its_pserver(k
 KILL = "import os, sys; p = int(sys.argv[1]); assert b'job.py' in open('/proc/%d/cmdline' % p, 'rb').read(); os.kill(p, 9)"
 
 
+@pytest.mark.slow  # 26-46 s on the shared 2-core machine: keeps the default tier's Kubernetes part near 1.5 min
 @pytest.mark.timeout(240)
 def test_a_trainer_killed_in_its_pod_restarts_there_and_the_job_succeeds(kube, image, tmp_path):
     spec = h.write_spec(tmp_path / "restart.yaml", name="k8s-restart", image=image, workspace=JOBS, job={
