@@ -1,31 +1,45 @@
-"""Kubernetes manifests from a cluster spec: a headless Service and one Indexed Job per role.
+"""Kubernetes objects from a cluster spec: the job's Secret and ConfigMap, a headless Service, one Indexed Job per role.
 
-One pod per process. A pod's id is its completion index (the `batch.kubernetes.io/job-completion-index`
-annotation the Job controller sets); every other variable of the environment contract (GUIDE section 2)
-is either the same for every pod of a role or built from that index with Kubernetes' own `$(VAR)`
-expansion, so the manifests hold no per-pod copy of anything. Endpoints are the pods' stable DNS
-names, `<name>-<role>-<index>.<service>`: Indexed Jobs give pod `i` the hostname `<job>-<i>`, and the
-pod's `subdomain` (the headless Service) puts that name in the cluster's DNS.
+One pod per process, and in every pod the same host supervisor as over SSH (clusterctl/host): the pod's main
+process is clusterctl/host/pod.py, run by the image's ``python3 -S -E`` from the host package that the
+ConfigMap carries; it builds the pod's job file from the job's template (also in the ConfigMap) and the
+pod's environment, then runs `agent run` in the foreground. The job's token is in a Secret, read by the
+pod through `valueFrom.secretKeyRef` (never a literal in a manifest, never in argv).
 
-Pure: nothing here talks to a cluster. `pod_env` shows the environment the kubelet gives a pod of a
-rendered Job, by the same rules (docs/kubernetes.md).
+A pod's id is its completion index (the `batch.kubernetes.io/job-completion-index` annotation the Job
+controller sets); every other variable of the environment contract (GUIDE section 2) is either the same for
+every pod of a role or built from that index with Kubernetes' own `$(VAR)` expansion, so the manifests hold
+no per-pod copy of anything. Endpoints are the pods' stable DNS names, `<name>-<role>-<index>.<service>`:
+Indexed Jobs give pod `i` the hostname `<job>-<i>`, and the pod's `subdomain` (the headless Service) puts
+that name in the cluster's DNS. The coordinator of the supervisors is trainer 0's pod.
+
+Pure: nothing here talks to a cluster (clusterctl/backends/kubernetes.py does, through kubectl). `pod_env`
+and `pod_argv` show what the kubelet gives a pod of a rendered Job, by the same rules (docs/kubernetes.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import json
 import math
+import os
+import secrets
+from importlib import resources
 from pathlib import Path
 
 import yaml
 
 from .errors import SpecError, SpecProblem
+from .host import pod as hostpod
+from .host.jobfile import DEFAULT_TIMINGS
 from .plan import JobPlan, make_plan
 from .spec import ClusterSpec
 
 __all__ = [
-    "INDEX_ANNOTATION", "LABEL_JOB", "LABEL_ROLE", "object_name", "render", "dump", "expand", "pod_env", "pod_argv",
-    "add_cli",
+    "INDEX_ANNOTATION", "LABEL_JOB", "LABEL_ROLE", "HOST_MOUNT", "STATE_MOUNT", "STATE_ROOT", "TEMPLATE_KEY",
+    "object_name", "names", "jobdir", "host_tool_argv", "render", "dump", "expand", "pod_env", "pod_argv",
+    "process_argv", "add_cli",
 ]
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -33,10 +47,24 @@ LABEL_JOB = "clusterctl.io/job"
 LABEL_ROLE = "clusterctl.io/role"
 _ID_VAR = {"trainer": "PADDLE_TRAINER_ID", "pserver": "PADDLE_PSERVER_ID"}
 
+HOST_PACKAGE = "clusterctl_host"  # the host package's name in a pod, as on SSH hosts (ops/hosttools.py)
+HOST_MOUNT = "/opt/clusterctl"  # the ConfigMap: <HOST_MOUNT>/clusterctl_host/*.py and <HOST_MOUNT>/template.json
+TEMPLATE_KEY = "template.json"
+STATE_MOUNT = "/var/lib/clusterctl"  # an emptyDir: the job dir (job file, state, logs) and the bytecode cache
+STATE_ROOT = f"{STATE_MOUNT}/jobs"
+PYCACHE = f"{STATE_MOUNT}/pycache"
+TERMINATION_LOG = "/dev/termination-log"
+TOKEN_KEY = "token"
+# terminationGracePeriodSeconds = job.grace + this: the supervisor's own stop (SIGTERM, job.grace, SIGKILL, the
+# sweep) and the termination message fit in it before the kubelet kills what is left
+STOP_MARGIN_S = 10
+CONFIGMAP_LIMIT = 1_000_000  # bytes (Kubernetes refuses a ConfigMap over 1 MiB)
+WAIT_DEFAULT_S = 120.0  # the supervisors' timeouts (peers connecting, pservers listening) when wait_timeout is 0
+
 # The init container's program (python3 of the job's image): wait until every name in argv[1] (comma
 # separated) resolves and every HOST:PORT in argv[2] accepts a TCP connection, for at most argv[3]
-# seconds. A pod's DNS name exists only once the pod has an IP; what the SSH agent does with
-# start_trainers_after (trainers start once the pservers listen) is this container's job here.
+# seconds. A pod's DNS name exists only once the pod has an IP: the pod waits for its own name (its
+# coordinator binds to it) and the coordinator's (its supervisor connects to it) before its supervisor starts.
 WAIT_SCRIPT = """\
 import socket, sys, time
 names, eps = [n for n in sys.argv[1].split(",") if n], [e for e in sys.argv[2].split(",") if e]
@@ -54,8 +82,6 @@ while True:
             sys.exit("clusterctl: gave up after %ss waiting for %s: %s" % (sys.argv[3], sys.argv[1:3], exc))
         time.sleep(1)
 """
-
-
 def object_name(spec: ClusterSpec) -> str:
     """The prefix of every object's name: `kubernetes.name`, else the spec's name as a DNS label."""
     k = spec.kubernetes
@@ -64,8 +90,39 @@ def object_name(spec: ClusterSpec) -> str:
     return "".join(c if c.isalnum() else "-" for c in spec.name.lower()).strip("-")
 
 
-def render(spec: ClusterSpec) -> list[dict]:
-    """The Service and the Jobs (pservers first, then trainers) for `spec`; SpecError when it cannot be."""
+def names(spec: ClusterSpec) -> dict[str, str]:
+    """The objects' names: `service`, `secret`, `configmap`, and `job:<role>` for each role's Job."""
+    name = object_name(spec)
+    return {"service": name, "secret": f"{name}-token", "configmap": f"{name}-host",
+            "job:pserver": f"{name}-pserver", "job:trainer": f"{name}-trainer"}
+
+
+def jobdir(spec: ClusterSpec) -> str:
+    """The job dir inside every pod (the supervisor's state, the job file, the processes' logs)."""
+    return f"{STATE_ROOT}/{spec.name}"
+
+
+def _python(spec: ClusterSpec) -> list[str]:
+    # -S -E: nothing of the image's site-packages or PYTHON* variables; bytecode in the emptyDir (the ConfigMap is
+    # read-only)
+    return [spec.kubernetes.python, "-S", "-E", "-X", f"pycache_prefix={PYCACHE}"]
+
+
+def host_tool_argv(spec: ClusterSpec, module: str, args: list[str]) -> list[str]:
+    """The argv that runs host module `module` (e.g. 'agent') of the ConfigMap's host package in a pod."""
+    return [*_python(spec), "-c", hostpod.RUN, HOST_MOUNT, f"{HOST_PACKAGE}.{module}", *args]
+
+
+def host_package() -> dict[str, str]:
+    """Every module of the host package (clusterctl/host), by file name: the ConfigMap's data."""
+    root = resources.files("clusterctl.host")
+    return {e.name: e.read_text(encoding="utf-8") for e in sorted(root.iterdir(), key=lambda e: e.name)
+            if e.name.endswith(".py")}
+
+
+def render(spec: ClusterSpec, *, token: str | None = None) -> list[dict]:
+    """The Secret, the ConfigMap, the Service and the Jobs (pservers first, then trainers) for `spec`;
+    SpecError when it cannot be. `token`: the job's secret (default: a new random one)."""
     k = spec.kubernetes
     if k is None:
         raise _problem(spec, ("kubernetes",), "the spec has no kubernetes: section (at least kubernetes.image)")
@@ -92,9 +149,6 @@ def render(spec: ClusterSpec) -> list[dict]:
                    ("CLUSTERCTL_PS_K_STEPS", str(job.k_steps))]
     values = {"trainers": str(trainers), "pserver_endpoints": pserver_eps, "trainer_endpoints": trainer_eps,
               "job": spec.name, "local_rank": "0"}
-    docs: list[dict] = [_service(spec, name, pservers > 0)]
-    if pservers:
-        docs.append(_job(spec, name, "pserver", pservers, ports.pserver, common, [], 0, values, ""))
     trainer_env = [  # as written in the manifest: references, or literals with no '$'
         ("RANK", "$(PADDLE_TRAINER_ID)"),
         ("WORLD_SIZE", str(trainers)),
@@ -107,8 +161,73 @@ def render(spec: ClusterSpec) -> list[dict]:
         # the device plugin gives the container its GPUs only, numbered from 0
         visible = ",".join(str(i) for i in range(gpus))
         trainer_env += [("CUDA_VISIBLE_DEVICES", visible), ("FLAGS_selected_gpus", visible)]
-    docs.append(_job(spec, name, "trainer", trainers, ports.trainer, common, trainer_env, gpus, values, pserver_eps))
-    return docs
+    jobs = []
+    if pservers:
+        jobs.append(_job(spec, name, "pserver", pservers, ports.pserver, common, [], 0, values))
+    jobs.append(_job(spec, name, "trainer", trainers, ports.trainer, common, trainer_env, gpus, values))
+    template = _template(spec, plan, name, pserver_eps, jobs)
+    configmap = _configmap(spec, name, template)
+    return [_secret(spec, name, token or secrets.token_hex(16)), configmap, _service(spec, name, pservers > 0), *jobs]
+
+
+def _labels(name: str) -> dict:
+    return {LABEL_JOB: name}
+
+
+def _meta(spec: ClusterSpec, name: str, obj_name: str) -> dict:
+    return {"name": obj_name, "namespace": spec.kubernetes.namespace, "labels": _labels(name)}
+
+
+def _secret(spec: ClusterSpec, name: str, token: str) -> dict:
+    """The job's token: read by every pod's main process (secretKeyRef), handed to the supervisor in its job file."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(spec, name, names(spec)["secret"]),
+            "type": "Opaque", "immutable": True,
+            "data": {TOKEN_KEY: base64.b64encode(token.encode("ascii")).decode("ascii")}}
+
+
+def _template(spec: ClusterSpec, plan: JobPlan, name: str, pserver_eps: str, jobs: list[dict]) -> dict:
+    """What every pod's job file shares (clusterctl/host/pod.py builds the rest from the pod's environment)."""
+    k, job = spec.kubernetes, spec.job
+    wait = k.wait_timeout or WAIT_DEFAULT_S
+    glue = {hostpod.SECRET_ENV, hostpod.POD_NAME_ENV}
+    env_names: list[str] = []
+    for j in jobs:
+        for item in j["spec"]["template"]["spec"]["containers"][0]["env"]:
+            if item["name"] not in glue and item["name"] not in env_names:
+                env_names.append(item["name"])
+    roles = {r: {"count": len(plan.pservers if r == "pserver" else plan.trainers), "id_env": _ID_VAR[r],
+                 "dns": f"{name}-{r}-{{id}}.{name}", "port": job.ports.pserver if r == "pserver" else job.ports.trainer}
+             for r in ("pserver", "trainer") if (plan.pservers if r == "pserver" else plan.trainers)}
+    return {
+        "version": hostpod.TEMPLATE_VERSION,
+        "job": plan.job,
+        "state_root": STATE_ROOT,
+        "pycache": PYCACHE,
+        "termination_log": TERMINATION_LOG,
+        "on_failure": plan.on_failure,
+        "grace": plan.grace,
+        "restarts": plan.restarts,
+        "restart_backoff": plan.restart_backoff,
+        "auth": plan.auth,
+        "roles": roles,
+        # the supervisors' coordinator: trainer 0's pod (every job has one)
+        "coordinator": {"address": f"{name}-trainer-0.{name}", "port": job.ports.control, "pod": ["trainer", 0],
+                        "hosts": len(plan.processes), "trainers_total": len(plan.trainers),
+                        "timings": {"connect_timeout": max(wait, DEFAULT_TIMINGS["connect_timeout"])}},
+        "start_trainers_after": {"endpoints": pserver_eps.split(","), "timeout": wait} if pserver_eps else None,
+        "env": env_names,
+    }
+
+
+def _configmap(spec: ClusterSpec, name: str, template: dict) -> dict:
+    data = host_package()
+    data[TEMPLATE_KEY] = json.dumps(template, indent=1, sort_keys=True) + "\n"
+    size = sum(len(k) + len(v.encode("utf-8")) for k, v in data.items())
+    if size > CONFIGMAP_LIMIT:
+        raise _problem(spec, ("kubernetes",), f"the host package and template take {size} bytes; a ConfigMap holds "
+                       f"at most {CONFIGMAP_LIMIT}")
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(spec, name, names(spec)["configmap"]),
+            "immutable": True, "data": data}
 
 
 def _gpus_per_trainer(spec: ClusterSpec, plan: JobPlan) -> int:
@@ -123,7 +242,7 @@ def _gpus_per_trainer(spec: ClusterSpec, plan: JobPlan) -> int:
 
 
 def _service(spec: ClusterSpec, name: str, with_pservers: bool) -> dict:
-    named = [("trainer", spec.job.ports.trainer), ("master", spec.job.ports.master)]
+    named = [("trainer", spec.job.ports.trainer), ("master", spec.job.ports.master), ("control", spec.job.ports.control)]
     if with_pservers:
         named.append(("pserver", spec.job.ports.pserver))
     ports: list[dict] = []
@@ -133,18 +252,17 @@ def _service(spec: ClusterSpec, name: str, with_pservers: bool) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": name, "namespace": spec.kubernetes.namespace, "labels": {LABEL_JOB: name}},
+        "metadata": _meta(spec, name, name),
         "spec": {
             "clusterIP": "None",  # headless: DNS names for the pods, no virtual IP
             "publishNotReadyAddresses": True,  # names resolve as soon as pods have IPs, before any readiness
-            "selector": {LABEL_JOB: name},
+            "selector": _labels(name),
             "ports": ports,
         },
     }
 
 
-def _job(spec: ClusterSpec, name: str, role: str, count: int, port: int, common, role_env, gpus: int, values,
-         wait_for: str) -> dict:
+def _job(spec: ClusterSpec, name: str, role: str, count: int, port: int, common, role_env, gpus: int, values) -> dict:
     k, job = spec.kubernetes, spec.job
     id_var = _ID_VAR[role]
     own = [  # the pod's id (its completion index), and its name: the endpoint's host, as in the plan
@@ -153,8 +271,7 @@ def _job(spec: ClusterSpec, name: str, role: str, count: int, port: int, common,
         {"name": "POD_IP", "value": f"{name}-{role}-$({id_var}).{name}"},
     ]
     env = [{"name": n, "value": _escape(v)} for n, v in job.env.items()]
-    env += [
-        {"name": "CLUSTERCTL_JOB", "value": _escape(spec.name)},
+    env += [  # CLUSTERCTL_JOB is not here: the supervisor tags the processes it starts (and nothing else)
         {"name": "CLUSTERCTL_ROLE", "value": role},
         {"name": "TRAINING_ROLE", "value": role.upper()},
         *own,
@@ -163,40 +280,56 @@ def _job(spec: ClusterSpec, name: str, role: str, count: int, port: int, common,
     ]
     env += [{"name": n, "value": _escape(v)} for n, v in common]
     env += [{"name": n, "value": v} for n, v in role_env]
+    env += [  # the main process's own: its pod's name and the job's token (never in the processes' environment)
+        {"name": hostpod.POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": hostpod.SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": names(spec)["secret"], "key": TOKEN_KEY}}},
+    ]
     placeholders = {k_: _escape(v) for k_, v in values.items()}
     placeholders.update({"role": role, "id": f"$({id_var})", "trainer_id": f"$({id_var})",
                          "current_endpoint": "$(PADDLE_CURRENT_ENDPOINT)", "host": "$(POD_IP)"})
+    glue = [*_python(spec), "-c", hostpod.RUN, HOST_MOUNT, f"{HOST_PACKAGE}.pod", "start",
+            f"{HOST_MOUNT}/{TEMPLATE_KEY}", "--"]
     container: dict = {
         "name": role,
         "image": k.image,
-        "command": [_escape(a) for a in job.entrypoint],
-        "args": [_escape(a).format_map(placeholders) for a in job.args],
+        "command": [_escape(a) for a in glue],  # the pod's main process: clusterctl/host/pod.py, then the supervisor
+        "args": [_escape(a) for a in job.entrypoint] + [_escape(a).format_map(placeholders) for a in job.args],
         "env": env,
         "ports": [{"name": role, "containerPort": port}]
         + ([{"name": "master", "containerPort": job.ports.master}] if role == "trainer" else []),
+        "terminationMessagePath": TERMINATION_LOG,  # the supervisor's last status, once the pod ended
+        "terminationMessagePolicy": "File",
     }
-    if not container["args"]:
-        del container["args"]
     if k.image_pull_policy:
         container["imagePullPolicy"] = k.image_pull_policy
-    resources = {kind: dict(q) for kind, q in k.resources.get(role, {}).items()}
+    resources_ = {kind: dict(q) for kind, q in k.resources.get(role, {}).items()}
     if gpus:
-        resources.setdefault("limits", {})[k.gpu_resource] = str(gpus)
-    if resources:
-        container["resources"] = resources
+        resources_.setdefault("limits", {})[k.gpu_resource] = str(gpus)
+    if resources_:
+        container["resources"] = resources_
+    host_files = [{"key": f, "path": f"{HOST_PACKAGE}/{f}"} for f in host_package()]
+    volumes: list[dict] = [
+        {"name": "clusterctl-host", "configMap": {"name": names(spec)["configmap"], "defaultMode": 0o444,
+                                                  "items": host_files + [{"key": TEMPLATE_KEY, "path": TEMPLATE_KEY}]}},
+        {"name": "clusterctl-state", "emptyDir": {}},
+    ]
+    mounts: list[dict] = [
+        {"name": "clusterctl-host", "mountPath": HOST_MOUNT, "readOnly": True},
+        {"name": "clusterctl-state", "mountPath": STATE_MOUNT},
+    ]
     pod: dict = {
-        "restartPolicy": "Never",
+        "restartPolicy": "Never",  # restarts are the supervisor's, inside the pod (job.restarts)
         "subdomain": name,  # with the hostname <job>-<index>: <name>-<role>-<index>.<name> in DNS
         "enableServiceLinks": False,  # no <SERVICE>_PORT variables beside the contract
-        "terminationGracePeriodSeconds": math.ceil(job.grace),
+        "terminationGracePeriodSeconds": math.ceil(job.grace) + STOP_MARGIN_S,
         "containers": [container],
     }
     if k.wait_timeout:
-        names = "$(POD_IP)" + (f",{name}-trainer-0.{name}" if role == "trainer" else "")  # own name, the master's
+        names_ = f"$(POD_IP),{name}-trainer-0.{name}"  # its own name, the coordinator's
         pod["initContainers"] = [{
             "name": "wait",
             "image": k.image,
-            "command": ["python3", "-c", _escape(WAIT_SCRIPT), names, _escape(wait_for), f"{k.wait_timeout:g}"],
+            "command": [_escape(k.python), "-c", _escape(WAIT_SCRIPT), names_, "", f"{k.wait_timeout:g}"],
             "env": own,
         }]
         if k.image_pull_policy:
@@ -205,11 +338,13 @@ def _job(spec: ClusterSpec, name: str, role: str, count: int, port: int, common,
         w = k.workspace
         source = ({"persistentVolumeClaim": {"claimName": w.pvc}} if w.pvc is not None
                   else {"hostPath": {"path": w.host_path, "type": "Directory"}})
-        pod["volumes"] = [{"name": "workspace", **source}]
+        volumes.append({"name": "workspace", **source})
         mount = {"name": "workspace", "mountPath": w.mount_path}
         if w.sub_path:
             mount["subPath"] = w.sub_path
-        container["volumeMounts"] = [mount]
+        mounts.append(mount)
+    pod["volumes"] = volumes
+    container["volumeMounts"] = mounts
     working_dir = k.working_dir or (k.workspace.mount_path if k.workspace is not None else None)
     if working_dir:
         container["workingDir"] = working_dir
@@ -220,11 +355,10 @@ def _job(spec: ClusterSpec, name: str, role: str, count: int, port: int, common,
     if k.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": s} for s in k.image_pull_secrets]
     labels = {LABEL_JOB: name, LABEL_ROLE: role}
-    spec_: dict = {"completionMode": "Indexed", "completions": count, "parallelism": count}
-    if job.on_failure == "stop":
-        spec_["backoffLimit"] = 0  # the first failed pod fails the Job, which ends its other pods
-    else:
-        spec_.update(backoffLimitPerIndex=0, maxFailedIndexes=count)  # a failed pod is not retried; the rest go on
+    # Kubernetes never retries a pod nor ends the others: a failed index stays failed (the job's restarts are the
+    # supervisors', in the pods) and the Job is failed once every pod ended; the supervisors decide fail-fast
+    spec_: dict = {"completionMode": "Indexed", "completions": count, "parallelism": count,
+                   "backoffLimitPerIndex": 0, "maxFailedIndexes": count}
     spec_["template"] = {"metadata": {"labels": labels}, "spec": pod}
     return {
         "apiVersion": "batch/v1",
@@ -303,26 +437,35 @@ def _container(job: dict, name: str | None) -> dict:
     return next(c for c in pod.get("initContainers", []) + pod["containers"] if c["name"] == name)
 
 
-def pod_env(job: dict, index: int, *, pod_ip: str = "10.0.0.1", container: str | None = None) -> dict[str, str]:
+def pod_env(job: dict, index: int, *, pod_ip: str = "10.0.0.1", pod_name: str | None = None,
+            secrets: dict | None = None, container: str | None = None) -> dict[str, str]:
     """The environment the kubelet gives pod `index` of an Indexed Job manifest (its first container, or
     the (init) container named `container`).
 
     Each `value` is expanded against the variables listed before it, a `fieldRef` read from the pod
-    (the completion index annotation, `status.podIP`, `metadata.namespace`); the Job controller adds
-    JOB_COMPLETION_INDEX last. Raises ValueError on anything else (a secret, another field).
+    (the completion index annotation, `metadata.name` (default `<job>-<index>-xxxxx`), `status.podIP`,
+    `metadata.namespace`), a `secretKeyRef` from `secrets` ({(secret name, key): value}); the Job
+    controller adds JOB_COMPLETION_INDEX last. Raises ValueError on anything else (a Secret not given).
     """
     spec = _container(job, container)
     fields = {
         f"metadata.annotations['{INDEX_ANNOTATION}']": str(index),
+        "metadata.name": pod_name or f"{job['metadata']['name']}-{index}-xxxxx",
         "status.podIP": pod_ip,
         "metadata.namespace": job["metadata"].get("namespace", "default"),
     }
     env: dict[str, str] = {}
     for item in spec.get("env", []):
+        source = item.get("valueFrom", {})
         if "value" in item:
             env[item["name"]] = expand(item["value"], env)
+        elif "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            if (ref.get("name"), ref.get("key")) not in (secrets or {}):
+                raise ValueError(f"env {item['name']}: no value given for Secret {ref.get('name')} key {ref.get('key')}")
+            env[item["name"]] = secrets[ref["name"], ref["key"]]
         else:
-            path = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            path = source.get("fieldRef", {}).get("fieldPath")
             if path not in fields:
                 raise ValueError(f"env {item['name']}: cannot tell what {item.get('valueFrom')} gives a pod")
             env[item["name"]] = fields[path]
@@ -330,11 +473,18 @@ def pod_env(job: dict, index: int, *, pod_ip: str = "10.0.0.1", container: str |
     return env
 
 
-def pod_argv(job: dict, index: int, *, pod_ip: str = "10.0.0.1", container: str | None = None) -> list[str]:
+def pod_argv(job: dict, index: int, *, pod_ip: str = "10.0.0.1", pod_name: str | None = None,
+             secrets: dict | None = None, container: str | None = None) -> list[str]:
     """The argv pod `index` of a rendered Job runs (in `container`, as for pod_env): command and args, expanded."""
     spec = _container(job, container)
-    env = pod_env(job, index, pod_ip=pod_ip, container=container)
+    env = pod_env(job, index, pod_ip=pod_ip, pod_name=pod_name, secrets=secrets, container=container)
     return [expand(a, env) for a in spec.get("command", []) + spec.get("args", [])]
+
+
+def process_argv(job: dict, index: int, *, secrets: dict | None = None) -> list[str]:
+    """The argv the supervisor of pod `index` runs: the main container's args, after the `pod start ... --` part."""
+    argv = pod_argv(job, index, secrets=secrets)
+    return argv[argv.index("--") + 1:]
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -353,24 +503,30 @@ def cmd_render(args: argparse.Namespace) -> int:
     docs = render(spec)
     text = dump(docs)
     name, ns = object_name(spec), spec.kubernetes.namespace
+    # `create`, not `apply`: apply copies each object into an annotation, the Secret's token included
     if args.output:
         path = Path(args.output) / f"{name}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        apply, say = f"kubectl apply -f {path}", out
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the job's token (the Secret)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        apply, say = f"kubectl create -f {path}", out
     else:
         sys.stdout.write(text)
-        apply, say = f"clusterctl k8s render {args.spec} | kubectl apply -f -", err  # the manifests own stdout
+        apply, say = f"clusterctl k8s render {args.spec} | kubectl create -f -", err  # the manifests own stdout
+    n = names(spec)
     pods = sum(d["spec"]["completions"] for d in docs if d["kind"] == "Job")
     jobs = ", ".join(f"Job {d['metadata']['name']} ({d['spec']['completions']} pods)" for d in docs if d["kind"] == "Job")
-    say.print(escape(f"{'wrote ' + str(path) if args.output else 'manifests'}: Service {name} (headless), {jobs}"))
+    say.print(escape(f"{'wrote ' + str(path) + ' (0600: it holds the token)' if args.output else 'manifests'}: "
+                     f"Secret {n['secret']}, ConfigMap {n['configmap']}, Service {name} (headless), {jobs}"))
     sel = f"{LABEL_JOB}={name}"
     for what, cmd in (
-        ("apply", apply),
+        ("create", apply),
         ("watch", f"kubectl get pods -n {ns} -l {sel} -w"),
         ("logs", f"kubectl logs -n {ns} -f -l {sel} --prefix --max-log-requests {pods}"),
         ("wait", f"kubectl wait -n {ns} --for=condition=complete job/{name}-trainer --timeout=24h"),
-        ("delete", f"kubectl delete -n {ns} service,job -l {sel}"),
+        ("delete", f"kubectl delete -n {ns} job,service,configmap,secret -l {sel}"),
     ):
         say.print(escape(f"  {what + ':':<8}{cmd}"))
     if spec.data is not None:
@@ -383,7 +539,8 @@ def add_cli(sub) -> None:
     """Register `clusterctl k8s render`."""
     p = sub.add_parser("k8s", help="Kubernetes manifests from the spec")
     ksub = p.add_subparsers(dest="k8s_command", metavar="COMMAND", required=True)
-    r = ksub.add_parser("render", help="a headless Service and one Indexed Job per role; no cluster is contacted")
+    r = ksub.add_parser("render", help="the job's Secret and ConfigMap, a headless Service and one Indexed Job per "
+                        "role (what `start` creates with backend: kubernetes); no cluster is contacted")
     r.add_argument("spec")
     r.add_argument("-o", "--output", metavar="DIR", help="write DIR/<name>.yaml (default: print to stdout)")
     r.set_defaults(func=cmd_render)

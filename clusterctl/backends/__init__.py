@@ -24,6 +24,7 @@ REGISTRY: dict[str, str] = {
     "ssh": "clusterctl.backends.ssh:SshBackend",
     "slurm": "clusterctl.backends.slurm:SlurmBackend",
     "local": "clusterctl.backends.local:LocalBackend",
+    "kubernetes": "clusterctl.backends.kubernetes:KubernetesBackend",
 }
 
 

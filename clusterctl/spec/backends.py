@@ -1,4 +1,4 @@
-"""The other backends' sections: `kubernetes:` (clusterctl k8s render) and `slurm:` (backend: slurm)."""
+"""The other backends' sections: `kubernetes:` (backend: kubernetes, clusterctl k8s render) and `slurm:` (backend: slurm)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,12 @@ class KubernetesVolumeSpec(_Model):
 
 
 class KubernetesSpec(_Model):
-    """`clusterctl k8s render`: one pod per process, from an image (docs/kubernetes.md)."""
+    """`backend: kubernetes` and `clusterctl k8s render`: one pod per process, from an image (docs/kubernetes.md)."""
 
     image: str = Field(min_length=1)
     namespace: str = "default"
+    context: str | None = None  # kubectl --context (default: the kubeconfig's current context)
+    python: str = "python3"  # the image's Python (>= 3.9), which runs clusterctl's host package in every pod
     name: str | None = None  # object names' prefix; default: the spec's name, lowercased, '_' and '.' as '-'
     workspace: KubernetesVolumeSpec | None = None  # None: the code is in the image
     working_dir: str | None = None  # default: workspace.mount_path, else the image's
@@ -46,13 +48,22 @@ class KubernetesSpec(_Model):
     service_account: str | None = None
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     image_pull_secrets: tuple[str, ...] = ()
-    wait_timeout: float = Field(120.0, ge=0, le=86400)  # init container: names resolve, pservers listen; 0: none
+    # init container: the pod's and the coordinator's names resolve (0: none); the supervisors wait as long for
+    # their peers and for the pservers to listen
+    wait_timeout: float = Field(120.0, ge=0, le=86400)
 
     @field_validator("namespace", "name")
     @classmethod
     def _k8s_name(cls, v: str | None) -> str | None:
         if v is not None and not (len(v) <= 63 and K8S_NAME_RE.match(v)):
             raise ValueError(f"{v!r} is not a Kubernetes name (lowercase letters, digits and '-', at most 63)")
+        return v
+
+    @field_validator("context", "python")
+    @classmethod
+    def _word(cls, v: str | None) -> str | None:  # an argv item of kubectl / the pods: never read as an option
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9_.:@/+=][A-Za-z0-9_.:@/+=-]*", v):
+            raise ValueError(f"expected one word not starting with '-' (letters, digits, _.:@/+=-), got {v!r}")
         return v
 
     @field_validator("resources", mode="before")

@@ -26,7 +26,7 @@ class ClusterSpec(_Model):
     """A whole cluster spec. `source` is the file it came from (for messages and relative paths)."""
 
     name: str
-    backend: Literal["ssh", "slurm", "local"] = "ssh"  # clusterctl.backends' registry (a unit test keeps them equal)
+    backend: Literal["ssh", "slurm", "local", "kubernetes"] = "ssh"  # clusterctl.backends' registry (a unit test keeps them equal)
     slurm: SlurmSpec | None = None
     ssh: SshSpec = SshSpec()
     hosts: tuple[HostSpec, ...] = ()

@@ -1,10 +1,14 @@
-"""`clusterctl k8s render`: manifests checked against the Kubernetes OpenAPI schemas (offline, with
-kubernetes-validate), and the environment each pod would get compared with the plan's over SSH."""
+"""`clusterctl k8s render` and what `backend: kubernetes` creates: the objects checked against the Kubernetes
+OpenAPI schemas (offline, with kubernetes-validate), the environment and argv each pod's process gets compared
+with the plan's over SSH (through the pod's own glue, clusterctl/host/pod.py), the token kept to its Secret."""
 
+import base64
 import copy
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -12,6 +16,7 @@ import yaml
 
 from clusterctl import k8s
 from clusterctl.errors import SpecError
+from clusterctl.host import pod as hostpod
 from clusterctl.plan import make_plan
 from clusterctl.spec import parse_spec
 
@@ -54,9 +59,12 @@ kubernetes: {image: "python:3.12", workspace: {host_path: /srv/mlp, mount_path: 
 """
 
 
+TOKEN = "0123456789abcdef" * 2
+
+
 def rendered(text):
     spec = parse_spec(text)
-    docs = k8s.render(spec)
+    docs = k8s.render(spec, token=TOKEN)
     # what kubectl would read: the YAML text, not the dicts
     return spec, list(yaml.safe_load_all(k8s.dump(docs)))
 
@@ -65,11 +73,22 @@ def by_kind(docs):
     return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 
 
+def secrets_of(docs):
+    """{(Secret, key): value}: what the kubelet reads for a secretKeyRef."""
+    return {(d["metadata"]["name"], key): base64.b64decode(v).decode() for d in docs if d["kind"] == "Secret"
+            for key, v in d["data"].items()}
+
+
+def template_of(docs):
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    return json.loads(cm["data"][k8s.TEMPLATE_KEY])
+
+
 @pytest.mark.parametrize("text", [PSERVER, COLLECTIVE], ids=["pserver", "collective"])
 @pytest.mark.parametrize("version", VERSIONS)
 def test_manifests_are_valid_kubernetes_objects(text, version):
     _, docs = rendered(text)
-    assert [d["kind"] for d in docs] == ["Service"] + ["Job"] * (len(docs) - 1)
+    assert [d["kind"] for d in docs] == ["Secret", "ConfigMap", "Service"] + ["Job"] * (len(docs) - 3)
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError
 
@@ -77,7 +96,7 @@ def test_manifests_are_valid_kubernetes_objects(text, version):
 def test_the_validator_rejects_a_broken_job():
     """The schema check above can fail: a misspelt key, a wrong type and a missing image are caught."""
     _, docs = rendered(PSERVER)
-    job = docs[2]
+    job = by_kind(docs)["Job", "fit-a-line-pserver"]
     bad = copy.deepcopy(job)
     bad["spec"]["completion"] = bad["spec"].pop("completions")
     with pytest.raises(kubernetes_validate.ValidationError, match="completion"):
@@ -90,6 +109,10 @@ def test_the_validator_rejects_a_broken_job():
     del bad["spec"]["template"]["spec"]["containers"][0]["name"]
     with pytest.raises(kubernetes_validate.ValidationError, match="name"):
         kubernetes_validate.validate(bad, VERSIONS[-1], strict=True)
+    bad = copy.deepcopy(by_kind(docs)["Secret", "fit-a-line-token"])
+    bad["data"]["token"] = 42
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, VERSIONS[-1], strict=True)
 
 
 def test_service_and_jobs_shape():
@@ -99,20 +122,47 @@ def test_service_and_jobs_shape():
     assert svc["metadata"]["namespace"] == "ml"
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {"clusterctl.io/job": "fit-a-line"}
-    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"trainer": 7100, "master": 7200, "pserver": 7000}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {
+        "trainer": 7100, "master": 7200, "control": 6168, "pserver": 7000}
+    glue = ["python3", "-S", "-E", "-X", "pycache_prefix=/var/lib/clusterctl/pycache", "-c", hostpod.RUN,
+            "/opt/clusterctl", "clusterctl_host.pod", "start", "/opt/clusterctl/template.json", "--"]
     for role, count in (("pserver", 2), ("trainer", 6)):
         job = objs["Job", f"fit-a-line-{role}"]
         spec = job["spec"]
-        assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", count, count, 0)
+        # Kubernetes never retries a pod nor ends the others: restarts and fail-fast are the supervisors'
+        assert {k: spec[k] for k in ("completionMode", "completions", "parallelism", "backoffLimitPerIndex",
+                                     "maxFailedIndexes")} == {"completionMode": "Indexed", "completions": count,
+                                                              "parallelism": count, "backoffLimitPerIndex": 0,
+                                                              "maxFailedIndexes": count}
+        assert "backoffLimit" not in spec
         pod = spec["template"]["spec"]
         assert spec["template"]["metadata"]["labels"] == {"clusterctl.io/job": "fit-a-line", "clusterctl.io/role": role}
         assert (pod["subdomain"], pod["restartPolicy"], pod["enableServiceLinks"]) == ("fit-a-line", "Never", False)
-        assert pod["volumes"] == [{"name": "workspace", "persistentVolumeClaim": {"claimName": "fit-ws"}}]
+        assert pod["terminationGracePeriodSeconds"] == 10 + k8s.STOP_MARGIN_S
+        host_items = [{"key": f, "path": f"clusterctl_host/{f}"} for f in sorted(k8s.host_package())]
+        assert pod["volumes"] == [
+            {"name": "clusterctl-host", "configMap": {"name": "fit-a-line-host", "defaultMode": 0o444,
+                                                      "items": host_items + [{"key": "template.json",
+                                                                              "path": "template.json"}]}},
+            {"name": "clusterctl-state", "emptyDir": {}},
+            {"name": "workspace", "persistentVolumeClaim": {"claimName": "fit-ws"}},
+        ]
         assert (pod["nodeSelector"], pod["serviceAccountName"], pod["imagePullSecrets"]) == ({"pool": "gpu"}, "trainer", [{"name": "regcred"}])
         c = pod["containers"][0]
         assert (c["image"], c["imagePullPolicy"], c["workingDir"]) == ("registry.example.com/fit:1.0", "IfNotPresent", "/workspace")
-        assert c["volumeMounts"] == [{"name": "workspace", "mountPath": "/workspace", "subPath": "runs/a"}]
-        assert c["command"] == ["python3", "train.py"]
+        assert c["volumeMounts"] == [
+            {"name": "clusterctl-host", "mountPath": "/opt/clusterctl", "readOnly": True},
+            {"name": "clusterctl-state", "mountPath": "/var/lib/clusterctl"},
+            {"name": "workspace", "mountPath": "/workspace", "subPath": "runs/a"},
+        ]
+        assert c["command"] == glue  # the pod's main process is the glue, which runs the supervisor
+        assert c["args"][:2] == ["python3", "train.py"]  # ... which runs the job's entrypoint and args
+        assert (c["terminationMessagePath"], c["terminationMessagePolicy"]) == ("/dev/termination-log", "File")
+        env = {e["name"]: e for e in c["env"]}
+        assert "CLUSTERCTL_JOB" not in env  # the supervisor tags its processes, and nothing else in the pod
+        assert env["CLUSTERCTL_POD_SECRET"] == {"name": "CLUSTERCTL_POD_SECRET", "valueFrom": {
+            "secretKeyRef": {"name": "fit-a-line-token", "key": "token"}}}
+        assert env["CLUSTERCTL_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     trainer = objs["Job", "fit-a-line-trainer"]["spec"]["template"]["spec"]["containers"][0]
     assert trainer["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"nvidia.com/gpu": "1"}}
     assert trainer["ports"] == [{"name": "trainer", "containerPort": 7100}, {"name": "master", "containerPort": 7200}]
@@ -120,27 +170,66 @@ def test_service_and_jobs_shape():
     assert pserver["resources"] == {"limits": {"memory": "8Gi"}}
 
 
+def test_the_token_is_in_the_secret_only():
+    spec, docs = rendered(PSERVER)
+    secret = by_kind(docs)["Secret", "fit-a-line-token"]
+    assert secret["type"] == "Opaque" and secret["immutable"] is True
+    assert secret["data"] == {"token": base64.b64encode(TOKEN.encode()).decode()}
+    assert secret["metadata"]["labels"] == {"clusterctl.io/job": "fit-a-line"}
+    others = json.dumps([d for d in docs if d["kind"] != "Secret"])
+    assert TOKEN not in others and secret["data"]["token"] not in others
+    # without a token, every render makes a new one (hex, 128 bits)
+    a, b = (secrets_of(k8s.render(spec))["fit-a-line-token", "token"] for _ in range(2))
+    assert a != b and len(a) == 32 and int(a, 16) >= 0
+
+
+def test_the_configmap_carries_the_host_package_and_the_template():
+    _, docs = rendered(PSERVER)
+    cm = by_kind(docs)["ConfigMap", "fit-a-line-host"]
+    assert cm["immutable"] is True
+    host_dir = Path(hostpod.__file__).parent
+    assert {k: v for k, v in cm["data"].items() if k != "template.json"} == {
+        p.name: p.read_text() for p in host_dir.glob("*.py")}
+    t = template_of(docs)
+    assert (t["version"], t["job"], t["state_root"], t["termination_log"]) == (
+        hostpod.TEMPLATE_VERSION, "Fit_a.line", "/var/lib/clusterctl/jobs", "/dev/termination-log")
+    assert (t["on_failure"], t["grace"], t["restarts"], t["auth"]) == ("stop", 10.0, 0, "token")
+    assert t["roles"] == {
+        "pserver": {"count": 2, "id_env": "PADDLE_PSERVER_ID", "dns": "fit-a-line-pserver-{id}.fit-a-line", "port": 7000},
+        "trainer": {"count": 6, "id_env": "PADDLE_TRAINER_ID", "dns": "fit-a-line-trainer-{id}.fit-a-line", "port": 7100},
+    }
+    assert t["coordinator"] == {"address": "fit-a-line-trainer-0.fit-a-line", "port": 6168, "pod": ["trainer", 0],
+                                "hosts": 8, "trainers_total": 6, "timings": {"connect_timeout": 120.0}}
+    assert t["start_trainers_after"] == {"endpoints": ["fit-a-line-pserver-0.fit-a-line:7000",
+                                                       "fit-a-line-pserver-1.fit-a-line:7000"], "timeout": 120.0}
+    assert "CLUSTERCTL_POD_SECRET" not in t["env"] and "CLUSTERCTL_POD_NAME" not in t["env"]
+    assert {"RANK", "PADDLE_TRAINER_ID", "PADDLE_PSERVER_ID", "GLOG_v", "POD_IP"} <= set(t["env"])
+    assert TOKEN not in cm["data"]["template.json"]
+
+
 def test_service_lists_a_port_shared_by_two_roles_once():
     # the pserver on another host than the master: the same port number is no conflict, over SSH or here
     text = PSERVER.replace("pservers: 2", "pservers: [10.0.0.3]")
     text = text.replace("ports: {pserver: 7000, trainer: 7100, master: 7200}", "ports: {pserver: 7200, trainer: 7100, master: 7200}")
     _, docs = rendered(text)
-    assert docs[0]["spec"]["ports"] == [{"name": "trainer", "port": 7100}, {"name": "master", "port": 7200}]
+    assert by_kind(docs)["Service", "fit-a-line"]["spec"]["ports"] == [
+        {"name": "trainer", "port": 7100}, {"name": "master", "port": 7200}, {"name": "control", "port": 6168}]
     for doc in docs:
         kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
 
 
 def test_on_failure_continue_and_host_path():
     _, docs = rendered(COLLECTIVE)
-    assert len(docs) == 2  # no pservers: no pserver Job, no pserver port
-    job = docs[1]
+    assert [d["kind"] for d in docs] == ["Secret", "ConfigMap", "Service", "Job"]  # no pservers: no pserver Job
+    job = docs[3]
     assert job["spec"]["backoffLimitPerIndex"] == 0 and job["spec"]["maxFailedIndexes"] == 5
-    assert "backoffLimit" not in job["spec"]
+    assert template_of(docs)["on_failure"] == "continue"  # the supervisors apply it, not Kubernetes
     pod = job["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] == 3
-    assert pod["volumes"] == [{"name": "workspace", "hostPath": {"path": "/srv/mlp", "type": "Directory"}}]
+    assert pod["terminationGracePeriodSeconds"] == 3 + k8s.STOP_MARGIN_S
+    assert pod["volumes"][2] == {"name": "workspace", "hostPath": {"path": "/srv/mlp", "type": "Directory"}}
     assert pod["containers"][0]["workingDir"] == "/code" and "resources" not in pod["containers"][0]
-    assert [p["name"] for p in docs[0]["spec"]["ports"]] == ["trainer", "master"]
+    assert [p["name"] for p in docs[2]["spec"]["ports"]] == ["trainer", "master", "control"]
+    assert template_of(docs)["start_trainers_after"] is None
 
 
 def _as_on_kubernetes(spec, plan, name, env, role):
@@ -161,16 +250,24 @@ def _as_on_kubernetes(spec, plan, name, env, role):
     return out
 
 
+def pod_job_file(docs, role, index):
+    """The job file pod `index` of `role` writes (its glue, from the template and what the kubelet gives it)."""
+    job = by_kind(docs)["Job", f"{docs[2]['metadata']['name']}-{role}"]
+    pod_name = f"{job['metadata']['name']}-{index}-abcde"
+    env = k8s.pod_env(job, index, pod_name=pod_name, secrets=secrets_of(docs))
+    return hostpod.pod_job(template_of(docs), env, k8s.process_argv(job, index, secrets=secrets_of(docs)), "/workspace")
+
+
 @pytest.mark.parametrize("text", [PSERVER, COLLECTIVE], ids=["pserver", "collective"])
-def test_every_pod_gets_the_plans_env_contract(text):
+def test_every_pods_process_gets_the_plans_env_contract(text):
     spec, docs = rendered(text)
     plan = make_plan(spec)
     name = k8s.object_name(spec)
-    objs = by_kind(docs)
     for proc in plan.processes:
-        job = objs["Job", f"{name}-{proc.role}"]
-        got = k8s.pod_env(job, proc.id)
-        assert got.pop("JOB_COMPLETION_INDEX") == str(proc.id)
+        jobfile = pod_job_file(docs, proc.role, proc.id)
+        (entry,) = jobfile["processes"]
+        # the supervisor adds the job's tag (and CLUSTERCTL_JOBDIR, the attempt, the derived token) when it spawns
+        got = {**entry["env"], "CLUSTERCTL_JOB": jobfile["job"]}
         assert got == _as_on_kubernetes(spec, plan, name, proc.env, proc.role), proc.name
 
 
@@ -178,27 +275,30 @@ def test_pod_env_spelled_out_for_one_trainer_and_one_pserver():
     """The mapping above is not the only check: the values a Paddle or PyTorch script reads, literally."""
     _, docs = rendered(PSERVER)
     objs = by_kind(docs)
-    t3 = k8s.pod_env(objs["Job", "fit-a-line-trainer"], 3)
+    t3 = k8s.pod_env(objs["Job", "fit-a-line-trainer"], 3, secrets=secrets_of(docs))
     assert {k: t3[k] for k in ("PADDLE_TRAINER_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "POD_IP", "PADDLE_CURRENT_ENDPOINT",
-                               "MASTER_ADDR", "MASTER_PORT", "TRAINING_ROLE", "CUDA_VISIBLE_DEVICES", "CLUSTERCTL_JOB")} == {
+                               "MASTER_ADDR", "MASTER_PORT", "TRAINING_ROLE", "CUDA_VISIBLE_DEVICES",
+                               "CLUSTERCTL_POD_NAME", "CLUSTERCTL_POD_SECRET")} == {
         "PADDLE_TRAINER_ID": "3", "RANK": "3", "WORLD_SIZE": "6", "LOCAL_RANK": "0",
         "POD_IP": "fit-a-line-trainer-3.fit-a-line", "PADDLE_CURRENT_ENDPOINT": "fit-a-line-trainer-3.fit-a-line:7100",
         "MASTER_ADDR": "fit-a-line-trainer-0.fit-a-line", "MASTER_PORT": "7200", "TRAINING_ROLE": "TRAINER",
-        "CUDA_VISIBLE_DEVICES": "0", "CLUSTERCTL_JOB": "Fit_a.line",
+        "CUDA_VISIBLE_DEVICES": "0", "CLUSTERCTL_POD_NAME": "fit-a-line-trainer-3-xxxxx", "CLUSTERCTL_POD_SECRET": TOKEN,
     }
     assert t3["PADDLE_PSERVERS_IP_PORT_LIST"] == "fit-a-line-pserver-0.fit-a-line:7000,fit-a-line-pserver-1.fit-a-line:7000"
     assert t3["PRICE"] == "$(cheap) $$5"  # the user's text, not expanded
-    p1 = k8s.pod_env(objs["Job", "fit-a-line-pserver"], 1)
+    p1 = k8s.pod_env(objs["Job", "fit-a-line-pserver"], 1, secrets=secrets_of(docs))
     assert (p1["PADDLE_PSERVER_ID"], p1["POD_IP"], p1["PADDLE_PORT"]) == ("1", "fit-a-line-pserver-1.fit-a-line", "7000")
     # Paddle's role maker finds a pserver's id as the index of POD_IP:PADDLE_PORT in the list
     assert p1["PADDLE_PSERVERS_IP_PORT_LIST"].split(",").index(f"{p1['POD_IP']}:{p1['PADDLE_PORT']}") == 1
+    with pytest.raises(ValueError, match="no value given for Secret fit-a-line-token key token"):
+        k8s.pod_env(objs["Job", "fit-a-line-pserver"], 1)
 
 
 def test_pod_argv_matches_the_plans_argv():
     spec, docs = rendered(PSERVER)
     plan = make_plan(spec)
     objs = by_kind(docs)
-    t4 = k8s.pod_argv(objs["Job", "fit-a-line-trainer"], 4)
+    t4 = k8s.process_argv(objs["Job", "fit-a-line-trainer"], 4, secrets=secrets_of(docs))
     assert t4 == [
         "python3", "train.py", "trainer", "--id=4", "--ep=fit-a-line-trainer-4.fit-a-line:7100",
         "--ps=fit-a-line-pserver-0.fit-a-line:7000,fit-a-line-pserver-1.fit-a-line:7000", "6",
@@ -206,12 +306,31 @@ def test_pod_argv_matches_the_plans_argv():
     ]
     ssh = plan.trainers[4].argv
     assert (ssh[2], ssh[3], ssh[6], ssh[8:]) == (t4[2], t4[3], t4[6], tuple(t4[8:]))  # same where nothing is host-bound
-    p0 = k8s.pod_argv(objs["Job", "fit-a-line-pserver"], 0)
+    p0 = k8s.process_argv(objs["Job", "fit-a-line-pserver"], 0, secrets=secrets_of(docs))
     assert p0[2:5] == ["pserver", "--id=0", "--ep=fit-a-line-pserver-0.fit-a-line:7000"]
+    full = k8s.pod_argv(objs["Job", "fit-a-line-pserver"], 0, secrets=secrets_of(docs))
+    assert TOKEN not in " ".join(full)  # the token is never in an argv
 
 
-def test_init_container_waits_for_names_and_pservers():
-    """The init container's real program, run here: it returns once the pservers listen, fails after its timeout."""
+def test_each_pods_job_file_names_the_coordinator_and_its_own_part():
+    _, docs = rendered(PSERVER)
+    t0, t5, p1 = (pod_job_file(docs, r, i) for r, i in (("trainer", 0), ("trainer", 5), ("pserver", 1)))
+    assert t0["coordinator"]["is_coordinator"] is True and t5["coordinator"]["is_coordinator"] is False
+    for jf, host in ((t0, "fit-a-line-trainer-0-abcde"), (t5, "fit-a-line-trainer-5-abcde"), (p1, "fit-a-line-pserver-1-abcde")):
+        c = jf["coordinator"]
+        assert (jf["host"], jf["token"], c["token"], jf["auth"]) == (host, TOKEN, TOKEN, "token")
+        assert (c["address"], c["port"], c["hosts"], c["trainers_total"], c["connect_timeout"]) == (
+            "fit-a-line-trainer-0.fit-a-line", 6168, 8, 6, 120.0)
+        (proc,) = jf["processes"]
+        assert proc["cwd"] == "/workspace" and proc["log"].startswith("/var/lib/clusterctl/jobs/Fit_a.line/logs/")
+    assert t5["processes"][0]["ports"] == ["fit-a-line-trainer-5.fit-a-line:7100"]
+    assert t5["start_trainers_after"]["endpoints"] == ["fit-a-line-pserver-0.fit-a-line:7000",
+                                                      "fit-a-line-pserver-1.fit-a-line:7000"]
+    assert p1["start_trainers_after"] is None and p1["processes"][0]["role"] == "pserver"
+
+
+def test_init_container_waits_for_its_own_and_the_coordinators_names():
+    """The init container's real program, run here: it returns once the names resolve, fails after its timeout."""
     import socket
 
     _, docs = rendered(PSERVER)
@@ -219,10 +338,10 @@ def test_init_container_waits_for_names_and_pservers():
     trainer = objs["Job", "fit-a-line-trainer"]
     argv = k8s.pod_argv(trainer, 3, container="wait")
     assert argv[:2] == ["python3", "-c"] and argv[3:] == [
-        "fit-a-line-trainer-3.fit-a-line,fit-a-line-trainer-0.fit-a-line",
-        "fit-a-line-pserver-0.fit-a-line:7000,fit-a-line-pserver-1.fit-a-line:7000", "120",
+        "fit-a-line-trainer-3.fit-a-line,fit-a-line-trainer-0.fit-a-line", "", "120",
     ]
-    assert k8s.pod_argv(objs["Job", "fit-a-line-pserver"], 1, container="wait")[3:] == ["fit-a-line-pserver-1.fit-a-line", "", "120"]
+    assert k8s.pod_argv(objs["Job", "fit-a-line-pserver"], 1, container="wait")[3:] == [
+        "fit-a-line-pserver-1.fit-a-line,fit-a-line-trainer-0.fit-a-line", "", "120"]
     script = argv[2]
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
@@ -238,7 +357,8 @@ def test_init_container_waits_for_names_and_pservers():
 
 def test_wait_timeout_zero_means_no_init_container():
     _, docs = rendered(COLLECTIVE.replace("kubernetes: {", "kubernetes: {wait_timeout: 0, "))
-    assert "initContainers" not in docs[1]["spec"]["template"]["spec"]
+    assert "initContainers" not in docs[3]["spec"]["template"]["spec"]
+    assert template_of(docs)["coordinator"]["timings"] == {"connect_timeout": 120.0}
 
 
 @pytest.mark.parametrize("text,env,want", [
@@ -305,9 +425,9 @@ def test_gpus_per_trainer_overrides_a_mixed_plan():
     text = COLLECTIVE.replace("{address: a}", "{address: a, gpus: 2}").replace(
         "{address: b, slots: 3}", "{address: b, slots: 3, gpus: 6}").replace("kubernetes: {", "kubernetes: {gpus_per_trainer: 2, ")
     _, docs = rendered(text)
-    c = docs[1]["spec"]["template"]["spec"]["containers"][0]
+    c = docs[3]["spec"]["template"]["spec"]["containers"][0]
     assert c["resources"] == {"limits": {"nvidia.com/gpu": "2"}}
-    assert k8s.pod_env(docs[1], 0)["FLAGS_selected_gpus"] == "0,1"
+    assert k8s.pod_env(docs[3], 0, secrets=secrets_of(docs))["FLAGS_selected_gpus"] == "0,1"
 
 
 def test_cli_render_writes_the_file_and_says_how_to_apply(tmp_path):
@@ -318,21 +438,28 @@ def test_cli_render_writes_the_file_and_says_how_to_apply(tmp_path):
                          capture_output=True, text=True, timeout=60, env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr
     written = out_dir / "fit-a-line.yaml"
+    assert written.stat().st_mode & 0o777 == 0o600  # it holds the job's token
     docs = list(yaml.safe_load_all(written.read_text()))
-    assert [d["metadata"]["name"] for d in docs] == ["fit-a-line", "fit-a-line-pserver", "fit-a-line-trainer"]
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("Secret", "fit-a-line-token"), ("ConfigMap", "fit-a-line-host"), ("Service", "fit-a-line"),
+        ("Job", "fit-a-line-pserver"), ("Job", "fit-a-line-trainer")]
+    token = secrets_of(docs)["fit-a-line-token", "token"]
+    assert len(token) == 32 and token not in res.stdout + res.stderr
     lines = [ln.strip() for ln in res.stdout.splitlines()]
     assert lines == [
-        f"wrote {written}: Service fit-a-line (headless), Job fit-a-line-pserver (2 pods), Job fit-a-line-trainer (6 pods)",
-        f"apply:  kubectl apply -f {written}",
+        f"wrote {written} (0600: it holds the token): Secret fit-a-line-token, ConfigMap fit-a-line-host, "
+        "Service fit-a-line (headless), Job fit-a-line-pserver (2 pods), Job fit-a-line-trainer (6 pods)",
+        f"create: kubectl create -f {written}",
         "watch:  kubectl get pods -n ml -l clusterctl.io/job=fit-a-line -w",
         "logs:   kubectl logs -n ml -f -l clusterctl.io/job=fit-a-line --prefix --max-log-requests 8",
         "wait:   kubectl wait -n ml --for=condition=complete job/fit-a-line-trainer --timeout=24h",
-        "delete: kubectl delete -n ml service,job -l clusterctl.io/job=fit-a-line",
+        "delete: kubectl delete -n ml job,service,configmap,secret -l clusterctl.io/job=fit-a-line",
     ]
-    # without -o: the manifests alone on stdout (pipe them to kubectl), the rest on stderr
+    # without -o: the manifests alone on stdout (pipe them to kubectl), the rest on stderr; a new token each time
     res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "k8s", "render", str(spec)], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0 and list(yaml.safe_load_all(res.stdout)) == docs
-    assert f"clusterctl k8s render {spec} | kubectl apply -f -" in res.stderr
+    again = list(yaml.safe_load_all(res.stdout))
+    assert res.returncode == 0 and again[1:] == docs[1:] and secrets_of(again) != secrets_of(docs)
+    assert f"clusterctl k8s render {spec} | kubectl create -f -" in res.stderr
 
 
 def test_cli_render_bad_spec_is_one_line_and_exit_2(tmp_path):
@@ -344,13 +471,14 @@ def test_cli_render_bad_spec_is_one_line_and_exit_2(tmp_path):
 
 
 def test_ten_thousand_trainers_render_quickly():
-    """1,250 hosts x 8 GPUs: two Jobs whatever the count (no per-pod objects); a sanity bound in CPU seconds."""
+    """1,250 hosts x 8 GPUs: five objects whatever the count (no per-pod objects); a sanity bound in CPU seconds."""
     lines = ["name: scale", "hosts:"] + [f"  - {{address: 10.{i >> 8}.{i & 255}.1, gpus: 8}}" for i in range(1250)]
     lines += ["job: {mode: pserver, pservers: 16, trainers: gpu, entrypoint: [python3, train.py]}", "kubernetes: {image: x}"]
     t0 = time.process_time()
     docs = k8s.render(parse_spec("\n".join(lines) + "\n"))
     text = k8s.dump(docs)
     assert time.process_time() - t0 < 5.0
-    assert [d["spec"].get("completions") for d in docs] == [None, 16, 10000]
-    assert len(text) < 1_000_000  # the endpoint list twice (one per Job), nothing per pod
-    assert k8s.pod_env(docs[2], 9999)["PADDLE_CURRENT_ENDPOINT"] == "scale-trainer-9999.scale:6180"
+    assert [d["spec"].get("completions") for d in docs if d["kind"] in ("Service", "Job")] == [None, 16, 10000]
+    # the endpoint list twice (one per Job), the host package once (the ConfigMap), nothing per pod
+    assert len(text) < 1_200_000 and all(len(k8s.dump([d])) < 400_000 for d in docs)
+    assert k8s.pod_env(docs[4], 9999, secrets=secrets_of(docs))["PADDLE_CURRENT_ENDPOINT"] == "scale-trainer-9999.scale:6180"

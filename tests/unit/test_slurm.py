@@ -77,7 +77,8 @@ SLURM_LINE = 'slurm: {login: login1, nodes: 3, partition: gpu, time: "01:00:00"}
     (BASE.replace("login: login1", "login: 'a b'"), "slurm.login: not a host name, ssh alias or IP address: 'a b'"),
     (BASE.replace("login: login1", "login: '-oProxyCommand=x'"),
      "slurm.login: not a host name, ssh alias or IP address: '-oProxyCommand=x'"),
-    (BASE.replace("backend: slurm", "backend: k8s"), "backend: expected one of 'ssh', 'slurm' or 'local', got 'k8s'"),
+    (BASE.replace("backend: slurm", "backend: k8s"),
+     "backend: expected one of 'ssh', 'slurm', 'local' or 'kubernetes', got 'k8s'"),
     (BASE.replace("partition: gpu", 'partition: "gpu\\nrm -rf ~"'),  # a real newline: an #SBATCH line injected
      "slurm.partition: expected one word (letters, digits, _.:,+=@/-), got 'gpu\\nrm -rf ~'"),
     (BASE.replace("time:", "sbatch_args: [exclusive], time:"),

@@ -1,0 +1,621 @@
+"""`backend: kubernetes`: one pod per process (an Indexed Job per role), the host supervisor in every pod.
+
+`start` creates the objects clusterctl/k8s.py renders (the job's token in a Secret, the host package and the
+job's template in a ConfigMap, a headless Service, the Jobs) with ``kubectl create``; every pod's main process
+is clusterctl/host/pod.py, which builds the pod's job file and runs the supervisor in the foreground, so the
+guarantees (the token, restarts, fail-fast, attempt logs, the sweep) are the supervisor's, as over SSH.
+`status` reads the pods (``kubectl get``) and asks each running pod's supervisor (``kubectl exec ... agent
+status``); a pod that ended left its supervisor's last status in its termination message. `logs` reads
+``kubectl logs``, where each pod's main process writes every attempt's lines prefixed ``[pod role.id]``.
+`stop` asks each running pod's supervisor to stop (``agent stop``: the exact report, the sweep in the
+pod), then deletes the objects.
+
+Every kubectl call goes through `Kubectl` (argv lists, a deadline each, errors in one line naming the
+objects). No API server was reachable where this was built: tests/integration/test_k8s_backend.py runs it
+against a fake kubectl that plays the pods in Docker (docs/kubernetes.md says what that does and does not prove).
+
+Why one module of about 600 lines: it is the backend and the three things only it uses, in order: the kubectl
+layer (`Kubectl`), what a pod object says (`pod_facts`) and the fold of pods and replies into a JobStatus
+(`fold_status`, pure: unit-tested from pod JSON), then the operations. Split, each part would be a module with
+one caller.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..errors import ClusterctlError, JobError
+from ..host.states import ACTIVE_JOB_STATES, JobState, ProcState
+from ..host.status import JobStatus, ProcessStatus, overall_state
+from .base import Backend, LineCallback, Progress, StopReport
+
+__all__ = ["KubernetesBackend", "Kubectl", "KubectlError", "fold_status", "pod_facts", "LOG_LINE"]
+
+KUBECTL_TIMEOUT = 60.0  # seconds for one control command (get, create, exec of agent status)
+EXEC_PARALLEL = 16  # kubectl exec commands in flight at once (status, stop)
+REPLY_LIMIT = 1 << 20  # bytes of an agent reply read from a pod
+START_POLL_S = 0.5
+FOLLOW_POLL_S = 1.0
+KINDS = "jobs,pods,services,configmaps,secrets"
+DELETE_KINDS = "jobs,services,configmaps,secrets"  # the pods go with their Jobs (--cascade=foreground)
+# a pod waiting for one of these will not start by itself: `start` deletes the job and says why
+FATAL_WAITING = frozenset({"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
+                           "CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
+# a process line in `kubectl logs` of a pod (the pod's main process follows the supervisor's attempt logs);
+# everything else there is the supervisor's own log
+LOG_LINE = re.compile(r"^\[(?P<pod>[a-z0-9.-]+) (?P<role>pserver|trainer)\.(?P<id>\d+)(?:#\d+)?\] ")
+
+
+class KubectlError(ClusterctlError):
+    """A kubectl command failed: one line naming what it did."""
+
+
+def _tail_line(text: str) -> str:
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else ""
+
+
+@dataclass
+class Kubectl:
+    """The one place that runs kubectl: argv lists, the namespace and context on every call, a deadline each."""
+
+    namespace: str
+    context: str | None = None
+    binary: str = "kubectl"
+
+    def argv(self, *args: str) -> list[str]:
+        """The full argv of `kubectl ARGS` in this namespace (and context)."""
+        head = [self.binary] + (["--context", self.context] if self.context else [])
+        return [*head, "--namespace", self.namespace, *args]
+
+    def run(self, *args: str, what: str, input: bytes | None = None, timeout: float = KUBECTL_TIMEOUT,
+            check: bool = True) -> subprocess.CompletedProcess:
+        """Run `kubectl ARGS`; KubectlError (one line: what, and kubectl's last line) when it fails and `check`."""
+        argv = self.argv(*args)
+        try:
+            res = subprocess.run(argv, input=input, capture_output=True, timeout=timeout, check=False)
+        except FileNotFoundError:
+            raise KubectlError(f"{what}: {self.binary} not found on PATH (backend: kubernetes runs kubectl)") from None
+        except subprocess.TimeoutExpired:
+            raise KubectlError(f"{what}: kubectl did not answer within {timeout:g}s") from None
+        if check and res.returncode != 0:
+            why = _tail_line(res.stderr.decode("utf-8", "replace")) or f"exit {res.returncode}"
+            raise KubectlError(f"{what}: {why}")
+        return res
+
+    def get(self, kinds: str, selector: str) -> list[dict]:
+        """The objects of `kinds` (comma separated) labelled `selector`, as JSON."""
+        res = self.run("get", kinds, "-l", selector, "-o", "json", what=f"kubectl get {kinds} -l {selector}")
+        try:
+            data = json.loads(res.stdout[:64 << 20])
+        except ValueError as e:
+            raise KubectlError(f"kubectl get {kinds} -l {selector}: not JSON: {e}") from None
+        items = data.get("items") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise KubectlError(f"kubectl get {kinds} -l {selector}: no item list in the reply")
+        return [i for i in items if isinstance(i, dict)]
+
+    def create(self, objects: list[dict]) -> str:
+        """`kubectl create -f -` of `objects` (a List on stdin: nothing secret in argv); kubectl's output."""
+        body = json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}).encode()
+        what = "kubectl create " + ", ".join(f"{o['kind']}/{o['metadata']['name']}" for o in objects)
+        return self.run("create", "-f", "-", what=what, input=body).stdout.decode("utf-8", "replace")
+
+    def exec(self, pod: str, container: str, argv: list[str], *, timeout: float = KUBECTL_TIMEOUT):
+        """`kubectl exec POD -c CONTAINER -- ARGV`: the CompletedProcess (any exit code); KubectlError if none came."""
+        return self.run("exec", pod, "-c", container, "--", *argv, what=f"kubectl exec {pod} -c {container}",
+                        timeout=timeout, check=False)
+
+    def logs(self, pod: str, container: str) -> str:
+        """`kubectl logs POD -c CONTAINER`: the container's log as Kubernetes keeps it."""
+        res = self.run("logs", pod, "-c", container, what=f"kubectl logs {pod} -c {container}",
+                       timeout=10 * KUBECTL_TIMEOUT)
+        return res.stdout.decode("utf-8", "replace")
+
+    def follow(self, pod: str, container: str) -> subprocess.Popen:
+        """`kubectl logs -f POD -c CONTAINER`, started: read its stdout until the container ends."""
+        try:
+            return subprocess.Popen(self.argv("logs", "-f", pod, "-c", container), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        except FileNotFoundError:
+            raise KubectlError(f"kubectl logs -f {pod}: {self.binary} not found on PATH") from None
+
+    def delete(self, kinds: str, selector: str, *, timeout: float) -> str:
+        """Delete the objects labelled `selector` and wait until they (and their pods) are gone."""
+        what = f"kubectl delete {kinds} -l {selector}"
+        res = self.run("delete", kinds, "-l", selector, "--cascade=foreground", "--wait=true", "--ignore-not-found=true",
+                       f"--timeout={int(timeout)}s", what=what, timeout=timeout + 30)
+        return res.stdout.decode("utf-8", "replace")
+
+
+# --------------------------------------------------------------------------------------------- pods
+
+
+@dataclass(frozen=True)
+class PodFacts:
+    """What a pod object says: who it is and how far its main container got."""
+
+    name: str
+    role: str
+    id: int
+    phase: str  # "waiting" (not started), "running", "ended", "deleting"
+    exit_code: int | None = None
+    message: str = ""  # ended: the termination message; waiting: why it waits
+    waiting: str = ""  # the waiting reason (ErrImagePull, PodInitializing, ...)
+
+
+def pod_facts(pod: dict) -> PodFacts | None:
+    """The facts of one pod object of `kubectl get pods -o json` (None: not one of a job's pods)."""
+    from ..k8s import INDEX_ANNOTATION, LABEL_ROLE
+
+    meta = pod.get("metadata") or {}
+    role = (meta.get("labels") or {}).get(LABEL_ROLE)
+    index = (meta.get("annotations") or {}).get(INDEX_ANNOTATION)
+    if role not in ("pserver", "trainer") or not str(index).isdigit():
+        return None
+    name, idx = str(meta.get("name")), int(index)
+    status = pod.get("status") or {}
+    main = next((c for c in status.get("containerStatuses") or [] if c.get("name") == role), {})
+    state = main.get("state") or {}
+    if "terminated" in state:
+        t = state["terminated"]
+        return PodFacts(name, role, idx, "ended", t.get("exitCode"), str(t.get("message") or ""), str(t.get("reason") or ""))
+    if meta.get("deletionTimestamp"):
+        return PodFacts(name, role, idx, "deleting")
+    if "running" in state:
+        return PodFacts(name, role, idx, "running")
+    for init in status.get("initContainerStatuses") or []:
+        ist = init.get("state") or {}
+        if "terminated" in ist and ist["terminated"].get("exitCode"):
+            t = ist["terminated"]
+            why = f"init container {init.get('name')} exited {t.get('exitCode')}: {t.get('message') or t.get('reason') or ''}"
+            return PodFacts(name, role, idx, "ended", t.get("exitCode"), "", why.strip())
+        if "waiting" in ist and ist["waiting"].get("reason") in FATAL_WAITING:
+            w = ist["waiting"]
+            return PodFacts(name, role, idx, "waiting", None, str(w.get("message") or ""), w["reason"])
+    if status.get("phase") in ("Failed", "Succeeded"):  # ended without its container (evicted, ...)
+        return PodFacts(name, role, idx, "ended", None, "", f"{status.get('reason') or status.get('phase')}: "
+                        f"{status.get('message') or ''}".strip())
+    if "waiting" in state:
+        w = state["waiting"]
+        return PodFacts(name, role, idx, "waiting", None, str(w.get("message") or ""), str(w.get("reason") or ""))
+    why = next((f"{c.get('reason')}: {c.get('message')}" for c in status.get("conditions") or []
+                if c.get("type") == "PodScheduled" and c.get("status") == "False"), "")
+    return PodFacts(name, role, idx, "waiting", None, why, "Pending" if not why else "Unschedulable")
+
+
+def _newest(pods: list[dict]) -> dict[tuple[str, int], tuple[PodFacts, dict]]:
+    """The newest pod of each (role, id) (Kubernetes never retries ours, but a deleted pod may linger)."""
+    out: dict[tuple[str, int], tuple[PodFacts, dict]] = {}
+    for pod in sorted(pods, key=lambda p: str((p.get("metadata") or {}).get("creationTimestamp") or "")):
+        facts = pod_facts(pod)
+        if facts is not None:
+            out[facts.role, facts.id] = (facts, pod)
+    return out
+
+
+def _parse_reply(text: bytes | str) -> dict | None:
+    """The agent's JSON object: its last line that is one (what a pod prints before it is skipped)."""
+    if isinstance(text, bytes):
+        text = text[-REPLY_LIMIT:].decode("utf-8", "replace")
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                return None
+            return data if isinstance(data, dict) else None
+    return None
+
+
+def _ended_view(f: PodFacts) -> dict:
+    """What a pod that ended says of its job: its supervisor's termination message, else its exit code."""
+    data = _parse_reply(f.message) if f.message.startswith("{") else None
+    if data is not None and data.get("v") == 1 and isinstance(data.get("state"), str):
+        return data
+    if f.exit_code == 0:
+        return {"state": JobState.SUCCEEDED, "reason": None, "processes": []}
+    why = f.waiting or "no report from its supervisor"
+    code = "" if f.exit_code is None else f" exited {f.exit_code}"
+    return {"state": JobState.FAILED, "reason": f"pod {f.name}{code} ({why})", "processes": []}
+
+
+def fold_status(job: str, expected: dict[str, int], jobs_exist: bool, pods: list[dict],
+                replies: dict[str, tuple[dict | None, str | None]]) -> JobStatus:
+    """The job's JobStatus from its pods and the running pods' supervisors' replies (pure).
+
+    expected: role -> number of pods; replies: pod name -> (agent status reply, or None and why not).
+    """
+    S = JobState
+    seen = _newest(pods)
+    if not seen and not jobs_exist:
+        return JobStatus(job, S.NOT_RUNNING, None, backend="kubernetes")
+    procs: list[ProcessStatus] = []
+    host_states: list[str] = []
+    unreachable: dict[str, str] = {}
+    reasons: list[str] = []
+    best = (0, 0, [], None)  # (attempt, len(attempts), attempts, the pod's data)
+    restarts = 0
+    coordinator_reason = None
+    for role in ("pserver", "trainer"):
+        for i in range(expected.get(role, 0)):
+            got = seen.get((role, i))
+            if got is None:
+                host_states.append(S.STARTING if jobs_exist else S.UNKNOWN)
+                procs.append(ProcessStatus("-", role, i, None, ProcState.PENDING if jobs_exist else ProcState.NOT_STARTED,
+                                           None, None, "no pod yet" if jobs_exist else "no pod"))
+                continue
+            f, _ = got
+            if f.phase == "waiting":
+                host_states.append(S.STARTING)
+                err = f"{f.waiting}: {f.message}".strip(": ") if f.waiting not in ("", "PodInitializing",
+                                                                                   "ContainerCreating") else None
+                if err and f.waiting in FATAL_WAITING | {"Unschedulable"}:
+                    reasons.append(f"{f.name}: {err}")
+                procs.append(ProcessStatus(f.name, role, i, None, ProcState.PENDING, None, None, err))
+                continue
+            if f.phase == "deleting":
+                host_states.append(S.STOPPING)
+                procs.append(ProcessStatus(f.name, role, i, None, ProcState.RUNNING, None, None, "pod being deleted"))
+                continue
+            if f.phase == "ended":
+                data = _ended_view(f)
+            else:
+                data, why = replies.get(f.name, (None, "not asked"))
+                if data is None:
+                    unreachable[f.name] = why or "no reply"
+                    host_states.append(S.LOST)
+                    procs.append(ProcessStatus(f.name, role, i, None, ProcState.RUNNING, None, None, why))
+                    continue
+                if data.get("ok") is False and data.get("state") in (None, S.UNKNOWN):
+                    host_states.append(S.STARTING)  # the supervisor has not written its state yet
+                    procs.append(ProcessStatus(f.name, role, i, None, ProcState.PENDING, None, None, None))
+                    continue
+            state = data.get("state") or S.UNKNOWN
+            if state == S.STOPPING and data.get("restart_pending"):
+                state = S.RESTARTING
+            host_states.append(state)
+            restarts = max(restarts, data.get("restarts") or 0)
+            attempts = data.get("attempts") or []
+            if ((data.get("attempt") or 0), len(attempts)) > best[:2]:
+                best = (data.get("attempt") or 0, len(attempts), attempts, data)
+            if data.get("reason") and state not in (S.RUNNING, S.SUCCEEDED):
+                reasons.append(f"{f.name}: {data['reason']}")
+                if (role, i) == ("trainer", 0):
+                    coordinator_reason = f"{f.name}: {data['reason']}"
+            rows = [p for p in data.get("processes") or [] if isinstance(p, dict)]
+            for p in rows:
+                procs.append(ProcessStatus(f.name, p.get("role", role), p.get("id", i), p.get("pid"), p.get("state"),
+                                           p.get("exit_code"), p.get("uptime_s"), p.get("error")))
+            if not rows:
+                done = ProcState.EXITED if state == S.SUCCEEDED else ProcState.FAILED
+                procs.append(ProcessStatus(f.name, role, i, None, done, None, None, data.get("reason")))
+    procs.sort(key=lambda p: (p.role != "pserver", p.id))
+    state = overall_state(host_states)
+    # the coordinator's verdict names the cause; the other pods repeat it
+    reason = coordinator_reason or "; ".join(dict.fromkeys(reasons)) or (
+        "unreachable: " + ", ".join(unreachable) if unreachable else None)
+    attempts = [{k: a.get(k) for k in ("attempt", "outcome", "reason", "started_at", "ended_at")}
+                for a in best[2] if isinstance(a, dict)]
+    return JobStatus(job, state, reason, procs, unreachable, best[0], restarts, attempts, backend="kubernetes")
+
+
+# ------------------------------------------------------------------------------------------ backend
+
+
+class KubernetesBackend(Backend):
+    """Jobs as Indexed Jobs on a Kubernetes cluster, through kubectl; the host supervisor in every pod."""
+
+    name: ClassVar[str] = "kubernetes"
+    summary: ClassVar[str] = "one pod per process (Indexed Jobs, through kubectl); the host supervisor in every pod"
+    unsupported = (
+        ("slurm", "a slurm: section needs backend: slurm"),
+        ("ssh", "pods are reached through kubectl, not ssh"),
+        ("hosts.*.port", "hosts only give the job's shape (gpus, slots) under Kubernetes"),
+        ("hosts.*.user", "hosts only give the job's shape (gpus, slots) under Kubernetes"),
+        ("hosts.*.proxy_jump", "hosts only give the job's shape (gpus, slots) under Kubernetes"),
+        ("hosts.*.train_address", "pods are named by the cluster's DNS (<name>-<role>-<i>.<name>)"),
+        ("hosts.*.labels", "hosts only give the job's shape (gpus, slots) under Kubernetes"),
+        ("provision", "pods run an image: put what the job needs in kubernetes.image"),
+        ("workspace", "the code comes from kubernetes.image or kubernetes.workspace (a volume); nothing is dispatched"),
+        ("data", "data: is not dealt under Kubernetes; keep the shards on the workspace volume and pick them by "
+                 "PADDLE_TRAINER_ID"),
+        ("job.log_dir", "the logs are in the pods (clusterctl logs, kubectl logs)"),
+        ("job.mpi", "launcher: mpi is not supported under Kubernetes"),
+        ("job.mpiexec", "launcher: mpi is not supported under Kubernetes"),
+        ("job.mpi_args", "launcher: mpi is not supported under Kubernetes"),
+    )
+
+    @classmethod
+    def check_spec(cls, spec) -> list:
+        """A kubernetes: section; launcher ssh; pservers by count."""
+        from ..spec.errors import problem
+
+        loc, source, problems = spec.located, spec.source, []
+        if loc is None:
+            return []
+        if spec.kubernetes is None:
+            return [problem(loc, source, ("backend",), "backend: kubernetes needs a kubernetes: section (at least "
+                            "kubernetes.image)")]
+        if spec.job.launcher == "mpi":
+            problems.append(problem(loc, source, ("job", "launcher"), "launcher: mpi is not supported under "
+                                    "Kubernetes; use launcher: ssh (one process per pod)"))
+        if isinstance(spec.job.pservers, tuple):
+            problems.append(problem(loc, source, ("job", "pservers"),
+                                    "pservers are pods under Kubernetes: give a count or {per_host: N}"))
+        return problems
+
+    def __init__(self, spec, plan, *, spec_path=None, options=None, kubectl: Kubectl | None = None):
+        super().__init__(spec, plan, spec_path=spec_path, options=options)
+        self._kubectl = kubectl
+
+    # -- what every operation needs -----------------------------------------------------------
+
+    @property
+    def kubectl(self) -> Kubectl:
+        """The kubectl layer for the spec's namespace and context."""
+        if self._kubectl is None:
+            k = self.spec.kubernetes
+            self._kubectl = Kubectl(k.namespace, k.context)
+        return self._kubectl
+
+    @property
+    def selector(self) -> str:
+        """The label every object of the job carries."""
+        from ..k8s import LABEL_JOB, object_name
+
+        return f"{LABEL_JOB}={object_name(self.spec)}"
+
+    def _expected(self) -> dict[str, int]:
+        return {"pserver": len(self.plan.pservers), "trainer": len(self.plan.trainers)}
+
+    def _agent(self, *args: str) -> list[str]:
+        from ..k8s import host_tool_argv
+
+        return host_tool_argv(self.spec, "agent", list(args))
+
+    def _jobdir(self) -> str:
+        from ..k8s import jobdir
+
+        return jobdir(self.spec)
+
+    def _ask(self, pods: list[PodFacts], argv: list[str], timeout: float) -> dict[str, tuple[dict | None, str | None]]:
+        """Run `argv` in each pod's main container, in parallel: pod name -> (its JSON reply, or None and why)."""
+        def one(f: PodFacts):
+            try:
+                res = self.kubectl.exec(f.name, f.role, argv, timeout=timeout)
+            except KubectlError as e:
+                return f.name, (None, str(e))
+            data = _parse_reply(res.stdout)
+            if data is None:
+                why = _tail_line(res.stderr.decode("utf-8", "replace")) or f"exit {res.returncode}, no reply"
+                return f.name, (None, f"kubectl exec {f.name}: {why}")
+            return f.name, (data, None)
+
+        if not pods:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(EXEC_PARALLEL, len(pods))) as pool:
+            return dict(pool.map(one, pods))
+
+    def _snapshot(self) -> tuple[bool, list[dict]]:
+        items = self.kubectl.get("jobs,pods", self.selector)
+        return any(i.get("kind") == "Job" for i in items), [i for i in items if i.get("kind") == "Pod"]
+
+    # -- operations -------------------------------------------------------------------------------
+
+    def dispatch(self, *, on_progress: Progress | None = None) -> list:
+        """Nothing to ship: the pods' code is in the image or on the workspace volume (said in one line)."""
+        k = self.spec.kubernetes
+        where = (f"the volume {k.workspace.pvc or k.workspace.host_path} at {k.workspace.mount_path}"
+                 if k.workspace is not None else f"the image {k.image}")
+        (on_progress or (lambda _m: None))(f"nothing to dispatch with backend: kubernetes: the pods run the code in "
+                                           f"{where}")
+        return []
+
+    def status(self) -> JobStatus:
+        """The pods' state, and each running pod's supervisor's view, folded into one JobStatus."""
+        jobs_exist, pods = self._snapshot()
+        running = [f for f, _ in _newest(pods).values() if f.phase == "running"]
+        replies = self._ask(running, self._agent("status", self._jobdir()), KUBECTL_TIMEOUT)
+        if any(data is None for data, _ in replies.values()):  # a pod may have ended since `get`: look again
+            jobs_exist, pods = self._snapshot()
+        return fold_status(self.plan.job, self._expected(), jobs_exist, pods, replies)
+
+    def start(self, *, on_progress: Progress | None = None) -> JobStatus:
+        """Create the job's objects; wait (at most kubernetes.wait_timeout) until every pod's supervisor runs."""
+        from .. import k8s
+
+        say = on_progress or (lambda _m: None)
+        current = self.status()
+        if current.state in ACTIVE_JOB_STATES:
+            raise JobError(f"job {self.plan.job} is already running; stop it first (clusterctl stop)")
+        docs = k8s.render(self.spec)
+        leftovers = self.kubectl.get(KINDS, self.selector)
+        if leftovers:
+            say(f"deleting the previous run's {len(leftovers)} object(s) (its logs go with them)")
+            self._delete()
+        say("creating " + ", ".join(f"{d['kind']} {d['metadata']['name']}" for d in docs))
+        try:
+            self.kubectl.create(docs)
+        except KubectlError as e:
+            cleanup = self._cleanup_after_failed_start()
+            raise JobError(f"start failed: {e}{cleanup}") from None
+        wait = self.spec.kubernetes.wait_timeout or k8s.WAIT_DEFAULT_S
+        say(f"waiting for {sum(self._expected().values())} pod(s) to start (at most {wait:g}s)")
+        deadline = time.monotonic() + wait
+        while True:
+            _, pods = self._snapshot()
+            seen = _newest(pods)
+            fatal = [f for f, _ in seen.values() if f.phase == "waiting" and f.waiting in FATAL_WAITING]
+            if fatal:
+                why = "; ".join(f"pod {f.name}: {f.waiting}: {f.message}".rstrip(": ") for f in fatal)
+                cleanup = self._cleanup_after_failed_start()
+                raise JobError(f"start failed: {why}{cleanup}")
+            started = len(seen) == sum(self._expected().values()) and all(
+                f.phase in ("running", "ended") for f, _ in seen.values())
+            if started:
+                break
+            if time.monotonic() > deadline:
+                waiting = [f"{f.name} ({f.waiting or f.phase})" for f, _ in seen.values() if f.phase == "waiting"]
+                say(f"pods still waiting after {wait:g}s: {', '.join(waiting) or 'not created yet'}")
+                break
+            time.sleep(START_POLL_S)
+        return self.status()
+
+    def _cleanup_after_failed_start(self) -> str:
+        try:
+            self._delete()
+        except KubectlError as e:
+            return f" (cleanup also failed: {e})"
+        return "; the job's objects were deleted"
+
+    def _delete(self) -> str:
+        from ..k8s import STOP_MARGIN_S
+
+        return self.kubectl.delete(DELETE_KINDS, self.selector, timeout=self.plan.grace + STOP_MARGIN_S + 60)
+
+    def logs(self, *, on_line: LineCallback, follow: bool = False, role: str | None = None, id: int | None = None,
+             host: str | None = None, lines: int | None = None) -> int:
+        """`[pod role.id] line` from every selected pod's log (every attempt); with follow, until the pods end."""
+        if lines is not None and lines < 0:
+            raise JobError("-n must be >= 0")
+        wanted = [(r, i) for r, n in self._expected().items() for i in range(n)
+                  if role in (None, r) and id in (None, i)]
+        if not wanted:
+            what = " ".join(f"{k}={v}" for k, v in (("role", role), ("id", id)) if v is not None)
+            raise JobError(f"no process of job {self.plan.job} matches {what}")
+        jobs_exist, pods = self._snapshot()
+        if not pods and not jobs_exist:
+            raise JobError(f"job {self.plan.job} has no pods in namespace {self.spec.kubernetes.namespace} "
+                           "(never started, or stopped: a stop deletes the pods and their logs)")
+
+        def selected(seen):
+            return [f for key, (f, _) in sorted(seen.items(), key=lambda kv: (kv[0][0] != "pserver", kv[0][1]))
+                    if key in wanted and host in (None, f.name, f"{f.name.rsplit('-', 1)[0]}")]
+
+        if not follow:
+            problems = []
+            for f in selected(_newest(pods)):
+                if f.phase == "waiting":
+                    problems.append(f"{f.name}: not started ({f.waiting or 'pending'})")
+                    continue
+                try:
+                    text = self.kubectl.logs(f.name, f.role)
+                except KubectlError as e:
+                    problems.append(str(e))
+                    continue
+                out = [ln for ln in text.splitlines() if _own_line(ln, f)]
+                for ln in out[-lines:] if lines is not None else out:
+                    on_line(f.name, "out", ln)
+            if problems:
+                raise JobError("logs incomplete:\n" + "\n".join(problems))
+            return 0
+        return self._follow(on_line, selected, lines)
+
+    def _follow(self, on_line: LineCallback, selected, lines: int | None) -> int:
+        """One thread per pod once its container runs; until every selected pod ended (or the job is gone)."""
+        lock = threading.Lock()
+        threads: dict[str, threading.Thread] = {}
+        errors: list[str] = []
+
+        def emit(pod: str, line: str) -> None:
+            with lock:
+                on_line(pod, "out", line)
+
+        def follow_pod(f: PodFacts) -> None:
+            seen = 0  # container log lines read so far: a restarted `kubectl logs -f` skips them
+            if lines is not None:  # the last LINES process lines first, then what comes after them
+                try:
+                    text = self.kubectl.logs(f.name, f.role)
+                except KubectlError as e:
+                    errors.append(str(e))
+                    return
+                all_lines = text.splitlines()
+                seen = len(all_lines)
+                for ln in deque((ln for ln in all_lines if _own_line(ln, f)), maxlen=lines):
+                    emit(f.name, ln)
+            while True:
+                proc = self.kubectl.follow(f.name, f.role)
+                n = 0
+                for raw in proc.stdout:
+                    n += 1
+                    if n <= seen:
+                        continue
+                    seen = n
+                    ln = raw.decode("utf-8", "replace").rstrip("\n")
+                    if _own_line(ln, f):
+                        emit(f.name, ln)
+                proc.wait()
+                err = proc.stderr.read().decode("utf-8", "replace")
+                try:
+                    _, pods = self._snapshot()
+                except KubectlError as e:
+                    errors.append(str(e))
+                    return
+                now = next((g for g, _ in _newest(pods).values() if g.name == f.name), None)
+                if now is None or now.phase != "running":
+                    if proc.returncode != 0 and now is not None and now.phase != "ended":
+                        errors.append(f"kubectl logs -f {f.name}: {_tail_line(err) or 'exit %d' % proc.returncode}")
+                    return
+                time.sleep(FOLLOW_POLL_S)  # the stream ended while the container runs: follow it again
+
+        while True:
+            jobs_exist, pods = self._snapshot()
+            seen = _newest(pods)
+            targets = selected(seen)
+            for f in targets:
+                if f.name not in threads and f.phase in ("running", "ended", "deleting"):
+                    t = threading.Thread(target=follow_pod, args=(f,), daemon=True, name=f"logs {f.name}")
+                    threads[f.name] = t
+                    t.start()
+            waiting = [f for f in targets if f.name not in threads and f.phase == "waiting"]
+            if not waiting and all(not t.is_alive() for t in threads.values()):
+                if threads or not jobs_exist:
+                    break
+            time.sleep(FOLLOW_POLL_S)
+        if errors:
+            raise JobError("logs incomplete:\n" + "\n".join(errors))
+        return 0
+
+    def stop(self, *, grace: float | None = None) -> StopReport:
+        """Each running pod's supervisor stops its processes (`agent stop`: SIGTERM, SIGKILL after grace, the
+        sweep), then the job's objects are deleted (the pods with their Jobs). Idempotent."""
+        g = self.plan.grace if grace is None else grace
+        items = self.kubectl.get(KINDS, self.selector)
+        ns = self.spec.kubernetes.namespace
+        if not items:
+            return StopReport(job=self.plan.job, was_running=False, detail=f"no objects in namespace {ns}")
+        pods = [i for i in items if i.get("kind") == "Pod"]
+        running = [f for f, _ in _newest(pods).values() if f.phase == "running"]
+        replies = self._ask(running, self._agent("stop", self._jobdir(), "--grace", f"{g:g}", "--job", self.plan.job),
+                            g + 60)
+        self._delete()
+        done = {pod: data for pod, (data, _) in replies.items() if data is not None}
+        missing = [f"{pod}: {why}" for pod, (data, why) in replies.items() if data is None]
+        kinds = sorted({i.get("kind") for i in items})
+        detail = f"deleted {', '.join(kinds)} in namespace {ns}"
+        if missing:
+            detail += "; no stop report from " + "; ".join(missing)
+        return StopReport(
+            job=self.plan.job,
+            was_running=any(d.get("was_running") for d in done.values()) or bool(running),
+            hosts=len(done),
+            killed=sum(len(d.get("killed") or []) for d in done.values()),
+            left={pod: d["left"] for pod, d in done.items() if d.get("left")},
+            detail=detail,
+        )
+
+
+def _own_line(line: str, f: PodFacts) -> bool:
+    """A process line of pod `f` in its log (not the supervisor's own lines)."""
+    m = LOG_LINE.match(line)
+    return bool(m) and m["pod"] == f.name and m["role"] == f.role and int(m["id"]) == f.id
