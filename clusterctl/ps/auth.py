@@ -149,11 +149,15 @@ class HandshakeWatch:
     A definitive answer (the pserver's ZAP handler refused this trainer's key; one side runs CURVE and
     the other does not) raises AuthError at once; other failures (the pserver closed the connection in
     the middle of the handshake: it holds another token, or evicted the connection under a flood) are
-    counted, and named in the timeout error if no reply ever comes.
+    counted, and named in the timeout error if no reply ever comes. A socket's monitor is switched off
+    after its first successful handshake: libzmq 4.3 leaves errno at EAGAIN after emitting
+    HANDSHAKE_FAILED_PROTOCOL for a frame that fails its MAC, and the connection then stalls instead of
+    being dropped (door.py does not watch that event at all).
     """
 
     def __init__(self, socks: Sequence[zmq.Socket], endpoints: Sequence[str]):
         self.endpoints = tuple(endpoints)
+        self.socks = list(socks)
         self.monitors = [s.get_monitor_socket(_WATCHED) for s in socks]
         self.failures = [0] * len(self.monitors)
         self.last = [""] * len(self.monitors)
@@ -176,7 +180,10 @@ class HandshakeWatch:
                 continue
             event, value = ev["event"], ev["value"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.failures[i], self.succeeded[i] = 0, True
+                self.failures[i] = 0
+                if not self.succeeded[i]:
+                    self.succeeded[i] = True
+                    self.socks[i].disable_monitor()
                 continue
             self.failures[i] += 1
             ep = self.endpoints[i]
@@ -205,7 +212,12 @@ class HandshakeWatch:
             self.last[i] = str(exc)
 
     def close(self) -> None:
-        """Close the monitor sockets."""
+        """Switch the monitors off and close them (before the watched sockets close)."""
+        if not self.monitors:
+            return
+        for s, ok in zip(self.socks, self.succeeded, strict=True):
+            if not ok:
+                s.disable_monitor()
         for m in self.monitors:
             m.close(0)
         self.monitors = []

@@ -140,8 +140,6 @@ class PSClient:
 
     def close(self) -> None:
         """Close the sockets (and the context if this client created it)."""
-        for s in self._socks:
-            s.disable_monitor()
         self._watch.close()
         for s in self._socks:
             s.close()

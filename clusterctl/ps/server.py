@@ -633,7 +633,7 @@ class ParameterServer:
     # ------------------------------------------------------------------ ops
 
     def _op_ping(self, envelope: list[Any], msg: Message) -> None:
-        door = dict(self._door.stats) if self._door is not None else {}
+        door = {**self._door.stats, "pending": self._door.pending} if self._door is not None else {}
         self._reply(envelope, msg, {"server_id": self.server_id, "mode": self.mode, "step": self.step,
                                     "stats": dict(self.stats), "door": door})
 
