@@ -228,6 +228,7 @@ class ParameterServer:
         sock.setsockopt(zmq.LINGER, 5000)  # let the final replies flush on close
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_FRAME_BYTES)  # a bigger frame drops the sender's connection
         sock.setsockopt(zmq.RCVHWM, 256)  # messages queued per peer before libzmq stops reading from it
+        sock.setsockopt(zmq.BACKLOG, 1024)  # a flood of connects must not leave a trainer's SYN unanswered
         auth_mod.secure_server(sock, self._creds, b"clusterctl-ps")
         if self.address.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
