@@ -19,12 +19,14 @@ step on the trainer. Reported: steps/s of the job (steps per trainer / slowest t
 Parts 1 and 2 run as a job does, with a job token (CURVE on every connection, docs/security.md).
 
 ``--auth-compare``: authentication cost, ours against the code before issue 21 (``--old-ref``, default
-d6c8b7f: an HMAC-SHA256 of each header only), extracted from git into a temporary directory. Four
-variants, interleaved in each repeat (their order rotating from one repeat to the next), each a pserver process and a trainer process (the trainer imports
-the same tree): old without token, old with token (header MAC), new with ``CLUSTERCTL_AUTH=none``, new
-with token (CURVE: every frame encrypted and authenticated). Each reports push+pull MB/s (1 trainer, 1
-pserver, async, ``--transport-params`` floats) and the round-trip latency of a push_pull of a 1 KiB
-model (median and 90th percentile of ``--latency-calls`` calls, after 20 warm-up calls).
+d6c8b7f: an HMAC-SHA256 of each header only), extracted from git into a temporary directory. Six
+variants, interleaved in each repeat (their order rotating from one repeat to the next): a pserver
+process and a trainer process importing the same tree for old without token, old with token (header
+MAC), new with ``CLUSTERCTL_AUTH=none``, new with token (CURVE: every frame encrypted and
+authenticated); and libzmq alone, bare pyzmq sending the same bytes back and forth in 4 MiB frames
+(one message in flight, no pipelining), without and with CURVE: CURVE's own cost. Each reports push+pull MB/s (1 trainer, 1 pserver, async,
+``--transport-params`` floats) and the round-trip latency of a push_pull of a 1 KiB model (median and
+90th percentile of ``--latency-calls`` calls, after 20 warm-up calls).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -245,6 +248,79 @@ def transport_main(argv: list[str]) -> int:
     return 0
 
 
+def bare_echo_main(argv: list[str]) -> int:
+    """Internal: a bare pyzmq ROUTER (CURVE when argv[1] is "curve") that sends every message back."""
+    import zmq
+
+    from clusterctl.ps.auth import Credentials
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    if argv[1] == "curve":  # CURVE without a ZAP handler: any client key is let in
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, Credentials.from_token(os.environ["CLUSTERCTL_JOB_TOKEN"]).server_secret)
+    sock.bind(f"tcp://127.0.0.1:{argv[0]}")
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) < 3:
+            break
+        sock.send_multipart(frames, copy=False)
+    sock.close()
+    ctx.term()
+    return 0
+
+
+def bare_variant(curve: bool, n: int, steps: int, calls: int) -> dict[str, float]:
+    """Bare pyzmq, ``curve`` or not: ``n`` floats out in 4 MiB frames and back (one message in flight), one copy
+    into an array, as push_pull (MB/s); and a 1 KiB round trip (latency): what libzmq alone costs."""
+    import zmq
+
+    from clusterctl.ps.auth import Credentials, secure_client
+
+    port = _free_ports(1)[0]
+    server = subprocess.Popen([sys.executable, __file__, "_bare_echo", str(port), "curve" if curve else "plain"],
+                              cwd=REPO, env={**os.environ, "CLUSTERCTL_JOB_TOKEN": TOKEN})
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve:
+        secure_client(sock, Credentials.from_token(TOKEN))
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    chunk = 1 << 20  # floats: 4 MiB frames, as the pserver's
+    grad, out = np.ones(n, np.float32), np.empty(n, np.float32)
+    parts = [grad[i:i + chunk] for i in range(0, n, chunk)]
+
+    def one(frames: list[Any], into: np.ndarray) -> None:
+        sock.send_multipart([b"h", *frames], copy=False)
+        off = 0
+        for f in sock.recv_multipart(copy=False)[1:]:
+            piece = np.frombuffer(f.buffer, np.float32)
+            into[off:off + piece.size] = piece
+            off += piece.size
+
+    try:
+        one(parts, out)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            one(parts, out)
+        mbps = 2 * 4 * n * steps / (time.perf_counter() - t0) / 1e6
+        small, small_out, lat = [np.ones(256, np.float32)], np.empty(256, np.float32), []
+        for i in range(20 + calls):
+            t0 = time.perf_counter()
+            one(small, small_out)
+            if i >= 20:
+                lat.append(time.perf_counter() - t0)
+        sock.send(b"stop")
+        server.wait(30)
+    finally:
+        sock.close()
+        ctx.term()
+        if server.poll() is None:
+            server.kill()
+    lat.sort()
+    return {"MBps": mbps, "lat_us": statistics.median(lat) * 1e6, "lat_p90_us": lat[int(0.9 * len(lat))] * 1e6}
+
+
 def auth_variant(tree: Path, token: str | None, n: int, steps: int, calls: int) -> dict[str, float]:
     """One variant: 2 pservers (big and small model) and the trainer, all importing clusterctl from ``tree``."""
     eps, procs = _start_pservers(2, 1, "async", token=token, tree=tree)
@@ -274,13 +350,19 @@ def auth_compare(args: argparse.Namespace) -> dict:
     """The four variants, interleaved per repeat; markdown tables of medians and per-repeat ratios."""
     old = old_tree(args.old_ref)
     variants = {"old, no token": (old, None), "old, token (HMAC of each header)": (old, TOKEN),
-                "new, CLUSTERCTL_AUTH=none": (REPO, None), "new, token (CURVE, every frame)": (REPO, TOKEN)}
+                "new, CLUSTERCTL_AUTH=none": (REPO, None), "new, token (CURVE, every frame)": (REPO, TOKEN),
+                "bare pyzmq, plain (one message at a time)": (None, None),
+                "bare pyzmq, CURVE (one message at a time)": (None, TOKEN)}
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
     try:
         labels = list(variants)
         for r in range(args.repeats):
-            for label in labels[r % 4:] + labels[:r % 4]:  # the order rotates: no variant always runs first
+            for label in labels[r % 6:] + labels[:r % 6]:  # the order rotates: no variant always runs first
                 tree, token = variants[label]
+                if tree is None:
+                    runs[label].append(bare_variant(token is not None, args.transport_params, args.transport_steps,
+                                                    args.latency_calls))
+                    continue
                 runs[label].append(auth_variant(tree, token, args.transport_params, args.transport_steps,
                                                 args.latency_calls))
             print("# repeat %d: %s" % (r, "; ".join(f"{k}: {v[-1]['MBps']:.0f} MB/s, {v[-1]['lat_us']:.0f} us"
@@ -306,7 +388,8 @@ def auth_compare(args: argparse.Namespace) -> dict:
     print("| --- | ---: | ---: |")
     ratios = {}
     for a, b, name in ((labels[3], labels[1], "new token / old token"), (labels[3], labels[2], "new token / new none"),
-                       (labels[1], labels[0], "old token / old none"), (labels[2], labels[0], "new none / old none")):
+                       (labels[1], labels[0], "old token / old none"), (labels[2], labels[0], "new none / old none"),
+                       (labels[5], labels[4], "bare CURVE / bare plain"), (labels[3], labels[5], "new token / bare CURVE")):
         t, tper = ratio(a, b, "MBps")
         lat, lper = ratio(a, b, "lat_us")
         ratios[name] = {"throughput": t, "latency": lat, "throughput_runs": tper, "latency_runs": lper}
@@ -452,6 +535,8 @@ def main() -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_trainer":
         sys.exit(trainer_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "_bare_echo":
+        sys.exit(bare_echo_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "_transport":
         sys.exit(transport_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "_zmq_echo":

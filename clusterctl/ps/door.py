@@ -168,8 +168,11 @@ class Door:
         next_sweep = time.monotonic() + 1.0
         try:
             while not self._stop.is_set():
-                for sock, _ in poller.poll(100):
-                    self._guarded(self._answer_zap if sock is self._zap else self._read_events)
+                ready = dict(poller.poll(100))
+                if self._zap in ready:  # first: a handshake waiting for its answer must not look pending long
+                    self._guarded(self._answer_zap)
+                if self._monitor in ready:
+                    self._guarded(self._read_events)
                 if time.monotonic() >= next_sweep:
                     self._guarded(self._sweep)
                     next_sweep = time.monotonic() + 1.0
