@@ -16,7 +16,8 @@ tensors, each split in two blocks over the pservers); trainers send ready-made g
 number is the runtime's steps/s, not a model's. Geo uses k_steps (default 4) and does the local SGD
 step on the trainer. Reported: steps/s of the job (steps per trainer / slowest trainer's wall time).
 
-Parts 1 and 2 run as a job does, with a job token (CURVE on every connection, docs/security.md).
+Parts 1 and 2 run as a job does, with a job token (CURVE on every connection, docs/security.md);
+``--auth none`` runs them with ``CLUSTERCTL_AUTH=none`` (plain ZMTP, as every figure taken before issue 21).
 
 ``--auth-compare``: authentication cost, ours against the code before issue 21 (``--old-ref``, default
 d6c8b7f: an HMAC-SHA256 of each header only), extracted from git into a temporary directory. Six
@@ -431,12 +432,12 @@ def trainer_main(argv: list[str]) -> int:
 
 
 def mode_steps_per_s(mode: str, n: int, steps: int, trainers: int = 4, pservers: int = 2, k_steps: int = 4,
-                     pipeline: bool = True) -> float:
+                     pipeline: bool = True, token: str | None = TOKEN) -> float:
     """Job steps/s: ``steps`` per trainer divided by the slowest trainer's wall time."""
-    eps, procs = _start_pservers(pservers, trainers, mode, k_steps)
+    eps, procs = _start_pservers(pservers, trainers, mode, k_steps, token)
     extra = {} if pipeline else {"CLUSTERCTL_PS_PIPELINE": "0"}
     tprocs = [subprocess.Popen([sys.executable, __file__, "_trainer", str(n), str(steps), str(k_steps)],
-                               env={**_env("trainer", i, eps, trainers, mode, k_steps), **extra}, cwd=REPO,
+                               env={**_env("trainer", i, eps, trainers, mode, k_steps, token), **extra}, cwd=REPO,
                                stdout=subprocess.PIPE, text=True) for i in range(trainers)]
     try:
         walls = []
@@ -472,16 +473,20 @@ def main() -> int:
                     help="authentication cost: old code (--old-ref) vs ours, without and with the job token")
     ap.add_argument("--old-ref", default="d6c8b7f", help="git ref of the code to compare with (before issue 21)")
     ap.add_argument("--latency-calls", type=int, default=300)
+    ap.add_argument("--auth", choices=("token", "none"), default="token",
+                    help="parts 1 and 2: with the job token (CURVE, as a job runs) or CLUSTERCTL_AUTH=none "
+                         "(as the figures taken before issue 21)")
     args = ap.parse_args()
     if shutil.which("iperf3") is None:
         print("iperf3 is not installed (apt-get install iperf3)", file=sys.stderr)
         return 2
 
+    token = TOKEN if args.auth == "token" else None
     rows = []
     for r in range(0 if args.skip_transport else args.repeats):
         raw = iperf3_mbps()
         zq = zmq_raw_mbps(args.transport_params, args.transport_steps)
-        ps = ps_push_pull_mbps(args.transport_params, args.transport_steps)
+        ps = ps_push_pull_mbps(args.transport_params, args.transport_steps, token)
         rows.append((raw, zq, ps, ps / raw, ps / zq))
         print(f"# repeat {r}: iperf3 {raw:.0f} MB/s, bare pyzmq {zq:.0f} MB/s, ps push+pull {ps:.0f} MB/s, "
               f"ps/iperf3 {ps / raw:.2f}, ps/pyzmq {ps / zq:.2f}", flush=True)
@@ -511,7 +516,7 @@ def main() -> int:
         for r in range(args.repeats):  # modes interleaved, so load changes hit them alike
             for mode in modes:
                 base = "sync" if mode == "sync-1msg" else mode
-                v = mode_steps_per_s(base, args.params, args.steps, k_steps=args.k_steps,
+                v = mode_steps_per_s(base, args.params, args.steps, k_steps=args.k_steps, token=token,
                                      pipeline=mode != "sync-1msg")
                 runs[mode].append(v)
             print("# repeat %d: %s" % (r, ", ".join(f"{m} {runs[m][-1]:.2f}" for m in modes)), flush=True)
