@@ -12,14 +12,20 @@ Layout of a checkpoint directory::
 Each pserver writes its own subdirectory atomically (temporary directory, then rename). Loading checks
 the manifest against the server's identity and, where the commit record or sibling manifests are
 visible (shared or local filesystem), that they all carry the same step.
+
+Shard directories are never followed through a symlink: every ``pserver-<id>``, ``pserver-<id>.prev``
+and temporary directory is checked with ``os.lstat`` before a save or load touches it (a symlink is a
+CheckpointError naming it), and a load opens the directory and its files with ``O_NOFOLLOW``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +70,52 @@ def server_dir(root: str | os.PathLike[str], server_id: int) -> Path:
     return Path(root) / f"pserver-{server_id}"
 
 
+def prev_dir(root: str | os.PathLike[str], server_id: int) -> Path:
+    """The subdirectory holding pserver ``server_id``'s checkpoint before the latest."""
+    return Path(root) / f"pserver-{server_id}.prev"
+
+
 def has_server_checkpoint(root: str | os.PathLike[str], server_id: int) -> bool:
-    """Whether ``root`` holds a manifest for pserver ``server_id``."""
-    return (server_dir(root, server_id) / "manifest.json").is_file()
+    """Whether ``root`` holds a manifest for pserver ``server_id`` (a symlinked shard counts: loading refuses it)."""
+    sdir = server_dir(root, server_id)
+    return _lexists(sdir) and (sdir.is_symlink() or (sdir / "manifest.json").is_file())
+
+
+def _lexists(path: Path) -> bool:
+    """Whether ``path`` exists, without following a symlink; CheckpointError when it is one."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"{path} is a symlink; checkpoints are never read or written through one")
+    return True
+
+
+def _open_dir(path: Path) -> int:
+    """A descriptor of directory ``path``, opened without following a symlink."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as exc:
+        if _lexists(path) and not path.is_dir():
+            raise CheckpointError(f"{path} is not a directory") from None
+        raise CheckpointError(f"{path}: {exc.strerror}") from None
+
+
+def _read_at(dfd: int, name: str, where: Path) -> bytes:
+    """The content of file ``name`` in the directory open as ``dfd`` (never through a symlink)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+    except FileNotFoundError:
+        raise CheckpointError(f"{where / name}: missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{where / name}: unreadable: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read()
 
 
 def _fsync_file(path: Path) -> None:
@@ -77,11 +126,32 @@ def _fsync_file(path: Path) -> None:
 def save_server(root: str | os.PathLike[str], ckpt: ServerCheckpoint, *, job: str = "") -> Path:
     """Write ``ckpt`` atomically to ``root/pserver-<id>``; return that directory."""
     final = server_dir(root, ckpt.server_id)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    prev = prev_dir(root, ckpt.server_id)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for path in (final, prev, tmp, old):  # refused before anything is written or renamed
+            _lexists(path)
+        if _lexists(tmp):
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        _write_shard(tmp, ckpt, job)
+        if _lexists(final):
+            if _lexists(prev):
+                prev.rename(old)
+            final.rename(prev)
+        tmp.rename(final)
+        if _lexists(old):
+            shutil.rmtree(old)
+    except OSError as exc:
+        raise CheckpointError(f"cannot save pserver {ckpt.server_id}'s shard under {root}: {exc}") from None
+    log.info("saved %d block(s) at step %d to %s", len(ckpt.blocks), ckpt.step, final)
+    return final
+
+
+def _write_shard(tmp: Path, ckpt: ServerCheckpoint, job: str) -> None:
+    """Write tensors.npz and manifest.json of ``ckpt`` into the new directory ``tmp``."""
     arrays: dict[str, np.ndarray] = {}
     table = []
     for i, (key, arr) in enumerate(ckpt.blocks.items()):
@@ -106,38 +176,38 @@ def save_server(root: str | os.PathLike[str], ckpt: ServerCheckpoint, *, job: st
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     _fsync_file(tmp / "manifest.json")
-    prev = final.parent / f"{final.name}.prev"
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
-    if final.exists():
-        if prev.exists():
-            prev.rename(old)
-        final.rename(prev)
-    tmp.rename(final)
-    if old.exists():
-        shutil.rmtree(old)
-    log.info("saved %d block(s) at step %d to %s", len(table), ckpt.step, final)
-    return final
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, raw: bytes | None = None) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes() if raw is None else raw)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} file")
     return data
 
 
+def _read_manifest(sdir: Path) -> dict[str, Any]:
+    """``sdir/manifest.json``, the directory and the file opened without following a symlink."""
+    if not _lexists(sdir):
+        raise CheckpointError(f"{sdir / 'manifest.json'}: missing")
+    dfd = _open_dir(sdir)
+    try:
+        return _read_json(sdir / "manifest.json", _read_at(dfd, "manifest.json", sdir))
+    finally:
+        os.close(dfd)
+
+
 def saved_steps(root: str | os.PathLike[str], server_id: int) -> list[int]:
     """Steps of pserver ``server_id``'s checkpoints under ``root`` (the latest and the one before), newest first."""
     steps = []
-    for sdir in (server_dir(root, server_id), server_dir(root, server_id).with_name(f"pserver-{server_id}.prev")):
+    for sdir in (server_dir(root, server_id), prev_dir(root, server_id)):
         try:
-            step = json.loads((sdir / "manifest.json").read_text()).get("step")
-        except (OSError, ValueError):
+            step = _read_manifest(sdir).get("step")
+        except CheckpointError:  # absent, unreadable, or a symlink (which a load refuses by name)
             continue
         if isinstance(step, int) and not isinstance(step, bool):
             steps.append(step)
@@ -153,9 +223,16 @@ def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int, 
     """
     sdir = server_dir(root, server_id)
     if step is not None and step not in saved_steps(root, server_id)[:1]:
-        sdir = sdir.with_name(f"pserver-{server_id}.prev")
+        sdir = prev_dir(root, server_id)
         siblings = False
-    manifest = _read_json(sdir / "manifest.json")
+    if not _lexists(sdir):
+        raise CheckpointError(f"{sdir / 'manifest.json'}: missing")
+    dfd = _open_dir(sdir)
+    try:
+        manifest = _read_json(sdir / "manifest.json", _read_at(dfd, "manifest.json", sdir))
+        tensors = _read_at(dfd, "tensors.npz", sdir)
+    finally:
+        os.close(dfd)
     if manifest.get("server_id") != server_id or manifest.get("num_servers") != num_servers:
         raise CheckpointError(
             f"{sdir}: saved by pserver {manifest.get('server_id')} of {manifest.get('num_servers')}, "
@@ -170,9 +247,9 @@ def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int, 
     if siblings:
         _check_siblings(Path(root), step, num_servers)
     try:
-        with np.load(sdir / "tensors.npz", allow_pickle=False) as npz:
+        with np.load(io.BytesIO(tensors), allow_pickle=False) as npz:
             data = {name: npz[name] for name in npz.files}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EOFError) as exc:
         raise CheckpointError(f"{sdir}/tensors.npz: unreadable: {exc}") from None
     blocks: dict[str, np.ndarray] = {}
     states: dict[str, dict[str, np.ndarray]] = {}
@@ -202,13 +279,15 @@ def _check_siblings(root: Path, step: int, num_servers: int) -> None:
                 f"{root}: commit record says step {rec.get('step')} with {rec.get('num_servers')} "
                 f"pserver(s), but this shard is step {step} of {num_servers}"
             )
-    for other in sorted(root.glob("pserver-*/manifest.json")):
-        if other.parent.name.endswith(".prev"):  # a shard's previous checkpoint, kept on purpose
+    for other in sorted(root.glob("pserver-*")):
+        if other.name.endswith(".prev"):  # a shard's previous checkpoint, kept on purpose
             continue
-        rec = _read_json(other)
+        if not other.is_symlink() and not (other / "manifest.json").is_file():
+            continue
+        rec = _read_manifest(other)  # a symlinked sibling is refused by name
         if rec.get("step") != step:
             raise CheckpointError(
-                f"{root}: inconsistent checkpoint: {other.parent.name} is at step {rec.get('step')}, "
+                f"{root}: inconsistent checkpoint: {other.name} is at step {rec.get('step')}, "
                 f"expected {step}"
             )
 
@@ -219,7 +298,13 @@ def write_commit(root: str | os.PathLike[str], step: int, endpoints: list[str], 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".checkpoint.json.tmp-{os.getpid()}")
     rec = {"format": FORMAT, "job": job, "step": step, "num_servers": len(endpoints), "endpoints": endpoints}
-    tmp.write_text(json.dumps(rec, indent=1, sort_keys=True))
+    try:
+        os.unlink(tmp)  # a stale one (or a planted symlink: removed, never followed)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(rec, indent=1, sort_keys=True))
     os.replace(tmp, path)
     return path
 

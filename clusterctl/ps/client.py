@@ -13,19 +13,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import zmq
 
+from . import auth as auth_mod
 from . import checkpoint as ckpt
 from . import protocol
 from .endpoints import zmq_address
-from .errors import BarrierTimeoutError, CheckpointError, PsConfigError, PsTimeoutError, RemoteOpError
+from .errors import BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsTimeoutError, RemoteOpError
 from .optim import SGD, OptimizerConfig
-from .errors import AuthError
-from .protocol import MAX_FRAME_BYTES, TOKEN_ENV, Message, decode, encode, job_key
+from .protocol import MAX_WIRE_FRAME_BYTES, Message, decode, encode
 from .server import MODES
 from .sharding import DEFAULT_MIN_BLOCK_SIZE, Block, ShardPlan, plan_shards
 
@@ -87,6 +87,7 @@ class PSClient:
         job: str = "",
         context: zmq.Context | None = None,
         token: str | None = None,
+        auth: str | None = None,
     ):
         if mode not in MODES:
             raise PsConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -107,8 +108,8 @@ class PSClient:
         self.min_block_size = min_block_size
         self.timeout = float(timeout)
         self.job = job
-        # requests carry a MAC of the job token (None: CLUSTERCTL_JOB_TOKEN; ""/unset: none); replies must too
-        self._key = job_key(os.environ.get(TOKEN_ENV) if token is None else token)
+        # CURVE keys from the job token (token/auth None: CLUSTERCTL_JOB_TOKEN/CLUSTERCTL_AUTH); neither: refuse
+        creds = auth_mod.resolve(token, auth, f"trainer {trainer_id}")
         self.plan: ShardPlan | None = None
         self.start_step = 0
         self.step = 0
@@ -117,14 +118,17 @@ class PSClient:
         self._geo_pending = 0
         self._seq = 0
         self._own_ctx = context is None
-        self._ctx = context or zmq.Context()
+        self._ctx = context or zmq.Context(io_threads=auth_mod.io_threads(len(self.endpoints)))
         self._socks: list[zmq.Socket] = []
         for ep in self.endpoints:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)  # every request waits for its reply; nothing to flush
-            s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-            s.connect(zmq_address(ep))
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_FRAME_BYTES)
+            auth_mod.secure_client(s, creds)
             self._socks.append(s)
+        self._watch = auth_mod.HandshakeWatch(self._socks, self.endpoints)
+        for s, ep in zip(self._socks, self.endpoints, strict=True):
+            s.connect(zmq_address(ep))
 
     # ------------------------------------------------------------------ plumbing
 
@@ -136,22 +140,40 @@ class PSClient:
 
     def close(self) -> None:
         """Close the sockets (and the context if this client created it)."""
+        self._watch.close()
         for s in self._socks:
             s.close()
         self._socks = []
         if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
 
+    def _poller(self, servers: Iterable[int]) -> zmq.Poller:
+        """A poller over the sockets of ``servers`` and their handshake monitors."""
+        poller = zmq.Poller()
+        for i in servers:
+            poller.register(self._socks[i], zmq.POLLIN)
+            poller.register(self._watch.monitors[i], zmq.POLLIN)
+        return poller
+
+    def _timeout(self, missing: Sequence[int], op: str, wait: float) -> PsTimeoutError:
+        """The timeout error for the pservers ``missing``, naming failed handshakes with them."""
+        return PsTimeoutError([self.endpoints[i] for i in missing], op, wait,
+                              "".join(self._watch.hint(i) for i in missing))
+
     def _replies(self, poller: zmq.Poller, left: float, seq: int) -> Iterator[tuple[int, Message]]:
         """The replies to request `seq` that arrive within `left` seconds, as (pserver index, message);
-        a late reply to an earlier request is dropped."""
+        a late reply to an earlier request is dropped. A pserver that refuses this trainer's key raises AuthError."""
         for sock, _ in poller.poll(int(left * 1000) + 1):
+            w = self._watch.index(sock)
+            if w is not None:
+                self._watch.check(w)
+                continue
             i = self._socks.index(sock)
             frames = sock.recv_multipart(copy=False)
             try:
-                msg = decode(frames, request=False, key=self._key)
-            except AuthError:
-                log.warning("dropping a reply without a valid MAC of the job token from %s", self.endpoints[i])
+                msg = decode(frames, request=False)
+            except ProtocolError as exc:
+                log.warning("dropping a malformed reply from %s: %s", self.endpoints[i], exc)
                 continue
             if msg.seq != seq:
                 log.warning("dropping a stale reply (seq %d, want %d) from %s", msg.seq, seq, self.endpoints[i])
@@ -165,18 +187,15 @@ class PSClient:
         seq = self._seq
         for i, (fields, tensors) in per_server.items():
             head = {"op": op, "seq": seq, "tid": self.trainer_id, **fields}
-            self._socks[i].send_multipart(encode(head, tensors, key=self._key), copy=False)
+            self._socks[i].send_multipart(encode(head, tensors), copy=False)
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
         replies: dict[int, Message] = {}
-        poller = zmq.Poller()
-        for i in per_server:
-            poller.register(self._socks[i], zmq.POLLIN)
+        poller = self._poller(per_server)
         while len(replies) < len(per_server):
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [self.endpoints[i] for i in per_server if i not in replies]
-                raise PsTimeoutError(missing, op, wait)
+                raise self._timeout([i for i in per_server if i not in replies], op, wait)
             for i, msg in self._replies(poller, left, seq):
                 replies[i] = msg
                 poller.unregister(self._socks[i])
@@ -339,19 +358,16 @@ class PSClient:
         got = {i: 0 for i in todo}
         deadline = time.monotonic() + self.timeout
         error: RemoteOpError | None = None
-        poller = zmq.Poller()
-        for i in todo:
-            poller.register(self._socks[i], zmq.POLLIN)
+        poller = self._poller(todo)
         while any(got[i] < len(todo[i]) for i in todo):
             for i, msgs in todo.items():  # keep up to WINDOW requests in flight to each pserver
                 while sent[i] < len(msgs) and sent[i] - got[i] < WINDOW:
                     head, tensors = msgs[sent[i]]
-                    self._socks[i].send_multipart(encode(head, tensors, chunk_bytes=chunk, key=self._key), copy=False)
+                    self._socks[i].send_multipart(encode(head, tensors, chunk_bytes=chunk), copy=False)
                     sent[i] += 1
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [self.endpoints[i] for i in todo if got[i] < len(todo[i])]
-                raise PsTimeoutError(missing, "push_pull", self.timeout)
+                raise self._timeout([i for i in todo if got[i] < len(todo[i])], "push_pull", self.timeout)
             for i, msg in self._replies(poller, left, seq):
                 got[i] += 1
                 h = msg.header

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .auth import AUTH_ENV, TOKEN_ENV
 from .endpoints import parse_endpoint_list
 from .errors import PsConfigError
 from .optim import OptimizerConfig
@@ -98,6 +99,11 @@ def from_env(env: Mapping[str, str] | None = None) -> PsEnv:
                  e.get("CLUSTERCTL_PS_CHECKPOINT") or None, _int(e, "CLUSTERCTL_PS_CHECKPOINT_EVERY", 0))
 
 
+def _auth(env: Mapping[str, str] | None) -> dict[str, str]:
+    """``token``/``auth`` from an explicit ``env`` mapping (none given: the constructors read os.environ)."""
+    return {} if env is None else {"token": env.get(TOKEN_ENV, ""), "auth": env.get(AUTH_ENV, "")}
+
+
 def client_from_env(*, optimizer: OptimizerConfig | None = None, env: Mapping[str, str] | None = None,
                     **overrides: Any):
     """A :class:`~clusterctl.ps.client.PSClient` configured from the environment (kwargs override)."""
@@ -106,6 +112,7 @@ def client_from_env(*, optimizer: OptimizerConfig | None = None, env: Mapping[st
     pe = from_env(env)
     kw: dict[str, Any] = dict(trainer_id=pe.trainer_id, num_trainers=pe.num_trainers, mode=pe.mode,
                               k_steps=pe.k_steps, timeout=pe.timeout, job=pe.job, optimizer=optimizer)
+    kw.update(_auth(env))
     kw.update(overrides)
     return PSClient(pe.endpoints, **kw)
 
@@ -121,5 +128,6 @@ def server_from_env(*, env: Mapping[str, str] | None = None, **overrides: Any):
                               num_trainers=pe.num_trainers, mode=pe.mode, k_steps=pe.k_steps,
                               barrier_timeout=pe.barrier_timeout, checkpoint_dir=pe.checkpoint_dir,
                               checkpoint_every=pe.checkpoint_every, job=pe.job)
+    kw.update(_auth(env))
     kw.update(overrides)
     return ParameterServer(pe.current_endpoint, **kw)

@@ -33,7 +33,7 @@ class ProtocolError(PsError):
 
 
 class AuthError(ProtocolError):
-    """A message without a valid MAC of the job token (an unauthenticated sender)."""
+    """A pserver refused this process's key, or the two ends disagree on authentication (auth.py)."""
 
 
 class RemoteOpError(PsError):
@@ -49,12 +49,12 @@ class RemoteOpError(PsError):
 class PsTimeoutError(PsError):
     """A pserver did not answer within the client's timeout (dead, unreachable or stuck)."""
 
-    def __init__(self, endpoints: Iterable[str], op: str, timeout: float):
+    def __init__(self, endpoints: Iterable[str], op: str, timeout: float, hint: str = ""):
         self.endpoints = tuple(endpoints)
         self.op = op
         self.timeout = timeout
         super().__init__(
-            f"no reply to {op!r} within {timeout:g}s from pserver(s) {', '.join(self.endpoints)}"
+            f"no reply to {op!r} within {timeout:g}s from pserver(s) {', '.join(self.endpoints)}{hint}"
         )
 
 

@@ -11,12 +11,13 @@ Each buffer frame is the tensor's raw little-endian bytes, sent with ``copy=Fals
 ``zmq.Frame`` that NumPy views without copying. Replies use the same layout with ``"ok": true`` or
 ``"ok": false, "code": ..., "error": ...``.
 
-Authentication: when the job has a token (``CLUSTERCTL_JOB_TOKEN``, set by the host agent), the header
-frame is ``MAC + JSON`` where MAC is 64 hex characters of HMAC-SHA256 keyed by :func:`job_key` over
-``b"req\0"`` (requests) or ``b"rep\0"`` (replies) followed by the JSON bytes. The JSON carries the tensor
-table (names, dtypes, sizes), so the frames that follow are bound to it. The MAC is checked before the
-JSON is parsed; a pserver answers a request without a valid MAC with ``"code": "unauthenticated"`` and
-does nothing else (docs/security.md).
+Authentication is not in these frames: it is the connection's (auth.py, door.py). Every connection
+runs ZeroMQ's CURVE with keys derived from the job token, which encrypts and authenticates every frame
+with a per-connection nonce sequence; a pserver sees no frame of a peer that has not proved the key.
+
+Every number in a header is bounded before use: integers of at most 19 digits (|n| < 10**19, so a
+5,000-digit ``seq`` is a ``bad_request``, not an internal error), no NaN or Infinity constants, and each
+field's own range (``seq``, ``tid``, ``step``, ``part``, ``parts``, ``off``, ``c``, tensor sizes: >= 0).
 
 Pipelined push_pull (async mode) uses the same layout: each request carries a piece of at most one
 chunk of each listed block, with ``"part": i`` and ``"off": [element offset of each tensor in its
@@ -25,8 +26,6 @@ block, ...]``; the reply echoes both and carries the updated pieces (see docs/ps
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import math
 import os
@@ -37,15 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from .errors import AuthError, ProtocolError
+from .errors import ProtocolError
 
 __all__ = [
     "DTYPES",
     "MAX_HEADER_BYTES",
     "MAX_FRAME_BYTES",
-    "TOKEN_ENV",
-    "job_key",
-    "sign",
+    "MAX_WIRE_FRAME_BYTES",
     "OPS",
     "PROTOCOL_VERSION",
     "Message",
@@ -65,31 +62,26 @@ MAX_HEADER_BYTES = 64 * 1024
 #: them (no fresh mmap + page faults per message), large enough that per-frame costs stay negligible.
 #: Override with CLUSTERCTL_PS_CHUNK_BYTES (a positive multiple of 8) in every process of the job.
 CHUNK_BYTES = int(os.environ.get("CLUSTERCTL_PS_CHUNK_BYTES") or 4 << 20)
-MAC_LEN = 64  # hex characters of HMAC-SHA256 in front of an authenticated header
-#: Largest single frame a pserver or client accepts (ZMQ_MAXMSGSIZE): one chunk, or a header.
-MAX_FRAME_BYTES = max(CHUNK_BYTES, MAX_HEADER_BYTES + MAC_LEN)
-#: The job's secret for the processes of a job; the host agent sets it (never in argv or logs).
-TOKEN_ENV = "CLUSTERCTL_JOB_TOKEN"
-_HEX = frozenset(b"0123456789abcdef")
+#: Largest single frame a pserver or client accepts: one chunk, or a header.
+MAX_FRAME_BYTES = max(CHUNK_BYTES, MAX_HEADER_BYTES)
+#: ZMQ_MAXMSGSIZE: a frame on the wire may carry CURVE's 33 bytes (command name, nonce, flags, MAC) more;
+#: a bigger one drops the sender's connection before it is read.
+MAX_WIRE_FRAME_BYTES = MAX_FRAME_BYTES + 64
+#: Integers in a header: at most this many digits (json.loads would otherwise build 4,300-digit ints).
+MAX_INT_DIGITS = 19
+#: Header fields that must be non-negative integers when present.
+_COUNTS = ("seq", "tid", "step", "part", "parts", "c")
 
 
-def job_key(token: str | None) -> bytes | None:
-    """The pserver MAC key derived from the job token (None: no authentication)."""
-    if not token:
-        return None
-    return hmac.new(token.encode(), b"clusterctl-ps/1", hashlib.sha256).digest()
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ProtocolError(f"header holds an integer of {len(text.lstrip('-'))} digits (limit {MAX_INT_DIGITS})")
+    return int(text)
 
 
-def sign(frames: list[Any], key: bytes | None, *, request: bool) -> list[Any]:
-    """``frames`` with the MAC put in front of the header frame (unchanged when ``key`` is None)."""
-    if key is None or not frames:
-        return frames
-    head = bytes(_buffer(frames[0]))
-    return [_mac(key, b"req" if request else b"rep", head) + head, *frames[1:]]
+def _no_constant(name: str) -> Any:
+    raise ProtocolError(f"header holds {name}, which is not a number a header may carry")
 
-
-def _mac(key: bytes, kind: bytes, data: bytes) -> bytes:
-    return hmac.digest(key, kind + b"\0" + data, "sha256").hex().encode()  # one-shot: the fast C path
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("clusterctl.ps assumes a little-endian host")
@@ -137,8 +129,8 @@ class Message:
 
 
 def encode(header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = None,
-           *, chunk_bytes: int | None = None, key: bytes | None = None, request: bool = True) -> list[Any]:
-    """Frames for ``header`` plus ``tensors`` (zero-copy views of at most ``chunk_bytes``), MACed with ``key``."""
+           *, chunk_bytes: int | None = None) -> list[Any]:
+    """Frames for ``header`` plus ``tensors`` (zero-copy views of at most ``chunk_bytes`` bytes each)."""
     if chunk_bytes is None:
         chunk_bytes = CHUNK_BYTES
     if chunk_bytes <= 0 or chunk_bytes % 8:
@@ -159,10 +151,7 @@ def encode(header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None =
             frames.extend(raw[i:i + chunk_bytes] for i in range(0, a.nbytes, chunk_bytes))
     head["t"] = table
     head["c"] = chunk_bytes
-    raw = json.dumps(head, separators=(",", ":")).encode()
-    if key is not None:
-        raw = _mac(key, b"req" if request else b"rep", raw) + raw
-    return [raw, *frames]
+    return [json.dumps(head, separators=(",", ":")).encode(), *frames]
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -171,42 +160,33 @@ def _buffer(frame: Any) -> memoryview:
     return buf if buf is not None else memoryview(frame)
 
 
-def decode(frames: Sequence[Any], *, request: bool = True, key: bytes | None = None) -> Message:
-    """Check the MAC (with ``key``), then parse and validate ``[header, buffers...]``.
-
-    Raises AuthError when ``key`` is set and the header frame does not carry its valid MAC, and
-    ProtocolError on anything malformed.
-    """
+def decode(frames: Sequence[Any], *, request: bool = True) -> Message:
+    """Parse and validate ``[header, buffers...]``; ProtocolError (one line) on anything malformed."""
     if not frames:
         raise ProtocolError("empty message")
     raw = _buffer(frames[0])
-    if raw.nbytes > MAX_HEADER_BYTES + (MAC_LEN if key is not None else 0):
+    if raw.nbytes > MAX_HEADER_BYTES:
         raise ProtocolError(f"header frame is {raw.nbytes} bytes (limit {MAX_HEADER_BYTES})")
-    data = raw.tobytes()
-    if key is not None:
-        want = _mac(key, b"req" if request else b"rep", data[MAC_LEN:])
-        if len(data) < MAC_LEN or not hmac.compare_digest(want, data[:MAC_LEN]):
-            raise AuthError("the message does not carry a valid MAC of the job token")
-        data = data[MAC_LEN:]
-    elif len(data) > MAC_LEN and data[MAC_LEN:MAC_LEN + 1] == b"{" and set(data[:MAC_LEN]) <= _HEX:
-        raise ProtocolError("the message is signed with a job token but this end has none "
-                            f"(set {TOKEN_ENV} in every process of the job, or in none)")
     try:
-        header = json.loads(data.decode("utf-8"))
+        header = json.loads(raw.tobytes().decode("utf-8"), parse_int=_int, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"header is not UTF-8 JSON: {exc}") from None
     except RecursionError:
         raise ProtocolError("header JSON is nested too deeply") from None
+    except ValueError as exc:  # anything else json or int() refuses
+        raise ProtocolError(f"header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
     if header.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {header.get('v')!r} (want {PROTOCOL_VERSION})")
     if request and header.get("op") not in OPS:
         raise ProtocolError(f"unknown op {header.get('op')!r}")
-    if not isinstance(header.get("seq", 0), int):
-        raise ProtocolError("seq must be an integer")
+    for name in _COUNTS:
+        value = header.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ProtocolError(f"{name} must be a non-negative integer, got {_short(value)}")
     chunk = header.get("c", 0)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or chunk % 8:
+    if chunk % 8:
         raise ProtocolError(f"chunk size must be a non-negative multiple of 8, got {chunk!r}")
     table = header.get("t", [])
     if not isinstance(table, list):
@@ -218,7 +198,7 @@ def decode(frames: Sequence[Any], *, request: bool = True, key: bytes | None = N
         if (not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str)
                 or entry[1] not in DTYPES or isinstance(entry[2], bool) or not isinstance(entry[2], int)
                 or entry[2] < 0):
-            raise ProtocolError(f"bad tensor table entry {entry!r}")
+            raise ProtocolError(f"bad tensor table entry {_short(entry)}")
         key, dtype_name, size = entry
         if key in tensors:
             raise ProtocolError(f"tensor {key!r} appears twice")
@@ -243,11 +223,16 @@ def decode(frames: Sequence[Any], *, request: bool = True, key: bytes | None = N
     return Message(header, tensors)
 
 
-def error_frames(seq: int, code: str, message: str, *, key: bytes | None = None) -> list[bytes]:
-    """Frames of an error reply (MACed with ``key``)."""
+def error_frames(seq: int, code: str, message: str) -> list[bytes]:
+    """Frames of an error reply."""
     head = {"v": PROTOCOL_VERSION, "ok": False, "seq": seq, "code": code, "error": message[:2000], "t": []}
-    raw = json.dumps(head, separators=(",", ":")).encode()
-    return [raw if key is None else _mac(key, b"rep", raw) + raw]
+    return [json.dumps(head, separators=(",", ":")).encode()]
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters (error messages quote what a peer sent)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def finite_float(value: Any, name: str) -> float:

@@ -14,13 +14,16 @@ overlaps with the update and the reply of earlier ones.
 Why one module of ~870 lines: the pserver is one event loop over one socket, and its handlers share that
 loop's state (blocks, optimizer states, the open sync round, deferred requests) without locks; split
 across modules they would reach into each other's private state. The pieces that stand alone live
-beside it: the wire format (protocol.py), checkpoints (checkpoint.py), optimizers (optim.py).
+beside it: the wire format (protocol.py), checkpoints (checkpoint.py), optimizers (optim.py), and
+who may connect (auth.py: CURVE keys from the job token; door.py: the ZAP handler and the cap on
+connections waiting to authenticate, in a thread of their own).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import threading
 import time
 from collections import deque
@@ -31,12 +34,13 @@ from typing import Any
 import numpy as np
 import zmq
 
+from . import auth as auth_mod
 from . import checkpoint as ckpt
+from .door import Door
 from .endpoints import split_endpoint, zmq_address
-from .errors import AuthError, BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError
+from .errors import BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError
 from .optim import OptimizerConfig, apply_piece, apply_update, begin_update, init_state
-from .protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, TOKEN_ENV, Message, Tensor, decode, encode, error_frames,
-                       job_key, sign)
+from .protocol import MAX_WIRE_FRAME_BYTES, PROTOCOL_VERSION, Message, Tensor, decode, encode, error_frames
 
 __all__ = ["MODES", "ParameterServer"]
 
@@ -110,6 +114,18 @@ def _nbytes(frame: Any) -> int:
     return frame.nbytes if hasattr(frame, "nbytes") else len(frame)
 
 
+def _raise_fd_limit() -> None:
+    """Raise the soft limit on open files to the hard one: libzmq spins on accept() when it runs out."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # not allowed here: keep the limit there is
+        pass
+
+
 class ParameterServer:
     """A pserver bound to exactly ``endpoint`` (``ip:port``) serving ``num_trainers`` trainers."""
 
@@ -129,8 +145,8 @@ class ParameterServer:
         checkpoint_dir: str | None = None,
         checkpoint_every: int = 0,
         job: str = "",
-        context: zmq.Context | None = None,
         token: str | None = None,
+        auth: str | None = None,
         checkpoint_root: str | None = None,
     ):
         if mode not in MODES:
@@ -152,8 +168,8 @@ class ParameterServer:
         self.k_steps = k_steps
         self.barrier_timeout = float(barrier_timeout)
         self.job = job
-        # token None: the job's CLUSTERCTL_JOB_TOKEN (set by the host agent); "" or unset: no authentication
-        self._key = job_key(os.environ.get(TOKEN_ENV) if token is None else token)
+        # token/auth None: CLUSTERCTL_JOB_TOKEN/CLUSTERCTL_AUTH (set by the host supervisor); neither: refuse
+        self._creds = auth_mod.resolve(token, auth, f"pserver {server_id}")
         # save/load requests may only name this directory or one inside it (default: checkpoint_dir)
         root = checkpoint_root or checkpoint_dir
         self.checkpoint_root = os.path.realpath(root) if root else None
@@ -180,9 +196,9 @@ class ParameterServer:
         self._inflight: list[tuple[list[zmq.MessageTracker], list[np.ndarray]]] = []
         self._round_started = 0.0
         self._stop = threading.Event()
-        self._own_ctx = context is None
-        self._ctx = context or zmq.Context()
+        self._ctx: zmq.Context | None = None  # the pserver's own: ZAP handlers are per context
         self._sock: zmq.Socket | None = None
+        self._door: Door | None = None
         if checkpoint_every < 0:
             raise PsConfigError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         if checkpoint_every and not checkpoint_dir:
@@ -198,28 +214,42 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ lifecycle
 
+    #: Connections that may wait to authenticate at once, in all and from one IP address (door.py).
+    MAX_PENDING = 32
+    MAX_PENDING_PER_SOURCE = 8
+
     def bind(self) -> str:
         """Bind the ROUTER socket to the planned address; return the bound ``tcp://`` address."""
         if self._sock is not None:
             return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        sock = self._ctx.socket(zmq.ROUTER)
+        _raise_fd_limit()
+        ctx = self._ctx = zmq.Context(io_threads=auth_mod.io_threads(4))
+        sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 5000)  # let the final replies flush on close
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a bigger frame drops the sender's connection
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_FRAME_BYTES)  # a bigger frame drops the sender's connection
+        sock.setsockopt(zmq.RCVHWM, 256)  # messages queued per peer before libzmq stops reading from it
+        sock.setsockopt(zmq.BACKLOG, 1024)  # a flood of connects must not leave a trainer's SYN unanswered
+        auth_mod.secure_server(sock, self._creds, b"clusterctl-ps")
         if self.address.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
+        door = Door(ctx, sock, self._creds, f"pserver {self.server_id}", max_pending=self.MAX_PENDING,
+                    max_pending_per_source=self.MAX_PENDING_PER_SOURCE)
         try:
             sock.bind(self.address)
         except zmq.ZMQError as exc:
+            door.close()
             sock.close(0)
+            ctx.term()
+            self._ctx = None
             raise PsConfigError(f"pserver {self.server_id} cannot bind {self.address}: {exc}") from None
-        self._sock = sock
+        door.start()
+        self._sock, self._door = sock, door
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         host, _ = split_endpoint(self.endpoint)
         self.endpoint = f"{host}:{bound.rsplit(':', 1)[1]}"  # the real port when the plan said 0
-        log.info("pserver %d of %d listening on %s (mode=%s, trainers=%d)",
-                 self.server_id, self.num_servers, bound, self.mode, self.num_trainers)
-        if self._key is None:
-            log.warning("pserver %d: no job token (%s): requests are NOT authenticated", self.server_id, TOKEN_ENV)
+        log.info("pserver %d of %d listening on %s (mode=%s, trainers=%d, %s)",
+                 self.server_id, self.num_servers, bound, self.mode, self.num_trainers,
+                 "CURVE with the job token's keys" if self._creds else "UNAUTHENTICATED")
         return bound
 
     def stop(self) -> None:
@@ -248,12 +278,16 @@ class ParameterServer:
             self.close()
 
     def close(self) -> None:
-        """Close the socket (flushing pending replies) and the context if this server created it."""
+        """Close the socket (flushing pending replies), its door and the pserver's ZeroMQ context."""
+        if self._door is not None:
+            self._door.close()
+            self._door = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        if self._own_ctx:
+        if self._ctx is not None:
             self._ctx.term()
+            self._ctx = None
 
     # ------------------------------------------------------------------ barrier
 
@@ -401,14 +435,11 @@ class ParameterServer:
             if deferred is not None:
                 self._push_part(envelope, deferred, replay=True)
                 return
-            msg = decode(body or [], key=self._key)  # the MAC is checked before the header is parsed
+            msg = decode(body or [])  # the peer proved the job's key in the CURVE handshake (door.py)
             seq = msg.seq
             self.stats["bytes_in"] += sum(t.nbytes for t in msg.tensors.values())
             handler = getattr(self, f"_op_{msg.op}")
             handler(envelope, msg)
-        except AuthError as exc:
-            self.stats["unauthenticated"] = self.stats.get("unauthenticated", 0) + 1
-            self._reject(envelope, seq, "unauthenticated", str(exc), ident)
         except ProtocolError as exc:
             self._reject(envelope, seq, "bad_request", str(exc), ident)
         except _RejectError as exc:
@@ -447,8 +478,8 @@ class ParameterServer:
             w[2] += 1
 
     def _send(self, envelope: list[Any], frames: list[Any]) -> None:
-        if self._sock is not None:  # every reply leaves through here or _send_tracked: both sign it
-            self._sock.send_multipart(envelope + sign(frames, self._key, request=False), copy=False)
+        if self._sock is not None:
+            self._sock.send_multipart(envelope + frames, copy=False)
 
     def _reply(self, envelope: list[Any], msg: Message, fields: dict[str, Any], pull: Sequence[str] = ()) -> None:
         tensors = {k: self.blocks[k] for k in pull}
@@ -465,7 +496,7 @@ class ParameterServer:
         self.stats["bytes_out"] += sum(_nbytes(f) for f in frames[1:])
         # Zero-copy send of live buffers; remember them until ZeroMQ releases them, so _spare()
         # never recycles a buffer that is still being written to a socket.
-        for part in envelope + sign(frames[:1], self._key, request=False):
+        for part in envelope + frames[:1]:
             self._sock.send(part, zmq.SNDMORE, copy=False)
         body = frames[1:]
         trackers = [self._sock.send(f, zmq.SNDMORE if i < len(body) - 1 else 0, copy=False, track=True)
@@ -603,8 +634,9 @@ class ParameterServer:
     # ------------------------------------------------------------------ ops
 
     def _op_ping(self, envelope: list[Any], msg: Message) -> None:
+        door = {**self._door.stats, "pending": self._door.pending} if self._door is not None else {}
         self._reply(envelope, msg, {"server_id": self.server_id, "mode": self.mode, "step": self.step,
-                                    "stats": dict(self.stats)})
+                                    "stats": dict(self.stats), "door": door})
 
     def _op_init(self, envelope: list[Any], msg: Message) -> None:
         self._tid(msg)

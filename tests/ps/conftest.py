@@ -13,6 +13,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from clusterctl.ps import ParameterServer
+from clusterctl.ps.auth import AUTH_ENV, TOKEN_ENV
+
+from ps_jobs import TOKEN  # noqa: E402 (after the sys.path line above)
+
+
+@pytest.fixture(autouse=True)
+def job_token(monkeypatch):
+    """Every in-process pserver and trainer of these tests holds the job token, as under clusterctl."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.delenv(AUTH_ENV, raising=False)
+    return TOKEN
 
 
 class ServerGroup:

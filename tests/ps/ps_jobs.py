@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -15,12 +16,26 @@ from pathlib import Path
 import numpy as np
 from helpers import free_ports
 
-from clusterctl.ps import Adam, PSClient
+import zmq
 
-__all__ = ["CKPT_TRAINERS", "REPO", "LocalJob", "ckpt_grads", "ckpt_init", "ckpt_job", "in_threads", "job_env",
-           "pulls_during_pushes"]
+from clusterctl.ps import Adam, PSClient
+from clusterctl.ps.auth import Credentials, secure_client
+
+__all__ = ["CKPT_TRAINERS", "REPO", "TOKEN", "LocalJob", "ckpt_grads", "ckpt_init", "ckpt_job", "in_threads", "job_env",
+           "pulls_during_pushes", "raw_dealer"]
 
 REPO = Path(__file__).resolve().parents[2]
+#: The job token of the ps tests' pservers and trainers (conftest.py puts it into CLUSTERCTL_JOB_TOKEN).
+TOKEN = secrets.token_hex(32)
+
+
+def raw_dealer(endpoint: str, token: str | None = TOKEN, ctx: zmq.Context | None = None) -> zmq.Socket:
+    """A bare DEALER connected to a pserver, with the job's CURVE keys of ``token`` (None: plain ZMTP)."""
+    s = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    secure_client(s, Credentials.from_token(token) if token else None)
+    s.connect(f"tcp://{endpoint}")
+    return s
 
 
 def in_threads(target: Callable[[int], None], ids: Iterable[int], timeout: float = 25.0) -> None:
@@ -61,6 +76,7 @@ def job_env(role: str, index: int, pserver_eps: Sequence[str], trainer_eps: Sequ
         "PADDLE_PSERVERS_IP_PORT_LIST": ",".join(pserver_eps),
         "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         "PYTHONUNBUFFERED": "1",
+        "CLUSTERCTL_JOB_TOKEN": TOKEN,  # what the host supervisor gives every process of a job
     })
     if role == "pserver":
         env["PADDLE_PSERVER_ID"] = str(index)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 from ps_jobs import CKPT_TRAINERS as T
-from ps_jobs import ckpt_init, ckpt_job
+from ps_jobs import TOKEN, ckpt_init, ckpt_job
 
 from clusterctl.ps import Adam, CheckpointError, PSClient, RemoteOpError
 from clusterctl.ps import checkpoint as ckpt
@@ -108,7 +108,7 @@ def test_a_pserver_that_cannot_load_its_checkpoint_says_why_in_one_line(tmp_path
     (tmp_path / "pserver-0" / "manifest.json").write_text("{not json")
     env = {"PATH": "/usr/bin:/bin", "TRAINING_ROLE": "PSERVER", "PADDLE_PSERVERS_IP_PORT_LIST": "127.0.0.1:1",
            "PADDLE_CURRENT_ENDPOINT": "127.0.0.1:1", "PADDLE_TRAINERS_NUM": "1",
-           "CLUSTERCTL_PS_CHECKPOINT": str(tmp_path)}
+           "CLUSTERCTL_PS_CHECKPOINT": str(tmp_path), "CLUSTERCTL_JOB_TOKEN": TOKEN}
     proc = subprocess.run([sys.executable, "-m", "clusterctl.ps", "server"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clusterctl.ps import PsConfigError, PsEnv, from_env
+from clusterctl.ps import PsConfigError, PsEnv, client_from_env, from_env, server_from_env
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -61,3 +61,30 @@ def test_env_errors(extra, message):
     with pytest.raises(PsConfigError) as err:
         from_env({**BASE, **extra})
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({}, "pserver 1: no job token: CLUSTERCTL_JOB_TOKEN is not set (clusterctl's supervisor sets it); "
+             "set CLUSTERCTL_AUTH=none to run unauthenticated"),
+        ({"CLUSTERCTL_AUTH": "token"}, "pserver 1: no job token: CLUSTERCTL_JOB_TOKEN is not set (clusterctl's "
+                                       "supervisor sets it); set CLUSTERCTL_AUTH=none to run unauthenticated"),
+        ({"CLUSTERCTL_AUTH": "None", "CLUSTERCTL_JOB_TOKEN": "t"},
+         "pserver 1: CLUSTERCTL_AUTH must be 'token' or 'none', got 'None'"),
+    ],
+)
+def test_a_pserver_from_an_env_without_a_token_is_refused(extra, message):
+    env = {**BASE, "TRAINING_ROLE": "PSERVER", "PADDLE_CURRENT_ENDPOINT": "10.0.0.3:6170", **extra}
+    with pytest.raises(PsConfigError) as err:
+        server_from_env(env=env)  # the explicit mapping is read, not os.environ (which holds the tests' token)
+    assert str(err.value) == message
+
+
+def test_trainers_and_pservers_from_an_env_take_its_token_or_auth_none():
+    env = {**BASE, "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "1"}
+    with pytest.raises(PsConfigError, match=r"^trainer 1: no job token"):
+        client_from_env(env=env)
+    for auth in ({"CLUSTERCTL_JOB_TOKEN": "t"}, {"CLUSTERCTL_AUTH": "none"}):
+        client_from_env(env={**env, **auth}).close()
+        server_from_env(env={**env, **auth, "TRAINING_ROLE": "PSERVER", "PADDLE_CURRENT_ENDPOINT": "10.0.0.3:6170"})

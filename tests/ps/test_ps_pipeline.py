@@ -7,8 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-import zmq
-from ps_jobs import in_threads, pulls_during_pushes
+from ps_jobs import in_threads, pulls_during_pushes, raw_dealer
 
 from clusterctl.ps import SGD, Adam, Momentum, PSClient, protocol
 
@@ -79,10 +78,7 @@ def test_pulls_see_whole_versions_during_pipelined_pushes(servers, monkeypatch):
 
 
 def _raw(endpoint: str, header: dict, *buffers: bytes) -> dict:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(f"tcp://{endpoint}")
+    s = raw_dealer(endpoint)  # the job's keys: these requests are well authenticated, and malformed
     try:
         s.send_multipart([json.dumps({"v": 1, "seq": 1, "tid": 0, **header}).encode(), *buffers])
         assert s.poll(5000)

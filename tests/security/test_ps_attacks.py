@@ -1,12 +1,20 @@
-"""The parameter server under attack on loopback (issue 12, findings 2 and 3): clients without the job
-token, oversized frames, checkpoint paths outside the checkpoint directory."""
+"""The parameter server under attack on loopback, as an attacker would try it (issues 12 and 21).
+
+Every test runs the real pserver (in a thread, or as ``python -m clusterctl.ps server``) on real
+sockets. The attacker of issue 21 sat on the path between a trainer and its pserver (here: a TCP proxy
+on 127.0.0.1 that records and rewrites what the trainer sends), or beside it without the job token.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,39 +23,53 @@ import pytest
 import zmq
 from helpers import free_port
 
-from clusterctl.ps import PSClient, ParameterServer
-from clusterctl.ps.errors import ProtocolError, RemoteOpError
-from clusterctl.ps.protocol import encode, job_key
+from clusterctl.ps import SGD, ParameterServer, PSClient
+from clusterctl.ps.auth import AUTH_ENV, TOKEN_ENV, Credentials, secure_client
+from clusterctl.ps.errors import AuthError, CheckpointError, PsConfigError, PsTimeoutError, RemoteOpError
 
-TOKEN = "f00d" * 16
+TOKEN = secrets.token_hex(32)
 ROOT = Path(__file__).resolve().parents[2]
+NO_TOKEN_LINE = ("pserver 0: no job token: CLUSTERCTL_JOB_TOKEN is not set (clusterctl's supervisor sets it); "
+                 "set CLUSTERCTL_AUTH=none to run unauthenticated")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    """No token or auth mode inherited from the environment: each test says what it runs with."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(AUTH_ENV, raising=False)
 
 
 class ServerGroup:
     """One in-process pserver serving in a thread (as tests/ps/conftest.py)."""
 
-    def __init__(self, n, **kw):
-        import threading
-
-        self.servers = [ParameterServer("127.0.0.1:0", server_id=0, num_servers=1, **kw)]
-        self.servers[0].bind()
-        self.endpoints = [self.servers[0].endpoint]
+    def __init__(self, **kw):
+        self.server = ParameterServer("127.0.0.1:0", server_id=0, num_servers=1, **kw)
+        self.server.bind()
+        self.endpoint = self.server.endpoint
+        self.endpoints = [self.endpoint]
         self.errors = {}
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
         try:
-            self.servers[0].serve()
+            self.server.serve()
         except BaseException as exc:  # recorded for the test
             self.errors[0] = exc
+
+    @property
+    def door(self):
+        """The door's counters, and ``refused``: connections that never finished the handshake."""
+        d = self.server._door
+        return {**d.stats, "pending": d.pending, "refused": d.stats["accepted"] - d.stats["authenticated"]}
 
     def join(self, timeout=10.0):
         self.thread.join(timeout)
         return not self.thread.is_alive()
 
     def stop(self):
-        self.servers[0].stop()
+        self.server.stop()
         self.join()
 
 
@@ -56,7 +78,7 @@ def group():
     made = []
 
     def make(**kw):
-        g = ServerGroup(1, **kw)
+        g = ServerGroup(**kw)
         made.append(g)
         return g
 
@@ -65,55 +87,429 @@ def group():
         g.stop()
 
 
-def raw_request(endpoint, header, tensors=None, key=None, timeout=5.0):
-    """One request on a bare DEALER; the decoded reply header (MAC stripped), or None on timeout."""
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
+def wait_for(cond, what, timeout=20.0):
+    """Poll ``cond()`` until true; fail naming ``what`` after ``timeout`` seconds (a loaded machine is slow)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class Proxy:
+    """A man in the middle: forwards TCP connections to ``target``, records what the client sends on each,
+    and hands every client chunk to ``rewrite(conn index, stream offset, bytearray)`` before forwarding it."""
+
+    def __init__(self, target: str):
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sent: list[bytearray] = []  # per connection: the client's bytes as forwarded
+        self.upstream: list[socket.socket] = []
+        self.rewrite = None
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            with self.lock:
+                idx = len(self.sent)
+                self.sent.append(bytearray())
+                self.upstream.append(server)
+            threading.Thread(target=self._pump, args=(server, client, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, idx), daemon=True).start()
+
+    def _pump(self, src, dst, idx):
+        try:
+            while data := src.recv(1 << 16):
+                if idx is not None:
+                    data = bytearray(data)
+                    with self.lock:
+                        if self.rewrite is not None:
+                            self.rewrite(idx, len(self.sent[idx]), data)
+                        self.sent[idx].extend(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def inject(self, idx: int, data: bytes) -> None:
+        """Send ``data`` to the pserver on connection ``idx``, as if its client had sent it again."""
+        self.upstream[idx].sendall(data)
+
+    def close(self):
+        self.listener.close()
+
+
+def replay(endpoint: str, data: bytes) -> None:
+    """Open a fresh connection to the pserver and play ``data`` into it (what a recording attacker does)."""
+    host, port = endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        try:
+            s.sendall(data)
+            s.settimeout(5)
+            while s.recv(65536):
+                pass
+        except OSError:  # the pserver resets the connection: expected
+            pass
+
+
+class Pinger:
+    """One authenticated connection that pings a pserver (a ping per call: the reply header)."""
+
+    def __init__(self, endpoint, ctx):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        secure_client(self.sock, Credentials.from_token(TOKEN))
+        self.sock.connect("tcp://" + endpoint)
+        self.count = 0
+
+    def __call__(self):
+        self.count += 1
+        self.sock.send_multipart([json.dumps({"v": 1, "op": "ping", "seq": self.count}).encode()])
+        assert self.sock.poll(10000), "no ping reply"
+        return json.loads(self.sock.recv_multipart()[0])
+
+    def close(self):
+        self.sock.close(0)
+
+
+def raw_request(endpoint, header, tensors=None, *, token=TOKEN, timeout=5.0):
+    """One request on a bare DEALER (CURVE with ``token``'s keys; None: plain ZMTP); the reply header or None."""
+    from clusterctl.ps.protocol import encode
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    secure_client(s, Credentials.from_token(token) if token else None)
     s.connect("tcp://" + endpoint)
     try:
-        s.send_multipart(encode({"seq": 1, **header}, tensors, key=key))
+        s.send_multipart(encode({"seq": 1, **header}, tensors))
         if not s.poll(int(timeout * 1000)):
             return None
-        frames = s.recv_multipart()
-        raw = frames[0]
-        return json.loads(raw[64:] if key is not None or raw[:1] != b"{" else raw)
+        return json.loads(s.recv_multipart()[0])
     finally:
         s.close()
 
 
-def test_requests_without_the_job_token_are_refused_and_change_nothing(group, tmp_path):
+# ---------------------------------------------------------------- replay and forgery (issue 21, finding 1)
+
+
+def test_a_recorded_push_replayed_20_times_is_applied_once(group):
+    g = group(num_trainers=1, mode="async", token=TOKEN)
+    proxy = Proxy(g.endpoint)
+    with PSClient([proxy.endpoint], trainer_id=0, num_trainers=1, mode="async", optimizer=SGD(1.0), timeout=10,
+                  token=TOKEN) as c:
+        c.init({"w": np.zeros(1024, np.float32)})
+        start = len(proxy.sent[0])
+        c.push({"w": np.ones(1024, np.float32)})
+        push = bytes(proxy.sent[0][start:])  # the push, as it went over the wire
+        assert len(push) > 4096  # (encrypted: the 4 KiB gradient is in there)
+        recorded = bytes(proxy.sent[0])  # the whole connection: handshake, init, pull, push
+        for _ in range(20):
+            replay(g.endpoint, recorded)
+        for _ in range(20):  # the captured push alone, on fresh connections: not even a handshake
+            replay(g.endpoint, push)
+        wait_for(lambda: g.door["accepted"] == 41 and g.door["pending"] == 0, "40 replays dropped")
+        assert g.door["refused"] == 40 and g.door["authenticated"] == 1
+        assert g.server.stats["updates"] == 1 and g.server.stats["requests"] == 3  # init, pull, push
+        np.testing.assert_array_equal(g.server.blocks["w.block0"], np.full(1024, -1, np.float32))
+        # and the same bytes again inside the trainer's own live connection: refused by the nonce sequence
+        proxy.inject(0, push)  # the pserver drops the connection (the trainer reconnects through the proxy)
+        wait_for(lambda: len(proxy.sent) == 2, "the in-connection replay refused")
+        ping = c.ping()[0]
+        assert ping["stats"]["updates"] == 1 and ping["stats"]["rejected"] == 0
+        np.testing.assert_array_equal(c.pull()["w"], np.full(1024, -1, np.float32))
+        c.complete()
+    assert g.join(5) and not g.errors
+    proxy.close()
+
+
+def test_a_spliced_nan_payload_is_refused_and_the_parameters_stay(group):
+    g = group(num_trainers=1, mode="async", token=TOKEN)
+    proxy = Proxy(g.endpoint)
+    nan = struct.pack("<f", float("nan")) * 4096
+    with PSClient([proxy.endpoint], trainer_id=0, num_trainers=1, mode="async", optimizer=SGD(1.0), timeout=3,
+                  token=TOKEN) as c:
+        w0 = np.arange(4096, dtype=np.float32)
+        c.init({"w": w0})
+        start = len(proxy.sent[0])
+
+        def splice(idx, off, data):  # the push's header stays; its payload bytes become NaNs
+            lo, hi = max(off, start + 300), min(off + len(data), start + 16000)
+            if idx == 0 and lo < hi:
+                data[lo - off:hi - off] = nan[:hi - lo]
+
+        proxy.rewrite = splice
+        with pytest.raises(PsTimeoutError, match=r"no reply to 'push' within 3s"):
+            c.push({"w": np.ones(4096, np.float32)})
+        proxy.rewrite = None
+        assert len(proxy.sent) == 2 and g.door["closed"] >= 1  # the MAC check failed: connection dropped, unread
+        assert g.server.stats["updates"] == 0 and g.server.stats["rejected"] == 0
+        np.testing.assert_array_equal(g.server.blocks["w.block0"], w0)
+        np.testing.assert_array_equal(c.pull()["w"], w0)  # reconnected; the parameters are the trainer's own
+        c.complete()
+    assert g.join(5) and not g.errors
+
+
+def test_a_replayed_push_cannot_take_a_trainers_place_in_a_sync_round(group):
+    g = group(num_trainers=2, mode="sync", token=TOKEN, barrier_timeout=30)
+    proxy = Proxy(g.endpoint)  # both trainers through it (the pserver list must be the same for both)
+    lr, w0 = 0.5, np.linspace(-1, 1, 2048).astype(np.float32)
+    grads = {tid: [np.full(2048, (tid + 1) * (s + 1), np.float32) for s in range(3)] for tid in (0, 1)}
+    clients = {0: PSClient([proxy.endpoint], trainer_id=0, num_trainers=2, mode="sync", optimizer=SGD(lr),
+                           timeout=20, token=TOKEN)}
+    wait_for(lambda: len(proxy.sent) == 1, "trainer 0's connection")
+    clients[1] = PSClient([proxy.endpoint], trainer_id=1, num_trainers=2, mode="sync", optimizer=SGD(lr),
+                          timeout=20, token=TOKEN)
+    results, errors = {}, []
+    step0_done = threading.Barrier(3)
+    attacked = threading.Event()
+
+    def trainer(tid):
+        try:
+            c = clients[tid]
+            c.init({"w": w0})
+            results[tid] = c.push_pull({"w": grads[tid][0]}, step=0)["w"]
+            step0_done.wait(20)
+            attacked.wait(20)
+            for step in (1, 2):
+                results[tid] = c.push_pull({"w": grads[tid][step]}, step=step)["w"]
+            c.complete()
+        except BaseException as exc:
+            errors.append(exc)
+            step0_done.abort()
+
+    threads = [threading.Thread(target=trainer, args=(t,)) for t in (0, 1)]
+    for t in threads:
+        t.start()
+    step0_done.wait(30)
+    recorded = bytes(proxy.sent[0])  # trainer 0: handshake, init, pull, its step-0 push
+    for _ in range(20):
+        replay(g.endpoint, recorded)  # "trainer 0 pushes step 1" before trainer 0 does, 20 times over
+    wait_for(lambda: g.door["accepted"] == 22 and g.door["pending"] == 0, "20 replays refused")
+    assert g.door["refused"] == 20 and g.server.step == 1 and not g.server._round  # none of them opened round 1
+    attacked.set()
+    for t in threads:
+        t.join(30)
+    for c in clients.values():
+        c.close()
+    assert not errors, errors
+    want = w0.copy()
+    for step in range(3):  # SGD on the mean of the two trainers' gradients, round by round
+        want -= np.float32(lr) * ((grads[0][step] + grads[1][step]) / np.float32(2))
+    np.testing.assert_array_equal(results[0], want)
+    np.testing.assert_array_equal(results[1], want)
+    assert g.server.stats["rejected"] == 0 and g.server.stats["updates"] == 3
+    assert g.join(5) and not g.errors
+    proxy.close()
+
+
+# ---------------------------------------------------------------- strangers (issue 12 finding 2, issue 21 finding 3)
+
+
+def test_a_stranger_without_the_token_reaches_nothing(group, tmp_path):
     g = group(num_trainers=1, mode="async", token=TOKEN, checkpoint_root=str(tmp_path))
-    ep = g.endpoints[0]
     with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="async", timeout=5, token=TOKEN) as c:
         c.init({"w": np.arange(4, dtype=np.float32)})
+        base = dict(g.server.stats)
+        # 1. plain ZMTP, no keys at all: init, push, save, complete (the last ended a token-less pserver)
         for header, tensors in [
-            ({"op": "ping"}, None),
             ({"op": "init", "tid": 0, "mode": "async", "plan": "x"}, {"w.block0": np.zeros(4, np.float32)}),
-            ({"op": "pull", "keys": True}, None),
             ({"op": "push", "tid": 0}, {"w.block0": np.full(4, 1e9, np.float32)}),
             ({"op": "save", "dir": str(tmp_path / "x")}, None),
-            ({"op": "load", "dir": str(tmp_path / "x")}, None),
             ({"op": "complete", "tid": 0}, None),
         ]:
-            for key in (None, job_key("wrong-token")):
-                reply = raw_request(ep, header, tensors, key=key)
-                assert reply is not None and reply["ok"] is False and reply["code"] == "unauthenticated", reply
-                assert "w.block0" not in json.dumps(reply)
+            assert raw_request(g.endpoint, header, tensors, token=None, timeout=0.5) is None
+            # 2. another job's token (CURVE, but the wrong keys): refused in the handshake
+            assert raw_request(g.endpoint, header, tensors, token="another-job", timeout=0.5) is None
+        # 3. the pserver's public key learnt somehow, with a key pair of the attacker's own: ZAP says 400
+        creds = Credentials.from_token(TOKEN)
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        pub, sec = zmq.curve_keypair()
+        s.curve_serverkey, s.curve_publickey, s.curve_secretkey = creds.server_public, pub, sec
+        s.connect("tcp://" + g.endpoint)
+        s.send_multipart([json.dumps({"v": 1, "op": "complete", "seq": 1, "tid": 0}).encode()])
+        wait_for(lambda: g.door["refused_keys"] == 1, "the ZAP refusal")
+        assert not s.poll(500)
+        s.close()
+        assert {k: g.server.stats[k] for k in base} == base  # not one request reached the pserver
+        assert g.door["refused"] >= 9 and g.door["authenticated"] == 1
         np.testing.assert_array_equal(c.pull()["w"], np.arange(4, dtype=np.float32))
-        stats = c.ping()[0]["stats"]
-        assert stats["unauthenticated"] == 14 and stats["updates"] == 0
-        assert not (tmp_path / "x").exists()
+        assert not (tmp_path / "x").exists() and not g.server.completed
         c.complete()
     assert g.join(5) and not g.errors  # served until the real trainer completed
 
 
-def test_a_client_without_the_token_is_told_so(group):
+def test_a_trainer_with_another_token_or_none_is_told_why(group):
     g = group(num_trainers=1, mode="sync", token=TOKEN)
-    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=2, token="") as c:  # no token
-        with pytest.raises(ProtocolError, match="signed with a job token but this end has none"):
-            c.init({"w": np.ones(3, np.float32)})  # the pserver's (signed) answer is "unauthenticated"
-    assert g.servers[0].blocks == {} and g.servers[0].stats["unauthenticated"] == 1
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=2, auth="none") as c:
+        t0 = time.monotonic()
+        with pytest.raises(AuthError, match=rf"^pserver {g.endpoint} and this trainer disagree on authentication: "
+                                            r"one runs with CLUSTERCTL_JOB_TOKEN \(CURVE\), the other with "
+                                            r"CLUSTERCTL_AUTH=none$"):
+            c.init({"w": np.ones(3, np.float32)})
+        assert time.monotonic() - t0 < 2  # at once, not after the timeout
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=2, token="another-job") as c:
+        with pytest.raises(PsTimeoutError, match=rf"^no reply to 'init' within 2s from pserver\(s\) {g.endpoint} "
+                                                 r"\(the authenticated handshake with it failed \d+ time\(s\), last: "
+                                                 r"connection closed during the handshake .*: does it hold this "
+                                                 r"job's CLUSTERCTL_JOB_TOKEN\?\)$"):
+            c.init({"w": np.ones(3, np.float32)})
+    assert g.server.blocks == {} and g.server.stats["requests"] == 0
+
+
+def _pserver_env(port, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CLUSTERCTL_", "PADDLE_", "TRAINING_"))}
+    env.update({"TRAINING_ROLE": "PSERVER", "PADDLE_PSERVERS_IP_PORT_LIST": f"127.0.0.1:{port}",
+                "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{port}", "PADDLE_TRAINERS_NUM": "1",
+                "PYTHONPATH": str(ROOT)}, **extra)
+    return env
+
+
+def test_a_pserver_without_a_token_refuses_to_start():
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "clusterctl.ps", "server"], env=_pserver_env(port),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(" ERROR clusterctl.ps: " + NO_TOKEN_LINE), proc.stderr
+    with socket.socket() as s:  # it never listened
+        s.bind(("127.0.0.1", port))
+    bad = subprocess.run([sys.executable, "-m", "clusterctl.ps", "server"], env=_pserver_env(port, CLUSTERCTL_AUTH="off"),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith(
+        "pserver 0: CLUSTERCTL_AUTH must be 'token' or 'none', got 'off'"), bad.stderr
+
+
+def test_a_trainer_without_a_token_refuses_to_start():
+    with pytest.raises(PsConfigError, match=r"^trainer 2: no job token: CLUSTERCTL_JOB_TOKEN is not set"):
+        PSClient(["127.0.0.1:1"], trainer_id=2, num_trainers=3)
+
+
+@pytest.mark.timeout(60)
+def test_auth_none_serves_unauthenticated_and_says_so_once():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "clusterctl.ps", "server"],
+                            env=_pserver_env(port, CLUSTERCTL_AUTH="none"), stderr=subprocess.PIPE, text=True)
+    try:
+        with PSClient([f"127.0.0.1:{port}"], trainer_id=0, num_trainers=1, timeout=20, auth="none") as c:
+            c.init({"w": np.ones(3, np.float32)})
+            c.complete()
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert err.count("NOT authenticated") == 1, err
+    assert ("pserver 0: CLUSTERCTL_AUTH=none: connections are NOT authenticated and NOT encrypted; anyone who can "
+            "reach the pserver port can read and change the parameters (docs/security.md)") in err
+    assert "(mode=sync, trainers=1, UNAUTHENTICATED)" in err
+
+
+# ---------------------------------------------------------------- bounded input (issue 12 finding 3, issue 21)
+
+
+@pytest.mark.parametrize(("field", "raw", "message"), [
+    ("seq", b"7" * 5000, "header holds an integer of 5000 digits (limit 19)"),
+    ("tid", b"-" + b"1" * 400, "header holds an integer of 400 digits (limit 19)"),
+    ("step", b"1e999999", "step must be a non-negative integer, got inf"),
+    ("step", b"NaN", "header holds NaN, which is not a number a header may carry"),
+    ("part", b"-1", "part must be a non-negative integer, got -1"),
+    ("c", b"99999999999999999999", "header holds an integer of 20 digits (limit 19)"),
+])
+def test_huge_or_odd_numbers_in_a_header_are_protocol_errors(group, field, raw, message):
+    g = group(num_trainers=1, mode="async", token=TOKEN)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    secure_client(s, Credentials.from_token(TOKEN))
+    s.connect("tcp://" + g.endpoint)
+    head = {"v": 1, "op": "push", "seq": 3, "tid": 0, "step": 0, "part": 0, "c": 8, "t": []}
+    text = json.dumps(head).encode().replace(f'"{field}": {head[field]}'.encode(), f'"{field}": '.encode() + raw)
+    s.send_multipart([text])
+    assert s.poll(10000)
+    reply = json.loads(s.recv_multipart()[0])
+    s.close()
+    # a header that does not decode is answered with seq 0 (its seq is not read from it)
+    assert reply == {"v": 1, "ok": False, "seq": 0, "code": "bad_request", "error": message, "t": []}
+    assert g.server.stats["rejected"] == 1
+
+
+def _hwm_mb(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.timeout(90)
+def test_unauthenticated_gigabyte_messages_are_not_buffered():
+    """Issue 21: 1 GiB in one multipart message of 4 MiB frames took a pserver to 1 GiB; 4 connections to 3.7 GiB.
+    Now no frame of a peer is read before it proved the key (and a token holder's oversized frame drops it)."""
+    port = free_port()
+    ep = f"127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "clusterctl.ps", "server"],
+                            env=_pserver_env(port, CLUSTERCTL_JOB_TOKEN=TOKEN), stderr=subprocess.PIPE)
+    ctx = zmq.Context()
+    socks = []
+    pinger = None
+    try:
+        deadline = time.monotonic() + 30
+        while raw_request(ep, {"op": "ping"}, timeout=0.5) is None:
+            assert time.monotonic() < deadline and proc.poll() is None, "pserver did not start"
+        before = _hwm_mb(proc.pid)
+        frame = np.zeros(4 << 20, np.uint8)
+        for token in (None, None, "another-job", "another-job"):  # 4 connections, 1 GiB message each
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            secure_client(s, Credentials.from_token(token) if token else None)
+            s.connect("tcp://" + ep)
+            s.send_multipart([b"{}"] + [frame] * 256, copy=False)
+            socks.append(s)
+        pinger = Pinger(ep, ctx)
+        base = pinger()["stats"]["requests"] - 1
+
+        def refused():
+            door = pinger()["door"]
+            return door["accepted"] - door["authenticated"]
+
+        wait_for(lambda: refused() >= 8, "the pserver refusing them (and their retries)")
+        for s in socks:  # the attackers give up
+            s.close(0)
+        socks.clear()
+        wait_for(lambda: pinger()["door"]["pending"] == 0, "their connections gone")
+        closed = pinger()["door"]["closed"]
+        s = ctx.socket(zmq.DEALER)  # a token holder's 256 MiB frame: ZMQ_MAXMSGSIZE drops its connection
+        s.setsockopt(zmq.LINGER, 0)
+        secure_client(s, Credentials.from_token(TOKEN))
+        s.connect("tcp://" + ep)
+        s.send_multipart([b"{}", np.zeros(256 << 20, np.uint8)], copy=False)
+        socks.append(s)
+        wait_for(lambda: pinger()["door"]["closed"] > closed, "the oversized frame's connection dropped", timeout=30)
+        ping = pinger()
+        assert ping["ok"] is True and ping["stats"]["requests"] == base + pinger.count, ping  # the pings, nothing else
+        assert _hwm_mb(proc.pid) - before < 64, (before, _hwm_mb(proc.pid))
+    finally:
+        for s in socks:
+            s.close(0)
+        if pinger is not None:
+            pinger.close()
+        ctx.term()
+        proc.terminate()
+        proc.wait(10)
+
+
+# ---------------------------------------------------------------- checkpoints (issue 12, issue 21 finding 5)
 
 
 def test_checkpoints_stay_inside_the_checkpoint_directory(group, tmp_path):
@@ -136,6 +532,62 @@ def test_checkpoints_stay_inside_the_checkpoint_directory(group, tmp_path):
     assert (ckroot / "run1" / "pserver-0" / "manifest.json").is_file()
 
 
+def test_a_symlinked_shard_directory_is_never_loaded(group, tmp_path):
+    """Issue 21: ``load`` followed a symlinked pserver-0 out of the checkpoint root."""
+    ckroot, outside = tmp_path / "ckpt", tmp_path / "outside"
+    from clusterctl.ps import checkpoint as ckpt
+
+    ckpt.save_server(outside, ckpt.ServerCheckpoint(0, 1, 7, "sync", None, {"w.block0": np.full(3, 666, np.float32)},
+                                                    {"w.block0": {}}))
+    (ckroot / "run").mkdir(parents=True)
+    os.symlink(outside / "pserver-0", ckroot / "run" / "pserver-0")
+    g = group(num_trainers=1, mode="sync", token=TOKEN, checkpoint_root=str(ckroot))
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=5, token=TOKEN) as c:
+        c.init({"w": np.ones(3, np.float32)})
+        with pytest.raises(RemoteOpError) as info:
+            c.load(str(ckroot / "run"))
+        assert info.value.code == "CheckpointError"
+        assert info.value.remote_message == (f"{ckroot / 'run' / 'pserver-0'} is a symlink; checkpoints are never "
+                                             "read or written through one")
+        np.testing.assert_array_equal(c.pull()["w"], np.ones(3, np.float32))
+        c.complete()
+    # and a pserver told to start from it refuses, in one line
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "clusterctl.ps", "server"], capture_output=True, text=True,
+                          env=_pserver_env(port, CLUSTERCTL_JOB_TOKEN=TOKEN,
+                                           CLUSTERCTL_PS_CHECKPOINT=str(ckroot / "run")), timeout=60)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(
+        f"pserver could not start: {ckroot / 'run' / 'pserver-0'} is a symlink; checkpoints are never read or "
+        "written through one"), proc.stderr
+
+
+def test_a_symlinked_prev_directory_is_refused_on_every_save(group, tmp_path):
+    """Issue 21: a symlinked ``pserver-0.prev`` made every second save fail half-way (and rmtree its target)."""
+    ckroot, outside = tmp_path / "ckpt", tmp_path / "outside"
+    (outside / "keep").mkdir(parents=True)
+    (outside / "keep" / "data").write_text("precious")
+    g = group(num_trainers=1, mode="sync", token=TOKEN, checkpoint_root=str(ckroot))
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=5, token=TOKEN) as c:
+        c.init({"w": np.ones(3, np.float32)})
+        assert c.save(str(ckroot), 1) == 1
+        os.symlink(outside / "keep", ckroot / "pserver-0.prev")
+        for step in (2, 3, 4):
+            with pytest.raises(RemoteOpError) as info:
+                c.save(str(ckroot), step)
+            assert info.value.remote_message == (f"{ckroot / 'pserver-0.prev'} is a symlink; checkpoints are never "
+                                                 "read or written through one")
+        c.complete()
+    assert (outside / "keep" / "data").read_text() == "precious"
+    assert json.loads((ckroot / "pserver-0" / "manifest.json").read_text())["step"] == 1  # the last good save stays
+    assert sorted(p.name for p in ckroot.iterdir()) == ["checkpoint.json", "pserver-0", "pserver-0.prev"]
+    with pytest.raises(CheckpointError, match="pserver-0.prev is a symlink"):
+        from clusterctl.ps import checkpoint as ckpt
+
+        ckpt.load_server(ckroot, 0, 1, step=0)
+
+
 def test_without_a_checkpoint_directory_save_and_load_are_refused(group, tmp_path):
     g = group(num_trainers=1, mode="sync", token=TOKEN)
     with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=5, token=TOKEN) as c:
@@ -144,43 +596,3 @@ def test_without_a_checkpoint_directory_save_and_load_are_refused(group, tmp_pat
             c.save(str(tmp_path / "c"), 1)
         c.complete()
     assert not (tmp_path / "c").exists()
-
-
-def _rss_mb(pid):
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
-
-
-@pytest.mark.timeout(60)
-def test_an_oversized_frame_does_not_inflate_the_pserver(tmp_path):
-    """Finding 3: one 1 GiB frame took a pserver from 33 to 1,016 MiB (here 256 MiB, in a real process)."""
-    port = free_port()
-    env = {**os.environ, "TRAINING_ROLE": "PSERVER", "PADDLE_PSERVERS_IP_PORT_LIST": f"127.0.0.1:{port}",
-           "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{port}", "PADDLE_TRAINERS_NUM": "1",
-           "CLUSTERCTL_JOB_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "clusterctl.ps", "server"], env=env, stderr=subprocess.PIPE)
-    try:
-        ep = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 20
-        while raw_request(ep, {"op": "ping"}, key=job_key(TOKEN), timeout=0.5) is None:
-            assert time.monotonic() < deadline and proc.poll() is None, "pserver did not start"
-        before = _rss_mb(proc.pid)
-        ctx = zmq.Context.instance()
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDTIMEO, 10000)
-        s.connect("tcp://" + ep)
-        try:
-            s.send_multipart([b"{}", np.zeros(256 << 20, np.uint8)], copy=False)
-            time.sleep(2)
-        except zmq.Again:
-            pass
-        finally:
-            s.close()
-        assert raw_request(ep, {"op": "ping"}, key=job_key(TOKEN))["ok"] is True  # still serving
-        assert _rss_mb(proc.pid) - before < 64, (before, _rss_mb(proc.pid))
-    finally:
-        proc.terminate()
-        proc.wait(10)
