@@ -20,6 +20,7 @@ from ..remote import LineCallback, Remote
 from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
 from ..host.states import ACTIVE_JOB_STATES, JobState
 from ..host.status import JobStatus, ProcessStatus, overall_state
+from ..progress import clean_progress, stragglers
 from . import Session
 from .hosttools import ensure_tools, install_on, tool_argv, tool_command
 
@@ -138,7 +139,8 @@ def _parse(res) -> dict:
 def status(session: Session) -> JobStatus:
     """Every process's state on every host; unreachable hosts are reported, not fatal."""
     plan, remote = session.plan, session.remote
-    cmd, payload = tool_command("agent", ["status", _jobdir(plan)])
+    # `agent top --progress-only`: `agent status`'s reply plus each process's progress from its log (no sampling)
+    cmd, payload = tool_command("agent", ["top", _jobdir(plan), "--progress-only"])
     results = remote.run(cmd, stdin=payload, check=False, timeout=remote.control_timeout, what="status")
     procs: list[ProcessStatus] = []
     host_states: list[str] = []
@@ -162,19 +164,25 @@ def status(session: Session) -> JobStatus:
         if data.get("reason") and data.get("state") not in (JobState.RUNNING, JobState.SUCCEEDED):
             reasons.append(f"{host.label}: {data['reason']}")
         for p in data.get("processes", []):
+            progress = clean_progress(p.get("progress"))
             procs.append(
                 ProcessStatus(
                     host.label, p["role"], p["id"], p.get("pid"), p.get("state"), p.get("exit_code"),
-                    p.get("uptime_s"), p.get("error"),
+                    p.get("uptime_s"), p.get("error"), progress,
                 )
             )
     procs.sort(key=lambda p: (p.role != "pserver", p.id))
+    slow = stragglers({i: p.progress for i, p in enumerate(procs) if p.role == "trainer" and p.state == "running"})
+    for p in procs:
+        if p.progress is not None:
+            p.progress.pop("slices", None)
     state = overall_state(host_states)
     reason = "; ".join(reasons) or (
         "unreachable: " + ", ".join(unreachable) if unreachable else None
     )
     attempts = [{k: a.get(k) for k in ("attempt", "outcome", "reason", "started_at", "ended_at")} for a in attempts]
-    return JobStatus(plan.job, state, reason, procs, unreachable, attempt, restarts, attempts)
+    found = [{"host": procs[i].host, "process": f"{procs[i].role}.{procs[i].id}", **v} for i, v in sorted(slow.items())]
+    return JobStatus(plan.job, state, reason, procs, unreachable, attempt, restarts, attempts, stragglers=found)
 
 
 def stop(session: Session, *, grace: float | None = None) -> dict[Host, dict]:

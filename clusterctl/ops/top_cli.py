@@ -1,0 +1,206 @@
+"""`clusterctl top SPEC`: a live view of a running job (one row per process, totals per host, stragglers), or
+one snapshot (`--once`, `--json`). The renderer, `render_top`, is shared with `clusterctl demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from rich.console import Group
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from ..console import out, printable
+from ..errors import ClusterctlError
+from ..progress import STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, metrics_text
+from .render import _styled
+from .top import DEFAULT_INTERVAL, MIN_INTERVAL, HostRow, ProcRow, Snapshot, Top
+
+__all__ = ["add_cli", "render_top", "run_top"]
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return ""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _gib(mib: float | None) -> str:
+    return "?" if mib is None else f"{mib / 1024:.1f}"
+
+
+def _gpu_text(gpus: list, proc_mib: float | None = None) -> str:
+    parts = []
+    for g in gpus:
+        util = "?" if g["util_pct"] is None else f"{g['util_pct']:.0f}%"
+        parts.append(f"{g['index']}: {util} {_gib(g['mem_used_mib'])}/{_gib(g['mem_total_mib'])}G")
+    if proc_mib is not None:
+        parts.append(f"own {_gib(proc_mib)}G")
+    return ", ".join(parts)
+
+
+def _rate(r: ProcRow) -> str:
+    p = r.progress
+    if not p or p.get("rate") is None:
+        return ""
+    text = f"{p['rate']:.3g}"
+    return f"[bold red]{text} ▼[/]" if r.straggler else text
+
+
+def _state(r: ProcRow) -> str:
+    if r.straggler:
+        return "[bold red]straggler[/]"
+    text = _styled(r.state)
+    if r.exit_code is not None and r.rank is None:
+        text += f" {r.exit_code}"
+    return text
+
+
+def _host_line(h: HostRow) -> str:
+    bits = []
+    if h.cpu_pct is not None:
+        bits.append(f"host cpu {h.cpu_pct:.0f}%" + (f" of {h.ncpu}" if h.ncpu else ""))
+    if h.load1 is not None:
+        bits.append(f"load {h.load1:.2f}")
+    if h.mem_total:
+        bits.append(f"mem {_bytes(h.mem_total - (h.mem_available or 0))}/{_bytes(h.mem_total)}")
+    if h.gpus:
+        bits.append(f"gpus {_gpu_text(h.gpus)}")
+    if h.gpu_error:
+        bits.append(f"nvidia-smi: {h.gpu_error}")
+    if h.sample_cpu_s is not None:
+        bits.append(f"sampled in {h.sample_cpu_s * 1000:.0f} ms cpu")
+    return escape(printable(" · ".join(bits)))
+
+
+def _title(s: Snapshot) -> str:
+    procs = sum(1 for r in s.rows if r.rank is None)
+    every = f" · every {s.interval:g}s" if s.interval else ""
+    when = time.strftime("%H:%M:%S", time.localtime(s.taken_at))
+    return (f"job {escape(s.job)}: {_styled(s.state)} · {len(s.hosts)} host(s), {procs} process(es){every} · "
+            f"{when}")
+
+
+def render_top(s: Snapshot, *, title: str | None = None):
+    """A rich renderable of a snapshot: what needs attention first (stragglers, hosts that did not answer), then
+    one row per process with its host's totals after it."""
+    alerts = []
+    for st in s.stragglers:
+        alerts.append(Text.from_markup(
+            f"[bold red]straggler[/]: {escape(st['process'])} on {escape(st['host'])}: {st['rate']:.3g} steps/s, "
+            f"{st['ratio']:.0%} of the median {st['median']:.3g} (below {s.threshold:.0%} for {s.window_s:g}s)"))
+    for h in s.hosts:
+        if h.status in ("unreachable", "error"):
+            alerts.append(Text.from_markup(f"[bold red]{escape(h.host)}: {h.status}[/]: "
+                                           f"{escape(printable(h.error or ''))}"))
+        elif h.age_s is not None and s.interval and h.age_s > 3 * s.interval:
+            alerts.append(Text.from_markup(f"[yellow]{escape(h.host)}: no answer for {h.age_s:.0f}s[/]"))
+    gpu = any(r.gpus or r.gpu_mem_mib is not None for r in s.rows) or any(h.gpus for h in s.hosts)
+    table = Table(title=title if title is not None else _title(s), title_justify="left", expand=False)
+    cols = ["host", "process", "pid", "state", "cpu %", "rss"] + (["gpu (util, mem used/total)"] if gpu else [])
+    cols += ["step", "steps/s", "metrics"]
+    right = {"cpu %", "rss", "step", "steps/s", "pid"}
+    for c in cols:
+        table.add_column(c, no_wrap=c != "metrics", justify="right" if c in right else "left")
+    by_host: dict[str, list[ProcRow]] = {}
+    for r in s.rows:
+        by_host.setdefault(r.host, []).append(r)
+    for h in s.hosts:
+        rows = by_host.get(h.host, [])
+        if h.status != "ok":
+            cells = [escape(h.host), "", "", f"[red]{escape(h.status)}[/]", "", ""] + ([""] if gpu else [])
+            cells += ["", "", escape(printable(h.error or ""))[:120]]
+            table.add_row(*cells, end_section=True)
+            continue
+        for r in rows:
+            p = r.progress or {}
+            step = "" if "step" not in p else f"{p['step']:,}" + (" done" if p.get("done") else "")
+            cells = [escape(r.host), escape(r.name), "" if r.pid is None else str(r.pid), _state(r),
+                     "" if r.cpu_pct is None else f"{r.cpu_pct:.0f}", _bytes(r.rss_bytes)]
+            if gpu:
+                cells.append(escape(_gpu_text(r.gpus, r.gpu_mem_mib)))
+            cells += [step, _rate(r), escape(printable(metrics_text(p.get("metrics") or {})))]
+            table.add_row(*cells)
+        total = [escape(h.host), "[dim]host total[/]", "", "",
+                 "" if h.job_cpu_pct is None else f"[dim]{h.job_cpu_pct:.0f}[/]",
+                 f"[dim]{_bytes(h.job_rss_bytes)}[/]"] + ([""] if gpu else [])
+        total += ["", "", f"[dim]{_host_line(h)}[/]"]
+        table.add_row(*total, end_section=True)
+    return Group(*alerts, table) if alerts else table
+
+
+def run_top(spec, *, once: bool = False, as_json: bool = False, interval: float = DEFAULT_INTERVAL,
+            threshold: float = STRAGGLER_THRESHOLD, window_s: float = STRAGGLER_WINDOW_S, gpu: bool = True) -> int:
+    """The `top` command: one snapshot (exit 1 when a host could not be asked) or a live view until Ctrl+C."""
+    from ..backends import open_backend
+
+    if not MIN_INTERVAL <= interval <= 3600:
+        raise ClusterctlError(f"top: --interval must be {MIN_INTERVAL:g} to 3600 seconds, not {interval:g}")
+    with open_backend(spec) as backend:
+        if not type(backend).ssh_hosts:
+            raise ClusterctlError(f"top: not yet available with backend: {backend.name} (its hosts are not SSH hosts "
+                                  "clusterctl reaches); `clusterctl status` shows the job's state")
+        with Top(backend.session, threshold=threshold, window_s=window_s, gpu=gpu) as top:
+            if once:
+                snap = top.snapshot(None, interval=None)
+                if as_json:
+                    sys.stdout.write(json.dumps(snap.to_json(), indent=2) + "\n")
+                else:
+                    out.print(render_top(snap))
+                return 1 if snap.unreachable else 0
+            try:
+                return _live(top, interval, as_json)
+            except KeyboardInterrupt:
+                return 0
+
+
+def _live(top: Top, interval: float, as_json: bool) -> int:
+    """Refresh every `interval` seconds until interrupted: JSON lines, tables one after another (not a terminal),
+    or one table redrawn in place."""
+    snap = top.snapshot(None, interval=interval)  # the first view waits for every host (each within its deadline)
+    if as_json or not out.is_terminal:
+        while True:
+            if as_json:
+                sys.stdout.write(json.dumps(snap.to_json()) + "\n")
+                sys.stdout.flush()
+            else:
+                out.print(render_top(snap))
+            time.sleep(max(0.0, interval - snap.took_s))
+            snap = top.snapshot(interval * 0.9, interval=interval)
+    from rich.live import Live
+
+    with Live(render_top(snap), console=out, auto_refresh=False, transient=False) as live:
+        while True:  # a refresh every `interval`: the wait for slow hosts is part of it
+            time.sleep(max(0.0, interval - snap.took_s))
+            snap = top.snapshot(interval * 0.9, interval=interval)
+            live.update(render_top(snap), refresh=True)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """clusterctl top."""
+    return run_top(args.spec, once=args.once, as_json=args.json, interval=args.interval,
+                   threshold=args.straggler_threshold, window_s=args.straggler_window, gpu=not args.no_gpu)
+
+
+def add_cli(sub) -> None:
+    """Register `clusterctl top`."""
+    p = sub.add_parser("top", help="live view of a running job: resources, progress and stragglers per process")
+    p.add_argument("spec")
+    p.add_argument("--once", action="store_true", help="one snapshot, then exit (exit 1 when a host was not reached)")
+    p.add_argument("--json", action="store_true", help="JSON: one document with --once, else one line per refresh")
+    p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL,
+                   help=f"seconds between refreshes (default {DEFAULT_INTERVAL:g})")
+    p.add_argument("--no-gpu", action="store_true", help="do not ask nvidia-smi on the hosts")
+    p.add_argument("--straggler-threshold", type=float, default=STRAGGLER_THRESHOLD,
+                   help=f"a rank below this fraction of the median step rate ... (default {STRAGGLER_THRESHOLD:g})")
+    p.add_argument("--straggler-window", type=float, default=STRAGGLER_WINDOW_S,
+                   help=f"... for this many seconds is a straggler (default {STRAGGLER_WINDOW_S:g}, 6 to 180)")
+    p.set_defaults(func=cmd_top)
+
