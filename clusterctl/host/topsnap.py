@@ -70,6 +70,12 @@ def reply(state, job, sampler, progress_only=False, slice_s=None, slices=STRAGGL
         out["top_error"] = "sampling failed: %s" % (e.strerror or e)
     for p, t in zip(out["processes"], tg):
         entry = prog.get(t["key"]) or {}
+        views = [entry.get("progress")] + list(entry.get("ranks") or [])
+        if p.get("state") != "running":  # its last step stays; a rate is for a process that runs
+            for v in views:
+                if v is not None:
+                    v["rate"] = None
+                    v.pop("slices", None)
         p["progress"] = entry.get("progress")
         if entry.get("ranks"):
             p["ranks"] = entry["ranks"]
