@@ -204,12 +204,15 @@ class Top:
     context manager (or close())."""
 
     def __init__(self, session: Session, *, threshold: float = STRAGGLER_THRESHOLD,
-                 window_s: float = STRAGGLER_WINDOW_S, slices: int = STRAGGLER_SLICES, gpu: bool = True):
+                 window_s: float = STRAGGLER_WINDOW_S, slices: int = STRAGGLER_SLICES, gpu: bool = True,
+                 request_timeout: float | None = None):
         if not 0 < threshold <= 1:
             raise ClusterctlError(f"top: the straggler threshold must be in (0, 1], not {threshold:g}")
         if not 6 <= window_s <= 180:
             raise ClusterctlError(f"top: the straggler window must be 6 to 180 seconds, not {window_s:g}")
         self.session, self.threshold, self.window_s, self.slices, self.gpu = session, threshold, window_s, slices, gpu
+        # a host's request ends (unreachable) after this: ssh.command_timeout unless the view asks for less
+        self.request_timeout = min(session.remote.control_timeout, request_timeout or math.inf)
         self.hosts: tuple[Host, ...] = tuple(session.plan.hosts)
         self._installed: set[Host] = set()
         self._answers: dict[Host, _Answer] = {}
@@ -237,13 +240,14 @@ class Top:
             cmd, payload = join(tool_argv("agent", self._args())), None
         else:
             cmd, payload = tool_command("agent", self._args())
-        res = remote.run(cmd, hosts=[host], stdin=payload, check=False, timeout=remote.control_timeout,
+        res = remote.run(cmd, hosts=[host], stdin=payload, check=False, timeout=self.request_timeout,
                          what="top")[host]
         now = time.monotonic()
         if not res.answered:
             self._installed.discard(host)
             if res.timed_out:
-                why = f"did not answer within {remote.control_timeout:g}s (ssh.command_timeout)"
+                why = f"did not answer within {self.request_timeout:g}s" + (
+                    " (ssh.command_timeout)" if self.request_timeout == remote.control_timeout else "")
             else:
                 why = res.stderr.strip()[-300:] or "no answer"
             return _Answer(now, "unreachable", error=why)

@@ -21,6 +21,9 @@ from .top import DEFAULT_INTERVAL, MIN_INTERVAL, HostRow, ProcRow, Snapshot, Top
 
 __all__ = ["add_cli", "render_top", "run_top"]
 
+LIVE_REQUEST_REFRESHES = 5
+LIVE_REQUEST_MIN_S = 10.0
+
 
 def _bytes(n: float | None) -> str:
     if n is None:
@@ -147,7 +150,10 @@ def run_top(spec, *, once: bool = False, as_json: bool = False, interval: float 
         if not type(backend).ssh_hosts:
             raise ClusterctlError(f"top: not yet available with backend: {backend.name} (its hosts are not SSH hosts "
                                   "clusterctl reaches); `clusterctl status` shows the job's state")
-        with Top(backend.session, threshold=threshold, window_s=window_s, gpu=gpu) as top:
+        # the live view gives up on a host's request after 5 refreshes (at least 10 s), so that a frozen host is
+        # named soon and Ctrl+C does not wait long for its request; --once waits ssh.command_timeout
+        wait = None if once else max(LIVE_REQUEST_MIN_S, LIVE_REQUEST_REFRESHES * interval)
+        with Top(backend.session, threshold=threshold, window_s=window_s, gpu=gpu, request_timeout=wait) as top:
             if once:
                 snap = top.snapshot(None, interval=None)
                 if as_json:
