@@ -8,6 +8,7 @@ import json
 import sys
 import time
 
+from rich import box
 from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
@@ -23,6 +24,7 @@ __all__ = ["add_cli", "render_top", "run_top"]
 
 LIVE_REQUEST_REFRESHES = 5
 LIVE_REQUEST_MIN_S = 10.0
+COMPACT_BELOW = 120  # terminal columns: narrower, the view drops its host and pid columns
 
 
 def _bytes(n: float | None) -> str:
@@ -91,9 +93,12 @@ def _title(s: Snapshot) -> str:
             f"{when}")
 
 
-def render_top(s: Snapshot, *, title: str | None = None):
+def render_top(s: Snapshot, *, title: str | None = None, width: int | None = None):
     """A rich renderable of a snapshot: what needs attention first (stragglers, hosts that did not answer), then
-    one row per process with its host's totals after it."""
+    one row per process with its host's totals after it. Narrower than COMPACT_BELOW columns (`width`, default
+    the console's), each host's rows come under a line of its own instead of a host and a pid column."""
+    width = out.width if width is None else width
+    compact = width < COMPACT_BELOW
     alerts = []
     for st in s.stragglers:
         alerts.append(Text.from_markup(
@@ -106,36 +111,44 @@ def render_top(s: Snapshot, *, title: str | None = None):
         elif h.age_s is not None and s.interval and h.age_s > 3 * s.interval:
             alerts.append(Text.from_markup(f"[yellow]{escape(h.host)}: no answer for {h.age_s:.0f}s[/]"))
     gpu = any(r.gpus or r.gpu_mem_mib is not None for r in s.rows) or any(h.gpus for h in s.hosts)
-    table = Table(title=title if title is not None else _title(s), title_justify="left", expand=False)
-    cols = ["host", "process", "pid", "state", "cpu %", "rss"] + (["gpu (util, mem used/total)"] if gpu else [])
-    cols += ["step", "steps/s", "metrics"]
-    right = {"cpu %", "rss", "step", "steps/s", "pid"}
-    for c in cols:
-        table.add_column(c, no_wrap=c != "metrics", justify="right" if c in right else "left")
+    lines: list[tuple[dict, bool]] = []  # (cells by column, ends a host's section)
     by_host: dict[str, list[ProcRow]] = {}
     for r in s.rows:
         by_host.setdefault(r.host, []).append(r)
     for h in s.hosts:
-        rows = by_host.get(h.host, [])
+        if compact:
+            lines.append(({"process": f"[bold]{escape(h.host)}[/]"}, False))
         if h.status != "ok":
-            cells = [escape(h.host), "", "", f"[red]{escape(h.status)}[/]", "", ""] + ([""] if gpu else [])
-            cells += ["", "", escape(printable(h.error or ""))[:120]]
-            table.add_row(*cells, end_section=True)
+            lines.append(({"host": escape(h.host), "state": f"[red]{escape(h.status)}[/]",
+                           "metrics": escape(printable(h.error or ""))[:120]}, True))
             continue
-        for r in rows:
+        for r in by_host.get(h.host, []):
             p = r.progress or {}
-            step = "" if "step" not in p else f"{p['step']:,}" + (" done" if p.get("done") else "")
-            cells = [escape(r.host), escape(r.name), "" if r.pid is None else str(r.pid), _state(r),
-                     "" if r.cpu_pct is None else f"{r.cpu_pct:.0f}", _bytes(r.rss_bytes)]
-            if gpu:
-                cells.append(escape(_gpu_text(r.gpus, r.gpu_mem_mib)))
-            cells += [step, _rate(r), escape(printable(metrics_text(p.get("metrics") or {})))]
-            table.add_row(*cells)
-        total = [escape(h.host), "[dim]host total[/]", "", "",
-                 "" if h.job_cpu_pct is None else f"[dim]{h.job_cpu_pct:.0f}[/]",
-                 f"[dim]{_bytes(h.job_rss_bytes)}[/]"] + ([""] if gpu else [])
-        total += ["", "", f"[dim]{_host_line(h)}[/]"]
-        table.add_row(*total, end_section=True)
+            lines.append(({
+                "host": escape(r.host), "process": escape(r.name), "pid": "" if r.pid is None else str(r.pid),
+                "state": _state(r), "cpu %": "" if r.cpu_pct is None else f"{r.cpu_pct:.0f}", "rss": _bytes(r.rss_bytes),
+                "gpu": escape(_gpu_text(r.gpus, r.gpu_mem_mib)) if gpu else "",
+                "step": "" if "step" not in p else f"{p['step']:,}" + (" done" if p.get("done") else ""),
+                "steps/s": _rate(r), "metrics": escape(printable(metrics_text(p.get("metrics") or {}))),
+            }, False))
+        lines.append(({"host": escape(h.host), "process": "[dim]host total[/]",
+                       "cpu %": "" if h.job_cpu_pct is None else f"[dim]{h.job_cpu_pct:.0f}[/]",
+                       "rss": f"[dim]{_bytes(h.job_rss_bytes)}[/]" if h.job_rss_bytes is not None else "",
+                       "metrics": f"[dim]{_host_line(h)}[/]"}, True))
+    # columns nobody has a value in (no CPU figures once every process has ended, no GPUs) are left out
+    cols = [c for c in ("host", "process", "pid", "state", "cpu %", "rss", "gpu", "step", "steps/s", "metrics")
+            if c in ("host", "process", "state", "metrics") or any(cells.get(c) for cells, _ in lines)]
+    if compact:
+        cols = [c for c in cols if c not in ("host", "pid")]
+    # top-like: no vertical rules, a rule under the header; the metrics column takes what is left
+    table = Table(title=title if title is not None else _title(s), title_justify="left", expand=True,
+                  box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    for c in cols:
+        table.add_column("gpu (util, mem used/total)" if c == "gpu" else c, no_wrap=c != "metrics",
+                         justify="right" if c in ("pid", "cpu %", "rss", "step", "steps/s") else "left",
+                         ratio=1 if c == "metrics" else None, min_width=16 if c == "metrics" else None)
+    for cells, end in lines:
+        table.add_row(*(cells.get(c, "") for c in cols), end_section=end)
     return Group(*alerts, table) if alerts else table
 
 

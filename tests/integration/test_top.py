@@ -174,7 +174,8 @@ def test_the_live_view_in_a_terminal(job, testcluster):
         screen = _wait_screen(session, r"straggler: trainer\.2 on " + re.escape(ips[2]), 60)
         assert re.search(r"job it-top: running · 3 host\(s\), 3 process\(es\) · every 1s · \d\d:\d\d:\d\d", screen)
         for i, ip in enumerate(ips):
-            assert re.search(rf"{re.escape(ip)} +│ trainer\.{i} +│ +\d+ │ (running|straggler) +│ +\d+ │ .*MiB │ +[\d,]+ │", screen), screen
+            assert re.search(rf"^{re.escape(ip)} +trainer\.{i} +\d+ +(running|straggler) +\d+ +[\d.]+ MiB +[\d,]+ +[\d.]+.* +loss=",
+                             screen, re.M), screen
         assert screen.count("host total") == 3
         # refreshed in place: one view on the screen, and its clock moves
         assert screen.count("job it-top:") == 1
@@ -187,7 +188,7 @@ def test_the_live_view_in_a_terminal(job, testcluster):
             assert "trainer.0" in screen and "trainer.2" in screen
         finally:
             docker("unpause", testcluster.nodes[1].container)
-        _wait_screen(session, rf"{re.escape(ips[1])} +│ trainer\.1 ", 60)
+        _wait_screen(session, rf"^{re.escape(ips[1])} +trainer\.1 ", 60)
         t0 = time.monotonic()
         _tmux("send-keys", "-t", session, "C-c")  # Ctrl+C ends the view, exit 0, within the command deadline
         while _tmux("display-message", "-p", "-t", session, "#{pane_dead}").strip() != "1":
