@@ -42,8 +42,10 @@ def render_status(st) -> None:
     for col in ("host", "role", "id", "pid", "state", "exit", "uptime"):
         table.add_column(col, no_wrap=True)
     progress = any(getattr(p, "progress", None) for p in st.processes)  # trainers that print progress lines
+    rates = any((getattr(p, "progress", None) or {}).get("rate") is not None for p in st.processes)
     if progress:
         table.add_column("step", no_wrap=True, justify="right")
+    if rates:
         table.add_column("steps/s", no_wrap=True, justify="right")
     slow = {(s["host"], s["process"]) for s in getattr(st, "stragglers", ())}
     for p in st.processes:
@@ -53,7 +55,7 @@ def render_status(st) -> None:
             "" if p.uptime_s is None else f"{p.uptime_s:.1f}s",
         ]
         if progress:
-            cells += _progress_cells(p.progress, (p.host, f"{p.role}.{p.id}") in slow)
+            cells += _progress_cells(p.progress, (p.host, f"{p.role}.{p.id}") in slow)[: 1 + rates]
         table.add_row(*cells)
     out.print(table)
     for s in getattr(st, "stragglers", ()):
