@@ -14,8 +14,10 @@ import sys
 import time
 
 import pytest
+import yaml
 
-from clusterlib import ROOT, assert_no_orphans, clusterctl, docker, node_exec, port_base, status_json, write_spec
+from clusterlib import (ROOT, assert_no_orphans, clusterctl, docker, node_exec, port_base, status_json, via,
+                        write_spec)
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +40,7 @@ for step in range(10 ** 6):
     report(step, loss=1.0 / (step + 1))
 """
 WINDOW = 12  # top's straggler window in these tests (6 slices of 2 s); `status` uses the default (60 s)
-CMD_TIMEOUT = 5  # ssh.command_timeout: how long a frozen node may take to be named
+CMD_TIMEOUT = 15  # ssh.command_timeout: how long a frozen node may take to be named (a loaded machine: not less)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,16 @@ def job(testcluster, tmp_path_factory):
     res = clusterctl("stop", spec)
     assert res.returncode == 0, res.stderr
     assert_no_orphans(testcluster, "it-top")
+
+
+def pause(container: str) -> None:
+    """docker pause, tried a few times: freezing a container's cgroup can fail transiently on a loaded machine."""
+    for _ in range(5):
+        res = docker("pause", container, check=False)
+        if res.returncode == 0:
+            return
+        time.sleep(1)
+    raise AssertionError(f"docker pause {container}: {res.stderr.strip()}")
 
 
 def top_json(spec, *args, timeout=60):
@@ -109,7 +121,7 @@ def test_top_names_the_straggler_and_shows_the_others_rates_and_plausible_resour
     busy = next(p for p in doc["processes"] if p["name"] == "trainer.0")
     idle = next(p for p in doc["processes"] if p["name"] == "trainer.1")
     average = (ticks1 - ticks0) / os.sysconf("SC_CLK_TCK") / (t1 - t0) * 100  # the spinner's CPU % over both calls
-    assert average > 5, average
+    assert average > 0.5, average  # a busy machine gives the spinner what it can
     assert average / 3 < busy["cpu_pct"] < average * 3 + 10, (busy, average)
     assert idle["cpu_pct"] < busy["cpu_pct"]
     assert abs(busy["rss_bytes"] - rss) < 0.2 * rss and busy["procs"] == 1, (busy, rss)
@@ -182,7 +194,7 @@ def test_the_live_view_in_a_terminal(job, testcluster):
         first = re.search(r"(\d\d:\d\d:\d\d)", screen).group(1)
         _wait_screen(session, r"every 1s · (?!" + first + r")\d\d:\d\d:\d\d", 30)
         # a frozen node: the view keeps refreshing the others and says so, then the node's rows come back
-        docker("pause", testcluster.nodes[1].container)
+        pause(testcluster.nodes[1].container)
         try:
             screen = _wait_screen(session, rf"{re.escape(ips[1])}: (no answer for \d+s|unreachable)", 60)
             assert "trainer.0" in screen and "trainer.2" in screen
@@ -204,7 +216,7 @@ def test_the_live_view_in_a_terminal(job, testcluster):
 def test_a_frozen_node_is_a_row_not_a_crash(job, testcluster):
     spec, _ = job
     node = testcluster.nodes[1]
-    docker("pause", node.container)
+    pause(node.container)
     try:
         t0 = time.monotonic()
         res, doc = top_json(spec, timeout=CMD_TIMEOUT + 60)
@@ -214,5 +226,8 @@ def test_a_frozen_node_is_a_row_not_a_crash(job, testcluster):
     assert res.returncode == 1 and elapsed < CMD_TIMEOUT + 30, (res.stderr, elapsed)
     hosts = {h["host"]: h for h in doc["hosts"]}
     assert hosts[node.ip]["status"] == "unreachable", hosts[node.ip]
-    assert hosts[node.ip]["error"] == f"did not answer within {CMD_TIMEOUT}s (ssh.command_timeout)"
+    # the kept connection is found dead first (keepalives) and a new one cannot be made, or the command times out
+    connect = yaml.safe_load(spec.read_text())["ssh"]["connect_timeout"]
+    assert hosts[node.ip]["error"] in (f"did not answer within {CMD_TIMEOUT}s (ssh.command_timeout)",
+                                       f"cannot connect to {node.ip}{via(testcluster)}: timed out after {connect:g}s")
     assert [p["host"] for p in doc["processes"]] == [testcluster.nodes[0].ip, testcluster.nodes[2].ip]
