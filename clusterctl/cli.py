@@ -15,7 +15,7 @@ __all__ = ["main", "build_parser", "guarded"]
 
 # Modules that add their own subcommands with `add_cli(subparsers)`; missing ones are skipped.
 _PLUGINS = ("clusterctl.testcluster_cli", "clusterctl.ops.lifecycle_cli", "clusterctl.ops.provision_cli", "clusterctl.demo",
-            "clusterctl.k8s", "clusterctl.testcluster_slurm")
+            "clusterctl.k8s", "clusterctl.testcluster_slurm", "clusterctl.ops.top_cli")
 # The plugin that adds each command, so that `clusterctl status` imports that one plugin, not all of them
 # (they cost up to ~0.2 s: yaml, rich, the spec models). A command missing here (a new one) or no command
 # at all (`--help`) loads every plugin; tests/unit/test_cli_fast.py checks this table against the plugins.
@@ -26,6 +26,7 @@ _COMMAND_PLUGIN = {
     "demo": "clusterctl.demo",
     "k8s": "clusterctl.k8s",
     "testcluster-slurm": "clusterctl.testcluster_slurm",
+    "top": "clusterctl.ops.top_cli",
 }
 _CORE_COMMANDS = ("validate", "plan", "exec")
 

@@ -1,7 +1,7 @@
 """`clusterctl demo`: the main job on the embedded default, a local 3-node dockerized SSH test cluster.
 
 test cluster up → provision (from a wheelhouse: no internet on the nodes) → dispatch fit_a_line →
-start 2 pservers + 3 trainers in sync mode with live per-trainer progress → final table → stop.
+start 2 pservers + 3 trainers in sync mode, watched with `clusterctl top`'s view → final table → stop.
 A second run is faster: provisioning reports 0 changed and dispatch sends nothing.
 """
 
@@ -23,6 +23,7 @@ __all__ = ["add_cli", "demo_spec", "build_wheel"]
 
 DEMO_CLUSTER = "clusterctl-demo"
 DEMO_NODES = 3
+DEMO_REFRESH_S = 1.0  # the training view's refresh
 VENV = "/opt/clusterctl-venv"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,9 +70,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from . import testcluster as tc
     from .cli import cmd_plan
     from .backends import open_backend
+    from .host.states import ACTIVE_JOB_STATES
     from .ops.lifecycle_cli import _stop_after_interrupt, render_status
     from .ops.provision_cli import cmd_provision
-    from .progress import Progress
+    from .ops.top import Top
+    from .ops.top_cli import render_top
 
     t_all = time.monotonic()
     example = ROOT / "examples" / "fit_a_line"
@@ -104,31 +107,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
 
         out.print(Rule("4. train fit_a_line: 2 pservers, 3 trainers, sync"))
-        progress = Progress()
         t0 = time.monotonic()
         try:
             backend.stop()  # a previous demo interrupted half way leaves nothing behind
             backend.start()
-            with Live(progress.table("training"), console=out, refresh_per_second=8, transient=True) as live:
-
-                def on_line(host, stream, line):
-                    if progress.feed(line):
-                        live.update(progress.table("training"))
-
-                backend.logs(on_line=on_line, follow=True)
+            # `clusterctl top`'s view, refreshed every second until the job ends
+            with Top(backend.session) as top:
+                view = top.snapshot(None, interval=DEMO_REFRESH_S)
+                with Live(render_top(view), console=out, auto_refresh=False, transient=True) as live:
+                    while view.state in ACTIVE_JOB_STATES:
+                        time.sleep(max(0.0, DEMO_REFRESH_S - view.took_s))
+                        view = top.snapshot(DEMO_REFRESH_S, interval=DEMO_REFRESH_S)
+                        live.update(render_top(view), refresh=True)
+                view = top.snapshot(None)  # every log read to its end
             final = backend.status()
         except KeyboardInterrupt:
             return _stop_after_interrupt(backend)
         t_train = time.monotonic() - t0
 
         out.print(Rule("5. result"))
-        out.print(progress.table(f"fit_a_line: job {final.state} in {t_train:.1f}s"))
+        out.print(render_top(view, title=f"fit_a_line: job {final.state} in {t_train:.1f}s"))
         render_status(final)
         out.print(Rule("6. stop"))
         left = backend.stop().was_running
         out.print("stopped the remaining processes" if left else "nothing left to stop: pservers exited when the trainers finished")
 
-    losses = [progress.trainers[t].loss for t in sorted(progress.trainers) if progress.trainers[t].loss is not None]
+    trainers = [r for r in view.rows if r.role == "trainer" and r.rank is None and r.progress]
+    losses = [r.progress["metrics"]["loss"] for r in trainers if isinstance(r.progress["metrics"].get("loss"), (int, float))]
     converged = final.state == "succeeded" and len(losses) == 3 and max(losses) < 10
     verdict = "[bold green]converged[/]" if converged else "[bold red]did not converge[/]"
     out.print(

@@ -1,20 +1,27 @@
-"""Training progress from log lines: `step=N loss=X trainer=T ...` and `done steps=.. loss=.. steps_per_s=.. wall_s=..`.
+"""Training progress on the controller: what hosts report of it, checked, and the stragglers among the ranks.
 
-The examples print these key=value lines; this module turns a stream of `[host role.id] line` log lines
-into per-trainer state for a live display and a final summary. Pure parsing: no I/O.
+The hosts read the progress lines (`step=N loss=X ...`, clusterctl/host/progressline.py) from the processes'
+logs; `agent top` replies carry, per process, {step, rate, done, metrics, age_s, slices}. A host may be
+compromised, so what it sends is taken through an allow-list with bounds (`clean_progress`) before anything
+shows or compares it. `stragglers` applies the straggler rule (host/progressline.find_stragglers) to every
+rank of a job, wherever it runs. Pure: no I/O, no rich (`clusterctl status` and `top` render it).
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field
 
-from rich.table import Table
+from .host.progressline import (RATE_WINDOW_S, STRAGGLER_SLICES, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S,
+                                find_stragglers)
 
-__all__ = ["TrainerProgress", "Progress", "parse_fields"]
+__all__ = ["parse_fields", "clean_progress", "stragglers", "metrics_text", "RATE_WINDOW_S", "STRAGGLER_THRESHOLD",
+           "STRAGGLER_WINDOW_S", "STRAGGLER_SLICES"]
 
-_PREFIX = re.compile(r"^\[(?P<host>[^\]\s]+) (?P<role>pserver|trainer)\.(?P<id>\d+)\] (?P<text>.*)$")
 _FIELD = re.compile(r"(\w+)=(\S+)")
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]{0,63}$")
+MAX_METRICS = 16
+MAX_SLICES = 60
 
 
 def parse_fields(text: str) -> dict[str, str]:
@@ -22,69 +29,59 @@ def parse_fields(text: str) -> dict[str, str]:
     return dict(_FIELD.findall(text))
 
 
-@dataclass
-class TrainerProgress:
-    """What one trainer last reported."""
-
-    host: str
-    id: int
-    step: int | None = None
-    loss: float | None = None
-    done: bool = False
-    steps_per_s: float | None = None
-    wall_s: float | None = None
-    failed: str | None = None
+def _finite(x, lo: float = -math.inf, hi: float = math.inf) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    x = float(x)
+    return x if math.isfinite(x) and lo <= x <= hi else None
 
 
-@dataclass
-class Progress:
-    """Per-trainer progress folded from prefixed log lines."""
+def _word(x, limit: int = 64) -> str | None:
+    if not isinstance(x, str) or not x or len(x) > limit:
+        return None
+    return x if x.isprintable() else None
 
-    trainers: dict[int, TrainerProgress] = field(default_factory=dict)
-    other_lines: list[str] = field(default_factory=list)
 
-    def feed(self, line: str) -> bool:
-        """Fold one log line in; True when it changed a trainer's progress."""
-        m = _PREFIX.match(line)
-        if not m or m["role"] != "trainer":
-            self.other_lines.append(line)
-            return False
-        tid = int(m["id"])
-        tp = self.trainers.setdefault(tid, TrainerProgress(m["host"], tid))
-        text = m["text"]
-        fields = parse_fields(text)
-        if text.startswith("done ") and "loss" in fields:
-            tp.done = True
-            tp.step = int(fields.get("steps", tp.step or 0))
-            tp.loss = float(fields["loss"])
-            tp.steps_per_s = float(fields["steps_per_s"]) if "steps_per_s" in fields else None
-            tp.wall_s = float(fields["wall_s"]) if "wall_s" in fields else None
-            return True
-        if text.startswith("failed "):
-            tp.failed = fields.get("error", text)
-            return True
-        if text.startswith("step=") and "loss" in fields:
-            tp.step = int(fields["step"])
-            tp.loss = float(fields["loss"])
-            return True
-        self.other_lines.append(line)
-        return False
+def clean_progress(d, *, keep_slices: bool = True) -> dict | None:
+    """A host's progress entry through an allow-list: {step, rate, done, metrics, age_s[, slices][, rank]}, or None
+    when it is not one (wrong types, out of bounds)."""
+    if not isinstance(d, dict):
+        return None
+    step = d.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**15:
+        return None
+    metrics = {}
+    raw = d.get("metrics")
+    if isinstance(raw, dict):
+        for k, v in list(raw.items())[:MAX_METRICS]:
+            if not isinstance(k, str) or not _KEY.match(k):
+                continue
+            value = _finite(v) if not isinstance(v, str) else _word(v)
+            if value is not None:
+                metrics[k] = int(value) if isinstance(v, int) and not isinstance(v, bool) else value
+    out = {"step": step, "rate": _finite(d.get("rate"), 0.0), "done": d.get("done") is True, "metrics": metrics,
+           "age_s": _finite(d.get("age_s"), 0.0)}
+    if keep_slices and isinstance(d.get("slices"), list):
+        slices = []
+        for item in d["slices"][-MAX_SLICES:]:
+            if isinstance(item, list) and len(item) == 2 and _finite(item[0]) is not None:
+                slices.append([float(item[0]), _finite(item[1], 0.0)])
+        out["slices"] = slices
+    rank = _word(d.get("rank"), 32)
+    if rank is not None:
+        out["rank"] = rank
+    return out
 
-    def table(self, title: str) -> Table:
-        """A rich table: one row per trainer."""
-        t = Table(title=title, title_justify="left")
-        for col in ("trainer", "host", "step", "loss", "steps/s", "wall", "state"):
-            t.add_column(col, no_wrap=True, justify="right" if col in ("step", "loss", "steps/s", "wall") else "left")
-        for tid in sorted(self.trainers):
-            tp = self.trainers[tid]
-            state = "[red]failed[/]" if tp.failed else ("[green]done[/]" if tp.done else "training")
-            t.add_row(
-                str(tid),
-                tp.host,
-                "" if tp.step is None else str(tp.step),
-                "" if tp.loss is None else f"{tp.loss:.4f}",
-                "" if tp.steps_per_s is None else f"{tp.steps_per_s:.1f}",
-                "" if tp.wall_s is None else f"{tp.wall_s:.2f}s",
-                state,
-            )
-        return t
+
+def stragglers(ranks: dict, *, threshold: float = STRAGGLER_THRESHOLD, slices: int = STRAGGLER_SLICES) -> dict:
+    """The straggler rule over a job's ranks: {key: progress (clean_progress, with slices)} → {key: {rate, median,
+    ratio}} for the ranks below `threshold` × the median rate in each of the last `slices` slices. Finished ranks
+    (done) take no part."""
+    live = {k: p.get("slices") or [] for k, p in ranks.items() if p and not p.get("done")}
+    return find_stragglers(live, threshold, slices)
+
+
+def metrics_text(metrics: dict, limit: int = 4) -> str:
+    """`loss=0.3102 acc=0.91`: the first `limit` metrics, loss first."""
+    items = sorted(metrics.items(), key=lambda kv: kv[0] != "loss")[:limit]
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in items)

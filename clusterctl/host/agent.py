@@ -15,6 +15,7 @@ Subcommands (each prints exactly one JSON object on stdout, except ``logs``)::
     preflight JOBFILE              ports / entrypoints / log dirs problems
     wait-ports HOST:PORT,... --timeout S
     logs JOBDIR [--follow] [--role R] [--id N] [-n LINES] [--host-label H]
+    top JOBDIR [--progress-only] [--slice S] [--slices N] [--wait S] [--no-gpu]
 
 Exit codes: 0 success, 1 the operation did not succeed (details in the JSON),
 2 bad input (JSON ``{"ok": false, "error": ...}``), 3 internal error.
@@ -119,6 +120,10 @@ def build_parser():
     s.add_argument("--host-label", default=None)
     s.add_argument("--interval", type=float, default=0.2, help=argparse.SUPPRESS)
     s.set_defaults(func=("logtail", "cmd_logs"))
+
+    s = sub.add_parser("top", help="job state with each process's resources and progress", add_help=False)
+    s.add_argument("args", nargs=argparse.REMAINDER)  # topsnap.parse_args reads them
+    s.set_defaults(func=("topsnap", "cmd_top"))
     return p
 
 

@@ -26,6 +26,7 @@ class ProcessStatus:
     exit_code: int | None
     uptime_s: float | None
     error: str | None = None
+    progress: dict | None = None  # {step, rate, done, metrics, age_s}: its last progress line (docs/lifecycle.md)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class JobStatus:
     restarts: int = 0
     attempts: list = field(default_factory=list)  # {attempt, outcome, reason, started_at, ended_at}, oldest first
     backend: str = "ssh"
+    stragglers: list = field(default_factory=list)  # {host, process, rate, median, ratio}: the straggler rule's finds
 
     def to_json(self) -> dict:
         """JSON form for `clusterctl status --json`."""
@@ -54,6 +56,7 @@ class JobStatus:
             "attempts": self.attempts,
             "processes": [vars(p) for p in self.processes],
             "unreachable": self.unreachable,
+            "stragglers": self.stragglers,
         }
 
 

@@ -20,6 +20,7 @@ from ..remote import LineCallback
 from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
 from ..host.states import JobState
 from ..host.status import JobStatus, ProcessStatus, overall_state
+from ..progress import clean_progress, stragglers
 from . import Session
 from .hosttools import ensure_tools, install_on, package_dir, tool_argv, tool_command
 
@@ -126,7 +127,8 @@ def _parse(res) -> dict:
 def status(session: Session) -> JobStatus:
     """Every process's state on every host; unreachable hosts are reported, not fatal."""
     plan, remote = session.plan, session.remote
-    cmd, payload = tool_command("agent", ["status", _jobdir(plan)])
+    # `agent top --progress-only`: `agent status`'s reply plus each process's progress from its log (no sampling)
+    cmd, payload = tool_command("agent", ["top", _jobdir(plan), "--progress-only"])
     results = remote.run(cmd, stdin=payload, check=False, timeout=remote.control_timeout, what="status")
     replies: dict[str, dict] = {}
     unreachable: dict[str, str] = {}
@@ -140,7 +142,8 @@ def status(session: Session) -> JobStatus:
 
 def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str]) -> JobStatus:
     """The job's status from every host's `agent status` reply (host label -> reply) and the hosts that did
-    not answer (label -> why), whatever started the supervisors (pure)."""
+    not answer (label -> why), whatever started the supervisors (pure). Progress in the replies (`agent top
+    --progress-only`) is kept per process, and the job's stragglers found from it."""
     procs: list[ProcessStatus] = []
     host_states: list[str] = [JobState.LOST for _ in unreachable]
     reasons: list[str] = []
@@ -160,16 +163,21 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str])
             procs.append(
                 ProcessStatus(
                     label, p["role"], p["id"], p.get("pid"), p.get("state"), p.get("exit_code"),
-                    p.get("uptime_s"), p.get("error"),
+                    p.get("uptime_s"), p.get("error"), clean_progress(p.get("progress")),
                 )
             )
     procs.sort(key=lambda p: (p.role != "pserver", p.id))
+    slow = stragglers({i: p.progress for i, p in enumerate(procs) if p.role == "trainer" and p.state == "running"})
+    for p in procs:
+        if p.progress is not None:
+            p.progress.pop("slices", None)
     state = overall_state(host_states)
     reason = "; ".join(reasons) or (
         "unreachable: " + ", ".join(unreachable) if unreachable else None
     )
     attempts = [{k: a.get(k) for k in ("attempt", "outcome", "reason", "started_at", "ended_at")} for a in attempts]
-    return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, attempts)
+    found = [{"host": procs[i].host, "process": f"{procs[i].role}.{procs[i].id}", **v} for i, v in sorted(slow.items())]
+    return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, attempts, stragglers=found)
 
 
 def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | None = None) -> dict[Host, dict]:

@@ -20,6 +20,15 @@ def _styled(state: str) -> str:
     return f"[{style}]{escape(state)}[/]" if style else escape(state)
 
 
+def _progress_cells(progress, straggler: bool) -> list[str]:
+    """The step and steps/s cells of a process's progress (blank without any); a straggler's rate in red."""
+    if not progress:
+        return ["", ""]
+    step = f"{progress['step']:,}" + (" (done)" if progress.get("done") else "")
+    rate = "" if progress.get("rate") is None else f"{progress['rate']:.3g}"
+    return [step, f"[bold red]{rate} straggler[/]" if straggler else rate]
+
+
 def render_status(st) -> None:
     """Print a job's status as a table plus its overall state."""
     if not st.processes and not st.unreachable:
@@ -32,13 +41,26 @@ def render_status(st) -> None:
     table = Table(title=f"job {st.job}: {_styled(st.state)}", title_justify="left")
     for col in ("host", "role", "id", "pid", "state", "exit", "uptime"):
         table.add_column(col, no_wrap=True)
+    progress = any(getattr(p, "progress", None) for p in st.processes)  # trainers that print progress lines
+    rates = any((getattr(p, "progress", None) or {}).get("rate") is not None for p in st.processes)
+    if progress:
+        table.add_column("step", no_wrap=True, justify="right")
+    if rates:
+        table.add_column("steps/s", no_wrap=True, justify="right")
+    slow = {(s["host"], s["process"]) for s in getattr(st, "stragglers", ())}
     for p in st.processes:
-        table.add_row(
+        cells = [
             escape(p.host), p.role, str(p.id), str(p.pid or ""), _styled(p.state or "?"),
             "" if p.exit_code is None else str(p.exit_code),
             "" if p.uptime_s is None else f"{p.uptime_s:.1f}s",
-        )
+        ]
+        if progress:
+            cells += _progress_cells(p.progress, (p.host, f"{p.role}.{p.id}") in slow)[: 1 + rates]
+        table.add_row(*cells)
     out.print(table)
+    for s in getattr(st, "stragglers", ()):
+        out.print(f"[bold red]straggler[/]: {escape(s['process'])} on {escape(s['host'])}: {s['rate']:.3g} steps/s, "
+                  f"{s['ratio']:.0%} of the median {s['median']:.3g}")
     if st.restarts or st.attempt:
         out.print(f"attempt {st.attempt} (restarts allowed: {st.restarts})")
         for a in st.attempts:
