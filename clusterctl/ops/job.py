@@ -67,10 +67,7 @@ def job_files(plan: JobPlan, homes: dict[Host, str], token: str) -> dict[Host, d
             host.address,
             procs,
             posixpath.join(home, STATE_ROOT),
-            on_failure=plan.on_failure,
-            grace=plan.grace,
-            restarts=plan.restarts,
-            restart_backoff=plan.restart_backoff,
+            plan.policy,
             start_trainers_after={"endpoints": pserver_eps, "timeout": WAIT_PSERVERS_S} if pserver_eps else None,
             coordinator=coordinator_entry(
                 ctl_addr, int(ctl_port), token, host == plan.hosts[0], len(plan.hosts), len(plan.trainers)
@@ -92,10 +89,7 @@ def _mpi_job_file(plan: JobPlan, home: str, token: str) -> dict:
         mpi.host.address,
         [process_entry("trainer", 0, mpi.argv, env, home, _abs(home, plan.log_path(first)))],
         posixpath.join(home, STATE_ROOT),
-        on_failure=plan.on_failure,
-        grace=plan.grace,
-        restarts=plan.restarts,
-        restart_backoff=plan.restart_backoff,
+        plan.policy,
         auth=plan.auth,
         token=token,
     )

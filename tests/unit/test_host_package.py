@@ -17,7 +17,7 @@ from clusterctl.host.states import JobState, ProcState
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import FakeCoordinator  # noqa: E402
-from test_agent import AGENT, PY, Cluster, coordinator, free_port, launch, terminal, wait_for  # noqa: E402
+from test_agent import AGENT, PY, SLACK, Cluster, coordinator, free_port, launch, terminal, wait_for  # noqa: E402
 
 HOST = Path(jobfile.__file__).resolve().parent
 
@@ -93,15 +93,20 @@ def test_a_peer_refuses_a_coordinator_of_another_protocol_version(cluster):
     job_id = cluster.new_job_id()
     port = free_port()
     old = FakeCoordinator(port, version=1, timeout=1)
+    connect_timeout = 3.0
     try:
-        hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "sleep")], coordinator(port, False, 2, 1))
+        hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "sleep")],
+                          coordinator(port, False, 2, 1, connect_timeout=connect_timeout))
         launch(hB)
-        final = wait_for(lambda: terminal(hB), 20)
+        final = wait_for(lambda: terminal(hB), connect_timeout + SLACK)
     finally:
         old.close()
     assert final and final["state"] == "failed", final
-    assert final["reason"] == (f"protocol version mismatch: this host's agent speaks 2, coordinator 127.0.0.1:{port} "
-                               "sent 1 (upload the same agent to every host)"), final
+    # it kept trying (another coordinator may take the port) until connect_timeout, then says why it failed
+    assert final["reason"] == (f"could not connect to coordinator 127.0.0.1:{port} within 3s: protocol version "
+                               f"mismatch: this host's agent speaks 2, coordinator 127.0.0.1:{port} sent 1 (upload "
+                               "the same agent to every host)"), final
+    assert old.connections >= 2
     assert old.received == b""  # it said nothing (no hello, no proof) to a coordinator it cannot talk to
 
 
