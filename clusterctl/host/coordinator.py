@@ -4,7 +4,9 @@
 authenticated peer says goes to its handler (the supervisor), which applies the rules. The listener
 survives a flood (docs/agent.md, "Flood limits"): at most MAX_PENDING unauthenticated connections, at most
 MAX_PENDING_PER_SOURCE from one address (a new one evicts the oldest: idle sockets never keep a peer out),
-AUTH_TIMEOUT to authenticate, one line of garbage (blank, not an object, too long, too deep, not a hello)
+all of them within the descriptors left to the process (RLIMIT_NOFILE, less RESERVED_FDS),
+AUTH_TIMEOUT to authenticate (a connection about to be evicted is read first: a hello that already
+arrived is honoured), one line of garbage (blank, not an object, too long, too deep, not a hello)
 drops the connection, and an accept error (EMFILE, ENFILE, ...) evicts the oldest unauthenticated
 connection to make room, or, with none left, pauses accepting for ACCEPT_PAUSE: it never ends anything.
 """
@@ -12,6 +14,7 @@ connection to make room, or, with none left, pauses accepting for ACCEPT_PAUSE: 
 import collections
 import errno
 import os
+import resource
 import socket
 import time
 
@@ -25,8 +28,22 @@ MAX_PENDING = 64  # unauthenticated connections kept at once (a new one evicts t
 MAX_PENDING_PER_SOURCE = 16  # of them from one address (a new one evicts that address's oldest)
 ACCEPT_PAUSE = 0.5  # seconds without accepting after an accept error such as EMFILE
 ACCEPT_BATCH = 64  # connections accepted per readiness event (the rest on the next one)
+MIN_PENDING = 4  # however few descriptors are left, this many unauthenticated connections are kept
+RESERVED_FDS = 64  # descriptors kept free for the supervisor's own work (peers, logs, /proc, state.json, spawning)
 # accept errors that say "no resources now" (the listener is fine; try again later)
 _ACCEPT_PAUSE_ERRNOS = frozenset(e for e in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) if e)
+
+
+def fd_budget():
+    """How many more descriptors this process may open, less RESERVED_FDS (a large number where unknown)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        used = len(os.listdir("/proc/self/fd"))
+    except (OSError, ValueError):
+        return MAX_PENDING
+    if soft == resource.RLIM_INFINITY:
+        return MAX_PENDING
+    return soft - used - RESERVED_FDS
 
 
 class CoordinatorLink:
@@ -68,6 +85,8 @@ class CoordinatorLink:
             return "cannot listen on %s: %s" % (self.endpoint, os.strerror(e.errno) if e.errno else e)
         self.listener.setblocking(False)
         self.loop.register(self.listener, self._on_accept)
+        self.max_pending = min(self.max_pending, max(MIN_PENDING, fd_budget()))
+        self.max_per_source = min(self.max_per_source, self.max_pending)
         return None
 
     # -- unauthenticated connections ------------------------------------------------------------------------
@@ -97,12 +116,12 @@ class CoordinatorLink:
 
     def _admit(self, sock, addr):
         source = addr[0] if isinstance(addr, tuple) else str(addr)
-        if self.by_source[source] >= self.max_per_source:
+        while self.by_source[source] >= self.max_per_source:
             oldest = next(c for c in self.pending.values() if c.source == source)
-            self._evict(oldest, "more than %d unauthenticated connections from %s" % (self.max_per_source, source))
-        elif len(self.pending) >= self.max_pending:
-            self._evict(next(iter(self.pending.values())),
-                        "more than %d unauthenticated connections" % self.max_pending)
+            self._make_room(oldest, "more than %d unauthenticated connections from %s" % (self.max_per_source, source))
+        while len(self.pending) >= self.max_pending:
+            self._make_room(next(iter(self.pending.values())),
+                            "more than %d unauthenticated connections" % self.max_pending)
         sock.settimeout(SEND_TIMEOUT)
         conn = Conn(sock, addr, self.clock(), self.auth_timeout, self.clock)
         self.pending[sock] = conn
@@ -111,6 +130,13 @@ class CoordinatorLink:
         # mutual authentication: the peer proves the token over this nonce and its own, and so do we
         if not conn.send(challenge(conn.nonce)):
             self._drop_pending(conn, "send failed")
+
+    def _make_room(self, conn, why):
+        """Take `conn` out of the pending ones: first read what it already sent (a peer whose hello waits
+        unread gets in, garbage is dropped as garbage), else evict it."""
+        self._on_readable(conn.sock, wait=False)
+        if conn.sock in self.pending:
+            self._evict(conn, why)
 
     def _evict(self, conn, why):
         self.counts["evicted"] += 1
@@ -122,6 +148,7 @@ class CoordinatorLink:
         self.loop.unregister(conn.sock)
         if self.pending.pop(conn.sock, None) is not None:
             self.counts["rejected"] += 1
+            self.counts["unauthenticated_bytes"] += conn.received
             self.by_source[conn.source] -= 1
             if self.by_source[conn.source] <= 0:
                 del self.by_source[conn.source]
@@ -132,14 +159,14 @@ class CoordinatorLink:
         conn.send(error(text))
         self._drop_pending(conn, why)
 
-    def _on_readable(self, sock):
+    def _on_readable(self, sock, wait=True):
         conn = self.pending.get(sock) or self.by_sock.get(sock)
         if conn is None:  # not ours any more
             self.loop.unregister(sock)
             sock.close()
             return
         try:
-            objs = conn.receive()
+            objs = conn.receive(wait)
         except ProtocolError as e:
             self.counts["garbage"] += 1
             self.log_bad("garbage", "garbage from %s (%s): %s; closing" % (conn.addr, conn.host or "unauthenticated", e))
@@ -269,4 +296,5 @@ class CoordinatorLink:
         """Counters for state.json's coordinator section."""
         return {"rejected_connections": self.counts["rejected"], "evicted_connections": self.counts["evicted"],
                 "garbage_connections": self.counts["garbage"], "accept_errors": self.counts["accept_errors"],
-                "pending_connections": len(self.pending)}
+                "pending_connections": len(self.pending),
+                "unauthenticated_bytes": self.counts["unauthenticated_bytes"]}

@@ -398,6 +398,7 @@ class Conn:
         self.nonce = new_nonce()  # ours: the coordinator's challenge, or the peer's own nonce
         self.their_nonce = None  # peer side: the coordinator's challenge
         self.closed = False
+        self.received = 0  # bytes read
 
     def send(self, msg):
         """Send one message; False if the connection is broken (or the other end reads nothing)."""
@@ -408,18 +409,33 @@ class Conn:
         self.last_tx = self.clock()
         return True
 
-    def receive(self):
-        """Read what is available: a list of JSON objects, or None on EOF; raise ProtocolError on garbage."""
+    def receive(self, wait=True):
+        """Read what is available: a list of JSON objects, or None on EOF; raise ProtocolError on garbage.
+
+        `wait=False` reads only what already arrived (a socket with a timeout would first wait up to it)."""
+        timeout = self.sock.gettimeout()
         try:
+            if not wait:
+                self.sock.setblocking(False)
             data = self.sock.recv(65536)
         except (BlockingIOError, socket.timeout, InterruptedError):
             return []
         except OSError:
             return None
+        finally:
+            if not wait:
+                self._restore_timeout(timeout)
         if not data:
             return None
         self.last_rx = self.clock()
+        self.received += len(data)
         return [decode_line(line) for line in self.reader.feed(data)]
+
+    def _restore_timeout(self, timeout):
+        try:
+            self.sock.settimeout(timeout)
+        except OSError:
+            pass
 
     def close(self):
         """Close the socket (idempotent)."""

@@ -144,8 +144,10 @@ class HostStatus:
 
     def process_status(self, label: str) -> list:
         """The processes as `ProcessStatus` rows of host `label`."""
-        return [ProcessStatus(label, p["role"], p["id"], p.get("pid"), p.get("state"), p.get("exit_code"),
-                              p.get("uptime_s"), p.get("error")) for p in self.processes]
+        return [ProcessStatus(label, p["role"], p["id"], p["pid"] if _is_int(p.get("pid")) else None,
+                              _str_or_none(p.get("state")) or "unknown",
+                              p["exit_code"] if _is_int(p.get("exit_code")) else None,
+                              _num_or_none(p.get("uptime_s")), _str_or_none(p.get("error"))) for p in self.processes]
 
 
 @dataclass

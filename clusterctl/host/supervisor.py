@@ -124,8 +124,13 @@ class Supervisor:
         return state
 
     def write_state(self):
-        """Write state.json (atomically)."""
-        write_json_atomic(os.path.join(self.jobdir, STATE_FILE), self.snapshot())
+        """Write state.json (atomically); a failure (a full disk, no descriptor left) is logged and retried on
+        the next round, never the end of the supervisor."""
+        try:
+            write_json_atomic(os.path.join(self.jobdir, STATE_FILE), self.snapshot())
+        except OSError as e:
+            self.log_bad("state", "cannot write %s: %s; retrying" % (STATE_FILE, e.strerror or e))
+            return
         self.dirty = False
 
     def report(self, obj):

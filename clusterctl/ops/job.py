@@ -19,7 +19,7 @@ from ..quoting import join, quote
 from ..remote import LineCallback, Remote
 from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
 from ..host.states import ACTIVE_JOB_STATES, JobState
-from ..host.status import JobStatus, ProcessStatus, overall_state
+from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from . import Session
 from .hosttools import ensure_tools, install_on, tool_argv, tool_command
 
@@ -138,37 +138,28 @@ def status(session: Session) -> JobStatus:
     host_states: list[str] = []
     unreachable: dict[str, str] = {}
     reasons: list[str] = []
-    attempt, restarts, attempts = 0, 0, []
+    attempt, restarts, attempts, attempts_total = 0, 0, [], 0
     for host, res in results.items():
         if not res.answered:  # not reached, or its command never answered (our deadline)
             unreachable[host.label] = res.stderr.strip()
             host_states.append(JobState.LOST)
             continue
-        data = _parse(res)
-        state = data.get("state") or JobState.UNKNOWN
-        if state == JobState.STOPPING and data.get("restart_pending"):
-            state = JobState.RESTARTING  # the failed attempt is being stopped; the job starts again after
-        host_states.append(state)
-        restarts = max(restarts, data.get("restarts") or 0)
+        reply = HostStatus.from_json(_parse(res))  # only well-typed fields of what the host sent
+        # a failed attempt being stopped reads `restarting` when another follows
+        host_states.append(reply.folded_state)
+        restarts = max(restarts, reply.restarts)
         # the host that got furthest knows the most attempts (the coordinator, unless it was cut off)
-        if (data.get("attempt") or 0, len(data.get("attempts") or [])) > (attempt, len(attempts)):
-            attempt, attempts = data.get("attempt") or 0, data.get("attempts") or []
-        if data.get("reason") and data.get("state") not in (JobState.RUNNING, JobState.SUCCEEDED):
-            reasons.append(f"{host.label}: {data['reason']}")
-        for p in data.get("processes", []):
-            procs.append(
-                ProcessStatus(
-                    host.label, p["role"], p["id"], p.get("pid"), p.get("state"), p.get("exit_code"),
-                    p.get("uptime_s"), p.get("error"),
-                )
-            )
+        if (reply.attempt, reply.attempts_total) > (attempt, attempts_total):
+            attempt, attempts, attempts_total = reply.attempt, reply.attempts, reply.attempts_total
+        if reply.reason and reply.state not in (JobState.RUNNING, JobState.SUCCEEDED):
+            reasons.append(f"{host.label}: {reply.reason}")
+        procs.extend(reply.process_status(host.label))
     procs.sort(key=lambda p: (p.role != "pserver", p.id))
     state = overall_state(host_states)
     reason = "; ".join(reasons) or (
         "unreachable: " + ", ".join(unreachable) if unreachable else None
     )
-    attempts = [{k: a.get(k) for k in ("attempt", "outcome", "reason", "started_at", "ended_at")} for a in attempts]
-    return JobStatus(plan.job, state, reason, procs, unreachable, attempt, restarts, attempts)
+    return JobStatus(plan.job, state, reason, procs, unreachable, attempt, restarts, [a.summary() for a in attempts])
 
 
 def stop(session: Session, *, grace: float | None = None) -> dict[Host, dict]:

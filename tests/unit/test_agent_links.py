@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import select
 import socket
 import time
 
@@ -171,6 +172,25 @@ def test_idle_connections_never_keep_a_peer_out(net):
     assert pump(loop, lambda: link.connected and ch.joined)  # the newest (the peer's) stays until it proves itself
     assert coord.counts["evicted"] >= 32 and ("overload" in {k for k, _ in logs})
     for s in idle:
+        s.close()
+
+
+def test_the_oldest_is_read_before_it_is_evicted_so_a_waiting_hello_gets_in(net):
+    loop, clock, coordinator, peer = net
+    coord, ch, _ = coordinator(max_pending=8, max_per_source=2)
+    a = raw(coord.port)
+    assert pump(loop, lambda: len(coord.pending) == 1)
+    nc = json.loads(a.makefile("rb").readline())["nonce"]
+    np_ = "ef" * 32
+    proof = protocol.auth_proof(TOKEN, "peer", JOB, "hLate", nc, np_)
+    a.sendall(json.dumps(protocol.hello(JOB, "hLate", np_, proof)).encode() + b"\n")
+    (conn,) = coord.pending.values()
+    assert select.select([conn.sock], [], [], WAIT)[0]  # its hello is there, not read yet
+    flood = [raw(coord.port) for _ in range(3)]  # same source: over its limit of 2
+    coord._on_accept(coord.listener)  # accept them before anything else is read
+    assert [h for h, _ in ch.joined] == ["hLate"] and coord.counts["evicted"] == 1  # a flooder, not hLate
+    assert coord.connected() == {"hLate"} and len(coord.pending) == 2
+    for s in flood + [a]:
         s.close()
 
 
