@@ -48,15 +48,19 @@ def coordinator_entry(address, port, token, is_coordinator, hosts, trainers_tota
 
 
 def build_job(job, host, processes, state_root, policy=DEFAULT_POLICY, start_trainers_after=_ABSENT,
-              coordinator=_ABSENT, env=_ABSENT, auth="token", token=None):
+              coordinator=_ABSENT, env=_ABSENT, auth="token", token=None, **policy_keys):
     """A job file (dict, for json.dumps) for one host, checked by the host's own validator; raise ValueError.
 
-    `policy` (a `Policy`: on_failure, grace, restarts, restart_backoff) is written as top-level keys. The
-    optional sections are written only when given (`start_trainers_after` may be given as None).
-    `token` is the job's secret (the processes get a key derived from it); `auth: none` runs without one.
+    `policy` (a `Policy`: on_failure, grace, restarts, restart_backoff) is written as top-level keys; its
+    keys given one by one (`grace=5`, the older form) replace the policy's. The optional sections are
+    written only when given (`start_trainers_after` may be given as None). `token` is the job's secret (the
+    processes get a key derived from it); `auth: none` runs without one.
     """
     out = {"job": job, "host": host, "state_root": state_root}
-    out.update(policy.to_job())
+    unknown = set(policy_keys) - set(policy.to_job())
+    if unknown:
+        raise TypeError("build_job() got unexpected keyword argument(s) %s" % ", ".join(sorted(unknown)))
+    out.update(policy.to_job(), **policy_keys)
     out["auth"] = auth
     if token is not None:
         out["token"] = token

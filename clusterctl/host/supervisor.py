@@ -91,6 +91,11 @@ class Supervisor:
         self.dirty = True
         self._counts_written = None
 
+    @property
+    def state(self):
+        """The job state on this host (a JobState)."""
+        return self.core.state
+
     # -- state.json and the launch report ---------------------------------------------------------------------
 
     def snapshot(self):

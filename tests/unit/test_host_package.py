@@ -144,6 +144,16 @@ def test_the_job_file_is_built_and_checked_by_one_schema(tmp_path):
         jobfile.build_job("j-1", "h", [dict(proc, role="worker")], "/s")
     with pytest.raises(ValueError, match="coordinator.port: must be <= 65535"):
         jobfile.build_job("j-1", "h", [proc], "/s", coordinator=dict(coord, port=70000))
+    # the policy as one object, or its keys one by one (the older form): one default and bound each
+    from clusterctl.host.policy import Policy
+
+    a = jobfile.build_job("j-1", "h", [proc], "/s", Policy(grace=5.0, restarts=2))
+    assert a == jobfile.build_job("j-1", "h", [proc], "/s", grace=5.0, restarts=2)
+    assert (a["on_failure"], a["grace"], a["restarts"], a["restart_backoff"]) == ("stop", 5.0, 2, 1.0)
+    with pytest.raises(ValueError, match="restart_backoff: must be a number between 1.0 and 300.0, got 0.5"):
+        jobfile.build_job("j-1", "h", [proc], "/s", restart_backoff=0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument.s. colour"):
+        jobfile.build_job("j-1", "h", [proc], "/s", colour="red")
 
 
 # ------------------------------------------------------------------ the upload, over the local fake transport
