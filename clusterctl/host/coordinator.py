@@ -134,7 +134,7 @@ class CoordinatorLink:
     def _make_room(self, conn, why):
         """Take `conn` out of the pending ones: first read what it already sent (a peer whose hello waits
         unread gets in, garbage is dropped as garbage), else evict it."""
-        self._on_readable(conn.sock, wait=False)
+        self._on_readable(conn.sock)
         if conn.sock in self.pending:
             self._evict(conn, why)
 
@@ -159,14 +159,14 @@ class CoordinatorLink:
         conn.send(error(text))
         self._drop_pending(conn, why)
 
-    def _on_readable(self, sock, wait=True):
+    def _on_readable(self, sock):
         conn = self.pending.get(sock) or self.by_sock.get(sock)
         if conn is None:  # not ours any more
             self.loop.unregister(sock)
             sock.close()
             return
         try:
-            objs = conn.receive(wait)
+            objs = conn.receive()
         except ProtocolError as e:
             self.counts["garbage"] += 1
             self.log_bad("garbage", "garbage from %s (%s): %s; closing" % (conn.addr, conn.host or "unauthenticated", e))

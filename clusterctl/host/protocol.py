@@ -409,22 +409,20 @@ class Conn:
         self.last_tx = self.clock()
         return True
 
-    def receive(self, wait=True):
-        """Read what is available: a list of JSON objects, or None on EOF; raise ProtocolError on garbage.
-
-        `wait=False` reads only what already arrived (a socket with a timeout would first wait up to it)."""
+    def receive(self):
+        """Read what already arrived: a list of JSON objects ([] if nothing), or None on EOF; raise
+        ProtocolError on garbage. Never waits (a socket with a timeout would first wait up to it, so the read
+        is made non-blocking; the timeout stays for sends)."""
         timeout = self.sock.gettimeout()
         try:
-            if not wait:
-                self.sock.setblocking(False)
+            self.sock.setblocking(False)
             data = self.sock.recv(65536)
         except (BlockingIOError, socket.timeout, InterruptedError):
             return []
         except OSError:
             return None
         finally:
-            if not wait:
-                self._restore_timeout(timeout)
+            self._restore_timeout(timeout)
         if not data:
             return None
         self.last_rx = self.clock()
