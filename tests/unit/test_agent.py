@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 
+from clusterctl.host.jobdir import read_state_or_none, supervisor_alive
 from helpers import free_port, job_pids as tagged  # noqa: F401  (test_agent_attacks, test_agent_restart import them from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -122,9 +123,10 @@ class Cluster:
         return str(jobdir)
 
     def cleanup(self):
-        for d in self.jobdirs:
-            subprocess.run([PY, AGENT, "stop", d, "--grace", "0"], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=30)
+        for d in self.jobdirs:  # a supervisor still running is stopped; the rest is swept below
+            if supervisor_alive(read_state_or_none(d)):
+                subprocess.run([PY, AGENT, "stop", d, "--grace", "0"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=30)
         for job_id in self.job_ids:
             for pid in tagged(job_id):
                 try:
@@ -409,11 +411,13 @@ def test_stop_on_one_host_stops_the_job_everywhere_and_each_host_reports_its_kil
 
 
 @pytest.mark.timeout(120)
-def test_a_16_host_stop_counts_every_hosts_processes(cluster):
-    """Issue 22.7: the controller's stop (agent stop on every host at once) used to say 4 of 16 killed."""
+def test_a_stop_of_many_hosts_counts_every_hosts_processes(cluster):
+    """Issue 22.7: the controller's stop (agent stop on every host at once) said 4 killed on 16 hosts: the
+    hosts the coordinator's broadcast reached first reported nothing. 8 hosts here (the count does not
+    depend on how many)."""
     job_id = cluster.new_job_id()
     port = free_port()
-    n = 16
+    n = 8
     dirs = [cluster.host("h%02d" % i, job_id, [cluster.process("trainer", i, "sleep")],
                          coordinator(port, i == 0, n, n)) for i in range(n)]
     pids = set()
