@@ -160,7 +160,7 @@ def launch(jobdir):
 # launch / status / stop
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_launch_returns_fast_without_holding_pipes_and_status_reports_processes(cluster):
     job_id = cluster.new_job_id()
     port = free_port()
@@ -220,7 +220,24 @@ def test_launch_returns_fast_without_holding_pipes_and_status_reports_processes(
     assert rc == 1 and unknown_status["ok"] is False and unknown_status["state"] == "unknown"
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("code, rc, state", [(0, 0, "succeeded"), (3, 1, "failed")])
+def test_agent_run_is_the_supervisor_in_the_foreground_its_exit_code_the_outcome(cluster, code, rc, state):
+    """`agent run JOBFILE` (clusterctl.host.launch.run_job_file): what Slurm tasks and Kubernetes pods run."""
+    job_id = cluster.new_job_id("fg")
+    d = cluster.host("hA", job_id, [cluster.process("pserver", 0, "sleep"), cluster.process("trainer", 0, "exit", code, 0.2)])
+    p = subprocess.run([PY, AGENT, "run", os.path.join(d, "job.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       timeout=GRACE + SLACK)
+    assert p.returncode == rc and p.stdout == b"", (p.returncode, p.stdout, p.stderr[-2000:])
+    assert b"supervisor exiting, job state %s" % state.encode() in p.stderr  # its log on stderr
+    st = status(d)
+    assert st["state"] == state and st["supervisor"]["alive"] is False
+    assert [(q["role"], q["state"]) for q in st["processes"]] == [("pserver", "stopped"),
+                                                                   ("trainer", "exited" if code == 0 else "failed")]
+    assert tagged(job_id) == []
+
+
+@pytest.mark.timeout(120)
 def test_escaped_setsid_child_is_swept_and_other_jobs_survive(cluster):
     job_id = cluster.new_job_id("mine")
     other_id = cluster.new_job_id("other")
@@ -633,7 +650,7 @@ def test_logs_prefix_tail_non_utf8_and_long_lines(cluster):
     assert p.stdout == b"[hL trainer.3] t4\n"
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_logs_follow_survives_truncation_and_exits_when_job_ends(cluster):
     job_id = cluster.new_job_id()
     d = cluster.host("hF", job_id, [cluster.process("trainer", 0, "sleep")])
