@@ -147,7 +147,7 @@ def make_soak(info: tc.ClusterInfo, workdir: Path, job: str = "soak", base_port:
         "name": job, "ssh": base["ssh"], "hosts": base["hosts"][: len(info.nodes)],
         "workspace": {"local": str(JOB_DIR), "remote": f"clusterctl-soak/{job}"},
         "job": {"mode": "pserver", "entrypoint": ["python3", "job.py"], "args": ["{role}", "{id}"], "pservers": 2,
-                "trainers": 1, "grace": 2, "restarts": 1, "restart_backoff": 0.5, "ports": ports,
+                "trainers": 1, "grace": 2, "restarts": 1, "restart_backoff": 1, "ports": ports,
                 "log_dir": f"{LOG_ROOT}/{job}", "env": {"STEPS": "100000", "STEP_S": "0.1"}},
     }
     path = workdir / f"{job}.yaml"

@@ -32,7 +32,7 @@ import yaml
 
 from .errors import SpecError, SpecProblem
 from .host import pod as hostpod
-from .host.jobfile import DEFAULT_TIMINGS
+from .host.policy import DEFAULT_TIMINGS
 from .plan import JobPlan, make_plan
 from .spec import ClusterSpec
 
@@ -213,7 +213,7 @@ def _template(spec: ClusterSpec, plan: JobPlan, name: str, pserver_eps: str, job
         # the supervisors' coordinator: trainer 0's pod (every job has one)
         "coordinator": {"address": f"{name}-trainer-0.{name}", "port": job.ports.control, "pod": ["trainer", 0],
                         "hosts": len(plan.processes), "trainers_total": len(plan.trainers),
-                        "timings": {"connect_timeout": max(wait, DEFAULT_TIMINGS["connect_timeout"])}},
+                        "timings": {"connect_timeout": max(wait, DEFAULT_TIMINGS.connect_timeout)}},
         "start_trainers_after": {"endpoints": pserver_eps.split(","), "timeout": wait} if pserver_eps else None,
         "env": env_names,
     }

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from .errors import ClusterctlError
 from .host.layout import DATA_ENV, LayoutError, deal_shards, layout, render_args
+from .host.policy import DEFAULT_POLICY, Policy
 from .sshconfig import Resolved, Target, unresolved
 
 if TYPE_CHECKING:  # the spec models (pydantic) load only where a spec is laid out, not for a cached plan
@@ -148,10 +149,15 @@ class JobPlan:
     on_failure: str
     grace: float
     mpi: MpiLaunch | None = None
-    restarts: int = 0
-    restart_backoff: float = 1.0
+    restarts: int = DEFAULT_POLICY.restarts
+    restart_backoff: float = DEFAULT_POLICY.restart_backoff
     auth: str = "token"  # job.auth: "none" runs the job's servers unauthenticated
     backend: str = "ssh"  # where the job runs (clusterctl.backends)
+
+    @property
+    def policy(self) -> Policy:
+        """What the supervisors do about failures (on_failure, grace, restarts, restart_backoff)."""
+        return Policy(self.on_failure, self.grace, self.restarts, self.restart_backoff)
 
     @functools.cached_property
     def trainers(self) -> tuple[Process, ...]:

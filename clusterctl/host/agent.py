@@ -55,7 +55,7 @@ _MOVED = {
     "load_job": "jobfile", "validate_job": "jobfile", "parse_endpoint": "jobfile", "format_endpoint": "jobfile",
     "tagged_processes": "procfs", "proc_stat": "procfs", "pid_alive": "procfs",
     "auth_proof": "protocol", "PROTOCOL_VERSION": "protocol",
-    "attempt_log": "spawn", "restart_delay": "spawn", "process_token": "spawn",
+    "attempt_log": "spawn", "process_token": "spawn", "Policy": "policy",
     "Stopper": "stopping", "Supervisor": "supervisor", "describe": "jobdir", "read_state": "jobdir",
     "preflight": "preflight",
 }

@@ -1,246 +1,300 @@
-"""The coordinator role of a supervisor: accepts and authenticates peers, applies the job rules, restarts.
+"""The coordinator's link: the listener, the unauthenticated connections (bounded), the authenticated peers.
 
-A mixin of clusterctl/host/supervisor.py's `Supervisor` (which holds the state it reads and writes):
-the coordinator listens on the job's control endpoint, challenges every connection, decides the job's
-outcome from every host's process exits, broadcasts stops and restarts, and starts the next attempt once
-every host stopped the failed one.
+`CoordinatorLink` owns the sockets, the authentication and the per-connection timers; what an
+authenticated peer says goes to its handler (the supervisor), which applies the rules. The listener
+survives a flood (docs/agent.md, "Flood limits"): at most MAX_PENDING unauthenticated connections, at most
+MAX_PENDING_PER_SOURCE from one address (a new one evicts the oldest: idle sockets never keep a peer out),
+all of them within the descriptors left to the process (RLIMIT_NOFILE, less RESERVED_FDS),
+AUTH_TIMEOUT to authenticate (a connection about to be evicted is read first: a hello that already
+arrived is honoured), one line of garbage (blank, not an object, too long, too deep, not a hello)
+drops the connection, and an accept error (EMFILE, ENFILE, ...) evicts the oldest unauthenticated
+connection to make room, or, with none left, pauses accepting for ACCEPT_PAUSE: it never ends anything.
 """
 
+import collections
+import errno
 import os
-import selectors
+import resource
 import socket
 import time
 
-from .common import log
-from .jobfile import ROLES, format_endpoint
-from .protocol import (AUTH_TIMEOUT, MAX_PENDING, NONCE_BYTES, PROTOCOL_VERSION, Conn, _brief,
-                       auth_proof, proof_ok, version_mismatch)
-from .spawn import restart_delay
-from .states import HostState, JobState
+from .jobfile import format_endpoint
+from .protocol import (AUTH_TIMEOUT, SEND_TIMEOUT, Conn, Msg, ProtocolError, _brief, auth_proof, challenge,
+                       error, parse_message, ping, proof_ok, version_mismatch, welcome)
 
-PEER_DONE_LINGER = 5.0  # coordinator: after its own stop, how long it waits for peers' "done"
+__all__ = ["CoordinatorLink", "MAX_PENDING", "MAX_PENDING_PER_SOURCE", "ACCEPT_PAUSE", "ACCEPT_BATCH"]
+
+MAX_PENDING = 64  # unauthenticated connections kept at once (a new one evicts the oldest)
+MAX_PENDING_PER_SOURCE = 16  # of them from one address (a new one evicts that address's oldest)
+ACCEPT_PAUSE = 0.5  # seconds without accepting after an accept error such as EMFILE
+ACCEPT_BATCH = 64  # connections accepted per readiness event (the rest on the next one)
+MIN_PENDING = 4  # however few descriptors are left, this many unauthenticated connections are kept
+RESERVED_FDS = 64  # descriptors kept free for the supervisor's own work (peers, logs, /proc, state.json, spawning)
+# accept errors that say "no resources now" (the listener is fine; try again later)
+_ACCEPT_PAUSE_ERRNOS = frozenset(e for e in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) if e)
 
 
-class CoordinatorRole:
-    """The coordinator's side of the protocol and the job-wide rules (mixed into Supervisor)."""
+def fd_budget():
+    """How many more descriptors this process may open, less RESERVED_FDS (a large number where unknown)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        used = len(os.listdir("/proc/self/fd"))
+    except (OSError, ValueError):
+        return MAX_PENDING
+    if soft == resource.RLIM_INFINITY:
+        return MAX_PENDING
+    return soft - used - RESERVED_FDS
 
-    def _init_coordinator(self):
+
+class CoordinatorLink:
+    """Listens on the job's control endpoint; authenticates peers; hands their messages to `handler`.
+
+    `handler` has peer_joined(host, addr, hello), peer_message(host, msg) and peer_left(host, why); `hello`
+    and `msg` are parsed messages (protocol.parse_message)."""
+
+    def __init__(self, loop, job_id, address, port, token, timings, handler, log_bad, clock=time.monotonic,
+                 max_pending=MAX_PENDING, max_per_source=MAX_PENDING_PER_SOURCE, auth_timeout=AUTH_TIMEOUT):
+        self.loop = loop
+        self.job_id = job_id
+        self.address, self.port = address, port
+        self.token = token
+        self.timings = timings
+        self.handler = handler
+        self.log_bad = log_bad
+        self.clock = clock
+        self.max_pending, self.max_per_source, self.auth_timeout = max_pending, max_per_source, auth_timeout
         self.listener = None
-        self.pending = {}
+        self.pending = collections.OrderedDict()  # sock -> Conn, oldest first
+        self.by_source = collections.Counter()  # source address -> unauthenticated connections from it
         self.peers = {}  # host label -> Conn
-        self.hosts = {}  # host label -> {"state": ..., "since": ...}
-        self.exits = {}  # (role, id) -> event
-        self.bad_conns = 0  # unauthenticated / malformed connections dropped (coordinator)
+        self.by_sock = {}  # sock -> Conn of an authenticated peer
+        self.accept_paused_until = None
+        self.counts = collections.Counter()  # rejected (all dropped unauthenticated), evicted, garbage, accept_errors
 
-    def _listen(self):
-        """Open the coordinator's listening socket; None, or why it cannot."""
-        ep = format_endpoint(self.coord["address"], self.coord["port"])
+    @property
+    def endpoint(self):
+        """address:port ([v6]:port)."""
+        return format_endpoint(self.address, self.port)
+
+    def listen(self):
+        """Open the listening socket; None, or why it cannot."""
         try:
-            fam = socket.AF_INET6 if ":" in self.coord["address"] else socket.AF_INET
-            self.listener = socket.create_server((self.coord["address"], self.coord["port"]), family=fam)
+            fam = socket.AF_INET6 if ":" in self.address else socket.AF_INET
+            self.listener = socket.create_server((self.address, self.port), family=fam, backlog=1024)
         except OSError as e:
-            return "cannot listen on %s: %s" % (ep, os.strerror(e.errno) if e.errno else e)
+            return "cannot listen on %s: %s" % (self.endpoint, os.strerror(e.errno) if e.errno else e)
         self.listener.setblocking(False)
-        self.sel.register(self.listener, selectors.EVENT_READ, self._on_accept)
-        log("coordinator listening on %s, expecting %d peer(s), %d trainer(s) in total"
-            % (ep, self.coord["hosts"] - 1, self.trainers_total))
+        self.loop.register(self.listener, self._on_accept)
+        self.max_pending = min(self.max_pending, max(MIN_PENDING, fd_budget()))
+        self.max_per_source = min(self.max_per_source, self.max_pending)
         return None
 
-    # -- decisions -------------------------------------------------------
-
-    def _handle_exit(self, ev):
-        """Coordinator: apply the job rules to one process exit anywhere in the job."""
-        role, pid_, code, err = ev.get("role"), ev.get("id"), ev.get("code"), ev.get("error")
-        if (role not in ROLES or isinstance(pid_, bool) or not isinstance(pid_, int)
-                or not (code is None or (isinstance(code, int) and not isinstance(code, bool)))
-                or not (err is None or isinstance(err, str)) or (code is None and err is None)):
-            log("ignoring malformed exit event from %s: %r" % (ev.get("host"), ev))
-            return
-        key = (role, pid_)
-        if self.outcome is not None or key in self.exits or ev.get("attempt", self.attempt) != self.attempt:
-            return  # decided already, a repeat, or an exit of an earlier attempt
-        self.exits[key] = ev
-        failure = {"role": key[0], "id": key[1], "host": ev.get("host"), "exit_code": code}
-        what = "%s.%s on %s" % (key[0], key[1], ev.get("host"))
-        trainers = [e for k, e in self.exits.items() if k[0] == "trainer"]
-        trainers_running = len(trainers) < self.trainers_total
-        if err:
-            failure["error"] = err
-            self.failures.append(failure)
-            self.decide(JobState.FAILED, "%s failed to start: %s" % (what, err), failure)
-            return
-        if code != 0 and (key[0] == "trainer" or trainers_running):
-            self.failures.append(failure)
-            self.dirty = True
-            if self.job["on_failure"] == "stop":
-                self.decide(JobState.FAILED, "%s exited with code %s" % (what, code), failure)
-                return
-            log("%s exited with code %s; on_failure=continue" % (what, code))
-        if self.trainers_total and len(trainers) >= self.trainers_total:
-            bad = [e for e in trainers if e.get("code") != 0]
-            if not bad and not self.failures:
-                self.decide(JobState.SUCCEEDED, "all %d trainers exited 0" % self.trainers_total)
-            else:
-                first = self.failures[0] if self.failures else None
-                self.decide(JobState.FAILED, "all trainers ended; %d failure(s), first: %s.%s on %s code %s" % (
-                    len(self.failures), first["role"], first["id"], first["host"], first["exit_code"]), first)
-
-
-    def _send_stop(self, conn):
-        conn.send({"type": "stop", "state": self.outcome, "reason": self.reason, "failure": self.failure,
-                   "attempt": self.attempt, "restart": not self.final})
-
-
-    def _restart_tick(self, now):
-        """Coordinator: once every host stopped the failed attempt, wait the back-off, then start the next."""
-        if not self.stop_done or self.final:
-            return
-        if self.restart_at is None:
-            waiting = [h for h, c in self.peers.items() if not c.done]
-            if waiting and now < self.stop_done_at + self.grace + PEER_DONE_LINGER:
-                return
-            delay = restart_delay(self.restart_backoff, self.attempt + 1)
-            self.restart_at = time.monotonic() + delay  # not `now`: the stop that just ended took time
-            self.dirty = True
-            log("restart %d of %d in %.1fs" % (self.attempt + 1, self.restarts, delay))
-        if time.monotonic() >= self.restart_at:
-            self._next_attempt(self.attempt + 1)
-
+    # -- unauthenticated connections ------------------------------------------------------------------------
 
     def _on_accept(self, listener):
-        try:
-            sock, addr = listener.accept()
-        except OSError:
-            return
-        if len(self.pending) >= MAX_PENDING:
-            self.bad_conns += 1
-            self.dirty = True
-            self.log_bad("overload", "too many unauthenticated connections; dropping %s" % (addr,))
-            sock.close()
-            return
-        sock.settimeout(2.0)
-        conn = Conn(sock, addr, time.monotonic())
-        self.pending[sock] = conn
-        self.sel.register(sock, selectors.EVENT_READ, self._on_readable)
-        # mutual authentication: the peer proves the token over this nonce and its own, and so do we
-        if not conn.send({"type": "challenge", "version": PROTOCOL_VERSION, "nonce": conn.nonce}):
-            self._drop(conn, "send failed")
+        made_room = False
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self.counts["accept_errors"] += 1
+                if e.errno not in _ACCEPT_PAUSE_ERRNOS:
+                    continue  # ECONNABORTED and the like: that one connection is gone
+                if self.pending and not made_room:  # out of descriptors: the oldest unauthenticated one makes room
+                    self._evict(next(iter(self.pending.values())), "cannot accept (%s)" % os.strerror(e.errno))
+                    made_room = True
+                    continue
+                self.log_bad("accept", "cannot accept connections (%s); pausing %.1fs"
+                             % (os.strerror(e.errno), ACCEPT_PAUSE))
+                self.loop.unregister(self.listener)
+                self.accept_paused_until = self.clock() + ACCEPT_PAUSE
+                return
+            made_room = False
+            self._admit(sock, addr)
 
-    def _drop(self, conn, why):
-        try:
-            self.sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
+    def _admit(self, sock, addr):
+        source = addr[0] if isinstance(addr, tuple) else str(addr)
+        while self.by_source[source] >= self.max_per_source:
+            oldest = next(c for c in self.pending.values() if c.source == source)
+            self._make_room(oldest, "more than %d unauthenticated connections from %s" % (self.max_per_source, source))
+        while len(self.pending) >= self.max_pending:
+            self._make_room(next(iter(self.pending.values())),
+                            "more than %d unauthenticated connections" % self.max_pending)
+        sock.settimeout(SEND_TIMEOUT)
+        conn = Conn(sock, addr, self.clock(), self.auth_timeout, self.clock)
+        self.pending[sock] = conn
+        self.by_source[source] += 1
+        self.loop.register(sock, self._on_readable)
+        # mutual authentication: the peer proves the token over this nonce and its own, and so do we
+        if not conn.send(challenge(conn.nonce)):
+            self._drop_pending(conn, "send failed")
+
+    def _make_room(self, conn, why):
+        """Take `conn` out of the pending ones: first read what it already sent (a peer whose hello waits
+        unread gets in, garbage is dropped as garbage), else evict it."""
+        self._on_readable(conn.sock)
+        if conn.sock in self.pending:
+            self._evict(conn, why)
+
+    def _evict(self, conn, why):
+        self.counts["evicted"] += 1
+        self.log_bad("overload", "%s; dropping the oldest, from %s" % (why, conn.addr))
+        self._drop_pending(conn, why)
+
+    def _drop_pending(self, conn, why):
+        """Close an unauthenticated connection (counted: state.json coordinator.rejected_connections)."""
+        self.loop.unregister(conn.sock)
         if self.pending.pop(conn.sock, None) is not None:
-            self.bad_conns += 1  # an unauthenticated connection dropped: counted in state.json
-            self.dirty = True
-        if conn.host is not None and self.peers.get(conn.host) is conn:
-            del self.peers[conn.host]
-            if not conn.done:
-                self.hosts[conn.host] = {"state": HostState.LOST if self.outcome is None else HostState.DISCONNECTED,
-                                         "since": time.time(), "why": why}
-                self.dirty = True
-                if self.outcome is None:
-                    self.decide(JobState.FAILED, "lost host %s: %s" % (conn.host, why),
-                                {"host": conn.host, "role": None, "id": None, "exit_code": None})
+            self.counts["rejected"] += 1
+            self.counts["unauthenticated_bytes"] += conn.received
+            self.by_source[conn.source] -= 1
+            if self.by_source[conn.source] <= 0:
+                del self.by_source[conn.source]
         conn.close()
 
-
-    def _reject(self, conn, why, error):
+    def _reject(self, conn, why, text):
         self.log_bad("rejected", "rejected connection from %s: %s" % (conn.addr, why))
-        conn.send({"type": "error", "error": error, "version": PROTOCOL_VERSION})
-        self._drop(conn, why)
+        conn.send(error(text))
+        self._drop_pending(conn, why)
 
-    def _hello(self, conn, msg):
-        if msg.get("type") != "hello":
+    def _on_readable(self, sock):
+        conn = self.pending.get(sock) or self.by_sock.get(sock)
+        if conn is None:  # not ours any more
+            self.loop.unregister(sock)
+            sock.close()
+            return
+        try:
+            objs = conn.receive()
+        except ProtocolError as e:
+            self.counts["garbage"] += 1
+            self.log_bad("garbage", "garbage from %s (%s): %s; closing" % (conn.addr, conn.host or "unauthenticated", e))
+            if conn.authed:
+                self.drop_peer(conn.host, "protocol error: %s" % e)
+            else:
+                self._drop_pending(conn, "garbage")
+            return
+        if objs is None:
+            if conn.authed:
+                self.drop_peer(conn.host, "connection closed")
+            else:
+                self._drop_pending(conn, "connection closed")
+            return
+        for obj in objs:
+            if not conn.authed:
+                self._hello(conn, obj)
+                if not conn.authed:
+                    return
+                continue
+            if self.peers.get(conn.host) is not conn:
+                return  # dropped while handling an earlier line
+            try:
+                msg = parse_message(obj)
+            except ProtocolError as e:
+                self.log_bad("bad-message", "ignoring message %s from %s: %s" % (_brief(obj), conn.host, e))
+                continue
+            if msg["type"] == Msg.PING:
+                continue
+            self.handler.peer_message(conn.host, msg)
+
+    def _hello(self, conn, obj):
+        if obj.get("type") != Msg.HELLO:
             return self._reject(conn, "first message is not a hello", "expected hello")
-        mismatch = version_mismatch(msg, "coordinator", "peer")
-        if mismatch is not None:  # one line naming both versions, sent to the peer (which logs and fails on it)
-            return self._reject(conn, "protocol version %s" % _brief(msg.get("version"), 20), mismatch)
-        host, nonce = msg.get("host"), msg.get("nonce")
-        if (not isinstance(host, str) or not host or len(host) > 255 or not isinstance(nonce, str)
-                or len(nonce) != 2 * NONCE_BYTES or not isinstance(msg.get("job"), str)):
-            return self._reject(conn, "malformed hello", "malformed hello")
-        want = auth_proof(self.coord["token"], "peer", msg["job"], host, conn.nonce, nonce)
-        if not proof_ok(want, msg.get("proof")):
+        mismatch = version_mismatch(obj, "coordinator", "peer")
+        if mismatch is not None:  # one line naming both versions, sent to the peer
+            return self._reject(conn, "protocol version %s" % _brief(obj.get("version"), 20), mismatch)
+        try:
+            msg = parse_message(obj)
+        except ProtocolError as e:
+            return self._reject(conn, str(e), "malformed hello")
+        host = msg["host"]
+        want = auth_proof(self.token, "peer", msg["job"], host, conn.nonce, msg["nonce"])
+        if not proof_ok(want, msg["proof"]):
             return self._reject(conn, "bad token", "bad token")
         if msg["job"] != self.job_id:
             return self._reject(conn, "wrong job %s" % _brief(msg["job"]), "wrong job")
         del self.pending[conn.sock]
+        self.by_source[conn.source] -= 1
+        if self.by_source[conn.source] <= 0:
+            del self.by_source[conn.source]
         old = self.peers.get(host)
-        if old is not None:
-            log("host %s reconnected; replacing its old connection" % host)
-            try:
-                self.sel.unregister(old.sock)
-            except (KeyError, ValueError):
-                pass
+        if old is not None:  # it reconnected before we noticed the old connection die
+            self.loop.unregister(old.sock)
+            self.by_sock.pop(old.sock, None)
             old.close()
         conn.authed, conn.host = True, host
         self.peers[host] = conn
-        self.hosts[host] = {"state": HostState.CONNECTED, "since": time.time(), "addr": conn.addr}
-        self.dirty = True
-        log("host %s connected from %s" % (host, conn.addr))
-        conn.send({"type": "welcome", "job": self.job_id,
-                   "proof": auth_proof(self.coord["token"], "coordinator", self.job_id, host, conn.nonce, nonce)})
-        self._rejoin(conn, msg)
+        self.by_sock[conn.sock] = conn
+        proof = auth_proof(self.token, "coordinator", self.job_id, host, conn.nonce, msg["nonce"])
+        if not conn.send(welcome(self.job_id, proof)):
+            return self.drop_peer(host, "send failed")
+        self.handler.peer_joined(host, conn.addr, msg)
 
-    def _rejoin(self, conn, msg):
-        """Coordinator: bring a peer that (re)connected to the job's attempt and state."""
-        host = conn.host
-        attempt = msg.get("attempt", 0)
-        attempt = attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else 0
-        conn.done = bool(msg.get("idle")) and self.outcome is not None
-        if msg.get("stopping"):
-            self._user_stop(str(msg["stopping"]))
-        if self.outcome is not None:
-            self._send_stop(conn)
-            return
-        if attempt != self.attempt:  # it stopped an earlier attempt on its own: it joins this one
-            log("host %s rejoined at attempt %d; sending it attempt %d" % (host, attempt, self.attempt))
-            conn.send({"type": "restart", "attempt": self.attempt})
-            return
-        exits = msg.get("exits")
-        for ev in exits if isinstance(exits, list) else []:
-            if isinstance(ev, dict):
-                ev = dict(ev, host=host)
-                self._handle_exit(ev)
-        if msg.get("failed") and self.outcome is None:  # it stopped this attempt by itself (lost us for a while)
-            self.decide(JobState.FAILED, "host %s: %s" % (host, msg["failed"]),
-                        {"host": host, "role": None, "id": None, "exit_code": None})
+    # -- authenticated peers --------------------------------------------------------------------------------
 
-    def _coordinator_message(self, conn, msg):
-        kind = msg["type"]
-        if kind == "ping":
-            return
-        if kind == "exit":
-            self._handle_exit({"role": msg.get("role"), "id": msg.get("id"), "code": msg.get("code"),
-                               "error": msg.get("error"), "host": conn.host})
-        elif kind == "stopping":
-            self._user_stop(str(msg.get("reason") or "stop requested on %s" % conn.host))
-        elif kind == "done":
-            if msg.get("attempt", self.attempt) != self.attempt:
-                return  # a late "done" of an earlier attempt
-            conn.done = True
-            self.hosts[conn.host] = {"state": HostState.DONE, "since": time.time()}
-            self.dirty = True
-        else:
-            log("ignoring unknown message type %r from %s" % (kind, conn.host))
+    def send(self, host, msg):
+        """Send to one peer; a broken connection drops it (the handler hears peer_left). True if sent."""
+        conn = self.peers.get(host)
+        if conn is None:
+            return False
+        if conn.send(msg):
+            return True
+        self.drop_peer(host, "send failed")
+        return False
 
-    def _coordinator_tick(self, now):
-        for conn in list(self.pending.values()):
-            if now > conn.deadline:
-                self.log_bad("rejected", "rejected connection from %s: no hello within %.0fs" % (conn.addr, AUTH_TIMEOUT))
-                self._drop(conn, "no hello")
+    def broadcast(self, msg):
+        """Send to every authenticated peer."""
+        for host in list(self.peers):
+            self.send(host, msg)
+
+    def drop_peer(self, host, why):
+        """Close a peer's connection; the handler hears peer_left(host, why)."""
+        conn = self.peers.pop(host, None)
+        if conn is None:
+            return
+        self.loop.unregister(conn.sock)
+        self.by_sock.pop(conn.sock, None)
+        conn.close()
+        self.handler.peer_left(host, why)
+
+    def connected(self):
+        """The labels of the authenticated peers."""
+        return set(self.peers)
+
+    def tick(self, now):
+        """Auth deadlines, heartbeats, silent peers, and accepting again after a pause."""
+        if self.accept_paused_until is not None and now >= self.accept_paused_until and self.listener is not None:
+            self.accept_paused_until = None
+            self.loop.register(self.listener, self._on_accept)
+        while self.pending:  # oldest first: they expire in order
+            conn = next(iter(self.pending.values()))
+            if now <= conn.deadline:
+                break
+            self.log_bad("rejected", "rejected connection from %s: no hello within %.0fs" % (conn.addr, self.auth_timeout))
+            self._drop_pending(conn, "no hello")
         for host, conn in list(self.peers.items()):
-            if now - conn.last_tx >= self.timing["heartbeat"]:
-                if not conn.send({"type": "ping"}):
-                    self._drop(conn, "send failed")
-                    continue
-            if not conn.done and now - conn.last_rx > self.timing["peer_timeout"]:
-                self._drop(conn, "no heartbeat for %.1fs" % (now - conn.last_rx))
-        expected = self.coord["hosts"] - 1
-        if (self.outcome is None and len(self.peers) < expected
-                and now - self.attempt_t0 > self.timing["connect_timeout"]):
-            self.decide(JobState.FAILED, "only %d of %d peer host(s) connected within %.0fs (connected: %s)" % (
-                len(self.peers), expected, self.timing["connect_timeout"], sorted(self.peers) or "none"))
+            if now - conn.last_tx >= self.timings.heartbeat and not self.send(host, ping()):
+                continue
+            if now - conn.last_rx > self.timings.peer_timeout:
+                self.drop_peer(host, "no heartbeat for %.1fs" % (now - conn.last_rx))
 
+    def close(self):
+        """Close every connection and the listener."""
+        for conn in list(self.pending.values()) + list(self.peers.values()):
+            self.loop.unregister(conn.sock)
+            conn.close()
+        self.pending.clear()
+        self.peers.clear()
+        self.by_sock.clear()
+        if self.listener is not None:
+            self.loop.unregister(self.listener)
+            self.listener.close()
+            self.listener = None
+
+    def stats(self):
+        """Counters for state.json's coordinator section."""
+        return {"rejected_connections": self.counts["rejected"], "evicted_connections": self.counts["evicted"],
+                "garbage_connections": self.counts["garbage"], "accept_errors": self.counts["accept_errors"],
+                "pending_connections": len(self.pending),
+                "unauthenticated_bytes": self.counts["unauthenticated_bytes"]}

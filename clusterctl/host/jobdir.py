@@ -13,6 +13,7 @@ from .common import InputError, emit, log
 from .jobfile import JOB_FILE, load_job
 from .procfs import pid_alive
 from .states import TERMINAL_JOB_STATES, JobState, ProcState
+from .status import AttemptRecord, HostStatus
 
 STATE_FILE = "state.json"
 LOCK_FILE = ".lock"
@@ -87,7 +88,7 @@ def job_from_dir(jobdir, strict=True):
 
 
 def describe(state, now=None):
-    """Status JSON for a state.json dict, resolving 'lost' processes and jobs."""
+    """The status reply (a `HostStatus`, as JSON) for a state.json dict, resolving 'lost' processes and jobs."""
     now = time.time() if now is None else now
     alive = supervisor_alive(state)
     job_state = state.get("state")
@@ -108,24 +109,22 @@ def describe(state, now=None):
         if p["started_at"]:
             p["uptime_s"] = round((p["ended_at"] or now) - p["started_at"], 3)
         procs.append(p)
-    out = {"ok": True, "job": state.get("job"), "host": state.get("host"), "jobdir": state.get("jobdir"),
-           "state": job_state, "reason": reason, "failure": state.get("failure"),
-           "failures": state.get("failures") or [], "is_coordinator": state.get("is_coordinator"),
-           "supervisor": {"pid": (state.get("supervisor") or {}).get("pid"), "alive": alive},
-           "processes": procs, "updated_at": state.get("updated_at")}
     attempt = state.get("attempt") or 0
-    attempts = [dict(a) for a in state.get("attempts") or []]
-    if not any(a.get("attempt") == attempt for a in attempts):
-        attempts.append({"attempt": attempt, "outcome": job_state, "reason": reason, "failure": state.get("failure"),
-                         "started_at": state.get("attempt_started_at"), "ended_at": None})
-    out.update(attempt=attempt, restarts=state.get("restarts") or 0, attempts=attempts,
-               restart_at=state.get("restart_at") if alive else None,
-               restart_pending=bool(state.get("restart_pending")) and alive)
-    if "hosts" in state:
-        out["hosts"] = state["hosts"]
-    if "coordinator" in state:
-        out["coordinator"] = state["coordinator"]
-    return out
+    attempts = [a for a in map(AttemptRecord.from_json, state.get("attempts") or []) if a is not None]
+    total = state.get("attempts_total") or len(attempts)
+    if not any(a.attempt == attempt for a in attempts):  # the current attempt: its outcome is the job state
+        attempts.append(AttemptRecord(attempt, job_state, reason, state.get("failure"),
+                                      state.get("attempt_started_at"), None))
+        total += 1
+    extra = {k: state[k] for k in ("hosts", "coordinator") if k in state}
+    return HostStatus(
+        job=state.get("job"), host=state.get("host"), jobdir=state.get("jobdir"), state=job_state, reason=reason,
+        failure=state.get("failure"), failures=state.get("failures") or [],
+        is_coordinator=state.get("is_coordinator"),
+        supervisor={"pid": (state.get("supervisor") or {}).get("pid"), "alive": alive}, processes=procs,
+        updated_at=state.get("updated_at"), attempt=attempt, restarts=state.get("restarts") or 0,
+        attempts=attempts, attempts_total=total, restart_at=state.get("restart_at") if alive else None,
+        restart_pending=bool(state.get("restart_pending")) and alive, extra=extra).to_json()
 
 
 def cmd_status(args):

@@ -10,6 +10,7 @@ import os
 import re
 
 from .common import InputError
+from .policy import DEFAULT_POLICY, Policy, Timings
 
 JOB_FILE = "job.json"  # the job dir is the directory that holds it
 JOB_ENV = "CLUSTERCTL_JOB"
@@ -27,13 +28,6 @@ AUTH_MODES = ("token", "none")
 ROLES = ("pserver", "trainer")
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-DEFAULT_TIMINGS = {
-    "connect_timeout": 30.0,  # peers: first connection; coordinator: all peers connected
-    "heartbeat": 1.0,  # ping interval, both directions
-    "peer_timeout": 5.0,  # silence after which a connection is considered dead
-    "reconnect_timeout": 3.0,  # peer: time to re-establish a lost coordinator connection
-}
-
 _ABSENT = object()
 
 
@@ -43,21 +37,31 @@ def process_entry(role, id, argv, env, cwd, log, ports=()):
             "ports": list(ports)}
 
 
-def coordinator_entry(address, port, token, is_coordinator, hosts, trainers_total):
-    """A job file's "coordinator" section: where the coordinator listens, the job token, this host's part."""
-    return {"address": address, "port": port, "token": token, "is_coordinator": is_coordinator, "hosts": hosts,
-            "trainers_total": trainers_total}
+def coordinator_entry(address, port, token, is_coordinator, hosts, trainers_total, timings=None):
+    """A job file's "coordinator" section: where the coordinator listens, the job token, this host's part
+    (and the protocol's `Timings`, when not the defaults)."""
+    out = {"address": address, "port": port, "token": token, "is_coordinator": is_coordinator, "hosts": hosts,
+           "trainers_total": trainers_total}
+    if timings is not None:
+        out.update(timings.to_job())
+    return out
 
 
-def build_job(job, host, processes, state_root, on_failure="stop", grace=10.0, restarts=0, restart_backoff=1.0,
-              start_trainers_after=_ABSENT, coordinator=_ABSENT, env=_ABSENT, auth="token", token=None):
+def build_job(job, host, processes, state_root, policy=DEFAULT_POLICY, start_trainers_after=_ABSENT,
+              coordinator=_ABSENT, env=_ABSENT, auth="token", token=None, **policy_keys):
     """A job file (dict, for json.dumps) for one host, checked by the host's own validator; raise ValueError.
 
-    The optional sections are written only when given (`start_trainers_after` may be given as None).
-    `token` is the job's secret (the processes get a key derived from it); `auth: none` runs without one.
+    `policy` (a `Policy`: on_failure, grace, restarts, restart_backoff) is written as top-level keys; its
+    keys given one by one (`grace=5`, the older form) replace the policy's. The optional sections are
+    written only when given (`start_trainers_after` may be given as None). `token` is the job's secret (the
+    processes get a key derived from it); `auth: none` runs without one.
     """
-    out = {"job": job, "host": host, "state_root": state_root, "on_failure": on_failure, "grace": grace,
-           "restarts": restarts, "restart_backoff": restart_backoff, "auth": auth}
+    out = {"job": job, "host": host, "state_root": state_root}
+    unknown = set(policy_keys) - set(policy.to_job())
+    if unknown:
+        raise TypeError("build_job() got unexpected keyword argument(s) %s" % ", ".join(sorted(unknown)))
+    out.update(policy.to_job(), **policy_keys)
+    out["auth"] = auth
     if token is not None:
         out["token"] = token
     if start_trainers_after is not _ABSENT:
@@ -126,12 +130,7 @@ def validate_job(raw, source):
         raise InputError("%s: job: %r must match %s" % (source, job["job"], JOB_ID_RE.pattern))
     job["host"] = _str("%s: host" % source, raw.get("host", "localhost"))
     job["state_root"] = raw.get("state_root")
-    job["on_failure"] = raw.get("on_failure", "stop")
-    if job["on_failure"] not in ("stop", "continue"):
-        raise InputError("%s: on_failure: must be 'stop' or 'continue', got %r" % (source, job["on_failure"]))
-    job["grace"] = _num("%s: grace" % source, raw.get("grace", 10))
-    job["restarts"] = _int("%s: restarts" % source, raw.get("restarts", 0))
-    job["restart_backoff"] = _num("%s: restart_backoff" % source, raw.get("restart_backoff", 1.0))
+    job.update(Policy.from_job(raw, source).to_job())  # on_failure, grace, restarts, restart_backoff
     job["auth"] = raw.get("auth", "token")
     if job["auth"] not in AUTH_MODES:
         raise InputError("%s: auth: must be one of %s, got %r" % (source, "/".join(AUTH_MODES), job["auth"]))
@@ -222,8 +221,7 @@ def validate_job(raw, source):
             raise InputError("%s.trainers_total: required on the coordinator of a multi-host job" % where)
         else:
             c["trainers_total"] = local_trainers
-        for key, default in DEFAULT_TIMINGS.items():
-            c[key] = _num(where + "." + key, coord.get(key, default))
+        c.update(Timings.from_job(coord, where).to_job())  # connect_timeout, heartbeat, peer_timeout, reconnect_timeout
         job["coordinator"] = c
     return job
 

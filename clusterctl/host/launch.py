@@ -5,6 +5,7 @@ import fcntl
 import json
 import os
 import selectors
+import signal
 import sys
 import time
 import traceback
@@ -13,7 +14,10 @@ from .common import InputError, emit, log
 from .jobdir import LOCK_FILE, STATE_FILE, STOP_REQUEST, SUPERVISOR_LOG, read_state_or_none, supervisor_alive
 from .jobfile import load_job
 from .procfs import tagged_processes
+from .states import JobState
 from .supervisor import LAUNCH_REPORT_TIMEOUT, Supervisor
+
+LINGER_YIELD = 5.0  # launch: how long a finished coordinator that still waits for late peers may take to exit
 
 
 def _close_fds(keep):
@@ -30,6 +34,29 @@ def _close_fds(keep):
                     raise
 
 
+def _lock(fd):
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def _ask_to_go(state, lockfd):
+    """A finished job's coordinator still answering late peers (state.json `lingering`) gives way to a new
+    launch: SIGTERM ends its wait at once. True once it let go of the job dir (LINGER_YIELD at most)."""
+    try:
+        os.kill(state["supervisor"]["pid"], signal.SIGTERM)
+    except OSError:
+        pass
+    deadline = time.monotonic() + LINGER_YIELD
+    while time.monotonic() < deadline:
+        if _lock(lockfd):
+            return True
+        time.sleep(0.05)
+    return _lock(lockfd)
+
+
 def _claim(jobfile):
     """Load the job file and take its job dir for a new supervisor: (job, jobdir, lock fd), or (job, jobdir,
     refusal) when a supervisor or a process of the job is still there (the refusal is the JSON reply)."""
@@ -39,13 +66,12 @@ def _claim(jobfile):
         lockfd = os.open(os.path.join(jobdir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:
         raise InputError("cannot use job dir %s: %s" % (jobdir, e.strerror))
-    try:
-        fcntl.flock(lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(lockfd)
+    if not _lock(lockfd):
         state = read_state_or_none(jobdir) or {}
-        return job, jobdir, {"ok": False, "error": "job %s already has a supervisor in %s (pid %s)" % (
-            job["job"], jobdir, (state.get("supervisor") or {}).get("pid")), "pids": {}, "jobdir": jobdir}
+        if not (state.get("lingering") and supervisor_alive(state) and _ask_to_go(state, lockfd)):
+            os.close(lockfd)
+            return job, jobdir, {"ok": False, "error": "job %s already has a supervisor in %s (pid %s)" % (
+                job["job"], jobdir, (state.get("supervisor") or {}).get("pid")), "pids": {}, "jobdir": jobdir}
     prev = read_state_or_none(jobdir)  # a corrupt one: the lock above proves no supervisor holds the dir
     if prev is not None and supervisor_alive(prev):
         os.close(lockfd)
@@ -80,7 +106,7 @@ def run_job_file(path):
     try:
         sup = Supervisor(job, jobdir)
         sup.run()
-        return 0 if sup.state == "succeeded" else 1
+        return 0 if sup.core.state == JobState.SUCCEEDED else 1
     finally:
         os.close(lock)
 

@@ -1,4 +1,4 @@
-"""What a supervised process starts with: its environment, its log per attempt, the restart back-off."""
+"""What a supervised process starts with: its environment, its log per attempt, its derived token."""
 
 import hmac
 import os
@@ -6,15 +6,9 @@ import signal
 
 from .jobfile import JOB_ENV, JOBDIR_ENV
 
-RESTART_BACKOFF_MAX = 300.0  # restarts: the back-off doubles per restart up to this
 # Variables taken from the host's own environment; everything else comes from the job file.
 BASE_ENV_KEYS = ("PATH", "HOME", "LANG", "LC_ALL", "USER", "LOGNAME", "TMPDIR")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
-
-
-# the job's processes' shared secret (pserver / PMI authentication), derived from the coordinator token;
-# passed in the environment only (never argv, never logged)
-TOKEN_ENV = "CLUSTERCTL_JOB_TOKEN"
 
 
 def process_token(token):
@@ -30,13 +24,6 @@ def base_env(job_id, jobdir, extra):
     env[JOB_ENV] = job_id
     env[JOBDIR_ENV] = jobdir
     return env
-
-
-def restart_delay(backoff, restart):
-    """Seconds to wait before restart number `restart` (1 = the first): backoff doubled per restart, capped."""
-    if restart <= 0 or backoff <= 0:
-        return 0.0
-    return min(backoff * 2.0 ** min(restart - 1, 30), max(backoff, RESTART_BACKOFF_MAX))
 
 
 def attempt_log(path, attempt):

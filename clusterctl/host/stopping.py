@@ -22,7 +22,8 @@ class Stopper:
     """SIGTERM to each process group, SIGKILL after grace, then a sweep by environ.
 
     groups: dicts with pid (== pgid, started with start_new_session), start_ticks,
-    role, id.  A group is only signalled while it is provably ours: its leader is
+    role, id.  `killed` has one entry per group or process signalled: {pid, via, signal
+    (the last one sent), role, id (groups only)}.  A group is only signalled while it is provably ours: its leader is
     alive with the recorded start time, or the leader is gone (the kernel does not
     reuse a pid that is still a process-group id).  step() is non-blocking.
     """
@@ -34,7 +35,7 @@ class Stopper:
         self.grace = max(0.0, float(grace))
         self.sweep = sweep
         self.killed = []
-        self._sent = set()
+        self._sent = {}  # (via, pid) -> its entry in killed
         self.phase = "new"
         self.leftover = []
         self.deadline = self.kill_deadline = 0.0
@@ -44,7 +45,6 @@ class Stopper:
         return st is None or st[2] == g.get("start_ticks")
 
     def _signal(self, how, target, sig, g=None):
-        key = (how, target, sig)
         try:
             if how == "killpg":
                 os.killpg(target, sig)
@@ -55,12 +55,13 @@ class Stopper:
         except PermissionError as e:
             log("cannot signal %s %d: %s" % (how, target, e))
             return
-        if key not in self._sent:
-            self._sent.add(key)
-            entry = {"pid": target, "signal": signal.Signals(sig).name, "via": how}
+        entry = self._sent.get((how, target))
+        if entry is None:  # one entry per group or process, whatever it took: `killed` counts processes
+            entry = self._sent[(how, target)] = {"pid": target, "via": how}
             if g is not None:
                 entry["role"], entry["id"] = g.get("role"), g.get("id")
             self.killed.append(entry)
+        entry["signal"] = signal.Signals(sig).name  # the last one sent
 
     def _snapshot(self):
         ours = [g for g in self.groups if self._ours(g)]
@@ -155,7 +156,14 @@ def cmd_stop(args):
         else:
             sup_stopped = "exited"
         state = read_state_or_none(jobdir) or state
-        killed.extend(((state.get("stop") or {}).get("killed")) or [])
+    changed = False
+    report = (state or {}).get("stop")
+    if (isinstance(report, dict) and report.get("requested") and not report.get("reported")
+            and not supervisor_alive(state)):
+        # what the supervisor killed for a stop request, reported once: also when the stop reached this host
+        # first through the coordinator (a peer stopped by the coordinator's broadcast before we came)
+        killed.extend(k for k in report.get("killed") or [] if isinstance(k, dict))
+        report["reported"] = was_running = changed = True
     # whatever the supervisor left (or everything, when it was dead): same sequence, run here
     groups = []
     for r in (state or {}).get("processes") or []:
@@ -167,7 +175,6 @@ def cmd_stop(args):
         was_running = True
         killed.extend(own)
     if state is not None and not supervisor_alive(state):
-        changed = False
         for r in state.get("processes") or []:
             if r.get("state") == ProcState.RUNNING:
                 r["state"] = ProcState.STOPPED if any(g is r for g in groups) else ProcState.LOST
@@ -187,6 +194,10 @@ def cmd_stop(args):
             except OSError as e:
                 log("cannot update %s: %s" % (STATE_FILE, e))
     left = sorted(tagged_processes(job_id, jobdir)) + stopper.leftover
+    once = {}  # a group the supervisor signalled and this sweep again is one process killed
+    for entry in killed:
+        once[(entry.get("via"), entry.get("pid"))] = entry
+    killed = list(once.values())
     out = {"ok": not left, "was_running": was_running, "job": job_id, "jobdir": jobdir,
            "state": (state or {}).get("state"), "reason": (state or {}).get("reason"),
            "supervisor": sup_stopped, "killed": killed, "left": sorted(set(left))}

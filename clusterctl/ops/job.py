@@ -9,6 +9,7 @@ nobody is watching from the controller.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import posixpath
 import secrets
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from ..quoting import join, quote
 from ..remote import LineCallback
 from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
 from ..host.states import JobState
-from ..host.status import JobStatus, ProcessStatus, overall_state
+from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from ..progress import clean_progress, stragglers
 from . import Session
 from .hosttools import ensure_tools, install_on, package_dir, tool_argv, tool_command
@@ -71,10 +72,7 @@ def job_files(plan: JobPlan, homes: dict[Host, str] | None, token: str) -> dict[
             host.address,
             procs,
             _abs(home, STATE_ROOT),
-            on_failure=plan.on_failure,
-            grace=plan.grace,
-            restarts=plan.restarts,
-            restart_backoff=plan.restart_backoff,
+            plan.policy,
             start_trainers_after={"endpoints": pserver_eps, "timeout": WAIT_PSERVERS_S} if pserver_eps else None,
             coordinator=coordinator_entry(
                 ctl_addr, int(ctl_port), token, host == plan.hosts[0], len(plan.hosts), len(plan.trainers)
@@ -96,10 +94,7 @@ def _mpi_job_file(plan: JobPlan, home: str | None, token: str) -> dict:
         mpi.host.address,
         [process_entry("trainer", 0, mpi.argv, env, home or ".", _abs(home, plan.log_path(first)))],
         _abs(home, STATE_ROOT),
-        on_failure=plan.on_failure,
-        grace=plan.grace,
-        restarts=plan.restarts,
-        restart_backoff=plan.restart_backoff,
+        plan.policy,
         auth=plan.auth,
         token=token,
     )
@@ -142,30 +137,25 @@ def status(session: Session) -> JobStatus:
 
 def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str]) -> JobStatus:
     """The job's status from every host's `agent status` reply (host label -> reply) and the hosts that did
-    not answer (label -> why), whatever started the supervisors (pure). Progress in the replies (`agent top
-    --progress-only`) is kept per process, and the job's stragglers found from it."""
+    not answer (label -> why), whatever started the supervisors (pure). Only well-typed fields of a reply are
+    read (HostStatus.from_json); progress in the replies (`agent top --progress-only`) is kept per process,
+    and the job's stragglers found from it."""
     procs: list[ProcessStatus] = []
     host_states: list[str] = [JobState.LOST for _ in unreachable]
     reasons: list[str] = []
-    attempt, restarts, attempts = 0, 0, []
+    attempt, restarts, attempts, attempts_total = 0, 0, [], 0
     for label, data in replies.items():
-        state = data.get("state") or JobState.UNKNOWN
-        if state == JobState.STOPPING and data.get("restart_pending"):
-            state = JobState.RESTARTING  # the failed attempt is being stopped; the job starts again after
-        host_states.append(state)
-        restarts = max(restarts, data.get("restarts") or 0)
+        reply = HostStatus.from_json(data)
+        # a failed attempt being stopped reads `restarting` when another follows
+        host_states.append(reply.folded_state)
+        restarts = max(restarts, reply.restarts)
         # the host that got furthest knows the most attempts (the coordinator, unless it was cut off)
-        if (data.get("attempt") or 0, len(data.get("attempts") or [])) > (attempt, len(attempts)):
-            attempt, attempts = data.get("attempt") or 0, data.get("attempts") or []
-        if data.get("reason") and data.get("state") not in (JobState.RUNNING, JobState.SUCCEEDED):
-            reasons.append(f"{label}: {data['reason']}")
-        for p in data.get("processes", []):
-            procs.append(
-                ProcessStatus(
-                    label, p["role"], p["id"], p.get("pid"), p.get("state"), p.get("exit_code"),
-                    p.get("uptime_s"), p.get("error"), clean_progress(p.get("progress")),
-                )
-            )
+        if (reply.attempt, reply.attempts_total) > (attempt, attempts_total):
+            attempt, attempts, attempts_total = reply.attempt, reply.attempts, reply.attempts_total
+        if reply.reason and reply.state not in (JobState.RUNNING, JobState.SUCCEEDED):
+            reasons.append(f"{label}: {reply.reason}")
+        procs.extend(replace(row, progress=clean_progress(raw.get("progress")))
+                     for row, raw in zip(reply.process_status(label), reply.processes))
     procs.sort(key=lambda p: (p.role != "pserver", p.id))
     slow = stragglers({i: p.progress for i, p in enumerate(procs) if p.role == "trainer" and p.state == "running"})
     for p in procs:
@@ -175,9 +165,9 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str])
     reason = "; ".join(reasons) or (
         "unreachable: " + ", ".join(unreachable) if unreachable else None
     )
-    attempts = [{k: a.get(k) for k in ("attempt", "outcome", "reason", "started_at", "ended_at")} for a in attempts]
     found = [{"host": procs[i].host, "process": f"{procs[i].role}.{procs[i].id}", **v} for i, v in sorted(slow.items())]
-    return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, attempts, stragglers=found)
+    return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, [a.summary() for a in attempts],
+                     stragglers=found)
 
 
 def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | None = None) -> dict[Host, dict]:

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, Field, field_validator
 
+from ..host.policy import DEFAULT_POLICY, GRACE_MAX, ON_FAILURE, RESTART_BACKOFF_MAX, RESTART_BACKOFF_MIN, RESTARTS_MAX
 from .fields import Port, _did_you_mean, _Model, _placeholder_names, _scalar_str
 
 __all__ = ["JobSpec", "PortsSpec", "PserversPerHost", "WorkspaceSpec", "DataSpec", "PLACEHOLDERS", "CONTRACT_ENV",
@@ -121,10 +122,12 @@ class JobSpec(_Model):
     trainers: Union[int, Literal["gpu"]] = 1
     ports: PortsSpec = PortsSpec()
     log_dir: str = "."  # relative to <workspace.remote>.logs/
-    on_failure: Literal["stop", "continue"] = "stop"
-    grace: float = Field(10.0, ge=0, le=3600)
-    restarts: int = Field(0, ge=0, le=1000)  # a failed job starts again on the same plan, up to this many times
-    restart_backoff: float = Field(1.0, ge=0, le=300)  # seconds before the first restart, doubled for each next
+    # the job's Policy (clusterctl/host/policy.py): its defaults and bounds, written once there
+    on_failure: Literal[ON_FAILURE] = DEFAULT_POLICY.on_failure
+    grace: float = Field(DEFAULT_POLICY.grace, ge=0, le=GRACE_MAX)
+    restarts: int = Field(DEFAULT_POLICY.restarts, ge=0, le=RESTARTS_MAX)  # a failed job starts again, up to this many times
+    # seconds before the first restart (at least 1), doubled for each next
+    restart_backoff: float = Field(DEFAULT_POLICY.restart_backoff, ge=RESTART_BACKOFF_MIN, le=RESTART_BACKOFF_MAX)
     # token: every server of the job (pserver, PMI) authenticates with the job's token; none: they serve
     # anyone who can reach them (a trusted, isolated network only; said in so many words)
     auth: Literal["token", "none"] = "token"

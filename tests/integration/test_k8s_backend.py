@@ -241,7 +241,7 @@ KILL = "import os, sys; p = int(sys.argv[1]); assert b'job.py' in open('/proc/%d
 def test_a_trainer_killed_in_its_pod_restarts_there_and_the_job_succeeds(kube, image, tmp_path):
     spec = h.write_spec(tmp_path / "restart.yaml", name="k8s-restart", image=image, workspace=JOBS, job={
         "entrypoint": ["python3", "job.py"], "args": ["{role}", "{id}"], "trainers": 1, "restarts": 1,
-        "restart_backoff": 0.5, "grace": 2, "env": {"STEPS": "80", "STEP_S": "0.1"}})
+        "restart_backoff": 1, "grace": 2, "env": {"STEPS": "80", "STEP_S": "0.1"}})
     res = h.clusterctl(kube, "start", spec)
     assert res.returncode == 0, res.stdout + res.stderr
     st = _wait(kube, spec, lambda s: _running(s, "trainer", 1), 60, "trainer 1 running")

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from clusterctl.host import agent as agent_mod
+from clusterctl.host.jobdir import read_state_or_none, supervisor_alive
 from helpers import free_port, job_pids as tagged  # noqa: F401  (test_agent_attacks, test_agent_restart import them from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,8 +26,16 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_helpers
 PY = sys.executable
 TOKEN = "5ec7e7" * 8
 
-# fast protocol timings so fault tests finish in seconds
-FAST = {"heartbeat": 0.3, "peer_timeout": 2.0, "reconnect_timeout": 1.0, "connect_timeout": 10.0}
+# The documented protocol timings (docs/agent.md), with a shorter reconnect_timeout so that a peer notices a
+# dead coordinator within a second. Never a shorter peer_timeout: on a loaded machine a supervisor may not run
+# for a second or two, and its peers must not take it for lost (the flake of issue 23.5).
+TIMINGS = {"heartbeat": 1.0, "peer_timeout": 5.0, "reconnect_timeout": 1.0, "connect_timeout": 30.0}
+FAST = TIMINGS  # the older name (tests/security import it)
+GRACE = 2  # every test job's grace (Cluster.host)
+KILL_WAIT = 5.0  # the stop sequence's SIGKILL phase, at most (stopping.Stopper)
+# What a busy 2-core machine may add to any wait below: python start-ups, scheduling. Waits poll a state and
+# end as soon as it is reached, so this only bounds how long a failing test takes.
+SLACK = 15.0
 
 
 # ---------------------------------------------------------------------------
@@ -106,7 +114,7 @@ class Cluster:
             if p["log"].startswith(str(self.work / "log")):
                 p["log"] = str(self.tmp / label / "log" / os.path.basename(p["log"]))
         job = {"job": job_id, "host": label, "state_root": str(self.tmp / label), "on_failure": "stop",
-               "grace": 2, "processes": processes}
+               "grace": GRACE, "processes": processes}
         if coordinator is not None:
             job["coordinator"] = coordinator
         job.update(extra)
@@ -115,9 +123,10 @@ class Cluster:
         return str(jobdir)
 
     def cleanup(self):
-        for d in self.jobdirs:
-            subprocess.run([PY, AGENT, "stop", d, "--grace", "0"], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=30)
+        for d in self.jobdirs:  # a supervisor still running is stopped; the rest is swept below
+            if supervisor_alive(read_state_or_none(d)):
+                subprocess.run([PY, AGENT, "stop", d, "--grace", "0"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=30)
         for job_id in self.job_ids:
             for pid in tagged(job_id):
                 try:
@@ -136,7 +145,7 @@ def cluster(tmp_path):
 def coordinator(port, is_coordinator, hosts, trainers_total, **kw):
     c = {"address": "127.0.0.1", "port": port, "token": TOKEN, "is_coordinator": is_coordinator,
          "hosts": hosts, "trainers_total": trainers_total}
-    c.update(FAST)
+    c.update(TIMINGS)
     c.update(kw)
     return c
 
@@ -151,21 +160,19 @@ def launch(jobdir):
 # launch / status / stop
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_launch_returns_fast_without_holding_pipes_and_status_reports_processes(cluster):
     job_id = cluster.new_job_id()
     port = free_port()
     jobdir = cluster.host("hA", job_id, [cluster.process("pserver", 0, "serve", "127.0.0.1", port,
                                                          ports=["127.0.0.1:%d" % port]),
                                          cluster.process("trainer", 0, "sleep")])
-    t0 = time.monotonic()
-    # like an SSH channel: communicate() only returns once every holder of the pipes closed them
+    # like an SSH channel: communicate() only returns once every holder of the pipes closed them (the job runs
+    # forever, so a supervisor that kept them would time this out)
     p = subprocess.Popen([PY, AGENT, "launch", os.path.join(jobdir, "job.json")], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
-    out, err = p.communicate(timeout=15)
-    elapsed = time.monotonic() - t0
+    out, err = p.communicate(timeout=SLACK)
     assert p.returncode == 0, (out, err)
-    assert elapsed < 3.0, elapsed
     res = json.loads(out)
     assert res["ok"] is True and res["error"] is None and res["job"] == job_id and res["host"] == "hA"
     assert sorted(res["pids"]) == ["pserver.0", "trainer.0"]
@@ -213,7 +220,24 @@ def test_launch_returns_fast_without_holding_pipes_and_status_reports_processes(
     assert rc == 1 and unknown_status["ok"] is False and unknown_status["state"] == "unknown"
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("code, rc, state", [(0, 0, "succeeded"), (3, 1, "failed")])
+def test_agent_run_is_the_supervisor_in_the_foreground_its_exit_code_the_outcome(cluster, code, rc, state):
+    """`agent run JOBFILE` (clusterctl.host.launch.run_job_file): what Slurm tasks and Kubernetes pods run."""
+    job_id = cluster.new_job_id("fg")
+    d = cluster.host("hA", job_id, [cluster.process("pserver", 0, "sleep"), cluster.process("trainer", 0, "exit", code, 0.2)])
+    p = subprocess.run([PY, AGENT, "run", os.path.join(d, "job.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       timeout=GRACE + SLACK)
+    assert p.returncode == rc and p.stdout == b"", (p.returncode, p.stdout, p.stderr[-2000:])
+    assert b"supervisor exiting, job state %s" % state.encode() in p.stderr  # its log on stderr
+    st = status(d)
+    assert st["state"] == state and st["supervisor"]["alive"] is False
+    assert [(q["role"], q["state"]) for q in st["processes"]] == [("pserver", "stopped"),
+                                                                   ("trainer", "exited" if code == 0 else "failed")]
+    assert tagged(job_id) == []
+
+
+@pytest.mark.timeout(120)
 def test_escaped_setsid_child_is_swept_and_other_jobs_survive(cluster):
     job_id = cluster.new_job_id("mine")
     other_id = cluster.new_job_id("other")
@@ -225,7 +249,7 @@ def test_escaped_setsid_child_is_swept_and_other_jobs_survive(cluster):
     other_pids = launch(other)["pids"]
     untagged = subprocess.Popen([PY, WORKER, "sleep"], env={"PATH": os.environ["PATH"]})
     try:
-        escaped = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10))
+        escaped = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), SLACK))
         trainer_pid = status(mine)["processes"][0]["pid"]
         assert os.getpgid(escaped) == escaped != trainer_pid  # it left the trainer's group
         assert escaped in tagged(job_id)
@@ -234,9 +258,10 @@ def test_escaped_setsid_child_is_swept_and_other_jobs_survive(cluster):
         rc, out = agent("stop", mine, "--grace", "1")
         elapsed = time.monotonic() - t0
         assert rc == 0 and out["ok"] is True and out["was_running"] is True, out
-        assert elapsed < 1 + 4, elapsed
-        assert {"pid": escaped, "signal": "SIGKILL", "via": "kill"} in out["killed"]
-        assert wait_for(lambda: tagged(job_id) == [], 2), tagged(job_id)
+        assert elapsed < 1 + KILL_WAIT + SLACK, elapsed  # grace, then SIGKILL and the sweep
+        assert {"pid": escaped, "signal": "SIGKILL", "via": "kill"} in out["killed"]  # SIGTERM first, ignored
+        assert len(out["killed"]) == 3, out["killed"]  # one entry per process group or process: 2 groups + 1
+        assert tagged(job_id) == []
         # another job's processes (same script) and untagged processes are untouched
         for pid in other_pids.values():
             assert alive(pid)
@@ -251,10 +276,10 @@ def test_escaped_setsid_child_is_swept_and_other_jobs_survive(cluster):
 
 
 # ---------------------------------------------------------------------------
-# cross-host rules
+# cross-host rules, over real sockets between real supervisors (the rules themselves: test_agent_rules.py)
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(120)
 def test_trainer_failure_stops_every_host(cluster):
     job_id = cluster.new_job_id()
     port, ps_port = free_port(), free_port()
@@ -265,17 +290,12 @@ def test_trainer_failure_stops_every_host(cluster):
     hC = cluster.host("hC", job_id, [cluster.process("trainer", 1, "exit", 1, 2.5)], coordinator(port, False, 3, 2))
     for d in (hA, hB, hC):
         launch(d)
-    assert wait_for(lambda: sorted(status(hA)["hosts"]) == ["hB", "hC"], 5), status(hA)
-    assert status(hA)["state"] == "running"
-
-    def trainer_ended():
-        q = proc(status(hC), "trainer", 1)
-        return q["ended_at"] if q["state"] != "running" else None
-    ended_at = wait_for(trainer_ended, 10)
-    assert ended_at
-    finals = [wait_for(lambda d=d: terminal(d), 10) for d in (hA, hB, hC)]
+    assert wait_for(lambda: sorted(status(hA)["hosts"]) == ["hB", "hC"], SLACK), status(hA)
+    finals = [wait_for(lambda d=d: terminal(d), 2.5 + GRACE + SLACK) for d in (hA, hB, hC)]
     assert all(finals), [status(d) for d in (hA, hB, hC)]
-    assert max(f["updated_at"] for f in finals) - ended_at < 5.0
+    ended_at = proc(finals[2], "trainer", 1)["ended_at"]
+    # the stop reached every host: each stopped its processes within their grace (SIGTERM ends them at once)
+    assert all(f["updated_at"] - ended_at < GRACE + SLACK for f in finals)
     failure = {"role": "trainer", "id": 1, "host": "hC", "exit_code": 1}
     for f in finals:
         assert f["state"] == "failed", f
@@ -289,7 +309,7 @@ def test_trainer_failure_stops_every_host(cluster):
     assert tagged(job_id) == []
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(120)
 def test_all_trainers_succeed_then_pservers_are_stopped(cluster):
     job_id = cluster.new_job_id()
     port, ps0, ps1 = free_port(), free_port(), free_port()
@@ -301,41 +321,20 @@ def test_all_trainers_succeed_then_pservers_are_stopped(cluster):
                       coordinator(port, False, 2, 2))
     launch(hA)
     launch(hB)
-    rc, ports = agent("wait-ports", "127.0.0.1:%d,127.0.0.1:%d" % (ps0, ps1), "--timeout", "5")
-    assert rc == 0 and ports["closed"] == [], ports
-    finals = [wait_for(lambda d=d: terminal(d), 10) for d in (hA, hB)]
+    finals = [wait_for(lambda d=d: terminal(d), 2.0 + GRACE + SLACK) for d in (hA, hB)]
     assert all(finals), [status(d) for d in (hA, hB)]
     for f in finals:
         assert f["state"] == "succeeded" and f["failure"] is None and f["reason"] == "all 2 trainers exited 0", f
     stA, stB = finals
     for st, i in ((stA, 0), (stB, 1)):
         assert (proc(st, "trainer", i)["state"], proc(st, "trainer", i)["exit_code"]) == ("exited", 0)
-        assert proc(st, "pserver", i)["state"] == "stopped"
+        assert (proc(st, "pserver", i)["state"], proc(st, "pserver", i)["exit_code"]) == ("stopped", -15)
     assert tagged(job_id) == []
     rc, ports = agent("wait-ports", "127.0.0.1:%d,127.0.0.1:%d" % (ps0, ps1), "--timeout", "0.3")
     assert rc == 1 and sorted(ports["closed"]) == sorted(["127.0.0.1:%d" % ps0, "127.0.0.1:%d" % ps1])
 
 
-@pytest.mark.timeout(30)
-def test_on_failure_continue_keeps_other_trainers_running(cluster):
-    job_id = cluster.new_job_id()
-    d = cluster.host("hA", job_id, [cluster.process("pserver", 0, "sleep"),
-                                    cluster.process("trainer", 0, "exit", 3, 0.3),
-                                    cluster.process("trainer", 1, "exit", 0, 2.5)],
-                     coordinator(free_port(), True, 1, 2), on_failure="continue")
-    launch(d)
-    assert wait_for(lambda: proc(status(d), "trainer", 0)["state"] == "failed", 5)
-    st = status(d)
-    assert st["state"] == "running"
-    assert proc(st, "trainer", 1)["state"] == "running" and proc(st, "pserver", 0)["state"] == "running"
-    final = wait_for(lambda: terminal(d), 10)
-    assert final["state"] == "failed"
-    assert final["failure"] == {"role": "trainer", "id": 0, "host": "hA", "exit_code": 3}
-    assert [(q["role"], q["id"], q["state"], q["exit_code"]) for q in final["processes"]] == [
-        ("pserver", 0, "stopped", -15), ("trainer", 0, "failed", 3), ("trainer", 1, "exited", 0)]
-
-
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_coordinator_loses_peer_host(cluster):
     job_id = cluster.new_job_id()
     port = free_port()
@@ -343,20 +342,20 @@ def test_coordinator_loses_peer_host(cluster):
     hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "sleep")], coordinator(port, False, 2, 1))
     launch(hA)
     resB = launch(hB)
-    assert wait_for(lambda: status(hA).get("hosts", {}).get("hB", {}).get("state") == "connected", 5)
-    os.kill(resB["supervisor_pid"], signal.SIGKILL)  # host B "dies"
-    final = wait_for(lambda: terminal(hA), 8)
+    assert wait_for(lambda: status(hA).get("hosts", {}).get("hB", {}).get("state") == "connected", SLACK)
+    os.kill(resB["supervisor_pid"], signal.SIGKILL)  # host B "dies": its connection is reset
+    final = wait_for(lambda: terminal(hA), GRACE + SLACK)
     assert final and final["state"] == "failed", status(hA)
     assert final["reason"].startswith("lost host hB: ")
     assert final["hosts"]["hB"]["state"] == "lost"
     assert proc(final, "pserver", 0)["state"] == "stopped"
     # B's trainer got SIGTERM from the kernel (PR_SET_PDEATHSIG); B's record says what happened
-    stB = wait_for(lambda: proc(status(hB), "trainer", 0)["state"] == "lost" and status(hB), 5)
+    stB = wait_for(lambda: proc(status(hB), "trainer", 0)["state"] == "lost" and status(hB), SLACK)
     assert stB and stB["state"] == "lost" and stB["supervisor"]["alive"] is False, status(hB)
-    assert wait_for(lambda: tagged(job_id) == [], 3)
+    assert wait_for(lambda: tagged(job_id) == [], SLACK)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_peer_stops_when_coordinator_dies(cluster):
     job_id = cluster.new_job_id()
     port = free_port()
@@ -364,35 +363,129 @@ def test_peer_stops_when_coordinator_dies(cluster):
     hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "sleep")], coordinator(port, False, 2, 1))
     resA = launch(hA)
     launch(hB)
-    assert wait_for(lambda: status(hB).get("coordinator", {}).get("connected"), 5)
-    t0 = time.monotonic()
+    assert wait_for(lambda: status(hB).get("coordinator", {}).get("connected"), SLACK)
+    killed_at = time.time()
     os.kill(resA["supervisor_pid"], signal.SIGKILL)
-    final = wait_for(lambda: terminal(hB), 10)
+    # a crashed coordinator (connection reset): the peer gives up after reconnect_timeout, then stops its processes
+    final = wait_for(lambda: terminal(hB), TIMINGS["reconnect_timeout"] + GRACE + SLACK)
     assert final and final["state"] == "failed", status(hB)
-    assert time.monotonic() - t0 < 6
     assert final["reason"].startswith("lost connection to coordinator 127.0.0.1:%d: " % port)
     assert proc(final, "trainer", 0)["state"] == "stopped"
-    assert wait_for(lambda: tagged(job_id) == [], 3)
+    assert proc(final, "trainer", 0)["ended_at"] - killed_at >= TIMINGS["reconnect_timeout"]  # not before
+    assert wait_for(lambda: tagged(job_id) == [], SLACK)
 
 
-@pytest.mark.timeout(30)
-def test_stop_on_one_host_stops_the_job_everywhere(cluster):
+def _all(fn, *jobdirs):
+    """fn(jobdir) on every host at once, as the controller does; {jobdir: result}."""
+    results, errors = {}, []
+
+    def one(d):
+        try:
+            results[d] = fn(d)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(d,)) for d in jobdirs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _stop_all(*jobdirs):
+    """`agent stop` on every host at once, as the controller's `stop` does; {jobdir: (rc, reply)}."""
+    return _all(lambda d: agent("stop", d, "--grace", str(GRACE), timeout=GRACE + 60), *jobdirs)
+
+
+@pytest.mark.timeout(120)
+def test_stop_on_one_host_stops_the_job_everywhere_and_each_host_reports_its_kills(cluster):
     job_id = cluster.new_job_id()
     port = free_port()
-    hA = cluster.host("hA", job_id, [cluster.process("pserver", 0, "sleep")], coordinator(port, True, 2, 1))
-    hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "sleep")], coordinator(port, False, 2, 1))
+    hA = cluster.host("hA", job_id, [cluster.process("pserver", 0, "sleep")], coordinator(port, True, 3, 2))
+    hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "sleep"), cluster.process("pserver", 1, "sleep")],
+                      coordinator(port, False, 3, 2))
+    hC = cluster.host("hC", job_id, [cluster.process("trainer", 1, "sleep")], coordinator(port, False, 3, 2))
+    pids = {d: set(launch(d)["pids"].values()) for d in (hA, hB, hC)}
+    assert wait_for(lambda: sorted(status(hA).get("hosts", {})) == ["hB", "hC"], SLACK)
+    rc, out = agent("stop", hB, "--grace", str(GRACE))
+    assert rc == 0 and out["ok"] and out["was_running"] and out["state"] == "stopped", out
+    assert {k["pid"] for k in out["killed"]} == pids[hB]  # B's own two processes
+    finals = [wait_for(lambda d=d: terminal(d), GRACE + SLACK) for d in (hA, hC)]
+    for f in finals:
+        assert f and f["state"] == "stopped" and f["reason"] == "stop requested on hB", f
+    assert proc(finals[0], "pserver", 0)["state"] == "stopped"
+    # A and C were stopped by the coordinator's broadcast before their own `agent stop` came: it still reports
+    # what their supervisors killed for this stop, once
+    replies = _stop_all(hA, hB, hC)
+    assert {d: (rc, r["was_running"], {k["pid"] for k in r["killed"]}) for d, (rc, r) in replies.items()} == {
+        hA: (0, True, pids[hA]), hB: (0, False, set()), hC: (0, True, pids[hC])}
+    assert sum(len(r["killed"]) for _, r in replies.values()) + len(out["killed"]) == 4  # every process, once
+    again = _stop_all(hA, hB, hC)
+    assert all(rc == 0 and r["was_running"] is False and r["killed"] == [] for rc, r in again.values()), again
+    assert tagged(job_id) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_of_many_hosts_counts_every_hosts_processes(cluster):
+    """Issue 22.7: the controller's stop (agent stop on every host at once) said 4 killed on 16 hosts: the
+    hosts the coordinator's broadcast reached first reported nothing. 8 hosts here (the count does not
+    depend on how many)."""
+    job_id = cluster.new_job_id()
+    port = free_port()
+    n = 8
+    dirs = [cluster.host("h%02d" % i, job_id, [cluster.process("trainer", i, "sleep")],
+                         coordinator(port, i == 0, n, n)) for i in range(n)]
+    pids = set()
+    for res in _all(launch, *dirs).values():
+        pids |= set(res["pids"].values())
+    assert wait_for(lambda: len(status(dirs[0]).get("hosts", {})) == n - 1, SLACK), status(dirs[0])
+    replies = _stop_all(*dirs)
+    killed = [k["pid"] for _, r in replies.values() for k in r["killed"]]
+    assert sorted(killed) == sorted(pids) and len(killed) == n  # each process once, whoever got there first
+    assert all(rc == 0 and r["ok"] and r["state"] == "stopped" for rc, r in replies.values()), replies
+    assert tagged(job_id) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_joins_after_the_verdict_learns_it_at_once(cluster):
+    """Issue 22.7: it used to wait connect_timeout (30 s) while its status said running."""
+    job_id = cluster.new_job_id()
+    port = free_port()
+    hA = cluster.host("hA", job_id, [cluster.process("pserver", 0, "sleep")], coordinator(port, True, 3, 2))
+    hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "exit", 5, 0)], coordinator(port, False, 3, 2))
+    hC = cluster.host("hC", job_id, [cluster.process("trainer", 1, "sleep")], coordinator(port, False, 3, 2))
     launch(hA)
     launch(hB)
-    assert wait_for(lambda: status(hB).get("coordinator", {}).get("connected"), 5)
-    rc, out = agent("stop", hB, "--grace", "1")
-    assert rc == 0 and out["ok"] and out["was_running"] and out["state"] == "stopped", out
-    final = wait_for(lambda: terminal(hA), 5)
-    assert final and final["state"] == "stopped" and final["reason"] == "stop requested on hB", final
-    assert proc(final, "pserver", 0)["state"] == "stopped"
-    assert wait_for(lambda: tagged(job_id) == [], 3)
+    assert wait_for(lambda: status(hA)["state"] == "failed", GRACE + SLACK), status(hA)
+    assert status(hA)["supervisor"]["alive"] is True  # the coordinator waits for hC, which never joined
+    t0 = time.monotonic()
+    launch(hC)  # late: the verdict is in
+    final = wait_for(lambda: terminal(hC), GRACE + SLACK)
+    assert final and final["state"] == "failed" and final["reason"] == "trainer.0 on hB exited with code 5", final
+    assert time.monotonic() - t0 < TIMINGS["connect_timeout"] / 2  # at once, not after connect_timeout
+    stA = wait_for(lambda: terminal(hA), GRACE + SLACK)  # every peer joined: the coordinator is done too
+    assert stA and stA["hosts"]["hC"]["state"] == "done", stA
+    assert tagged(job_id) == []
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
+def test_a_coordinator_waiting_for_late_peers_gives_way_to_a_new_launch(cluster):
+    job_id = cluster.new_job_id()
+    port = free_port()
+    hA = cluster.host("hA", job_id, [cluster.process("trainer", 0, "exit", 3, 0)], coordinator(port, True, 2, 1))
+    first = launch(hA)
+    st = wait_for(lambda: (lambda s: s if s["state"] == "failed" else None)(status(hA)), GRACE + SLACK)
+    assert st and st["supervisor"]["alive"] is True  # its peer never came: it keeps answering late peers
+    again = launch(hA)  # the same job dir, launched again at once (a fixed job, restarted by hand)
+    assert again["supervisor_pid"] != first["supervisor_pid"] and not alive(first["supervisor_pid"])
+    assert status(hA)["supervisor"] == {"pid": again["supervisor_pid"], "alive": True}
+    rc, out = agent("stop", hA, "--grace", "0")
+    assert rc == 0 and out["ok"], out
+
+
+@pytest.mark.timeout(120)
 def test_launch_reports_spawn_and_listen_failures(cluster):
     job_id = cluster.new_job_id()
     bad = cluster.process("trainer", 1, "sleep")
@@ -404,7 +497,7 @@ def test_launch_reports_spawn_and_listen_failures(cluster):
     assert out["error"] == ("cannot start trainer.1 (no-such-binary-xyz in %s): No such file or directory"
                             % cluster.work)
     assert list(out["pids"]) == ["pserver.0"]
-    final = wait_for(lambda: terminal(d), 5)
+    final = wait_for(lambda: terminal(d), GRACE + SLACK)
     assert final["state"] == "failed" and final["failure"]["role"] == "trainer" and final["failure"]["id"] == 1
     assert [(q["role"], q["id"], q["state"]) for q in final["processes"]] == [
         ("pserver", 0, "stopped"), ("trainer", 1, "failed"), ("trainer", 2, "stopped")]
@@ -421,75 +514,6 @@ def test_launch_reports_spawn_and_listen_failures(cluster):
     assert rc == 1 and out["ok"] is False and out["pids"] == {}
     assert out["error"] == "cannot listen on 127.0.0.1:%d: Address already in use" % port
     assert status(d2)["state"] == "failed"
-
-
-@pytest.mark.timeout(30)
-def test_bad_token_and_garbage_are_rejected(cluster):
-    job_id = cluster.new_job_id()
-    port = free_port()
-    d = cluster.host("hA", job_id, [cluster.process("trainer", 0, "sleep")], coordinator(port, True, 1, 1))
-    launch(d)
-
-    def exchange(payload):
-        """Send payload after reading the challenge; return (challenge, everything else the coordinator sent)."""
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-            f = s.makefile("rb")
-            challenge = json.loads(f.readline())
-            s.sendall(payload)
-            return challenge, f.read()
-
-    challenge, reply = exchange(json.dumps({"type": "hello", "token": TOKEN, "job": job_id, "host": "old"}).encode()
-                                + b"\n")
-    assert set(challenge) == {"type", "version", "nonce"} and challenge["type"] == "challenge", challenge
-    assert challenge["version"] == 2 and len(challenge["nonce"]) == 64
-    assert json.loads(reply) == {"type": "error", "error": "protocol version mismatch: coordinator speaks 2, "
-                                 "peer sent None", "version": 2}
-    bad = {"type": "hello", "version": 2, "job": job_id, "host": "evil", "nonce": "ab" * 32, "proof": "0" * 64}
-    _, reply = exchange(json.dumps(bad).encode() + b"\n")
-    assert json.loads(reply) == {"type": "error", "error": "bad token", "version": 2}
-    assert exchange(b"\xff\xfe not json at all\n")[1] == b""
-    assert exchange(b"[1, 2, 3]\n")[1] == b""
-    assert exchange(b"[" * 3000 + b"]" * 3000 + b"\n")[1] == b""  # deep nesting: RecursionError once
-    st = status(d)
-    assert st["state"] == "running" and "evil" not in st["hosts"]
-    assert st["supervisor"]["alive"] is True
-    log = open(os.path.join(d, "supervisor.log")).read()
-    assert "bad token" in log and "garbage from 127.0.0.1:" in log and "nested deeper" in log
-
-    # an authenticated peer sending nonsense does not crash the supervisor; its disconnect is a lost host
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        f = s.makefile("rb")
-        nc = json.loads(f.readline())["nonce"]
-        np_ = "cd" * 32
-        proof = agent_mod.auth_proof(TOKEN, "peer", job_id, "odd", nc, np_)
-        s.sendall(json.dumps({"type": "hello", "version": 2, "job": job_id, "host": "odd", "nonce": np_,
-                              "proof": proof}).encode() + b"\n")
-        assert json.loads(f.readline()) == {
-            "type": "welcome", "job": job_id,
-            "proof": agent_mod.auth_proof(TOKEN, "coordinator", job_id, "odd", nc, np_)}
-        s.sendall(b'{"type": "exit", "role": "trainer", "id": [1], "code": {}}\n{"type": "what"}\n')
-        assert wait_for(lambda: "ignoring malformed exit event" in open(os.path.join(d, "supervisor.log")).read(), 5)
-        assert status(d)["supervisor"]["alive"] is True
-    final = wait_for(lambda: terminal(d), 5)
-    # "connection closed", or "no heartbeat" when the status call above was slow (a loaded machine)
-    assert final and final["state"] == "failed" and final["reason"].startswith("lost host odd: "), final
-    assert final["coordinator"]["rejected_connections"] == 5, final["coordinator"]
-
-    # a peer configured with the wrong token gives up at once; the coordinator times out waiting for it
-    job2 = cluster.new_job_id()
-    port2 = free_port()
-    hA = cluster.host("hA", job2, [cluster.process("pserver", 0, "sleep")],
-                      coordinator(port2, True, 2, 1, connect_timeout=2.0))
-    peer = coordinator(port2, False, 2, 1)
-    peer["token"] = "wrong"
-    hB = cluster.host("hB", job2, [cluster.process("trainer", 0, "sleep")], peer)
-    launch(hA)
-    launch(hB)
-    fB = wait_for(lambda: terminal(hB), 5)
-    assert fB and fB["state"] == "failed" and fB["reason"] == "coordinator rejected this host: bad token", fB
-    fA = wait_for(lambda: terminal(hA), 8)
-    assert fA and fA["state"] == "failed"
-    assert fA["reason"] == "only 0 of 1 peer host(s) connected within 2s (connected: none)"
 
 
 # ---------------------------------------------------------------------------
@@ -626,7 +650,7 @@ def test_logs_prefix_tail_non_utf8_and_long_lines(cluster):
     assert p.stdout == b"[hL trainer.3] t4\n"
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_logs_follow_survives_truncation_and_exits_when_job_ends(cluster):
     job_id = cluster.new_job_id()
     d = cluster.host("hF", job_id, [cluster.process("trainer", 0, "sleep")])
@@ -666,7 +690,7 @@ def test_logs_follow_survives_truncation_and_exits_when_job_ends(cluster):
 # pservers first, trainers once every pserver endpoint accepts connections
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(120)
 def test_trainers_start_only_after_the_pserver_endpoints_open(cluster):
     job_id = cluster.new_job_id("order")
     ps_port, ctl = free_port(), free_port()
@@ -696,7 +720,7 @@ def test_trainers_start_only_after_the_pserver_endpoints_open(cluster):
         assert t["started_at"] - started_ps >= 1.4, (t, started_ps)
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(120)
 def test_pserver_endpoint_that_never_opens_fails_the_launch_and_leaves_nothing(cluster):
     job_id = cluster.new_job_id("noopen")
     ep = "127.0.0.1:%d" % free_port()

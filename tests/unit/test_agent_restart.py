@@ -1,17 +1,21 @@
 """Restarts in clusterctl/host (the agent) (job keys `restarts`, `restart_backoff`), with real processes on 127.0.0.1.
 
-Same simulated hosts as tests/unit/test_agent.py: one job dir and host label per "host", one coordinator.
+Same simulated hosts as tests/unit/test_agent.py: one job dir and host label per "host", one coordinator. What
+each failure leads to (restart or final, the back-off's doubling, restarts running out, a peer cut off and
+rejoining) is decided by the rules and tested there (test_agent_rules.py, test_agent_supervisor.py); these
+tests prove the wiring end to end.
 """
 
 import os
-import signal
 import subprocess
 import time
 
 import pytest
 from test_agent import (
     AGENT,
+    GRACE,
     PY,
+    SLACK,
     Cluster,
     agent,
     coordinator,
@@ -41,57 +45,44 @@ def attempt_rows(st):
     return [(a["attempt"], a["outcome"], a["reason"]) for a in st["attempts"]]
 
 
-@pytest.mark.timeout(40)
+BACKOFF = 1.0  # the least restart_backoff there is (clusterctl/host/policy.py): restart k waits BACKOFF * 2^(k-1)
+
+
+@pytest.mark.timeout(120)
 def test_single_host_restarts_until_the_trainer_succeeds(cluster):
     job_id = cluster.new_job_id()
     d = cluster.host("hA", job_id, [cluster.process("pserver", 0, "sleep"),
-                                    cluster.process("trainer", 0, "attempts", 2, 3, 0.3)],
-                     restarts=3, restart_backoff=0.3)
+                                    cluster.process("trainer", 0, "attempts", 1, 3, 0.3)],
+                     restarts=3, restart_backoff=BACKOFF)
     first = launch(d)
-    final = wait_for(lambda: terminal(d), 20)
+    final = wait_for(lambda: terminal(d), BACKOFF + 2 * GRACE + SLACK)
     assert final and final["state"] == "succeeded", status(d)
-    assert (final["attempt"], final["restarts"]) == (2, 3)
+    assert (final["attempt"], final["restarts"]) == (1, 3)
     assert attempt_rows(final) == [
         (0, "failed", "trainer.0 on hA exited with code 3"),
-        (1, "failed", "trainer.0 on hA exited with code 3"),
-        (2, "succeeded", "all 1 trainers exited 0"),
+        (1, "succeeded", "all 1 trainers exited 0"),
     ]
     a = final["attempts"]
-    assert a[1]["started_at"] - a[0]["ended_at"] >= 0.3 - 0.05  # back-off 0.3 s, then doubled
-    assert a[2]["started_at"] - a[1]["ended_at"] >= 0.6 - 0.05
+    assert a[1]["started_at"] - a[0]["ended_at"] >= BACKOFF - 0.05  # the back-off (its doubling: the rule tests)
     pserver = proc(final, "pserver", 0)
     assert pserver["pid"] != first["pids"]["pserver.0"]  # the whole job started again, pservers too
     trainer = proc(final, "trainer", 0)
     assert (trainer["state"], trainer["exit_code"]) == ("exited", 0)
     logs = [e["path"] for e in trainer["logs"]]
     base = os.path.join(os.path.dirname(logs[0]), "trainer.0")
-    assert logs == [base + ".log", base + ".attempt1.log", base + ".attempt2.log"]
+    assert logs == [base + ".log", base + ".attempt1.log"]
     for n, path in enumerate(logs):  # every attempt's log kept, each saw its attempt number twice
         with open(path) as f:
             assert f.read() == "attempt=%d torchelastic=%d\n" % (n, n)
-    out = subprocess.run([PY, AGENT, "logs", d, "--role", "trainer"], stdout=subprocess.PIPE, timeout=10)
+    out = subprocess.run([PY, AGENT, "logs", d, "--role", "trainer"], stdout=subprocess.PIPE, timeout=SLACK)
     assert out.stdout.decode().splitlines() == [
         "[hA trainer.0] attempt=0 torchelastic=0",
         "[hA trainer.0#1] attempt=1 torchelastic=1",
-        "[hA trainer.0#2] attempt=2 torchelastic=2",
     ]
     assert tagged(job_id) == []
 
 
-@pytest.mark.timeout(30)
-def test_restarts_run_out_and_the_job_fails(cluster):
-    job_id = cluster.new_job_id()
-    d = cluster.host("hA", job_id, [cluster.process("trainer", 0, "attempts", 99, 5, 0.1)],
-                     restarts=1, restart_backoff=0.1)
-    launch(d)
-    final = wait_for(lambda: terminal(d), 15)
-    assert final and final["state"] == "failed", status(d)
-    assert final["attempt"] == 1 and final["reason"] == "trainer.0 on hA exited with code 5"
-    assert [row[:2] for row in attempt_rows(final)] == [(0, "failed"), (1, "failed")]
-    assert tagged(job_id) == []
-
-
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(120)
 def test_a_trainer_failure_on_one_host_restarts_every_host(cluster):
     job_id = cluster.new_job_id()
     port, ps = free_port(), free_port()
@@ -99,12 +90,12 @@ def test_a_trainer_failure_on_one_host_restarts_every_host(cluster):
     after = {"endpoints": [ep], "timeout": 10}
     hA = cluster.host("hA", job_id, [cluster.process("pserver", 0, "serve", "127.0.0.1", ps, ports=[ep]),
                                      cluster.process("trainer", 0, "attempts", 0, 0, 1.5)],
-                      coordinator(port, True, 2, 2), restarts=2, restart_backoff=0.2, start_trainers_after=after)
+                      coordinator(port, True, 2, 2), restarts=2, restart_backoff=BACKOFF, start_trainers_after=after)
     hB = cluster.host("hB", job_id, [cluster.process("trainer", 1, "attempts", 1, 7, 0.3)],
-                      coordinator(port, False, 2, 2), restarts=2, restart_backoff=0.2, start_trainers_after=after)
+                      coordinator(port, False, 2, 2), restarts=2, restart_backoff=BACKOFF, start_trainers_after=after)
     launch(hA)
     launch(hB)
-    finals = [wait_for(lambda d=d: terminal(d), 25) for d in (hA, hB)]
+    finals = [wait_for(lambda d=d: terminal(d), BACKOFF + 1.5 + 2 * GRACE + SLACK) for d in (hA, hB)]
     assert all(finals), [status(d) for d in (hA, hB)]
     stA, stB = finals
     for st in finals:
@@ -118,81 +109,39 @@ def test_a_trainer_failure_on_one_host_restarts_every_host(cluster):
     assert tagged(job_id) == []
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(120)
 def test_a_stop_while_a_restart_is_pending_is_final(cluster):
     job_id = cluster.new_job_id()
     port = free_port()
     hA = cluster.host("hA", job_id, [cluster.process("pserver", 0, "sleep")], coordinator(port, True, 2, 1),
-                      restarts=5, restart_backoff=30)
+                      restarts=5, restart_backoff=300)
     hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "attempts", 99, 1, 0.3)],
-                      coordinator(port, False, 2, 1), restarts=5, restart_backoff=30)
+                      coordinator(port, False, 2, 1), restarts=5, restart_backoff=300)
     launch(hA)
     launch(hB)
-    st = wait_for(lambda: state_when(hA, lambda s: s["state"] == "restarting" and s["restart_at"]), 10)
-    assert st and st["attempt"] == 0 and st["restart_at"] > time.time() + 20, status(hA)
-    assert wait_for(lambda: status(hB)["state"] == "restarting", 5), status(hB)
-    t0 = time.monotonic()
+    st = wait_for(lambda: state_when(hA, lambda s: s["state"] == "restarting" and s["restart_at"]), GRACE + SLACK)
+    assert st and st["attempt"] == 0 and st["restart_at"] > time.time() + 200, status(hA)
+    assert wait_for(lambda: status(hB)["state"] == "restarting", SLACK), status(hB)
     rc, out = agent("stop", hB, "--grace", "1")
     assert rc == 0 and out["state"] == "stopped", out
-    finals = [wait_for(lambda d=d: terminal(d), 5) for d in (hA, hB)]
-    assert all(finals) and time.monotonic() - t0 < 5, [status(d) for d in (hA, hB)]
+    finals = [wait_for(lambda d=d: terminal(d), SLACK) for d in (hA, hB)]
+    assert all(finals), [status(d) for d in (hA, hB)]
     for f in finals:
         assert (f["state"], f["reason"], f["attempt"]) == ("stopped", "stop requested on hB", 0), f
         assert attempt_rows(f)[0][:2] == (0, "failed")
     assert tagged(job_id) == []
 
 
-@pytest.mark.timeout(20)
-def test_a_process_that_cannot_start_is_never_restarted(cluster):
-    job_id = cluster.new_job_id()
-    bad = cluster.process("trainer", 0, "sleep")
-    bad["argv"] = ["no-such-binary-xyz"]
-    d = cluster.host("hA", job_id, [bad], restarts=3, restart_backoff=0.1)
-    rc, out = agent("launch", os.path.join(d, "job.json"))
-    assert rc == 1 and "no-such-binary-xyz" in out["error"], out
-    final = wait_for(lambda: terminal(d), 5)
-    assert final["state"] == "failed" and final["attempt"] == 0 and len(final["attempts"]) == 1, final
-
-
-@pytest.mark.timeout(40)
-def test_a_peer_cut_off_from_the_coordinator_stops_then_rejoins_the_restart(cluster):
-    """The coordinator's supervisor frozen (SIGSTOP) stands in for a partition: the peer stops its processes
-    within peer_timeout + reconnect_timeout, keeps trying to rejoin, and runs the next attempt."""
-    job_id = cluster.new_job_id()
-    port = free_port()
-    hA = cluster.host("hA", job_id, [cluster.process("pserver", 0, "sleep")], coordinator(port, True, 2, 1),
-                      restarts=1, restart_backoff=0.1)
-    hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "attempts", 1, 0, 6)],
-                      coordinator(port, False, 2, 1), restarts=1, restart_backoff=0.1)
-    resA = launch(hA)
-    launch(hB)
-    assert wait_for(lambda: status(hB).get("coordinator", {}).get("connected"), 5)
-    os.kill(resA["supervisor_pid"], signal.SIGSTOP)
-    t0 = time.time()
-    try:
-        stB = wait_for(lambda: state_when(hB, lambda s: s["attempts"][0]["ended_at"]), 8)
-    finally:
-        os.kill(resA["supervisor_pid"], signal.SIGCONT)
-    assert stB, status(hB)
-    first = stB["attempts"][0]
-    assert first["ended_at"] - t0 < 2.0 + 1.0 + 1.0  # peer_timeout + reconnect_timeout + the local stop
-    assert first["outcome"] == "failed" and first["reason"].startswith("lost connection to coordinator"), stB
-    finals = [wait_for(lambda d=d: terminal(d), 20) for d in (hA, hB)]
-    assert all(finals), [status(d) for d in (hA, hB)]
-    for f in finals:
-        assert (f["state"], f["attempt"]) == ("succeeded", 1), f
-    assert tagged(job_id) == []
-
-
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_logs_follow_picks_up_each_attempts_file_and_ends_with_the_job(cluster):
     job_id = cluster.new_job_id()
     d = cluster.host("hA", job_id, [cluster.process("trainer", 0, "attempts", 1, 4, 0.5)],
-                     restarts=2, restart_backoff=0.2)
+                     restarts=2, restart_backoff=BACKOFF)
     launch(d)
-    follow = subprocess.run([PY, AGENT, "logs", d, "--follow"], stdout=subprocess.PIPE, timeout=20)
+    follow = subprocess.run([PY, AGENT, "logs", d, "--follow"], stdout=subprocess.PIPE,
+                            timeout=BACKOFF + 2 * GRACE + SLACK)
     assert follow.returncode == 0
     assert follow.stdout.decode().splitlines() == ["[hA trainer.0] attempt=0 torchelastic=0",
                                                    "[hA trainer.0#1] attempt=1 torchelastic=1"]
-    final = wait_for(lambda: terminal(d), 5)
+    final = wait_for(lambda: terminal(d), SLACK)
     assert final and final["state"] == "succeeded" and final["attempt"] == 1, status(d)

@@ -17,7 +17,7 @@ from clusterctl.host.states import JobState, ProcState
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import FakeCoordinator  # noqa: E402
-from test_agent import AGENT, PY, Cluster, coordinator, free_port, launch, terminal, wait_for  # noqa: E402
+from test_agent import AGENT, PY, SLACK, Cluster, coordinator, free_port, launch, terminal, wait_for  # noqa: E402
 
 HOST = Path(jobfile.__file__).resolve().parent
 
@@ -93,15 +93,20 @@ def test_a_peer_refuses_a_coordinator_of_another_protocol_version(cluster):
     job_id = cluster.new_job_id()
     port = free_port()
     old = FakeCoordinator(port, version=1, timeout=1)
+    connect_timeout = 3.0
     try:
-        hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "sleep")], coordinator(port, False, 2, 1))
+        hB = cluster.host("hB", job_id, [cluster.process("trainer", 0, "sleep")],
+                          coordinator(port, False, 2, 1, connect_timeout=connect_timeout))
         launch(hB)
-        final = wait_for(lambda: terminal(hB), 20)
+        final = wait_for(lambda: terminal(hB), connect_timeout + SLACK)
     finally:
         old.close()
     assert final and final["state"] == "failed", final
-    assert final["reason"] == (f"protocol version mismatch: this host's agent speaks 2, coordinator 127.0.0.1:{port} "
-                               "sent 1 (upload the same agent to every host)"), final
+    # it kept trying (another coordinator may take the port) until connect_timeout, then says why it failed
+    assert final["reason"] == (f"could not connect to coordinator 127.0.0.1:{port} within 3s: protocol version "
+                               f"mismatch: this host's agent speaks 2, coordinator 127.0.0.1:{port} sent 1 (upload "
+                               "the same agent to every host)"), final
+    assert old.connections >= 2
     assert old.received == b""  # it said nothing (no hello, no proof) to a coordinator it cannot talk to
 
 
@@ -139,6 +144,16 @@ def test_the_job_file_is_built_and_checked_by_one_schema(tmp_path):
         jobfile.build_job("j-1", "h", [dict(proc, role="worker")], "/s")
     with pytest.raises(ValueError, match="coordinator.port: must be <= 65535"):
         jobfile.build_job("j-1", "h", [proc], "/s", coordinator=dict(coord, port=70000))
+    # the policy as one object, or its keys one by one (the older form): one default and bound each
+    from clusterctl.host.policy import Policy
+
+    a = jobfile.build_job("j-1", "h", [proc], "/s", Policy(grace=5.0, restarts=2))
+    assert a == jobfile.build_job("j-1", "h", [proc], "/s", grace=5.0, restarts=2)
+    assert (a["on_failure"], a["grace"], a["restarts"], a["restart_backoff"]) == ("stop", 5.0, 2, 1.0)
+    with pytest.raises(ValueError, match="restart_backoff: must be a number between 1.0 and 300.0, got 0.5"):
+        jobfile.build_job("j-1", "h", [proc], "/s", restart_backoff=0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument.s. colour"):
+        jobfile.build_job("j-1", "h", [proc], "/s", colour="red")
 
 
 # ------------------------------------------------------------------ the upload, over the local fake transport

@@ -283,7 +283,7 @@ def test_slurm_start_status_logs_and_stop(tmp_path, monkeypatch, capsys):
 
 def test_slurm_restarts_and_fail_fast_are_the_supervisors(tmp_path, monkeypatch, capsys):
     c = slurm_cluster(tmp_path, monkeypatch, job={"env": {"FAIL_RANK": "1", "FAIL_ATTEMPTS": "1", "SLEEP": "0.5"},
-                                                   "restarts": 1, "restart_backoff": 0.1})
+                                                   "restarts": 1, "restart_backoff": 1})
     code, out, err = cli(capsys, "start", c.spec_path, "--dispatch", "--follow")
     assert code == 0, out + err
     lines = out.splitlines()

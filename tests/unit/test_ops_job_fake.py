@@ -134,7 +134,7 @@ def test_a_failing_trainer_fails_the_job_and_stops_the_others(tmp_path):
 
 
 def test_a_failed_attempt_is_restarted_and_succeeds(tmp_path, capsys):
-    c = cluster(tmp_path, hosts=1, env={"FAIL_RANK_0": "5"}, restarts=2, restart_backoff=0)
+    c = cluster(tmp_path, hosts=1, env={"FAIL_RANK_0": "5"}, restarts=2, restart_backoff=1)  # the least there is (clusterctl/host/policy.py)
     with c.session() as s:
         start(s)
         st = wait_until(lambda: (x := status(s)).state == "succeeded" and x)

@@ -1,0 +1,223 @@
+"""A host's processes of a job: one `ProcessRow` each, spawned and reaped by `LocalProcesses`.
+
+`TrainerGate` holds the local trainers back until every pserver endpoint accepts connections
+(`start_trainers_after`); its decision is a function of the clock and a probe, so it is tested without
+sockets.
+"""
+
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .common import log
+from .jobfile import RESTART_ENV, ROLES, parse_endpoint
+from .procfs import proc_stat
+from .spawn import _pdeathsig_setup, _private_opener, attempt_log, base_env
+from .states import ProcState
+
+__all__ = ["ProcessRow", "LocalProcesses", "TrainerGate"]
+
+GATE_INTERVAL = 0.2  # start_trainers_after: seconds between probes of the closed endpoints
+
+
+@dataclass
+class ProcessRow:
+    """One process of the job on this host: what runs (from the job file) and how it stands now."""
+
+    role: str
+    id: int
+    argv: list
+    cwd: str
+    first_log: str  # the job file's log: attempt 0's; attempt k logs to attempt_log(first_log, k)
+    ports: list
+    env: dict = field(repr=False)  # the job file's env for it (the host's base env and tags are added)
+    log: str = ""
+    pid: Optional[int] = None
+    start_ticks: Optional[int] = None
+    state: str = ProcState.PENDING
+    exit_code: Optional[int] = None
+    started_at: Optional[float] = None
+    ended_at: Optional[float] = None
+    error: Optional[str] = None
+    signalled: bool = False  # a stop signalled it: its end is `stopped`, not an exit of its own
+    logs: list = field(default_factory=list)  # [{"attempt": k, "path": log}] of every attempt so far
+
+    def __post_init__(self):
+        self.log = self.log or self.first_log
+
+    @property
+    def name(self):
+        """role.id"""
+        return "%s.%d" % (self.role, self.id)
+
+    def to_json(self):
+        """The row as state.json holds it."""
+        return {"role": self.role, "id": self.id, "argv": self.argv, "cwd": self.cwd, "log": self.log,
+                "ports": self.ports, "pid": self.pid, "start_ticks": self.start_ticks, "state": self.state,
+                "exit_code": self.exit_code, "started_at": self.started_at, "ended_at": self.ended_at,
+                "error": self.error, "logs": [dict(e) for e in self.logs]}
+
+    def group(self):
+        """The row as the Stopper takes it (its process group)."""
+        return {"pid": self.pid, "start_ticks": self.start_ticks, "role": self.role, "id": self.id}
+
+    def reset(self):
+        """Back to `pending`, for the next attempt (the logs of earlier attempts stay listed)."""
+        self.pid = self.start_ticks = self.exit_code = self.started_at = self.ended_at = self.error = None
+        self.state = ProcState.PENDING
+        self.signalled = False
+
+
+class LocalProcesses:
+    """The job's processes on this host: spawn them (own session, log per attempt), reap them."""
+
+    def __init__(self, job_id, jobdir, entries):
+        self.job_id = job_id
+        self.jobdir = jobdir
+        self.rows = [ProcessRow(p["role"], p["id"], list(p["argv"]), p["cwd"], p["log"], list(p["ports"]),
+                                dict(p["env"])) for p in entries]
+        self.popens = {}  # (role, id) -> Popen of the current attempt
+
+    def spawn(self, attempt, roles=ROLES):
+        """Start the pending processes of `roles` for `attempt`; None, or why one could not start (it is then
+        `failed` and the rest of `roles` is `stopped`: not started)."""
+        preexec = _pdeathsig_setup(os.getpid())
+        for r in self.rows:
+            if r.role not in roles or r.state != ProcState.PENDING:
+                continue
+            env = base_env(self.job_id, self.jobdir, r.env)
+            for name in RESTART_ENV:
+                env[name] = str(attempt)
+            r.log = attempt_log(r.first_log, attempt)
+            if not any(entry["attempt"] == attempt for entry in r.logs):
+                r.logs.append({"attempt": attempt, "path": r.log})
+            try:
+                os.makedirs(os.path.dirname(r.log), mode=0o700, exist_ok=True)
+                if os.path.exists(r.log):  # keep the previous run's log, start this one fresh
+                    os.replace(r.log, r.log + ".1")
+                with open(r.log, "ab", opener=_private_opener) as logf:  # 0600: logs may hold secrets
+                    popen = subprocess.Popen(
+                        r.argv, cwd=r.cwd, env=env, stdin=subprocess.DEVNULL, stdout=logf,
+                        stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, preexec_fn=preexec)
+            except (OSError, subprocess.SubprocessError) as e:
+                err = "cannot start %s (%s in %s): %s" % (r.name, r.argv[0], r.cwd,
+                                                          getattr(e, "strerror", None) or e)
+                log(err)
+                r.state, r.error, r.ended_at = ProcState.FAILED, err, time.time()
+                self.not_started("not started: an earlier process failed to start", roles)
+                return err
+            st = proc_stat(popen.pid)
+            r.pid, r.start_ticks = popen.pid, st[2] if st else None
+            r.state, r.started_at = ProcState.RUNNING, time.time()
+            self.popens[(r.role, r.id)] = popen
+            log("started %s pid %d: %s" % (r.name, popen.pid, r.argv))
+        return None
+
+    def not_started(self, why, roles=ROLES, state=ProcState.STOPPED):
+        """Mark the pending processes of `roles` as never started (`why`); return them."""
+        rows = [r for r in self.rows if r.state == ProcState.PENDING and r.role in roles]
+        for r in rows:
+            r.state, r.error = state, why
+            if state == ProcState.FAILED:
+                r.ended_at = time.time()
+        return rows
+
+    def reap(self):
+        """Collect the processes that ended; return those that ended on their own (not by our signal)."""
+        ended = []
+        for r in self.rows:
+            popen = self.popens.get((r.role, r.id))
+            if popen is None or r.state != ProcState.RUNNING:
+                continue
+            rc = popen.poll()
+            if rc is None:
+                continue
+            r.exit_code, r.ended_at = rc, time.time()
+            if r.signalled:
+                r.state = ProcState.STOPPED
+            else:
+                r.state = ProcState.EXITED if rc == 0 else ProcState.FAILED
+                ended.append(r)
+            log("%s pid %d ended with %s -> %s" % (r.name, r.pid, rc, r.state))
+        return ended
+
+    def failed(self, roles=ROLES):
+        """The processes of `roles` that could not start."""
+        return [r for r in self.rows if r.state == ProcState.FAILED and r.role in roles and r.pid is None]
+
+    def to_stop(self):
+        """Everything running is signalled from now on (and returned); nothing pending will start."""
+        running = []
+        for r in self.rows:
+            if r.state == ProcState.RUNNING:
+                r.signalled = True
+                running.append(r)
+            elif r.state == ProcState.PENDING:
+                r.state = ProcState.STOPPED
+        return running
+
+    def reset(self):
+        """Every row back to pending, for the next attempt."""
+        self.popens = {}
+        for r in self.rows:
+            r.reset()
+
+    def pids(self):
+        """{"role.id": pid} of the processes started in this attempt (the launch report)."""
+        return {r.name: r.pid for r in self.rows if r.pid}
+
+    def has(self, role):
+        """Whether any local process has `role`."""
+        return any(r.role == role for r in self.rows)
+
+    def to_json(self):
+        """state.json "processes"."""
+        return [r.to_json() for r in self.rows]
+
+
+def tcp_probe(endpoint, timeout=GATE_INTERVAL):
+    """True if `endpoint` ("host:port") accepts a TCP connection now."""
+    try:
+        socket.create_connection(parse_endpoint(endpoint), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+class TrainerGate:
+    """The local trainers wait until every pserver endpoint accepts connections, `timeout` at most."""
+
+    WAIT, OPEN, TIMEOUT = "wait", "open", "timeout"
+
+    def __init__(self, endpoints, timeout, now, probe=tcp_probe, interval=GATE_INTERVAL):
+        self.endpoints = list(endpoints)
+        self.timeout = timeout
+        self.deadline = now + timeout
+        self.probe = probe
+        self.interval = interval
+        self.opened = set()
+        self.next_probe = now
+
+    def poll(self, now):
+        """Probe the closed endpoints (every `interval`): OPEN once all accepted, TIMEOUT past the deadline."""
+        if now < self.next_probe:
+            return self.WAIT
+        self.next_probe = now + self.interval
+        for ep in self.endpoints:
+            if ep not in self.opened and self.probe(ep):
+                self.opened.add(ep)
+        if len(self.opened) == len(self.endpoints):
+            return self.OPEN
+        return self.TIMEOUT if now >= self.deadline else self.WAIT
+
+    def closed(self):
+        """The endpoints that never accepted, in the job file's order."""
+        return [ep for ep in self.endpoints if ep not in self.opened]
+
+    def timeout_message(self):
+        """The one line that says which endpoints never opened."""
+        return "pserver endpoint(s) %s did not accept connections within %gs" % (", ".join(self.closed()),
+                                                                                  self.timeout)
