@@ -17,7 +17,7 @@ from ..errors import ClusterctlError, HostFailure, JobError, RemoteError
 from ..plan import Host, JobPlan, factor_env
 from ..quoting import join, quote
 from ..remote import LineCallback
-from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
+from ..host.jobfile import build_job, coordinator_entry, elastic_entry, parse_endpoint, process_entry, with_elastic
 from ..host.states import JobState
 from ..host.status import JobStatus, ProcessStatus, overall_state
 from . import Session
@@ -75,13 +75,22 @@ def job_files(plan: JobPlan, homes: dict[Host, str] | None, token: str) -> dict[
             restart_backoff=plan.restart_backoff,
             start_trainers_after={"endpoints": pserver_eps, "timeout": WAIT_PSERVERS_S} if pserver_eps else None,
             coordinator=coordinator_entry(
-                ctl_addr, int(ctl_port), token, host == plan.hosts[0], len(plan.hosts), len(plan.trainers)
+                ctl_addr, int(ctl_port), token, host == plan.members[0], len(plan.hosts), len(plan.trainers)
             ),
             env=shared_env,
             auth=plan.auth,
             token=token,
         )
+        if plan.elastic is not None:  # spares too: any host may run its part of a later attempt (host/elastic.py)
+            files[host] = with_elastic(files[host], _elastic_section(plan, host))
     return files
+
+
+def _elastic_section(plan: JobPlan, host: Host) -> dict:
+    """The "elastic" section of `host`'s job file: the plan's, with the host's own index."""
+    e = plan.elastic
+    return elastic_entry(host.index, e["hosts"], e["job"], e["members"], e["spares"], e["min_hosts"],
+                         e["max_host_changes"], e["host_change_window"], e["workdir"], e["log_dir"])
 
 
 def _mpi_job_file(plan: JobPlan, home: str | None, token: str) -> dict:

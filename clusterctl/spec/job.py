@@ -9,6 +9,7 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, field_validator
 
+from ..host.elastic import MAX_HOST_CHANGES, MAX_HOST_CHANGES_MAX
 from .fields import Port, _did_you_mean, _Model, _placeholder_names, _scalar_str
 
 __all__ = ["JobSpec", "PortsSpec", "PserversPerHost", "WorkspaceSpec", "DataSpec", "PLACEHOLDERS", "CONTRACT_ENV",
@@ -105,6 +106,11 @@ class JobSpec(_Model):
     auth: Literal["token", "none"] = "token"
     sync: Literal["sync", "async", "geo"] = "sync"
     k_steps: int = Field(100, ge=1)
+    # elastic jobs (docs/lifecycle.md#elastic-jobs): the fewest hosts the job runs on (None: every host that is
+    # not a spare), and how many changes of its hosts (a spare in a lost host's place, a lost host left out)
+    # any hour may see
+    min_hosts: int | None = Field(None, ge=1, le=100_000)
+    max_host_changes: int = Field(MAX_HOST_CHANGES, ge=0, le=MAX_HOST_CHANGES_MAX)
 
     @field_validator("entrypoint", mode="before")
     @classmethod
