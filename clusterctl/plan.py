@@ -315,7 +315,7 @@ def make_plan(
     except LayoutError as exc:
         raise PlanError(exc.path, exc.message) from None
     processes = tuple(
-        Process(hosts[p["host"]], p["role"], p["id"], p["rank"], p["local_rank"], p["endpoint"], tuple(p["gpus"]),
+        Process(members[p["host"]], p["role"], p["id"], p["rank"], p["local_rank"], p["endpoint"], tuple(p["gpus"]),
                 p["env"], tuple(p["argv"]))
         for p in laid["processes"]
     )

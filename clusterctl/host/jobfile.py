@@ -99,14 +99,24 @@ def elastic_entry(index, hosts, job, members, spares, min_hosts, max_host_change
             "workdir": workdir, "log_dir": log_dir}
 
 
-def with_elastic(job, section):
-    """`job` (a job file `build_job` made) with its "elastic" section, checked by the host's own validator;
+def with_elastic(jobs, section):
+    """Each job file of `jobs` ([(a job file `build_job` made, its host's index)]) with its "elastic" section:
+    `section` with the host's own index. Checked by the host's own validator: what every host shares once (the
+    hosts and the job: a check per host would cost the square of the hosts), each index against its file's host;
     raise ValueError."""
-    try:
-        check_elastic(section, "job file for %s: elastic" % job.get("host"), job.get("host"))
-    except InputError as e:
-        raise ValueError(str(e)) from None
-    return dict(job, elastic=section)
+    out = []
+    for n, (job, index) in enumerate(jobs):
+        own = dict(section, index=index)
+        where = "job file for %s: elastic" % job.get("host")
+        try:
+            if n == 0:
+                _, by_index = _check_elastic(own, where, job.get("host"))
+            else:
+                _check_index(own, by_index, where, job.get("host"))
+        except InputError as e:
+            raise ValueError(str(e)) from None
+        out.append(dict(job, elastic=own))
+    return out
 
 
 def _strs(where, value, allow_empty=True):
@@ -172,6 +182,20 @@ def _layout_job(where, job):
 
 def check_elastic(raw, where, host=None):
     """Check a job file's "elastic" section (for the job file of `host`) and return a copy; raise InputError."""
+    return _check_elastic(raw, where, host)[0]
+
+
+def _check_index(raw, by_index, where, host):
+    index = _int(where + ".index", raw.get("index"))
+    if index not in by_index:
+        raise InputError("%s.index: %d is not the index of one of the job's hosts" % (where, index))
+    if host is not None and by_index[index]["address"] != host:
+        raise InputError("%s.index: hosts[%d] is %s, not this job file's host %s"
+                         % (where, index, by_index[index]["address"], host))
+    return index
+
+
+def _check_elastic(raw, where, host):
     if not isinstance(raw, dict):
         raise InputError("%s: must be an object" % where)
     unknown = sorted(k for k in raw if k not in ELASTIC_KEYS)
@@ -196,12 +220,7 @@ def check_elastic(raw, where, host=None):
                                                       for g in h["gpus"]):
             raise InputError("%s.gpus: must be a list of GPU indices" % w)
     out = dict(raw)
-    out["index"] = _int(where + ".index", raw.get("index"))
-    if out["index"] not in by_index:
-        raise InputError("%s.index: %d is not the index of one of the job's hosts" % (where, out["index"]))
-    if host is not None and by_index[out["index"]]["address"] != host:
-        raise InputError("%s.index: hosts[%d] is %s, not this job file's host %s"
-                         % (where, out["index"], by_index[out["index"]]["address"], host))
+    out["index"] = _check_index(raw, by_index, where, host)
     out["job"] = _layout_job(where + ".job", raw.get("job"))
     out["members"] = _indices(where + ".members", raw.get("members"), by_index)
     out["spares"] = _indices(where + ".spares", raw.get("spares", []), by_index)
@@ -217,7 +236,7 @@ def check_elastic(raw, where, host=None):
     out["host_change_window"] = _num(where + ".host_change_window", raw.get("host_change_window"), 1.0)
     out["workdir"] = _str(where + ".workdir", raw.get("workdir"))
     out["log_dir"] = _str(where + ".log_dir", raw.get("log_dir"))
-    return out
+    return out, by_index
 
 
 def parse_endpoint(text):

@@ -81,16 +81,12 @@ def job_files(plan: JobPlan, homes: dict[Host, str] | None, token: str) -> dict[
             auth=plan.auth,
             token=token,
         )
-        if plan.elastic is not None:  # spares too: any host may run its part of a later attempt (host/elastic.py)
-            files[host] = with_elastic(files[host], _elastic_section(plan, host))
+    if plan.elastic is not None:  # spares too: any host may run its part of a later attempt (host/elastic.py)
+        e = plan.elastic
+        section = elastic_entry(None, e["hosts"], e["job"], e["members"], e["spares"], e["min_hosts"],
+                                e["max_host_changes"], e["host_change_window"], e["workdir"], e["log_dir"])
+        files = dict(zip(files, with_elastic([(job, host.index) for host, job in files.items()], section)))
     return files
-
-
-def _elastic_section(plan: JobPlan, host: Host) -> dict:
-    """The "elastic" section of `host`'s job file: the plan's, with the host's own index."""
-    e = plan.elastic
-    return elastic_entry(host.index, e["hosts"], e["job"], e["members"], e["spares"], e["min_hosts"],
-                         e["max_host_changes"], e["host_change_window"], e["workdir"], e["log_dir"])
 
 
 def _mpi_job_file(plan: JobPlan, home: str | None, token: str) -> dict:
