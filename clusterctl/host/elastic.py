@@ -112,8 +112,9 @@ def check_view(raw, section):
     if coordinator not in members:
         raise ValueError("view.coordinator: must be one of the members")
     pservers = raw.get("pservers")
-    if not _ints(pservers) or not set(pservers) <= set(members):
-        raise ValueError("view.pservers: must place every pserver on a member")
+    count = len(pserver_placement(_layout_hosts(section, section["members"]), section["job"]))
+    if not _ints(pservers) or not set(pservers) <= set(members) or len(pservers) != count:
+        raise ValueError("view.pservers: must place each of the job's %d pserver(s) on a member" % count)
     changes = raw.get("changes")
     if not isinstance(changes, list) or len(changes) > MAX_CHANGES_KEPT:
         raise ValueError("view.changes: must be a list of at most %d changes" % MAX_CHANGES_KEPT)

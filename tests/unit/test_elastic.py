@@ -240,6 +240,9 @@ def test_pservers_keep_their_ids_and_hosts_a_lost_hosts_go_to_its_replacement_or
     assert v1["pservers"] == [0, 1, 4, 3]
     v2, _ = elastic.next_view(sec, v1, lost=[1], available={}, now=10.0)
     assert v2["members"] == [0, 4, 3] and v2["pservers"] == [0, 0, 4, 3]  # pserver.1 to the first least-loaded
+    assert elastic.check_view(v2, sec) == v2
+    with pytest.raises(ValueError, match=r"^view.pservers: must place each of the job's 4 pserver\(s\) on a member$"):
+        elastic.check_view(dict(v2, pservers=[0, 0, 4]), sec)
     laid = elastic.laid_out(sec, v2)
     ps = [(p["id"], p["endpoint"]) for p in laid["processes"] if p["role"] == "pserver"]
     assert ps == [(0, "10.0.0.1:6170"), (1, "10.0.0.1:6171"), (2, "10.0.0.5:6170"), (3, "10.0.0.4:6170")]
@@ -298,8 +301,8 @@ def test_views_from_other_hosts_are_checked(four_and_a_spare):
         (dict(v1, members=[0, 17]), "view.members: must list distinct hosts of the job"),
         (dict(v1, members=[]), "view.members: must list distinct hosts of the job"),
         (dict(v1, coordinator=1), "view.coordinator: must be one of the members"),
-        (dict(v1, pservers=[1]), "view.pservers: must place every pserver on a member"),
-        (dict(v1, pservers="x"), "view.pservers: must place every pserver on a member"),
+        (dict(v1, pservers=[1]), "view.pservers: must place each of the job's 0 pserver(s) on a member"),
+        (dict(v1, pservers="x"), "view.pservers: must place each of the job's 0 pserver(s) on a member"),
         (dict(v1, changes={}), "view.changes: must be a list of at most 100 changes"),
         (dict(v1, changes=[{}] * 101), "view.changes: must be a list of at most 100 changes"),
         (dict(v1, changes=[dict(v1["changes"][0], at="now")]), "view.changes: malformed change"),
