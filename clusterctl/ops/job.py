@@ -17,11 +17,12 @@ from ..errors import ClusterctlError, HostFailure, JobError, RemoteError
 from ..plan import Host, JobPlan, factor_env
 from ..quoting import join, quote
 from ..remote import LineCallback
-from ..host.jobfile import build_job, coordinator_entry, elastic_entry, parse_endpoint, process_entry, with_elastic
+from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
 from ..host.states import JobState
 from ..host.status import JobStatus, ProcessStatus, overall_state
 from . import Session
 from .hosttools import ensure_tools, install_on, package_dir, tool_argv, tool_command
+from ..host.jobfile import elastic_entry, with_elastic  # elastic jobs (hosts[].spare, job.min_hosts)
 
 __all__ = [
     "STATE_ROOT",

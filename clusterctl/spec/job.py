@@ -9,8 +9,8 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, field_validator
 
-from ..host.elastic import MAX_HOST_CHANGES, MAX_HOST_CHANGES_MAX
 from .fields import Port, _did_you_mean, _Model, _placeholder_names, _scalar_str
+from ..host.elastic import MAX_HOST_CHANGES, MAX_HOST_CHANGES_MAX  # elastic jobs' bound (hosts[].spare, min_hosts)
 
 __all__ = ["JobSpec", "PortsSpec", "PserversPerHost", "WorkspaceSpec", "DataSpec", "PLACEHOLDERS", "CONTRACT_ENV",
            "RESTART_ENV"]
