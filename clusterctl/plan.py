@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import ClusterctlError
-from .host.layout import DATA_ENV, LayoutError, deal_shards, layout, render_args
+from .host.elastic import HOST_CHANGE_WINDOW
+from .host.layout import DATA_ENV, LayoutError, deal_shards, layout, pserver_placement, render_args
 from .host.policy import DEFAULT_POLICY, Policy
 from .sshconfig import Resolved, Target, unresolved
 
@@ -153,6 +154,18 @@ class JobPlan:
     restart_backoff: float = DEFAULT_POLICY.restart_backoff
     auth: str = "token"  # job.auth: "none" runs the job's servers unauthenticated
     backend: str = "ssh"  # where the job runs (clusterctl.backends)
+    # elastic jobs (hosts[].spare, job.min_hosts; docs/lifecycle.md#elastic-jobs): the spares (in `hosts`, so
+    # that provisioning, dispatch, doctor and exec reach them, but running no process), the fewest hosts the
+    # job may run on (None: not elastic), and every host's job-file section (clusterctl/host/jobfile.py's
+    # elastic_entry less the host's own index: the layout's inputs, the first attempt's hosts, the bounds)
+    spares: tuple[Host, ...] = ()
+    min_hosts: int | None = None
+    elastic: dict | None = field(default=None, hash=False)
+
+    @functools.cached_property
+    def members(self) -> tuple[Host, ...]:
+        """The hosts the (first attempt of the) job runs on: every host that is not a spare, in spec order."""
+        return tuple(h for h in self.hosts if h not in self.spares) if self.spares else self.hosts
 
     @property
     def policy(self) -> Policy:
@@ -208,6 +221,9 @@ class JobPlan:
         out["processes"] = procs
         if self.mpi is not None:
             out["mpi"] = self.mpi.to_json()
+        if self.min_hosts is not None:
+            out["elastic"] = {"spares": [h.address for h in self.spares], "min_hosts": self.min_hosts,
+                              "max_host_changes": self.elastic["max_host_changes"] if self.elastic else 0}
         return out
 
 
@@ -290,18 +306,26 @@ def make_plan(
     """
     job = spec.job
     hosts = make_hosts(spec, resolved)
-    _check_size(spec, hosts, _trainer_slots(spec, hosts))  # before any per-process list is built
+    spares = tuple(h for h, hs in zip(hosts, spec.hosts) if hs.spare)
+    members = tuple(h for h in hosts if h not in spares) if spares else hosts
+    min_hosts = _check_elastic(spec, hosts, spares, members)
+    _check_size(spec, members, _trainer_slots(spec, hosts, only=members))  # before any per-process list is built
     layout_hosts, layout_job = layout_inputs(spec, hosts, data_files)
+    if min_hosts is not None:
+        layout_job["elastic"] = True  # ports any later attempt may need are reserved on every host
     try:
-        laid = layout(layout_hosts, layout_job)
+        if min_hosts is not None:  # every host (spares too) can take its part: one layout over all of them
+            layout(layout_hosts, dict(layout_job, pservers=_all_hosts_pservers(layout_job, layout_hosts, spares)))
+        laid = layout([h for h in layout_hosts if hosts[h["index"]] not in spares] if spares else layout_hosts,
+                      layout_job)
     except LayoutError as exc:
         raise PlanError(exc.path, exc.message) from None
     processes = tuple(
-        Process(hosts[p["host"]], p["role"], p["id"], p["rank"], p["local_rank"], p["endpoint"], tuple(p["gpus"]),
+        Process(members[p["host"]], p["role"], p["id"], p["rank"], p["local_rank"], p["endpoint"], tuple(p["gpus"]),
                 p["env"], tuple(p["argv"]))
         for p in laid["processes"]
     )
-    trainer_slots = _trainer_slots(spec, hosts)
+    trainer_slots = _trainer_slots(spec, hosts, only=members)
     workdir = spec.workspace.remote
     # beside the workspace, not in it: what a job writes into the workspace lives only as long as its
     # generation (dispatch switches to a new one, and recycles the old one a dispatch later)
@@ -322,7 +346,52 @@ def make_plan(
         restart_backoff=job.restart_backoff,
         auth=job.auth,
         backend=spec.backend,
+        spares=spares,
+        min_hosts=min_hosts,
+        elastic=None if min_hosts is None else {
+            "hosts": layout_hosts, "job": layout_job, "members": [h.index for h in members],
+            "spares": [h.index for h in spares], "min_hosts": min_hosts, "max_host_changes": job.max_host_changes,
+            "host_change_window": HOST_CHANGE_WINDOW, "workdir": workdir, "log_dir": log_dir},
     )
+
+
+def _check_elastic(spec: ClusterSpec, hosts: tuple[Host, ...], spares: tuple[Host, ...],
+                   members: tuple[Host, ...]) -> int | None:
+    """The fewest hosts an elastic job runs on (None: not elastic); PlanError at the key that makes it impossible."""
+    job = spec.job
+    if job.min_hosts is None and not spares:
+        return None
+    if not members:
+        raise PlanError(("hosts",), "every host is a spare: at least one host must run the job")
+    min_hosts = len(members) if job.min_hosts is None else job.min_hosts
+    if min_hosts > len(members):
+        raise PlanError(("job", "min_hosts"), f"{min_hosts}, but the job starts on {len(members)} host(s)"
+                                              + (f" (the {len(spares)} spare(s) only take a lost host's place)"
+                                                 if spares else ""))
+    if min_hosts == len(members) and not spares:
+        return None  # nothing can change: not elastic
+    if job.restarts == 0:
+        raise PlanError(("job", "restarts"), "an elastic job (hosts[].spare, job.min_hosts) goes on without a lost "
+                                             "host by restarting: set job.restarts (1 or more)")
+    if job.launcher == "mpi":
+        raise PlanError(("job", "launcher"), "launcher: mpi cannot change the job's hosts (mpiexec's world is fixed); "
+                                             "elastic jobs (hosts[].spare, job.min_hosts) use launcher: ssh")
+    if isinstance(job.pservers, tuple):
+        spare_addresses = {h.address for h in spares}
+        for i, addr in enumerate(job.pservers):
+            if addr in spare_addresses:
+                raise PlanError(("job", "pservers", i), f"{addr} is a spare: spares run nothing until they take a "
+                                                        "lost host's place")
+    return min_hosts
+
+
+def _all_hosts_pservers(layout_job: dict, layout_hosts: list[dict], spares: tuple[Host, ...]) -> dict:
+    """The pservers of the check that lays an elastic job out over every host: as planned (on the members)."""
+    p = layout_job["pservers"]
+    if "per_host" in p:  # the spares included, as they would be once members
+        return p
+    members = [h for h in layout_hosts if h["index"] not in {s.index for s in spares}]
+    return {"at": pserver_placement(members, layout_job)}
 
 
 # Placeholders whose value differs per rank: a single mpiexec command line cannot carry them.
@@ -376,9 +445,13 @@ def _check_size(spec: ClusterSpec, hosts: tuple[Host, ...], trainer_slots) -> No
                                       f"{MAX_PROCESSES} processes (docs/spec.md)")
 
 
-def _trainer_slots(spec: ClusterSpec, hosts: tuple[Host, ...]) -> list[tuple[Host, int, tuple[int, ...]]]:
+def _trainer_slots(spec: ClusterSpec, hosts: tuple[Host, ...],
+                   only: tuple[Host, ...] | None = None) -> list[tuple[Host, int, tuple[int, ...]]]:
+    """(host, trainers, gpus) of each of `hosts` (every host of the spec, in order), or of those in `only`."""
     slots = []
     for h, hs in zip(hosts, spec.hosts):
+        if only is not None and only is not hosts and h not in only:
+            continue
         if hs.slots is not None:
             n = hs.slots
         elif spec.job.trainers == "gpu":

@@ -81,6 +81,168 @@ def build_job(job, host, processes, state_root, policy=DEFAULT_POLICY, start_tra
     return out
 
 
+# -- elastic jobs (hosts[].spare, job.min_hosts): the "elastic" section -----------------------------------------
+#
+# Every host of an elastic job (spares too) gets the same section but its own "index": what any host needs to
+# lay the job out again over another set of hosts with clusterctl/host/layout.py (clusterctl/host/elastic.py
+# decides which set, and what this host runs in it). Paths ("workdir", "log_dir") are as the plan has them:
+# relative to the host's home unless absolute.
+
+ELASTIC_KEYS = ("index", "hosts", "job", "members", "spares", "min_hosts", "max_host_changes",
+                "host_change_window", "workdir", "log_dir")
+_LAYOUT_HOST_KEYS = ("index", "address", "endpoint", "trainers", "gpus")
+_PORT_KEYS = ("control", "master", "pserver", "trainer")
+_PSERVER_FORMS = ("count", "per_host", "on", "at")
+
+
+def elastic_entry(index, hosts, job, members, spares, min_hosts, max_host_changes, host_change_window, workdir,
+                  log_dir):
+    """A job file's "elastic" section for the host at spec position `index` (see check_elastic)."""
+    return {"index": index, "hosts": hosts, "job": job, "members": list(members), "spares": list(spares),
+            "min_hosts": min_hosts, "max_host_changes": max_host_changes, "host_change_window": host_change_window,
+            "workdir": workdir, "log_dir": log_dir}
+
+
+def with_elastic(jobs, section):
+    """Each job file of `jobs` ([(a job file `build_job` made, its host's index)]) with its "elastic" section:
+    `section` with the host's own index. Checked by the host's own validator: what every host shares once (the
+    hosts and the job: a check per host would cost the square of the hosts), each index against its file's host;
+    raise ValueError."""
+    out = []
+    for n, (job, index) in enumerate(jobs):
+        own = dict(section, index=index)
+        where = "job file for %s: elastic" % job.get("host")
+        try:
+            if n == 0:
+                _, by_index = _check_elastic(own, where, job.get("host"))
+            else:
+                _check_index(own, by_index, where, job.get("host"))
+        except InputError as e:
+            raise ValueError(str(e)) from None
+        out.append(dict(job, elastic=own))
+    return out
+
+
+def _strs(where, value, allow_empty=True):
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or (not allow_empty and not value):
+        raise InputError("%s: must be a %slist of strings" % (where, "" if allow_empty else "non-empty "))
+    return list(value)
+
+
+def _indices(where, value, known):
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise InputError("%s: must be a list of host indices" % where)
+    if len(set(value)) != len(value):
+        raise InputError("%s: a host is listed twice" % where)
+    unknown = [i for i in value if i not in known]
+    if unknown:
+        raise InputError("%s: %d is not the index of one of the job's hosts" % (where, unknown[0]))
+    return list(value)
+
+
+def _layout_job(where, job):
+    """The layout's job inputs (clusterctl/host/layout.py): the keys and types layout() reads."""
+    if not isinstance(job, dict):
+        raise InputError("%s: must be an object" % where)
+    out = dict(job)
+    out["name"] = _str(where + ".name", job.get("name"))
+    if job.get("mode") not in ("collective", "pserver"):
+        raise InputError("%s.mode: must be 'collective' or 'pserver', got %r" % (where, job.get("mode")))
+    out["entrypoint"] = _strs(where + ".entrypoint", job.get("entrypoint"), allow_empty=False)
+    out["args"] = _strs(where + ".args", job.get("args", []))
+    env = job.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(k, str) and k and "=" not in k and isinstance(v, str)
+                                            for k, v in env.items()):
+        raise InputError("%s.env: must be an object of string to string (no '=' in names)" % where)
+    ports = job.get("ports")
+    if not isinstance(ports, dict):
+        raise InputError("%s.ports: must be an object" % where)
+    for key in _PORT_KEYS:
+        if _int("%s.ports.%s" % (where, key), ports.get(key), 1) > 65535:
+            raise InputError("%s.ports.%s: must be <= 65535" % (where, key))
+    ps = job.get("pservers")
+    if not isinstance(ps, dict) or len(ps) != 1 or next(iter(ps)) not in _PSERVER_FORMS:
+        raise InputError("%s.pservers: must be one of {count: N}, {per_host: N}, {on: [addresses]}, {at: [indices]}"
+                         % where)
+    form, value = next(iter(ps.items()))
+    if form in ("count", "per_host"):
+        _int("%s.pservers.%s" % (where, form), value)
+    elif form == "on":
+        _strs(where + ".pservers.on", value)
+    elif not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise InputError("%s.pservers.at: must be a list of host indices" % where)
+    _str(where + ".sync", job.get("sync"))
+    _int(where + ".k_steps", job.get("k_steps"), 1)
+    data = job.get("data")
+    if data is not None:
+        if not isinstance(data, dict):
+            raise InputError("%s.data: must be null or an object" % where)
+        _str(where + ".data.remote", data.get("remote"))
+        _strs(where + ".data.files", data.get("files"))
+    if job.get("elastic") is not True:
+        raise InputError("%s.elastic: must be true" % where)
+    return out
+
+
+def check_elastic(raw, where, host=None):
+    """Check a job file's "elastic" section (for the job file of `host`) and return a copy; raise InputError."""
+    return _check_elastic(raw, where, host)[0]
+
+
+def _check_index(raw, by_index, where, host):
+    index = _int(where + ".index", raw.get("index"))
+    if index not in by_index:
+        raise InputError("%s.index: %d is not the index of one of the job's hosts" % (where, index))
+    if host is not None and by_index[index]["address"] != host:
+        raise InputError("%s.index: hosts[%d] is %s, not this job file's host %s"
+                         % (where, index, by_index[index]["address"], host))
+    return index
+
+
+def _check_elastic(raw, where, host):
+    if not isinstance(raw, dict):
+        raise InputError("%s: must be an object" % where)
+    unknown = sorted(k for k in raw if k not in ELASTIC_KEYS)
+    if unknown:
+        raise InputError("%s: unknown key %r" % (where, unknown[0]))
+    hosts = raw.get("hosts")
+    if not isinstance(hosts, list) or not hosts:
+        raise InputError("%s.hosts: must be a non-empty list" % where)
+    by_index = {}
+    for i, h in enumerate(hosts):
+        w = "%s.hosts[%d]" % (where, i)
+        if not isinstance(h, dict) or sorted(h) != sorted(_LAYOUT_HOST_KEYS):
+            raise InputError("%s: must be an object with exactly %s" % (w, ", ".join(_LAYOUT_HOST_KEYS)))
+        idx = _int(w + ".index", h["index"])
+        if idx in by_index:
+            raise InputError("%s.index: %d appears twice" % (w, idx))
+        by_index[idx] = h
+        _str(w + ".address", h["address"])
+        _str(w + ".endpoint", h["endpoint"])
+        _int(w + ".trainers", h["trainers"])
+        if not isinstance(h["gpus"], list) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0
+                                                      for g in h["gpus"]):
+            raise InputError("%s.gpus: must be a list of GPU indices" % w)
+    out = dict(raw)
+    out["index"] = _check_index(raw, by_index, where, host)
+    out["job"] = _layout_job(where + ".job", raw.get("job"))
+    out["members"] = _indices(where + ".members", raw.get("members"), by_index)
+    out["spares"] = _indices(where + ".spares", raw.get("spares", []), by_index)
+    if not out["members"]:
+        raise InputError("%s.members: the job needs at least one host" % where)
+    if set(out["members"]) & set(out["spares"]) or len(out["members"]) + len(out["spares"]) != len(hosts):
+        raise InputError("%s: every host must be either a member or a spare, once" % where)
+    out["min_hosts"] = _int(where + ".min_hosts", raw.get("min_hosts"), 1)
+    if out["min_hosts"] > len(out["members"]):
+        raise InputError("%s.min_hosts: %d, but the job starts on %d host(s)" % (where, out["min_hosts"],
+                                                                                len(out["members"])))
+    out["max_host_changes"] = _int(where + ".max_host_changes", raw.get("max_host_changes"))
+    out["host_change_window"] = _num(where + ".host_change_window", raw.get("host_change_window"), 1.0)
+    out["workdir"] = _str(where + ".workdir", raw.get("workdir"))
+    out["log_dir"] = _str(where + ".log_dir", raw.get("log_dir"))
+    return out, by_index
+
+
 def parse_endpoint(text):
     """Split 'host:port' or '[v6]:port' into (host, port); raise ValueError."""
     if not isinstance(text, str) or ":" not in text:
@@ -197,6 +359,10 @@ def validate_job(raw, source):
                 raise InputError("%s.endpoints[%d]: %s" % (where, j, e))
         job["start_trainers_after"] = {"endpoints": list(after["endpoints"]),
                                        "timeout": _num(where + ".timeout", after.get("timeout", 120))}
+
+    # an elastic job's section (spares, min_hosts): what this host needs to run its part of any later attempt
+    job["elastic"] = None if raw.get("elastic") is None else check_elastic(raw["elastic"], "%s: elastic" % source,
+                                                                           job["host"])
 
     coord = raw.get("coordinator")
     if coord is None:

@@ -12,15 +12,21 @@ Inputs are plain JSON-able data, so that they travel in job files:
              "gpus": [GPU ids]}], in layout order
     job:   {"name", "mode": "collective" | "pserver", "entrypoint": [...], "args": [...], "env": {...},
             "ports": {"control", "master", "pserver", "trainer"},
-            "pservers": {"count": n} | {"per_host": n} | {"on": [addresses]},
-            "sync", "k_steps", "data": None | {"remote": dir, "files": [names]}}
+            "pservers": {"count": n} | {"per_host": n} | {"on": [addresses]} | {"at": [host indices]},
+            "sync", "k_steps", "data": None | {"remote": dir, "files": [names]},
+            "elastic": true (optional: the job may be laid out again over other hosts)}
+
+`{"at": [i, ...]}` places pserver k on the host whose "index" is the k-th entry: an elastic job keeps each
+pserver id's host across attempts that way (clusterctl/host/elastic.py). With "elastic", the control and
+master ports are reserved on every host given (any of them may become the coordinator or rank 0's host).
 
 Stdlib only, Python 3.9 (it runs on the hosts).
 """
 
 import posixpath
 
-__all__ = ["LayoutError", "layout", "render_args", "deal_shards", "hostport", "DATA_ENV", "PLACEHOLDERS"]
+__all__ = ["LayoutError", "layout", "render_args", "deal_shards", "hostport", "pserver_placement", "DATA_ENV",
+           "PLACEHOLDERS"]
 
 DATA_ENV = "CLUSTERCTL_DATA_FILES"
 PLACEHOLDERS = ("role", "id", "trainer_id", "trainers", "pserver_endpoints", "trainer_endpoints",
@@ -54,6 +60,12 @@ def deal_shards(names, trainers):
 
 
 def _pserver_hosts(hosts, spec):
+    if "at" in spec:
+        by_index = {h["index"]: h for h in hosts}
+        missing = [str(i) for i in spec["at"] if i not in by_index]
+        if missing:
+            raise LayoutError(("job", "pservers"), "pserver host(s) hosts[%s] not in the job's hosts" % "], hosts[".join(missing))
+        return [by_index[i] for i in spec["at"]]
     if "count" in spec:
         return [hosts[i % len(hosts)] for i in range(spec["count"])]
     if "per_host" in spec:
@@ -65,6 +77,13 @@ def _pserver_hosts(hosts, spec):
     if missing:
         raise LayoutError(("job", "pservers"), "pserver host(s) %s not in the job's hosts" % ", ".join(missing))
     return [by_addr[a] for a in spec["on"]]
+
+
+def pserver_placement(hosts, job):
+    """The "index" of the host each pserver id runs on, in id order ([] for a collective job); LayoutError."""
+    if job["mode"] != "pserver":
+        return []
+    return [h["index"] for h in _pserver_hosts(hosts, job["pservers"])]
 
 
 def _gpu_share(gpus, n, local, host):
@@ -143,6 +162,13 @@ def layout(hosts, job):
 
     master_addr = trainers[0][0]["endpoint"]
     claim(trainers[0][0], ports["master"], "the trainers' master (rendezvous) port", ("job", "ports", "master"))
+    if job.get("elastic"):  # after a change of hosts, any host may hold the coordinator or rank 0
+        for host in hosts[1:]:
+            claim(host, ports["control"], "the job's control port (reserved: elastic job)", ("job", "ports", "control"))
+        for host in hosts:
+            if host is not trainers[0][0] and host["trainers"]:
+                claim(host, ports["master"], "the trainers' master port (reserved: elastic job)",
+                      ("job", "ports", "master"))
 
     pserver_eps = ",".join(ep for _, _, ep in pservers)
     trainer_eps = ",".join(ep for _, _, ep, _ in trainers)

@@ -163,12 +163,23 @@ class Supervisor:
         coordinator could not even listen."""
         self.my_ticks = (proc_stat(os.getpid()) or (None, None, None))[2]
         self.started_at = time.time()
+        # the handlers are this run's: put back as they were when it returns (a supervisor run in-process, by
+        # `agent run` in a pod's main process or by a test, leaves its process as it found it)
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_term)
         # a handler, not SIG_IGN: ignored signals would be inherited by the children
         signal.signal(signal.SIGHUP, lambda s, f: None)
         log("supervisor %d for job %s on %s (%s), %d local processes" % (
             os.getpid(), self.job_id, self.host, "coordinator" if self.is_coord else "peer", len(self.procs.rows)))
+        try:
+            return self._run()
+        finally:
+            for sig, handler in previous.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+
+    def _run(self):
         try:
             if self.members is not None and not self._listen():
                 return 1

@@ -24,6 +24,7 @@ from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from ..progress import clean_progress, stragglers
 from . import Session
 from .hosttools import ensure_tools, install_on, package_dir, tool_argv, tool_command
+from ..host.jobfile import elastic_entry, with_elastic  # elastic jobs (hosts[].spare, job.min_hosts)
 
 __all__ = [
     "STATE_ROOT",
@@ -75,12 +76,17 @@ def job_files(plan: JobPlan, homes: dict[Host, str] | None, token: str) -> dict[
             plan.policy,
             start_trainers_after={"endpoints": pserver_eps, "timeout": WAIT_PSERVERS_S} if pserver_eps else None,
             coordinator=coordinator_entry(
-                ctl_addr, int(ctl_port), token, host == plan.hosts[0], len(plan.hosts), len(plan.trainers)
+                ctl_addr, int(ctl_port), token, host == plan.members[0], len(plan.hosts), len(plan.trainers)
             ),
             env=shared_env,
             auth=plan.auth,
             token=token,
         )
+    if plan.elastic is not None:  # spares too: any host may run its part of a later attempt (host/elastic.py)
+        e = plan.elastic
+        section = elastic_entry(None, e["hosts"], e["job"], e["members"], e["spares"], e["min_hosts"],
+                                e["max_host_changes"], e["host_change_window"], e["workdir"], e["log_dir"])
+        files = dict(zip(files, with_elastic([(job, host.index) for host, job in files.items()], section)))
     return files
 
 

@@ -51,6 +51,8 @@ class HostSpec(_Model):
     gpus: tuple[int, ...] = ()
     slots: int | None = Field(None, ge=1, le=1024)
     labels: dict[str, str] = {}
+    # provisioned, dispatched and checked like the others, but runs nothing until a lost host's place needs it
+    spare: bool = False
 
     @field_validator("address", "train_address")
     @classmethod

@@ -12,6 +12,7 @@ from pydantic import AfterValidator, Field, field_validator
 
 from ..host.policy import DEFAULT_POLICY, GRACE_MAX, ON_FAILURE, RESTART_BACKOFF_MAX, RESTART_BACKOFF_MIN, RESTARTS_MAX
 from .fields import Port, _did_you_mean, _Model, _placeholder_names, _scalar_str
+from ..host.elastic import MAX_HOST_CHANGES, MAX_HOST_CHANGES_MAX  # elastic jobs' bound (hosts[].spare, min_hosts)
 
 __all__ = ["JobSpec", "PortsSpec", "PserversPerHost", "WorkspaceSpec", "DataSpec", "PLACEHOLDERS", "CONTRACT_ENV",
            "RESTART_ENV", "one_line", "OneLine"]
@@ -133,6 +134,11 @@ class JobSpec(_Model):
     auth: Literal["token", "none"] = "token"
     sync: Literal["sync", "async", "geo"] = "sync"
     k_steps: int = Field(100, ge=1)
+    # elastic jobs (docs/lifecycle.md#elastic-jobs): the fewest hosts the job runs on (None: every host that is
+    # not a spare), and how many changes of its hosts (a spare in a lost host's place, a lost host left out)
+    # any hour may see
+    min_hosts: int | None = Field(None, ge=1, le=100_000)
+    max_host_changes: int = Field(MAX_HOST_CHANGES, ge=0, le=MAX_HOST_CHANGES_MAX)
 
     @field_validator("log_dir", "mpiexec")
     @classmethod

@@ -47,6 +47,10 @@ def host_files(session: Session, workspace: dict[str, LocalFile]) -> dict[Host, 
             if per_host[trainer.host] is workspace:
                 per_host[trainer.host] = dict(workspace)
             per_host[trainer.host][path] = data_files[path]
+    if plan.elastic is not None:  # a later attempt may deal any shard to any host (clusterctl/host/elastic.py)
+        every = dict(workspace)
+        every.update((data_prefix + n, data_files[data_prefix + n]) for n in plan.elastic["job"]["data"]["files"])
+        per_host = dict.fromkeys(plan.hosts, every)
     return per_host
 
 
