@@ -333,6 +333,8 @@ class KubernetesBackend(Backend):
         ("job.mpi", "launcher: mpi is not supported under Kubernetes"),
         ("job.mpiexec", "launcher: mpi is not supported under Kubernetes"),
         ("job.mpi_args", "launcher: mpi is not supported under Kubernetes"),
+        ("hosts.*.spare", "pods are the job's hosts: spares and min_hosts are the SSH backend's"),
+        ("job.min_hosts", "pods are the job's hosts: spares and min_hosts are the SSH backend's"),
     )
 
     @classmethod

@@ -59,6 +59,8 @@ class LocalBackend(SshBackend):
         ("hosts.*.train_address", "the job's endpoints are on 127.0.0.1"),
         ("provision", "provisioning works over SSH; install what the job needs on this machine yourself"),
         ("job.launcher", "launcher: mpi runs mpiexec over an ssh mesh; use launcher: ssh (the default)"),
+        ("hosts.*.spare", "one machine: there is no other host to take its place"),
+        ("job.min_hosts", "one machine: there is no other host to take its place"),
     )
     ssh_hosts: ClassVar[bool] = False
     resolve_hosts: ClassVar[bool] = False

@@ -36,6 +36,8 @@ class SlurmBackend(Backend):
         ("hosts.*.user", _PLACED + " (ssh.user is the login's and the nodes' user)"),
         ("hosts.*.proxy_jump", _PLACED + " (ssh.proxy_jump reaches the login node and the nodes)"),
         ("hosts.*.train_address", _PLACED + " (slurm.endpoints: ip | hostname picks the endpoints' address)"),
+        ("hosts.*.spare", "a Slurm allocation is the job's hosts: spares and min_hosts are the SSH backend's"),
+        ("job.min_hosts", "a Slurm allocation is the job's hosts: spares and min_hosts are the SSH backend's"),
     )
 
     @classmethod
