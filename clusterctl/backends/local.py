@@ -58,7 +58,6 @@ class LocalBackend(SshBackend):
         ("hosts.*.proxy_jump", "no SSH: the job runs on this machine"),
         ("hosts.*.train_address", "the job's endpoints are on 127.0.0.1"),
         ("provision", "provisioning works over SSH; install what the job needs on this machine yourself"),
-        ("job.launcher", "launcher: mpi runs mpiexec over an ssh mesh; use launcher: ssh (the default)"),
         ("hosts.*.spare", "one machine: there is no other host to take its place"),
         ("job.min_hosts", "one machine: there is no other host to take its place"),
     )
@@ -79,6 +78,9 @@ class LocalBackend(SshBackend):
         if spec.hosts[0].address not in LOCAL_ADDRESSES:
             return [problem(loc, spec.source, ("hosts", 0), f"backend: local runs on this machine, not on "
                             f"{spec.hosts[0].address}: use one of {', '.join(LOCAL_ADDRESSES)}")]
+        if spec.job.launcher == "mpi":
+            return [problem(loc, spec.source, ("job", "launcher"), "not supported with backend: local: launcher: "
+                            "mpi runs mpiexec over an ssh mesh; use launcher: ssh (the default)")]
         return []
 
     def __init__(self, spec, plan, *, spec_path=None, options=None, transport=None):

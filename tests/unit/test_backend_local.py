@@ -103,6 +103,8 @@ def test_stop_leaves_no_process_of_the_job(home, tmp_path, capsys):
      "hosts: not supported… "),
     ({"hosts": [{"address": "10.0.0.2"}]}, "hosts[0]: backend: local runs on this machine, not on 10.0.0.2"),
     ({"ssh": {"user": "me"}}, "ssh: not supported with backend: local: no SSH: the job runs on this machine"),
+    ({"job": {"entrypoint": ["x"], "launcher": "mpi"}},
+     "job.launcher: not supported with backend: local: launcher: mpi runs mpiexec over an ssh mesh"),
     ({"hosts": [{"address": "localhost", "proxy_jump": ["b"]}]},
      "hosts[0].proxy_jump: not supported with backend: local: no SSH: the job runs on this machine"),
 ])
