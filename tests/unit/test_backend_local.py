@@ -103,13 +103,14 @@ def test_stop_leaves_no_process_of_the_job(home, tmp_path, capsys):
      "hosts: not supported… "),
     ({"hosts": [{"address": "10.0.0.2"}]}, "hosts[0]: backend: local runs on this machine, not on 10.0.0.2"),
     ({"ssh": {"user": "me"}}, "ssh: not supported with backend: local: no SSH: the job runs on this machine"),
-    ({"job": {"entrypoint": ["x"], "launcher": "mpi"}},
+    ({"launcher": "mpi"},
      "job.launcher: not supported with backend: local: launcher: mpi runs mpiexec over an ssh mesh"),
     ({"hosts": [{"address": "localhost", "proxy_jump": ["b"]}]},
      "hosts[0].proxy_jump: not supported with backend: local: no SSH: the job runs on this machine"),
 ])
 def test_what_the_local_backend_cannot_honour_is_refused_at_its_key(home, tmp_path, capsys, extra, where):
-    spec, _ = local_spec(tmp_path, "torch_gloo", {"trainers": 1}, **extra)
+    job = {"trainers": 1, **({"launcher": extra.pop("launcher")} if "launcher" in extra else {})}
+    spec, _ = local_spec(tmp_path, "torch_gloo", job, **extra)
     code, _, err = run(capsys, "validate", spec)
     if where.endswith("… "):
         where = "hosts: backend: local runs on this machine: hosts: [localhost] (got 2 hosts)"
