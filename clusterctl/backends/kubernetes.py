@@ -11,7 +11,7 @@ status``); a pod that ended left its supervisor's last status in its termination
 pod), then deletes the objects.
 
 Every kubectl call goes through `Kubectl` (argv lists, a deadline each, errors in one line naming the
-objects). No API server was reachable where this was built: tests/integration/test_k8s_backend.py runs it
+objects). No API server was reachable where this was built: tests/integration/test_k8s_pods.py runs it
 against a fake kubectl that plays the pods in Docker (docs/kubernetes.md says what that does and does not prove).
 
 Why one module of about 600 lines: it is the backend and the three things only it uses, in order: the kubectl
