@@ -19,10 +19,10 @@ import paramiko
 from fabric import Config, Connection
 
 from .errors import CannotConnect, ClusterctlError
-from .plan import Host
 from .transport.base import (LineSplitter, Result, Running, SshOptions, Stdin, Transport, fingerprint,
                              timed_out_result, unreachable_result)
 from .transport.gate import HandshakeGate, gate_key
+from .transport.host import Host, split_jump
 
 log = logging.getLogger("clusterctl.remote")
 
@@ -133,11 +133,10 @@ def _gateway(chain: tuple[str, ...], opts: SshOptions) -> Connection | None:
     """The bastions as nested Fabric gateways (first hop first), each resolved through the ssh config and
     each checked under the same host-key policy and known_hosts as the nodes."""
     from .sshconfig import Target, resolve
-    from .spec import parse_jump
 
     gateway = None
     for hop in chain:
-        user, name, port = parse_jump(hop)
+        user, name, port = split_jump(hop)
         (r,) = resolve([Target(name, user, port)], opts.config)
         gateway = _connection(r.hostname, r.user, r.port, opts, gateway)
     return gateway

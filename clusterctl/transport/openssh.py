@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from ..plan import Host
+from .host import Host, split_jump
 from .base import SshOptions
 from .gate import HandshakeGate, gate_key
 from .process import ProcessTransport
@@ -76,11 +76,9 @@ def jump_command(chain: tuple[str, ...], opts: SshOptions, login_flag: str | Non
     bastion, itself reached through the ones before it. Tokens of inner levels are escaped (%%) once
     per level, since each ssh expands the ProxyCommand it runs. login_flag: a file the ssh to the first
     bastion touches once logged in there (from then on the connection no longer counts in its MaxStartups)."""
-    from ..spec import parse_jump
-
     command = ""
     for level, hop in enumerate(chain):
-        user, name, port = parse_jump(hop)
+        user, name, port = split_jump(hop)  # checked when it entered the plan; `--` below keeps it a name
         argv = ["ssh", *common_options(opts), "-o", "ServerAliveInterval=5", "-o", "ForwardAgent=no",
                 "-o", "ClearAllForwardings=yes"]
         argv += ["-o", f"ProxyCommand={command}"] if command else ["-o", "ProxyJump=none"]

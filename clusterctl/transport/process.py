@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from ..plan import Host
+from .host import Host
 from .base import (UNREACHABLE, LineCallback, LineSplitter, Result, Running, Transport, timed_out_result,
                    unreachable_result)
 
@@ -75,9 +75,9 @@ class ProcessRun(Running):
         with self._lock:
             self.proc = proc
             killed = self._killed
-        self._ready.set()
-        if killed:
+        if killed:  # ended before anyone waiting on _ready looks at it
             _end(proc)
+        self._ready.set()
 
     def finish(self, feed: Callable[[], Iterable[bytes]], timeout: float | None,
                on_line: LineCallback | None) -> Result:

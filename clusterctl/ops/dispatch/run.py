@@ -8,10 +8,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ...errors import RemoteError
 from ...plan import DATA_ENV, Host
 from ...quoting import join
-from ...remote import Launch, Result
+from ...remote import GroupException, GroupResult, Launch, Result
 from ..hosttools import package_dir, tool_argv, tool_command
 from ..session import Session
 from ...host import wire
@@ -150,11 +149,9 @@ def _dispatch(session: Session, records: Records, apply: str, views: dict, ask: 
             p, g = done[host]
             out.append(HostDispatch(host, 0 if p is None else len(p.whole) + len(p.patches), sent[host],
                                     0 if p is None else len(p.delete), g))
-    if failed:
-        raise RemoteError(
-            [failed[h].failure() for h in plan.hosts if h in failed], succeeded,
-            what="dispatch",
-        )
+    if failed:  # one group exception with every host's last outcome, in the plan's order
+        raise GroupException(GroupResult((h, failed.get(h) or succeeded[h]) for h in plan.hosts
+                                         if h in failed or h in succeeded), what="dispatch")
     return out
 
 
