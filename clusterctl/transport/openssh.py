@@ -260,17 +260,27 @@ class OpenSshTransport(ProcessTransport):
 
 def ssh_failure(host: Host, stderr: str, options: SshOptions, explain: Callable[[Host], str | None] | None = None) -> str:
     """One line for the OpenSSH client's own failure (exit 255), worded as our connections word it;
-    behind bastions, the hop that failed is named."""
+    behind bastions, the hop that failed is named. A host key OpenSSH refuses without its fingerprint (an
+    unknown key), and a bastion that closed the connection before the login (under ControlPersist, OpenSSH
+    sends the bastion hop's own words to /dev/null), are explained by `explain` (a paramiko attempt under
+    the same policy: the key's type and fingerprint, both fingerprints of a changed key, the bastion named)."""
     said = [line.strip() for line in stderr.splitlines() if line.strip()]
     text = "\n".join(said)
+    via = f" (through {', '.join(host.jump)})" if host.jump else ""
     changed = _changed_key(text, options)
     if changed:
+        name = re.search(r"Host key for (\S+) has changed", text).group(1)
+        if host.jump and name != host.connect_name:
+            return f"cannot connect to {host.label}{via}: bastion {name}: {changed}"
         return changed
-    via = f" (through {', '.join(host.jump)})" if host.jump else ""
     unknown = re.search(r"No (\S+) host key is known for (\S+) and", text)
     if unknown and (host.jump or unknown.group(2) != host.connect_name):
+        precise = explain(host) if explain is not None else None  # with the key's fingerprint
+        if precise:
+            return precise
+        bastion = f"bastion {unknown.group(2)}: " if host.jump and unknown.group(2) != host.connect_name else ""
         known = options.known_hosts or "your known_hosts"
-        return (f"cannot connect to {host.label}{via}: unknown host key for {unknown.group(2)} "
+        return (f"cannot connect to {host.label}{via}: {bastion}unknown host key for {unknown.group(2)} "
                 f"({unknown.group(1).lower()}); not in {known}. Verify it and add it (ssh-keyscan), "
                 "or use host_key_policy: accept-new")
     hop = re.search(r"connect to host (\S+) port (\d+): (.+)", text)
@@ -288,11 +298,14 @@ def ssh_failure(host: Host, stderr: str, options: SshOptions, explain: Callable[
     for reason in ("Connection refused", "No route to host", "Network is unreachable"):
         if reason in text:
             return f"cannot connect to {host.label}{via}: {reason}"
-    if not host.jump and explain is not None and ("Host key verification failed" in text or "Permission denied" in text):
+    if explain is not None and ("Host key verification failed" in text or "Permission denied" in text):
         precise = explain(host)  # paramiko words it precisely: both fingerprints, the known_hosts file, the user
         if precise:
             return precise
     if host.jump and ("Connection closed" in text or "kex_exchange_identification" in text):
+        precise = explain(host) if explain is not None else None  # a bastion's key, or login, refused?
+        if precise:
+            return precise
         return f"cannot connect to {host.label}{via}: the bastion closed the connection ({said[-1]})"
     return f"connection to {host.label}{via} lost: {said[-1] if said else 'ssh exited 255'}"
 
