@@ -14,25 +14,36 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["cache_root", "cache_dir", "private_dir", "read_private", "write_private", "trusted_dir"]
+if TYPE_CHECKING:  # pathlib (and the urllib.parse it imports) only where a Path is asked for: not for `exec`
+    from pathlib import Path
+
+__all__ = ["cache_root", "cache_root_path", "cache_dir", "private_dir", "read_private", "write_private",
+           "trusted_dir"]
 
 
-def cache_root() -> Path:
-    """$XDG_CACHE_HOME/clusterctl (an unset or empty XDG_CACHE_HOME means ~/.cache)."""
+def cache_root_path() -> str:
+    """$XDG_CACHE_HOME/clusterctl (an unset or empty XDG_CACHE_HOME means ~/.cache), as a string."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "clusterctl"
+    return os.path.join(base, "clusterctl")
 
 
-def cache_dir(*parts: str) -> Path:
+def cache_root() -> "Path":
+    """cache_root_path() as a Path."""
+    from pathlib import Path
+
+    return Path(cache_root_path())
+
+
+def cache_dir(*parts: str) -> "Path":
     """A directory under cache_root(), created private (0700) when missing."""
     path = cache_root().joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
 
 
-def trusted_dir(path: Path, *, parent: bool = False) -> bool:
+def trusted_dir(path: "str | os.PathLike", *, parent: bool = False) -> bool:
     """Whether `path` is a real directory (not a symlink) that only this user can write to; with `parent`
     (a directory above ours, such as ~/.cache or /tmp), one owned by this user or root, and sticky where
     group or others may write to it (so they cannot move ours away)."""
@@ -47,23 +58,23 @@ def trusted_dir(path: Path, *, parent: bool = False) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def private_dir(*parts: str) -> Path | None:
-    """A directory under cache_root() for state that decides what runs (created 0700 when missing); None
+def private_dir(*parts: str) -> str | None:
+    """A directory under the cache root for state that decides what runs (created 0700 when missing); None
     when it, or a directory between it and the cache root's parent, fails trusted_dir()."""
-    root = cache_root()
-    path = root.joinpath(*parts)
+    root = cache_root_path()
+    path = os.path.join(root, *parts)
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError:
         return None
-    if not trusted_dir(root.parent, parent=True):
+    if not trusted_dir(os.path.dirname(root), parent=True):
         return None
-    if not all(trusted_dir(root.joinpath(*parts[:i])) for i in range(len(parts) + 1)):
+    if not all(trusted_dir(os.path.join(root, *parts[:i])) for i in range(len(parts) + 1)):
         return None
     return path
 
 
-def read_private(path: Path, limit: int) -> bytes | None:
+def read_private(path: "str | os.PathLike", limit: int) -> bytes | None:
     """The bytes of a file this user wrote privately: None (a miss) unless it is a regular file (not a
     symlink) owned by this user, readable and writable by nobody else, of at most `limit` bytes."""
     try:
@@ -86,10 +97,12 @@ def read_private(path: Path, limit: int) -> bytes | None:
         os.close(fd)
 
 
-def write_private(path: Path, data: bytes) -> bool:
+def write_private(path: "str | os.PathLike", data: bytes) -> bool:
     """Write `path` 0600 through a temporary file and a rename (a reader sees the old file or the new);
     False when it could not be written (a cache that cannot be written is only slower)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:

@@ -28,27 +28,54 @@ import json
 import os
 import shutil
 from dataclasses import fields, is_dataclass
-from pathlib import Path
 
 from .plan import Host, JobPlan, MpiLaunch, Process
 from .remote import SshOptions
 
-__all__ = ["CachedPlan", "load", "store", "inputs_of", "inputs_for", "entry_path"]
+__all__ = ["CachedPlan", "load", "store", "inputs_of", "inputs_for", "entry_path", "spec_facts", "facts"]
 
-_VERSION = 4
+_VERSION = 5
 _MAX_ENTRY_BYTES = 256 << 20
 _CLASSES = {c.__name__: c for c in (Host, Process, MpiLaunch, JobPlan, SshOptions)}
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = os.path.dirname(os.path.realpath(__file__))
 
 
 class CachedPlan:
-    """A plan and connection options read back from the cache (the spec itself is not loaded)."""
+    """A plan and connection options read back from the cache (the spec itself is not loaded), and the
+    spec's facts operations read besides the plan (spec_facts)."""
 
-    def __init__(self, plan: JobPlan, options: SshOptions):
-        self.plan, self.options = plan, options
+    def __init__(self, plan: JobPlan, options: SshOptions, facts: dict | None = None):
+        self.plan, self.options, self.facts = plan, options, facts or {}
 
 
-def entry_path(spec_path: str) -> Path | None:
+def spec_facts(spec) -> dict:
+    """What `dispatch` reads from a spec besides the plan, as plain data: the workspace directory (absolute)
+    and its exclude patterns, the data directory and where its shards go. Kept in the entry, so that a
+    command on a cached plan needs no spec models (pydantic) to dispatch."""
+    data = spec.data
+    return {"workspace": str(spec.local_path(spec.workspace.local)), "exclude": list(spec.workspace.exclude),
+            "data": None if data is None else {"local": str(spec.local_path(data.local)), "remote": data.remote}}
+
+
+def _facts_ok(facts) -> bool:
+    """Whether an entry's facts have exactly the form spec_facts() writes."""
+    if not isinstance(facts, dict) or set(facts) != {"workspace", "exclude", "data"}:
+        return False
+    data = facts["data"]
+    return (isinstance(facts["workspace"], str) and isinstance(facts["exclude"], list)
+            and all(isinstance(x, str) for x in facts["exclude"])
+            and (data is None or (isinstance(data, dict) and set(data) == {"local", "remote"}
+                                  and all(isinstance(v, str) for v in data.values()))))
+
+
+def facts(spec_path: str) -> dict | None:
+    """The spec_facts() of the spec at `spec_path` from its cache entry, under every check load() makes;
+    None on a miss."""
+    cached = load(spec_path)
+    return None if cached is None else cached.facts
+
+
+def entry_path(spec_path: str) -> str | None:
     """The cache file for the spec at `spec_path` (as given, relative to the working directory); None when
     the plan cache's directory is not one only this user can write to (clusterctl.cache.private_dir)."""
     from .cache import private_dir
@@ -57,7 +84,7 @@ def entry_path(spec_path: str) -> Path | None:
     if folder is None:
         return None
     key = hashlib.sha256(json.dumps([_VERSION, os.getcwd(), str(spec_path)]).encode()).hexdigest()[:32]
-    return folder / f"{key}.json"
+    return os.path.join(folder, f"{key}.json")
 
 
 def _sha(data: bytes) -> str:
@@ -73,17 +100,19 @@ def _file_digest(path: str) -> str | None:
 
 
 def _listing_digest(root: str) -> str | None:
-    """sha256 of every file's name under `root` (what list_data_files chooses from), None when unreadable."""
+    """sha256 of every file's name under `root` (what list_data_files chooses from), None when unreadable;
+    symlinked directories are not entered, symlinks to files count as files (as pathlib's rglob)."""
     if not os.path.isdir(root):
         return None
-    names = sorted(str(p.relative_to(root)) for p in Path(root).rglob("*") if p.is_file())
+    names = sorted(os.path.relpath(os.path.join(d, n), root) for d, _, files in os.walk(root) for n in files
+                   if os.path.isfile(os.path.join(d, n)))
     return _sha("\n".join(names).encode("utf-8", "surrogateescape"))
 
 
 def _code_stamp() -> list:
     """Size and mtime of clusterctl's modules: any change to the code that plans is a miss."""
     stamp = []
-    for d in (_PACKAGE, _PACKAGE / "ops", _PACKAGE / "spec"):
+    for d in (_PACKAGE, os.path.join(_PACKAGE, "ops"), os.path.join(_PACKAGE, "spec")):
         try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError:
@@ -91,7 +120,7 @@ def _code_stamp() -> list:
         for e in entries:
             if e.name.endswith(".py"):
                 st = e.stat()
-                stamp.append([str(Path(e.path).relative_to(_PACKAGE)), st.st_size, st.st_mtime_ns])
+                stamp.append([os.path.relpath(e.path, _PACKAGE), st.st_size, st.st_mtime_ns])
     return stamp
 
 
@@ -104,11 +133,8 @@ def _env_stamp() -> list:
 def inputs_of(spec, data_files: list[str] | None) -> dict:
     """What a loaded spec's plan was made from besides the spec's bytes: files re-read (by content),
     ssh config files (by size and mtime, as clusterctl.sshconfig's own cache), data trees (by listing)."""
-    from .sshconfig import config_path
-
-    hostfile = str(spec.local_path(spec.hostfile)) if spec.hostfile is not None else None
-    local = str(spec.local_path(spec.data.local)) if spec.data is not None and data_files is not None else None
-    return _inputs(hostfile, config_path(spec), local)
+    local = spec.data.local if spec.data is not None and data_files is not None else None
+    return _inputs(spec.source, spec.hostfile, spec.ssh.config, local)
 
 
 def inputs_for(spec_path: str, spec_bytes: bytes) -> dict | None:
@@ -123,23 +149,25 @@ def inputs_for(spec_path: str, spec_bytes: bytes) -> dict | None:
     if keys is None:
         return None
     hostfile, config, local, has_data = keys
-    base = Path(spec_path).resolve().parent
+    return _inputs(spec_path, hostfile, config, local if has_data else None)
+
+
+def _inputs(source: str, hostfile: str | None, config: str | None, local: str | None) -> dict:
+    """The inputs named by a spec file at `source` (relative paths are the spec directory's, as
+    ClusterSpec.local_path resolves them)."""
+    from .sshconfig import stamp_paths
+
+    base = os.path.dirname(os.path.realpath(source))
 
     def where(value: str) -> str:
-        p = Path(value).expanduser()
-        return str(p if p.is_absolute() else base / p)
+        p = os.path.expanduser(value)
+        return p if os.path.isabs(p) else os.path.join(base, p)
 
     if config is not None and config.lower() != "none":
         config = where(config)
-    return _inputs(where(hostfile) if hostfile is not None else None, config,
-                   where(local) if has_data and local is not None else None)
-
-
-def _inputs(hostfile: str | None, config: str | None, local: str | None) -> dict:
-    from .sshconfig import stamp_paths
-
     stamped = stamp_paths(config) if config is None or config.lower() != "none" else []
-    return {"files": [hostfile] if hostfile else [], "stamped": stamped, "listings": [local] if local else []}
+    return {"files": [where(hostfile)] if hostfile else [], "stamped": stamped,
+            "listings": [where(local)] if local is not None else []}
 
 
 def _stat_stamp(path: str) -> list | None:
@@ -254,11 +282,12 @@ def load(spec_path: str) -> CachedPlan | None:
             return None
         memo = _Memo(strings)
         plan, options = _decode(entry["plan"], memo), _decode(entry["options"], memo)
+        found = entry["facts"]
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError):  # a garbled entry is a miss
         return None
-    if not isinstance(plan, JobPlan) or not isinstance(options, SshOptions):
+    if not isinstance(plan, JobPlan) or not isinstance(options, SshOptions) or not _facts_ok(found):
         return None
-    return CachedPlan(plan, options)
+    return CachedPlan(plan, options, found)
 
 
 def store(spec_path: str, spec_bytes: bytes, started_ns: int, spec, plan: JobPlan, options: SshOptions,
@@ -280,8 +309,9 @@ def store(spec_path: str, spec_bytes: bytes, started_ns: int, spec, plan: JobPla
     memo = _Memo()
     try:
         entry = {"version": _VERSION, "spec": _sha(spec_bytes), "digests": _digests(inputs),
-                 "plan": _encode(plan, memo), "options": _encode(options, memo), "strings": memo.strings}
-    except (OSError, TypeError):
+                 "plan": _encode(plan, memo), "options": _encode(options, memo), "strings": memo.strings,
+                 "facts": spec_facts(spec)}
+    except (OSError, TypeError, AttributeError):
         return
     from .cache import write_private
 

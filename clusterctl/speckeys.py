@@ -4,7 +4,8 @@ and `data.local` (with whether `data` is there), read without the spec models or
 The plan cache (clusterctl.plancache) derives an entry's inputs from the spec's own bytes on every
 command, so that an entry can never say what it was made from. Loading the spec for that would cost what
 the cache saves (pydantic, and PyYAML's ~13 ms import on a command that takes ~0.1 s), so the common
-forms are read here, exactly: top-level keys at column 0, these keys' values as one-line plain,
+forms are read here, exactly: top-level keys at column 0 (other keys' lists may start there too), these
+keys' values as one-line plain,
 single-quoted or backslash-free double-quoted scalars, in a block mapping or a one-line flow mapping.
 Anything else (anchors, tags, multi-line values, documents markers, numbers or booleans where a path is
 expected, ...) falls back to PyYAML (`yaml.safe_load`); a spec PyYAML cannot read is `None`.
@@ -141,7 +142,7 @@ def _flow(value: str) -> dict[str, str | None]:
 def _block(lines: list[str], index: int) -> dict[str, str | None]:
     """The block mapping under the top-level key at line `index`: its children's one-line values."""
     out: dict[str, str | None] = {}
-    child = None
+    child, last_empty = None, None
     for i in range(index + 1, len(lines)):
         line = lines[i]
         stripped = line.lstrip(" ")
@@ -154,6 +155,13 @@ def _block(lines: list[str], index: int) -> dict[str, str | None]:
             child = indent
         if indent > child:
             continue  # inside a child's own value (its lines were checked where it starts)
+        if indent == child and stripped[0] == "-" and stripped[1:2] in ("", " "):  # a child key's list
+            if last_empty is None or last_empty in ("config", "local"):
+                raise _Unsure("a list not read here")
+            rest = stripped[1:].strip()
+            if rest[:1] in ("'", '"', "[", "{"):
+                _closed(rest)
+            continue
         m = _CHILD.match(line)
         if indent < child or m is None:
             raise _Unsure("a block mapping line not read here")
@@ -164,6 +172,7 @@ def _block(lines: list[str], index: int) -> dict[str, str | None]:
         if text[:1] in ("'", '"', "[", "{") and key not in ("config", "local"):
             _closed(text)  # another key's one-line value: it must not run into the next lines
         out[key] = _scalar(rest, lines, i, indent) if key in ("config", "local") else text
+        last_empty = key if text == "" or text.startswith("#") else None
     return out
 
 
@@ -195,7 +204,7 @@ def _fast(text: str) -> SpecKeys:
         raise _Unsure("tabs, carriage returns or a byte-order mark")
     lines = text.split("\n")
     top: dict[str, int] = {}
-    first = True
+    first, last_empty = True, None
     for i, line in enumerate(lines):
         stripped = line.lstrip(" ")
         if not stripped or stripped.startswith("#"):
@@ -203,6 +212,13 @@ def _fast(text: str) -> SpecKeys:
         if line[0] == " ":
             if first:
                 raise _Unsure("an indented first line")
+            continue
+        if line[0] == "-" and line[1:2] in ("", " "):  # `key:` then its list at column 0 (PyYAML's own style)
+            if first or last_empty is None or last_empty in ("hostfile", "ssh", "data"):
+                raise _Unsure("a list not read here")
+            rest = line[1:].strip()
+            if rest[:1] in ("'", '"', "[", "{"):
+                _closed(rest)
             continue
         first = False
         m = _TOP.match(line)
@@ -212,6 +228,7 @@ def _fast(text: str) -> SpecKeys:
         if key in top:
             raise _Unsure("a key given twice")
         top[key] = i
+        last_empty = key if rest == "" or rest.startswith("#") else None
         if rest[:1] in ("'", '"', "[", "{"):
             _closed(rest)
     if first:

@@ -271,7 +271,7 @@ class _Cache:
                 stamp.append((p, None))
         key = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:24]
         folder = private_dir("sshg")
-        self.path = None if folder is None else folder / f"{key}.json"
+        self.path = None if folder is None else os.path.join(folder, f"{key}.json")
         self.data: dict = {}
         raw = None if self.path is None else read_private(self.path, self.MAX_BYTES)
         if raw is not None:

@@ -12,15 +12,11 @@ import hashlib
 import os
 import re
 import shlex
-import socket
 import stat
 import subprocess
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 from .host import Host, split_jump
 from .base import SshOptions
@@ -144,7 +140,8 @@ def control_socket(host: Host, opts: SshOptions, control: str | None) -> str | N
     local host name, HostName, port and user); None without reuse."""
     if control is None or not opts.persist:
         return None
-    conn = hashlib.sha1(f"{socket.gethostname()}{host.connect_name.lower()}{host.port}{host.user}".encode()).hexdigest()
+    local = os.uname().nodename  # gethostname(), as ssh's %l (without importing socket)
+    conn = hashlib.sha1(f"{local}{host.connect_name.lower()}{host.port}{host.user}".encode()).hexdigest()
     return f"{control}/{_control_tag(host, opts)}-{conn}"
 
 
@@ -155,25 +152,24 @@ _CONTROL_FALLBACK = "/tmp/clusterctl-ssh-{uid}"  # where the cache directory's p
 def control_dir() -> str | None:
     """Where reusable connections' sockets live: a 0700 directory of ours, its path short enough for a
     socket (108 bytes); None (no reuse) where there is none."""
-    from ..cache import cache_root
+    from ..cache import cache_root_path
 
-    base = cache_root() / "ssh"
-    key = str(base)
-    if key not in _CONTROL_DIRS:
+    base = os.path.join(cache_root_path(), "ssh")
+    if base not in _CONTROL_DIRS:
         found = None
-        for d in (base, Path(_CONTROL_FALLBACK.format(uid=os.getuid()))):
-            if len(str(d)) > 36:  # + "/" + 12 + "-" + 40 (%C) + ssh's 17-byte temporary suffix < 108
+        for d in (base, _CONTROL_FALLBACK.format(uid=os.getuid())):
+            if len(d) > 36:  # + "/" + 12 + "-" + 40 (%C) + ssh's 17-byte temporary suffix < 108
                 continue
             try:
-                d.mkdir(mode=0o700, parents=True, exist_ok=True)
-                st = d.lstat()
+                os.makedirs(d, mode=0o700, exist_ok=True)
+                st = os.lstat(d)
                 if st.st_uid == os.getuid() and stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o077:
-                    found = str(d)
+                    found = d
                     break
             except OSError:
                 continue
-        _CONTROL_DIRS[key] = found
-    return _CONTROL_DIRS[key]
+        _CONTROL_DIRS[base] = found
+    return _CONTROL_DIRS[base]
 
 
 class OpenSshTransport(ProcessTransport):
@@ -215,7 +211,7 @@ class OpenSshTransport(ProcessTransport):
         key = gate_key(host)
         if not self.gate.acquire(key, blocking=wait):
             return None
-        flag = os.path.join(self._flag_dir(), uuid.uuid4().hex)
+        flag = os.path.join(self._flag_dir(), os.urandom(16).hex())
         try:
             proc = self._popen(self.argv(host, command, login_flag=flag))
         except OSError:
@@ -242,6 +238,8 @@ class OpenSshTransport(ProcessTransport):
     def _flag_dir(self) -> str:
         """A private directory for login flags: the control directory, else a 0700 temporary one."""
         if self._flags is None:
+            import tempfile
+
             self._flags = control_dir() or tempfile.mkdtemp(prefix="clusterctl-login-")
         return self._flags
 

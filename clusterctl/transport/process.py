@@ -3,7 +3,7 @@ feeding its stdin, collecting its output, its deadline, and trying again a conne
 
 from __future__ import annotations
 
-import random
+import os
 import subprocess
 import threading
 import time
@@ -103,7 +103,7 @@ class ProcessRun(Running):
                 if held is not None:
                     held.release()
                 break
-            time.sleep(random.uniform(0.1, 0.3) * 2 ** min(attempt, 3))
+            time.sleep((0.1 + 0.2 * os.urandom(1)[0] / 255) * 2 ** min(attempt, 3))  # jittered, no `random` import
             proc = self.proc = self.transport.spawn(host, command, wait=True)
         if code == UNREACHABLE and not out:
             return unreachable_result(host, command, self.transport.failure_reason(host, err), time.monotonic() - start)

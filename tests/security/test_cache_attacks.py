@@ -52,7 +52,7 @@ def project(tmp_path, monkeypatch):
     (tmp_path / "cluster.yaml").write_text(SPEC)
     _age(tmp_path / "hosts.txt", tmp_path / "sshcfg", tmp_path / "cluster.yaml", tmp_path)
     spec, plan, _ = load_plan("cluster.yaml")
-    assert spec is not None and plancache.entry_path("cluster.yaml").exists()
+    assert spec is not None and Path(plancache.entry_path("cluster.yaml")).exists()
     assert load_plan("cluster.yaml")[0] is None  # a hit, before any attack
     return tmp_path
 
@@ -93,7 +93,7 @@ def _argv_of(plan) -> list[list[str]]:
 
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o722, 0o702])
 def test_a_crafted_entry_in_a_directory_others_can_write_is_not_used(project, mode):
-    entry = plancache.entry_path("cluster.yaml")
+    entry = Path(plancache.entry_path("cluster.yaml"))
     entry.write_text(_craft(entry, _evil_config(project)))
     entry.chmod(0o600)
     assert load_plan("cluster.yaml")[0] is None  # the crafted entry would be used from a private directory...
@@ -106,7 +106,7 @@ def test_a_crafted_entry_in_a_directory_others_can_write_is_not_used(project, mo
 
 
 def test_the_cache_root_writable_by_others_disables_the_cache(project):
-    entry = plancache.entry_path("cluster.yaml")
+    entry = Path(plancache.entry_path("cluster.yaml"))
     root = project / "cache" / "clusterctl"
     root.chmod(0o777)
     assert plancache.entry_path("cluster.yaml") is None and plancache.load("cluster.yaml") is None
@@ -130,7 +130,7 @@ def test_a_cache_root_under_a_non_sticky_shared_directory_is_not_trusted(project
 
 @as_root
 def test_a_cache_directory_owned_by_someone_else_is_not_used(project):
-    entry = plancache.entry_path("cluster.yaml")
+    entry = Path(plancache.entry_path("cluster.yaml"))
     entry.write_text(_craft(entry, _evil_config(project)))
     entry.chmod(0o600)
     os.chown(entry.parent, 65534, 65534)  # the attacker made (or was given) the directory
@@ -144,7 +144,7 @@ def test_a_cache_directory_owned_by_someone_else_is_not_used(project):
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o666, 0o660])
 def test_an_entry_file_readable_or_writable_by_others_is_a_miss(project, mode):
-    entry = plancache.entry_path("cluster.yaml")
+    entry = Path(plancache.entry_path("cluster.yaml"))
     entry.chmod(mode)
     spec, _, _ = load_plan("cluster.yaml")
     assert spec is not None  # a miss, and the entry is written again, 0600
@@ -153,13 +153,13 @@ def test_an_entry_file_readable_or_writable_by_others_is_a_miss(project, mode):
 
 @as_root
 def test_an_entry_file_owned_by_someone_else_is_a_miss(project):
-    entry = plancache.entry_path("cluster.yaml")
+    entry = Path(plancache.entry_path("cluster.yaml"))
     os.chown(entry, 65534, 65534)
     assert plancache.load("cluster.yaml") is None
 
 
 def test_a_symlinked_entry_is_a_miss(project):
-    entry = plancache.entry_path("cluster.yaml")
+    entry = Path(plancache.entry_path("cluster.yaml"))
     planted = project / "planted.json"
     planted.write_text(_craft(entry, _evil_config(project)))
     planted.chmod(0o600)
@@ -174,7 +174,7 @@ def test_a_symlinked_entry_is_a_miss(project):
 def test_an_entry_that_lists_no_inputs_is_not_trusted(project):
     """The old attack: an entry naming no inputs (so no change is ever seen) carrying a crafted plan. Inputs
     are now read from the spec's bytes: the hostfile and the ssh config are checked whatever the entry says."""
-    entry = plancache.entry_path("cluster.yaml")
+    entry = Path(plancache.entry_path("cluster.yaml"))
     doc = json.loads(_craft(entry, _evil_config(project)))
     doc["inputs"] = {"files": [], "stamped": [], "listings": []}
     doc["digests"] = plancache._digests(doc["inputs"])
@@ -205,7 +205,7 @@ def test_exec_never_runs_a_crafted_entrys_proxycommand(project):
     """`clusterctl exec` (a new process) with a crafted entry in a directory others may write to: the
     spec's own options are used; the attacker's ssh config (and its ProxyCommand) never reaches ssh."""
     evil = _evil_config(project)
-    entry = plancache.entry_path("cluster.yaml")
+    entry = Path(plancache.entry_path("cluster.yaml"))
     entry.write_text(_craft(entry, evil))
     entry.chmod(0o600)
     entry.parent.chmod(0o777)
@@ -316,6 +316,11 @@ def test_spec_keys_read_as_pyyaml_reads_them():
         "hostfile: plain\n  continued\n", "job: {a: [1,\n  2]}\nhostfile: h\n", "ssh:\n- config: x\n",
         "hostfile: h\nhostfile: g\n", "ssh:\n  config: a\n  config: b\n", "hostfile:\n  nested: 1\n",
         "data:\n  local: d\n  remote: r\nssh: {config: c, user: [a, b]}\n", "hostfile: '2fa.txt'\n",
+        "hosts:\n- address: a\n- {address: b}\nhostfile: h\n", "- a\n- b\n", "hostfile:\n- h\n",
+        "ssh:\n  proxy_jump:\n  - a\n  - b\n  config: c\n", "ssh:\n  config:\n  - c\n", "x:\n- '[a\n  b]'\n",
+        yaml.safe_dump({"name": "n", "ssh": {"user": "u", "config": "cfg", "proxy_jump": ["a", "b"]},
+                        "hosts": [{"address": "h", "gpus": [0, 1]}], "data": {"local": "d", "pattern": "*.txt"},
+                        "job": {"entrypoint": ["python3", "t.py"], "env": {"A": "1"}}}, sort_keys=False),
     ]
     for text in cases:
         try:
@@ -336,6 +341,8 @@ def test_spec_keys_read_as_pyyaml_reads_them():
         except speckeys._Unsure:
             continue
         assert fast == expected, text
+    # the specs clusterctl writes itself (PyYAML's style: lists at their key's column) are read fast
+    assert speckeys._fast(cases[-1]) == (None, "cfg", "d", True)
 
 
 def test_a_spec_the_fast_reader_declines_still_hits(tmp_path, monkeypatch):

@@ -141,3 +141,33 @@ def test_a_workspace_that_is_not_a_directory_is_a_clear_error(tmp_path):
     shutil.rmtree(c.local)
     with c.session() as s, pytest.raises(JobError, match=r"workspace.local .*/ws is not a directory"):
         dispatch(s)
+
+
+def test_dispatch_on_a_cached_plan_loads_no_spec(tmp_path, monkeypatch):
+    """`clusterctl dispatch` on a plan from the cache takes the workspace, its excludes and the data shards'
+    directory from the cache entry: the spec models are never loaded (issue 23 part 4), and the hosts get
+    exactly what a dispatch from the loaded spec gives them."""
+    import time
+
+    from clusterctl.ops import open_session
+
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n", "skip.pyc": "compiled", "d/a.txt": "a\n"},
+                    extra={"data": {"local": "shards", "pattern": "*.bin", "remote": "in"}})
+    (tmp_path / "shards").mkdir()
+    for i in range(4):
+        (tmp_path / "shards" / f"s{i}.bin").write_bytes(bytes([i]) * 10)
+    old = time.time() - 60
+    for p in (c.spec_path, tmp_path / "shards", *(tmp_path / "shards").iterdir()):
+        os.utime(p, (old, old))  # the plan cache keeps nothing made from files changed as it planned
+    c.everywhere(monkeypatch)
+    with open_session(str(c.spec_path)) as miss:
+        assert miss.spec_loaded  # planned from the spec: the entry is written
+    with open_session(str(c.spec_path)) as s:
+        assert not s.spec_loaded
+        results = dispatch(s)
+        assert not s.spec_loaded  # the workspace and data directories came from the entry
+    assert sent(results) == {"n0": (4, 0), "n1": (4, 0)}  # train.py, d/a.txt and two shards each (skip.pyc excluded)
+    for i in range(2):
+        got = tree(c.workspace(i))
+        assert sorted(got) == ["d/a.txt", f"in/s{i}.bin", f"in/s{i + 2}.bin", "train.py"]
+        assert got[f"in/s{i}.bin"] == bytes([i]) * 10
