@@ -161,9 +161,9 @@ class Remote:
 
         Returns each host's Result (a GroupResult). With check=True, raises one GroupException (a
         RemoteError) naming every host that failed to connect or exited non-zero, carrying the GroupResult
-        (every host's Result and typed error); with check=False, unreachable hosts get exit code 255. Through the OpenSSH client and its kept
-        connections (see launch()), unless this session has paramiko connections open to these hosts
-        already (host_key_policy accept-new or off).
+        (every host's Result and typed error); with check=False, unreachable hosts get exit code 255.
+        Through the OpenSSH client and its kept connections (see launch()), unless this session has
+        paramiko connections open to these hosts already (host_key_policy accept-new or off).
         """
         targets = tuple(hosts) if hosts is not None else self.hosts
         if callable(stdin):

@@ -197,15 +197,31 @@ class OpenSshTransport(ProcessTransport):
 
     def reuses(self, host: Host) -> bool:
         """Whether a kept connection to `host` is open now (its socket exists): no handshake to wait for."""
+        return self.kept(host) is not None
+
+    def kept(self, host: Host) -> str | None:
+        """The control socket of `host`'s kept connection when it exists now, else None."""
         path = control_socket(host, self.options, control_dir() if self.options.persist else None)
         try:
-            return path is not None and stat.S_ISSOCK(os.stat(path).st_mode)
+            return path if path is not None and stat.S_ISSOCK(os.stat(path).st_mode) else None
         except OSError:
-            return False
+            return None
 
     def spawn(self, host: Host, command: str, wait: bool = True) -> subprocess.Popen | None:
-        """Start ssh for `host`; a new connection first takes a slot of its bastion's gate (None when none
-        is free and wait is False) and gives it back once logged in, failed, or after connect_timeout."""
+        """Start `command` on `host`: over its kept connection without an `ssh` process when one is open
+        (clusterctl.transport.mux; None with wait=False: it is opened in the background, the caller goes
+        on), else with ssh, whose new connection first takes a slot of its bastion's gate (None when none is
+        free and wait is False) and gives it back once logged in, failed, or after connect_timeout."""
+        kept = self.kept(host)
+        if kept is not None:
+            if not wait:
+                return None
+            from .mux import open_session
+
+            proc = open_session(kept, command, forward_agent=self.options.forward_agent,
+                                timeout=max(1.0, self.options.connect_timeout / 3))
+            if proc is not None:
+                return proc
         if self.gate is None or self.reuses(host):
             return self.popen(host, command)
         key = gate_key(host)

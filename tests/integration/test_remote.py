@@ -125,6 +125,43 @@ def test_an_unknown_or_changed_bastion_key_is_named_with_its_fingerprint(testclu
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.timeout(120)
+def test_commands_over_a_kept_connection_start_no_ssh_process(testcluster, tmp_path, monkeypatch):
+    """Issue 23 part 4: over a kept connection a command is a session asked of the master on its control
+    socket (clusterctl.transport.mux), not an `ssh` process; what the hosts see and send back is the same
+    as through `ssh` (output, stderr, exit code, a large stdin, the environment SendEnv passes)."""
+    import subprocess
+
+    monkeypatch.setenv("LANG", "C.UTF-8")  # the system ssh_config's SendEnv LANG, on both paths
+    script = 'echo "$LANG|$(hostname)"; wc -c; echo to-stderr >&2; exit 3'
+    payload = b"x" * 3_000_000
+    plain = write_spec(testcluster, tmp_path / "p.yaml", name="mux-plain", hosts=2, ssh={"persist": 0},
+                       job={"entrypoint": ["true"]})
+    kept = write_spec(testcluster, tmp_path / "k.yaml", name="mux-kept", hosts=2, ssh={"persist": 60},
+                      job={"entrypoint": ["true"]})
+    with open_session(str(plain)) as session:
+        want = session.remote.run(script, stdin=payload, check=False, timeout=60)
+    with open_session(str(kept)) as session:
+        session.remote.run("true", timeout=60)  # the first command makes the kept connections
+    started = []
+    real = subprocess.Popen.__init__
+
+    def spy(self, args, *a, **kw):
+        started.append(list(args) if isinstance(args, (list, tuple)) else args)
+        return real(self, args, *a, **kw)
+
+    with open_session(str(kept)) as session:
+        monkeypatch.setattr(subprocess.Popen, "__init__", spy)
+        got = session.remote.run(script, stdin=payload, check=False, timeout=60)
+        late = session.remote.run("sleep 30", check=False, timeout=2)
+        monkeypatch.undo()
+    assert started == []  # no ssh (nor anything else) was started for these commands
+    assert [(r.exit_code, r.stdout, r.stderr) for r in got.values()] == [
+        (r.exit_code, r.stdout, r.stderr) for r in want.values()]
+    assert [r.exit_code for r in got.values()] == [3, 3] and all("3000000" in r.stdout for r in got.values())
+    assert [(r.exit_code, r.timed_out) for r in late.values()] == [(124, True)] * 2
+
+
 @pytest.mark.timeout(60)
 def test_accept_new_records_the_key_then_verifies_it(testcluster, tmp_path):
     kh = tmp_path / "kh"
