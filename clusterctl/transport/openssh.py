@@ -218,8 +218,10 @@ class OpenSshTransport(ProcessTransport):
                 return None
             from .mux import open_session
 
+            # a master whose host froze goes away after a third of connect_timeout (its keepalives): then
+            # ssh makes a new connection; one that is only slow gets the whole connect_timeout to open
             proc = open_session(kept, command, forward_agent=self.options.forward_agent,
-                                timeout=max(1.0, self.options.connect_timeout / 3))
+                                timeout=max(1.0, self.options.connect_timeout))
             if proc is not None:
                 return proc
         if self.gate is None or self.reuses(host):

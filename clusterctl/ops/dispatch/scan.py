@@ -98,9 +98,35 @@ class HashCache:
         write_atomic(self.path, marshal.dumps(self.fresh, wire.MARSHAL_VERSION))  # failing only costs re-hashing
 
 
+_SIMPLE = re.compile(r"/?[A-Za-z0-9._*?-]+(?:/[A-Za-z0-9._*?-]+)*/?")
+
+
+def _simple_regex(pattern: str) -> str | None:
+    """The regex of a gitignore pattern of the simple kind (names with `*` and `?`, slashes, no `**`,
+    `!`, `[...]`, escapes or spaces), matching the pattern's paths and everything under them as gitignore
+    (and pathspec) do; None for any other pattern. No slash but a trailing one: any depth; else anchored
+    at the root; a trailing slash: directories only."""
+    if not _SIMPLE.fullmatch(pattern) or "**" in pattern or pattern in ("/", ""):
+        return None
+    dir_only = pattern.endswith("/")
+    body = pattern.rstrip("/")
+    anchored = "/" in body
+    glob = "".join("[^/]*" if c == "*" else "[^/]" if c == "?" else re.escape(c) for c in body.lstrip("/"))
+    return ("" if anchored else "(?:.*/)?") + glob + ("/.*" if dir_only else "(?:/.*)?")
+
+
 def ignore_matcher(exclude: tuple[str, ...]):
     """path -> whether the gitignore-style `exclude` patterns ignore it (directories end with "/")."""
-    import pathspec  # ~0.04 s of import: only for a scan
+    exclude = tuple(exclude)
+    simple = [_simple_regex(p.strip()) for p in exclude if p.strip() and not p.startswith("#")]
+    if all(r is not None for r in simple) and all(p == p.strip() for p in exclude):
+        # the usual patterns (the defaults: .git/, __pycache__/, *.pyc, .venv/): one regex, and no pathspec
+        # import (~0.035 s of a `clusterctl dispatch` that takes ~0.2 s of CPU)
+        if not simple:
+            return lambda path: False
+        combined = re.compile("|".join(f"(?:{r})" for r in simple), re.S)
+        return lambda path: combined.fullmatch(path) is not None
+    import pathspec  # patterns of other kinds: pathspec decides
 
     spec = pathspec.GitIgnoreSpec.from_lines(exclude)
     active = [p for p in spec.patterns if p.include is not None]
