@@ -171,3 +171,38 @@ def test_dispatch_on_a_cached_plan_loads_no_spec(tmp_path, monkeypatch):
         got = tree(c.workspace(i))
         assert sorted(got) == ["d/a.txt", f"in/s{i}.bin", f"in/s{i + 2}.bin", "train.py"]
         assert got[f"in/s{i}.bin"] == bytes([i]) * 10
+
+
+def test_records_are_private_and_ones_readable_by_others_are_not_used(tmp_path, monkeypatch):
+    """The controller's records of what each host has (and the hash cache) are 0600 files in private
+    directories; a record or manifest others could have written is not trusted (the host is asked), and is
+    written again privately."""
+    import stat
+
+    from clusterctl.ops.dispatch import records as drecords
+    from clusterctl.ops.dispatch import scan as dscan
+
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setattr(drecords, "RECORDS_DIR", cache / "dispatched")
+    monkeypatch.setattr(dscan, "HASH_CACHE_DIR", cache / "hashes")
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n"})
+    with c.session() as s:
+        dispatch(s)
+        files = [p for p in cache.rglob("*") if p.is_file()]
+        assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+        assert all(drecords.Records(s.plan.workdir).load(h) is not None for h in s.plan.hosts)
+        for p in files:
+            p.chmod(0o644)  # as an older version left them, or someone else wrote them
+        assert all(drecords.Records(s.plan.workdir).load(h) is None for h in s.plan.hosts)
+        c.write("train.py", "print(2)\n")
+        assert sent(dispatch(s)) == {"n0": (1, 0), "n1": (1, 0)}  # the hosts were asked, then updated
+        left = [p for p in cache.rglob("*") if p.is_file() and stat.S_IMODE(p.stat().st_mode) != 0o600]
+        assert left == [p for p in files if p.parent.name == "manifests"]  # only the old generation's manifest
+        assert all(drecords.Records(s.plan.workdir).load(h) is not None for h in s.plan.hosts)
+        c.write("train.py", "print(1)\n")  # back to the first content: its manifest (left 0644) is used again
+        dispatch(s)
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in cache.rglob("*") if p.is_file())
+        assert all(drecords.Records(s.plan.workdir).load(h) is not None for h in s.plan.hosts)
+        (cache / "dispatched").chmod(0o777)  # a directory others may write to: not used at all
+        assert all(drecords.Records(s.plan.workdir).load(h) is None for h in s.plan.hosts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -69,8 +70,8 @@ class Records:
                     blob = json.dumps(manifest, sort_keys=True).encode()
                     ref = written[id(manifest)] = hashlib.sha256(blob).hexdigest()
                     target = self.dir / "manifests" / f"{ref}.json"
-                    if not target.exists():
-                        write_atomic(target, blob)
+                    if not _private(target):
+                        write_atomic(target, blob)  # new, or left by an older version readable by others
                     else:
                         os.utime(target)  # recently used: kept by the sweep below
                 write_atomic(self._path(host), json.dumps({"gen": gen, "manifest": ref}).encode())
@@ -90,3 +91,12 @@ def _manifest_ok(manifest) -> bool:
     return isinstance(manifest, dict) and all(
         isinstance(path, str) and isinstance(entry, dict) and entry.keys() == _ENTRY_TYPES.keys()
         and all(type(entry[k]) is t for k, t in _ENTRY_TYPES.items()) for path, entry in manifest.items())
+
+
+def _private(path) -> bool:
+    """Whether `path` is a regular file of this user that nobody else may read or write (what load reads)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
