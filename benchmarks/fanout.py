@@ -10,9 +10,12 @@ and every process it waited for).
 
 `--python PY` runs clusterctl as `PY -m clusterctl.cli` (default: this interpreter); `--compare-python PY`
 adds a column, another installation (e.g. a venv with an older commit's wheel) run interleaved with the
-rest, for before/after ratios measured side by side.
+rest, for before/after ratios measured side by side. `--rt` runs every timed command (and what it starts)
+under `chrt -f 1` (SCHED_FIFO, root only): on a shared, loaded machine, the controller side then gets a
+core whenever it can run, as on an idle one (the hosts' sshd in the containers do not). `--sizes` picks
+the node counts.
 
-    .venv/bin/python benchmarks/fanout.py [--nodes 16] [--repeat 7] [--python PY] [--compare-python PY] [--status-nodes 8]
+    .venv/bin/python benchmarks/fanout.py [--nodes 16] [--repeat 7] [--python PY] [--compare-python PY] [--status-nodes 8] [--rt] [--sizes 1,16]
 """
 
 from __future__ import annotations
@@ -35,8 +38,12 @@ from clusterctl import remote as remote_mod  # noqa: E402
 from clusterctl import testcluster as tc  # noqa: E402
 
 
+RT: list[str] = []  # ["chrt", "-f", "1"] with --rt
+
+
 def timed(argv: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[float, float]:
     """Run `argv` to completion; (wall seconds, CPU seconds of it and its waited-for descendants)."""
+    argv = RT + argv
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     res = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd,
@@ -61,7 +68,11 @@ def main() -> int:
     ap.add_argument("--python", default=sys.executable, help="the interpreter whose clusterctl is timed")
     ap.add_argument("--compare-python", default=None, help="another interpreter/installation, timed side by side")
     ap.add_argument("--status-nodes", type=int, default=8, help="nodes of the job whose status is timed (0: skip)")
+    ap.add_argument("--rt", action="store_true", help="run the timed commands under chrt -f 1 (SCHED_FIFO)")
+    ap.add_argument("--sizes", default="1,2,4,8,16", help="node counts to time (default: %(default)s)")
     args = ap.parse_args()
+    if args.rt:
+        RT[:] = ["chrt", "-f", "1"]
     compare = args.compare_python
 
     info = tc.up(args.nodes, name=args.name)
@@ -78,10 +89,11 @@ def main() -> int:
     if remote_mod._CIPHERS:
         tuned += ["-o", f"Ciphers={remote_mod._CIPHERS}"]
     env_tuned = {**os.environ, "PDSH_SSH_ARGS_APPEND": " ".join(tuned)}
-    print(f"load average at start: {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"load average at start: {os.getloadavg()[0]:.1f}{' (timed commands under chrt -f 1)' if args.rt else ''}",
+          flush=True)
     kinds = ["ours"] + (["before"] if compare else []) + ["pdsh", "tuned", "serial"]
     rows = []
-    for n in [k for k in (1, 2, 4, 8, 16) if k <= args.nodes]:
+    for n in [k for k in map(int, args.sizes.split(",")) if k <= args.nodes]:
         spec = Path(info.state_dir) / f"fanout-{n}.yaml"
         spec.write_text(yaml.safe_dump({**base, "hosts": base["hosts"][:n], "name": f"fanout{n}"}))
         cmds = {

@@ -1,21 +1,122 @@
-"""The controller's cache directory: one place that decides where clusterctl keeps its state."""
+"""The controller's cache directory: one place that decides where clusterctl keeps its state, and whether
+what is there may be trusted.
+
+Some of what is kept there decides what runs (a cached plan holds every process's argv; the ssh answers
+say which machine a host name is): `private_dir` hands out such a directory only when neither it nor the
+directories above it up to the cache root can have been written by anyone else (owned by this user, not
+group- or world-writable, not a symlink; the root's parent owned by this user or root, and sticky where
+others may write to it), as the ssh control directory is checked (clusterctl.transport.openssh); files in
+it are written 0600 (`write_private`) and read back only when still so (`read_private`). Anything else is
+a miss: the caller works without its cache.
+"""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import stat
+from typing import TYPE_CHECKING
 
-__all__ = ["cache_root", "cache_dir"]
+if TYPE_CHECKING:  # pathlib (and the urllib.parse it imports) only where a Path is asked for: not for `exec`
+    from pathlib import Path
+
+__all__ = ["cache_root", "cache_root_path", "cache_dir", "private_dir", "read_private", "write_private",
+           "trusted_dir"]
 
 
-def cache_root() -> Path:
-    """$XDG_CACHE_HOME/clusterctl (an unset or empty XDG_CACHE_HOME means ~/.cache)."""
+def cache_root_path() -> str:
+    """$XDG_CACHE_HOME/clusterctl (an unset or empty XDG_CACHE_HOME means ~/.cache), as a string."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "clusterctl"
+    return os.path.join(base, "clusterctl")
 
 
-def cache_dir(*parts: str) -> Path:
+def cache_root() -> "Path":
+    """cache_root_path() as a Path."""
+    from pathlib import Path
+
+    return Path(cache_root_path())
+
+
+def cache_dir(*parts: str) -> "Path":
     """A directory under cache_root(), created private (0700) when missing."""
     path = cache_root().joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
+
+
+def trusted_dir(path: "str | os.PathLike", *, parent: bool = False) -> bool:
+    """Whether `path` is a real directory (not a symlink) that only this user can write to; with `parent`
+    (a directory above ours, such as ~/.cache or /tmp), one owned by this user or root, and sticky where
+    group or others may write to it (so they cannot move ours away)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    if parent:
+        return st.st_uid in (os.getuid(), 0) and (not st.st_mode & 0o022 or bool(st.st_mode & stat.S_ISVTX))
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def private_dir(*parts: str) -> str | None:
+    """A directory under the cache root for state that decides what runs (created 0700 when missing); None
+    when it, or a directory between it and the cache root's parent, fails trusted_dir()."""
+    root = cache_root_path()
+    path = os.path.join(root, *parts)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    if not trusted_dir(os.path.dirname(root), parent=True):
+        return None
+    if not all(trusted_dir(os.path.join(root, *parts[:i])) for i in range(len(parts) + 1)):
+        return None
+    return path
+
+
+def read_private(path: "str | os.PathLike", limit: int) -> bytes | None:
+    """The bytes of a file this user wrote privately: None (a miss) unless it is a regular file (not a
+    symlink) owned by this user, readable and writable by nobody else, of at most `limit` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077 or st.st_size > limit:
+            return None
+        chunks, left = [], limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        return data if len(data) <= limit else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def write_private(path: "str | os.PathLike", data: bytes) -> bool:
+    """Write `path` 0600 through a temporary file and a rename (a reader sees the old file or the new);
+    False when it could not be written (a cache that cannot be written is only slower)."""
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask, and over a file left by an earlier try
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False

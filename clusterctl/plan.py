@@ -17,6 +17,7 @@ from .host.elastic import HOST_CHANGE_WINDOW
 from .host.layout import DATA_ENV, LayoutError, deal_shards, layout, pserver_placement, render_args
 from .host.policy import DEFAULT_POLICY, Policy
 from .sshconfig import Resolved, Target, unresolved
+from .transport.host import Host  # defined below the plan, for the transports; re-exported here
 
 if TYPE_CHECKING:  # the spec models (pydantic) load only where a spec is laid out, not for a cached plan
     from .spec.models import ClusterSpec
@@ -39,44 +40,6 @@ class PlanError(ClusterctlError):
     def __init__(self, path: tuple, message: str):
         super().__init__(message)
         self.path, self.message = path, message
-
-
-@dataclass(frozen=True)
-class Host:
-    """A host as the remote layer needs it: where to connect, as whom, through which bastions.
-
-    `address` is what the spec names (an IP, a host name or an ssh-config alias) and what `ssh` is
-    given; `hostname`, `user` and `port` are what OpenSSH resolves it to (`ssh -G`); `jump` the
-    bastions in between, first hop first; `train_address` what the other hosts use for its endpoints."""
-
-    address: str
-    port: int
-    user: str
-    index: int
-    hostname: str = ""  # "" = address
-    jump: tuple[str, ...] = ()
-    train_address: str = ""  # "" = hostname
-    jump_none: bool = False  # the spec said `proxy_jump: none` over a ProxyJump in the ssh config
-
-    @property
-    def label(self) -> str:
-        """Short name used to prefix output lines: the address, plus the port when it is not 22."""
-        return self.address if self.port == 22 else f"{self.address}:{self.port}"
-
-    @property
-    def connect_name(self) -> str:
-        """The name or address the SSH connection finally goes to (the config's HostName)."""
-        return self.hostname or self.address
-
-    @property
-    def endpoint_address(self) -> str:
-        """The address in this host's endpoints: train_address, else the resolved HostName."""
-        return self.train_address or self.hostname or self.address
-
-    def to_json(self) -> dict:
-        """What clusterctl connects to for this host, as `clusterctl plan --json` shows it."""
-        return {"address": self.address, "user": self.user, "hostname": self.connect_name, "port": self.port,
-                "jump": list(self.jump), "train_address": self.endpoint_address}
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,18 @@ input it was made from is unchanged, compared by content:
 
 - the spec file's bytes (sha256) and the hostfile's, when the spec names one;
 - with `data:`, the listing of every file under data.local (names, not contents: the plan deals names);
-- the ssh config files `ssh -G` reads and the files beside them, by size and mtime (the stamp that
-  clusterctl.sshconfig's own cache checks), and whether an `ssh` binary is on PATH;
+- the ssh config files `ssh -G` reads (Include followed) and their directories, by size and mtime (the
+  stamp that clusterctl.sshconfig's own cache checks), and whether an `ssh` binary is on PATH;
 - the login user, home directory and uid (what `ssh -G` and `~` resolve to);
 - clusterctl's own code (every module's size and mtime): a new version plans anew.
 
-Anything else (an unreadable, garbled or foreign entry, a changed input) is a miss: the caller loads and
-validates the spec as always, with the same error messages, and stores a fresh entry. Entries are JSON
-(no pickle: nothing in the cache can run code), written 0600 into cache_dir("plans") (0700) through a
-temporary file and os.replace, so a reader never sees half an entry.
+Which files those are is read from the spec's bytes on every command (clusterctl.speckeys: hostfile,
+ssh.config, data.local), never from the entry, so that no entry can say what it was made from. An entry
+is read only from a directory no one else can write to and only when it is a 0600 file of this user
+(clusterctl.cache.private_dir, read_private); anything else (a foreign directory or file, an unreadable,
+garbled or foreign entry, a changed input) is a miss: the caller loads and validates the spec as always,
+with the same error messages, and stores a fresh entry. Entries are JSON (no pickle: nothing in the cache
+can run code), written 0600 through a temporary file and os.replace, so a reader never sees half an entry.
 """
 
 from __future__ import annotations
@@ -25,31 +28,63 @@ import json
 import os
 import shutil
 from dataclasses import fields, is_dataclass
-from pathlib import Path
 
 from .plan import Host, JobPlan, MpiLaunch, Process
 from .remote import SshOptions
 
-__all__ = ["CachedPlan", "load", "store", "inputs_of", "entry_path"]
+__all__ = ["CachedPlan", "load", "store", "inputs_of", "inputs_for", "entry_path", "spec_facts", "facts"]
 
-_VERSION = 3
+_VERSION = 5
+_MAX_ENTRY_BYTES = 256 << 20
 _CLASSES = {c.__name__: c for c in (Host, Process, MpiLaunch, JobPlan, SshOptions)}
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = os.path.dirname(os.path.realpath(__file__))
 
 
 class CachedPlan:
-    """A plan and connection options read back from the cache (the spec itself is not loaded)."""
+    """A plan and connection options read back from the cache (the spec itself is not loaded), and the
+    spec's facts operations read besides the plan (spec_facts)."""
 
-    def __init__(self, plan: JobPlan, options: SshOptions):
-        self.plan, self.options = plan, options
+    def __init__(self, plan: JobPlan, options: SshOptions, facts: dict | None = None):
+        self.plan, self.options, self.facts = plan, options, facts or {}
 
 
-def entry_path(spec_path: str) -> Path:
-    """The cache file for the spec at `spec_path` (as given, relative to the working directory)."""
-    from .cache import cache_dir
+def spec_facts(spec) -> dict:
+    """What `dispatch` reads from a spec besides the plan, as plain data: the workspace directory (absolute)
+    and its exclude patterns, the data directory and where its shards go. Kept in the entry, so that a
+    command on a cached plan needs no spec models (pydantic) to dispatch."""
+    data = spec.data
+    return {"workspace": str(spec.local_path(spec.workspace.local)), "exclude": list(spec.workspace.exclude),
+            "data": None if data is None else {"local": str(spec.local_path(data.local)), "remote": data.remote}}
 
+
+def _facts_ok(facts) -> bool:
+    """Whether an entry's facts have exactly the form spec_facts() writes."""
+    if not isinstance(facts, dict) or set(facts) != {"workspace", "exclude", "data"}:
+        return False
+    data = facts["data"]
+    return (isinstance(facts["workspace"], str) and isinstance(facts["exclude"], list)
+            and all(isinstance(x, str) for x in facts["exclude"])
+            and (data is None or (isinstance(data, dict) and set(data) == {"local", "remote"}
+                                  and all(isinstance(v, str) for v in data.values()))))
+
+
+def facts(spec_path: str) -> dict | None:
+    """The spec_facts() of the spec at `spec_path` from its cache entry, under every check load() makes;
+    None on a miss."""
+    cached = load(spec_path)
+    return None if cached is None else cached.facts
+
+
+def entry_path(spec_path: str) -> str | None:
+    """The cache file for the spec at `spec_path` (as given, relative to the working directory); None when
+    the plan cache's directory is not one only this user can write to (clusterctl.cache.private_dir)."""
+    from .cache import private_dir
+
+    folder = private_dir("plans")
+    if folder is None:
+        return None
     key = hashlib.sha256(json.dumps([_VERSION, os.getcwd(), str(spec_path)]).encode()).hexdigest()[:32]
-    return cache_dir("plans") / f"{key}.json"
+    return os.path.join(folder, f"{key}.json")
 
 
 def _sha(data: bytes) -> str:
@@ -65,17 +100,19 @@ def _file_digest(path: str) -> str | None:
 
 
 def _listing_digest(root: str) -> str | None:
-    """sha256 of every file's name under `root` (what list_data_files chooses from), None when unreadable."""
+    """sha256 of every file's name under `root` (what list_data_files chooses from), None when unreadable;
+    symlinked directories are not entered, symlinks to files count as files (as pathlib's rglob)."""
     if not os.path.isdir(root):
         return None
-    names = sorted(str(p.relative_to(root)) for p in Path(root).rglob("*") if p.is_file())
+    names = sorted(os.path.relpath(os.path.join(d, n), root) for d, _, files in os.walk(root) for n in files
+                   if os.path.isfile(os.path.join(d, n)))
     return _sha("\n".join(names).encode("utf-8", "surrogateescape"))
 
 
 def _code_stamp() -> list:
     """Size and mtime of clusterctl's modules: any change to the code that plans is a miss."""
     stamp = []
-    for d in (_PACKAGE, _PACKAGE / "ops", _PACKAGE / "spec"):
+    for d in (_PACKAGE, os.path.join(_PACKAGE, "ops"), os.path.join(_PACKAGE, "spec")):
         try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError:
@@ -83,7 +120,7 @@ def _code_stamp() -> list:
         for e in entries:
             if e.name.endswith(".py"):
                 st = e.stat()
-                stamp.append([str(Path(e.path).relative_to(_PACKAGE)), st.st_size, st.st_mtime_ns])
+                stamp.append([os.path.relpath(e.path, _PACKAGE), st.st_size, st.st_mtime_ns])
     return stamp
 
 
@@ -96,21 +133,41 @@ def _env_stamp() -> list:
 def inputs_of(spec, data_files: list[str] | None) -> dict:
     """What a loaded spec's plan was made from besides the spec's bytes: files re-read (by content),
     ssh config files (by size and mtime, as clusterctl.sshconfig's own cache), data trees (by listing)."""
-    from .sshconfig import SYSTEM_CONFIG, USER_CONFIG, _siblings, config_path
+    local = spec.data.local if spec.data is not None and data_files is not None else None
+    return _inputs(spec.source, spec.hostfile, spec.ssh.config, local)
 
-    files = []
-    if spec.hostfile is not None:
-        hostfile = Path(spec.hostfile).expanduser()
-        if not hostfile.is_absolute():
-            hostfile = Path(spec.source).resolve().parent / hostfile
-        files.append(str(hostfile))
-    config = config_path(spec)
-    stamped: list[str] = []
-    if config is None or config.lower() != "none":
-        cfgs = [os.path.expanduser(config)] if config is not None else [SYSTEM_CONFIG, os.path.expanduser(USER_CONFIG)]
-        stamped = sorted({p for f in cfgs for p in [f, *_siblings(f)]})
-    listings = [str(spec.local_path(spec.data.local))] if spec.data is not None and data_files is not None else []
-    return {"files": files, "stamped": stamped, "listings": listings}
+
+def inputs_for(spec_path: str, spec_bytes: bytes) -> dict | None:
+    """The same inputs, read from the spec file's bytes (clusterctl.speckeys) instead of a loaded spec: what
+    a cache entry is checked against. None when the bytes are not a spec that could have been planned."""
+    from .speckeys import spec_keys
+
+    try:
+        keys = spec_keys(spec_bytes.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None
+    if keys is None:
+        return None
+    hostfile, config, local, has_data = keys
+    return _inputs(spec_path, hostfile, config, local if has_data else None)
+
+
+def _inputs(source: str, hostfile: str | None, config: str | None, local: str | None) -> dict:
+    """The inputs named by a spec file at `source` (relative paths are the spec directory's, as
+    ClusterSpec.local_path resolves them)."""
+    from .sshconfig import stamp_paths
+
+    base = os.path.dirname(os.path.realpath(source))
+
+    def where(value: str) -> str:
+        p = os.path.expanduser(value)
+        return p if os.path.isabs(p) else os.path.join(base, p)
+
+    if config is not None and config.lower() != "none":
+        config = where(config)
+    stamped = stamp_paths(config) if config is None or config.lower() != "none" else []
+    return {"files": [where(hostfile)] if hostfile else [], "stamped": stamped,
+            "listings": [where(local)] if local is not None else []}
 
 
 def _stat_stamp(path: str) -> list | None:
@@ -197,28 +254,40 @@ def _decode(value, memo: _Memo):
 
 def load(spec_path: str) -> CachedPlan | None:
     """The cached plan of the spec file at `spec_path`, or None (a miss) unless every input is unchanged."""
+    from .cache import read_private
+
+    path = entry_path(spec_path)
+    if path is None:
+        return None
     try:
         with open(spec_path, "rb") as fh:
             spec_bytes = fh.read()
-        with open(entry_path(spec_path), encoding="utf-8") as fh:
-            entry = json.load(fh)
-    except (OSError, ValueError, RecursionError):
+    except OSError:
+        return None
+    raw = read_private(path, _MAX_ENTRY_BYTES)
+    if raw is None:
+        return None
+    try:
+        entry = json.loads(raw)
+    except (ValueError, RecursionError):
         return None
     try:
         if entry["version"] != _VERSION or entry["spec"] != _sha(spec_bytes):
             return None
-        if _digests(entry["inputs"]) != entry["digests"]:
+        inputs = inputs_for(spec_path, spec_bytes)  # from the spec, never from the entry
+        if inputs is None or _digests(inputs) != entry["digests"]:
             return None
         strings = entry["strings"]
         if not isinstance(strings, list) or not all(isinstance(x, str) for x in strings):
             return None
         memo = _Memo(strings)
         plan, options = _decode(entry["plan"], memo), _decode(entry["options"], memo)
+        found = entry["facts"]
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError):  # a garbled entry is a miss
         return None
-    if not isinstance(plan, JobPlan) or not isinstance(options, SshOptions):
+    if not isinstance(plan, JobPlan) or not isinstance(options, SshOptions) or not _facts_ok(found):
         return None
-    return CachedPlan(plan, options)
+    return CachedPlan(plan, options, found)
 
 
 def store(spec_path: str, spec_bytes: bytes, started_ns: int, spec, plan: JobPlan, options: SshOptions,
@@ -228,25 +297,25 @@ def store(spec_path: str, spec_bytes: bytes, started_ns: int, spec, plan: JobPla
     second of the start or after it (the entry could pair new bytes with an old plan: git's "racy" rule).
     Never fails the caller: a cache that cannot be written is only slower."""
     inputs = inputs_of(spec, data_files)
+    if inputs_for(spec_path, spec_bytes) != inputs:  # the next command reads them from the bytes: must agree
+        return
     if _changed_since(started_ns - _RACY_NS, [spec_path, *inputs["files"], *inputs["stamped"]], inputs["listings"]):
         return
     if len(plan.processes) > _MAX_PROCESSES:
         return
+    path = entry_path(spec_path)
+    if path is None:
+        return
     memo = _Memo()
     try:
-        entry = {"version": _VERSION, "spec": _sha(spec_bytes), "inputs": inputs, "digests": _digests(inputs),
-                 "plan": _encode(plan, memo), "options": _encode(options, memo), "strings": memo.strings}
-    except (OSError, TypeError):
+        entry = {"version": _VERSION, "spec": _sha(spec_bytes), "digests": _digests(inputs),
+                 "plan": _encode(plan, memo), "options": _encode(options, memo), "strings": memo.strings,
+                 "facts": spec_facts(spec)}
+    except (OSError, TypeError, AttributeError):
         return
-    path = entry_path(spec_path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(entry, fh, separators=(",", ":"))
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    from .cache import write_private
+
+    write_private(path, json.dumps(entry, separators=(",", ":")).encode())
 
 
 _RACY_NS = 1_000_000_000

@@ -1,17 +1,19 @@
 """Run commands on many hosts at once over SSH.
 
-Every host's outcome is collected (a failure never hides the others) and failures are raised as one
-RemoteError naming each host, its exit code and the tail of its stderr; the error carries every host's
-Result (`outcomes`) and typed error (`errors`), as Fabric's GroupException does. Host keys are verified.
+Every host's outcome is collected (a failure never hides the others) into one GroupResult (Host -> Result,
+with `succeeded` and `failed`), and failures are raised as one GroupException (a RemoteError) naming each
+host, its exit code and the tail of its stderr and carrying the GroupResult, as Fabric's GroupException
+does. Host keys are verified.
 
-Remote keeps the parallel orchestration (run, launch, push) and picks a transport (clusterctl.transport):
+Remote keeps the parallel orchestration (run, launch, push) over a transport (clusterctl.transport): the
+one given, else the one clusterctl.transport.default gives (unit tests' fake hosts), else its own choice:
 the OpenSSH client, one process per host (C crypto on every core, no Python import cost, connections kept
 open between commands), for everything where it can check host keys itself; paramiko/Fabric connections
 (clusterctl.sshconn, imported on first use) for host_key_policy accept-new (which records first-seen keys)
-or off, and to word the client's connection failures; or the one given (LocalTransport in unit tests).
-New connections pass a handshake gate: at most a few in flight per bastion (clusterctl.transport.gate).
+or off, and to word the client's connection failures. New connections pass a handshake gate: at most a
+few in flight per bastion (clusterctl.transport.gate).
 
-The types below both transports (SshOptions, Result, LineSplitter, ...) live in clusterctl.transport.base
+The types below every transport (Host, SshOptions, Result, GroupResult, ...) live in clusterctl.transport
 and are re-exported here.
 """
 
@@ -24,10 +26,11 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from .errors import ClusterctlError, RemoteError
-from .plan import Host
-from .transport.base import (TIMED_OUT, UNREACHABLE, LineCallback, LineSplitter, Result, Running, SshOptions, Stdin,
-                             Transport, fingerprint, timed_out_reason, unreachable_result)
+from .errors import ClusterctlError
+from .transport import default
+from .transport.base import (TIMED_OUT, UNREACHABLE, GroupException, GroupResult, LineCallback, LineSplitter, Result,
+                             Running, SshOptions, Stdin, Transport, fingerprint, timed_out_reason, unreachable_result)
+from .transport.host import Host
 from .transport.gate import HandshakeGate
 from .transport.openssh import CIPHERS as _CIPHERS
 from .transport.openssh import KEX as _KEX
@@ -39,41 +42,33 @@ if TYPE_CHECKING:
 
     from .sshconn import ParamikoTransport
 
-__all__ = ["SshOptions", "Result", "Remote", "Launch", "LineSplitter", "fingerprint", "UNREACHABLE", "TIMED_OUT",
-           "LineCallback", "Stdin"]
+__all__ = ["Host", "SshOptions", "Result", "GroupResult", "GroupException", "Remote", "Launch", "LineSplitter",
+           "fingerprint", "UNREACHABLE", "TIMED_OUT", "LineCallback", "Stdin"]
 
 log = logging.getLogger(__name__)
 _timed_out = timed_out_reason  # the old private name
 _ = (_KEX, _CIPHERS)  # re-exported for benchmarks
 
 
-class _PopenTransport(ProcessTransport):
-    """Any object with popen(host, command) -> Popen, as a process transport."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def popen(self, host: Host, command: str):
-        """The wrapped object's popen."""
-        return self.obj.popen(host, command)
-
-
 class Remote:
     """Parallel SSH to a fixed set of hosts, with cached connections. Use as a context manager."""
 
-    def __init__(self, hosts: Sequence[Host], options: SshOptions, *, max_workers: int = 64, transport=None,
-                 gate: HandshakeGate | None = None):
+    def __init__(self, hosts: Sequence[Host], options: SshOptions, *, max_workers: int = 64,
+                 transport: Transport | None = None, gate: HandshakeGate | None = None):
         self.hosts = tuple(hosts)
         self.options = options
-        # transport: None = the OpenSSH client (or paramiko); else a Transport, or any object whose
-        # popen(host, command) starts the command as a local process with pipes (LocalTransport: unit tests)
+        # transport: the one given, else clusterctl.transport.default's, else (None) the OpenSSH client or paramiko
+        if transport is None:
+            transport = default.transport_for(self.hosts, options)
+        elif not isinstance(transport, Transport):
+            raise TypeError(f"transport must be a clusterctl.transport Transport, not {type(transport).__name__}")
         self.transport = transport
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(self.hosts) or 1)))
         self.gate = gate if gate is not None else HandshakeGate()  # new connections per bastion
         self._paramiko: ParamikoTransport | None = None
         if transport is not None:
-            self._given = transport if isinstance(transport, Transport) else _PopenTransport(transport)
-            self._ssh: ProcessTransport | None = self._given if isinstance(self._given, ProcessTransport) else None
+            self._given: Transport | None = transport
+            self._ssh: ProcessTransport | None = transport if isinstance(transport, ProcessTransport) else None
         else:
             self._given = None
             usable = options.host_key_policy != "off" and shutil.which("ssh") is not None
@@ -161,14 +156,14 @@ class Remote:
         on_line: LineCallback | None = None,
         check: bool = True,
         what: str = "command",
-    ) -> dict[Host, Result]:
+    ) -> GroupResult:
         """Run `command` (a shell line, or a function of the host) on every host in parallel.
 
-        Returns each host's Result. With check=True, raises one RemoteError naming every host that
-        failed to connect or exited non-zero (carrying every host's Result and typed error); with
-        check=False, unreachable hosts get exit code 255. Through the OpenSSH client and its kept
-        connections (see launch()), unless this session has paramiko connections open to these hosts
-        already (host_key_policy accept-new or off).
+        Returns each host's Result (a GroupResult). With check=True, raises one GroupException (a
+        RemoteError) naming every host that failed to connect or exited non-zero, carrying the GroupResult
+        (every host's Result and typed error); with check=False, unreachable hosts get exit code 255.
+        Through the OpenSSH client and its kept connections (see launch()), unless this session has
+        paramiko connections open to these hosts already (host_key_policy accept-new or off).
         """
         targets = tuple(hosts) if hosts is not None else self.hosts
         if callable(stdin):
@@ -178,11 +173,7 @@ class Remote:
             feed = lambda _host: chunks  # noqa: E731
         with self._launch(command, targets, self._for(targets)) as launched:
             done = launched.finish(dict.fromkeys(targets, feed), timeout=timeout, on_line=on_line)
-        failures = [res.failure() for res in done.values() if not res.ok]
-        if check and failures:
-            raise RemoteError(failures, {h: r for h, r in done.items() if r.ok}, what=what,
-                              failed={h: r for h, r in done.items() if not r.ok})
-        return done
+        return done.raise_if_failed(what) if check else done
 
     def launch(self, command: str | Callable[[Host], str], *, hosts: Sequence[Host]) -> "Launch":
         """Start `command` on `hosts` now and give it its stdin later (Launch.finish): the SSH handshake and
@@ -203,7 +194,7 @@ class Remote:
         stdin: Callable[[Host], Iterable[bytes]],
         timeout: float | None = None,
         what: str = "transfer",
-    ) -> dict[Host, Result]:
+    ) -> GroupResult:
         """Run `command` on each host feeding it a large stdin stream; exit codes as with run(check=False).
 
         Bulk data goes through the OpenSSH client (C crypto, one process per host, so every core works)
@@ -213,7 +204,7 @@ class Remote:
         if self._ssh is None:
             return self.run(command, hosts=hosts, stdin=stdin, timeout=timeout, check=False, what=what)
         futures = {h: self._pool.submit(self._push_one, h, command, stdin, timeout) for h in hosts}
-        return {h: f.result() for h, f in futures.items()}
+        return GroupResult((h, f.result()) for h, f in futures.items())
 
     def _push_one(self, host: Host, command: str, stdin, timeout) -> Result:
         start = time.monotonic()
@@ -254,7 +245,7 @@ class Launch:
         stdin: dict[Host, Callable[[Host], Iterable[bytes]]],
         timeout: float | None = None,
         on_line: LineCallback | None = None,
-    ) -> dict[Host, Result]:
+    ) -> GroupResult:
         """Feed each host in `stdin` its stream and wait for all (output lines to `on_line` as they come);
         a launched host not in `stdin` gets an empty stdin (the command must treat that as nothing to do).
         The Results of the hosts in `stdin`; exit codes as with Remote.run(check=False)."""
@@ -265,7 +256,7 @@ class Launch:
                 continue  # finished already, or never started (paramiko runs nothing until finished)
             feed = (lambda h=host: stdin[h](h)) if host in stdin else (lambda: ())
             futures[host] = self.remote._pool.submit(run.finish, feed, timeout, on_line if host in stdin else None)
-        return {h: f.result() for h, f in futures.items() if h in stdin}
+        return GroupResult((h, f.result()) for h, f in futures.items() if h in stdin)
 
     def close(self) -> None:
         """End the processes that were never finished (the caller gave up before sending anything)."""

@@ -6,9 +6,12 @@ prints the configuration it would use, without connecting), so every feature of 
 Include, wildcards, tokens — means exactly what it means to `ssh`. What the spec sets explicitly
 (user, port, proxy_jump) is passed on ssh's command line, where it wins over the config.
 
-Results are cached on disk, keyed by the question and by the size and mtime of every file the
-config can come from (the config files and their directories, for Include), so that commands after
-the first pay nothing; `ssh.config: none` needs no resolution at all.
+`ssh -G` is asked only for the names the config can change apart: the config's Host and Match lines are
+read once (clusterctl.sshconfigfile), names that meet the same ones form a class, and one name per class
+is asked (and one more, to check); names the reader cannot judge (`Match exec`, ...) are asked each.
+Results are cached on disk (privately: clusterctl.cache), keyed by the question and by the size and mtime
+of every file the config comes from (Include followed), so that commands after the first pay nothing;
+`ssh.config: none` needs no resolution at all.
 """
 
 from __future__ import annotations
@@ -21,17 +24,17 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 from .errors import ClusterctlError
 
-__all__ = ["Target", "Resolved", "resolve", "config_path", "ssh_g_argv", "parse_ssh_g", "SYSTEM_CONFIG", "USER_CONFIG"]
+__all__ = ["Target", "Resolved", "resolve", "resolve_each", "stamp_paths", "config_path", "ssh_g_argv", "parse_ssh_g",
+           "SYSTEM_CONFIG", "USER_CONFIG"]
 
 SYSTEM_CONFIG = "/etc/ssh/ssh_config"
 USER_CONFIG = "~/.ssh/config"
 _TIMEOUT = 10.0  # `ssh -G` reads files and, for `Match exec`, runs the user's commands: bounded
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,11 @@ def unresolved(target: Target) -> Resolved:
 
 def resolve(targets: Sequence[Target], config: str | None) -> list[Resolved]:
     """Resolve every target as `ssh` would under `config` (None: ssh's default config files, "none": no
-    file, else a path); raises ClusterctlError with one line when ssh rejects the config."""
+    file, else a path); raises ClusterctlError with one line when ssh rejects the config.
+
+    `ssh -G` runs only for the names the config can change apart (clusterctl.sshconfigfile): one name of
+    each class of names that meet the same Host/Match lines, one more to check, and each name the reader
+    cannot judge; the other names' answers are their class's, with their own host name."""
     if config is not None and config.lower() == "none":
         return [unresolved(t) for t in targets]
     if config is not None and not os.path.isfile(os.path.expanduser(config)):
@@ -127,15 +134,75 @@ def resolve(targets: Sequence[Target], config: str | None) -> list[Resolved]:
         return [unresolved(t) for t in targets]
     if shutil.which("ssh") is None:
         return _resolve_paramiko(targets, config, files)
-    cache = _Cache(config, files)
+    from .sshconfigfile import ConfigModel
+
+    model = ConfigModel(config)
+    cache = _Cache(config, stamp_paths(config, model))
     found = {t: cache.get(t) for t in targets}
     missing = [t for t, r in found.items() if r is None]
     if missing:
-        with ThreadPoolExecutor(max_workers=min(16, len(missing))) as pool:
-            for target, res in zip(missing, pool.map(lambda t: _ssh_g(config, t), missing), strict=True):
-                found[target] = res
-        cache.put({t: found[t] for t in missing})
+        got = _by_class(missing, config, model)
+        found.update(got)
+        cache.put(got)
     return [found[t] for t in targets]  # type: ignore[misc]
+
+
+def resolve_each(targets: Sequence[Target], config: str | None) -> list[Resolved]:
+    """Every target through its own `ssh -G`, no cache (what resolve() must equal; for tests, benchmarks)."""
+    got = _ask(list(dict.fromkeys(targets)), config)
+    return [got[t] for t in targets]
+
+
+def stamp_paths(config: str | None, model=None) -> list[str]:
+    """The files and directories whose size and mtime stand for the ssh config `config` (None: ssh's default
+    files): every file ssh reads or would read if it were there (Include followed), and the directories
+    an Include glob lists (a file appearing there changes them)."""
+    if model is None:
+        from .sshconfigfile import ConfigModel
+
+        model = ConfigModel(config)
+    tops = [os.path.expanduser(config)] if config is not None else [os.path.expanduser(USER_CONFIG), SYSTEM_CONFIG]
+    return sorted({*model.files, *model.dirs, *tops})
+
+
+def _ask(targets: list[Target], config: str | None) -> dict[Target, Resolved]:
+    """`ssh -G` for each target, 16 at a time."""
+    if not targets:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+        return dict(zip(targets, pool.map(lambda t: _ssh_g(config, t), targets), strict=True))
+
+
+def _by_class(targets: list[Target], config: str | None, model) -> dict[Target, Resolved]:
+    """Resolve `targets` asking ssh once per class of names (twice, to check) and per name the reader
+    cannot judge; a class whose check fails is asked name by name."""
+    classes: dict[tuple, list] = {}
+    single: list[Target] = []
+    for t in targets:
+        c = model.classify(t.address, t.user)
+        if c.dynamic is not None:
+            single.append(t)
+        else:
+            classes.setdefault((c.key, t.port), []).append((t, c))
+    asked = _ask(single + [m[0][0] for m in classes.values()] + [m[-1][0] for m in classes.values() if len(m) > 1],
+                 config)
+    out = {t: asked[t] for t in single}
+    again: list[Target] = []
+    for members in classes.values():
+        (first, first_class), (last, last_class) = members[0], members[-1]
+        rep = asked[first]
+        if rep.hostname != first_class.hostname or replace(rep, hostname=last_class.hostname) != asked[last]:
+            again += [t for t, _ in members[1:-1]]  # the model is wrong here: ask ssh for every name
+            out[first], out[last] = rep, asked[last]
+            continue
+        out.update((t, replace(rep, hostname=c.hostname)) for t, c in members)
+    out.update(_ask(again, config))
+    LAST.update(names=len(targets), classes=len(classes), asked=len(asked) + len(again), rechecked=len(again))
+    return out
+
+
+#: what the last resolution did (names, classes, `ssh -G` runs, names asked again after a failed check)
+LAST: dict[str, int] = {}
 
 
 def _ssh_g(config: str | None, target: Target) -> Resolved:
@@ -186,58 +253,66 @@ def _local_user() -> str:
 
 
 class _Cache:
-    """`ssh -G` answers on disk, valid while no file the config can come from has changed."""
+    """`ssh -G` answers on disk, valid while no file the config can come from has changed: in a private
+    directory (clusterctl.cache.private_dir), 0600, every entry checked field by field (anything else, and
+    a directory anyone else could write to, is a miss)."""
 
-    def __init__(self, config: str | None, files: list[str]):
-        from .cache import cache_dir
+    MAX_BYTES = 64 << 20
+
+    def __init__(self, config: str | None, paths: list[str]):
+        from .cache import private_dir, read_private
 
         stamp = [_CACHE_VERSION, config, os.environ.get("USER"), os.getuid()]
-        for f in files:
-            for p in [f, *_siblings(f)]:
-                try:
-                    st = os.stat(p)
-                    stamp.append((p, st.st_size, st.st_mtime_ns))
-                except OSError:
-                    stamp.append((p, None))
+        for p in paths:
+            try:
+                st = os.stat(p)
+                stamp.append((p, st.st_size, st.st_mtime_ns))
+            except OSError:
+                stamp.append((p, None))
         key = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:24]
-        self.path = cache_dir("sshg") / f"{key}.json"
-        try:
-            self.data: dict[str, dict] = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            self.data = {}
+        folder = private_dir("sshg")
+        self.path = None if folder is None else os.path.join(folder, f"{key}.json")
+        self.data: dict = {}
+        raw = None if self.path is None else read_private(self.path, self.MAX_BYTES)
+        if raw is not None:
+            try:
+                data = json.loads(raw)
+            except (ValueError, RecursionError):
+                data = None
+            self.data = data if isinstance(data, dict) else {}
 
     @staticmethod
     def _key(t: Target) -> str:
         return json.dumps([t.address, t.user, t.port])
 
     def get(self, t: Target) -> Resolved | None:
-        entry = self.data.get(self._key(t))
-        if not isinstance(entry, dict):
-            return None
-        try:
-            return Resolved(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()})
-        except TypeError:
-            return None
+        """The cached answer for `t`, or None (also for an entry that is not exactly one we write)."""
+        return _entry(self.data.get(self._key(t)))
 
     def put(self, found: dict[Target, Resolved]) -> None:
+        """Add `found` and write the file (0600); a cache that cannot be written is only slower."""
         from dataclasses import asdict
 
+        from .cache import write_private
+
+        if self.path is None:
+            return
         self.data.update({self._key(t): asdict(r) for t, r in found.items()})
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(self.data), encoding="utf-8")
-            os.replace(tmp, self.path)
-        except OSError:
-            tmp.unlink(missing_ok=True)  # a cache that cannot be written is only slower
+        write_private(self.path, json.dumps(self.data).encode())
 
 
-def _siblings(path: str) -> list[str]:
-    """Files beside a config file and in its `*.d` directory (where Include usually points)."""
-    out = []
-    p = Path(path)
-    for d in (p.parent, Path(str(p) + ".d")):
-        try:
-            out += sorted(str(e) for e in d.iterdir() if e.is_file() and not e.name.startswith("known_hosts"))
-        except OSError:
-            continue
-    return out
+_STRS = ("proxy_jump", "known_hosts", "identity_files")
+
+
+def _entry(entry) -> Resolved | None:
+    """A Resolved from a cache entry whose every field has the type and form we store; else None."""
+    if not isinstance(entry, dict) or set(entry) != {f for f in Resolved.__dataclass_fields__}:
+        return None
+    port, command = entry["port"], entry["proxy_command"]
+    if not (isinstance(entry["hostname"], str) and entry["hostname"] and isinstance(entry["user"], str)
+            and type(port) is int and 1 <= port <= 65535 and (command is None or isinstance(command, str))):
+        return None
+    if not all(isinstance(entry[k], list) and all(isinstance(x, str) for x in entry[k]) for k in _STRS):
+        return None
+    return Resolved(entry["hostname"], entry["user"], port, tuple(entry["proxy_jump"]), command,
+                    tuple(entry["known_hosts"]), tuple(entry["identity_files"]))

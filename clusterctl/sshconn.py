@@ -19,10 +19,10 @@ import paramiko
 from fabric import Config, Connection
 
 from .errors import CannotConnect, ClusterctlError
-from .plan import Host
 from .transport.base import (LineSplitter, Result, Running, SshOptions, Stdin, Transport, fingerprint,
                              timed_out_result, unreachable_result)
 from .transport.gate import HandshakeGate, gate_key
+from .transport.host import Host, split_jump
 
 log = logging.getLogger("clusterctl.remote")
 
@@ -35,7 +35,12 @@ class Timeout(Exception):
 
 
 class _HostKeyError(paramiko.SSHException):
-    """Raised inside paramiko's connect when a host key is not acceptable."""
+    """Raised inside paramiko's connect when a host key is not acceptable (`hostname` as paramiko names the
+    host: `name`, or `[name]:port` off port 22)."""
+
+    def __init__(self, message: str, hostname: str):
+        super().__init__(message)
+        self.hostname = hostname
 
 
 class _StrictPolicy(paramiko.MissingHostKeyPolicy):
@@ -45,7 +50,8 @@ class _StrictPolicy(paramiko.MissingHostKeyPolicy):
     def missing_host_key(self, client, hostname, key):
         raise _HostKeyError(
             f"unknown host key for {hostname} ({key.get_name()} {fingerprint(key)}); "
-            f"not in {self.known_hosts}. Verify it and add it (ssh-keyscan), or use host_key_policy: accept-new"
+            f"not in {self.known_hosts}. Verify it and add it (ssh-keyscan), or use host_key_policy: accept-new",
+            hostname,
         )
 
 
@@ -77,7 +83,7 @@ class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
                 seen = (recorded.lookup(hostname) or {}).get(key.get_name())
                 if seen is not None and seen != key:
                     raise _HostKeyError(f"host key for {hostname} changed while connecting: {self.known_hosts} now "
-                                        f"has {fingerprint(seen)}, the host sent {fingerprint(key)}")
+                                        f"has {fingerprint(seen)}, the host sent {fingerprint(key)}", hostname)
                 if seen is None:
                     fh.seek(0, os.SEEK_END)
                     fh.write(line)
@@ -133,11 +139,10 @@ def _gateway(chain: tuple[str, ...], opts: SshOptions) -> Connection | None:
     """The bastions as nested Fabric gateways (first hop first), each resolved through the ssh config and
     each checked under the same host-key policy and known_hosts as the nodes."""
     from .sshconfig import Target, resolve
-    from .spec import parse_jump
 
     gateway = None
     for hop in chain:
-        user, name, port = parse_jump(hop)
+        user, name, port = split_jump(hop)
         (r,) = resolve([Target(name, user, port)], opts.config)
         gateway = _connection(r.hostname, r.user, r.port, opts, gateway)
     return gateway
@@ -154,21 +159,39 @@ def open_connection(host: Host, opts: SshOptions) -> Connection:
         raise CannotConnect(host.label, str(exc)) from None
 
 
+def _via(host: Host) -> str:
+    return f" (through {', '.join(host.jump)})" if host.jump else ""
+
+
+def _key_refused(exc: Exception, opts: SshOptions) -> tuple[str, str] | None:
+    """(the name paramiko gave the host, one line) for a host key paramiko refused; None for other errors."""
+    if isinstance(exc, paramiko.BadHostKeyException):
+        name = getattr(exc, "hostname", None) or "?"
+        return name, (f"host key for {name} CHANGED: server offers {fingerprint(exc.key)}, "
+                      f"{opts.known_hosts or '~/.ssh/known_hosts'} has {fingerprint(exc.expected_key)}. "
+                      "Possible man-in-the-middle; if the host was reinstalled, remove the old key")
+    if isinstance(exc, _HostKeyError):
+        return exc.hostname, str(exc)
+    return None
+
+
+def _bare(name: str) -> str:
+    """`[name]:port` (how paramiko names a host off port 22) -> name."""
+    return name[1:].rsplit("]:", 1)[0] if name.startswith("[") and "]:" in name else name
+
+
 def _open_connection(host: Host, opts: SshOptions) -> Connection:
     timeout = opts.connect_timeout
     conn = _connection(host.connect_name, host.user, host.port, opts, _gateway(host.jump, opts))
-    via = f" (through {', '.join(host.jump)})" if host.jump else ""
+    via = _via(host)
     t0 = time.monotonic()
     try:
         conn.open()
-    except paramiko.BadHostKeyException as exc:
-        raise ClusterctlError(
-            f"host key for {getattr(exc, 'hostname', None) or host.label} CHANGED: server offers {fingerprint(exc.key)}, "
-            f"{opts.known_hosts or '~/.ssh/known_hosts'} has {fingerprint(exc.expected_key)}. "
-            "Possible man-in-the-middle; if the host was reinstalled, remove the old key"
-        ) from None
-    except _HostKeyError as exc:
-        raise ClusterctlError(str(exc)) from None
+    except (paramiko.BadHostKeyException, _HostKeyError) as exc:
+        name, line = _key_refused(exc, opts)
+        if host.jump and _bare(name) != host.connect_name:  # a bastion's key: named as such
+            raise ClusterctlError(f"cannot connect to {host.label}{via}: bastion {_bare(name)}: {line}") from None
+        raise ClusterctlError(f"cannot connect to {host.label}{via}: {line}" if host.jump else line) from None
     except paramiko.AuthenticationException as exc:
         raise ClusterctlError(
             f"authentication failed as {host.user}@{host.label} ({exc}); check ssh.identity_file or your ssh-agent"
@@ -183,6 +206,27 @@ def _open_connection(host: Host, opts: SshOptions) -> Connection:
     if opts.keepalive:
         conn.transport.set_keepalive(opts.keepalive)
     return conn
+
+
+def bastion_refusal(chain: tuple[str, ...], opts: SshOptions) -> str | None:
+    """Why the bastions of `chain` refuse us, as "bastion NAME: <reason>" (a host key unknown or changed,
+    with its fingerprints; a failed login), found by opening the chain with paramiko under the same
+    host-key policy; None when the chain opens (or fails in a way not worth naming here)."""
+    gateway = _gateway(chain, opts)
+    if gateway is None:
+        return None
+    try:
+        gateway.open()
+    except (paramiko.BadHostKeyException, _HostKeyError) as exc:
+        name, line = _key_refused(exc, opts)
+        return f"bastion {_bare(name)}: {line}"
+    except paramiko.AuthenticationException as exc:
+        return f"bastion {gateway.host}: authentication failed as {gateway.user}@{gateway.host} ({exc})"
+    except (OSError, paramiko.SSHException, EOFError):
+        return None
+    finally:
+        gateway.close()
+    return None
 
 
 def _send_all(chan, data: bytes, deadline: float | None) -> None:
@@ -274,6 +318,8 @@ class ParamikoTransport(Transport):
         self._locks: dict[Host, threading.Lock] = {h: threading.Lock() for h in hosts}
         self._locks_lock = threading.Lock()
         self._early: dict[Host, ClusterctlError] = {}  # from connect_soon(), reported once
+        self._chains: dict[tuple[str, ...], str | None] = {}  # bastion chain -> why it refuses us (explain)
+        self._chain_locks: dict[tuple[str, ...], threading.Lock] = {}
 
     def _lock(self, host: Host) -> threading.Lock:
         with self._locks_lock:
@@ -322,7 +368,16 @@ class ParamikoTransport(Transport):
 
     def explain(self, host: Host) -> str | None:
         """Why a connection to `host` fails, as paramiko words it (both fingerprints, the user); None if it
-        does not fail."""
+        does not fail. Behind bastions their chain is tried first, once per chain and session (64 hosts
+        behind one bastion whose key changed cost one attempt): a refusal there is the bastion's."""
+        if host.jump:
+            with self._locks_lock:
+                lock = self._chain_locks.setdefault(host.jump, threading.Lock())
+            with lock:
+                if host.jump not in self._chains:
+                    self._chains[host.jump] = bastion_refusal(host.jump, self.options)
+            if self._chains[host.jump] is not None:
+                return f"cannot connect to {host.label}{_via(host)}: {self._chains[host.jump]}"
         try:
             self.connection(host)
         except ClusterctlError as exc:

@@ -33,3 +33,13 @@ class Session:
     @spec.setter
     def spec(self, value: "ClusterSpec") -> None:
         self._spec = value
+
+    @property
+    def spec_path(self) -> str | None:
+        """The spec file the session was opened from (None when opened from a spec object)."""
+        return self._spec_path
+
+    @property
+    def spec_loaded(self) -> bool:
+        """Whether the spec models are loaded already (asking for `spec` then costs nothing)."""
+        return self._spec is not None

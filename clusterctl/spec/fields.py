@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..transport.host import split_jump
+
 __all__ = ["Port", "check_address", "check_user", "parse_jump"]
 
 
@@ -52,21 +54,11 @@ def check_user(value: str) -> str:
 
 def parse_jump(hop: str) -> tuple[str | None, str, int | None]:
     """`[user@]host[:port]` (IPv6 as `[addr]:port`) -> (user, host, port); ValueError when malformed."""
-    user, sep, rest = hop.rpartition("@")
+    user, sep, _ = hop.rpartition("@")
     if sep:
         check_user(user)
-    if rest.startswith("["):
-        host, close, tail = rest[1:].partition("]")
-        if not close or (tail and not tail.startswith(":")):
-            raise ValueError(f"cannot parse jump host {hop!r}: expected [user@]host[:port]")
-        port_text = tail[1:]
-    elif rest.count(":") == 1:
-        host, _, port_text = rest.partition(":")
-    else:
-        host, port_text = rest, ""
-    if port_text and not (port_text.isdigit() and 1 <= int(port_text) <= 65535):
-        raise ValueError(f"bad port in jump host {hop!r}: expected 1-65535")
-    return (user or None), check_address(host), (int(port_text) if port_text else None)
+    user, host, port = split_jump(hop)  # the form, parsed once for the spec and the transports
+    return user, check_address(host), port
 
 
 def _jump_chain(v: Any) -> Any:

@@ -1,6 +1,8 @@
 """What every transport shares, below all of them: the ssh options, one host's Result (which knows whether the
-host was reached, whether our deadline ended it, and how to read its JSON reply), the typed errors' use, and
-the small interface a transport implements (start one command on one host; finish it with a stdin).
+host was reached, whether our deadline ended it, and how to read its JSON reply), a fan-out's GroupResult
+and GroupException (Fabric's names: every host's Result, and the one error that carries them), the typed
+errors' use, and the small interface a transport implements (start one command on one host; finish it with
+a stdin). Nothing here imports the spec or the plan: `Host` is clusterctl.transport.host's.
 
 Transports: clusterctl.transport.openssh (the OpenSSH client, one process per host), clusterctl.sshconn
 (paramiko channels) and clusterctl.transport.local (a fake: each host a directory, a real `sh`).
@@ -18,10 +20,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..errors import CannotConnect, CommandFailed, HostError, HostFailure, RemoteError, TimedOut
-from ..plan import Host
+from .host import Host
 
-__all__ = ["SshOptions", "Result", "Transport", "Running", "LineSplitter", "fingerprint", "UNREACHABLE",
-           "TIMED_OUT", "timed_out_reason", "LineCallback", "Stdin"]
+__all__ = ["Host", "SshOptions", "Result", "GroupResult", "GroupException", "Transport", "Running", "LineSplitter",
+           "fingerprint", "UNREACHABLE", "TIMED_OUT", "timed_out_reason", "LineCallback", "Stdin"]
 
 UNREACHABLE = 255  # what `ssh` itself exits with when it cannot connect; used as the host's exit code
 TIMED_OUT = 124  # the exit code of a command our deadline ended (as timeout(1) exits)
@@ -150,6 +152,47 @@ class Result:
         if not self.stdout and (self.unreachable or self.timed_out):
             return HostFailure(self.host.label, self.command, None, self.stderr[-TAIL:], self.stderr)
         return HostFailure(self.host.label, self.command, self.exit_code, self.stderr[-TAIL:])
+
+
+class GroupResult(dict):
+    """Every host's Result of one fan-out, by Host (a dict, in the order the hosts were given), as Fabric's
+    GroupResult: `succeeded` and `failed` split it; `raise_if_failed` turns it into the one GroupException."""
+
+    @property
+    def succeeded(self) -> "GroupResult":
+        """The hosts whose command exited 0."""
+        return GroupResult((h, r) for h, r in self.items() if r.ok)
+
+    @property
+    def failed(self) -> "GroupResult":
+        """The hosts that were not reached, timed out, or exited non-zero."""
+        return GroupResult((h, r) for h, r in self.items() if not r.ok)
+
+    @property
+    def ok(self) -> bool:
+        """True when every host's command exited 0."""
+        return all(r.ok for r in self.values())
+
+    def failures(self) -> list[HostFailure]:
+        """Each failed host's outcome, as the error message shows it."""
+        return [r.failure() for r in self.values() if not r.ok]
+
+    def raise_if_failed(self, what: str = "command") -> "GroupResult":
+        """Raise GroupException (carrying this result) when a host failed; else return self."""
+        if not self.ok:
+            raise GroupException(self, what=what)
+        return self
+
+
+class GroupException(RemoteError):
+    """A fan-out in which one or more hosts failed, carrying its GroupResult (`result`), as Fabric's
+    GroupException. A RemoteError: `failures` (the message), `results` (the successes), `failed` (the
+    failures' Results), `outcomes` and `errors` (each failed host's typed error) read as there."""
+
+    def __init__(self, result: GroupResult, what: str = "command"):
+        self.result = result if isinstance(result, GroupResult) else GroupResult(result)
+        self.what = what
+        super().__init__(self.result.failures(), self.result.succeeded, what=what, failed=self.result.failed)
 
 
 def unreachable_result(host: Host, command: str, reason: str, seconds: float) -> Result:

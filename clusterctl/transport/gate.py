@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ..plan import Host
+from .host import Host
 
 __all__ = ["HandshakeGate", "HANDSHAKES_PER_BASTION", "HANDSHAKES_DIRECT", "gate_key"]
 

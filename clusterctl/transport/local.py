@@ -1,9 +1,11 @@
 """A local fake transport: each "host" is a directory on this machine and its commands run in a real `sh`.
 
 For unit tests of orchestration (job start/status/stop, provisioning, dispatch) without Docker or SSH:
-`Remote(hosts, options, transport=LocalTransport(tmp_path))`. Each host's commands start in its own
-home directory (root/<host address>), with HOME set to it, so the host tools are installed and the
-jobs run there, as they would on a remote machine. Never used against real hosts.
+`Remote(hosts, options, transport=LocalTransport(tmp_path))`, or for every session a test's commands open,
+clusterctl.transport.default. Each host's commands start in its own home directory (root/<host address>),
+with HOME set to it, so the host tools are installed and the jobs run there, as they would on a remote
+machine. A Transport like the OpenSSH one (a ProcessTransport: the same output collection, deadlines and
+exit codes); never used against real hosts.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import os
 import subprocess
 from pathlib import Path
 
-from ..plan import Host
+from .host import Host
+from .process import ProcessTransport
 
 __all__ = ["LocalTransport"]
 
 
-class LocalTransport:
+class LocalTransport(ProcessTransport):
     """Runs each host's commands as local `sh -c` processes in that host's own home directory."""
 
     def __init__(self, root: str | os.PathLike, env: dict[str, str] | None = None):

@@ -12,17 +12,13 @@ import hashlib
 import os
 import re
 import shlex
-import socket
 import stat
 import subprocess
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from pathlib import Path
 
-from ..plan import Host
+from .host import Host, split_jump
 from .base import SshOptions
 from .gate import HandshakeGate, gate_key
 from .process import ProcessTransport
@@ -76,11 +72,9 @@ def jump_command(chain: tuple[str, ...], opts: SshOptions, login_flag: str | Non
     bastion, itself reached through the ones before it. Tokens of inner levels are escaped (%%) once
     per level, since each ssh expands the ProxyCommand it runs. login_flag: a file the ssh to the first
     bastion touches once logged in there (from then on the connection no longer counts in its MaxStartups)."""
-    from ..spec import parse_jump
-
     command = ""
     for level, hop in enumerate(chain):
-        user, name, port = parse_jump(hop)
+        user, name, port = split_jump(hop)  # checked when it entered the plan; `--` below keeps it a name
         argv = ["ssh", *common_options(opts), "-o", "ServerAliveInterval=5", "-o", "ForwardAgent=no",
                 "-o", "ClearAllForwardings=yes"]
         argv += ["-o", f"ProxyCommand={command}"] if command else ["-o", "ProxyJump=none"]
@@ -146,7 +140,8 @@ def control_socket(host: Host, opts: SshOptions, control: str | None) -> str | N
     local host name, HostName, port and user); None without reuse."""
     if control is None or not opts.persist:
         return None
-    conn = hashlib.sha1(f"{socket.gethostname()}{host.connect_name.lower()}{host.port}{host.user}".encode()).hexdigest()
+    local = os.uname().nodename  # gethostname(), as ssh's %l (without importing socket)
+    conn = hashlib.sha1(f"{local}{host.connect_name.lower()}{host.port}{host.user}".encode()).hexdigest()
     return f"{control}/{_control_tag(host, opts)}-{conn}"
 
 
@@ -157,25 +152,24 @@ _CONTROL_FALLBACK = "/tmp/clusterctl-ssh-{uid}"  # where the cache directory's p
 def control_dir() -> str | None:
     """Where reusable connections' sockets live: a 0700 directory of ours, its path short enough for a
     socket (108 bytes); None (no reuse) where there is none."""
-    from ..cache import cache_root
+    from ..cache import cache_root_path
 
-    base = cache_root() / "ssh"
-    key = str(base)
-    if key not in _CONTROL_DIRS:
+    base = os.path.join(cache_root_path(), "ssh")
+    if base not in _CONTROL_DIRS:
         found = None
-        for d in (base, Path(_CONTROL_FALLBACK.format(uid=os.getuid()))):
-            if len(str(d)) > 36:  # + "/" + 12 + "-" + 40 (%C) + ssh's 17-byte temporary suffix < 108
+        for d in (base, _CONTROL_FALLBACK.format(uid=os.getuid())):
+            if len(d) > 36:  # + "/" + 12 + "-" + 40 (%C) + ssh's 17-byte temporary suffix < 108
                 continue
             try:
-                d.mkdir(mode=0o700, parents=True, exist_ok=True)
-                st = d.lstat()
+                os.makedirs(d, mode=0o700, exist_ok=True)
+                st = os.lstat(d)
                 if st.st_uid == os.getuid() and stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o077:
-                    found = str(d)
+                    found = d
                     break
             except OSError:
                 continue
-        _CONTROL_DIRS[key] = found
-    return _CONTROL_DIRS[key]
+        _CONTROL_DIRS[base] = found
+    return _CONTROL_DIRS[base]
 
 
 class OpenSshTransport(ProcessTransport):
@@ -203,21 +197,39 @@ class OpenSshTransport(ProcessTransport):
 
     def reuses(self, host: Host) -> bool:
         """Whether a kept connection to `host` is open now (its socket exists): no handshake to wait for."""
+        return self.kept(host) is not None
+
+    def kept(self, host: Host) -> str | None:
+        """The control socket of `host`'s kept connection when it exists now, else None."""
         path = control_socket(host, self.options, control_dir() if self.options.persist else None)
         try:
-            return path is not None and stat.S_ISSOCK(os.stat(path).st_mode)
+            return path if path is not None and stat.S_ISSOCK(os.stat(path).st_mode) else None
         except OSError:
-            return False
+            return None
 
     def spawn(self, host: Host, command: str, wait: bool = True) -> subprocess.Popen | None:
-        """Start ssh for `host`; a new connection first takes a slot of its bastion's gate (None when none
-        is free and wait is False) and gives it back once logged in, failed, or after connect_timeout."""
+        """Start `command` on `host`: over its kept connection without an `ssh` process when one is open
+        (clusterctl.transport.mux; None with wait=False: it is opened in the background, the caller goes
+        on), else with ssh, whose new connection first takes a slot of its bastion's gate (None when none is
+        free and wait is False) and gives it back once logged in, failed, or after connect_timeout."""
+        kept = self.kept(host)
+        if kept is not None:
+            if not wait:
+                return None
+            from .mux import open_session
+
+            # a master whose host froze goes away after a third of connect_timeout (its keepalives): then
+            # ssh makes a new connection; one that is only slow gets the whole connect_timeout to open
+            proc = open_session(kept, command, forward_agent=self.options.forward_agent,
+                                timeout=max(1.0, self.options.connect_timeout))
+            if proc is not None:
+                return proc
         if self.gate is None or self.reuses(host):
             return self.popen(host, command)
         key = gate_key(host)
         if not self.gate.acquire(key, blocking=wait):
             return None
-        flag = os.path.join(self._flag_dir(), uuid.uuid4().hex)
+        flag = os.path.join(self._flag_dir(), os.urandom(16).hex())
         try:
             proc = self._popen(self.argv(host, command, login_flag=flag))
         except OSError:
@@ -244,6 +256,8 @@ class OpenSshTransport(ProcessTransport):
     def _flag_dir(self) -> str:
         """A private directory for login flags: the control directory, else a 0700 temporary one."""
         if self._flags is None:
+            import tempfile
+
             self._flags = control_dir() or tempfile.mkdtemp(prefix="clusterctl-login-")
         return self._flags
 
@@ -262,17 +276,27 @@ class OpenSshTransport(ProcessTransport):
 
 def ssh_failure(host: Host, stderr: str, options: SshOptions, explain: Callable[[Host], str | None] | None = None) -> str:
     """One line for the OpenSSH client's own failure (exit 255), worded as our connections word it;
-    behind bastions, the hop that failed is named."""
+    behind bastions, the hop that failed is named. A host key OpenSSH refuses without its fingerprint (an
+    unknown key), and a bastion that closed the connection before the login (under ControlPersist, OpenSSH
+    sends the bastion hop's own words to /dev/null), are explained by `explain` (a paramiko attempt under
+    the same policy: the key's type and fingerprint, both fingerprints of a changed key, the bastion named)."""
     said = [line.strip() for line in stderr.splitlines() if line.strip()]
     text = "\n".join(said)
+    via = f" (through {', '.join(host.jump)})" if host.jump else ""
     changed = _changed_key(text, options)
     if changed:
+        name = re.search(r"Host key for (\S+) has changed", text).group(1)
+        if host.jump and name != host.connect_name:
+            return f"cannot connect to {host.label}{via}: bastion {name}: {changed}"
         return changed
-    via = f" (through {', '.join(host.jump)})" if host.jump else ""
     unknown = re.search(r"No (\S+) host key is known for (\S+) and", text)
     if unknown and (host.jump or unknown.group(2) != host.connect_name):
+        precise = explain(host) if explain is not None else None  # with the key's fingerprint
+        if precise:
+            return precise
+        bastion = f"bastion {unknown.group(2)}: " if host.jump and unknown.group(2) != host.connect_name else ""
         known = options.known_hosts or "your known_hosts"
-        return (f"cannot connect to {host.label}{via}: unknown host key for {unknown.group(2)} "
+        return (f"cannot connect to {host.label}{via}: {bastion}unknown host key for {unknown.group(2)} "
                 f"({unknown.group(1).lower()}); not in {known}. Verify it and add it (ssh-keyscan), "
                 "or use host_key_policy: accept-new")
     hop = re.search(r"connect to host (\S+) port (\d+): (.+)", text)
@@ -290,11 +314,14 @@ def ssh_failure(host: Host, stderr: str, options: SshOptions, explain: Callable[
     for reason in ("Connection refused", "No route to host", "Network is unreachable"):
         if reason in text:
             return f"cannot connect to {host.label}{via}: {reason}"
-    if not host.jump and explain is not None and ("Host key verification failed" in text or "Permission denied" in text):
+    if explain is not None and ("Host key verification failed" in text or "Permission denied" in text):
         precise = explain(host)  # paramiko words it precisely: both fingerprints, the known_hosts file, the user
         if precise:
             return precise
     if host.jump and ("Connection closed" in text or "kex_exchange_identification" in text):
+        precise = explain(host) if explain is not None else None  # a bastion's key, or login, refused?
+        if precise:
+            return precise
         return f"cannot connect to {host.label}{via}: the bastion closed the connection ({said[-1]})"
     return f"connection to {host.label}{via} lost: {said[-1] if said else 'ssh exited 255'}"
 

@@ -3,13 +3,13 @@ feeding its stdin, collecting its output, its deadline, and trying again a conne
 
 from __future__ import annotations
 
-import random
+import os
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
 
-from ..plan import Host
+from .host import Host
 from .base import (UNREACHABLE, LineCallback, LineSplitter, Result, Running, Transport, timed_out_result,
                    unreachable_result)
 
@@ -75,9 +75,9 @@ class ProcessRun(Running):
         with self._lock:
             self.proc = proc
             killed = self._killed
-        self._ready.set()
-        if killed:
+        if killed:  # ended before anyone waiting on _ready looks at it
             _end(proc)
+        self._ready.set()
 
     def finish(self, feed: Callable[[], Iterable[bytes]], timeout: float | None,
                on_line: LineCallback | None) -> Result:
@@ -103,7 +103,7 @@ class ProcessRun(Running):
                 if held is not None:
                     held.release()
                 break
-            time.sleep(random.uniform(0.1, 0.3) * 2 ** min(attempt, 3))
+            time.sleep((0.1 + 0.2 * os.urandom(1)[0] / 255) * 2 ** min(attempt, 3))  # jittered, no `random` import
             proc = self.proc = self.transport.spawn(host, command, wait=True)
         if code == UNREACHABLE and not out:
             return unreachable_result(host, command, self.transport.failure_reason(host, err), time.monotonic() - start)

@@ -64,13 +64,102 @@ def test_unknown_host_key_fails_without_prompting(testcluster, tmp_path):
     res = clusterctl("exec", spec, "--", "true", timeout=30)
     ip = testcluster.nodes[0].ip
     assert res.returncode == 255
-    if testcluster.bastion:  # through the bastion OpenSSH names the key type, not its fingerprint
-        assert (f"cannot connect to {ip}{via(testcluster)}: unknown host key for {ip} (ed25519); "
-                f"not in {tmp_path / 'empty_known_hosts'}") in res.stderr, res.stderr
+    if testcluster.bastion:  # through the bastion OpenSSH names the key type only: paramiko adds its fingerprint
+        assert f"cannot connect to {ip}{via(testcluster)}: unknown host key for {ip} (ssh-ed25519 SHA256:" in res.stderr, res.stderr
+        assert f"); not in {tmp_path / 'empty_known_hosts'}. Verify it" in res.stderr
     else:
         assert f"unknown host key for {ip} (ssh-ed25519 SHA256:" in res.stderr
     assert time.monotonic() - t0 < 15
     assert (tmp_path / "empty_known_hosts").read_text() == bastion_pins(testcluster)  # strict records nothing
+
+
+def _fingerprint(b64: str) -> str:
+    import base64
+    import hashlib
+
+    return "SHA256:" + base64.b64encode(hashlib.sha256(base64.b64decode(b64)).digest()).decode().rstrip("=")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("persist", [60, 0])  # 60: kept connections, whose bastion hop's own words ssh discards
+@pytest.mark.parametrize("case", ["unknown", "changed"])
+def test_an_unknown_or_changed_bastion_key_is_named_with_its_fingerprint(testcluster, tmp_path, case, persist):
+    """Issue 21 part 7: under `strict`, a bastion whose key is not the one on record is named as the bastion,
+    with the key's fingerprint (and the recorded one's, when it changed), as a node's is; nothing recorded."""
+    if not testcluster.bastion:
+        pytest.skip("the session cluster has no bastion")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    b = testcluster.bastion.ip
+    pins = bastion_pins(testcluster).split()
+    assert pins[:2] == [b, "ssh-ed25519"]
+    real = _fingerprint(pins[2])
+    nodes_only = "".join(ln for ln in testcluster.known_hosts_path.read_text().splitlines(keepends=True)
+                         if ln.split(maxsplit=1)[0] not in (b, f"[{b}]:22"))
+    kh = tmp_path / "known_hosts"
+    if case == "unknown":
+        kh.write_text(nodes_only)
+    else:
+        impostor = Ed25519PrivateKey.generate().public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+        kh.write_text(nodes_only + f"{b} {impostor}\n")
+    before = kh.read_text()
+    spec = write_spec(testcluster, tmp_path / "c.yaml", name=f"bkey-{case}-{persist}", hosts=2,
+                      ssh={"known_hosts": str(kh), "persist": persist}, job={"entrypoint": ["true"]})
+    t0 = time.monotonic()
+    res = clusterctl("exec", spec, "--", "true", timeout=60)
+    assert res.returncode == 255
+    if case == "unknown":
+        why = (f"bastion {b}: unknown host key for {b} (ssh-ed25519 {real}); not in {kh}. Verify it and add it "
+               "(ssh-keyscan), or use host_key_policy: accept-new")
+    else:
+        why = (f"bastion {b}: host key for {b} CHANGED: server offers {real}, {kh} has "
+               f"{_fingerprint(impostor.split()[1])}. Possible man-in-the-middle; if the host was reinstalled, "
+               "remove the old key")
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("clusterctl: error:")]
+    assert errors == [f"clusterctl: error: cannot connect to {n.ip}{via(testcluster)}: {why}"
+                      for n in testcluster.nodes[:2]], res.stderr
+    assert "closed the connection" not in res.stderr
+    assert kh.read_text() == before  # strict records nothing
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.timeout(120)
+def test_commands_over_a_kept_connection_start_no_ssh_process(testcluster, tmp_path, monkeypatch):
+    """Issue 23 part 4: over a kept connection a command is a session asked of the master on its control
+    socket (clusterctl.transport.mux), not an `ssh` process; what the hosts see and send back is the same
+    as through `ssh` (output, stderr, exit code, a large stdin, the environment SendEnv passes)."""
+    import subprocess
+
+    monkeypatch.setenv("LANG", "C.UTF-8")  # the system ssh_config's SendEnv LANG, on both paths
+    script = 'echo "$LANG|$(hostname)"; wc -c; echo to-stderr >&2; exit 3'
+    payload = b"x" * 3_000_000
+    plain = write_spec(testcluster, tmp_path / "p.yaml", name="mux-plain", hosts=2, ssh={"persist": 0},
+                       job={"entrypoint": ["true"]})
+    kept = write_spec(testcluster, tmp_path / "k.yaml", name="mux-kept", hosts=2, ssh={"persist": 60},
+                      job={"entrypoint": ["true"]})
+    with open_session(str(plain)) as session:
+        want = session.remote.run(script, stdin=payload, check=False, timeout=60)
+    with open_session(str(kept)) as session:
+        session.remote.run("true", timeout=60)  # the first command makes the kept connections
+    started = []
+    real = subprocess.Popen.__init__
+
+    def spy(self, args, *a, **kw):
+        started.append(list(args) if isinstance(args, (list, tuple)) else args)
+        return real(self, args, *a, **kw)
+
+    with open_session(str(kept)) as session:
+        monkeypatch.setattr(subprocess.Popen, "__init__", spy)
+        got = session.remote.run(script, stdin=payload, check=False, timeout=60)
+        late = session.remote.run("sleep 30", check=False, timeout=2)
+        monkeypatch.undo()
+    assert started == []  # no ssh (nor anything else) was started for these commands
+    assert [(r.exit_code, r.stdout, r.stderr) for r in got.values()] == [
+        (r.exit_code, r.stdout, r.stderr) for r in want.values()]
+    assert [r.exit_code for r in got.values()] == [3, 3] and all("3000000" in r.stdout for r in got.values())
+    assert [(r.exit_code, r.timed_out) for r in late.values()] == [(124, True)] * 2
 
 
 @pytest.mark.timeout(60)

@@ -3,7 +3,9 @@
 `FakeCluster` writes a spec (hosts n0, n1, ... with `ssh.config: none`, train addresses 127.0.0.1,
 127.0.0.2, ... so that the jobs' endpoints are reachable here, free ports), a workspace, and opens
 `Session`s over `Remote(..., transport=LocalTransport(root))` (clusterctl/transport/local.py): the real
-operations, the real host tools (agent, hostws) and real processes, without SSH or Docker.
+operations, the real host tools (agent, hostws) and real processes, without SSH or Docker. `everywhere`
+sends every session the test's commands open (the CLI front ends, the backends) to the same fake hosts,
+through the supported seam for it, clusterctl.transport.default.
 Fake executables (`apt-get`, `sbatch`, ...) go into `bin`, first on every fake host's PATH.
 """
 
@@ -23,7 +25,9 @@ import yaml
 from clusterctl.ops import Session, plan_for
 from clusterctl.remote import Remote, SshOptions
 from clusterctl.spec import load_spec
+from clusterctl.transport import default
 from clusterctl.transport.local import LocalTransport
+from clusterctl.transport.process import ProcessTransport
 from helpers import free_port_base, job_pids  # noqa: F401  (re-exported for the fake-host tests)
 
 __all__ = ["FakeCluster", "FaultyTransport", "refused", "free_port_base", "fake_exe", "wait_until", "job_pids"]
@@ -117,15 +121,12 @@ class FakeCluster:
             yield Session(spec, plan, remote)
 
     def everywhere(self, monkeypatch, transport=None) -> "FakeCluster":
-        """Make every Remote opened during the test (by the CLI front ends, ops.slurm) go to the fake hosts,
-        and keep the controller's caches (plan cache, provisioning logs) in the test's directory."""
+        """Make every session opened during the test that names no transport (the CLI front ends, the
+        backends, ops.slurm) go to the fake hosts, through clusterctl.transport.default's factory (set for
+        this test only), and keep the controller's caches (plan cache, provisioning logs) in the test's
+        directory."""
         fake = transport or self.transport
-        original = Remote.__init__
-
-        def init(remote, hosts, options, *args, transport=None, **kw):
-            original(remote, hosts, options, *args, transport=transport or fake, **kw)
-
-        monkeypatch.setattr(Remote, "__init__", init)
+        monkeypatch.setattr(default, "factory", lambda hosts, options: fake)
         monkeypatch.setenv("XDG_CACHE_HOME", str(self.tmp / "cache"))
         return self
 
@@ -137,7 +138,7 @@ def refused(host: str) -> str:
     return rf"(cannot connect to {host}|connection to {host} lost: ssh: connect to host {host} port 22): Connection refused"
 
 
-class FaultyTransport:
+class FaultyTransport(ProcessTransport):
     """A LocalTransport whose `down` hosts answer as an unreachable host does over ssh (exit 255, ssh's own
     message), and whose `hung` hosts never answer: their command takes its stdin, as the ssh client does
     (its channel window holds far more than a control command sends), then sleeps."""

@@ -1,26 +1,17 @@
-"""`clusterctl exec`'s own options: before the spec, or after it up to `--`; the command after `--` untouched."""
+"""`clusterctl exec`'s own options: before the spec, or after it up to `--`; the command after `--` untouched.
+The command runs on two fake hosts (tests/unit/fakehosts.py), reached through the transport seam."""
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import pytest
 
 from clusterctl import cli
-from clusterctl.plan import Host
-from clusterctl.remote import Remote, SshOptions
-from clusterctl.transport.local import LocalTransport
-
-
-class _Session:
-    def __init__(self, remote):
-        self.remote, self.plan = remote, type("P", (), {"hosts": remote.hosts})()
+from fakehosts import FakeCluster
 
 
 @pytest.fixture
 def seen(tmp_path, monkeypatch):
-    """Runs exec against two local fake hosts; records the timeout each command got."""
-    import clusterctl.backends
+    """Runs exec against two local fake hosts; records the timeout and argv each command got."""
     import clusterctl.ops.execute as execute
 
     got = {}
@@ -30,28 +21,29 @@ def seen(tmp_path, monkeypatch):
         got["timeout"], got["argv"] = timeout, list(argv)
         return real(remote, argv, on_line=on_line, timeout=timeout)
 
-    @contextmanager
-    def fake_session(spec):
-        hosts = [Host("n0", 22, "u", 0), Host("n1", 22, "u", 1)]
-        with Remote(hosts, SshOptions(), transport=LocalTransport(tmp_path)) as remote:
-            yield _Session(remote)
-
     monkeypatch.setattr(execute, "execute", spy)
-    monkeypatch.setattr(clusterctl.backends, "ssh_session", fake_session)
+    got["spec"] = str(FakeCluster(tmp_path).everywhere(monkeypatch).spec_path)
     return got
+
+
+def _args(args, spec):
+    return [spec if a == "s.yaml" else a for a in args]
 
 
 @pytest.mark.parametrize("args", [["--timeout", "7", "s.yaml", "--", "echo", "--timeout", "3"],
                                   ["s.yaml", "--timeout", "7", "--", "echo", "--timeout", "3"],
                                   ["s.yaml", "--timeout=7", "--", "echo", "--timeout", "3"]])
 def test_timeout_before_or_after_the_spec_is_execs_own(seen, args, capsys):
-    assert cli.main(["exec", *args]) == 0
+    spec = seen.pop("spec")
+    assert cli.main(["exec", *_args(args, spec)]) == 0
     assert seen == {"timeout": 7.0, "argv": ["echo", "--timeout", "3"]}
-    assert "--timeout 3" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out) == ["[n0] --timeout 3", "[n1] --timeout 3"], out
 
 
 def test_an_unknown_option_before_the_command_is_one_line(seen, capsys):
-    assert cli.main(["exec", "s.yaml", "--tiemout", "7", "--", "true"]) == 2
+    spec = seen.pop("spec")
+    assert cli.main(["exec", spec, "--tiemout", "7", "--", "true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tiemout" in err[0] and "before --" in err[0], err
     assert seen == {}

@@ -141,3 +141,68 @@ def test_a_workspace_that_is_not_a_directory_is_a_clear_error(tmp_path):
     shutil.rmtree(c.local)
     with c.session() as s, pytest.raises(JobError, match=r"workspace.local .*/ws is not a directory"):
         dispatch(s)
+
+
+def test_dispatch_on_a_cached_plan_loads_no_spec(tmp_path, monkeypatch):
+    """`clusterctl dispatch` on a plan from the cache takes the workspace, its excludes and the data shards'
+    directory from the cache entry: the spec models are never loaded (issue 23 part 4), and the hosts get
+    exactly what a dispatch from the loaded spec gives them."""
+    import time
+
+    from clusterctl.ops import open_session
+
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n", "skip.pyc": "compiled", "d/a.txt": "a\n"},
+                    extra={"data": {"local": "shards", "pattern": "*.bin", "remote": "in"}})
+    (tmp_path / "shards").mkdir()
+    for i in range(4):
+        (tmp_path / "shards" / f"s{i}.bin").write_bytes(bytes([i]) * 10)
+    old = time.time() - 60
+    for p in (c.spec_path, tmp_path / "shards", *(tmp_path / "shards").iterdir()):
+        os.utime(p, (old, old))  # the plan cache keeps nothing made from files changed as it planned
+    c.everywhere(monkeypatch)
+    with open_session(str(c.spec_path)) as miss:
+        assert miss.spec_loaded  # planned from the spec: the entry is written
+    with open_session(str(c.spec_path)) as s:
+        assert not s.spec_loaded
+        results = dispatch(s)
+        assert not s.spec_loaded  # the workspace and data directories came from the entry
+    assert sent(results) == {"n0": (4, 0), "n1": (4, 0)}  # train.py, d/a.txt and two shards each (skip.pyc excluded)
+    for i in range(2):
+        got = tree(c.workspace(i))
+        assert sorted(got) == ["d/a.txt", f"in/s{i}.bin", f"in/s{i + 2}.bin", "train.py"]
+        assert got[f"in/s{i}.bin"] == bytes([i]) * 10
+
+
+def test_records_are_private_and_ones_readable_by_others_are_not_used(tmp_path, monkeypatch):
+    """The controller's records of what each host has (and the hash cache) are 0600 files in private
+    directories; a record or manifest others could have written is not trusted (the host is asked), and is
+    written again privately."""
+    import stat
+
+    from clusterctl.ops.dispatch import records as drecords
+    from clusterctl.ops.dispatch import scan as dscan
+
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setattr(drecords, "RECORDS_DIR", cache / "dispatched")
+    monkeypatch.setattr(dscan, "HASH_CACHE_DIR", cache / "hashes")
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n"})
+    with c.session() as s:
+        dispatch(s)
+        files = [p for p in cache.rglob("*") if p.is_file()]
+        assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+        assert all(drecords.Records(s.plan.workdir).load(h) is not None for h in s.plan.hosts)
+        for p in files:
+            p.chmod(0o644)  # as an older version left them, or someone else wrote them
+        assert all(drecords.Records(s.plan.workdir).load(h) is None for h in s.plan.hosts)
+        c.write("train.py", "print(2)\n")
+        assert sent(dispatch(s)) == {"n0": (1, 0), "n1": (1, 0)}  # the hosts were asked, then updated
+        left = [p for p in cache.rglob("*") if p.is_file() and stat.S_IMODE(p.stat().st_mode) != 0o600]
+        assert left == [p for p in files if p.parent.name == "manifests"]  # only the old generation's manifest
+        assert all(drecords.Records(s.plan.workdir).load(h) is not None for h in s.plan.hosts)
+        c.write("train.py", "print(1)\n")  # back to the first content: its manifest (left 0644) is used again
+        dispatch(s)
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in cache.rglob("*") if p.is_file())
+        assert all(drecords.Records(s.plan.workdir).load(h) is not None for h in s.plan.hosts)
+        (cache / "dispatched").chmod(0o777)  # a directory others may write to: not used at all
+        assert all(drecords.Records(s.plan.workdir).load(h) is None for h in s.plan.hosts)

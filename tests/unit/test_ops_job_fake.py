@@ -13,6 +13,7 @@ import pytest
 from clusterctl.errors import JobError, RemoteError
 from clusterctl.ops.dispatch import dispatch
 from clusterctl.ops.job import job_files, logs, start, status, stop
+from clusterctl.transport.local import LocalTransport
 from clusterctl.ops.lifecycle_cli import render_status
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -74,15 +75,16 @@ def test_a_job_runs_to_success_and_its_logs_and_files_are_on_each_host(tmp_path)
     assert not (c.workspace(0) / "ran-1-0").exists()
 
 
-class Counting:
+class Counting(LocalTransport):
     """The fake transport, counting the commands each host is sent."""
 
-    def __init__(self, inner):
-        self.inner, self.sent = inner, {}
+    def __init__(self, inner: LocalTransport):
+        super().__init__(inner.root, env=inner.env)
+        self.sent: dict[str, int] = {}
 
     def popen(self, host, command):
         self.sent[host.address] = self.sent.get(host.address, 0) + 1
-        return self.inner.popen(host, command)
+        return super().popen(host, command)
 
 
 def test_start_is_one_round_trip_per_host_and_says_why_a_host_refused(tmp_path):

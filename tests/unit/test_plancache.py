@@ -64,7 +64,7 @@ def project(tmp_path, monkeypatch):
 def test_hit_is_exactly_the_plan_a_miss_gives(project):
     spec, plan, options = load_plan("cluster.yaml")
     assert spec is not None  # a miss: loaded and validated
-    assert plancache.entry_path("cluster.yaml").exists()
+    assert Path(plancache.entry_path("cluster.yaml")).exists()
     spec2, plan2, options2 = load_plan("cluster.yaml")
     assert spec2 is None  # a hit: no spec loaded
     assert isinstance(plan2, JobPlan)
@@ -78,7 +78,7 @@ def test_hit_is_exactly_the_plan_a_miss_gives(project):
 
 def test_entry_is_private_and_atomic(project):
     load_plan("cluster.yaml")
-    path = plancache.entry_path("cluster.yaml")
+    path = Path(plancache.entry_path("cluster.yaml"))
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
@@ -115,7 +115,7 @@ def test_a_changed_input_is_a_miss(project, change, monkeypatch):
 def test_a_file_changed_while_planning_is_not_kept(project):
     (project / "hosts.txt").write_text("10.0.0.1 slots=2\n10.0.0.2 slots=2\n")  # mtime: now
     assert load_plan("cluster.yaml")[0] is not None
-    assert not plancache.entry_path("cluster.yaml").exists()
+    assert not Path(plancache.entry_path("cluster.yaml")).exists()
     assert load_plan("cluster.yaml")[0] is not None  # still a miss
 
 
@@ -125,7 +125,7 @@ def test_a_file_changed_while_planning_is_not_kept(project):
 ])
 def test_a_garbled_entry_is_a_miss(project, garble):
     _, plan, _ = load_plan("cluster.yaml")
-    plancache.entry_path("cluster.yaml").write_bytes(garble)
+    Path(plancache.entry_path("cluster.yaml")).write_bytes(garble)
     spec, again, _ = load_plan("cluster.yaml")
     assert spec is not None and again == plan
     assert load_plan("cluster.yaml")[0] is None  # and the miss wrote a good entry again
@@ -134,7 +134,7 @@ def test_a_garbled_entry_is_a_miss(project, garble):
 def test_a_tampered_entry_is_a_miss(project):
     """Valid JSON of the right shape, wrong content: a class not in the plan, a field that is not one."""
     load_plan("cluster.yaml")
-    path = plancache.entry_path("cluster.yaml")
+    path = Path(plancache.entry_path("cluster.yaml"))
     good = path.read_text()
     for bad in (good.replace('"c":"Host"', '"c":"Popen"'), good.replace('"c":"Host","f":{', '"c":"Host","f":{"evil":1,'),
                 good.replace('"h":0', '"h":99')):
@@ -227,8 +227,8 @@ def test_long_strings_are_stored_once_and_huge_plans_not_at_all(project, monkeyp
     _, plan, _ = load_plan("cluster.yaml")
     endpoints = plan.trainers[0].env["PADDLE_TRAINER_ENDPOINTS"]
     assert len(endpoints) >= plancache._LONG
-    assert plancache.entry_path("cluster.yaml").read_text().count(endpoints) == 1
-    plancache.entry_path("cluster.yaml").unlink()
+    assert Path(plancache.entry_path("cluster.yaml")).read_text().count(endpoints) == 1
+    Path(plancache.entry_path("cluster.yaml")).unlink()
     monkeypatch.setattr(plancache, "_MAX_PROCESSES", len(plan.processes) - 1)
     assert load_plan("cluster.yaml")[0] is not None
-    assert not plancache.entry_path("cluster.yaml").exists()
+    assert not Path(plancache.entry_path("cluster.yaml")).exists()

@@ -149,6 +149,50 @@ def test_ssh_failures_read_as_one_line_naming_the_host():
         assert said(host, "") == "connection to 10.0.0.7 lost: ssh exited 255"
 
 
+CHANGED_BASTION = """\
+@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@\r
+@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\r
+The fingerprint for the ED25519 key sent by the remote host is
+SHA256:sD2X9lyMFv/bTF5c+G6LLgMiqzLmA4j5S2HawtDYguc.\r
+Host key for 10.9.0.1 has changed and you have requested strict checking.\r
+Host key verification failed.\r
+kex_exchange_identification: Connection closed by remote host\r
+Connection closed by UNKNOWN port 65535\r
+"""
+
+
+def test_a_bastions_key_is_named_as_the_bastions_with_its_fingerprint():
+    """Through a bastion: a changed key (OpenSSH prints its fingerprint) names the bastion; an unknown key
+    (OpenSSH names only its type) and a bare "connection closed" (ControlPersist discards the bastion hop's
+    stderr) ask `explain` (paramiko, the same policy) for the precise line; without one, what ssh said."""
+    from clusterctl.transport.openssh import ssh_failure
+
+    host = Host("10.0.1.5", 22, "u", 0, jump=("ops@10.9.0.1",))
+    opts = SshOptions(known_hosts="/kh")
+    asked = []
+
+    def explain(h):
+        asked.append(h)
+        return "cannot connect to 10.0.1.5 (through ops@10.9.0.1): bastion 10.9.0.1: unknown host key for 10.9.0.1 (x)"
+
+    assert ssh_failure(host, CHANGED_BASTION, opts, explain) == (
+        "cannot connect to 10.0.1.5 (through ops@10.9.0.1): bastion 10.9.0.1: host key for 10.9.0.1 CHANGED: server "
+        "offers SHA256:sD2X9lyMFv/bTF5c+G6LLgMiqzLmA4j5S2HawtDYguc, /kh has another key. Possible man-in-the-middle; "
+        "if the host was reinstalled, remove the old key")
+    assert asked == []  # both fingerprints were in ssh's own words (the recorded one read back when it can be)
+    unknown = "No ED25519 host key is known for 10.9.0.1 and you have requested strict checking.\r\nHost key verification failed.\r\n"
+    closed = "kex_exchange_identification: Connection closed by remote host\r\nConnection closed by UNKNOWN port 65535\r\n"
+    for stderr in (unknown, closed):
+        assert ssh_failure(host, stderr, opts, explain) == explain(host)
+    assert asked == [host] * 4
+    assert ssh_failure(host, unknown, opts, lambda h: None) == (
+        "cannot connect to 10.0.1.5 (through ops@10.9.0.1): bastion 10.9.0.1: unknown host key for 10.9.0.1 (ed25519); "
+        "not in /kh. Verify it and add it (ssh-keyscan), or use host_key_policy: accept-new")
+    assert ssh_failure(host, closed, opts, lambda h: None) == (
+        "cannot connect to 10.0.1.5 (through ops@10.9.0.1): the bastion closed the connection "
+        "(Connection closed by UNKNOWN port 65535)")
+
+
 @pytest.mark.parametrize("stderr, retried", [
     ("kex_exchange_identification: read: Connection reset by peer\r\nConnection reset by 10.0.0.7 port 22", True),
     ("kex_exchange_identification: Connection closed by remote host\nConnection closed by UNKNOWN port 65535", True),

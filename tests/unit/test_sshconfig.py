@@ -162,3 +162,149 @@ def test_ipv6_addresses_and_bracketed_jumps_are_fine(tmp_path):
     plan = plan_for(spec)
     assert [p.endpoint for p in plan.processes] == ["[fd00::2]:6180", "[fd00::3]:6180"]
     assert plan.hosts[0].jump == ("ops@[fd00::1]:2222",)
+
+
+# ------------------------------------------------------------------ one `ssh -G` per class of names, not per name
+
+VARIED = """\
+# a varied config: wildcards, negations, Include (glob), Match host/originalhost/user/localuser/exec,
+# HostName with %h, ProxyJump, Port/User per pattern, CanonicalizeHostname
+Include {d}/conf.d/*.conf
+Host bastion
+    HostName 10.9.0.1
+    Port 2200
+Host gpu* !gpu13
+    HostName %h.cluster.example
+    ProxyJump ops@bastion:2200
+    User ubuntu
+Host gpu13
+    HostName 10.1.0.13
+Host db? web-*
+    Port 2222
+    IdentityFile ~/.ssh/id_%h
+Match host *.cluster.example user root
+    Port 2201
+Match originalhost special-* exec "test %n = special-exec"
+    HostName 10.7.7.7
+Match host 10.2.*,!10.2.0.3
+    UserKnownHostsFile /tmp/kh-10-2
+Host canon*
+    CanonicalizeHostname yes
+Match user deploy
+    IdentityFile ~/.ssh/deploy
+    ProxyCommand ssh -W %h:%p gate
+Match !localuser nobody-at-all host 10.3.*
+    User localmatch
+Host *.lab
+    HostName %h.internal
+    UserKnownHostsFile ~/.ssh/kh_%h
+Host *
+    ServerAliveInterval 30
+"""
+
+INCLUDED = """\
+Host lab*
+    User labuser
+    ProxyJump jump1,jump2:2022
+Match host lab1*
+    Port 2023
+"""
+
+
+@pytest.fixture
+def varied(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "conf.d").mkdir()
+    (tmp_path / "conf.d" / "10-lab.conf").write_text(INCLUDED)
+    (tmp_path / "conf.d" / "ignored.txt").write_text("Host *\n    Port 9\n")  # not *.conf: not included
+    cfg = tmp_path / "config"
+    cfg.write_text(VARIED.format(d=tmp_path))
+    return str(cfg)
+
+
+NAMES = ([f"gpu{i}" for i in range(20)] + ["bastion", "db1", "dba", "dbxx", "web-1", "web-", "lab1", "lab12", "lab2",
+         "canon1", "special-exec", "special-other", "x.lab", "y.lab", "plain-host", "a.b.c", "fd00::1", "UPPER", "Gpu1"]
+         + [f"10.2.0.{i}" for i in range(1, 8)] + [f"10.3.0.{i}" for i in range(1, 5)] + [f"10.4.{i}.1" for i in range(30)])
+
+
+@needs_ssh
+def test_resolving_by_class_gives_what_ssh_gives_for_every_name(varied, monkeypatch):
+    """The same answers as one `ssh -G` per name, for every name, user (-l) and port (-p) combination,
+    with far fewer `ssh -G` runs."""
+    from clusterctl import sshconfig
+
+    targets = [Target(n, u, p) for n in NAMES for u, p in ((None, None), ("root", None), ("deploy", 2022))]
+    expected = sshconfig.resolve_each(targets, varied)
+    calls = []
+    real = sshconfig._ssh_g
+    monkeypatch.setattr(sshconfig, "_ssh_g", lambda config, t: calls.append(t) or real(config, t))
+    got = resolve(targets, varied)
+    mismatched = [(t, g, e) for t, g, e in zip(targets, got, expected, strict=True) if g != e]
+    assert mismatched == []
+    assert len(calls) < len(targets) / 3, len(calls)  # 249 names: asked per class, plus the names read as dynamic
+    assert sshconfig.LAST["rechecked"] == 0  # every class's second name confirmed the reader
+    asked = {t.address for t in calls}
+    assert {"special-exec", "special-other", "UPPER", "Gpu1", "canon1", "x.lab"} <= asked  # exec, case, canon, %h
+    assert len([t for t in calls if t.address.startswith("10.4.")]) <= 6  # 90 targets of one class per user/port
+    calls.clear()
+    assert resolve(targets, varied) == expected and calls == []  # and then from the cache
+
+
+@needs_ssh
+def test_a_match_exec_every_name_reaches_asks_ssh_for_every_name(tmp_path, monkeypatch):
+    from clusterctl import sshconfig
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = tmp_path / "config"
+    cfg.write_text('Match exec "test %h = n3"\n    Port 2203\nHost *\n    User u\n')
+    targets = [Target(f"n{i}") for i in range(6)]
+    calls = []
+    real = sshconfig._ssh_g
+    monkeypatch.setattr(sshconfig, "_ssh_g", lambda config, t: calls.append(t) or real(config, t))
+    got = resolve(targets, str(cfg))
+    assert [r.port for r in got] == [22, 22, 22, 2203, 22, 22] and sorted(calls, key=str) == sorted(targets, key=str)
+
+
+@needs_ssh
+def test_a_class_whose_check_fails_is_asked_name_by_name(varied, monkeypatch):
+    """Were the reader wrong about a class, the second name's answer says so: every name is then asked."""
+    from clusterctl import sshconfig, sshconfigfile
+
+    real = sshconfigfile.ConfigModel.classify
+    monkeypatch.setattr(sshconfigfile.ConfigModel, "classify",
+                        lambda self, name, user: sshconfigfile.NameClass(("one",), name.lower()))  # all one class
+    targets = [Target(n) for n in ["gpu1", "plain-host", "10.4.0.1", "db1", "lab12", "gpu2"]]
+    assert resolve(targets, varied) == sshconfig.resolve_each(targets, varied)
+    assert sshconfig.LAST == {"names": 6, "classes": 1, "asked": 6, "rechecked": 4}
+    monkeypatch.setattr(sshconfigfile.ConfigModel, "classify", real)
+
+
+@pytest.mark.parametrize("line, why", [
+    ("Match canonical\n    User c", "Match canonical"),
+    ("Match final\n    User c", "Match final"),
+    ("Host gpu%h\n    User c", "a Host pattern with a token"),
+    ("Include ~/conf.d/%h.conf", "an Include path with a token or variable"),
+    ('Host a\n    HostName "unclosed', "unclosed quote"),
+])
+def test_forms_the_reader_does_not_reproduce_send_every_name_to_ssh(tmp_path, line, why):
+    from clusterctl.sshconfigfile import ConfigModel
+
+    cfg = tmp_path / "config"
+    cfg.write_text(line + "\n")
+    model = ConfigModel(str(cfg))
+    assert model.dynamic is not None and why in model.dynamic
+    assert model.classify("gpu1", None).dynamic == model.dynamic
+
+
+def test_the_reader_follows_includes_nested_and_under_inactive_blocks(tmp_path):
+    """An Include's files start in the including block's state; under an inactive block they match nothing."""
+    from clusterctl.sshconfigfile import ConfigModel
+
+    (tmp_path / "inner.conf").write_text("User from-inner\nHost *\n    Port 2000\n")
+    cfg = tmp_path / "config"
+    cfg.write_text(f"Host gpu*\n    Include {tmp_path}/inner.conf\nHost *\n    HostName %h.x\n")
+    model = ConfigModel(str(cfg))
+    gpu, other = model.classify("gpu1", None), model.classify("cpu1", None)
+    assert gpu.dynamic is other.dynamic is None
+    assert gpu.key != other.key and (gpu.hostname, other.hostname) == ("gpu1.x", "cpu1.x")
+    assert str(tmp_path / "inner.conf") in model.files

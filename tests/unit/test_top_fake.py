@@ -10,6 +10,8 @@ import sys
 import time
 
 import pytest
+
+from clusterctl.transport.local import LocalTransport
 import yaml
 
 from clusterctl.cli import main
@@ -119,15 +121,16 @@ def test_status_names_a_straggler():
     assert st.to_json()["stragglers"] == [{"host": "n1", "process": "trainer.1", "rate": 3.1, "median": 9.4, "ratio": 0.33}]
 
 
-class Recording:
+class Recording(LocalTransport):
     """A transport that records each command line it runs."""
 
-    def __init__(self, inner):
-        self.inner, self.commands = inner, []
+    def __init__(self, inner: LocalTransport):
+        super().__init__(inner.root, env=inner.env)
+        self.commands: list = []
 
     def popen(self, host, command):
         self.commands.append((host.address, command))
-        return self.inner.popen(host, command)
+        return super().popen(host, command)
 
 
 def test_hosts_that_stop_answering_are_rows_and_the_view_goes_on(tmp_path):

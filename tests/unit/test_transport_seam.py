@@ -1,5 +1,7 @@
-"""The transport seam: Result's typed outcome, group failures carrying every host, the handshake gate, the
-OpenSSH argv's login signal and control socket, and no import cycle between remote and sshconn."""
+"""The transport seam: Result's typed outcome, the group result and the group exception carrying every host,
+the transport chosen where a session is built (and the one default a test can set), the fake a real
+Transport, the handshake gate, the OpenSSH argv's login signal and control socket, and the transports
+importing nothing above them (neither remote, nor the plan, nor the spec)."""
 
 import ast
 import shlex
@@ -17,7 +19,8 @@ from clusterctl.errors import CannotConnect, ClusterctlError, CommandFailed, Rem
 from clusterctl.plan import Host
 from clusterctl.remote import Remote, Result, SshOptions
 from clusterctl.transport import openssh
-from clusterctl.transport.base import timed_out_result, unreachable_result
+from clusterctl.transport import default
+from clusterctl.transport.base import GroupException, GroupResult, Transport, timed_out_result, unreachable_result
 from clusterctl.transport.gate import HandshakeGate, gate_key
 from clusterctl.transport.local import LocalTransport
 from clusterctl.transport.process import ProcessRun, ProcessTransport
@@ -68,12 +71,87 @@ def test_a_group_failure_carries_every_hosts_result_and_typed_error(tmp_path):
             remote.run('case "$HOME" in */n0) echo fine;; */n1) echo bad >&2; exit 4;; *) sleep 5;; esac',
                        timeout=1, what="probe")
     err = info.value
+    assert isinstance(err, GroupException) and isinstance(err.result, GroupResult)
+    assert list(err.result) == hosts  # the group result, in the hosts' order
+    assert list(err.result.succeeded) == [hosts[0]] and list(err.result.failed) == hosts[1:]
+    assert err.result.failed == err.failed and err.result.succeeded == err.results
     assert set(err.outcomes) == set(hosts)  # every host: the success and both failures
     assert err.outcomes[hosts[0]].stdout == "fine\n" and set(err.results) == {hosts[0]}
     assert set(err.failed) == set(err.errors) == {hosts[1], hosts[2]}
     assert isinstance(err.errors[hosts[1]], CommandFailed) and err.errors[hosts[1]].exit_code == 4
     assert isinstance(err.errors[hosts[2]], TimedOut)
     assert str(err).splitlines()[0] == "probe failed on 2 host(s): n1, n2"
+
+
+def test_run_returns_a_group_result_that_reads_as_a_dict(tmp_path):
+    hosts = [Host(f"n{i}", 22, "u", i) for i in range(3)]
+    with Remote(hosts, SshOptions(), transport=LocalTransport(tmp_path)) as remote:
+        got = remote.run('case "$HOME" in */n1) exit 3;; esac; echo hi', check=False)
+        fine = remote.run("echo hi")
+    assert isinstance(got, GroupResult) and isinstance(got, dict) and list(got) == hosts
+    assert [r.exit_code for r in got.values()] == [0, 3, 0] and got[hosts[0]].stdout == "hi\n"
+    assert list(got.succeeded) == [hosts[0], hosts[2]] and list(got.failed) == [hosts[1]]
+    assert isinstance(got.failed, GroupResult) and not got.ok and fine.ok and not fine.failed
+    assert fine.raise_if_failed() is fine
+    with pytest.raises(GroupException) as info:
+        got.raise_if_failed("probe")
+    assert info.value.result is got and str(info.value) == "probe failed on 1 host(s): n1\n  n1: exit 3"
+
+
+# ------------------------------------------------------------------------------------------ choosing the transport
+
+
+def test_the_fake_is_a_transport_and_remote_takes_transports_only(tmp_path):
+    assert isinstance(LocalTransport(tmp_path), Transport) and isinstance(LocalTransport(tmp_path), ProcessTransport)
+
+    class PopenOnly:  # the duck type Remote used to wrap: no longer a transport
+        def popen(self, host, command):
+            raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="^transport must be a clusterctl.transport Transport, not PopenOnly$"):
+        Remote([H], SshOptions(), transport=PopenOnly())
+
+
+def test_a_session_that_names_no_transport_takes_the_default(tmp_path):
+    """The one place a test (or an embedder) sets the transport of the sessions that commands build."""
+    from clusterctl.ops import open_session
+
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text("name: seam\nssh: {config: none, user: u}\nhosts: [{address: n0}, {address: n1}]\n"
+                    "job: {entrypoint: [x]}\n")
+    fake = LocalTransport(tmp_path / "hosts")
+    seen = []
+
+    def factory(hosts, options):
+        seen.append(([h.address for h in hosts], options.config))
+        return fake
+
+    with default.use(factory):
+        with open_session(str(spec)) as session:
+            assert session.remote.transport is fake
+            out = session.remote.run('basename "$HOME"')
+        with Remote([H], SshOptions()) as remote:
+            assert remote.transport is fake
+        other = LocalTransport(tmp_path / "other")
+        with Remote([H], SshOptions(), transport=other) as remote:
+            assert remote.transport is other  # a transport named where the session is built wins
+    assert seen == [(["n0", "n1"], "none"), (["10.0.0.7"], "none")]
+    assert sorted(r.stdout for r in out.values()) == ["n0\n", "n1\n"]
+    assert default.factory is None  # restored after the block
+    with default.use(fake), Remote([H], SshOptions()) as remote:
+        assert remote.transport is fake  # a transport itself, for every session
+    with Remote([H], SshOptions(host_key_policy="strict")) as remote:
+        assert remote.transport is None  # no default set: Remote picks the OpenSSH client itself
+    with default.use(lambda hosts, options: object()):
+        with pytest.raises(TypeError, match="^the transport factory gave a object, not a clusterctl Transport$"):
+            Remote([H], SshOptions())
+
+
+def test_host_lives_below_the_plan_and_the_plan_reexports_it():
+    import clusterctl.plan
+    import clusterctl.transport.host
+
+    assert clusterctl.plan.Host is clusterctl.transport.host.Host is Host
 
 
 # ------------------------------------------------------------------------------------------ handshake gate
@@ -231,6 +309,37 @@ def test_a_host_with_an_open_kept_connection_skips_the_gate(tmp_path, monkeypatc
 
 
 # ------------------------------------------------------------------------------------------ no cycle
+
+
+def _imports_of(path: Path) -> list[tuple[str, int]]:
+    """Every module `path` imports (at any depth, lazy imports included), with its line."""
+    parts = path.relative_to(Path(__file__).resolve().parents[2]).with_suffix("").parts  # clusterctl, transport, base
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            mod = ".".join(list(parts[:-node.level]) + ([node.module] if node.module else [])) if node.level else node.module
+            out += [(mod, node.lineno)] + [(f"{mod}.{a.name}", node.lineno) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+    return out
+
+
+def test_the_transports_import_neither_the_plan_nor_the_spec():
+    """transport/ and sshconn are below the plan: Host, the jump hop's form and the options are theirs."""
+    root = Path(__file__).resolve().parents[2] / "clusterctl"
+    for path in [root / "sshconn.py", *sorted((root / "transport").glob("*.py"))]:
+        for mod, line in _imports_of(path):
+            assert not mod.startswith(("clusterctl.plan", "clusterctl.spec", "clusterctl.ops", "clusterctl.backends",
+                                       "pydantic", "yaml")), (path.name, line, mod)
+    # behind a bastion (the ProxyCommand chain): the spec models and pydantic stay unloaded
+    code = ("import sys; from clusterctl.transport import openssh; from clusterctl.transport.base import SshOptions; "
+            "from clusterctl.transport.host import Host; "
+            "argv = openssh.ssh_argv(Host('10.0.1.5', 22, 'u', 0, jump=('ops@b1:2200', 'b2')), SshOptions(), 'true', None); "
+            "assert 'b1' in argv[argv.index('-o', argv.index('ForwardAgent=no')) + 1]; "
+            "print(sorted(m for m in sys.modules if m.startswith(('pydantic', 'clusterctl.spec', 'clusterctl.plan', 'yaml'))))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
 
 
 def test_sshconn_builds_on_the_transport_base_not_on_remote():

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import secrets
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ...errors import RemoteError
 from ...plan import DATA_ENV, Host
 from ...quoting import join
-from ...remote import Launch, Result
+from ...remote import GroupException, GroupResult, Launch, Result
 from ..hosttools import package_dir, tool_argv, tool_command
 from ..session import Session
 from ...host import wire
@@ -19,6 +19,7 @@ from .archive import Archive, update_bytes
 from .plan import BULK, HostPlan, HostView, plan_dispatch, view_of
 from .records import Records
 from .scan import LocalFile, scan_workspace
+from .sources import Sources, sources_of
 
 __all__ = ["HostDispatch", "dispatch", "verify", "host_files"]
 
@@ -34,14 +35,15 @@ class HostDispatch:
     generation: str
 
 
-def host_files(session: Session, workspace: dict[str, LocalFile]) -> dict[Host, dict[str, LocalFile]]:
+def host_files(session: Session, workspace: dict[str, LocalFile], sources: Sources | None = None) -> dict[Host, dict[str, LocalFile]]:
     """The full file set each host should have: the workspace plus its trainers' data shards."""
-    spec, plan = session.spec, session.plan
+    plan = session.plan
+    sources = sources or sources_of(session)
     per_host = dict.fromkeys(plan.hosts, workspace)  # shared until a host gets shards of its own
-    if spec.data is None:
+    if sources.data_local is None:
         return per_host
-    data_prefix = spec.data.remote.strip("/") + "/"
-    data_files = scan_workspace(spec.local_path(spec.data.local), (), prefix=data_prefix)
+    data_prefix = sources.data_remote.strip("/") + "/"
+    data_files = scan_workspace(Path(sources.data_local), (), prefix=data_prefix)
     for trainer in plan.trainers:
         for path in filter(None, trainer.env[DATA_ENV].split(":")):
             if per_host[trainer.host] is workspace:
@@ -92,9 +94,10 @@ def dispatch(session: Session) -> list[HostDispatch]:
 
 
 def _dispatch(session: Session, records: Records, apply: str, views: dict, ask: list, launched) -> list[HostDispatch]:
-    spec, plan, remote = session.spec, session.plan, session.remote
-    workspace = scan_workspace(spec.local_path(spec.workspace.local), spec.workspace.exclude)
-    wanted = host_files(session, workspace)
+    plan, remote = session.plan, session.remote
+    sources = sources_of(session)  # without the spec models when the plan came from the cache
+    workspace = scan_workspace(Path(sources.workspace), sources.exclude)
+    wanted = host_files(session, workspace, sources)
     root = plan.workdir
     gen = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(4)
     failed: dict[Host, Result] = {}
@@ -154,11 +157,9 @@ def _dispatch(session: Session, records: Records, apply: str, views: dict, ask: 
             p, g = done[host]
             out.append(HostDispatch(host, 0 if p is None else len(p.whole) + len(p.patches), sent[host],
                                     0 if p is None else len(p.delete), g))
-    if failed:
-        raise RemoteError(
-            [failed[h].failure() for h in plan.hosts if h in failed], succeeded,
-            what="dispatch",
-        )
+    if failed:  # one group exception with every host's last outcome, in the plan's order
+        raise GroupException(GroupResult((h, failed.get(h) or succeeded[h]) for h in plan.hosts
+                                         if h in failed or h in succeeded), what="dispatch")
     return out
 
 

@@ -10,14 +10,15 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pathspec
-
-from ...cache import cache_root
+from ...cache import cache_root, read_private, trusted_dir, write_private
 from ...errors import JobError
-from ...spec import ClusterSpec
 from ...host import wire
 from .delta import hash_file
+
+if TYPE_CHECKING:  # the spec models (pydantic) only where a spec is loaded already
+    from ...spec import ClusterSpec
 
 __all__ = ["CACHE_ROOT", "HASH_CACHE_DIR", "LocalFile", "HashCache", "ignore_matcher", "scan_workspace",
            "list_data_files", "private_dir", "write_atomic"]
@@ -26,19 +27,20 @@ CACHE_ROOT = cache_root()
 HASH_CACHE_DIR = CACHE_ROOT / "hashes"
 
 
-def private_dir(path: Path, root: Path) -> None:
-    """Create `path` (and the cache root `root` above it) 0700: the caches name every file of the user's workspace."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for p in (root, path.parent, path):
-        if p == root or root in p.parents:
-            os.chmod(p, 0o700)
+def private_dir(path: Path) -> bool:
+    """Create `path` 0700 when missing; whether it and the directory above it are ours alone
+    (clusterctl.cache.trusted_dir): the caches name every file of the user's workspace, and what is read
+    back from them decides what is sent. A directory anyone else can write to is not used."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        return False
+    return trusted_dir(path) and trusted_dir(path.parent)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `path` through a temporary file and a rename: readers see the old content or the new."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+def write_atomic(path: Path, data: bytes) -> bool:
+    """Write `path` 0600 through a temporary file and a rename: readers see the old content or the new."""
+    return write_private(path, data)
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,13 @@ class HashCache:
     def __init__(self, root: Path):
         key = hashlib.sha256(str(root).encode()).hexdigest()[:16]
         self.path = HASH_CACHE_DIR / f"{key}.marshal"  # our own file, read on every dispatch: 3x faster than JSON
+        self.usable = private_dir(self.path.parent)
+        raw = read_private(self.path, 1 << 30) if self.usable else None
         try:
-            self.data = marshal.loads(self.path.read_bytes())
+            self.data = marshal.loads(raw) if raw else {}
             if not isinstance(self.data, dict):
                 self.data = {}
-        except (OSError, ValueError, EOFError, TypeError):
+        except (ValueError, EOFError, TypeError):
             self.data = {}
         self.fresh: dict[str, list] = {}
 
@@ -77,27 +81,53 @@ class HashCache:
         """(sha256, block digests, previous (sha256, block digests) if the content changed)."""
         stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
         hit = self.data.get(rel)
-        if hit and hit[:3] == stamp and len(hit) == 5:
+        if not (isinstance(hit, list) and len(hit) == 5 and isinstance(hit[3], str) and isinstance(hit[4], str)):
+            hit = None  # not an entry this cache writes
+        if hit and hit[:3] == stamp:
             self.fresh[rel] = hit
             return hit[3], hit[4], None
         digest, blocks = hash_file(full, st.st_size)
         self.fresh[rel] = stamp + [digest, blocks]
-        previous = (hit[3], hit[4]) if hit and len(hit) == 5 and hit[3] != digest and hit[4] else None
+        previous = (hit[3], hit[4]) if hit and hit[3] != digest and hit[4] else None
         return digest, blocks, previous
 
     def save(self) -> None:
         """Keep this scan's digests (only the files it saw) for the next one."""
-        if self.fresh == self.data:
-            return  # nothing was hashed or removed: the file on disk says it all
-        try:
-            private_dir(self.path.parent, self.path.parent.parent)  # the hashes, and the cache root above
-            write_atomic(self.path, marshal.dumps(self.fresh, wire.MARSHAL_VERSION))
-        except OSError:
-            pass  # a cache that cannot be written only costs re-hashing next time
+        if self.fresh == self.data or not self.usable:
+            return  # nothing was hashed or removed (the file on disk says it all), or no private place for it
+        write_atomic(self.path, marshal.dumps(self.fresh, wire.MARSHAL_VERSION))  # failing only costs re-hashing
+
+
+_SIMPLE = re.compile(r"/?[A-Za-z0-9._*?-]+(?:/[A-Za-z0-9._*?-]+)*/?")
+
+
+def _simple_regex(pattern: str) -> str | None:
+    """The regex of a gitignore pattern of the simple kind (names with `*` and `?`, slashes, no `**`,
+    `!`, `[...]`, escapes or spaces), matching the pattern's paths and everything under them as gitignore
+    (and pathspec) do; None for any other pattern. No slash but a trailing one: any depth; else anchored
+    at the root; a trailing slash: directories only."""
+    if not _SIMPLE.fullmatch(pattern) or "**" in pattern or pattern in ("/", ""):
+        return None
+    dir_only = pattern.endswith("/")
+    body = pattern.rstrip("/")
+    anchored = "/" in body
+    glob = "".join("[^/]*" if c == "*" else "[^/]" if c == "?" else re.escape(c) for c in body.lstrip("/"))
+    return ("" if anchored else "(?:.*/)?") + glob + ("/.*" if dir_only else "(?:/.*)?")
 
 
 def ignore_matcher(exclude: tuple[str, ...]):
     """path -> whether the gitignore-style `exclude` patterns ignore it (directories end with "/")."""
+    exclude = tuple(exclude)
+    simple = [_simple_regex(p.strip()) for p in exclude if p.strip() and not p.startswith("#")]
+    if all(r is not None for r in simple) and all(p == p.strip() for p in exclude):
+        # the usual patterns (the defaults: .git/, __pycache__/, *.pyc, .venv/): one regex, and no pathspec
+        # import (~0.035 s of a `clusterctl dispatch` that takes ~0.2 s of CPU)
+        if not simple:
+            return lambda path: False
+        combined = re.compile("|".join(f"(?:{r})" for r in simple), re.S)
+        return lambda path: combined.fullmatch(path) is not None
+    import pathspec  # patterns of other kinds: pathspec decides
+
     spec = pathspec.GitIgnoreSpec.from_lines(exclude)
     active = [p for p in spec.patterns if p.include is not None]
     regexes = [getattr(p, "regex", None) for p in active]
@@ -141,7 +171,7 @@ def scan_workspace(root: Path, exclude: tuple[str, ...], *, prefix: str = "") ->
     return files
 
 
-def list_data_files(spec: ClusterSpec) -> list[str]:
+def list_data_files(spec: "ClusterSpec") -> list[str]:
     """Names (relative to data.local, sorted) of the files matching data.pattern; [] without a data section."""
     if spec.data is None:
         return []
