@@ -68,13 +68,13 @@ def demo_spec(cluster_spec: Path, dest: Path, wheel: Path, version: str) -> Path
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo end to end; exit 0 when every trainer converged (loss < 10)."""
     from . import testcluster as tc
-    from .cli import cmd_plan
+    from .commands.core import cmd_plan
     from .backends import open_backend
     from .host.states import ACTIVE_JOB_STATES
-    from .ops.lifecycle_cli import _stop_after_interrupt, render_status
-    from .ops.provision_cli import cmd_provision
+    from .commands.lifecycle import _stop_after_interrupt, render_status
+    from .commands.provision import cmd_provision
     from .ops.top import Top
-    from .ops.top_cli import render_top
+    from .commands.top import render_top
 
     t_all = time.monotonic()
     example = ROOT / "examples" / "fit_a_line"

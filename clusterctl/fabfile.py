@@ -186,7 +186,7 @@ _CONN = ("spec", "name", "accept_new", "known_hosts")
 def start(c, spec=None, entrypoint=None, workspace=None, remote_dir=None, port=None, name=None, accept_new=False,
           known_hosts=None, follow=False):
     """Dispatch the workspace and start pservers then trainers on every host (detached unless --follow)."""
-    from clusterctl.ops.lifecycle_cli import run_start
+    from clusterctl.commands.lifecycle import run_start
 
     opts = _opts(entrypoint=entrypoint, workspace=workspace, remote_dir=remote_dir, port=port, name=name,
                  accept_new=accept_new, known_hosts=known_hosts)
@@ -196,7 +196,7 @@ def start(c, spec=None, entrypoint=None, workspace=None, remote_dir=None, port=N
 @cluster_task(name="tail-log", help=_help(*_CONN, "lines", "follow"))
 def tail_log(c, spec=None, name=None, lines=10, follow=False, accept_new=False, known_hosts=None):
     """Show the last lines of every process's log, prefixed [host role.id]."""
-    from clusterctl.ops.lifecycle_cli import run_logs
+    from clusterctl.commands.lifecycle import run_logs
 
     opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
     _run(lambda: run_logs(_spec(c, spec, opts), lines=int(lines), follow=follow))
@@ -205,7 +205,7 @@ def tail_log(c, spec=None, name=None, lines=10, follow=False, accept_new=False, 
 @cluster_task(help=_help(*_CONN))
 def status(c, spec=None, name=None, accept_new=False, known_hosts=None):
     """Show every process's state."""
-    from clusterctl.ops.lifecycle_cli import run_status
+    from clusterctl.commands.lifecycle import run_status
 
     _run(lambda: run_status(_spec(c, spec, _opts(name=name, accept_new=accept_new, known_hosts=known_hosts))))
 
@@ -213,7 +213,7 @@ def status(c, spec=None, name=None, accept_new=False, known_hosts=None):
 @cluster_task(aliases=["stop"], help=_help(*_CONN))
 def kill(c, spec=None, name=None, accept_new=False, known_hosts=None):
     """Stop the job on every host: SIGTERM, SIGKILL after the grace period, no orphan left."""
-    from clusterctl.ops.lifecycle_cli import run_stop
+    from clusterctl.commands.lifecycle import run_stop
 
     _run(lambda: run_stop(_spec(c, spec, _opts(name=name, accept_new=accept_new, known_hosts=known_hosts))))
 
@@ -221,7 +221,7 @@ def kill(c, spec=None, name=None, accept_new=False, known_hosts=None):
 @cluster_task(help=_help(*_CONN, "workspace", "remote_dir"))
 def dispatch(c, spec=None, name=None, workspace=None, remote_dir=None, accept_new=False, known_hosts=None):
     """Ship the workspace to every host: incremental, atomic, verified."""
-    from clusterctl.ops.lifecycle_cli import cmd_dispatch
+    from clusterctl.commands.lifecycle import cmd_dispatch
 
     opts = _opts(name=name, workspace=workspace, remote_dir=remote_dir, accept_new=accept_new, known_hosts=known_hosts)
     _run(lambda: cmd_dispatch(argparse.Namespace(spec=_spec(c, spec, opts))))
@@ -230,7 +230,7 @@ def dispatch(c, spec=None, name=None, workspace=None, remote_dir=None, accept_ne
 @cluster_task(help=_help(*_CONN, "check", "only"))
 def provision(c, spec=None, name=None, check=False, only=None, accept_new=False, known_hosts=None):
     """Install what the spec's provision section asks for on every host."""
-    from clusterctl.ops.provision_cli import cmd_provision
+    from clusterctl.commands.provision import cmd_provision
 
     steps = [s for s in (only or "").split(",") if s] or None
     opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
@@ -241,7 +241,7 @@ def provision(c, spec=None, name=None, check=False, only=None, accept_new=False,
 @cluster_task(help=_help(*_CONN))
 def doctor(c, spec=None, name=None, accept_new=False, known_hosts=None):
     """Check every host (ssh, login user and sudo, Python, MPI, CUDA, ports, peers) and compare them."""
-    from clusterctl.ops.provision_cli import cmd_doctor
+    from clusterctl.commands.provision import cmd_doctor
 
     opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
     _run(lambda: cmd_doctor(argparse.Namespace(spec=_spec(c, spec, opts), json=False)))
@@ -252,7 +252,7 @@ def exec_(c, cmd, spec=None, name=None, accept_new=False, known_hosts=None):
     """Run a shell command on every host, output prefixed [host]."""
     import shlex
 
-    from clusterctl.cli import cmd_exec
+    from clusterctl.commands.core import cmd_exec
 
     opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
     _run(lambda: cmd_exec(argparse.Namespace(spec=_spec(c, spec, opts), argv=shlex.split(cmd), timeout=None)))

@@ -14,7 +14,7 @@ from clusterctl.errors import JobError, RemoteError
 from clusterctl.ops.dispatch import dispatch
 from clusterctl.ops.job import job_files, logs, start, status, stop
 from clusterctl.transport.local import LocalTransport
-from clusterctl.ops.lifecycle_cli import render_status
+from clusterctl.commands.lifecycle import render_status
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fakehosts import FakeCluster, FaultyTransport, job_pids, refused, wait_until  # noqa: E402

@@ -18,9 +18,9 @@ from clusterctl.cli import main
 from clusterctl.host.status import JobStatus, ProcessStatus
 from clusterctl.ops.dispatch import dispatch
 from clusterctl.ops.job import start, status, stop
-from clusterctl.ops.render import render_status
+from clusterctl.commands.render import render_status
 from clusterctl.ops.top import Top
-from clusterctl.ops.top_cli import render_top
+from clusterctl.commands.top import render_top
 from clusterctl.console import out
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -18,7 +18,7 @@ from ..console import out, printable
 from ..errors import ClusterctlError
 from ..progress import STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, metrics_text
 from .render import _styled
-from .top import DEFAULT_INTERVAL, MIN_INTERVAL, HostRow, ProcRow, Snapshot, Top
+from ..ops.top import DEFAULT_INTERVAL, MIN_INTERVAL, HostRow, ProcRow, Snapshot, Top
 
 __all__ = ["add_cli", "render_top", "run_top"]
 
