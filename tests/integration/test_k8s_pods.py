@@ -112,35 +112,8 @@ def _pods(kube, name) -> dict[tuple[str, int], dict]:
     return out
 
 
-# a stranger on the pods' network: once the pserver listens, one unsigned ping and one signed with a wrong token;
-# then one signed with the job's token, once the test has read it from the Secret (stdin)
-STRANGER = """
-import json, socket, sys, time, zmq
-from clusterctl.ps.protocol import encode, job_key
-ep = sys.argv[1]
-host, port = ep.rsplit(":", 1)
-deadline = time.monotonic() + 150
-while True:
-    try:
-        socket.create_connection((host, int(port)), timeout=1).close()
-        break
-    except OSError:
-        if time.monotonic() > deadline:
-            sys.exit("the pserver never listened")
-        time.sleep(0.2)
-def ask(key):
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect("tcp://" + ep)
-    s.send_multipart(encode({"seq": 1, "op": "ping"}, None, key=key))
-    if not s.poll(20000):
-        return None
-    raw = s.recv_multipart()[0]
-    return json.loads(raw[64:] if key is not None or raw[:1] != b"{" else raw)
-out = {"none": ask(None), "wrong": ask(job_key("not-the-token"))}
-out["right"] = ask(job_key(sys.stdin.readline().strip()))
-print(json.dumps(out))
-"""
+# a stranger on the pods' network (tests/integration/jobs/ps_stranger.py): no keys, another token's, the job's
+STRANGER = (h.ROOT / "tests" / "integration" / "jobs" / "ps_stranger.py").read_text()
 
 # run in a pod: which processes hold the raw token (stdin) in their environment, and the derived one
 ENVIRON = """
@@ -179,13 +152,6 @@ def test_fit_a_line_trains_to_success_and_a_stranger_is_refused_by_its_pserver(k
         st = _wait(kube, spec, lambda s: _running(s, "trainer", 0) and _running(s, "trainer", 1), 120, "trainers running")
         token = _token(kube, "k8s-fal")
         derived = process_token(token)
-        # the stranger is refused without the job's token, and served with it (the key derived from the Secret's)
-        out, err = stranger.communicate(derived + "\n", timeout=120)
-        assert stranger.returncode == 0, err
-        got = json.loads(out)
-        assert got["none"]["ok"] is False and got["none"]["code"] == "unauthenticated", got
-        assert got["wrong"]["ok"] is False and got["wrong"]["code"] == "unauthenticated", got
-        assert got["right"]["ok"] is True, got
         # the raw token is in no process of the job: not the pod's PID 1, not the supervisor, not the pserver
         pserver_pod = _running(st, "pserver", 0)["host"]
         res = subprocess.run(["docker", "exec", "-i", kube.main_container(pserver_pod, "pserver"), "python3", "-c",
@@ -196,6 +162,11 @@ def test_fit_a_line_trains_to_success_and_a_stranger_is_refused_by_its_pserver(k
         assert procs[pserver_pid]["raw"] is False and procs[pserver_pid]["derived"] == [derived], procs[pserver_pid]
         holders = {pid: p["cmd"] for pid, p in procs.items() if p["raw"]}
         assert all("agent status" in c or "agent stop" in c for c in holders.values()), holders  # kubectl exec only
+        # the stranger is refused without the job's token, and served with it (the key derived from the Secret's)
+        out, err = stranger.communicate(derived + "\n", timeout=120)
+        assert stranger.returncode == 0, err
+        got = json.loads(out)  # another token's keys: refused by the door, or the handshake never completes
+        assert got["plain"] == "no answer" and got["wrong"] in ("refused", "no answer") and got["right"] == "served", out
         out, err = run.communicate(timeout=240)
     finally:
         for proc in (run, stranger):
