@@ -357,11 +357,15 @@ def test_every_message_built_by_its_constructor_parses_back():
                 protocol.welcome("j", "p"), protocol.error("bad token"),
                 protocol.exit_event("trainer", 1, None, "cannot start", "h2", 2), protocol.stopping("why"),
                 protocol.stop(S.FAILED, "r", {"host": "h2"}, 1, True), protocol.done("h2", 1), protocol.restart(2),
-                protocol.ping()):
+                protocol.restart(3, {"attempt": 3, "members": [0, 2]}), protocol.go(0), protocol.ping()):
         parsed = protocol.parse_message(_wire(msg))
         assert parsed == msg and parsed["type"] in protocol.Msg
     assert [m.value for m in protocol.Msg] == ["challenge", "hello", "welcome", "error", "exit", "stopping", "stop",
-                                               "done", "restart", "ping"]
+                                               "done", "restart", "go", "ping"]
+    # an elastic host's hello and done carry its index and its pserver checkpoint shards (ids are JSON keys)
+    hello = protocol.parse_message(_wire(protocol.hello("j", "h2", n, "p", index=3, ps={0: [20, 10], 1: [20]})))
+    assert (hello["index"], hello["ps"]) == (3, {0: [20, 10], 1: [20]})
+    assert protocol.parse_message(_wire(protocol.done("h2", 1, {0: [7]})))["ps"] == {0: [7]}
 
 
 @pytest.mark.parametrize("obj, message", [
@@ -385,6 +389,15 @@ def test_every_message_built_by_its_constructor_parses_back():
     ({"type": "stop", "state": "failed", "reason": "r", "attempt": 0, "failure": []},
      "malformed stop: failure: must be an object or null"),
     ({"type": "restart"}, "malformed restart: attempt missing"),
+    ({"type": "restart", "attempt": 1, "view": [0, 1]}, "malformed restart: view: must be an object or null"),
+    ({"type": "go"}, "malformed go: attempt missing"),
+    ({"type": "hello", "job": "j", "host": "h", "nonce": "ab" * 32, "proof": "p", "index": -1},
+     "malformed hello: index: must be an integer >= 0 or null"),
+    ({"type": "hello", "job": "j", "host": "h", "nonce": "ab" * 32, "proof": "p", "ps": {"x": [1]}},
+     "malformed hello: ps: must be an object of pserver id to steps, or null"),
+    ({"type": "done", "attempt": 0, "ps": {"0": [1, "2"]}}, "malformed done: ps: 0: must be a list of at most 16 steps"),
+    ({"type": "done", "attempt": 0, "ps": {"0": list(range(17))}},
+     "malformed done: ps: 0: must be a list of at most 16 steps"),
     ({"type": "done", "attempt": False}, "malformed done: attempt: must be an integer >= 0"),
 ])
 def test_a_malformed_message_is_refused_naming_the_field(obj, message):
