@@ -133,12 +133,14 @@ class ElasticHost:
     # -- state.json -----------------------------------------------------------------------------------
 
     def to_json(self, idle_since=None, now=None):
-        """state.json "elastic": this host's index, whether it is a member, the view, and the status lines
+        """state.json "elastic": this host's index, whether it is a member, the view (and its members' labels),
+        the idle hosts connected to this coordinator, and the status lines
         (elastic.describe_view; the coordinator passes the idle hosts connected now, label -> since)."""
         connected = None
         if idle_since is not None:
             connected = dict((self.index_of[h], since) for h, since in idle_since.items() if h in self.index_of)
         lines = elastic.describe_view(self.section, self.view, connected, now)
         return {"index": self.me, "member": self.member, "view": self.view,
+                "members": [self.label(i) for i in self.view["members"]],
                 "lines": [line[:MAX_LINE] for line in lines],
                 "idle": sorted(self.label(i) for i in (connected or {}))}

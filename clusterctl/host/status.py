@@ -143,8 +143,9 @@ class HostStatus:
 
     @property
     def elastic(self) -> dict | None:
-        """An elastic job's view as this host holds it: {"attempt", "members": [addresses], "lines": [status
-        lines]}, only what has the right type (None: not an elastic job, or nothing usable)."""
+        """An elastic job's view as this host holds it: {"attempt", "member" (this host), "members": [the
+        attempt's hosts], "lines": [status lines], "idle": [hosts connected that run nothing]}, only what has
+        the right type (None: not an elastic job, or nothing usable)."""
         raw = self.extra.get("elastic")
         if not isinstance(raw, dict) or not isinstance(raw.get("lines"), list):
             return None
@@ -152,6 +153,8 @@ class HostStatus:
         view = raw.get("view") if isinstance(raw.get("view"), dict) else {}
         return {"attempt": view["attempt"] if _is_int(view.get("attempt")) else self.attempt,
                 "member": raw.get("member") is True, "lines": lines,
+                "members": [h for h in raw.get("members") or [] if isinstance(h, str)][:10000]
+                if isinstance(raw.get("members"), list) else [],
                 "idle": [_printable(h)[:255] for h in raw.get("idle") or [] if isinstance(h, str)][:1000]
                 if isinstance(raw.get("idle"), list) else []}
 

@@ -138,25 +138,37 @@ def status(session: Session) -> JobStatus:
             unreachable[host.label] = res.stderr.strip()
         else:
             replies[host.label] = _parse(res)
-    return fold_status(plan.job, replies, unreachable)
+    return fold_status(plan.job, replies, unreachable, {h.label: h.address for h in plan.hosts})
 
 
-def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str]) -> JobStatus:
+def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
+                addresses: dict[str, str] | None = None) -> JobStatus:
     """The job's status from every host's `agent status` reply (host label -> reply) and the hosts that did
     not answer (label -> why), whatever started the supervisors (pure). Only well-typed fields of a reply are
     read (HostStatus.from_json); progress in the replies (`agent top --progress-only`) is kept per process,
-    and the job's stragglers found from it."""
-    procs: list[ProcessStatus] = []
-    host_states: list[str] = [JobState.LOST for _ in unreachable]
-    reasons: list[str] = []
-    attempt, restarts, attempts, attempts_total = 0, 0, [], 0
+    and the job's stragglers found from it. An elastic job's state is its current attempt's hosts' (the view
+    of the latest attempt, the coordinator's first: `addresses` maps labels to the addresses it names): a host
+    lost and replaced, or one that waits idle, neither decides it nor gives its reason; its rows are shown."""
+    parsed = {label: HostStatus.from_json(data) for label, data in replies.items()}
     elastic, elastic_rank = None, None
-    for label, data in replies.items():
-        reply = HostStatus.from_json(data)
+    for reply in parsed.values():
         # an elastic job's view: the coordinator's of the latest attempt knows who runs it and who waits idle
         view = reply.elastic
         if view is not None and (elastic_rank is None or (view["attempt"], reply.is_coordinator is True) > elastic_rank):
             elastic, elastic_rank = view, (view["attempt"], reply.is_coordinator is True)
+    members = set(elastic["members"]) if elastic is not None and elastic["members"] else None
+
+    def counts(label: str, host: str | None) -> bool:
+        return members is None or (host or (addresses or {}).get(label, label)) in members
+
+    procs: list[ProcessStatus] = []
+    host_states: list[str] = [JobState.LOST for label in unreachable if counts(label, None)]
+    reasons: list[str] = []
+    attempt, restarts, attempts, attempts_total = 0, 0, [], 0
+    for label, reply in parsed.items():
+        if not counts(label, reply.host):  # an elastic job's host that is not in its current attempt
+            procs.extend(reply.process_status(label))
+            continue
         # a failed attempt being stopped reads `restarting` when another follows
         host_states.append(reply.folded_state)
         restarts = max(restarts, reply.restarts)
@@ -173,9 +185,8 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str])
         if p.progress is not None:
             p.progress.pop("slices", None)
     state = overall_state(host_states)
-    reason = "; ".join(reasons) or (
-        "unreachable: " + ", ".join(unreachable) if unreachable else None
-    )
+    down = [label for label in unreachable if counts(label, None)]
+    reason = "; ".join(reasons) or ("unreachable: " + ", ".join(down) if down else None)
     found = [{"host": procs[i].host, "process": f"{procs[i].role}.{procs[i].id}", **v} for i, v in sorted(slow.items())]
     return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, [a.summary() for a in attempts],
                      stragglers=found, elastic=elastic)

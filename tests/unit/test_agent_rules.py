@@ -227,6 +227,53 @@ def test_membership_joined_done_lost_and_never_joined():
     assert m.to_json()["d"] == {"state": HostState.CONNECTED, "since": 7.0, "addr": "10.0.0.4:5000"}
 
 
+def test_an_elastic_jobs_membership_counts_its_views_members_only():
+    m = Membership(2, members=["b", "c"], everyone=3)  # b and c run the attempt; d is a spare
+    for host in ("b", "c", "d"):
+        m.join(host, "a:1", 1.0, index=ord(host) - ord("a"))
+    assert m.all_joined() and m.waiting() == ["b", "c"] and m.connected_members() == {"b", "c"}
+    assert m.to_json()["d"] == {"state": HostState.CONNECTED, "since": 1.0, "addr": "a:1", "index": 3}
+    assert m.leave("d", "connection closed", 2.0, deciding=True) is False  # an idle host going away: no verdict
+    assert m.to_json()["d"] == {"state": HostState.DISCONNECTED, "since": 2.0, "why": "connection closed", "index": 3}
+    assert not m.all_joined() and m.unjoined() == 0
+    assert m.leave("c", "no heartbeat", 3.0, deciding=True) is True
+    m.set_members(["b", "d"])  # the next view: d in c's place
+    assert (m.expected, m.is_member("d"), m.is_member("c"), m.unjoined()) == (2, True, False, 0)
+    m.join("d", "a:2", 4.0)
+    m.mark_done("d", 5.0)
+    assert m.waiting() == ["b"] and m.joined_at == {"b": 1.0, "d": 4.0}
+
+
+def test_the_start_barrier_waits_for_every_host_and_past_connect_timeout_for_the_members_only():
+    t, c = DEFAULT_TIMINGS, core()
+    assert rules.barrier_passed(c, True, True, 0.1, t)  # every host joined
+    assert not rules.barrier_passed(c, False, True, 29.0, t)  # a spare is missing: wait for it ...
+    assert rules.barrier_passed(c, False, True, 30.1, t)  # ... up to connect_timeout
+    assert not rules.barrier_passed(c, False, False, 31.0, t)  # a member is missing: on_peers_missing decides
+    rules.apply_verdict(c, Verdict(S.STOPPED, "stop requested on h2"))
+    assert not rules.barrier_passed(c, True, True, 1.0, t)  # decided at the barrier: nothing starts
+
+
+def test_an_elastic_peer_turns_to_the_successor_after_reconnect_timeout_and_from_a_silent_one_after_connect():
+    t, c = DEFAULT_TIMINGS, core(restarts=2)
+    assert not rules.next_coordinator_due(c, t, 10.0, None, None, False)  # never lost (or never connected)
+    assert not rules.next_coordinator_due(c, t, 13.0, 10.0, None, False)
+    assert rules.next_coordinator_due(c, t, 13.1, 10.0, None, False)  # the coordinator: reconnect_timeout
+    assert not rules.next_coordinator_due(c, t, 40.0, None, 10.0, True)
+    assert rules.next_coordinator_due(c, t, 40.1, None, 10.0, True)  # a successor that never answered
+    rules.apply_verdict(c, Verdict(S.FAILED, "x"))  # final: nothing to take over
+    assert not rules.next_coordinator_due(c, t, 100.0, 10.0, None, False)
+    # the coordinator's silence fails the attempt as for any job, but never makes it final: the successor rule does
+    c = core(restarts=2)
+    v = rules.on_coordinator_silence(c, t, 13.1, 0.0, True, 10.0, "connection closed", "h1:1", elastic=True)
+    assert v.restart and v.reason == "lost connection to coordinator h1:1: connection closed"
+    rules.apply_verdict(c, v)
+    assert rules.on_coordinator_silence(c, t, 100.0, 0.0, True, 10.0, "x", "h1:1", elastic=True) is None
+    assert rules.on_coordinator_silence(c, t, 100.0, 0.0, True, 10.0, "x", "h1:1").restart is False
+    assert rules.takeover_gathered([], 0.0, 0.0, t) and not rules.takeover_gathered(["h3"], 30.0, 0.0, t)
+    assert rules.takeover_gathered(["h3"], 30.1, 0.0, t)
+
+
 # -- the peer's side -------------------------------------------------------------------------------------------------
 
 
