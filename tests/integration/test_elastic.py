@@ -251,3 +251,97 @@ def test_a_host_that_comes_back_waits_as_a_spare_and_status_says_so(nodes, tmp_p
         clusterctl("stop", spec, timeout=120)
         node_exec(nodes.nodes[0].container, f"rm -rf {ckpt}", check=False)
     no_orphans(nodes, "it-el-back", nodes.nodes)
+
+
+# -- a parameter-server job (examples/fit_a_line, clusterctl.ps: the wheel on the nodes) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def ps_nodes(cluster5, clusterctl_wheel):
+    """The five nodes with this checkout of clusterctl in /opt/venv (the pservers' runtime)."""
+    from clusterctl.ops import open_session
+
+    info = tc.up(5, name=NAME, packages=PACKAGES, user="ubuntu")
+    with open_session(str(info.spec_path)) as session:
+        session.remote.run(
+            f"cat > /tmp/{clusterctl_wheel.name} && sudo -n /opt/venv/bin/pip install -q --no-deps --no-index "
+            f"--force-reinstall /tmp/{clusterctl_wheel.name}", stdin=clusterctl_wheel.read_bytes(),
+            what="installing clusterctl on the nodes")
+    return info
+
+
+def ps_spec(info, tmp_path, name, base) -> tuple[Path, str]:
+    """fit_a_line on 3 nodes and a spare, 2 pservers (on the first two nodes), checkpoints every 50 steps on each
+    host's own disk."""
+    ckpt = f"/tmp/ckpt-{name}-{uuid.uuid4().hex[:6]}"
+    spec_dict = yaml.safe_load(Path(info.spec_path).read_text())
+    hosts = spec_dict["hosts"][:4]
+    hosts[3]["spare"] = True
+    spec = {"name": name, "ssh": dict(spec_dict["ssh"], command_timeout=30), "hosts": hosts,
+            "workspace": {"local": str(ROOT / "examples" / "fit_a_line"), "remote": f"clusterctl-it/{name}"},
+            "job": {"mode": "pserver", "entrypoint": ["/opt/venv/bin/python", "train.py"],
+                    "args": ["--step-delay", "0.05"], "pservers": 2, "trainers": 1, "grace": 3, "restarts": 2,
+                    "restart_backoff": 1, "min_hosts": 2,
+                    "env": {"CLUSTERCTL_PS_CHECKPOINT": ckpt, "CLUSTERCTL_PS_CHECKPOINT_EVERY": "50"},
+                    "ports": {"control": base, "master": base + 1, "pserver": base + 2, "trainer": base + 10}}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    clusterctl("stop", path)
+    return path, ckpt
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_pserver_whose_shard_was_only_on_the_lost_host_refuses_to_resume_in_one_line(ps_nodes, tmp_path):
+    spec, ckpt = ps_spec(ps_nodes, tmp_path, "it-el-ps-gone", 7780)
+    ips = [n.ip for n in ps_nodes.nodes]
+    clusterctl("dispatch", spec, check=True)
+    clusterctl("start", spec, check=True, timeout=180)
+    try:
+        wait_log(spec, rf"\[{re.escape(ips[0])} trainer\.0\] step=60 ")
+        docker("kill", ps_nodes.nodes[1].container)  # pserver.1's host, with its shard on its own disk
+        st = wait_state(spec, {"succeeded", "failed"}, timeout=DEADLINE)
+        assert st["state"] == "failed", st
+        line = (f"cannot resume the parameters: pserver.1's checkpoint shard (pserver-1 in {ckpt}) was on {ips[1]}, "
+                f"which is gone, and {ips[3]} does not hold it; put CLUSTERCTL_PS_CHECKPOINT on storage every host "
+                "shares (docs/lifecycle.md)")
+        assert line in st["reason"], st
+        assert st["attempt"] == 0 and st["attempts"][0]["reason"].startswith(f"lost host {ips[1]}: "), st
+        # refused before attempt 1 started: nothing of it ran anywhere
+        no_orphans(ps_nodes, "it-el-ps-gone", [n for i, n in enumerate(ps_nodes.nodes[:4]) if i != 1])
+    finally:
+        tc.up(5, name=NAME, packages=PACKAGES, user="ubuntu")
+        clusterctl("stop", spec, timeout=120)
+        for n in ps_nodes.nodes[:4]:
+            node_exec(n.container, f"rm -rf {ckpt}", check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_pserver_job_resumes_from_its_checkpoint_on_the_new_placement(ps_nodes, tmp_path):
+    """The lost host's shard is also on the spare (as on storage every host shares: copied here before the loss):
+    pserver.1 moves to the spare, every pserver loads the common step, the trainers go on from it."""
+    spec, ckpt = ps_spec(ps_nodes, tmp_path, "it-el-ps-moved", 7800)
+    ips = [n.ip for n in ps_nodes.nodes]
+    lost, spare = ps_nodes.nodes[1], ps_nodes.nodes[3]
+    clusterctl("dispatch", spec, check=True)
+    clusterctl("start", spec, check=True, timeout=180)
+    try:
+        wait_log(spec, rf"\[{re.escape(ips[0])} trainer\.0\] step=60 ")  # the checkpoint of step 50 is saved
+        shard = node_exec(lost.container, f"cd {ckpt} && tar cf - pserver-1 | base64 -w0", user="ubuntu")
+        node_exec(spare.container, f"mkdir -p {ckpt} && cd {ckpt} && echo {shard} | base64 -d | tar xf -",
+                  user="ubuntu")
+        docker("kill", lost.container)
+        st = wait_state(spec, {"succeeded", "failed"}, timeout=DEADLINE)
+        assert st["state"] == "succeeded" and st["attempt"] == 1, st
+        assert st["elastic"]["members"] == [ips[0], ips[3], ips[2]]
+        logs = logs_without(spec, ips[1])
+        assert re.search(rf"\[{re.escape(ips[3])} pserver\.1#1\] .*loaded 1 block\(s\) at step 50", logs), logs[-3000:]
+        again = [int(m.group(1)) for m in re.finditer(rf"\[{re.escape(ips[0])} trainer\.0#1\] step=(\d+) ", logs)]
+        assert again and again[0] == 50, again  # from the checkpoint, not from scratch
+        no_orphans(ps_nodes, "it-el-ps-moved", [n for i, n in enumerate(ps_nodes.nodes[:4]) if i != 1])
+    finally:
+        tc.up(5, name=NAME, packages=PACKAGES, user="ubuntu")
+        clusterctl("stop", spec, timeout=120)
+        for n in ps_nodes.nodes[:4]:
+            node_exec(n.container, f"rm -rf {ckpt}", check=False)
