@@ -303,3 +303,39 @@ def test_plan_next_refuses_a_pserver_placement_whose_shard_is_gone_and_the_taker
     taker.lost = {0}
     view, change = taker.plan_next({addr(1)}, {}, 1000.0, None)
     assert (view["coordinator"], change["coordinator"], view["changes"][-1]) == (2, [0, 2], change)
+
+
+def test_status_folds_an_elastic_job_from_its_current_attempts_hosts():
+    from clusterctl.ops.job import fold_status
+
+    def reply(host, state, attempt, coordinator=False, members=None, lines=(), procs=()):
+        out = {"ok": True, "job": "el", "host": host, "state": state, "attempt": attempt, "restarts": 3,
+               "is_coordinator": coordinator, "reason": None if state == "succeeded" else "supervisor is not running",
+               "processes": [{"role": "trainer", "id": i, "pid": 10 + i, "state": s, "exit_code": 0}
+                             for i, s in procs]}
+        if members is not None:
+            out["elastic"] = {"index": 0, "member": True, "view": {"attempt": attempt}, "members": members,
+                              "lines": list(lines), "idle": []}
+        return out
+
+    lines = ["attempt 1 runs on 3 host(s) (min 2): a, b, d; coordinator a", "c: lost at attempt 0",
+             "host c lost at attempt 0; d (spare) in its place at attempt 1"]
+    replies = {
+        "A": reply("a", "succeeded", 1, True, ["a", "b", "d"], lines, [(0, "exited")]),
+        "B": reply("b", "succeeded", 1, False, ["a", "b", "d"], ["peer's lines"], [(1, "exited")]),
+        "C": reply("c", "lost", 0, False, ["a", "b", "c"], ["old"], [(2, "lost")]),
+        "D": reply("d", "succeeded", 1, False, ["a", "b", "d"], [7, "\x1b[31mspoof"], [(2, "exited")]),
+    }
+    st = fold_status("el", replies, {"E": "No route to host"}, {"A": "a", "B": "b", "C": "c", "D": "d", "E": "e"})
+    # c was lost and replaced, e is a spare that does not answer: neither decides the job's state or reason
+    assert (st.state, st.reason, st.attempt) == ("succeeded", None, 1)
+    assert st.elastic["lines"] == lines and st.elastic["members"] == ["a", "b", "d"]
+    assert [(p.host, p.id, p.state) for p in st.processes] == [("A", 0, "exited"), ("B", 1, "exited"),
+                                                               ("C", 2, "lost"), ("D", 2, "exited")]
+    assert st.to_json()["elastic"]["lines"] == lines
+    # a member that does not answer still makes the job `lost`; a host's control characters never reach the screen
+    st = fold_status("el", {k: v for k, v in replies.items() if k != "B"}, {"B": "No route to host"},
+                     {"A": "a", "B": "b", "C": "c", "D": "d"})
+    assert (st.state, st.reason) == ("lost", "unreachable: B")
+    only_d = fold_status("el", {"D": replies["D"]}, {})
+    assert only_d.elastic["lines"] == ["?[31mspoof"]
