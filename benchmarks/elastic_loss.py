@@ -14,6 +14,9 @@ clock, so the timeline reads from one clock:
 - first step: the last rank's first `step=` line of attempt 1 (the script prints every 10th step and the
   last, so with a checkpoint every 10 steps the first step it trains is the first line).
 
+With `--kill-coordinator` the first host is killed: rank 0's checkpoint goes with it, so the new attempt
+starts from step 0 (no `resumed` line).
+
     .venv/bin/python benchmarks/elastic_loss.py [--repeats 3] [--name ct-elastic] [--keep] [--kill-coordinator]
 
 docs/benchmarks.md ("Elastic jobs: a lost host") has the results.
@@ -126,7 +129,8 @@ def one(info, work: Path, rep: int, kill_coordinator: bool) -> dict:
     for rank, t in re.findall(r"trainer\.(\d)#1\] (\S+) step=\d+ ", text):
         first.setdefault(rank, float(t))
     return {"stopped": a0["ended_at"] - t_kill, "spawned": a1["started_at"] - t_kill,
-            "resumed": max(resumed) - t_kill, "first_step": max(first.values()) - t_kill,
+            # with the coordinator's host lost, rank 0's checkpoint went with it: the attempt starts from step 0
+            "resumed": max(resumed) - t_kill if resumed else None, "first_step": max(first.values()) - t_kill,
             "ranks": len(resumed), "reason": a0["reason"]}
 
 
@@ -155,7 +159,9 @@ def main() -> int:
             tc.down(args.name)
     print("| from the loss to ... | median (s) | runs (s) |\n|---|---:|---|")
     for key in ("stopped", "spawned", "resumed", "first_step"):
-        values = [r[key] for r in rows]
+        values = [r[key] for r in rows if r[key] is not None]
+        if not values:
+            continue
         print(f"| {key} | {statistics.median(values):.1f} | {', '.join(f'{v:.1f}' for v in values)} |")
     return 0
 
