@@ -13,9 +13,14 @@ docker so that a cut-off host is seen too), lets a restart begin, then stops the
 
 Fault kinds: kill -9 of a trainer, of a pserver, of a peer's supervisor, of the coordinator's supervisor;
 `docker pause` of a peer node for longer than the peer timeout; `docker network disconnect` of a peer node
-(then reconnect); a full log disk (the job's logs live on the nodes' 2 MiB tmpfs, filled with `dd`).
+(then reconnect); a full log disk (the job's logs live on the nodes' 2 MiB tmpfs, filled with `dd`); a host
+lost for good (`docker kill` of a peer node: its supervisor and processes die with it; it is started again
+only for the cycle's `stop`). With `--elastic` the job may go on without one host (`job.min_hosts`: all
+nodes but one; docs/lifecycle.md, elastic jobs): a lost host's cycle then also measures the time from the
+loss until every other host runs the new attempt and its trainers printed their first step.
 
-    .venv/bin/python benchmarks/soak.py [--cycles 50] [--nodes 8] [--name ct-soak] [--seed 1]
+    .venv/bin/python benchmarks/soak.py [--cycles 50] [--nodes 8] [--name ct-soak] [--seed 1] [--elastic]
+                                        [--kinds host_lost,kill9_trainer]
 
 The short version in the default test tier is tests/integration/test_soak.py (a few cycles, 4 nodes).
 """
@@ -42,7 +47,7 @@ from clusterctl import testcluster as tc  # noqa: E402
 
 JOB_DIR = ROOT / "tests" / "integration" / "jobs"  # job.py: pservers listen, trainers print step=N
 KINDS = ("kill9_trainer", "kill9_pserver", "kill9_supervisor", "kill9_coordinator_supervisor", "pause_node",
-         "disconnect_node", "fill_log_disk")
+         "disconnect_node", "fill_log_disk", "host_lost")
 PEER_TIMEOUT = 5.0  # the agent's default; a pause/disconnect lasts longer than this
 DECISION_LIMIT = 60.0  # a job that has not decided by then counts as stuck
 LOG_ROOT = "/mnt/small"  # the nodes' 2 MiB tmpfs
@@ -53,7 +58,7 @@ _PROBE = r"""
 import json, os, re, sys
 job, logdir, ports = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3].split(",")]
 out = {"state": None, "attempt": 0, "sup_alive": False, "sup_pid": None, "tagged": [], "listening": [],
-       "lost_lines": 0, "log_files": 0, "pids": {}}
+       "lost_lines": 0, "log_files": 0, "pids": {}, "trainers": 0, "stepping": False}
 try:
     st = json.load(open(os.path.expanduser(f"~/.clusterctl/jobs/{job}/state.json")))
 except (OSError, ValueError):
@@ -69,6 +74,15 @@ if st:
     out.update(state=st.get("state"), attempt=st.get("attempt", 0), sup_pid=sup.get("pid"),
                sup_alive=alive(sup.get("pid"), sup.get("start_ticks")))
     out["pids"] = {f"{p['role']}.{p['id']}": p["pid"] for p in st.get("processes", []) if p.get("state") == "running"}
+    # this attempt's trainers here, and whether each has printed a step (the attempt's first step)
+    mine = [p for p in st.get("processes", []) if p.get("role") == "trainer" and p.get("state") == "running"]
+    out["trainers"] = len(mine)
+    def stepped(path):
+        try:
+            return re.search(rb"^step=", open(path, "rb").read(), re.M) is not None
+        except OSError:
+            return False
+    out["stepping"] = bool(mine) and all(stepped(p["log"]) for p in mine)
 needle = f"CLUSTERCTL_JOB={job}".encode()
 for pid in os.listdir("/proc"):
     if pid.isdigit():
@@ -122,6 +136,7 @@ class Soak:
     logdir: str
     net: str
     paused: set = field(default_factory=set)
+    lost: set = field(default_factory=set)  # nodes killed for good (started again only for the cycle's stop)
 
     def probe(self, node) -> dict | None:
         """The node's own view of the job (None while the node is paused)."""
@@ -139,8 +154,10 @@ class Soak:
             return dict(zip((n.container for n in nodes), ex.map(self.probe, nodes)))
 
 
-def make_soak(info: tc.ClusterInfo, workdir: Path, job: str = "soak", base_port: int = 7600) -> Soak:
-    """Write the soak's spec for `info`'s nodes (pserver mode, restarts: 1) and dispatch the workspace."""
+def make_soak(info: tc.ClusterInfo, workdir: Path, job: str = "soak", base_port: int = 7600,
+              elastic: bool = False) -> Soak:
+    """Write the soak's spec for `info`'s nodes (pserver mode, restarts: 1; `elastic`: min_hosts all nodes but
+    one) and dispatch the workspace."""
     base = yaml.safe_load(Path(info.spec_path).read_text())
     ports = {"control": base_port, "master": base_port + 1, "pserver": base_port + 2, "trainer": base_port + 10}
     spec = {
@@ -150,6 +167,8 @@ def make_soak(info: tc.ClusterInfo, workdir: Path, job: str = "soak", base_port:
                 "trainers": 1, "grace": 2, "restarts": 1, "restart_backoff": 1, "ports": ports,
                 "log_dir": f"{LOG_ROOT}/{job}", "env": {"STEPS": "100000", "STEP_S": "0.1"}},
     }
+    if elastic:
+        spec["job"]["min_hosts"] = len(info.nodes) - 1
     path = workdir / f"{job}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     clusterctl("stop", path)
@@ -207,6 +226,15 @@ def inject(s: Soak, kind: str, rng: random.Random, views: dict) -> tuple[str, ca
             if s.net not in nets:
                 docker("network", "connect", s.net, node.container)
         return f"disconnect {node.ip}", reconnect
+    if kind == "host_lost":
+        node = rng.choice(peers)
+        docker("kill", node.container)
+        s.lost.add(node.container)
+
+        def restart():
+            if node.container in s.lost:
+                bring_back(s, node)
+        return f"kill {node.ip} (docker kill)", restart
     if kind == "fill_log_disk":
         node = rng.choice(nodes)
         docker("exec", node.container, "sh", "-c", f"dd if=/dev/zero of={LOG_ROOT}/fill bs=64k 2>/dev/null; true",
@@ -218,6 +246,30 @@ def inject(s: Soak, kind: str, rng: random.Random, views: dict) -> tuple[str, ca
     raise ValueError(kind)
 
 
+def bring_back(s: Soak, node, timeout: float = 60.0) -> None:
+    """Start a node killed for good again (a new boot: no supervisor of the job on it), at its address."""
+    docker("start", node.container)
+    deadline = time.monotonic() + timeout
+    while True:
+        nets = json.loads(docker("inspect", node.container, "--format", "{{json .NetworkSettings.Networks}}").stdout)
+        ip = (nets.get(s.net) or {}).get("IPAddress")
+        up = docker("exec", node.container, "sh", "-c", "pgrep -x sshd >/dev/null", check=False).returncode == 0
+        if up and ip:
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{node.container} did not come back within {timeout:.0f}s")
+        time.sleep(0.3)
+    if ip != node.ip:
+        raise SystemExit(f"{node.container} came back at {ip}, not {node.ip}: the spec no longer names it")
+    s.lost.discard(node.container)
+
+
+def new_attempt_running(views: dict, lost: set) -> bool:
+    """Every host not lost runs attempt 1 or later, and every trainer of it printed a step."""
+    return all(v is not None and v["attempt"] >= 1 and v["state"] == "running" and (v["stepping"] or not v["trainers"])
+               for c, v in views.items() if c not in lost)
+
+
 def decided(view: dict | None) -> bool:
     """The host no longer runs the first attempt as if nothing happened."""
     if view is None:
@@ -226,10 +278,11 @@ def decided(view: dict | None) -> bool:
             or not view["sup_alive"])
 
 
-def cycle(s: Soak, kind: str, rng: random.Random, log=print) -> dict:
-    """One start -> fault -> decision -> stop cycle; return its measurements."""
+def cycle(s: Soak, kind: str, rng: random.Random, log=print, elastic: bool = False) -> dict:
+    """One start -> fault -> decision -> stop cycle; return its measurements (`elastic`: the job goes on without
+    a lost host: a host_lost cycle also waits for the new attempt's first steps)."""
     row = {"kind": kind, "decision_s": None, "restarts": 0, "orphans": 0, "leaked_ports": 0, "lost_lines": 0,
-           "stuck": 0, "what": ""}
+           "stuck": 0, "what": "", "new_attempt_s": None}
     res = clusterctl("start", s.spec, timeout=180)
     if res.returncode != 0:
         raise SystemExit(f"start failed: {res.stderr[-2000:]}")
@@ -255,7 +308,7 @@ def cycle(s: Soak, kind: str, rng: random.Random, log=print) -> dict:
                 undo()
                 restore_at = None
             views = s.probe_all()
-            pending = [c for c, v in views.items() if c not in s.paused and not decided(v)]
+            pending = [c for c, v in views.items() if c not in s.paused and c not in s.lost and not decided(v)]
             if not pending and row["decision_s"] is None:  # every host that runs has decided
                 row["decision_s"] = round(time.monotonic() - t0, 2)
             if not pending and not s.paused and restore_at is None:  # ... and a frozen one once it ran again
@@ -263,6 +316,16 @@ def cycle(s: Soak, kind: str, rng: random.Random, log=print) -> dict:
             if now - t0 > DECISION_LIMIT:
                 row["stuck"] = 1
                 log(f"  no decision within {DECISION_LIMIT}s on {pending}")
+                break
+            time.sleep(0.2)
+        while elastic and kind == "host_lost" and row["stuck"] == 0:  # the job goes on without the lost host
+            views = s.probe_all()
+            if new_attempt_running(views, s.lost):
+                row["new_attempt_s"] = round(time.monotonic() - t0, 2)
+                break
+            if time.monotonic() - t0 > DECISION_LIMIT + 60:
+                row["stuck"] = 1
+                log(f"  no new attempt within {DECISION_LIMIT + 60:.0f}s: {views}")
                 break
             time.sleep(0.2)
     finally:
@@ -293,16 +356,19 @@ def cycle(s: Soak, kind: str, rng: random.Random, log=print) -> dict:
 
 def summarize(rows: list[dict]) -> str:
     """The markdown table of the soak, one row per fault kind."""
-    head = ("| fault | cycles | decision median (s) | decision max (s) | restarts taken | orphans | leaked ports "
-            "| lost log lines | stuck jobs |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    head = ("| fault | cycles | decision median (s) | decision max (s) | new attempt stepping, median (s) "
+            "| restarts taken | orphans | leaked ports | lost log lines | stuck jobs |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     for kind in KINDS:
         rs = [r for r in rows if r["kind"] == kind]
         if not rs:
             continue
         ds = [r["decision_s"] for r in rs if r["decision_s"] is not None]
+        ns = [r["new_attempt_s"] for r in rs if r.get("new_attempt_s") is not None]
         lines.append(
             f"| {kind} | {len(rs)} | {statistics.median(ds) if ds else '-'} | {max(ds) if ds else '-'} "
+            f"| {statistics.median(ns) if ns else '-'} "
             f"| {sum(r['restarts'] for r in rs)} | {sum(r['orphans'] for r in rs)} "
             f"| {sum(r['leaked_ports'] for r in rs)} | {sum(r['lost_lines'] for r in rs)} "
             f"| {sum(r['stuck'] for r in rs)} |")
@@ -317,6 +383,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep", action="store_true", help="keep the cluster afterwards")
     ap.add_argument("--json", type=Path, help="also write every cycle's row here")
+    ap.add_argument("--elastic", action="store_true", help="the job may go on without one host (min_hosts)")
+    ap.add_argument("--kinds", help="comma-separated fault kinds (default: all of %s)" % ", ".join(KINDS))
     args = ap.parse_args()
     import tempfile
 
@@ -325,12 +393,16 @@ def main() -> int:
     rows: list[dict] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            s = make_soak(info, Path(tmp))
-            kinds = [KINDS[i % len(KINDS)] for i in range(args.cycles)]  # every kind equally often, shuffled
+            s = make_soak(info, Path(tmp), elastic=args.elastic)
+            chosen = args.kinds.split(",") if args.kinds else list(KINDS)
+            unknown = [k for k in chosen if k not in KINDS]
+            if unknown:
+                raise SystemExit(f"unknown fault kind(s) {unknown}; choose from {', '.join(KINDS)}")
+            kinds = [chosen[i % len(chosen)] for i in range(args.cycles)]  # every kind equally often, shuffled
             rng.shuffle(kinds)
             for i, kind in enumerate(kinds):
                 t0 = time.monotonic()
-                row = cycle(s, kind, rng)
+                row = cycle(s, kind, rng, elastic=args.elastic)
                 rows.append(row)
                 print(f"cycle {i + 1}/{args.cycles} {kind}: {row['what']}: decision {row['decision_s']}s, "
                       f"restarts {row['restarts']}, orphans {row['orphans']}, ports {row['leaked_ports']}, "

@@ -66,6 +66,8 @@ def render_status(st) -> None:
         for a in st.attempts:
             if a.get("attempt") != st.attempt or a.get("outcome") in TERMINAL_JOB_STATES:
                 out.print(f"  attempt {a.get('attempt')}: {_styled(a.get('outcome') or '?')}: {escape(str(a.get('reason')))}")
+    for line in (getattr(st, "elastic", None) or {}).get("lines", ()):  # an elastic job: its hosts, spares, changes
+        out.print(escape(printable(line)))
     if st.reason:
         out.print(f"reason: {escape(printable(st.reason))}")  # host-supplied text: control characters escaped
     for host, why in st.unreachable.items():

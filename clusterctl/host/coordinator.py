@@ -49,8 +49,9 @@ def fd_budget():
 class CoordinatorLink:
     """Listens on the job's control endpoint; authenticates peers; hands their messages to `handler`.
 
-    `handler` has peer_joined(host, addr, hello), peer_message(host, msg) and peer_left(host, why); `hello`
-    and `msg` are parsed messages (protocol.parse_message)."""
+    `handler` has peer_joined(host, addr, hello), peer_message(host, msg) and peer_left(host, why), and may
+    have refuse(host, hello): a reason to refuse a hello whose proof is good (sent as the `error`), or None;
+    `hello` and `msg` are parsed messages (protocol.parse_message)."""
 
     def __init__(self, loop, job_id, address, port, token, timings, handler, log_bad, clock=time.monotonic,
                  max_pending=MAX_PENDING, max_per_source=MAX_PENDING_PER_SOURCE, auth_timeout=AUTH_TIMEOUT):
@@ -214,6 +215,10 @@ class CoordinatorLink:
             return self._reject(conn, "bad token", "bad token")
         if msg["job"] != self.job_id:
             return self._reject(conn, "wrong job %s" % _brief(msg["job"]), "wrong job")
+        refuse = getattr(self.handler, "refuse", None)  # the handler's own check (an elastic host's index)
+        refusal = refuse(host, msg) if refuse is not None else None
+        if refusal is not None:
+            return self._reject(conn, refusal, refusal)
         del self.pending[conn.sock]
         self.by_source[conn.source] -= 1
         if self.by_source[conn.source] <= 0:

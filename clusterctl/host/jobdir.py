@@ -116,7 +116,7 @@ def describe(state, now=None):
         attempts.append(AttemptRecord(attempt, job_state, reason, state.get("failure"),
                                       state.get("attempt_started_at"), None))
         total += 1
-    extra = {k: state[k] for k in ("hosts", "coordinator") if k in state}
+    extra = {k: state[k] for k in ("hosts", "coordinator", "elastic") if k in state}
     return HostStatus(
         job=state.get("job"), host=state.get("host"), jobdir=state.get("jobdir"), state=job_state, reason=reason,
         failure=state.get("failure"), failures=state.get("failures") or [],

@@ -112,14 +112,49 @@ def run_job_file(path):
 
 
 def cmd_launch(args):
-    """Validate the job, daemonize a supervisor, report the spawned pids."""
+    """Validate the job, daemonize a supervisor, report the spawned pids (none yet when it waits for the other
+    hosts: the start barrier)."""
     code, result = launch_job(args.jobfile)
     emit(result)
     return code
 
 
-def launch_job(path):
-    """Daemonize a supervisor for the job file at `path`: (exit code, the launch report: ok, pids, error)."""
+def _report_lines(rfd, deadline, wait_started):
+    """Read the supervisor's report lines until it closes the pipe, or until the first (`armed`: it waits for
+    every host before it starts anything) plus up to `wait_started` seconds for the next; the last whole line."""
+    sel = selectors.DefaultSelector()
+    sel.register(rfd, selectors.EVENT_READ)
+    data, last = b"", None
+    try:
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                continue
+            chunk = os.read(rfd, 65536)
+            if not chunk:
+                break
+            data += chunk
+            *lines, data = data.split(b"\n")
+            for line in lines:
+                try:
+                    last = json.loads(line.decode("utf-8"))
+                except (ValueError, UnicodeDecodeError):
+                    continue
+            if isinstance(last, dict) and last.get("armed"):
+                if wait_started <= 0:
+                    break
+                deadline = min(deadline, time.monotonic() + wait_started)
+                wait_started = 0
+    finally:
+        sel.close()
+    return last if isinstance(last, dict) else None
+
+
+def launch_job(path, wait_started=0.0):
+    """Daemonize a supervisor for the job file at `path`: (exit code, the launch report: ok, pids, error).
+
+    A host of a multi-host job reports as soon as its supervisor is armed (listening, or set to join the
+    coordinator) with no pids and `armed: true`: its processes start once every host joined. `wait_started`:
+    how long to wait after that for them to start (then the report has their pids)."""
     job, jobdir, lockfd = _claim(os.path.abspath(path))
     if isinstance(lockfd, dict):
         return 1, lockfd
@@ -153,23 +188,13 @@ def launch_job(path):
     os.close(wfd)
     os.close(lockfd)
     os.waitpid(pid, 0)
-    data = b""
     after = job.get("start_trainers_after") or {}
     report_timeout = LAUNCH_REPORT_TIMEOUT + after.get("timeout", 0)
-    deadline = time.monotonic() + report_timeout
-    sel = selectors.DefaultSelector()
-    sel.register(rfd, selectors.EVENT_READ)
-    while time.monotonic() < deadline:
-        if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-            continue
-        chunk = os.read(rfd, 65536)
-        if not chunk:
-            break
-        data += chunk
-    os.close(rfd)
     try:
-        result = json.loads(data.decode("utf-8").strip().splitlines()[-1])
-    except (ValueError, IndexError, UnicodeDecodeError):
+        result = _report_lines(rfd, time.monotonic() + report_timeout, wait_started)
+    finally:
+        os.close(rfd)
+    if result is None:
         result = {"ok": False, "pids": {}, "jobdir": jobdir,
                   "error": "supervisor did not report within %.0fs; see %s" % (report_timeout, logpath)}
     result["job"] = job["job"]

@@ -156,15 +156,21 @@ def cmd_logs(args):
     state, job = job_from_dir(jobdir, strict=False)
     if state is None and job is None:
         raise InputError("no job state or %s in %s" % (JOB_FILE, jobdir))
-    procs = (state or job)["processes"]
+    # an elastic job's host also lists the processes it ran in earlier attempts and no longer runs ("retired")
+    procs = (state or job)["processes"] + list((state or {}).get("retired") or [])
     host = args.host_label or (state or job).get("host") or socket.gethostname()
-    sel = [p for p in procs if (args.role is None or p["role"] == args.role) and (args.id is None or p["id"] == args.id)]
-    if not sel:
+
+    def matches(p):
+        return (args.role is None or p.get("role") == args.role) and (args.id is None or p.get("id") == args.id)
+
+    sel = [p for p in procs if matches(p)]
+    # an elastic job's spare may take a place (and processes) later: followed, it waits for them
+    elastic = bool((state or {}).get("elastic") or (job or {}).get("elastic"))
+    if not sel and not (args.follow and elastic):
         raise InputError("no process matches role=%s id=%s in %s" % (args.role, args.id, jobdir))
     if args.lines is not None and args.lines < 0:
         raise InputError("-n must be >= 0")
     out = sys.stdout.buffer
-    wanted = set((p["role"], p["id"]) for p in sel)
     tails = [LogTail(_log_prefix(host, p, attempt), path, out) for p in sel for attempt, path in _attempt_logs(p)]
     try:
         if not args.follow:
@@ -180,7 +186,7 @@ def cmd_logs(args):
             state = read_state_or_none(jobdir)
             over = _job_over(state)  # decide before draining so nothing written before the end is lost
             for p in (state or {}).get("processes") or []:  # a restart's new logs, from their first line
-                if (p.get("role"), p.get("id")) in wanted:
+                if matches(p):
                     for attempt, path in _attempt_logs(p):
                         if path not in known:
                             known.add(path)

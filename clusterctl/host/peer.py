@@ -21,6 +21,10 @@ from .protocol import (AUTH_TIMEOUT, BACKOFF_MAX, BACKOFF_MIN, SEND_TIMEOUT, Con
 __all__ = ["PeerLink", "CONNECT_TIMEOUT"]
 
 CONNECT_TIMEOUT = 1.0  # one TCP connection attempt
+# Until the first welcome the back-off stops at this (not BACKOFF_MAX): every host's supervisor starts at about
+# the same time and the job starts only once all have joined (the start barrier), so a peer that came up
+# before its coordinator listens must not sleep a second between tries.
+JOIN_BACKOFF_MAX = 0.25
 
 
 def _printable(text, limit=200):
@@ -108,7 +112,7 @@ class PeerLink:
         self.tries += 1
         delay = self.backoff * (0.5 + 0.5 * int.from_bytes(os.urandom(2), "big") / 65535.0)
         self.next_try = now + delay
-        self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+        self.backoff = min(self.backoff * 2, BACKOFF_MAX if self.ever_connected else JOIN_BACKOFF_MAX)
         try:
             family, kind, proto, _, sockaddr = socket.getaddrinfo(self.address, self.port, type=socket.SOCK_STREAM)[0]
             sock = socket.socket(family, kind, proto)

@@ -165,6 +165,23 @@ class LocalProcesses:
         for r in self.rows:
             r.reset()
 
+    def swap(self, entries, retired=()):
+        """This host's processes of another attempt's layout (an elastic job's new view): a process that stays
+        (same role and id; or comes back: `retired`, the rows an earlier swap returned) keeps its list of earlier
+        attempts' logs; the rows that go are returned (their logs stay readable: state.json "retired"). Every
+        row is pending."""
+        old = {(r.role, r.id): r for r in list(retired) + self.rows}
+        self.popens = {}
+        rows = []
+        for p in entries:
+            row = ProcessRow(p["role"], p["id"], list(p["argv"]), p["cwd"], p["log"], list(p["ports"]), dict(p["env"]))
+            prev = old.pop((row.role, row.id), None)
+            if prev is not None:
+                row.logs = list(prev.logs)
+            rows.append(row)
+        self.rows = rows
+        return [r for r in old.values() if r.logs]
+
     def pids(self):
         """{"role.id": pid} of the processes started in this attempt (the launch report)."""
         return {r.name: r.pid for r in self.rows if r.pid}

@@ -50,7 +50,8 @@ class Msg(StrEnum):
     STOPPING = "stopping"  # peer -> coordinator: a stop was requested on that host
     STOP = "stop"  # coordinator -> peer: the verdict
     DONE = "done"  # peer -> coordinator: the local stop finished
-    RESTART = "restart"  # coordinator -> peer: start attempt K
+    RESTART = "restart"  # coordinator -> peer: start attempt K (an elastic job: on the hosts of its view)
+    GO = "go"  # coordinator -> peer: every host joined; start the first attempt's processes (the start barrier)
     PING = "ping"  # both ways, every heartbeat
 
 
@@ -62,11 +63,14 @@ def challenge(nonce):
     return {"type": Msg.CHALLENGE, "version": PROTOCOL_VERSION, "nonce": nonce}
 
 
-def hello(job, host, nonce, proof, exits=(), stopping=None, attempt=0, idle=False, failed=None):
-    """peer -> coordinator: the answer to a challenge, and what the coordinator may have missed."""
+def hello(job, host, nonce, proof, exits=(), stopping=None, attempt=0, idle=False, failed=None, index=None,
+          ps=None):
+    """peer -> coordinator: the answer to a challenge, and what the coordinator may have missed; an elastic
+    job's host adds its `index` (its position in the spec's hosts) and `ps`, its pserver checkpoint shards
+    ({pserver id: [steps, newest first]}, host/elastic.py ps_inventory), or null."""
     return {"type": Msg.HELLO, "version": PROTOCOL_VERSION, "job": job, "host": host, "nonce": nonce,
             "proof": proof, "exits": list(exits), "stopping": stopping, "attempt": attempt, "idle": bool(idle),
-            "failed": failed}
+            "failed": failed, "index": index, "ps": _ps_json(ps)}
 
 
 def welcome(job, proof):
@@ -96,14 +100,20 @@ def stop(state, reason, failure, attempt, restart):
             "restart": bool(restart)}
 
 
-def done(host, attempt):
-    """peer -> coordinator: the peer's local stop of `attempt` finished."""
-    return {"type": Msg.DONE, "host": host, "attempt": attempt}
+def done(host, attempt, ps=None):
+    """peer -> coordinator: the peer's local stop of `attempt` finished (`ps`: as in the hello)."""
+    return {"type": Msg.DONE, "host": host, "attempt": attempt, "ps": _ps_json(ps)}
 
 
-def restart(attempt):
-    """coordinator -> peer: start attempt `attempt`."""
-    return {"type": Msg.RESTART, "attempt": attempt}
+def restart(attempt, view=None):
+    """coordinator -> peer: start attempt `attempt`; an elastic job's `view` says on which hosts (host/elastic.py:
+    the receiver checks it against its own section, then runs its part of it, or nothing)."""
+    return {"type": Msg.RESTART, "attempt": attempt, "view": view}
+
+
+def go(attempt):
+    """coordinator -> peer: every host of the job joined: start `attempt`'s processes (the start barrier)."""
+    return {"type": Msg.GO, "attempt": attempt}
 
 
 def ping():
@@ -191,6 +201,38 @@ def _opt_code(v):
     return v
 
 
+def _opt_index(v):
+    if v is not None and (not _is_int(v) or v < 0):
+        raise ValueError("must be an integer >= 0 or null")
+    return v
+
+
+MAX_PS_STEPS = 16  # a checkpoint inventory lists at most this many steps per pserver (two are kept on disk)
+MAX_PSERVERS = 4096
+
+
+def _ps_json(ps):
+    """An inventory for the wire: JSON object keys are strings."""
+    return None if ps is None else {str(k): list(v) for k, v in ps.items()}
+
+
+def _inventory(v):
+    """A pserver checkpoint inventory ({"id": [steps]}) as {id: [steps]}, or null."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or len(v) > MAX_PSERVERS:
+        raise ValueError("must be an object of pserver id to steps, or null")
+    out = {}
+    for k, steps in v.items():
+        if not isinstance(k, str) or not k.isdigit() or len(k) > 6:
+            raise ValueError("must be an object of pserver id to steps, or null")
+        if (not isinstance(steps, list) or len(steps) > MAX_PS_STEPS
+                or not all(_is_int(s) and s >= 0 for s in steps)):
+            raise ValueError("%s: must be a list of at most %d steps" % (k, MAX_PS_STEPS))
+        out[int(k)] = list(steps)
+    return out
+
+
 def _exits(v):
     if not isinstance(v, list):
         raise ValueError("must be a list")
@@ -207,15 +249,17 @@ _FIELDS = {
     Msg.HELLO: (("version", None, None), ("job", _text, _REQUIRED), ("host", _label, _REQUIRED),
                 ("nonce", _nonce_field, _REQUIRED), ("proof", _text, _REQUIRED), ("exits", _exits, []),
                 ("stopping", _opt_text, None), ("attempt", _count, 0), ("idle", _flag, False),
-                ("failed", _opt_text, None)),
+                ("failed", _opt_text, None), ("index", _opt_index, None), ("ps", _inventory, None)),
     Msg.WELCOME: (("job", _text, _REQUIRED), ("proof", _text, _REQUIRED)),
     Msg.ERROR: (("error", lambda v: str(v)[:200], None), ("version", None, None)),
     Msg.EXIT: _EXIT,
     Msg.STOPPING: (("reason", _opt_text, None),),
     Msg.STOP: (("state", _verdict_state, _REQUIRED), ("reason", _text, _REQUIRED), ("failure", _opt_dict, None),
                ("attempt", _count, _REQUIRED), ("restart", _flag, False)),
-    Msg.DONE: (("host", _opt_text, None), ("attempt", _count, _REQUIRED)),
-    Msg.RESTART: (("attempt", _count, _REQUIRED),),
+    Msg.DONE: (("host", _opt_text, None), ("attempt", _count, _REQUIRED), ("ps", _inventory, None)),
+    # the view is checked by the receiver against its own job file (host/elastic.py check_view)
+    Msg.RESTART: (("attempt", _count, _REQUIRED), ("view", _opt_dict, None)),
+    Msg.GO: (("attempt", _count, _REQUIRED),),
     Msg.PING: (),
 }
 

@@ -20,8 +20,9 @@ from .status import AttemptRecord
 __all__ = ["TRANSITIONS", "IllegalTransition", "check_transition", "Verdict", "ExitEvent", "History", "JobCore",
            "failed", "on_exit", "on_host_lost", "on_host_failed", "on_peers_missing", "on_stop_request",
            "on_verdict_received", "on_restart_order", "on_coordinator_silence", "apply_verdict",
-           "stop_finished", "begin_attempt", "mark_running", "restart_ready", "may_exit", "PEER_DONE_LINGER",
-           "ATTEMPTS_KEPT", "BEGIN_STOP", "FINALIZED"]
+           "stop_finished", "begin_attempt", "mark_running", "restart_ready", "may_exit", "barrier_passed",
+           "next_coordinator_due", "takeover_gathered", "PEER_DONE_LINGER", "ATTEMPTS_KEPT", "BEGIN_STOP",
+           "FINALIZED"]
 
 S = JobState
 PEER_DONE_LINGER = 5.0  # coordinator: after its own stop, how long it waits for the peers' "done"
@@ -237,12 +238,13 @@ def on_restart_order(core, attempt):
     return True, None
 
 
-def on_coordinator_silence(core, timings, now, started, ever_connected, lost_since, why, endpoint):
+def on_coordinator_silence(core, timings, now, started, ever_connected, lost_since, why, endpoint, elastic=False):
     """Peer: what having no coordinator means now: None (keep trying), or a verdict.
 
     Never connected: after `connect_timeout` (from `started`) the job fails here (final). Connected, then
     lost since `lost_since`: after `reconnect_timeout` the attempt fails here (a restart may follow: keep
-    trying to rejoin); after another `connect_timeout` without the coordinator that is final."""
+    trying to rejoin); after another `connect_timeout` without the coordinator that is final, unless the job
+    is `elastic`: its hosts then look for the coordinator's successor instead (`next_coordinator_due`)."""
     if not ever_connected:
         if now - started <= timings.connect_timeout:
             return None
@@ -257,10 +259,39 @@ def on_coordinator_silence(core, timings, now, started, ever_connected, lost_sin
     away = now - lost_since
     if core.verdict is None and away > timings.reconnect_timeout:
         return failed(core, "lost connection to coordinator %s: %s" % (endpoint, why))
-    if core.restart_pending and away > timings.reconnect_timeout + timings.connect_timeout:
+    if not elastic and core.restart_pending and away > timings.reconnect_timeout + timings.connect_timeout:
         return Verdict(S.FAILED, "lost connection to coordinator %s and could not rejoin within %.0fs: %s"
                        % (endpoint, timings.connect_timeout, why), core.verdict.failure)
     return None
+
+
+def barrier_passed(core, all_joined, members_joined, waited, timings):
+    """Coordinator, before the first attempt spawns anything (the start barrier): True once every host of the
+    job has joined (`all_joined`), or, `connect_timeout` into the attempt, every host of its view has
+    (`members_joined`: an elastic job's spare that never joined is not waited for; a member that never joined
+    fails the attempt, `on_peers_missing`). Never once a verdict is in."""
+    if core.verdict is not None:
+        return False
+    return all_joined or (members_joined and waited > timings.connect_timeout)
+
+
+def next_coordinator_due(core, timings, now, lost_since, trying_since, trying_successor):
+    """Peer of an elastic job without its coordinator: whether to turn to the next candidate (the view's
+    successor, host/elastic.py `successor`). From the view's coordinator: once it has been lost
+    `reconnect_timeout` (when this host also fails the attempt); from a successor that does not answer: after
+    `connect_timeout` of trying it. Never once the verdict is final (no restart left: nothing to take over)."""
+    if core.final:
+        return False
+    if trying_successor:
+        return now - trying_since > timings.connect_timeout
+    return lost_since is not None and now - lost_since > timings.reconnect_timeout
+
+
+def takeover_gathered(missing, now, since, timings):
+    """A host that took over as coordinator (since `since`) may plan the next attempt: every member of the
+    last view but the old coordinator has joined it (`missing` is empty), or `connect_timeout` passed (those
+    still missing count as lost)."""
+    return not missing or now - since > timings.connect_timeout
 
 
 # -- applying them --------------------------------------------------------------------------------------------

@@ -70,6 +70,10 @@ def _str_or_none(v):
     return v if isinstance(v, str) else None
 
 
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def _num_or_none(v):
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
@@ -98,7 +102,8 @@ class HostStatus:
     attempts_total: int = 0  # every attempt so far, also those no longer listed
     restart_at: float | None = None
     restart_pending: bool = False
-    extra: dict = field(default_factory=dict)  # "hosts", "coordinator": the coordinator's and a peer's view
+    extra: dict = field(default_factory=dict)  # "hosts", "coordinator": the coordinator's and a peer's view;
+    # "elastic": an elastic job's view on this host ({"index", "member", "view", "lines", "idle"})
 
     def to_json(self) -> dict:
         """The reply's JSON (one object, `ok: true`)."""
@@ -134,7 +139,24 @@ class HostStatus:
             attempts=attempts,
             attempts_total=data["attempts_total"] if _is_int(data.get("attempts_total")) else len(attempts),
             restart_at=_num_or_none(data.get("restart_at")), restart_pending=data.get("restart_pending") is True,
-            extra={k: data[k] for k in ("hosts", "coordinator") if isinstance(data.get(k), dict)})
+            extra={k: data[k] for k in ("hosts", "coordinator", "elastic") if isinstance(data.get(k), dict)})
+
+    @property
+    def elastic(self) -> dict | None:
+        """An elastic job's view as this host holds it: {"attempt", "member" (this host), "members": [the
+        attempt's hosts], "lines": [status lines], "idle": [hosts connected that run nothing]}, only what has
+        the right type (None: not an elastic job, or nothing usable)."""
+        raw = self.extra.get("elastic")
+        if not isinstance(raw, dict) or not isinstance(raw.get("lines"), list):
+            return None
+        lines = [_printable(line)[:500] for line in raw["lines"][:200] if isinstance(line, str)]
+        view = raw.get("view") if isinstance(raw.get("view"), dict) else {}
+        return {"attempt": view["attempt"] if _is_int(view.get("attempt")) else self.attempt,
+                "member": raw.get("member") is True, "lines": lines,
+                "members": [h for h in raw.get("members") or [] if isinstance(h, str)][:10000]
+                if isinstance(raw.get("members"), list) else [],
+                "idle": [_printable(h)[:255] for h in raw.get("idle") or [] if isinstance(h, str)][:1000]
+                if isinstance(raw.get("idle"), list) else []}
 
     @property
     def folded_state(self) -> str:
@@ -165,6 +187,7 @@ class JobStatus:
     attempts: list = field(default_factory=list)  # {attempt, outcome, reason, started_at, ended_at}, oldest first
     backend: str = "ssh"
     stragglers: list = field(default_factory=list)  # {host, process, rate, median, ratio}: the straggler rule's finds
+    elastic: dict | None = None  # an elastic job: {"attempt", "lines": [which hosts run it, spares, changes]}
 
     def to_json(self) -> dict:
         """JSON form for `clusterctl status --json`."""
@@ -179,6 +202,7 @@ class JobStatus:
             "processes": [vars(p) for p in self.processes],
             "unreachable": self.unreachable,
             "stragglers": self.stragglers,
+            "elastic": self.elastic,
         }
 
 

@@ -18,6 +18,8 @@ import time
 from . import protocol, rules
 from .common import log
 from .coordinator import CoordinatorLink
+from .elastic import CannotContinue
+from .elastichost import ElasticHost
 from .jobdir import STATE_FILE, STOP_REQUEST, write_json_atomic
 from .jobfile import AUTH_ENV, TOKEN_ENV
 from .loop import EventLoop
@@ -54,30 +56,28 @@ class Supervisor:
         self.is_coord = self.coord is None or self.coord["is_coordinator"]
         self.timings = Timings.from_job(self.coord or {}, "coordinator")
         # the processes' shared secret (pserver / PMI auth): in their environment only, or `auth: none` said so
-        token = job.get("token") or (self.coord or {}).get("token")
-        entries = []
-        for p in job["processes"]:
-            env = dict(p["env"])
-            if job.get("auth") == "none":
-                env[AUTH_ENV] = "none"
-            elif token:
-                env[TOKEN_ENV] = process_token(token)
-            entries.append(dict(p, env=env))
-        self.procs = LocalProcesses(self.job_id, jobdir, entries)
+        self.token = job.get("token") or (self.coord or {}).get("token")
+        self.procs = LocalProcesses(self.job_id, jobdir, self._entries(job["processes"]))
+        self.retired = []  # an elastic job's rows of earlier attempts that this host no longer runs (their logs)
+        self.after = job.get("start_trainers_after")
         trainers_total = (self.coord["trainers_total"] if self.coord is not None
                           else sum(1 for p in job["processes"] if p["role"] == "trainer"))
         self.core = JobCore(self.policy, trainers_total, started_at=time.time())
         self.loop = EventLoop()
         self.log_bad = LogLimiter()
+        # an elastic job (hosts[].spare, job.min_hosts): the view of the attempt, this host's part in it
+        self.elastic = None
+        if job.get("elastic") is not None and self.coord is not None:
+            self.elastic = ElasticHost(job["elastic"], os.path.expanduser("~"),
+                                       (self.after or {}).get("timeout", 120.0))
         self.members = None
         self.link = None
         if self.coord is not None and self.is_coord:
-            self.members = Membership(self.coord["hosts"] - 1)
+            self.members = self._membership()
             self.link = CoordinatorLink(self.loop, self.job_id, self.coord["address"], self.coord["port"],
                                         self.coord["token"], self.timings, self, self.log_bad, clock)
         elif self.coord is not None:
-            self.link = PeerLink(self.loop, self.job_id, self.host, self.coord["address"], self.coord["port"],
-                                 self.coord["token"], self.timings, self, self.log_bad, clock)
+            self.link = self._peer_link(self.coord["address"], self.coord["port"])
         self.t0 = self.attempt_t0 = clock()
         self.gate = None  # trainers held back until the pserver endpoints open (start_trainers_after)
         self.stopper = None
@@ -86,6 +86,9 @@ class Supervisor:
         self.restart_at = None  # coordinator: monotonic time of the next attempt, once every host stopped
         self.pending_restart = None  # peer: the attempt the coordinator asked for, started once the stop is done
         self.local_exits = []  # ExitEvents of this attempt on this host (a peer's hello repeats them)
+        # the start barrier: a multi-host job's first attempt spawns nothing until every host joined (`go`)
+        self.awaiting_go = False
+        self.went = False  # coordinator: `go` was sent
         self.term_requested = self.term_handled = False
         self.my_ticks = self.started_at = None
         self.dirty = True
@@ -95,6 +98,31 @@ class Supervisor:
     def state(self):
         """The job state on this host (a JobState)."""
         return self.core.state
+
+    def _entries(self, processes):
+        """Process entries with the processes' shared secret (pserver / PMI auth) in their environment only,
+        or `auth: none` said so."""
+        entries = []
+        for p in processes:
+            env = dict(p["env"])
+            if self.job.get("auth") == "none":
+                env[AUTH_ENV] = "none"
+            elif self.token:
+                env[TOKEN_ENV] = process_token(self.token)
+            entries.append(dict(p, env=env))
+        return entries
+
+    def _membership(self):
+        """The coordinator's Membership: every other host of the job; an elastic job's members are its view's."""
+        everyone = self.coord["hosts"] - 1
+        if self.elastic is None:
+            return Membership(everyone)
+        labels = self.elastic.peer_labels()
+        return Membership(len(labels), members=labels, everyone=everyone)
+
+    def _peer_link(self, address, port):
+        return PeerLink(self.loop, self.job_id, self.host, address, port, self.coord["token"], self.timings, self,
+                        self.log_bad, self.clock)
 
     # -- state.json and the launch report ---------------------------------------------------------------------
 
@@ -116,7 +144,16 @@ class Supervisor:
             "restart_at": (time.time() + max(0.0, self.restart_at - self.clock())
                            if self.restart_at is not None else None),
             "lingering": core.final and core.stop_done,  # the verdict is in; waiting for peers only
+            "awaiting_go": self.awaiting_go,  # the start barrier: every host must join before anything spawns
         }
+        if self.retired:
+            state["retired"] = [r.to_json() for r in self.retired]
+        if self.elastic is not None:
+            idle = None
+            if self.members is not None:
+                idle = dict((h, self.members.joined_at.get(h, 0.0)) for h in self.members.connected
+                            if not self.members.is_member(h))
+            state["elastic"] = self.elastic.to_json(idle, time.time())
         if self.coord is not None:
             state["coordinator"] = {"address": self.coord["address"], "port": self.coord["port"],
                                     "hosts": self.coord["hosts"]}
@@ -125,7 +162,7 @@ class Supervisor:
                 state["coordinator"].update(self.link.stats())
                 state["hosts"] = self.members.to_json()
             else:
-                state["coordinator"]["connected"] = self.link.connected
+                state["coordinator"]["connected"] = self.link is not None and self.link.connected
         return state
 
     def write_state(self):
@@ -138,14 +175,20 @@ class Supervisor:
             return
         self.dirty = False
 
-    def report(self, obj):
-        """The launch report (`agent launch` relays it): once, then the pipe is closed."""
+    def report(self, obj, final=True):
+        """A line of the launch report (`agent launch` relays the first, `agent up` may wait for the second):
+        the `armed` line (not final) when the processes wait for the start barrier, then the final one, after
+        which the pipe is closed. A launcher that stopped waiting is no error."""
         if self.report_fd is None:
             return
         try:
             os.write(self.report_fd, (json.dumps(obj, sort_keys=True) + "\n").encode())
+        except BrokenPipeError:
+            final = True  # nobody reads any more
         except OSError as e:
             log("cannot report to launcher: %s" % e)
+        if not final:
+            return
         try:
             os.close(self.report_fd)
         except OSError:
@@ -155,6 +198,11 @@ class Supervisor:
     def _report_launch(self, error):
         self.report({"ok": error is None, "error": error, "jobdir": self.jobdir, "supervisor_pid": os.getpid(),
                      "pids": self.procs.pids()})
+
+    def _report_armed(self):
+        """The supervisor is set (listening, or trying to join) and waits for every host: nothing started."""
+        self.report({"ok": True, "error": None, "jobdir": self.jobdir, "supervisor_pid": os.getpid(), "pids": {},
+                     "armed": True}, final=False)
 
     # -- main ----------------------------------------------------------------------------------------------------
 
@@ -191,6 +239,8 @@ class Supervisor:
             self.loop.close()
         if self.gate is not None:  # ended before the trainers were released
             self._report_launch("job %s: %s before the trainers started" % (self.core.state, self._reason()))
+        elif self.awaiting_go:  # ended at the start barrier
+            self._report_launch("job %s: %s before the processes started" % (self.core.state, self._reason()))
         log("supervisor exiting, job state %s (%s)" % (self.core.state, self._reason()))
         return 0
 
@@ -250,11 +300,24 @@ class Supervisor:
     # -- local processes -----------------------------------------------------------------------------------------
 
     def _start_attempt(self):
-        """Spawn this attempt's local processes: pservers first, trainers at once or once the pservers listen."""
+        """Start this attempt: a multi-host job's first attempt waits for every host (the start barrier: the
+        coordinator's `go`); any other spawns its local processes at once."""
         attempt = self.core.attempt
         if attempt:
             log("attempt %d of job %s (restart %d of %d)" % (attempt, self.job_id, attempt, self.policy.restarts))
-        after = self.job.get("start_trainers_after")
+        if attempt == 0 and self.link is not None and self.coord["hosts"] > 1:
+            self.awaiting_go = True
+            self.write_state()
+            log("waiting for every host of the job to join before starting anything")
+            self._report_armed()
+            return
+        self._spawn()
+
+    def _spawn(self):
+        """Spawn this attempt's local processes: pservers first, trainers at once or once the pservers listen."""
+        self.awaiting_go = False
+        attempt = self.core.attempt
+        after = self.after
         if after and after["endpoints"] and self.procs.has("trainer"):
             # pservers first; trainers once every pserver endpoint accepts connections (_gate_tick)
             error = self.procs.spawn(attempt, roles=("pserver",))
@@ -334,6 +397,10 @@ class Supervisor:
             log("job %s -> %s: %s%s" % (self.job_id, verdict.outcome, verdict.reason,
                                         "; restart %d of %d follows" % (self.core.attempt + 1, self.policy.restarts)
                                         if verdict.restart else ""))
+            if self.awaiting_go:  # decided at the start barrier: nothing was started here
+                self.awaiting_go = False
+                self.procs.not_started("not started: the job ended first")
+                self._report_launch("job %s: %s before the processes started" % (verdict.outcome, verdict.reason))
             self._tell_peers()
             self._begin_stop(self.policy.grace if verdict.grace is None else verdict.grace)
         else:
@@ -368,9 +435,10 @@ class Supervisor:
         self.dirty = True
         log("local processes stopped; killed %s" % self.stopper.killed)
         if self.members is None and self.link is not None:  # else the hello says `idle`
-            self.link.send(protocol.done(self.host, self.core.attempt))
+            self.link.send(protocol.done(self.host, self.core.attempt,
+                                         self.elastic.inventory() if self.elastic is not None else None))
         if self.core.restart_pending and self.pending_restart is not None:
-            self._next_attempt(self.pending_restart)
+            self._next_attempt(*self.pending_restart)
 
     def _stop_requested(self):
         grace = self.policy.grace
@@ -396,27 +464,80 @@ class Supervisor:
             waiting = self.members.waiting() if self.members is not None else ()
             if not rules.restart_ready(self.core, now, self.stop_done_at, waiting, self.policy.grace):
                 return
+            if not self._restart_gathered(now):
+                return
             delay = self.policy.restart_delay(self.core.attempt + 1)
             self.restart_at = self.clock() + delay  # not `now`: the stop that just ended took time
             self.dirty = True
             log("restart %d of %d in %.1fs" % (self.core.attempt + 1, self.policy.restarts, delay))
         if self.clock() >= self.restart_at:
-            self._next_attempt(self.core.attempt + 1)
+            view = None
+            if self.elastic is not None:
+                view = self._next_view()
+                if view is None:  # the job cannot go on: it ended
+                    return
+            self._next_attempt(self.core.attempt + 1, view)
 
-    def _next_attempt(self, attempt):
-        """Start attempt number `attempt` on this host, on the same plan (the coordinator tells the peers)."""
+    def _restart_gathered(self, now):
+        """A host that took over as coordinator plans the next attempt once the last view's members joined
+        it, or connect_timeout passed (rules.takeover_gathered)."""
+        el = self.elastic
+        if el is None or el.takeover_since is None:
+            return True
+        connected = self.members.connected
+        missing = [h for h in el.peer_labels(exclude=(el.replaced,)) if h not in connected]
+        return rules.takeover_gathered(missing, now, el.takeover_since, self.timings)
+
+    def _next_view(self):
+        """Coordinator of an elastic job: the next attempt's view (host/elastic.py next_view, the pserver
+        checkpoint check), logged; None when the job cannot go on (it is then failed, final, in one line)."""
+        el = self.elastic
+        idle = dict((h, self.members.joined_at.get(h, 0.0)) for h in self.members.connected
+                    if not self.members.is_member(h))
+        try:
+            view, change = el.plan_next(self.members.connected, idle, time.time(), el.inventory())
+        except CannotContinue as e:
+            failure = {"host": None, "role": None, "id": None, "exit_code": None}
+            self.decide(Verdict(JobState.FAILED, str(e), (self.core.verdict.failure if self.core.verdict else None)
+                                or failure))
+            return None
+        if change is not None:
+            log(el.describe_change(change))
+        return view
+
+    def _next_attempt(self, attempt, view=None):
+        """Start attempt number `attempt` on this host, on the same plan or, for an elastic job, on `view`'s
+        hosts (the coordinator tells the peers)."""
         rules.begin_attempt(self.core, attempt, time.time())
         self.attempt_t0 = self.clock()
         self.restart_at = self.pending_restart = None
         self.stopper = self.stop_report = None
         self.local_exits = []
         self.gate = None
-        self.procs.reset()
+        if view is not None:
+            self._adopt(view)
+        else:
+            self.procs.reset()
         if self.members is not None:
             self.members.new_attempt(time.time())
-            self.link.broadcast(protocol.restart(attempt))  # a broken connection is noticed by the tick
+            self.link.broadcast(protocol.restart(attempt, view))  # a broken connection is noticed by the tick
         self.dirty = True
         self._start_attempt()
+
+    def _adopt(self, view):
+        """An elastic job's view becomes this host's: its part (processes, the pserver wait, the trainers the
+        coordinator counts) replaces the last attempt's; a host that is not a member runs nothing."""
+        el = self.elastic
+        el.adopt(view)
+        part = el.part()
+        self.retired = self.procs.swap(self._entries(part["processes"]), self.retired)
+        self.after = part["start_trainers_after"]
+        self.core.trainers_total = part["coordinator"]["trainers_total"]
+        if self.members is not None:
+            self.members.set_members(el.peer_labels())
+        log("attempt %d runs on %s; this host %s" % (view["attempt"], ", ".join(
+            el.label(i) for i in view["members"]), "runs %d process(es)" % len(part["processes"])
+            if el.member else "runs nothing (idle: a spare for the next change)"))
 
     # -- the coordinator's side (CoordinatorLink's handler) ----------------------------------------------------
 
@@ -426,16 +547,37 @@ class Supervisor:
         if stats != self._counts_written:
             self._counts_written = stats
             self.dirty = True
-        verdict = rules.on_peers_missing(self.core, self.link.connected(), self.members.expected,
-                                         now - self.attempt_t0, self.timings)
+        m = self.members
+        if self.awaiting_go and rules.barrier_passed(self.core, m.all_joined(), len(m.connected_members()) >= m.expected,
+                                                     now - self.attempt_t0, self.timings):
+            self._go()
+        verdict = rules.on_peers_missing(self.core, m.connected_members(), m.expected, now - self.attempt_t0,
+                                         self.timings)
         if verdict is not None:
             self.decide(verdict)
+
+    def _go(self):
+        """The start barrier passed: tell every host, then spawn here."""
+        log("every host joined (%d connected): starting the job's processes" % len(self.members.connected))
+        self.went = True
+        self.link.broadcast(protocol.go(self.core.attempt))
+        self.dirty = True
+        self._spawn()
+
+    def refuse(self, host, hello):
+        """CoordinatorLink's check of a hello with a good proof: an elastic host must say which host it is."""
+        return None if self.elastic is None else self.elastic.refuse(host, hello["index"])
 
     def peer_joined(self, host, addr, hello):
         """A peer authenticated (or came back): bring it to the job's attempt and state."""
         log("host %s connected from %s" % (host, addr))
-        core = self.core
-        self.members.join(host, addr, time.time(), done=hello["idle"] and core.verdict is not None)
+        core, el = self.core, self.elastic
+        self.members.join(host, addr, time.time(), done=hello["idle"] and core.verdict is not None,
+                          index=hello["index"])
+        if el is not None:
+            el.index_of[host] = hello["index"]
+            if hello["ps"] is not None:
+                el.inventories[hello["index"]] = hello["ps"]
         self.dirty = True
         if hello["stopping"]:
             verdict = rules.on_stop_request(core, hello["stopping"])
@@ -446,13 +588,19 @@ class Supervisor:
             if core.final and core.stop_done:  # wait for this one's "done" as for the others' (PEER_DONE_LINGER)
                 self.stop_done_at = self.clock()
             return
+        view = el.view if el is not None else None
         if hello["attempt"] != core.attempt:  # it stopped an earlier attempt on its own: it joins this one
-            log("host %s rejoined at attempt %d; sending it attempt %d" % (host, hello["attempt"], core.attempt))
-            self.link.send(host, protocol.restart(core.attempt))
+            # (an elastic job's host that is not in this attempt's view runs nothing: it waits as a spare)
+            log("host %s rejoined at attempt %d; sending it attempt %d%s" % (
+                host, hello["attempt"], core.attempt, "" if self.members.is_member(host)
+                else " (not one of its hosts: it waits, idle, as a spare for the next change)"))
+            self.link.send(host, protocol.restart(core.attempt, view))
             return
+        if self.went:  # the start barrier passed while it was away (or before it joined: a late spare)
+            self.link.send(host, protocol.go(core.attempt))
         for e in hello["exits"]:
             self._on_exit(ExitEvent(e["role"], e["id"], e["code"], e["error"], host, e["attempt"]))
-        if hello["failed"]:  # it stopped this attempt by itself (it had lost us for a while)
+        if hello["failed"] and self.members.is_member(host):  # it stopped this attempt by itself
             verdict = rules.on_host_failed(core, host, hello["failed"])
             if verdict is not None:
                 self.decide(verdict)
@@ -470,34 +618,95 @@ class Supervisor:
             if msg["attempt"] == self.core.attempt:  # not a late "done" of an earlier attempt
                 self.members.mark_done(host, time.time())
                 self.dirty = True
+            if self.elastic is not None and msg["ps"] is not None and host in self.elastic.index_of:
+                self.elastic.inventories[self.elastic.index_of[host]] = msg["ps"]
         else:
             log("ignoring message type %r from %s" % (str(kind), host))
 
     def peer_left(self, host, why):
-        """A peer's connection is gone: a lost host, unless it had finished its stop."""
+        """A peer's connection is gone: a lost host, unless it had finished its stop or runs nothing."""
         self.dirty = True
         if self.members.leave(host, why, time.time(), deciding=self.core.verdict is None):
+            if self.elastic is not None and host in self.elastic.index_of:
+                self.elastic.lost.add(self.elastic.index_of[host])
             self.decide(rules.on_host_lost(self.core, host, why))
 
     # -- the peer's side (PeerLink's handler) ------------------------------------------------------------------
 
     def _peer_tick(self, now):
-        link = self.link
+        link, el = self.link, self.elastic
         link.tick(now, keep_trying=not self.core.final)
         if link.connected:
             return
-        verdict = rules.on_coordinator_silence(self.core, self.timings, now, self.t0, link.ever_connected,
-                                               link.lost_since, link.why(), link.endpoint)
-        if verdict is not None:
-            self.decide(verdict)
+        # an elastic job's peer that turned to a successor of its coordinator: not the coordinator's silence
+        successor = el is not None and el.target != el.view["coordinator"] and not link.ever_connected
+        if not successor:
+            verdict = rules.on_coordinator_silence(self.core, self.timings, now, self.t0, link.ever_connected,
+                                                   link.lost_since, link.why(), link.endpoint, elastic=el is not None)
+            if verdict is not None:
+                self.decide(verdict)
+        if el is not None and rules.next_coordinator_due(self.core, self.timings, now, link.lost_since,
+                                                         el.target_since, successor):
+            self._next_coordinator(now)
+
+    def _next_coordinator(self, now):
+        """Elastic: the coordinator (or the successor this host tried) is gone: turn to the next successor
+        (host/elastic.py successor), or take over when that is this host."""
+        el = self.elastic
+        gone = el.target
+        nxt = el.next_candidate()
+        if nxt is None:
+            self.decide(Verdict(JobState.FAILED, "lost coordinator %s and none of its successors answered within "
+                                "%.0fs" % (el.label(el.view["coordinator"]), self.timings.connect_timeout),
+                                self.core.verdict.failure if self.core.verdict else None))
+            return
+        if nxt == el.me:
+            self._take_over(now)
+            return
+        el.target, el.target_since = nxt, now
+        address, port = el.endpoint(nxt)
+        log("coordinator %s is gone; joining its successor %s (%s:%d)" % (el.label(gone), el.label(nxt), address,
+                                                                           port))
+        self.link.close()
+        self.link = self._peer_link(address, port)
+        self.dirty = True
+
+    def _take_over(self, now):
+        """Elastic: this host succeeds the lost coordinator: it listens on its own control endpoint, waits for
+        the others (connect_timeout at most), then plans the next attempt without the lost ones."""
+        el = self.elastic
+        old = el.view["coordinator"]
+        address, port = el.endpoint(el.me)
+        self.link.close()
+        link = CoordinatorLink(self.loop, self.job_id, address, port, self.coord["token"], self.timings, self,
+                               self.log_bad, self.clock)
+        why = link.listen()
+        if why is not None:
+            self.link = None
+            log("cannot take over as coordinator: %s" % why)
+            self.decide(Verdict(JobState.FAILED, "lost coordinator %s and cannot take over from it: %s"
+                                % (el.label(old), why), self.core.verdict.failure if self.core.verdict else None))
+            return
+        log("coordinator %s is gone: this host takes over, listening on %s" % (el.label(old), link.endpoint))
+        self.link, self.is_coord = link, True
+        self.coord = dict(self.coord, address=address, port=port, is_coordinator=True)
+        self.members = self._membership()
+        el.takeover_since, el.replaced = now, old
+        el.lost.add(old)
+        el.target = el.me
+        if self.core.stop_done:
+            self.stop_done_at = self.clock()
+        self.dirty = True
 
     def hello_fields(self):
-        """What the hello repeats: this attempt's exits here, a stop request, the attempt, whether idle, failed."""
-        v = self.core.verdict
+        """What the hello repeats: this attempt's exits here, a stop request, the attempt, whether idle, failed;
+        an elastic job's host index and pserver checkpoint shards."""
+        v, el = self.core.verdict, self.elastic
         return {"exits": [e.to_json() for e in self.local_exits],
                 "stopping": "stop requested on %s" % self.host if self.term_requested else None,
                 "attempt": self.core.attempt, "idle": self.core.stop_done,
-                "failed": v.reason if v is not None and v.outcome == JobState.FAILED else None}
+                "failed": v.reason if v is not None and v.outcome == JobState.FAILED else None,
+                "index": el.me if el is not None else None, "ps": el.inventory() if el is not None else None}
 
     def coordinator_welcomed(self):
         """The coordinator proved the token."""
@@ -518,15 +727,26 @@ class Supervisor:
                                                 msg["attempt"], msg["restart"])
             if verdict is not None:
                 self.decide(verdict)
+        elif kind == Msg.GO:
+            if msg["attempt"] == self.core.attempt and self.awaiting_go and self.core.verdict is None:
+                log("every host joined: starting")
+                self._spawn()
         elif kind == Msg.RESTART:
+            view = None
+            if self.elastic is not None:
+                try:
+                    view = self.elastic.check(msg["view"])
+                except ValueError as e:
+                    log("ignoring restart %d from the coordinator: %s" % (msg["attempt"], e))
+                    return
             follow, verdict = rules.on_restart_order(self.core, msg["attempt"])
             if not follow:
                 return
             if verdict is not None:
                 self.decide(verdict)
             if self.core.stop_done:
-                self._next_attempt(msg["attempt"])
+                self._next_attempt(msg["attempt"], view)
             else:
-                self.pending_restart = msg["attempt"]
+                self.pending_restart = (msg["attempt"], view)
         else:
             log("ignoring message type %r from the coordinator" % str(kind))

@@ -9,7 +9,8 @@ that fails:
     2. workspace  the workspace is as it was dispatched (no file missing or changed)
     3. job file   written 0600 in the 0700 job dir, with the extra files
     4. preflight  ports free, entrypoints and scripts present, log dirs writable
-    5. launch     the supervisor daemonized, its launch report awaited
+    5. launch     the supervisor daemonized, its launch report awaited: armed (a multi-host job starts nothing
+                  until every host joined), then up to START_WAIT for the processes to start
 
 The reply is one JSON object: `ok`, the `stage` that failed (or "launched"), what it found (`error`,
 `drift`, `problems`), the launch report's `pids`, and the host's `status` (as `agent status` gives it)
@@ -25,6 +26,11 @@ from .jobdir import JOB_FILE, describe, read_state_or_none, supervisor_alive
 from .jobfile import validate_job
 
 MAX_DOC_BYTES = 64 << 20  # a job document larger than this is refused (the endpoint lists of ~10,000 trainers fit)
+# A multi-host job starts nothing until every host's supervisor joined (the start barrier). Once this host's is
+# armed, `up` waits this long for the job's processes to start here, so that the reply shows them running when
+# every host came up together; otherwise (another host failed a check, or came up later) it replies with them
+# pending, and `start` goes on from the replies.
+START_WAIT = 3.0
 _PATH_KEYS = ("cwd", "log")
 
 
@@ -114,7 +120,7 @@ def up(doc, home):
     if problems:
         reply.update(stage="preflight", problems=problems, error="; ".join(p["message"] for p in problems))
         return 1, reply
-    code, report = launch_job(jobfile)
+    code, report = launch_job(jobfile, wait_started=START_WAIT)
     reply.update(report, stage="launched" if code == 0 else "launch")
     state = read_state_or_none(jobdir)
     if state is not None:

@@ -138,20 +138,37 @@ def status(session: Session) -> JobStatus:
             unreachable[host.label] = res.stderr.strip()
         else:
             replies[host.label] = _parse(res)
-    return fold_status(plan.job, replies, unreachable)
+    return fold_status(plan.job, replies, unreachable, {h.label: h.address for h in plan.hosts})
 
 
-def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str]) -> JobStatus:
+def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
+                addresses: dict[str, str] | None = None) -> JobStatus:
     """The job's status from every host's `agent status` reply (host label -> reply) and the hosts that did
     not answer (label -> why), whatever started the supervisors (pure). Only well-typed fields of a reply are
     read (HostStatus.from_json); progress in the replies (`agent top --progress-only`) is kept per process,
-    and the job's stragglers found from it."""
+    and the job's stragglers found from it. An elastic job's state is its current attempt's hosts' (the view
+    of the latest attempt, the coordinator's first: `addresses` maps labels to the addresses it names): a host
+    lost and replaced, or one that waits idle, neither decides it nor gives its reason; its rows are shown."""
+    parsed = {label: HostStatus.from_json(data) for label, data in replies.items()}
+    elastic, elastic_rank = None, None
+    for reply in parsed.values():
+        # an elastic job's view: the coordinator's of the latest attempt knows who runs it and who waits idle
+        view = reply.elastic
+        if view is not None and (elastic_rank is None or (view["attempt"], reply.is_coordinator is True) > elastic_rank):
+            elastic, elastic_rank = view, (view["attempt"], reply.is_coordinator is True)
+    members = set(elastic["members"]) if elastic is not None and elastic["members"] else None
+
+    def counts(label: str, host: str | None) -> bool:
+        return members is None or (host or (addresses or {}).get(label, label)) in members
+
     procs: list[ProcessStatus] = []
-    host_states: list[str] = [JobState.LOST for _ in unreachable]
+    host_states: list[str] = [JobState.LOST for label in unreachable if counts(label, None)]
     reasons: list[str] = []
     attempt, restarts, attempts, attempts_total = 0, 0, [], 0
-    for label, data in replies.items():
-        reply = HostStatus.from_json(data)
+    for label, reply in parsed.items():
+        if not counts(label, reply.host):  # an elastic job's host that is not in its current attempt
+            procs.extend(reply.process_status(label))
+            continue
         # a failed attempt being stopped reads `restarting` when another follows
         host_states.append(reply.folded_state)
         restarts = max(restarts, reply.restarts)
@@ -168,12 +185,11 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str])
         if p.progress is not None:
             p.progress.pop("slices", None)
     state = overall_state(host_states)
-    reason = "; ".join(reasons) or (
-        "unreachable: " + ", ".join(unreachable) if unreachable else None
-    )
+    down = [label for label in unreachable if counts(label, None)]
+    reason = "; ".join(reasons) or ("unreachable: " + ", ".join(down) if down else None)
     found = [{"host": procs[i].host, "process": f"{procs[i].role}.{procs[i].id}", **v} for i, v in sorted(slow.items())]
     return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, [a.summary() for a in attempts],
-                     stragglers=found)
+                     stragglers=found, elastic=elastic)
 
 
 def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | None = None) -> dict[Host, dict]:
@@ -307,7 +323,9 @@ def logs(
     if plan.mpi is not None:  # every rank's output goes to mpiexec's log on the first host, as trainer.0
         targets = [plan.mpi.host] if host in (None, plan.mpi.host.address, plan.mpi.host.label) and role != "pserver" else []
     else:
-        targets = [h for h in plan.hosts if host in (None, h.address, h.label) and any(map(wanted, plan.on_host(h)))]
+        # an elastic job's processes may have moved (a spare that took a lost host's place has logs): every host
+        targets = [h for h in plan.hosts if host in (None, h.address, h.label)
+                   and (plan.elastic is not None or any(map(wanted, plan.on_host(h))))]
     if not targets:
         what = " ".join(f"{k}={v}" for k, v in (("host", host), ("role", role), ("id", id)) if v is not None)
         raise JobError(f"no process of job {plan.job} matches {what}")
@@ -331,14 +349,20 @@ def logs(
         return _agent_cmd(*args)
 
     problems: list[str] = []
+    unmatched: list[str] = []  # elastic: hosts that ran no such process (a spare, a host left out)
 
     def relay(h: Host, stream: str, line: str) -> None:
         if line.startswith("{"):  # the agent's own JSON message, not a log line
             try:
-                problems.append(f"{h.label}: {json.loads(line).get('error', line)}")
+                error = str(json.loads(line).get("error", line))
+            except (ValueError, AttributeError):
+                error = None
+            if error is not None:
+                if plan.elastic is not None and error.startswith("no process matches"):
+                    unmatched.append(h.label)
+                else:
+                    problems.append(f"{h.label}: {error}")
                 return
-            except ValueError:
-                pass
         on_line(h, stream, line)
 
     # a follow ends with the job; a plain read of (possibly large) logs gets a generous deadline
@@ -347,6 +371,9 @@ def logs(
     unreachable = [f"{h.label}: {r.stderr.strip()}" for h, r in results.items() if r.unreachable]
     if len(problems) == len(targets) and problems:
         raise JobError(f"job {plan.job} has no logs on any host (never started?)")
+    if unmatched and len(unmatched) + len(problems) == len(targets) and not problems:
+        what = " ".join(f"{k}={v}" for k, v in (("host", host), ("role", role), ("id", id)) if v is not None)
+        raise JobError(f"no process of job {plan.job} matches {what or 'anything'}")
     if problems or unreachable or missing:
         raise JobError("logs incomplete:\n" + "\n".join(problems + unreachable + missing))
     return {h: r.exit_code for h, r in results.items()}

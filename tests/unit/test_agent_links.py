@@ -16,9 +16,9 @@ import pytest
 from clusterctl.host import protocol
 from clusterctl.host.coordinator import ACCEPT_PAUSE, CoordinatorLink
 from clusterctl.host.loop import EventLoop
-from clusterctl.host.peer import PeerLink
+from clusterctl.host.peer import JOIN_BACKOFF_MAX, PeerLink
 from clusterctl.host.policy import Timings
-from clusterctl.host.protocol import AUTH_TIMEOUT, BACKOFF_MAX, Msg
+from clusterctl.host.protocol import AUTH_TIMEOUT, Msg
 from helpers import free_port
 
 TOKEN = "70ce" * 16
@@ -333,8 +333,8 @@ def test_a_peer_retries_after_a_refusal_until_a_coordinator_welcomes_it(net):
         conn.close()
         assert link.last_error == why and link.why() == link.rejection  # a refusal says more than a later error
         assert not link.ever_connected and ph.lost == []  # never welcomed: nothing was lost
-        clock.t = link.next_try  # the back-off (jittered, at most BACKOFF_MAX)
-    assert link.backoff == min(protocol.BACKOFF_MIN * 2 ** 3, BACKOFF_MAX) and link.tries == 3 and link.rejection == expect[2]
+        clock.t = link.next_try  # the back-off (jittered, at most JOIN_BACKOFF_MAX until the first welcome)
+    assert link.backoff == min(protocol.BACKOFF_MIN * 2 ** 3, JOIN_BACKOFF_MAX) and link.tries == 3 and link.rejection == expect[2]
     srv.close()
     coord, ch, _ = coordinator(port)  # the real one comes up: the next try gets in
     link.tick(clock())

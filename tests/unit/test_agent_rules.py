@@ -227,6 +227,53 @@ def test_membership_joined_done_lost_and_never_joined():
     assert m.to_json()["d"] == {"state": HostState.CONNECTED, "since": 7.0, "addr": "10.0.0.4:5000"}
 
 
+def test_an_elastic_jobs_membership_counts_its_views_members_only():
+    m = Membership(2, members=["b", "c"], everyone=3)  # b and c run the attempt; d is a spare
+    for host in ("b", "c", "d"):
+        m.join(host, "a:1", 1.0, index=ord(host) - ord("a"))
+    assert m.all_joined() and m.waiting() == ["b", "c"] and m.connected_members() == {"b", "c"}
+    assert m.to_json()["d"] == {"state": HostState.CONNECTED, "since": 1.0, "addr": "a:1", "index": 3}
+    assert m.leave("d", "connection closed", 2.0, deciding=True) is False  # an idle host going away: no verdict
+    assert m.to_json()["d"] == {"state": HostState.DISCONNECTED, "since": 2.0, "why": "connection closed", "index": 3}
+    assert not m.all_joined() and m.unjoined() == 0
+    assert m.leave("c", "no heartbeat", 3.0, deciding=True) is True
+    m.set_members(["b", "d"])  # the next view: d in c's place
+    assert (m.expected, m.is_member("d"), m.is_member("c"), m.unjoined()) == (2, True, False, 0)
+    m.join("d", "a:2", 4.0)
+    m.mark_done("d", 5.0)
+    assert m.waiting() == ["b"] and m.joined_at == {"b": 1.0, "d": 4.0}
+
+
+def test_the_start_barrier_waits_for_every_host_and_past_connect_timeout_for_the_members_only():
+    t, c = DEFAULT_TIMINGS, core()
+    assert rules.barrier_passed(c, True, True, 0.1, t)  # every host joined
+    assert not rules.barrier_passed(c, False, True, 29.0, t)  # a spare is missing: wait for it ...
+    assert rules.barrier_passed(c, False, True, 30.1, t)  # ... up to connect_timeout
+    assert not rules.barrier_passed(c, False, False, 31.0, t)  # a member is missing: on_peers_missing decides
+    rules.apply_verdict(c, Verdict(S.STOPPED, "stop requested on h2"))
+    assert not rules.barrier_passed(c, True, True, 1.0, t)  # decided at the barrier: nothing starts
+
+
+def test_an_elastic_peer_turns_to_the_successor_after_reconnect_timeout_and_from_a_silent_one_after_connect():
+    t, c = DEFAULT_TIMINGS, core(restarts=2)
+    assert not rules.next_coordinator_due(c, t, 10.0, None, None, False)  # never lost (or never connected)
+    assert not rules.next_coordinator_due(c, t, 13.0, 10.0, None, False)
+    assert rules.next_coordinator_due(c, t, 13.1, 10.0, None, False)  # the coordinator: reconnect_timeout
+    assert not rules.next_coordinator_due(c, t, 40.0, None, 10.0, True)
+    assert rules.next_coordinator_due(c, t, 40.1, None, 10.0, True)  # a successor that never answered
+    rules.apply_verdict(c, Verdict(S.FAILED, "x"))  # final: nothing to take over
+    assert not rules.next_coordinator_due(c, t, 100.0, 10.0, None, False)
+    # the coordinator's silence fails the attempt as for any job, but never makes it final: the successor rule does
+    c = core(restarts=2)
+    v = rules.on_coordinator_silence(c, t, 13.1, 0.0, True, 10.0, "connection closed", "h1:1", elastic=True)
+    assert v.restart and v.reason == "lost connection to coordinator h1:1: connection closed"
+    rules.apply_verdict(c, v)
+    assert rules.on_coordinator_silence(c, t, 100.0, 0.0, True, 10.0, "x", "h1:1", elastic=True) is None
+    assert rules.on_coordinator_silence(c, t, 100.0, 0.0, True, 10.0, "x", "h1:1").restart is False
+    assert rules.takeover_gathered([], 0.0, 0.0, t) and not rules.takeover_gathered(["h3"], 30.0, 0.0, t)
+    assert rules.takeover_gathered(["h3"], 30.1, 0.0, t)
+
+
 # -- the peer's side -------------------------------------------------------------------------------------------------
 
 
@@ -357,11 +404,15 @@ def test_every_message_built_by_its_constructor_parses_back():
                 protocol.welcome("j", "p"), protocol.error("bad token"),
                 protocol.exit_event("trainer", 1, None, "cannot start", "h2", 2), protocol.stopping("why"),
                 protocol.stop(S.FAILED, "r", {"host": "h2"}, 1, True), protocol.done("h2", 1), protocol.restart(2),
-                protocol.ping()):
+                protocol.restart(3, {"attempt": 3, "members": [0, 2]}), protocol.go(0), protocol.ping()):
         parsed = protocol.parse_message(_wire(msg))
         assert parsed == msg and parsed["type"] in protocol.Msg
     assert [m.value for m in protocol.Msg] == ["challenge", "hello", "welcome", "error", "exit", "stopping", "stop",
-                                               "done", "restart", "ping"]
+                                               "done", "restart", "go", "ping"]
+    # an elastic host's hello and done carry its index and its pserver checkpoint shards (ids are JSON keys)
+    hello = protocol.parse_message(_wire(protocol.hello("j", "h2", n, "p", index=3, ps={0: [20, 10], 1: [20]})))
+    assert (hello["index"], hello["ps"]) == (3, {0: [20, 10], 1: [20]})
+    assert protocol.parse_message(_wire(protocol.done("h2", 1, {0: [7]})))["ps"] == {0: [7]}
 
 
 @pytest.mark.parametrize("obj, message", [
@@ -385,6 +436,15 @@ def test_every_message_built_by_its_constructor_parses_back():
     ({"type": "stop", "state": "failed", "reason": "r", "attempt": 0, "failure": []},
      "malformed stop: failure: must be an object or null"),
     ({"type": "restart"}, "malformed restart: attempt missing"),
+    ({"type": "restart", "attempt": 1, "view": [0, 1]}, "malformed restart: view: must be an object or null"),
+    ({"type": "go"}, "malformed go: attempt missing"),
+    ({"type": "hello", "job": "j", "host": "h", "nonce": "ab" * 32, "proof": "p", "index": -1},
+     "malformed hello: index: must be an integer >= 0 or null"),
+    ({"type": "hello", "job": "j", "host": "h", "nonce": "ab" * 32, "proof": "p", "ps": {"x": [1]}},
+     "malformed hello: ps: must be an object of pserver id to steps, or null"),
+    ({"type": "done", "attempt": 0, "ps": {"0": [1, "2"]}}, "malformed done: ps: 0: must be a list of at most 16 steps"),
+    ({"type": "done", "attempt": 0, "ps": {"0": list(range(17))}},
+     "malformed done: ps: 0: must be a list of at most 16 steps"),
     ({"type": "done", "attempt": False}, "malformed done: attempt: must be an integer >= 0"),
 ])
 def test_a_malformed_message_is_refused_naming_the_field(obj, message):

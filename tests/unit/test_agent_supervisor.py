@@ -134,9 +134,13 @@ def test_the_coordinator_restarts_the_job_once_every_host_stopped(tmp_path):
                      restart_backoff=2)
     link = sup.link
     sup._start_attempt()
+    assert sup.core.state == S.STARTING and sup.awaiting_go  # the start barrier: nothing runs before every host joined
     for host in ("hB", "hC"):
         link.peers.add(host)
         sup.peer_joined(host, "127.0.0.1:9", hello())
+        sup.step()
+    assert link.sent == [("hB", protocol.go(0)), ("hC", protocol.go(0))]  # once the last one joined
+    link.sent.clear()
     assert sup.members.waiting() == ["hB", "hC"] and sup.core.state == S.RUNNING
     sup.peer_message("hC", {"type": protocol.Msg.EXIT, "role": "trainer", "id": 1, "code": 7, "error": None,
                             "attempt": 0})
@@ -209,10 +213,16 @@ def test_a_peer_obeys_stops_and_restarts_and_reports_what_it_did(tmp_path):
                      coordinator={"is_coordinator": False, "hosts": 2}, clock=clock, restarts=1)
     link = sup.link
     sup._start_attempt()
+    assert sup.core.state == S.STARTING and sup.procs.rows[0].pid is None  # waits for every host: the barrier
+    sup.coordinator_message(protocol.parse_message(protocol.go(1)))  # not this attempt's: ignored
+    assert sup.procs.rows[0].pid is None
+    sup.coordinator_message(protocol.parse_message(protocol.go(0)))
     pid = sup.procs.rows[0].pid
     assert sup.core.state == S.RUNNING and pid
+    sup.coordinator_message(protocol.parse_message(protocol.go(0)))  # again (a reconnection): nothing new
+    assert sup.procs.rows[0].pid == pid
     sup.coordinator_message(protocol.parse_message(protocol.restart(1)))  # attempt 1 while attempt 0 runs
-    assert sup.core.verdict.reason == "the coordinator started attempt 1" and sup.pending_restart == 1
+    assert sup.core.verdict.reason == "the coordinator started attempt 1" and sup.pending_restart == (1, None)
     assert run_until(sup, lambda: sup.core.attempt == 1)
     assert link.sent[0] == protocol.done("hA", 0)  # then it started attempt 1 as asked
     row = sup.procs.rows[0]
@@ -247,7 +257,7 @@ def test_a_peer_that_never_reaches_its_coordinator_fails_after_connect_timeout(t
     sup.step()
     assert link.keep_trying is False  # final: no more tries
     assert sup.hello_fields() == {"exits": [], "stopping": None, "attempt": 0, "idle": True,
-                                  "failed": sup.core.verdict.reason}
+                                  "failed": sup.core.verdict.reason, "index": None, "ps": None}
 
 
 def test_a_stop_request_takes_the_grace_it_was_given_and_tells_the_coordinator(tmp_path):
@@ -256,6 +266,7 @@ def test_a_stop_request_takes_the_grace_it_was_given_and_tells_the_coordinator(t
                      coordinator={"is_coordinator": False, "hosts": 2})
     sup.clock = time.monotonic  # the stop's grace is real time here
     sup._start_attempt()
+    sup.coordinator_message(protocol.parse_message(protocol.go(0)))
     log = tmp_path / "trainer.0.log"
     assert run_until(sup, lambda: log.exists() and log.read_bytes() == b"up\n", rounds=2000)
     (tmp_path / STOP_REQUEST).write_text(json.dumps({"grace": 0.2}))

@@ -243,8 +243,9 @@ def test_slurm_start_status_logs_and_stop(tmp_path, monkeypatch, capsys):
     code, out, err = cli(capsys, "start", c.spec_path)
     assert code != 0 and f"sbatch on login failed: job {c.name} is already pending as Slurm job 4242" in err
 
-    (c.slurm / "hold").unlink()  # the allocation: a supervisor on each node starts its trainer
-    st = wait_until(lambda: (s := _status(capsys, c))["state"] == "running" and len(s["processes"]) == 2 and s)
+    (c.slurm / "hold").unlink()  # the allocation: a supervisor on each node starts its trainer (once both joined)
+    st = wait_until(lambda: (s := _status(capsys, c))["state"] == "running" and len(s["processes"]) == 2
+                    and all(p["state"] == "running" for p in s["processes"]) and s)
     assert [(p["host"], p["role"], p["id"], p["state"]) for p in st["processes"]] == [
         ("node1", "trainer", 0, "running"), ("node2", "trainer", 1, "running")]
     assert (st["attempt"], st["restarts"]) == (0, 2) and all(p["pid"] for p in st["processes"])

@@ -97,12 +97,13 @@ def test_start_is_one_round_trip_per_host_and_says_why_a_host_refused(tmp_path):
         assert counting.sent == {"n0": 1, "n1": 1} and st.state == "running", counting.sent
         assert [(p.host, p.state) for p in st.processes] == [("n0", "running"), ("n1", "running")]
         stop(s)
-        # a file of n1's workspace changed since the dispatch: n1 says so, n0 (launched) is stopped again
+        # a file of n1's workspace changed since the dispatch: n1 says so; n0, launched, had started nothing (its
+        # supervisor waits for every host: the start barrier) and is stopped again
         (c.workspace(1) / "train.py").write_text("changed\n")
         with pytest.raises(JobError) as info:
             start(s)
         assert str(info.value).splitlines() == [
-            "workspace drift; run clusterctl dispatch first (everything started was stopped):",
+            "workspace drift; run clusterctl dispatch first:",
             "n1: workspace train.py modified since the last dispatch"], str(info.value)
         assert job_pids(c.name) == []
 
@@ -210,10 +211,15 @@ def test_start_refuses_an_undispatched_workspace_and_a_busy_port(tmp_path):
         with socket.create_server(("127.0.0.2", port)):
             with pytest.raises(JobError) as info:
                 start(s)
-        # n0 passed its checks and launched (one round trip each), and was stopped again
-        assert str(info.value).startswith("preflight failed; everything started was stopped, logs kept:\n")
-        assert f"n1: trainer.1: cannot bind 127.0.0.2:{port}" in str(info.value)
-        assert status(s).state == "stopped" and job_pids(c.name) == []
+        # n0 passed its checks and launched (one round trip each): its supervisor waited for n1's, which never
+        # came, so it started nothing, and was stopped again
+        assert str(info.value) == f"preflight failed, nothing started:\nn1: trainer.1: cannot bind 127.0.0.2:{port}: " \
+                                  "Address already in use"
+        st = status(s)
+        assert st.state == "stopped" and job_pids(c.name) == []
+        assert [(p.host, p.state, p.pid, p.error) for p in st.processes] == [
+            ("n0", "stopped", None, "not started: the job ended first")]
+        assert not (c.home(0) / s.plan.log_path(s.plan.trainers[0])).exists()  # no trainer ever wrote its log
 
 
 def test_a_failed_launch_stops_whatever_started(tmp_path):
@@ -244,8 +250,11 @@ def test_an_unreachable_host_is_named_by_status_logs_start_and_stop(tmp_path):
         assert list(st.unreachable) == ["n1"] and re.fullmatch(refused("n1"), st.unreachable["n1"])
         assert st.reason == "unreachable: n1"
         assert [p.host for p in st.processes] == ["n0"]
-        with pytest.raises(JobError, match="start failed; everything started was stopped, logs kept:\nn1: .*Connection refused"):
+        with pytest.raises(JobError, match="start failed, nothing started:\nn1: .*Connection refused"):
             start(s)
+        st = status(s)  # n0's supervisor waited for n1's, which never came: its trainer never ran again
+        assert [(p.host, p.state, p.pid, p.error) for p in st.processes] == [
+            ("n0", "stopped", None, "not started: the job ended first")]
         with pytest.raises(RemoteError, match="n1.*Connection refused"):
             stop(s)
         # n1 down before anything reached it: n0's logs still come, then the error names n1
