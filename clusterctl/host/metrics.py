@@ -226,6 +226,9 @@ class Sampler:
         self.host_cpu = host_cpu  # [monotonic time, busy ticks, total ticks]
         self.logs = logs if logs is not None else {}  # path -> LogProgress
         self.nvidia_smi = nvidia_smi  # path, "" when there is none, None: not looked for yet
+        # exe -> (gpus, apps, error): query_gpus, unless a long-running owner answers from elsewhere (the
+        # supervisor's control socket: the latest answer of a thread that runs nvidia-smi, control.GpuWatch)
+        self.gpu_source = None
 
     def to_json(self):
         """A JSON-able dict: what the next sample needs."""
@@ -308,7 +311,7 @@ class Sampler:
             if self.nvidia_smi is None:
                 self.nvidia_smi = shutil.which("nvidia-smi") or ""
             if self.nvidia_smi:
-                gpus, apps, gpu_error = query_gpus(self.nvidia_smi)
+                gpus, apps, gpu_error = (self.gpu_source or query_gpus)(self.nvidia_smi)
         out = {}
         for t in targets:
             tree = trees.get(t["key"])
