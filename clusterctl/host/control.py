@@ -202,11 +202,11 @@ class ControlServer:
     opens it and registers it on the supervisor's loop; `close()` at its exit answers what waits and removes
     the control file."""
 
-    def __init__(self, sup, max_pending=MAX_PENDING, auth_timeout=AUTH_TIMEOUT, clock=time.monotonic):
+    def __init__(self, sup, max_pending=MAX_PENDING, auth_timeout=AUTH_TIMEOUT):
         self.sup = sup
         self.loop = sup.loop
         self.jobdir = sup.jobdir
-        self.clock = clock
+        self.clock = getattr(sup, "clock", time.monotonic)  # the supervisor's (tests move theirs)
         self.max_pending, self.auth_timeout = max_pending, auth_timeout
         self.listener = None
         self.port = None
@@ -503,7 +503,7 @@ class ControlServer:
 
         if self.sampler is None:
             self.sampler = Sampler()
-        now = self.clock()
+        now = time.monotonic()  # real time, not the supervisor's clock: the CPU is measured over it
         ready_at = now
         if not args.get("progress_only"):
             s = self.sampler
@@ -515,7 +515,7 @@ class ControlServer:
                         self.gpu = GpuWatch(s.nvidia_smi)
                         s.gpu_source = self.gpu
                     self.gpu.want()
-            if s.host_cpu is None or time.monotonic() - s.host_cpu[0] > BASELINE_MAX_AGE_S:
+            if s.host_cpu is None or now - s.host_cpu[0] > BASELINE_MAX_AGE_S:
                 # no baseline: take one now, answer a moment later (as `agent top --wait 0.25`), never sleeping
                 self._top(args, baseline=True)
                 ready_at = now + TOP_BASELINE_WAIT
@@ -533,7 +533,7 @@ class ControlServer:
     def _top_tick(self):
         if not self.top_waiters:
             return
-        now = self.clock()
+        now = time.monotonic()
         waiting = []
         for conn, args, ready_at, gpu_deadline in self.top_waiters:
             gpu_wait = (not args.get("progress_only") and args.get("gpu", True) and self.gpu is not None
