@@ -288,7 +288,7 @@ class ControlServer:
                 if e.errno not in _PAUSE_ERRNOS:
                     continue
                 if self.pending and not made_room:  # out of descriptors: the oldest unauthenticated one goes
-                    self._drop(next(iter(self.pending.values())), "evicted")
+                    self._make_room(next(iter(self.pending.values())))
                     made_room = True
                     continue
                 self.log_bad("control-accept", "control socket: cannot accept (%s); pausing %.1fs"
@@ -299,11 +299,18 @@ class ControlServer:
             made_room = False
             self.counts["accepted"] += 1
             while len(self.pending) >= self.max_pending:
-                self._drop(next(iter(self.pending.values())), "evicted")
+                self._make_room(next(iter(self.pending.values())))
             sock.setblocking(False)
             conn = _Conn(sock, self.clock() + self.auth_timeout)
             self.pending[sock] = conn
             self.loop.register(sock, self._on_request)
+
+    def _make_room(self, conn):
+        """Take the oldest unauthenticated connection out: read what it sent first (a client whose request is
+        already there is served, garbage is dropped as garbage), else evict it."""
+        self._on_request(conn.sock)
+        if conn.sock in self.pending:
+            self._drop(conn, "evicted")
 
     def _drop(self, conn, why):
         """Close a connection (counted by `why` when unauthenticated)."""
@@ -375,7 +382,7 @@ class ControlServer:
     def _serve(self, conn, command, args):
         sup = self.sup
         if command == "status":
-            self._answer(conn, describe(sup.snapshot()))
+            self._answer(conn, describe(sup.snapshot(), alive=True))
         elif command == "top":
             self._ask_top(conn, args)
         elif command == "stop":
@@ -528,7 +535,8 @@ class ControlServer:
         sup = self.sup
         gpu = bool(args.get("gpu", True)) and not baseline and self.gpu is not None
         return reply(sup.snapshot(), sup.job, self.sampler, progress_only=bool(args.get("progress_only")),
-                     slice_s=args.get("slice"), slices=args.get("slices", _default_slices()), wait=0, gpu=gpu)
+                     slice_s=args.get("slice"), slices=args.get("slices", _default_slices()), wait=0, gpu=gpu,
+                     alive=True)
 
     def _top_tick(self):
         if not self.top_waiters:
@@ -638,7 +646,7 @@ class ControlServer:
             log("control socket: the supervisor ends before the stop finished; answering with what is left")
         self._stop_tick(force=True)
         for conn, args, _, _ in self.top_waiters:
-            self._answer(conn, self._top(dict(args, gpu=False)) if self.sampler else describe(self.sup.snapshot()))
+            self._answer(conn, self._top(dict(args, gpu=False)))
         self.top_waiters = []
         if self.sup.dirty:
             self.sup.write_state()  # a stop report now reported
