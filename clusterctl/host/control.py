@@ -33,6 +33,7 @@ import threading
 import time
 
 from .common import InputError, log
+from .controlproto import CLIENT_HEADER_TIMEOUT, COMMANDS, CONTROL_FILE, CONTROL_VERSION, ERROR, MAX_REQUEST, OK
 from .jobdir import STOP_REQUEST, describe, write_json_atomic
 from .jobfile import ROLES
 from .procfs import tagged_processes
@@ -41,17 +42,12 @@ from .protocol import AUTH_TIMEOUT, LogLimiter
 __all__ = ["ControlServer", "GpuWatch", "CONTROL_FILE", "CONTROL_VERSION", "MAX_REQUEST", "MAX_PENDING",
            "MAX_LOG_CLIENTS", "REPLY_TIMEOUT", "CLIENT_HEADER_TIMEOUT", "COMMANDS", "parse_request", "read_control"]
 
-CONTROL_FILE = "control"  # in the job dir: "1 PID PORT CLIENT_SECRET SERVER_SECRET"
-CONTROL_VERSION = 1
-COMMANDS = ("status", "top", "stop", "logs")
 SECRET_BYTES = 32
-MAX_REQUEST = 4096  # the request line, secret included
 MAX_PENDING = 16  # unauthenticated connections kept at once (a new one evicts the oldest)
 MAX_REPLYING = 64  # authenticated connections being answered at once (the oldest is dropped beyond)
 MAX_LOG_CLIENTS = 8  # `logs` clients served at once (a thread each); beyond: "busy", the client falls back
 REPLY_TIMEOUT = 30.0  # a client that takes nothing of its reply for this long is dropped
 LOG_SEND_TIMEOUT = 60.0  # a `logs` client that reads nothing for this long is dropped
-CLIENT_HEADER_TIMEOUT = 5.0  # the client waits this long for `ok ...`, then falls back to the agent
 TOP_BASELINE_WAIT = 0.25  # no CPU baseline younger than metrics.BASELINE_MAX_AGE_S: take one, answer this later
 GPU_REFRESH_S = 2.0  # GpuWatch: nvidia-smi every this many seconds while `top` is asked
 GPU_IDLE_S = 30.0  # ... and stops this long after the last `top`
@@ -370,7 +366,7 @@ class ControlServer:
         except RequestError as e:
             self.counts["bad_requests"] += 1
             self.log_bad("control-request", "control socket: refused a request: %s" % e)
-            self._reply(conn, ("error %s\n" % e).encode("utf-8", "replace"), close=True)
+            self._reply(conn, ("%s %s\n" % (ERROR, e)).encode("utf-8", "replace"), close=True)
             return
         self._serve(conn, command, args)
 
@@ -394,7 +390,7 @@ class ControlServer:
             self._serve_logs(conn, args)
 
     def _header(self):
-        return ("ok %s\n" % self.server_secret).encode()
+        return ("%s %s\n" % (OK, self.server_secret)).encode()
 
     def _answer(self, conn, obj):
         """The header and one JSON line (as the agent prints it), then close."""
@@ -558,7 +554,7 @@ class ControlServer:
         self.log_threads = [t for t in self.log_threads if t.is_alive()]
         if len(self.log_threads) >= MAX_LOG_CLIENTS:
             self.counts["busy"] += 1
-            self._reply(conn, b"error busy: %d log clients\n" % MAX_LOG_CLIENTS, close=True)
+            self._reply(conn, ("%s busy: %d log clients\n" % (ERROR, MAX_LOG_CLIENTS)).encode(), close=True)
             return
         from .logtail import stream  # imported here, on the loop's thread, not in the new one
 

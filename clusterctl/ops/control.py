@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 
-from ..host.control import CLIENT_HEADER_TIMEOUT, CONTROL_FILE, CONTROL_VERSION
+from ..host.controlproto import CLIENT_HEADER_TIMEOUT, CONTROL_FILE, CONTROL_VERSION, OK
 from ..plan import Host
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote, Result
@@ -38,11 +38,13 @@ def control_command(jobdir: str, command: str, args: dict | None, fallback: list
         f"f={quote(jobdir + '/' + CONTROL_FILE)}; "
         f"if read -r v i p c s <\"$f\" && [ \"$v\" = {CONTROL_VERSION} ] && [ -d \"/proc/$i\" ]; then "
         f"{{ printf '%s %s\\n' \"$c\" {quote(request)} >&3 && IFS= read -r -t {CLIENT_HEADER_TIMEOUT:g} h <&3 && "
-        f"[ \"$h\" = \"ok $s\" ] && exec cat <&3; }} 3<>\"/dev/tcp/127.0.0.1/$p\"; fi 2>/dev/null; "
+        f"[ \"$h\" = \"{OK} $s\" ] && exec cat <&3; }} 3<>\"/dev/tcp/127.0.0.1/$p\"; fi 2>/dev/null; "
         f"{agent}"
     )
-    # the login shell may be any POSIX sh: bash runs the script; without bash, the agent answers
-    return f"command -v bash >/dev/null 2>&1 && exec bash -c {quote(script)}; {agent}"
+    # the login shell may be any POSIX sh: a bash runs the script itself (no second shell), another shell hands
+    # it to bash; without bash, the agent answers
+    return (f"ctl={quote(script)}; if [ -n \"${{BASH_VERSION-}}\" ]; then eval \"$ctl\"; "
+            f"elif command -v bash >/dev/null 2>&1; then exec bash -c \"$ctl\"; fi; {agent}")
 
 
 def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence[Host] | None = None,

@@ -382,13 +382,14 @@ def starts(tmp_path):
     return path.read_text().splitlines() if path.exists() else []
 
 
-def test_the_bash_client_is_answered_by_the_supervisor_with_no_python_start(tmp_path):
+@pytest.mark.parametrize("login", ["sh", "bash"])  # a login shell that is not bash hands the line to bash
+def test_the_bash_client_is_answered_by_the_supervisor_with_no_python_start(tmp_path, login):
     sup = served(tmp_path / "job")
     home, env = home_with_package(tmp_path, sup)
-    code, out, err = run_client(sup, home, env, "status", None, ["status", ".clusterctl/jobs/job-sup"])
+    code, out, err = run_client(sup, home, env, "status", None, ["status", ".clusterctl/jobs/job-sup"], shell=login)
     assert (code, err) == (0, b"") and json.loads(out)["state"] == "running"
     code, out, _ = run_client(sup, home, env, "top", {"progress_only": True},
-                              ["top", ".clusterctl/jobs/job-sup", "--progress-only"])
+                              ["top", ".clusterctl/jobs/job-sup", "--progress-only"], shell=login)
     assert code == 0 and json.loads(out)["processes"][0]["progress"] is None
     assert starts(tmp_path) == []
     # the secrets are in no argv: the command line carries neither
@@ -396,7 +397,7 @@ def test_the_bash_client_is_answered_by_the_supervisor_with_no_python_start(tmp_
     cmd = control_command(".clusterctl/jobs/job-sup", "status", None, ["status", ".clusterctl/jobs/job-sup"])
     assert client not in cmd and server not in cmd
     code, out, _ = run_client(sup, home, env, "stop", {"grace": 1},
-                              ["stop", ".clusterctl/jobs/job-sup", "--grace", "1", "--job", "job-sup"])
+                              ["stop", ".clusterctl/jobs/job-sup", "--grace", "1", "--job", "job-sup"], shell=login)
     reply = json.loads(out)
     assert code == 0 and reply["supervisor"] == "answered" and len(reply["killed"]) == 1
     assert starts(tmp_path) == []
