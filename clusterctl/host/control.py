@@ -15,7 +15,7 @@ one evicts the oldest), AUTH_TIMEOUT to authenticate, garbage (an over-long line
 command) counted and dropped, accept errors (EMFILE and the like) contained. Nothing here blocks the
 supervisor's loop: replies are written as the socket takes them (a client that reads nothing is dropped after
 REPLY_TIMEOUT), `stop` and `top` replies that must wait (the stop to finish, a CPU baseline, nvidia-smi) are
-answered from the loop's tick, nvidia-smi runs on a thread of its own (`GpuWatch`), and each `logs` client
+answered from the loop's tick, nvidia-smi runs on a thread of its own (metrics.GpuWatch), and each `logs` client
 is served by a thread of its own (at most MAX_LOG_CLIENTS; beyond that the client is told to fall back to
 `agent logs`).
 """
@@ -24,7 +24,6 @@ import collections
 import errno
 import hmac
 import json
-import math
 import os
 import selectors
 import shutil
@@ -33,13 +32,13 @@ import threading
 import time
 
 from .common import InputError, log
-from .controlproto import CLIENT_HEADER_TIMEOUT, COMMANDS, CONTROL_FILE, CONTROL_VERSION, ERROR, MAX_REQUEST, OK
+from .controlproto import (CLIENT_HEADER_TIMEOUT, COMMANDS, CONTROL_FILE, CONTROL_VERSION, ERROR, MAX_REQUEST, OK,
+                           RequestError, parse_request, read_control)
 from .jobdir import STOP_REQUEST, describe, write_json_atomic
-from .jobfile import ROLES
 from .procfs import tagged_processes
 from .protocol import AUTH_TIMEOUT, LogLimiter
 
-__all__ = ["ControlServer", "GpuWatch", "CONTROL_FILE", "CONTROL_VERSION", "MAX_REQUEST", "MAX_PENDING",
+__all__ = ["ControlServer", "CONTROL_FILE", "CONTROL_VERSION", "MAX_REQUEST", "MAX_PENDING",
            "MAX_LOG_CLIENTS", "REPLY_TIMEOUT", "CLIENT_HEADER_TIMEOUT", "COMMANDS", "parse_request", "read_control"]
 
 SECRET_BYTES = 32
@@ -55,123 +54,6 @@ CLOSE_DRAIN_S = 2.0  # at the supervisor's exit: time left to the replies being 
 ACCEPT_PAUSE = 0.5  # seconds without accepting after an accept error such as EMFILE
 ACCEPT_BATCH = 32
 _PAUSE_ERRNOS = frozenset(e for e in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) if e)
-
-
-class RequestError(Exception):
-    """An authenticated request this supervisor does not serve (an unknown command, bad arguments)."""
-
-
-def _num(v, lo, hi):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
-
-
-def parse_request(rest):
-    """(command, args) of a request line after its secret (bytes); raise RequestError. The arguments are those
-    of the agent's subcommand, checked with the same bounds (clusterctl/host/agent.py, topsnap.parse_args)."""
-    try:
-        text = rest.decode("utf-8")
-    except UnicodeDecodeError:
-        raise RequestError("request is not UTF-8")
-    command, _, raw = text.strip().partition(" ")
-    if command not in COMMANDS:
-        raise RequestError("unknown command %r" % command[:40])
-    args = {}
-    if raw.strip():
-        try:
-            args = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise RequestError("arguments are not JSON")
-        if not isinstance(args, dict):
-            raise RequestError("arguments are not a JSON object")
-    known = {"status": (), "top": ("progress_only", "slice", "slices", "gpu"), "stop": ("grace",),
-             "logs": ("follow", "role", "id", "lines", "host_label")}[command]
-    extra = sorted(set(args) - set(known))
-    if extra:
-        raise RequestError("%s: unknown argument(s) %s" % (command, ", ".join(map(str, extra))))
-    for key in ("progress_only", "gpu", "follow"):
-        if key in args and not isinstance(args[key], bool):
-            raise RequestError("%s: %s must be true or false" % (command, key))
-    if args.get("slice") is not None and not _num(args["slice"], 0.5, 600):
-        raise RequestError("top: slice must be 0.5..600 seconds")
-    if "slices" in args and not (_num(args["slices"], 0, 60) and isinstance(args["slices"], int)):
-        raise RequestError("top: slices must be 0..60")
-    if "grace" in args and args["grace"] is not None and not _num(args["grace"], 0, 86400):
-        raise RequestError("stop: grace must be 0..86400 seconds")
-    if args.get("role") is not None and args["role"] not in ROLES:
-        raise RequestError("logs: role must be one of %s" % "/".join(ROLES))
-    if args.get("id") is not None and not (isinstance(args["id"], int) and not isinstance(args["id"], bool)
-                                           and args["id"] >= 0):
-        raise RequestError("logs: id must be an integer >= 0")
-    if args.get("lines") is not None and not (isinstance(args["lines"], int) and not isinstance(args["lines"], bool)
-                                              and args["lines"] >= 0):
-        raise RequestError("logs: lines must be an integer >= 0")
-    label = args.get("host_label")
-    if label is not None and not (isinstance(label, str) and 0 < len(label) <= 255 and label.isprintable()):
-        raise RequestError("logs: host_label must be 1..255 printable characters")
-    return command, args
-
-
-def read_control(jobdir):
-    """The control file of a job dir as (pid, port, client secret, server secret), or None (no file, garbage)."""
-    try:
-        with open(os.path.join(jobdir, CONTROL_FILE), "rb") as f:
-            parts = f.read(512).decode("ascii").split()
-        if len(parts) != 5 or parts[0] != str(CONTROL_VERSION):
-            return None
-        return int(parts[1]), int(parts[2]), parts[3], parts[4]
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
-
-class GpuWatch:
-    """nvidia-smi off the supervisor's loop: a thread queries it every GPU_REFRESH_S while `top` is asked (the
-    last ask within GPU_IDLE_S); the loop reads the latest answer (metrics.Sampler's `gpu_source`)."""
-
-    def __init__(self, exe, query=None, refresh=GPU_REFRESH_S, idle=GPU_IDLE_S):
-        from .metrics import query_gpus
-
-        self.exe = exe
-        self.query_fn = query or query_gpus
-        self.refresh, self.idle = refresh, idle
-        self.latest = None  # (gpus, apps, error) of the last query
-        self.asked = 0.0
-        self.cond = threading.Condition()
-        self.thread = None
-        self.closed = False
-
-    def want(self):
-        """Someone asks `top` now: keep (or start) querying."""
-        with self.cond:
-            self.asked = time.monotonic()
-            if self.thread is None and not self.closed:
-                self.thread = threading.Thread(target=self._run, name="gpu-watch", daemon=True)
-                self.thread.start()
-
-    @property
-    def ready(self):
-        """An answer is in."""
-        return self.latest is not None
-
-    def __call__(self, exe):
-        """metrics.Sampler's gpu_source: the latest answer, never a wait."""
-        latest = self.latest
-        return latest if latest is not None else (None, [], "nvidia-smi has not answered yet")
-
-    def _run(self):
-        while True:
-            result = self.query_fn(self.exe)
-            with self.cond:
-                self.latest = result
-                self.cond.wait(self.refresh)
-                if self.closed or time.monotonic() - self.asked > self.idle:
-                    self.thread = None
-                    return
-
-    def close(self):
-        """Stop querying (the thread ends after its current query)."""
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
 
 
 class _Conn:
@@ -502,7 +384,7 @@ class ControlServer:
     # -- top --------------------------------------------------------------------------------------------------
 
     def _ask_top(self, conn, args):
-        from .metrics import BASELINE_MAX_AGE_S, Sampler
+        from .metrics import BASELINE_MAX_AGE_S, GpuWatch, Sampler
 
         if self.sampler is None:
             self.sampler = Sampler()
@@ -515,7 +397,7 @@ class ControlServer:
                     s.nvidia_smi = shutil.which("nvidia-smi") or ""
                 if s.nvidia_smi:
                     if self.gpu is None:
-                        self.gpu = GpuWatch(s.nvidia_smi)
+                        self.gpu = GpuWatch(s.nvidia_smi, refresh=GPU_REFRESH_S, idle=GPU_IDLE_S)
                         s.gpu_source = self.gpu
                     self.gpu.want()
             if s.host_cpu is None or now - s.host_cpu[0] > BASELINE_MAX_AGE_S:
