@@ -37,18 +37,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from clusterctl import testcluster as tc  # noqa: E402
 
 
-def timed(argv: list[str], env: dict | None = None) -> tuple[float, float]:
-    """Run a command to completion from /; (wall s, CPU s of it and its waited-for children). Exits if it fails."""
+def timed(argv: list[str], env: dict | None = None, check: bool = True) -> tuple[float, float]:
+    """Run a command to completion from /; (wall s, CPU s of it and its waited-for children). Exits if it fails,
+    unless `check` is false (then the CPU figure is negative for a failed run)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     res = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd="/",
                          env=env)
     dt = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if res.returncode != 0 and not check:
+        print(f"  ({' '.join(argv[2:4])}: exit {res.returncode}: {res.stderr.decode().strip().splitlines()[-1:]})",
+              flush=True)
+        return dt, -1.0
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(argv[2:5])} failed ({res.returncode}):\n{res.stdout.decode()[-1500:]}\n"
                          f"{res.stderr.decode()[-1500:]}")
     return dt, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def stop_job(stop: list[str]) -> None:
+    """Stop the job between rounds (untimed); a stop that failed (a connection lost on a loaded machine) is tried
+    again, at most three times."""
+    for _ in range(3):
+        if timed(stop, check=False)[1] >= 0:
+            return
+    raise SystemExit("the job could not be stopped between rounds")
 
 
 def cgroup_ns(container_ids: list[str]) -> int:
@@ -86,7 +100,7 @@ def rounds(cmds: dict[str, list[str]], n: int, between=None, hosts: list[str] | 
     {name: environment} of the commands that need their own."""
     env = env or {}
     for name, argv in cmds.items():
-        timed(argv, env.get(name))
+        timed(argv, env.get(name), check=False)
         if between:
             between(name)
     idle = 0.0
@@ -99,25 +113,28 @@ def rounds(cmds: dict[str, list[str]], n: int, between=None, hosts: list[str] | 
     for _ in range(n):
         for name, argv in cmds.items():
             h0 = cgroup_ns(hosts) if hosts else None
-            wall, cpu = timed(argv, env.get(name))
+            wall, cpu = timed(argv, env.get(name), check=False)
             node = max(0.0, (cgroup_ns(hosts) - h0) / 1e9 - idle * wall) if hosts else None
             runs[name].append((wall, cpu, node))
             if between:
                 between(name)
     med = {}
     for name, rs in runs.items():
-        med[name] = (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs),
-                     statistics.median(r[2] for r in rs) if hosts else None)
+        failed = sum(1 for r in rs if r[1] < 0)  # a run that failed: its wall counts, its CPU is not known
+        ok = [r for r in rs if r[1] >= 0] or rs
+        med[name] = (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in ok),
+                     statistics.median(r[2] for r in rs) if hosts else None, failed)
     return med
 
 
 def table(title: str, med: dict, ref: str) -> None:
     print(f"\n{title}\n")
-    print("| command | wall (s) | CPU (s) | nodes' CPU (s) | wall ÷ " + ref + " | CPU ÷ " + ref + " |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    w0, c0, _ = med[ref]
-    for name, (w, c, h) in med.items():
-        print(f"| {name} | {w:.3f} | {c:.3f} | {'' if h is None else f'{h:.3f}'} | {w / w0:.2f} | {c / c0:.2f} |")
+    print("| command | wall (s) | CPU (s) | nodes' CPU (s) | wall ÷ " + ref + " | CPU ÷ " + ref + " | failed runs |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    w0, c0, _, _ = med[ref]
+    for name, (w, c, h, failed) in med.items():
+        print(f"| {name} | {w:.3f} | {c:.3f} | {'' if h is None else f'{h:.3f}'} | {w / w0:.2f} | {c / c0:.2f} | "
+              f"{failed} |")
     sys.stdout.flush()
 
 
@@ -158,7 +175,7 @@ def main() -> int:
 
     if args.what == "ask":
         spec = job_spec(info, "lcask", state)
-        timed(cli + ["stop", str(spec)])
+        timed(cli + ["stop", str(spec)], check=False)
         timed(cli + ["start", "--dispatch", str(spec)])
         try:
             cmds = {"exec true": cli + ["exec", str(spec), "--", "true"],
@@ -183,25 +200,25 @@ def main() -> int:
 
     if args.what == "start-cold":
         spec = job_spec(info, "lccold", state, persist=0)
-        timed(cli + ["stop", str(spec)])
+        timed(cli + ["stop", str(spec)], check=False)
         timed(cli + ["dispatch", str(spec)])
         stop = cli + ["stop", str(spec)]
         cmds = {"exec true (new connections)": cli + ["exec", str(spec), "--", "true"],
                 "start (new connections)": cli + ["start", str(spec)]}
         print(f"load average before the rounds: {load()}", flush=True)
-        med = rounds(cmds, args.rounds, between=lambda n: n.startswith("start") and timed(stop), hosts=hosts)
+        med = rounds(cmds, args.rounds, between=lambda n: n.startswith("start") and stop_job(stop), hosts=hosts)
         print(f"load average after the rounds: {load()}")
         table(f"{nodes} nodes{' behind a bastion' if args.bastion else ''}, ssh.persist 0 (a new connection per "
               f"host and command), medians of {args.rounds} rounds", med, "exec true (new connections)")
         return 0
 
     spec = job_spec(info, "lcstart16", state, trainers=2)
-    timed(cli + ["stop", str(spec)])
+    timed(cli + ["stop", str(spec)], check=False)
     timed(cli + ["dispatch", str(spec)])
     stop = cli + ["stop", str(spec)]
     cmds = {"exec true": cli + ["exec", str(spec), "--", "true"], "start (16 processes)": cli + ["start", str(spec)]}
     print(f"load average before the rounds: {load()}", flush=True)
-    med = rounds(cmds, args.rounds, between=lambda n: n.startswith("start") and timed(stop), hosts=hosts)
+    med = rounds(cmds, args.rounds, between=lambda n: n.startswith("start") and stop_job(stop), hosts=hosts)
     print(f"load average after the rounds: {load()}")
     table(f"16 processes on 8 nodes, kept connections, medians of {args.rounds} rounds", med, "exec true")
     return 0
