@@ -8,12 +8,23 @@ import signal
 import sys
 import time
 
-from rich.markup import escape
-from rich.table import Table
-
-from ..console import err, out, write_line
+from .. import console
+from ..console import write_line
 from ..host.states import ACTIVE_JOB_STATES, JobState
-from .render import render_status
+
+
+def escape(text: str) -> str:
+    """rich's markup escape, rich imported on first use (`status --json` needs none of it)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
+def render_status(st) -> None:
+    """clusterctl/ops/render.py's table (rich imported on first use)."""
+    from .render import render_status as render
+
+    render(st)
 
 __all__ = ["add_cli"]
 
@@ -34,17 +45,19 @@ def _open(spec):
 
 
 def _say(msg: str) -> None:
-    err.print(f"[dim]{escape(msg)}…[/]")
+    console.err.print(f"[dim]{escape(msg)}…[/]")
 
 
 def render_dispatch(results, seconds: float) -> None:
     """What each host received: one row per host."""
+    from rich.table import Table
+
     table = Table(title=f"dispatch ({seconds:.1f}s)", title_justify="left")
     for col in ("host", "files sent", "bytes sent", "deleted", "generation"):
         table.add_column(col)
     for r in results:
         table.add_row(escape(r.host.label), str(r.files_sent), _human(r.bytes_sent), str(r.deleted), r.generation)
-    out.print(table)
+    console.out.print(table)
 
 
 def cmd_dispatch(args: argparse.Namespace) -> int:
@@ -77,11 +90,11 @@ def render_stop(report) -> None:
     where = f" ({escape(report.detail)})" if report.detail else ""
     if report.was_running:
         killed = f", {report.killed} process(es) killed" if report.killed else ""
-        out.print(f"job {escape(report.job)} stopped on {report.hosts} host(s){where}{killed}")
+        console.out.print(f"job {escape(report.job)} stopped on {report.hosts} host(s){where}{killed}")
     else:
-        out.print(f"job {escape(report.job)} is not running{where}")
+        console.out.print(f"job {escape(report.job)} is not running{where}")
     for host, pids in report.left.items():
-        err.print(f"[red]{escape(host)}: processes of the job still alive: {escape(str(pids))}[/]")
+        console.err.print(f"[red]{escape(host)}: processes of the job still alive: {escape(str(pids))}[/]")
 
 
 def run_stop(spec) -> int:
@@ -104,7 +117,7 @@ def _stop_after_interrupt(backend) -> int:
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not abort the cleanup
     try:
-        err.print("[yellow]interrupted: stopping the job…[/]")
+        console.err.print("[yellow]interrupted: stopping the job…[/]")
         backend.close()  # ends the follow channels, which hold the worker threads
         with open_backend(backend.spec) as fresh:
             fresh.stop()
@@ -123,11 +136,11 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
     with _open(spec) as backend:
         if dispatch_first:
             sent = backend.dispatch(on_progress=_say)
-            out.print(f"dispatched: {sum(d.files_sent for d in sent)} file(s), {_human(sum(d.bytes_sent for d in sent))}")
+            console.out.print(f"dispatched: {sum(d.files_sent for d in sent)} file(s), {_human(sum(d.bytes_sent for d in sent))}")
         t0 = time.monotonic()
         try:
             st = backend.start(on_progress=_say)
-            out.print(f"started in {time.monotonic() - t0:.1f}s")
+            console.out.print(f"started in {time.monotonic() - t0:.1f}s")
             render_status(st)
             if not follow:
                 return 0

@@ -87,10 +87,12 @@ def job_from_dir(jobdir, strict=True):
     return None, None
 
 
-def describe(state, now=None):
-    """The status reply (a `HostStatus`, as JSON) for a state.json dict, resolving 'lost' processes and jobs."""
+def describe(state, now=None, alive=None):
+    """The status reply (a `HostStatus`, as JSON) for a state.json dict, resolving 'lost' processes and jobs.
+    `alive`: whether its supervisor runs, when the caller knows (the supervisor itself: its control socket, which
+    must not read itself dead when /proc cannot be opened, out of descriptors); None: looked up in /proc."""
     now = time.time() if now is None else now
-    alive = supervisor_alive(state)
+    alive = supervisor_alive(state) if alive is None else alive
     job_state = state.get("state")
     reason = state.get("reason")
     if not alive and job_state not in TERMINAL_JOB_STATES:

@@ -1,4 +1,8 @@
-"""`agent logs`: the selected processes' logs (every attempt), prefixed and multiplexed, with --follow."""
+"""`agent logs`: the selected processes' logs (every attempt), prefixed and multiplexed, with --follow.
+
+`stream` is the whole of it given an output stream: `agent logs` writes to its stdout, the supervisor's control
+socket (clusterctl/host/control.py) to a client's connection.
+"""
 
 import os
 import socket
@@ -69,6 +73,12 @@ class LogTail:
         if len(self.partial) > LOG_MAX_PARTIAL:
             self.out.write(self.prefix + self.partial + b"\n")
             self.partial = b""
+
+    def close(self):
+        """Close the file (a long-running server must not keep one open per finished client)."""
+        if self.f is not None:
+            self.f.close()
+            self.f = None
 
     def flush_partial(self):
         if self.partial:
@@ -152,59 +162,77 @@ def _log_prefix(host, p, attempt):
 
 def cmd_logs(args):
     """Write the selected log files to stdout, each line prefixed '[host role.id] '."""
-    jobdir = os.path.abspath(args.jobdir)
-    state, job = job_from_dir(jobdir, strict=False)
-    if state is None and job is None:
-        raise InputError("no job state or %s in %s" % (JOB_FILE, jobdir))
-    # an elastic job's host also lists the processes it ran in earlier attempts and no longer runs ("retired")
-    procs = (state or job)["processes"] + list((state or {}).get("retired") or [])
-    host = args.host_label or (state or job).get("host") or socket.gethostname()
-
-    def matches(p):
-        return (args.role is None or p.get("role") == args.role) and (args.id is None or p.get("id") == args.id)
-
-    sel = [p for p in procs if matches(p)]
-    # an elastic job's spare may take a place (and processes) later: followed, it waits for them
-    elastic = bool((state or {}).get("elastic") or (job or {}).get("elastic"))
-    if not sel and not (args.follow and elastic):
-        raise InputError("no process matches role=%s id=%s in %s" % (args.role, args.id, jobdir))
-    if args.lines is not None and args.lines < 0:
-        raise InputError("-n must be >= 0")
     out = sys.stdout.buffer
-    tails = [LogTail(_log_prefix(host, p, attempt), path, out) for p in sel for attempt, path in _attempt_logs(p)]
     try:
-        if not args.follow:
-            missing = [t.path for t in tails if not t.dump(args.lines)]
-            out.flush()
-            for path in missing:
-                log("log file %s does not exist (yet)" % path)
-            return 0
-        for t in tails:
-            t.open(args.lines)
-        known = set(t.path for t in tails)
-        while True:
-            state = read_state_or_none(jobdir)
-            over = _job_over(state)  # decide before draining so nothing written before the end is lost
-            for p in (state or {}).get("processes") or []:  # a restart's new logs, from their first line
-                if matches(p):
-                    for attempt, path in _attempt_logs(p):
-                        if path not in known:
-                            known.add(path)
-                            tails.append(LogTail(_log_prefix(host, p, attempt), path, out))
-            busy = sum(t.poll() for t in tails)
-            out.flush()
-            if over:
-                while sum(t.poll() for t in tails):
-                    pass
-                for t in tails:
-                    t.flush_partial()
-                out.flush()
-                return 0
-            if not busy:
-                time.sleep(args.interval)
+        return stream(os.path.abspath(args.jobdir), out, follow=args.follow, role=args.role, id=args.id,
+                      lines=args.lines, host_label=args.host_label, interval=args.interval)
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:
         return 0
+
+
+def stream(jobdir, out, follow=False, role=None, id=None, lines=None, host_label=None, interval=0.2, ended=None,
+           say=log):
+    """Write the selected logs of the job in `jobdir` to the binary stream `out` (what `agent logs` prints; the
+    supervisor's control socket serves the same to its `logs` clients); 0. With `follow`, until the job is over on
+    this host, or `ended()` says so (then what is left is drained). `say` gets the notes about missing files.
+    Raise InputError on a selection that matches nothing."""
+    state, job = job_from_dir(jobdir, strict=False)
+    if state is None and job is None:
+        raise InputError("no job state or %s in %s" % (JOB_FILE, jobdir))
+    # an elastic job's host also lists the processes it ran in earlier attempts and no longer runs ("retired")
+    procs = (state or job)["processes"] + list((state or {}).get("retired") or [])
+    host = host_label or (state or job).get("host") or socket.gethostname()
+
+    def wanted(p):
+        return (role is None or p.get("role") == role) and (id is None or p.get("id") == id)
+
+    sel = [p for p in procs if wanted(p)]
+    # an elastic job's spare may take a place (and processes) later: followed, it waits for them
+    elastic = bool((state or {}).get("elastic") or (job or {}).get("elastic"))
+    if not sel and not (follow and elastic):
+        raise InputError("no process matches role=%s id=%s in %s" % (role, id, jobdir))
+    if lines is not None and lines < 0:
+        raise InputError("-n must be >= 0")
+    tails = [LogTail(_log_prefix(host, p, attempt), path, out) for p in sel for attempt, path in _attempt_logs(p)]
+    try:
+        return _write_out(jobdir, out, follow, lines, interval, ended, say, host, wanted, tails)
+    finally:
+        for t in tails:
+            t.close()
+
+
+def _write_out(jobdir, out, follow, lines, interval, ended, say, host, wanted, tails):
+    if not follow:
+        missing = [t.path for t in tails if not t.dump(lines)]
+        out.flush()
+        for path in missing:
+            say("log file %s does not exist (yet)" % path)
+        return 0
+    for t in tails:
+        t.open(lines)
+    known = set(t.path for t in tails)
+    while True:
+        state = read_state_or_none(jobdir)
+        # decide before draining so nothing written before the end is lost
+        over = _job_over(state) or (ended is not None and ended())
+        for p in (state or {}).get("processes") or []:  # a restart's new logs, from their first line
+            if wanted(p):
+                for attempt, path in _attempt_logs(p):
+                    if path not in known:
+                        known.add(path)
+                        tails.append(LogTail(_log_prefix(host, p, attempt), path, out))
+        busy = sum(t.poll() for t in tails)
+        out.flush()
+        if over:
+            while sum(t.poll() for t in tails):
+                pass
+            for t in tails:
+                t.flush_partial()
+            out.flush()
+            return 0
+        if not busy:
+            time.sleep(interval)

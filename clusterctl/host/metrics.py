@@ -18,12 +18,13 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 from .progressline import LogProgress, rank_order
 
 __all__ = ["parse_stat", "scan_procs", "tree_of", "parse_meminfo", "parse_cpu_line", "parse_gpu_csv",
-           "parse_apps_csv", "query_gpus", "visible_devices", "Sampler", "dumps"]
+           "parse_apps_csv", "query_gpus", "visible_devices", "Sampler", "GpuWatch", "dumps"]
 
 # -- bounds ----------------------------------------------------------------------------------------------------
 GPU_TIMEOUT_S = 2.0  # nvidia-smi deadline per query
@@ -226,6 +227,9 @@ class Sampler:
         self.host_cpu = host_cpu  # [monotonic time, busy ticks, total ticks]
         self.logs = logs if logs is not None else {}  # path -> LogProgress
         self.nvidia_smi = nvidia_smi  # path, "" when there is none, None: not looked for yet
+        # exe -> (gpus, apps, error): query_gpus, unless a long-running owner answers from elsewhere (the
+        # supervisor's control socket: the latest answer of a thread that runs nvidia-smi, GpuWatch below)
+        self.gpu_source = None
 
     def to_json(self):
         """A JSON-able dict: what the next sample needs."""
@@ -308,7 +312,7 @@ class Sampler:
             if self.nvidia_smi is None:
                 self.nvidia_smi = shutil.which("nvidia-smi") or ""
             if self.nvidia_smi:
-                gpus, apps, gpu_error = query_gpus(self.nvidia_smi)
+                gpus, apps, gpu_error = (self.gpu_source or query_gpus)(self.nvidia_smi)
         out = {}
         for t in targets:
             tree = trees.get(t["key"])
@@ -378,6 +382,56 @@ class Sampler:
         return {"ncpu": ncpu, "load1": None if load1 is None else round(load1, 2),
                 "cpu_pct": self._host_cpu(time.monotonic()), "mem_total": mem.get("MemTotal"),
                 "mem_available": mem.get("MemAvailable")}
+
+
+class GpuWatch:
+    """nvidia-smi off a long-running owner's loop (the supervisor's control socket): a thread queries it every
+    `refresh` seconds while `top` is asked (the last ask within `idle` seconds); the loop reads the latest answer
+    (a Sampler's `gpu_source`), never waiting for nvidia-smi."""
+
+    def __init__(self, exe, refresh, idle, query=None):
+        self.exe = exe
+        self.query_fn = query or (lambda exe: query_gpus(exe))  # looked up at each call
+        self.refresh, self.idle = refresh, idle
+        self.latest = None  # (gpus, apps, error) of the last query
+        self.asked = 0.0
+        self.cond = threading.Condition()
+        self.thread = None
+        self.closed = False
+
+    def want(self):
+        """Someone asks `top` now: keep (or start) querying."""
+        with self.cond:
+            self.asked = time.monotonic()
+            if self.thread is None and not self.closed:
+                self.thread = threading.Thread(target=self._run, name="gpu-watch", daemon=True)
+                self.thread.start()
+
+    @property
+    def ready(self):
+        """An answer is in."""
+        return self.latest is not None
+
+    def __call__(self, exe):
+        """metrics.Sampler's gpu_source: the latest answer, never a wait."""
+        latest = self.latest
+        return latest if latest is not None else (None, [], "nvidia-smi has not answered yet")
+
+    def _run(self):
+        while True:
+            result = self.query_fn(self.exe)
+            with self.cond:
+                self.latest = result
+                self.cond.wait(self.refresh)
+                if self.closed or time.monotonic() - self.asked > self.idle:
+                    self.thread = None
+                    return
+
+    def close(self):
+        """Stop querying (the thread ends after its current query)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
 
 
 def _cpu_key(t):

@@ -17,6 +17,7 @@ import time
 
 from . import protocol, rules
 from .common import log
+from .control import ControlServer
 from .coordinator import CoordinatorLink
 from .elastic import CannotContinue
 from .elastichost import ElasticHost
@@ -228,12 +229,14 @@ class Supervisor:
                     signal.signal(sig, handler)
 
     def _run(self):
+        self.control = ControlServer.start(self)  # status, top, stop, logs without a Python start (control.py)
         try:
             if self.members is not None and not self._listen():
                 return 1
             self._start_attempt()
             self._loop()
         finally:
+            self.control.close()
             if self.link is not None:
                 self.link.close()
             self.loop.close()

@@ -56,10 +56,12 @@ def targets(state, job=None):
     return out
 
 
-def reply(state, job, sampler, progress_only=False, slice_s=None, slices=STRAGGLER_SLICES, wait=0.25, gpu=True):
-    """The `agent top` reply for a state.json dict, sampled with `sampler` (updated in place)."""
+def reply(state, job, sampler, progress_only=False, slice_s=None, slices=STRAGGLER_SLICES, wait=0.25, gpu=True,
+          alive=None):
+    """The `agent top` reply for a state.json dict, sampled with `sampler` (updated in place); `alive` as
+    jobdir.describe takes it."""
     t0, c0 = time.monotonic(), time.process_time()
-    out = describe(state)
+    out = describe(state, alive=alive)
     tg = targets(state, job)
     slice_s = STRAGGLER_WINDOW_S / slices if slice_s is None else slice_s
     try:

@@ -23,7 +23,8 @@ from ..host.states import JobState
 from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from ..progress import clean_progress, stragglers
 from . import Session
-from .hosttools import ensure_tools, install_on, package_dir, tool_argv, tool_command
+from .control import NEEDS_PACKAGE, ask, control_command
+from .hosttools import ensure_tools, package_dir, tool_argv
 from ..host.jobfile import elastic_entry, with_elastic  # elastic jobs (hosts[].spare, job.min_hosts)
 
 __all__ = [
@@ -126,11 +127,14 @@ def _parse(res) -> dict:
 
 
 def status(session: Session) -> JobStatus:
-    """Every process's state on every host; unreachable hosts are reported, not fatal."""
+    """Every process's state on every host; unreachable hosts are reported, not fatal. Each host's supervisor
+    answers over its control socket (no Python start on the host); where none runs, the agent reads the state
+    files (clusterctl/ops/control.py)."""
     plan, remote = session.plan, session.remote
+    jobdir = _jobdir(plan)
     # `agent top --progress-only`: `agent status`'s reply plus each process's progress from its log (no sampling)
-    cmd, payload = tool_command("agent", ["top", _jobdir(plan), "--progress-only"])
-    results = remote.run(cmd, stdin=payload, check=False, timeout=remote.control_timeout, what="status")
+    cmd = control_command(jobdir, "top", {"progress_only": True}, ["top", jobdir, "--progress-only"])
+    results = ask(remote, cmd, timeout=remote.control_timeout, what="status")
     replies: dict[str, dict] = {}
     unreachable: dict[str, str] = {}
     for host, res in results.items():
@@ -193,32 +197,25 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
 
 
 def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | None = None) -> dict[Host, dict]:
-    """Stop the job everywhere (or on `hosts`): SIGTERM, SIGKILL after grace, sweep by CLUSTERCTL_JOB. Idempotent."""
+    """Stop the job everywhere (or on `hosts`): SIGTERM, SIGKILL after grace, sweep by CLUSTERCTL_JOB. Idempotent.
+    A running supervisor stops its processes itself and answers over its control socket; where none runs, the
+    agent stops what is left (clusterctl/ops/control.py)."""
     plan, remote = session.plan, session.remote
     g = plan.grace if grace is None else grace
-    cmd, payload = tool_command("agent", ["stop", _jobdir(plan), "--grace", f"{g:g}", "--job", plan.job])
-    results = remote.run(
-        cmd,
-        hosts=hosts,
-        stdin=payload,
-        timeout=g + 60,
-        check=False,
-        what="stop",
-    )
+    jobdir = _jobdir(plan)
+    cmd = control_command(jobdir, "stop", {"grace": g}, ["stop", jobdir, "--grace", f"{g:g}", "--job", plan.job])
+    results = ask(remote, cmd, hosts=hosts, timeout=g + 60, what="stop")
     failures = [HostFailure(h.label, r.command, r.exit_code, r.stderr) for h, r in results.items() if r.exit_code not in (0, 1)]
     parsed = {h: _parse(r) for h, r in results.items()}
+    # exit 1 (the agent) or `ok: false` (either): processes survived SIGKILL, or no reply said the stop happened
     failures += [
         HostFailure(h.label, results[h].command, 1, d.get("error") or json.dumps(d.get("left", ""))[:500])
         for h, d in parsed.items()
-        if results[h].exit_code == 1
+        if results[h].exit_code in (0, 1) and (results[h].exit_code == 1 or d.get("ok") is False)
     ]
     if failures:
         raise RemoteError(failures, what="stop")
     return parsed
-
-
-# `agent up` exits with this when this version of the host package is not on the host yet
-NEEDS_PACKAGE = 97
 
 
 def _up_command() -> str:
@@ -329,29 +326,32 @@ def logs(
     if not targets:
         what = " ".join(f"{k}={v}" for k, v in (("host", host), ("role", role), ("id", id)) if v is not None)
         raise JobError(f"no process of job {plan.job} matches {what}")
-    installed = install_on(remote, ("agent",), targets)  # a host down: the others' logs still come
-    missing = [f"{h.label}: {(r.error() or r.stderr.strip() or f'exit {r.exit_code}')}" for h, r in installed.items()
-               if not r.ok]
-    targets = [h for h in targets if installed[h].ok]
-    if not targets:
-        raise JobError("logs: no host could be asked:\n" + "\n".join(missing))
 
     def cmd(h: Host) -> str:
-        args = ["logs", _jobdir(plan), "--host-label", h.label]
+        args: dict = {"host_label": h.label}
+        agent = ["logs", _jobdir(plan), "--host-label", h.label]
         if follow:
-            args.append("--follow")
+            args["follow"] = True
+            agent.append("--follow")
         if role:
-            args += ["--role", role]
+            args["role"] = role
+            agent += ["--role", role]
         if id is not None:
-            args += ["--id", str(id)]
+            args["id"] = id
+            agent += ["--id", str(id)]
         if lines is not None:
-            args += ["-n", str(lines)]
-        return _agent_cmd(*args)
+            args["lines"] = lines
+            agent += ["-n", str(lines)]
+        return control_command(_jobdir(plan), "logs", args, agent)
 
     problems: list[str] = []
     unmatched: list[str] = []  # elastic: hosts that ran no such process (a spare, a host left out)
+    notes: dict[Host, list[str]] = {}  # stderr: the agent's notes, or ssh's own words for a host it never reached
 
     def relay(h: Host, stream: str, line: str) -> None:
+        if stream != "out":  # held until the host's outcome is known (a failure is said once, below)
+            notes.setdefault(h, []).append(line)
+            return
         if line.startswith("{"):  # the agent's own JSON message, not a log line
             try:
                 error = str(json.loads(line).get("error", line))
@@ -365,15 +365,24 @@ def logs(
                 return
         on_line(h, stream, line)
 
-    # a follow ends with the job; a plain read of (possibly large) logs gets a generous deadline
-    results = remote.run(cmd, hosts=targets, on_line=relay, check=False, timeout=None if follow else 10 * remote.control_timeout,
-                         what="logs")
-    unreachable = [f"{h.label}: {r.stderr.strip()}" for h, r in results.items() if r.unreachable]
+    # a running supervisor streams them over its control socket, elsewhere the agent reads the files; a follow
+    # ends with the job, a plain read of (possibly large) logs gets a generous deadline
+    results = ask(remote, cmd, hosts=targets, on_line=relay, timeout=None if follow else 10 * remote.control_timeout,
+                  what="logs")
+    # not reached, no host package to be had (no python3), timed out, or the agent failed (2: its JSON error above)
+    unreachable = [f"{h.label}: {r.error() or r.stderr.strip() or f'exit {r.exit_code}'}" for h, r in results.items()
+                   if not r.answered or r.exit_code not in (0, 2)]
+    for h, lines_ in notes.items():
+        if results[h].answered:
+            for line in lines_:
+                on_line(h, "err", line)
     if len(problems) == len(targets) and problems:
         raise JobError(f"job {plan.job} has no logs on any host (never started?)")
     if unmatched and len(unmatched) + len(problems) == len(targets) and not problems:
         what = " ".join(f"{k}={v}" for k, v in (("host", host), ("role", role), ("id", id)) if v is not None)
         raise JobError(f"no process of job {plan.job} matches {what or 'anything'}")
-    if problems or unreachable or missing:
-        raise JobError("logs incomplete:\n" + "\n".join(problems + unreachable + missing))
+    if unreachable and len(unreachable) == len(targets) and not problems:
+        raise JobError("logs: no host could be asked:\n" + "\n".join(unreachable))
+    if problems or unreachable:
+        raise JobError("logs incomplete:\n" + "\n".join(problems + unreachable))
     return {h: r.exit_code for h, r in results.items()}

@@ -1,12 +1,13 @@
 """`top`: every process of a running job with what it uses (CPU, memory, GPUs) and how far it got, per host.
 
-Each host's `agent top` (clusterctl/host/topsnap.py) samples its own processes and replies with the job's
-status plus the figures; this module asks every host, folds the replies into one `Snapshot` (a row per
+Each host's supervisor samples its own processes and replies with the job's status plus the figures, over its
+control socket (clusterctl/host/control.py: no Python start on the host); where none runs, `agent top`
+(clusterctl/host/topsnap.py) answers from the state files; this module asks every host, folds the replies into one `Snapshot` (a row per
 process, totals per host, the stragglers among the ranks) and keeps going when hosts do not answer: a host
 is asked again only once its previous answer is in, and one that cannot be reached is a row that says so.
 
-The first request to a host installs the host package if it lacks this version (`tool_command`); later ones
-run the tool directly, so a refresh sends a command line, not the package. Replies are taken through
+A refresh sends a command line, not the package: a host whose fallback needs this version of the host package
+and lacks it gets it once (clusterctl/ops/control.py `ask`). Replies are taken through
 allow-lists with bounds (a host may be compromised).
 """
 
@@ -22,9 +23,8 @@ from ..host.states import JobState
 from ..host.status import overall_state
 from ..plan import Host
 from ..progress import (STRAGGLER_SLICES, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, clean_progress, stragglers)
-from ..quoting import join
 from . import Session
-from .hosttools import tool_argv, tool_command
+from .control import ask, control_command
 from .job import STATE_ROOT
 
 __all__ = ["ProcRow", "HostRow", "Snapshot", "Top", "DEFAULT_INTERVAL", "MIN_INTERVAL"]
@@ -214,7 +214,6 @@ class Top:
         # a host's request ends (unreachable) after this: ssh.command_timeout unless the view asks for less
         self.request_timeout = min(session.remote.control_timeout, request_timeout or math.inf)
         self.hosts: tuple[Host, ...] = tuple(session.plan.hosts)
-        self._installed: set[Host] = set()
         self._answers: dict[Host, _Answer] = {}
         self._inflight: dict[Host, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(self.hosts))), thread_name_prefix="top")
@@ -234,17 +233,17 @@ class Top:
                 "--slices", str(self.slices)]
         return args + ([] if self.gpu else ["--no-gpu"])
 
+    def _command(self) -> str:
+        """The supervisor's `top` over its control socket (its Sampler kept in memory, nvidia-smi on a thread of
+        its own), or `agent top` where no supervisor runs (clusterctl/ops/control.py)."""
+        request = {"slice": self.window_s / self.slices, "slices": self.slices, "gpu": self.gpu}
+        return control_command(f"{STATE_ROOT}/{self.session.plan.job}", "top", request, self._args())
+
     def _ask(self, host: Host) -> _Answer:
         remote = self.session.remote
-        if host in self._installed:
-            cmd, payload = join(tool_argv("agent", self._args())), None
-        else:
-            cmd, payload = tool_command("agent", self._args())
-        res = remote.run(cmd, hosts=[host], stdin=payload, check=False, timeout=self.request_timeout,
-                         what="top")[host]
+        res = ask(remote, self._command(), hosts=[host], timeout=self.request_timeout, what="top")[host]
         now = time.monotonic()
         if not res.answered:
-            self._installed.discard(host)
             if res.timed_out:
                 why = f"did not answer within {self.request_timeout:g}s" + (
                     " (ssh.command_timeout)" if self.request_timeout == remote.control_timeout else "")
@@ -254,15 +253,12 @@ class Top:
         try:
             data = res.reply()
         except ClusterctlError:
-            self._installed.discard(host)  # e.g. the package went missing: install it again next time
             tail = (res.stderr or res.stdout).strip()[-300:]
             return _Answer(now, "error", error=tail or f"exit {res.exit_code} without a reply")
         if data.get("ok") is False:
-            self._installed.add(host)
             if data.get("state") == JobState.UNKNOWN and res.exit_code == 1:
                 return _Answer(now, "no job", data, _str(data.get("error"), 300))
             return _Answer(now, "error", data, _str(data.get("error"), 300) or "failed")
-        self._installed.add(host)
         return _Answer(now, "ok", data)
 
     def snapshot(self, wait_s: float | None = None, *, interval: float | None = None) -> Snapshot:

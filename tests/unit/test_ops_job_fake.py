@@ -244,6 +244,14 @@ def test_an_unreachable_host_is_named_by_status_logs_start_and_stop(tmp_path):
     with c.session() as s:
         start(s)
         wait_until(lambda: status(s).state == "succeeded")
+    # n1 is lost just for the logs command (one round trip: no install step before it): n0's lines still come
+    # through; ssh's own words about n1 are said once, in the error, not relayed as a line of n1's
+    lines = []
+    with c.session(transport=FaultyTransport(c.transport, down={"n1"}, only=" logs ")) as s:
+        with pytest.raises(JobError) as info:
+            logs(s, on_line=lambda h, stream, line: lines.append((h.label, stream, line)))
+    assert re.fullmatch("logs incomplete:\nn1: " + refused("n1"), str(info.value))
+    assert lines == [("n0", "out", "[n0 trainer.0] hello from rank 0 attempt 0 job env None")]
     with c.session(transport=FaultyTransport(c.transport, down={"n1"})) as s:
         st = status(s)
         assert st.state == "lost"
@@ -263,14 +271,6 @@ def test_an_unreachable_host_is_named_by_status_logs_start_and_stop(tmp_path):
             logs(s, on_line=lambda h, stream, line: seen.append((h.label, line)))
         assert seen == [("n0", "[n0 trainer.0] hello from rank 0 attempt 0 job env None")]
         assert collect(s, host="n0") == [("n0", "[n0 trainer.0] hello from rank 0 attempt 0 job env None")]
-    # n1 is lost between installing the host tools and reading its logs: n0's lines still come through
-    lines = []
-    with c.session(transport=FaultyTransport(c.transport, down={"n1"}, only=" logs ")) as s:
-        with pytest.raises(JobError) as info:
-            logs(s, on_line=lambda h, stream, line: lines.append((h.label, stream, line)))
-    assert re.fullmatch("logs incomplete:\nn1: " + refused("n1"), str(info.value))
-    assert sorted(lines) == [("n0", "out", "[n0 trainer.0] hello from rank 0 attempt 0 job env None"),
-                             ("n1", "err", "ssh: connect to host n1 port 22: Connection refused")]  # as ssh says it
 
 
 def test_a_host_whose_commands_hang_is_reported_timed_out(tmp_path):

@@ -165,23 +165,33 @@ def test_hosts_that_stop_answering_are_rows_and_the_view_goes_on(tmp_path):
     assert job_pids(c.name) == []
 
 
-def test_the_package_travels_once_then_each_refresh_is_a_command_line(tmp_path):
+def test_each_refresh_is_one_command_line_that_the_supervisor_answers_with_no_python_on_the_host(tmp_path):
     c = cluster(tmp_path)
     rec = Recording(c.transport)
     with c.session(transport=rec) as s:
         start(s)
+        real = os.path.realpath(c.bin / "python3")
+        (c.bin / "python3").unlink()  # from here on, count the hosts' Python starts
+        fake_exe(c.bin, "python3", f'echo "$*" >> {c.tmp}/python-starts\nexec {real} "$@"\n')
         try:
             rec.commands.clear()
             with Top(s, window_s=WINDOW) as top:
-                top.snapshot(None)
-                top.snapshot(None)
+                first = top.snapshot(None)
+                second = top.snapshot(None)
+            starts = c.tmp / "python-starts"
+            assert not starts.exists(), starts.read_text()  # the supervisors answered: the agent never ran
         finally:
-            stop(s)
-    tops = [cmd for _, cmd in rec.commands if " agent top " in f" {cmd} " or "agent top" in cmd]
+            stop(s)  # (a peer that the coordinator's stop ended first is stopped by the agent: a Python start)
+    tops = [cmd for _, cmd in rec.commands if "agent top" in cmd]
     assert len(tops) == 4, rec.commands
-    assert all(cmd.startswith("{ test -d ") for cmd in tops[:2])  # installs where missing (one round trip)
-    assert all(cmd.startswith("python3 -S -E -c ") and "test -d" not in cmd for cmd in tops[2:])
-    assert all(cmd.endswith(f"agent top .clusterctl/jobs/{c.name} --slice 1 --slices 6") for cmd in tops)
+    request = """'"'"'top {"gpu":true,"slice":1.0,"slices":6}'"'"'"""
+    assert all(cmd.startswith("ctl='f=.clusterctl/jobs/") and request in cmd
+               and cmd.endswith(f"agent top .clusterctl/jobs/{c.name} --slice 1 --slices 6") for cmd in tops)
+    for snap in (first, second):
+        assert [(h.host, h.status) for h in snap.hosts] == [("n0", "ok"), ("n1", "ok")]
+        assert sorted(r.name for r in snap.rows if r.rank is None) == ["trainer.%d" % i for i in range(4)]
+    # no baseline at the first refresh: the supervisor took one and answered TOP_BASELINE_WAIT later, with CPU
+    assert all(r.cpu_pct is not None for r in first.rows if r.rank is None), first.rows
 
 
 def test_top_from_the_command_line(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,113 @@
+"""status, top, logs and stop answered by the hosts' supervisors over their control sockets (issue 23.2), on the
+fleet: login `ubuntu` (root login off), nodes behind a bastion, real sshd and OpenSSH client. Each node's
+`python3` is replaced for the test by a wrapper that records every start (/usr/local/bin comes first on sshd's
+PATH), so the test sees that a running job is asked with no Python started on its hosts, and that a host whose
+supervisor was killed is answered by the agent from its state files."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from clusterlib import assert_no_orphans, clusterctl, node_exec, status_json
+from test_fleet import fleet_spec
+
+NODES = (0, 1)
+GRACE = 2  # the job's grace: a stop waits at most this plus the agent's SIGKILL phase (5 s)
+# what a busy machine may add to a wait for a state that follows at once (a process that prints at its start, a
+# supervisor's death read from /proc): scheduling only; the waits poll and end as soon as the state is there
+SLACK = 30.0
+STARTS = "/tmp/clusterctl-python-starts"
+WRAPPER = f"""#!/bin/sh
+echo "$*" >> {STARTS}
+exec /usr/bin/python3 "$@"
+"""
+
+
+def _wrap_python(info):
+    for i in NODES:
+        node_exec(info.nodes[i].container, f"cat > /usr/local/bin/python3 <<'EOF'\n{WRAPPER}EOF\n"
+                  f"chmod 755 /usr/local/bin/python3 && rm -f {STARTS} && touch {STARTS} && chmod 666 {STARTS}")
+
+
+def _unwrap_python(info):
+    for i in NODES:
+        node_exec(info.nodes[i].container, f"rm -f /usr/local/bin/python3 {STARTS}", check=False)
+
+
+def _starts(info, i) -> list[str]:
+    return node_exec(info.nodes[i].container, f"cat {STARTS}").splitlines()
+
+
+def _clear(info):
+    for i in NODES:
+        node_exec(info.nodes[i].container, f": > {STARTS}")
+
+
+@pytest.mark.timeout(300)
+def test_a_running_job_is_asked_through_its_supervisors_with_no_python_on_the_hosts(fleet, tmp_path):
+    name = "fleet-ctl"
+    spec = fleet_spec(fleet, tmp_path / "c.yaml", name=name, workspace={"local": str(tmp_path)},
+                      job={"mode": "collective", "trainers": 2, "grace": GRACE,
+                           "entrypoint": ["/bin/sh", "-c", "echo hello from $RANK; exec sleep 300"]})
+    clusterctl("stop", spec)
+    _wrap_python(fleet)
+    try:
+        res = clusterctl("start", spec, "--dispatch", timeout=180)
+        assert res.returncode == 0, res.stdout + res.stderr
+        _clear(fleet)  # start runs `agent up` (Python) on every host: from here on, count
+        st = status_json(spec)
+        assert st["state"] == "running" and [(p["host"], p["state"]) for p in st["processes"]] == [
+            ("node0", "running"), ("node0", "running"), ("node1", "running"), ("node1", "running")]
+        deadline = time.monotonic() + SLACK
+        while (logs := clusterctl("logs", spec, check=True).stdout.splitlines()) and len(logs) < 4 \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert sorted(logs) == ["[node0 trainer.0] hello from 0", "[node0 trainer.1] hello from 1",
+                                "[node1 trainer.2] hello from 2", "[node1 trainer.3] hello from 3"]
+        top = json.loads(clusterctl("top", spec, "--once", "--json", "--no-gpu", check=True).stdout)
+        assert [(h["host"], h["status"]) for h in top["hosts"]] == [("node0", "ok"), ("node1", "ok")]
+        assert all(p["rss_bytes"] for p in top["processes"]), top["processes"]
+        assert _starts(fleet, 0) == [] and _starts(fleet, 1) == []  # the supervisors answered every one
+        # kill node1's supervisor: its host is answered by the agent, from its state files
+        pid = json.loads(node_exec(fleet.nodes[1].container, f"cat /home/ubuntu/.clusterctl/jobs/{name}/state.json"))[
+            "supervisor"]["pid"]
+        node_exec(fleet.nodes[1].container, f"kill -9 {pid}")
+        deadline = time.monotonic() + SLACK
+        while (st := status_json(spec)) and not any(p["host"] == "node1" and p["state"] != "running"
+                                                     for p in st["processes"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert st["state"] in ("lost", "failed", "stopping"), st
+        assert any(" agent top " in f" {line} " for line in _starts(fleet, 1)), _starts(fleet, 1)
+    finally:
+        stopped = clusterctl("stop", spec, timeout=120)
+        _unwrap_python(fleet)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert_no_orphans(fleet, name, hosts=[fleet.nodes[i] for i in NODES], within=GRACE + 5 + SLACK)
+    assert status_json(spec)["state"] in ("failed", "stopped")
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_through_the_supervisors_counts_every_process_once(fleet, tmp_path):
+    name = "fleet-ctl-stop"
+    spec = fleet_spec(fleet, tmp_path / "s.yaml", name=name, workspace={"local": str(tmp_path)},
+                      job={"mode": "collective", "trainers": 2, "grace": GRACE, "entrypoint": ["/bin/sleep", "300"]})
+    clusterctl("stop", spec)
+    _wrap_python(fleet)
+    try:
+        res = clusterctl("start", spec, "--dispatch", timeout=180)
+        assert res.returncode == 0, res.stdout + res.stderr
+        _clear(fleet)
+        res = clusterctl("stop", spec, timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.stdout.strip() == f"job {name} stopped on 2 host(s), 4 process(es) killed"
+        # node0 (the coordinator) answered over its socket; node1 too, unless node0's stop ended it first
+        assert _starts(fleet, 0) == []
+        assert all(" agent stop " in f" {line} " for line in _starts(fleet, 1)), _starts(fleet, 1)
+        assert_no_orphans(fleet, name, hosts=[fleet.nodes[i] for i in NODES], within=GRACE + 5 + SLACK)
+        again = clusterctl("stop", spec, timeout=120)
+        assert again.stdout.strip() == f"job {name} is not running"
+    finally:
+        clusterctl("stop", spec, timeout=120)
+        _unwrap_python(fleet)
