@@ -40,9 +40,13 @@ job:
     return make_plan(spec)
 
 
+#: What the host supervisor adds to every process's environment (clusterctl/host/spawn.py): the job token.
+TOKEN = {"CLUSTERCTL_JOB_TOKEN": "7e57" * 16}
+
+
 def start(trainer, **extra) -> subprocess.Popen:
     base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
-    env = {**base, **trainer.env, "PYTHONPATH": str(ROOT), "UCX_LOG_LEVEL": "error",
+    env = {**base, **trainer.env, **TOKEN, "PYTHONPATH": str(ROOT), "UCX_LOG_LEVEL": "error",
            **{k: str(v) for k, v in extra.items()}}
     return subprocess.Popen(list(trainer.argv), env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -160,7 +164,7 @@ def test_mpi_initialised_before_init_is_refused():
     plan = plan_for(2, HERE / "ssh_worker.py")
     t = plan.trainers[1]
     base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
-    env = {**base, **t.env, "PYTHONPATH": str(ROOT), "UCX_LOG_LEVEL": "error"}
+    env = {**base, **t.env, **TOKEN, "PYTHONPATH": str(ROOT), "UCX_LOG_LEVEL": "error"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=50)
     assert proc.returncode == 1, proc.stdout + proc.stderr
