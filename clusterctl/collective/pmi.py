@@ -113,6 +113,8 @@ class _World:
     pids: dict[int, int] = field(default_factory=dict)        # spawned worlds: rank -> pid (from the executor)
     finalized: set[int] = field(default_factory=set)
     left: set[int] = field(default_factory=set)               # closed PMI without finalizing, or exited
+    exited: set[int] = field(default_factory=set)             # spawned worlds: exits the executor reported
+    orphaned: bool = False                                    # spawned worlds: the executor's control is gone
     barrier: list["_Conn"] = field(default_factory=list)
     barrier_deadline: float | None = None
     barrier_count: int = 0
@@ -124,7 +126,10 @@ class _World:
         return self.executor is None
 
     def over(self) -> bool:
-        """Every rank finalized or left."""
+        """Every rank finalized or left; for a spawned world, every process's exit reported by its executor
+        (while the executor can say: an exit code decides whether the job fails)."""
+        if not self.root and not self.orphaned:
+            return len(self.exited) >= self.size
         return len(self.finalized | self.left) >= self.size
 
 
@@ -482,6 +487,9 @@ class PMIServer:
         if conn.kind == "control":
             if self.control.get(conn.rank) is conn:
                 del self.control[conn.rank]
+                for w in self.worlds.values():
+                    if w.executor == conn.rank:
+                        w.orphaned = True
             for sp in [s for s in self._spawns.values() if s.world.executor == conn.rank]:
                 self._spawn_done(sp, f"rank {conn.rank}'s control connection closed before it started the processes")
             return
@@ -494,7 +502,7 @@ class PMIServer:
             del world.conns[conn.rank]
         if not conn.finalized:
             world.left.add(conn.rank)
-            if eof:
+            if eof and self.aborted is None:
                 log.warning("PMI: %s closed its connection before MPI_Finalize (it exited or crashed)",
                             self._who(world, conn.rank))
             self._barrier_check(world)
@@ -738,11 +746,15 @@ class PMIServer:
             self.done.set()
 
     def _cmd_abort(self, conn: _Conn, a: dict) -> None:
-        world, rank = conn.world, conn.rank
         code = self._int(a, "exitcode", 1)
-        who = self._who(world, rank)
+        self._end_job(conn.world, conn.rank, code, f"{self._who(conn.world, conn.rank)} called MPI_Abort with error "
+                                                   f"code {code}")
+
+    def _end_job(self, world: _World, rank: int, code: int, message: str) -> None:
+        """An MPI_Abort (or a spawned process that failed before MPI_Finalize, as hydra treats it): record it
+        in $CLUSTERCTL_JOBDIR/abort.json and tell every rank's control thread to end its rank."""
         if self.aborted is not None:
-            log.error("PMI: %s called MPI_Abort (error code %s) too; the job is already ending", who, code)
+            log.debug("PMI: %s too; the job is already ending", message)
             return
         if world.root:
             host, pid = self.hosts.get(rank, ("?", 0))
@@ -750,7 +762,7 @@ class PMIServer:
         else:
             host, pid = self.hosts.get(world.executor, ("?", 0))[0], world.pids.get(rank, 0)
             job_rank, spawned = world.executor, {"world": world.kvsname, "rank": rank, "pid": pid}
-        self.aborted = rec = abort_record(job_rank, code, who, host=host, pid=pid, spawned=spawned)
+        self.aborted = rec = abort_record(job_rank, code, message, host=host, pid=pid, spawned=spawned)
         log.error("PMI: %s", rec["message"])
         print(f"clusterctl.collective: {rec['message']}: ending the job", file=sys.stderr, flush=True)
         jobdir = os.environ.get(JOBDIR_ENV, "")
@@ -883,12 +895,16 @@ class PMIServer:
             rank, code = msg.get("rank"), msg.get("code")
             if world is None or world.executor != conn.rank or not isinstance(rank, int) or not 0 <= rank < world.size:
                 return                    # a world that ended already
+            world.exited.add(rank)
+            if rank not in world.finalized and code != 0 and isinstance(code, int):
+                # hydra ends the job when a process fails; so does a spawned MPI_Abort on a world of one
+                # (MPICH exits at once, without telling the process manager)
+                self._end_job(world, rank, code, f"{self._who(world, rank)} (pid {world.pids.get(rank, '?')}) "
+                                                 f"exited with code {code} before MPI_Finalize")
             if rank not in world.finalized and rank not in world.left:
-                log.warning("PMI: %s (pid %s) exited with code %s before MPI_Finalize", self._who(world, rank),
-                            world.pids.get(rank, "?"), code)
                 world.left.add(rank)
                 self._barrier_check(world)
-                self._check_done()
+            self._check_done()
         else:
             self._garbage(conn, f"unknown control message {str(op)[:40]!r}")
 

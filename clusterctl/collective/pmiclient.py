@@ -72,11 +72,10 @@ def abort_exit_code(code: int) -> int:
     return code if 0 < code < 256 else 1
 
 
-def abort_record(rank: int, code: int, who: str, *, host: str, pid: int, spawned: dict | None) -> dict:
-    """The contents of abort.json: the job rank responsible, the MPI_Abort error code and a one-line message."""
-    ec = abort_exit_code(code)
-    return {"rank": rank, "code": code, "exit_code": ec,
-            "message": f"{who} called MPI_Abort with error code {code}",
+def abort_record(rank: int, code: int, message: str, *, host: str, pid: int, spawned: dict | None) -> dict:
+    """The contents of abort.json: the job rank responsible, the error code, a one-line message, and for a
+    spawned process its world, rank and pid."""
+    return {"rank": rank, "code": code, "exit_code": abort_exit_code(code), "message": message,
             "host": host, "pid": pid, "spawned": spawned, "time": time.time()}
 
 
@@ -338,12 +337,12 @@ class RankControl(threading.Thread):
         started: list[subprocess.Popen] = []
         logs: list[str] = []
         argv: list[str] = ["?"]
+        self.seq += 1                     # spawn N of this rank (refused ones count)
+        seq, rank, recs = self.seq, 0, []
         try:
             size, pmiids, cmds, world = int(order["size"]), list(order["pmiids"]), list(order["cmds"]), str(order["world"])
             for c in cmds:
                 self._check_hosts(dict(c.get("info") or {}))
-            self.seq += 1
-            seq, rank, recs = self.seq, 0, []
             for c in cmds:
                 info = dict(c.get("info") or {})
                 argv = [str(a) for a in c["argv"]]
