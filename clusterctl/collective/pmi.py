@@ -32,8 +32,8 @@ ranks that never arrived; a spawn order unanswered for 60 s fails the spawn.
 Authentication and floods (docs/security.md): the server refuses to run without the job token unless
 ``CLUSTERCTL_AUTH=none``.  A connection must begin with an authenticated ``clusterctl_hello`` or with
 MPICH's ``initack`` carrying a ``pmiid`` the server gave out; nothing else is parsed before that (the
-first line is checked by prefix, ≤ 1 KiB).  Unauthenticated connections are capped (128 in all, 32
-per source address; the oldest is evicted once it is 0.1 s old, accepting pauses otherwise), must
+first line is checked by prefix, ≤ 1 KiB).  Unauthenticated connections are capped (256 in all, 64
+per source address; the oldest is evicted once it is 0.25 s old, accepting pauses otherwise), must
 authenticate within 10 s, and accept errors (EMFILE) evict one and pause instead of ending the
 server.  Lines are split in linear time; blank and malformed lines count as garbage (100 and the
 connection is dropped); replies a client does not read, the key-value stores, the name service,
@@ -80,9 +80,9 @@ _MAX_MCMD = 256 * 1024                # one spawn message (all its lines)
 _MAX_WBUF = 1 << 20                   # unsent replies a connection may hold (a reader that never reads)
 _MAX_KEYS_BASE, _MAX_KEYS_PER_RANK = 1024, 256   # KVS entries per world: base + per rank; names: base
 _MAX_GARBAGE = 100                    # blank or malformed lines an authenticated connection may send
-_MAX_UNAUTH = 128                     # unauthenticated connections held at once ...
-_MAX_UNAUTH_PER_SOURCE = 32           # ... and from one source address
-_EVICT_MIN_AGE = 0.1                  # an unauthenticated connection is not evicted younger than this
+_MAX_UNAUTH = 256                     # unauthenticated connections held at once ...
+_MAX_UNAUTH_PER_SOURCE = 64           # ... and from one source address
+_EVICT_MIN_AGE = 0.25                 # an unauthenticated connection is not evicted younger than this
 _ACCEPTS_PER_ROUND = 16               # accepts per loop round (reads come first)
 AUTH_DEADLINE = 10.0                  # seconds a connection has to authenticate
 _SPAWN_REPLY_TIMEOUT = 60.0           # a rank's answer to a spawn order
@@ -167,11 +167,12 @@ class PMIServer:
     """PMI-1 server for one job of ``size`` ranks, served by a daemon thread on ``host:port``."""
 
     def __init__(self, host: str, port: int, size: int, *, timeout: float, kvsname: str | None = None,
-                 token: str | None = None, auth: str | None = None):
+                 token: str | None = None, auth: str | None = None, auth_deadline: float = AUTH_DEADLINE):
         if size < 1:
             raise CollectiveError(f"PMI server: size={size} must be >= 1")
         self.host, self.port, self.size = host, int(port), int(size)
         self.timeout = float(timeout)
+        self.auth_deadline = float(auth_deadline)
         self.token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
         auth = auth if auth is not None else os.environ.get(AUTH_ENV, "").strip()
         if self.token is None and auth != "none":
@@ -184,6 +185,7 @@ class PMIServer:
         self.worlds: dict[str, _World] = {self.world.kvsname: self.world}
         self.pmiids: dict[int, tuple[_World, int]] = {}   # secret PMI_ID -> (world, rank)
         self.names: dict[str, str] = {}
+        self.accepted = 0                                # connections accepted
         self.rejected = 0                                # connections dropped for breaking the rules
         self.evicted = 0                                 # unauthenticated connections evicted (cap, deadline)
         self.accept_errors = 0                           # accept() failures (EMFILE, ...) contained
@@ -327,14 +329,10 @@ class PMIServer:
         self._note(f"PMI connection {conn.peer}: {why}; closing")
         self._drop(conn)
 
-    def _make_room(self) -> bool:
-        """Free an unauthenticated slot if the caps are reached: evict the oldest (from the fullest source)
-        once it is old enough; False (pause accepting) while every candidate is younger."""
-        if len(self._unauth) < _MAX_UNAUTH and (not self._per_source
-                                                or max(self._per_source.values()) < _MAX_UNAUTH_PER_SOURCE):
-            return True
-        full = {s for s, n in self._per_source.items() if n >= _MAX_UNAUTH_PER_SOURCE}
-        victim = next((c for c in self._unauth if not full or c.source in full), None)
+    def _evict_old(self, source: str | None) -> bool:
+        """Evict the oldest unauthenticated connection (from ``source`` if given) once it is old enough to
+        have sent its first line; False, and accepting pauses until then, while it is younger."""
+        victim = next((c for c in self._unauth if source is None or c.source == source), None)
         if victim is None:
             return True
         age = time.monotonic() - victim.since
@@ -343,6 +341,18 @@ class PMIServer:
             return False
         self._evict(victim, f"evicted: {len(self._unauth)} unauthenticated connections "
                             f"({self._per_source[victim.source]} from {victim.source}) at the cap")
+        return True
+
+    def _make_room(self) -> bool:
+        """Bring the unauthenticated connections under the caps (a source over its own first); False while
+        the candidates are too young to evict (accepting pauses)."""
+        for source in [s for s, n in self._per_source.items() if n > _MAX_UNAUTH_PER_SOURCE]:
+            while self._per_source.get(source, 0) > _MAX_UNAUTH_PER_SOURCE:
+                if not self._evict_old(source):
+                    return False
+        while len(self._unauth) >= _MAX_UNAUTH:
+            if not self._evict_old(None):
+                return False
         return True
 
     def _accept_some(self) -> None:
@@ -359,9 +369,8 @@ class PMIServer:
                            f"{len(self._unauth)} unauthenticated connection(s) held")
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) and self._unauth:
                     self._evict(next(iter(self._unauth)), "evicted: out of file descriptors")
-                    self._pause_accept(0.05)
-                else:
-                    self._pause_accept(0.5)
+                    continue                # a descriptor is free again: the next accept gets it
+                self._pause_accept(0.5)
                 return
             try:
                 sock.setblocking(False)
@@ -369,11 +378,14 @@ class PMIServer:
             except OSError:
                 sock.close()
                 continue
+            self.accepted += 1
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}", str(addr[0]), time.monotonic())
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self._unauth[conn] = None
             self._per_source[conn.source] += 1
             self._service(conn, selectors.EVENT_READ)   # its first line is often already here
+            if self._per_source.get(conn.source, 0) > _MAX_UNAUTH_PER_SOURCE and not self._evict_old(conn.source):
+                return
 
     def _authenticated(self, conn: _Conn, kind: str) -> None:
         conn.kind = kind
@@ -917,9 +929,9 @@ class PMIServer:
         self._resume_accept()
         while self._unauth:
             oldest = next(iter(self._unauth))
-            if now - oldest.since <= AUTH_DEADLINE:
+            if now - oldest.since <= self.auth_deadline:
                 break
-            self._evict(oldest, f"did not authenticate within {AUTH_DEADLINE:g}s")
+            self._evict(oldest, f"did not authenticate within {self.auth_deadline:g}s")
         if len(self.hosts) < self.size and self.error is None and now > self._started + self.timeout:
             self.error = (f"rank(s) {self._missing(self.hosts, self.size)} of {self.size} never connected to "
                           f"{self.host}:{self.port} within {self.timeout:g}s")
