@@ -389,7 +389,8 @@ def _mpi_launch(spec: ClusterSpec, hosts, trainer_slots, total: int, workdir: st
     The environment reaches the ranks by name only (values in mpiexec's own environment): hydra's
     ``-envlist`` (not ``-genvlist``/``-genvall``: with a global list set, hydra 5.0.2 dies on the first
     MPI_Comm_spawn, "duplicate setting: genv-prop"; spawned processes get mpiexec's whole environment,
-    the job's tag and token included), Open MPI's ``-x NAME`` (which its spawns inherit too).
+    the job's tag and token included), Open MPI's ``-x NAME`` (which its spawns inherit too; with
+    ``--map-by :OVERSUBSCRIBE`` unless ``mpi_args`` maps, so that a spawn finds a slot).
     """
     job = spec.job
     if job.mode != "collective":
@@ -414,6 +415,10 @@ def _mpi_launch(spec: ClusterSpec, hosts, trainer_slots, total: int, workdir: st
         argv = [job.mpiexec, "--hostfile", path, "-n", str(total), "--wdir", workdir, "--mca", "plm_rsh_agent", "ssh"]
         for k in env:
             argv += ["-x", k]
+        if not any(a.lstrip("-").startswith(("map-by", "oversubscribe")) for a in job.mpi_args):
+            # the ranks fill the hostfile's slots; without this, Open MPI has no slot for a spawned process
+            # (MPI_Comm_spawn fails), where hydra places spawns on the hosts regardless
+            argv += ["--map-by", ":OVERSUBSCRIBE"]
         # mpirun refuses to run as root unless told twice; a job whose login is root runs as root whatever
         # mpirun thinks, so say so in mpirun's own environment (it matters for uid 0 only; not forwarded)
         env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **env}
