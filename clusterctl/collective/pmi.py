@@ -39,7 +39,7 @@ server.  Lines are split in linear time; blank and malformed lines count as garb
 connection is dropped); replies a client does not read, the key-value stores, the name service,
 spawn messages and live worlds are bounded.
 
-Why one module of ~900 lines: the server is one select loop whose handlers share its worlds,
+Why one module of ~1000 lines: the server is one select loop whose handlers share its worlds,
 connections and limits; the wire codec lives in :mod:`clusterctl.collective.pmiwire` and the rank
 side in :mod:`clusterctl.collective.pmiclient`.
 """
@@ -88,6 +88,9 @@ AUTH_DEADLINE = 10.0                  # seconds a connection has to authenticate
 _SPAWN_REPLY_TIMEOUT = 60.0           # a rank's answer to a spawn order
 _MAX_WORLDS = 256                     # spawned worlds alive at once
 JOBDIR_ENV = "CLUSTERCTL_JOBDIR"
+#: The PMI-1 commands an authenticated MPICH connection may send (one line each; spawn is ``mcmd=``).
+_COMMANDS = frozenset(("init", "get_maxes", "get_appnum", "get_my_kvsname", "get_universe_size", "put", "get",
+                       "barrier_in", "finalize", "abort", "publish_name", "unpublish_name", "lookup_name"))
 
 
 def refusal() -> str:
@@ -542,7 +545,13 @@ class PMIServer:
             self._control_line(conn, line)
             return
         if conn.mcmd is not None or line.startswith("mcmd="):
-            self._mcmd_line(conn, line)
+            try:
+                self._mcmd_line(conn, line)
+            except Exception as e:    # as below: never the end of the server
+                log.exception("PMI: a spawn message failed")
+                conn.mcmd = None
+                if conn.sock.fileno() >= 0:
+                    self._send(conn, "spawn_result", rc=1, msg=f"spawn failed in the PMI server: {e!r}")
             return
         if not line.strip():
             self._garbage(conn, "a blank line")
@@ -553,12 +562,16 @@ class PMIServer:
             self._garbage(conn, str(e))
             return
         log.debug("PMI %s (%s): %s", conn.peer, self._who(conn.world, conn.rank), line)
-        handler = getattr(self, f"_cmd_{cmd}", None)
-        if handler is None or cmd in (HELLO, "initack"):
+        if cmd not in _COMMANDS:
             log.warning("PMI: unknown command from %s: %s", self._who(conn.world, conn.rank), line[:200])
             self._send(conn, "error", rc=1, msg=f"unknown PMI command {cmd}")
             return
-        handler(conn, a)
+        try:
+            getattr(self, f"_cmd_{cmd}")(conn, a)
+        except Exception as e:        # a bug here must not end the server (every rank would hang)
+            log.exception("PMI: %s failed", line[:200])
+            if conn.sock.fileno() >= 0:
+                self._send(conn, "error", rc=1, msg=f"{cmd} failed in the PMI server: {e!r}")
 
     def _garbage(self, conn: _Conn, what: str) -> None:
         conn.garbage += 1

@@ -394,3 +394,23 @@ def test_blank_line_floods_cost_little_cpu(monkeypatch):
     proc.wait(timeout=20)
     assert all(isinstance(got[r], dict) and got[r]["rc"] == "0" for r in (0, 1)), got
     assert cpu < 5.0, f"{cpu:.1f}s of CPU for {sent[0] >> 20} MB in {took:.1f}s"
+
+
+@pytest.mark.timeout(60)
+def test_unknown_commands_get_one_error_reply_and_the_server_goes_on(server):
+    """An authenticated client's unknown or misplaced command (a one-line spawn, a second initack, our own
+    hello) is answered with one error line, so MPICH's client stays in step, and the server keeps serving."""
+    srv = server(1)
+    info = register("127.0.0.1", srv.port, rank=0, size=1, timeout=10)
+    s = socket.create_connection(("127.0.0.1", srv.port))
+    s.sendall(format_command("initack", pmiid=info["pmiid"]))
+    f = s.makefile("rb")
+    assert parse_command(f.readline().decode())[0] == "initack"
+    for _ in range(3):
+        f.readline()
+    for cmd in ("spawn", "initack", "clusterctl_hello", "no_such_command"):
+        s.sendall(format_command(cmd, x=1))
+        assert parse_command(f.readline().decode()) == ("error", {"rc": "1", "msg": f"unknown PMI command {cmd}"})
+    s.sendall(format_command("get_maxes"))
+    assert parse_command(f.readline().decode())[0] == "maxes"
+    s.close()
