@@ -108,8 +108,9 @@ def test_same_training_without_mpiexec_under_the_ssh_launcher(clusterctl_on_node
 # -- issue 26: spawn, abort, and mpi4py's own test suite, under both launchers ------------------------------------
 
 FUTURES = ROOT / "examples" / "mpi4py_futures"
-# One rank per node here: MPICH's shared memory only carries a rank's messages to itself.
-NODE_MPI_ENV = {"UCX_TLS": "tcp,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+# In these containers process_vm_readv fails (EPERM: no CAP_SYS_PTRACE), so MPICH's shared memory must not
+# use CMA for large messages between processes of one node (a spawned world), nor UCX its shared memory.
+NODE_MPI_ENV = {"UCX_TLS": "tcp,self", "UCX_WARN_UNUSED_ENV_VARS": "n", "MPIR_CVAR_CH4_CMA_ENABLE": "0"}
 
 
 def launcher_spec(info, tmp_path, name, launcher, *, workspace, script, args=(), hosts=2, mpi_args=()):
