@@ -89,7 +89,7 @@ class MpiLaunch:
     argv: tuple[str, ...]
     hostfile: str  # its content: slots = trainers per host, hosts in spec order
     hostfile_path: str  # relative to the first host's home directory, where mpiexec runs
-    # set in mpiexec's own environment (by the agent); argv names them only (-genvlist / -x NAME), so
+    # set in mpiexec's own environment (by the agent); argv names them only (-envlist / -x NAME), so
     # job.env values never appear on a command line that every user of the host can read in `ps`
     env: dict = field(default_factory=dict)
 
@@ -362,7 +362,14 @@ _PER_RANK = ("id", "trainer_id", "current_endpoint", "host", "local_rank")
 
 
 def _mpi_launch(spec: ClusterSpec, hosts, trainer_slots, total: int, workdir: str) -> MpiLaunch:
-    """The mpiexec argv and hostfile for MPICH (hydra) or Open MPI, from the first host over ssh."""
+    """The mpiexec argv and hostfile for MPICH (hydra) or Open MPI, from the first host over ssh.
+
+    The environment reaches the ranks by name only (values in mpiexec's own environment): hydra's
+    ``-envlist`` (not ``-genvlist``/``-genvall``: with a global list set, hydra 5.0.2 dies on the first
+    MPI_Comm_spawn, "duplicate setting: genv-prop"; spawned processes get mpiexec's whole environment,
+    the job's tag and token included), Open MPI's ``-x NAME`` (which its spawns inherit too; with
+    ``--map-by :OVERSUBSCRIBE`` unless ``mpi_args`` maps, so that a spawn finds a slot).
+    """
     job = spec.job
     if job.mode != "collective":
         raise PlanError(("job", "launcher"), "launcher: mpi runs collective jobs; set mode: collective")
@@ -380,12 +387,19 @@ def _mpi_launch(spec: ClusterSpec, hosts, trainer_slots, total: int, workdir: st
     if job.mpi == "mpich":
         hostfile = "".join(f"{h.endpoint_address}:{n}\n" for h, n in used)
         argv = [job.mpiexec, "-f", path, "-n", str(total), "-wdir", workdir, "-launcher", "ssh",
-                "-genvlist", ",".join(env)]
+                "-envlist", ",".join(env)]
     else:
         hostfile = "".join(f"{h.endpoint_address} slots={n}\n" for h, n in used)
         argv = [job.mpiexec, "--hostfile", path, "-n", str(total), "--wdir", workdir, "--mca", "plm_rsh_agent", "ssh"]
         for k in env:
             argv += ["-x", k]
+        if not any(a.lstrip("-").startswith(("map-by", "oversubscribe")) for a in job.mpi_args):
+            # the ranks fill the hostfile's slots; without this, Open MPI has no slot for a spawned process
+            # (MPI_Comm_spawn fails), where hydra places spawns on the hosts regardless
+            argv += ["--map-by", ":OVERSUBSCRIBE"]
+        # mpirun refuses to run as root unless told twice; a job whose login is root runs as root whatever
+        # mpirun thinks, so say so in mpirun's own environment (it matters for uid 0 only; not forwarded)
+        env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **env}
     argv += [*job.mpi_args, *job.entrypoint, *args]
     return MpiLaunch(hosts[0], tuple(argv), hostfile, path, env)
 

@@ -7,7 +7,9 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (GUIDE §2) and no pro
 
 1. on rank 0 starts a PMI-1 server (:mod:`clusterctl.collective.pmi`) on MASTER_ADDR:MASTER_PORT,
 2. on every rank registers with it (retrying until it listens) and waits until all ranks have,
-3. sets ``PMI_PORT``, ``PMI_ID``, ``PMI_RANK`` and ``PMI_SIZE``, so MPICH's PMI client joins the
+3. keeps that connection as the rank's control connection (:class:`~clusterctl.collective.pmiclient.RankControl`:
+   it starts the processes an ``MPI_Comm_spawn`` asks for and ends the rank after an ``MPI_Abort``),
+4. sets ``PMI_PORT``, ``PMI_ID``, ``PMI_RANK`` and ``PMI_SIZE``, so MPICH's PMI client joins the
    server's job exactly as under hydra: one real ``MPI_COMM_WORLD`` (shared memory included).
 
 (Joining singletons with ``Comm.Connect``/``Accept`` fails with MPICH 5.0: pmodels/mpich#7805.)
@@ -15,20 +17,26 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (GUIDE §2) and no pro
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
 
 from .errors import CollectiveError
 
-__all__ = ["under_mpi_launcher", "prepare_environment", "check_world", "joined"]
+__all__ = ["under_mpi_launcher", "prepare_environment", "check_world", "joined", "RANK_ENV"]
 
 log = logging.getLogger("clusterctl.collective")
 
 _LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
                   "HYDRA_CONTROL_FD", "MPI_LOCALNRANKS")
 
+#: What describes a rank of the job's world: spawned processes do not inherit it (they get their own PMI_*).
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "PMI_PORT", "PMI_ID", "PMI_RANK",
+            "PMI_SIZE", "PMI_FD", "PMI_SPAWNED")
+
 _server = None          # rank 0's PMI server child process (subprocess.Popen)
+_control = None         # this rank's control thread (pmiclient.RankControl)
 _joined: dict[str, str] | None = None
 
 
@@ -57,7 +65,7 @@ def _int_env(name: str) -> int:
 
 def prepare_environment(*, timeout: float) -> None:
     """Before MPI_Init: under clusterctl's ssh launcher, set up PMI so all ranks join one MPI world."""
-    global _server, _joined
+    global _server, _joined, _control
     if _joined is not None or under_mpi_launcher() or _mpi_already_initialized():
         return
     raw = os.environ.get("WORLD_SIZE", "").strip()
@@ -76,11 +84,17 @@ def prepare_environment(*, timeout: float) -> None:
         raise CollectiveError(f"RANK={rank} out of range for WORLD_SIZE={size}")
     if not 0 < port < 65536:
         raise CollectiveError(f"MASTER_PORT={port} is not a TCP port")
-    from .pmi import register, spawn_server
+    from .pmi import spawn_server
+    from .pmiclient import RankControl, join
+    child_env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
     if rank == 0:
         _server = spawn_server(host, port, size, timeout=timeout)   # exits by itself (see spawn_server)
-    info = register(host, port, rank=rank, size=size, timeout=timeout)
-    os.environ.update({"PMI_PORT": f"{host}:{port}", "PMI_ID": info.get("pmiid", str(rank)), "PMI_RANK": str(rank),
+    info, sock, pending = join(host, port, rank=rank, size=size, timeout=timeout)
+    pmi_port = f"{host}:{port}"      # MPICH splits PMI_PORT at its first ':' (no IPv6 literals)
+    _control = RankControl(sock, pending, rank=rank, pmi_port=pmi_port, child_env=child_env)
+    _control.start()
+    atexit.register(_control.settle)
+    os.environ.update({"PMI_PORT": pmi_port, "PMI_ID": info.get("pmiid", str(rank)), "PMI_RANK": str(rank),
                        "PMI_SIZE": str(size)})
     _joined = info
     log.debug("rank %d/%d joins MPI through the PMI server at %s:%d (kvs %s, mapping %s)", rank, size, host,

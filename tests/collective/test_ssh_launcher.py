@@ -7,69 +7,17 @@ serves PMI-1 on MASTER_ADDR:MASTER_PORT and all ranks join one MPI world (tests/
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from helpers import free_port, job_pids
+from launchlib import HERE, ROOT, TOKEN, assert_no_orphans, finish, plan_for, start
 
 from clusterctl.collective.pmi import format_command, parse_command, process_mapping
-from clusterctl.plan import make_plan
-from clusterctl.spec import parse_spec
 
 pytest.importorskip("mpi4py")
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-
-
-def plan_for(trainers: int, script: Path, *args: str):
-    """The plan clusterctl makes for a one-host collective job (launcher: ssh) of ``trainers`` ranks."""
-    spec = parse_spec(f"""
-name: pmitest
-hosts: [{{address: 127.0.0.1}}]
-job:
-  entrypoint: [{sys.executable}, {script}{''.join(', ' + a for a in args)}]
-  trainers: {trainers}
-  ports: {{trainer: {free_port()}, master: {free_port()}, control: {free_port()}}}
-""")
-    return make_plan(spec)
-
-
-def start(trainer, **extra) -> subprocess.Popen:
-    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
-    env = {**base, **trainer.env, "PYTHONPATH": str(ROOT), "UCX_LOG_LEVEL": "error",
-           **{k: str(v) for k, v in extra.items()}}
-    return subprocess.Popen(list(trainer.argv), env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    outs = []
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return outs
-
-
-def assert_no_orphans(job: str) -> None:
-    deadline = time.monotonic() + 15
-    while job_pids(job) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = job_pids(job)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes of job {job} left behind: {left}"
 
 
 # -- wire format (pure) -------------------------------------------------------------------------------
@@ -160,7 +108,7 @@ def test_mpi_initialised_before_init_is_refused():
     plan = plan_for(2, HERE / "ssh_worker.py")
     t = plan.trainers[1]
     base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
-    env = {**base, **t.env, "PYTHONPATH": str(ROOT), "UCX_LOG_LEVEL": "error"}
+    env = {**base, **t.env, **TOKEN, "PYTHONPATH": str(ROOT), "UCX_LOG_LEVEL": "error"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=50)
     assert proc.returncode == 1, proc.stdout + proc.stderr
