@@ -16,7 +16,7 @@ import yaml
 
 from clusterctl.ops.dispatch import dispatch
 from clusterctl.ops.job import logs, start, status, stop
-from clusterctl.ops.render import render_status
+from clusterctl.commands.render import render_status
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fakehosts import FakeCluster, job_pids, wait_until  # noqa: E402

@@ -1,4 +1,4 @@
-"""`clusterctl top` (clusterctl/ops/top.py, top_cli.py) and the progress in `status`, over fake hosts: the real
+"""`clusterctl top` (clusterctl/ops/top.py, clusterctl/commands/top.py) and the progress in `status`, over fake hosts: the real
 agent (`agent top`), real processes printing progress lines, hosts that stop answering (tests/unit/fakehosts.py)."""
 
 from __future__ import annotations
