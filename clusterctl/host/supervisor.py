@@ -8,6 +8,11 @@ listener and the peers) or the `PeerLink` (peer.py: the connection to the coordi
 them: an event (a process exit, a message, a timer, a signal) goes to a rule, and the rule's answer (a
 `Verdict`, a next attempt) becomes effects (signal the local processes, tell the peers, spawn again,
 write state.json). One process plays one role: the coordinator (also a single-host job) or a peer.
+
+Why one module: this is the wiring, one handler per event, each a few lines from a rule's answer to its
+effects (the start barrier, restarts, elastic views, the control socket's requests); the handlers share the
+supervisor's few fields (the core, the links, the loop), and split across modules they would pass all of them
+back and forth. Every decision they carry out is in rules.py, membership.py, policy.py and elastic.py.
 """
 
 import json
