@@ -203,10 +203,13 @@ def test_the_live_view_in_a_terminal(job, testcluster):
         _wait_screen(session, rf"^{re.escape(ips[1])} +trainer\.1 ", 60)
         t0 = time.monotonic()
         _tmux("send-keys", "-t", session, "C-c")  # Ctrl+C ends the view, exit 0, within the command deadline
-        while _tmux("display-message", "-p", "-t", session, "#{pane_dead}").strip() != "1":
+        # tmux marks the pane dead when its terminal closes and learns the exit status from SIGCHLD, later: wait
+        # for the status (or the signal that ended the process) itself
+        while not (ended := _tmux("display-message", "-p", "-t", session,
+                                  "#{pane_dead_status}/#{pane_dead_signal}").strip().strip("/")):
             assert time.monotonic() < t0 + CMD_TIMEOUT + 20, _screen(session)
             time.sleep(0.2)
-        assert _tmux("display-message", "-p", "-t", session, "#{pane_dead_status}").strip() == "0", _screen(session)
+        assert ended == "0", (ended, _screen(session))
         assert "Traceback" not in _screen(session)
     finally:
         _tmux("kill-server", check=False)

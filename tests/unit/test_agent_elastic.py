@@ -1,7 +1,7 @@
 """The supervisor's elastic wiring (clusterctl/host/supervisor.py with host/elastichost.py) in this process: job
 files from the real pipeline (spec -> plan -> job files), stand-in links that record what is sent, a clock the
 test moves. The decisions themselves are host/elastic.py's (tests/unit/test_elastic.py); end to end with real
-supervisors: tests/unit/test_elastic_fake.py and, on the docker cluster, tests/integration/test_elastic.py."""
+supervisors: tests/unit/test_elastic_fake.py and, on the docker cluster, tests/integration/test_elastic_cluster.py."""
 
 from __future__ import annotations
 

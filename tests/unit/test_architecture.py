@@ -85,3 +85,13 @@ def test_a_module_over_600_lines_says_why_at_its_top():
             unexplained.append(f"{path.relative_to(ROOT)} ({lines} lines)")
     assert not unexplained, f"over {MAX_LINES} lines with no '{WHY} ...' paragraph at the top: {unexplained}"
     assert len(long) < 8, long  # a few, each with its reason; not a habit
+
+
+def test_no_two_test_modules_share_a_name():
+    """pytest (rootdir-relative imports, no __init__.py) refuses to collect two test modules of one basename: the
+    whole run would stop at collection, found only when every directory is collected together."""
+    seen: dict[str, list[str]] = {}
+    root = Path(__file__).resolve().parents[2]
+    for path in sorted((root / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(root)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

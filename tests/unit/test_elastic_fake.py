@@ -2,7 +2,7 @@
 real processes on this machine, a host "lost" by killing its supervisor with SIGKILL (its processes follow it:
 PR_SET_PDEATHSIG). The wiring of clusterctl/host/elastic.py into the supervisor, end to end: a spare takes the
 lost host's place, the coordinator's host lost and its successor takes over, status and logs say so. The
-docker test cluster runs the same with hosts stopped hard (tests/integration/test_elastic.py)."""
+docker test cluster runs the same with hosts stopped hard (tests/integration/test_elastic_cluster.py)."""
 
 from __future__ import annotations
 
