@@ -19,6 +19,9 @@ STATE_FILE = "state.json"
 LOCK_FILE = ".lock"
 SUPERVISOR_LOG = "supervisor.log"
 STOP_REQUEST = "stop-request.json"
+# written by a rank that called MPI_Abort (clusterctl/collective/pmiclient.py, which names it too): who and why
+ABORT_FILE = "abort.json"
+_ABORT_MAX_BYTES = 16 << 10
 
 
 class StateFileError(InputError):
@@ -40,6 +43,31 @@ def write_json_atomic(path, obj):
         except FileNotFoundError:
             pass
         raise
+
+
+def abort_note(jobdir, row):
+    """What abort.json says of a process that ended with an error code (a `ProcessRow`): "rank R called
+    MPI_Abort with error code C" when the job's rank R (a trainer with that id) wrote it after the process
+    started, else None. The file is the job's own, but read as any host input: bounded, one line, no link."""
+    if row.role != "trainer" or row.started_at is None:
+        return None
+    path = os.path.join(jobdir, ABORT_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        rec = json.loads(os.read(fd, _ABORT_MAX_BYTES + 1)[:_ABORT_MAX_BYTES])
+    except ValueError:
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(rec, dict) or rec.get("rank") != row.id or not isinstance(rec.get("time"), (int, float)):
+        return None
+    if rec["time"] < row.started_at - 1:  # an earlier attempt's abort
+        return None
+    message = " ".join(str(rec.get("message") or "called MPI_Abort").split())[:200]
+    return message
 
 
 def read_state(jobdir):

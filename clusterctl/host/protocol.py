@@ -83,10 +83,11 @@ def error(text):
     return {"type": Msg.ERROR, "error": text, "version": PROTOCOL_VERSION}
 
 
-def exit_event(role, id, code, error, host, attempt):
-    """peer -> coordinator: a local process of `attempt` ended on its own (`error`: it failed to start)."""
+def exit_event(role, id, code, error, host, attempt, note=None):
+    """peer -> coordinator: a local process of `attempt` ended on its own (`error`: it failed to start; `note`:
+    why, when its host knows, e.g. MPI_Abort)."""
     return {"type": Msg.EXIT, "role": role, "id": id, "code": code, "error": error, "host": host,
-            "attempt": attempt}
+            "attempt": attempt, "note": note}
 
 
 def stopping(reason):
@@ -241,7 +242,7 @@ def _exits(v):
 
 _REQUIRED = object()
 _EXIT = (("role", _role, _REQUIRED), ("id", _count, _REQUIRED), ("code", _opt_code, None),
-         ("error", _opt_text, None), ("host", _opt_text, None), ("attempt", _count, 0))
+         ("error", _opt_text, None), ("host", _opt_text, None), ("attempt", _count, 0), ("note", _opt_text, None))
 
 # type -> ((field, check, default), ...); _REQUIRED: no default
 _FIELDS = {

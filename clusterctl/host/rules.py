@@ -77,7 +77,8 @@ class Verdict:
 
 @dataclass(frozen=True)
 class ExitEvent:
-    """A process of the job ended on its own, on some host (`error`: it could not be started)."""
+    """A process of the job ended on its own, on some host (`error`: it could not be started; `note`: what its
+    host knows of why, e.g. that it called MPI_Abort)."""
 
     role: str
     id: int
@@ -85,6 +86,7 @@ class ExitEvent:
     error: Optional[str]
     host: str
     attempt: int
+    note: Optional[str] = None
 
     @property
     def key(self):
@@ -94,7 +96,7 @@ class ExitEvent:
     def to_json(self):
         """The event's fields, as an `exit` message and a hello's `exits` carry them."""
         return {"role": self.role, "id": self.id, "code": self.code, "error": self.error, "host": self.host,
-                "attempt": self.attempt}
+                "attempt": self.attempt, "note": self.note}
 
 
 class History:
@@ -166,6 +168,10 @@ def on_exit(core, ev):
     core.exits[ev.key] = ev
     failure = {"role": ev.role, "id": ev.id, "host": ev.host, "exit_code": ev.code}
     what = "%s.%s on %s" % (ev.role, ev.id, ev.host)
+    why = ""
+    if ev.note:
+        failure["note"] = ev.note
+        why = " (%s)" % ev.note
     if ev.error:
         failure["error"] = ev.error
         core.failures.append(failure)
@@ -174,13 +180,14 @@ def on_exit(core, ev):
     if ev.code != 0 and (ev.role == "trainer" or len(trainers) < core.trainers_total):
         core.failures.append(failure)
         if core.policy.on_failure == "stop":
-            return failed(core, "%s exited with code %s" % (what, ev.code), failure)
+            return failed(core, "%s exited with code %s%s" % (what, ev.code, why), failure)
     if core.trainers_total and len(trainers) >= core.trainers_total:
         if not core.failures and all(e.code == 0 for e in trainers):
             return Verdict(S.SUCCEEDED, "all %d trainers exited 0" % core.trainers_total)
         first = core.failures[0]
-        return failed(core, "all trainers ended; %d failure(s), first: %s.%s on %s code %s" % (
-            len(core.failures), first["role"], first["id"], first["host"], first["exit_code"]), first)
+        return failed(core, "all trainers ended; %d failure(s), first: %s.%s on %s code %s%s" % (
+            len(core.failures), first["role"], first["id"], first["host"], first["exit_code"],
+            " (%s)" % first["note"] if first.get("note") else ""), first)
     return None
 
 

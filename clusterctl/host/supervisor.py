@@ -26,7 +26,7 @@ from .control import ControlServer
 from .coordinator import CoordinatorLink
 from .elastic import CannotContinue
 from .elastichost import ElasticHost
-from .jobdir import STATE_FILE, STOP_REQUEST, write_json_atomic
+from .jobdir import STATE_FILE, STOP_REQUEST, abort_note, write_json_atomic
 from .jobfile import AUTH_ENV, TOKEN_ENV
 from .loop import EventLoop
 from .membership import Membership
@@ -375,7 +375,8 @@ class Supervisor:
             self._local_exit(r)
 
     def _local_exit(self, r):
-        ev = ExitEvent(r.role, r.id, r.exit_code, r.error, self.host, self.core.attempt)
+        note = abort_note(self.jobdir, r) if r.exit_code not in (0, None) else None
+        ev = ExitEvent(r.role, r.id, r.exit_code, r.error, self.host, self.core.attempt, note)
         self.local_exits.append(ev)
         self.dirty = True
         if self.is_coord:
@@ -607,7 +608,7 @@ class Supervisor:
         if self.went:  # the start barrier passed while it was away (or before it joined: a late spare)
             self.link.send(host, protocol.go(core.attempt))
         for e in hello["exits"]:
-            self._on_exit(ExitEvent(e["role"], e["id"], e["code"], e["error"], host, e["attempt"]))
+            self._on_exit(ExitEvent(e["role"], e["id"], e["code"], e["error"], host, e["attempt"], e["note"]))
         if hello["failed"] and self.members.is_member(host):  # it stopped this attempt by itself
             verdict = rules.on_host_failed(core, host, hello["failed"])
             if verdict is not None:
@@ -617,7 +618,8 @@ class Supervisor:
         """A message from an authenticated peer."""
         kind = msg["type"]
         if kind == Msg.EXIT:
-            self._on_exit(ExitEvent(msg["role"], msg["id"], msg["code"], msg["error"], host, msg["attempt"]))
+            self._on_exit(ExitEvent(msg["role"], msg["id"], msg["code"], msg["error"], host, msg["attempt"],
+                                    msg["note"]))
         elif kind == Msg.STOPPING:
             verdict = rules.on_stop_request(self.core, msg["reason"] or "stop requested on %s" % host)
             if verdict is not None:

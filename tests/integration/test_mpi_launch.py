@@ -198,11 +198,11 @@ def test_mpi_abort_on_another_host_fails_the_job_naming_the_rank_and_code(cluste
     out = res.stdout + res.stderr
     assert res.returncode != 0, out[-3000:]
     st = status_json(spec)
-    # the aborting rank's exit is the job's first failure: every host's reason names it
+    # the aborting rank's exit is the job's first failure: every host's reason names it, and why (its host read
+    # the rank's abort.json)
     second = info.nodes[1].ip
-    assert st["state"] == "failed" and st["reason"] == (
-        f"{info.nodes[0].ip}: trainer.1 on {second} exited with code 3; "
-        f"{second}: trainer.1 on {second} exited with code 3"), st
+    why = f"trainer.1 on {second} exited with code 3 (rank 1 called MPI_Abort with error code 3)"
+    assert st["state"] == "failed" and st["reason"] == f"{info.nodes[0].ip}: {why}; {second}: {why}", st
     assert "not reached" not in out
     assert "clusterctl.collective: rank 1 called MPI_Abort with error code 3: rank 1 exits with code 3" in out
     for node in info.nodes[:2]:

@@ -399,7 +399,7 @@ def _wire(msg):
 
 def test_every_message_built_by_its_constructor_parses_back():
     n = "ab" * 32
-    exits = [{"role": "trainer", "id": 1, "code": 3, "error": None, "host": "h2", "attempt": 0}]
+    exits = [{"role": "trainer", "id": 1, "code": 3, "error": None, "host": "h2", "attempt": 0, "note": None}]
     for msg in (protocol.challenge(n), protocol.hello("j", "h2", n, "p", exits, None, 0, False, None),
                 protocol.welcome("j", "p"), protocol.error("bad token"),
                 protocol.exit_event("trainer", 1, None, "cannot start", "h2", 2), protocol.stopping("why"),
@@ -507,3 +507,65 @@ def test_a_hosts_status_reply_reads_back_keeping_only_well_typed_fields():
     again = HostStatus.from_json(st.to_json())
     assert again == st
     assert HostStatus.from_json("garbage").state == S.UNKNOWN
+
+
+# -- MPI_Abort: the aborting rank's host says why its exit failed the job -------------------------------------
+
+
+def test_an_exit_with_a_note_names_it_in_the_reason_and_the_failure():
+    c = core()
+    aborted = ExitEvent("trainer", 1, 3, None, "h2", 0, "rank 1 called MPI_Abort with error code 3")
+    v = rules.on_exit(c, aborted)
+    assert v.reason == "trainer.1 on h2 exited with code 3 (rank 1 called MPI_Abort with error code 3)"
+    assert v.failure["note"] == "rank 1 called MPI_Abort with error code 3"
+    c = core(on_failure="continue")
+    rules.on_exit(c, aborted)
+    v = rules.on_exit(c, ev("trainer", 0, 0))
+    assert v.reason == ("all trainers ended; 1 failure(s), first: trainer.1 on h2 code 3 "
+                        "(rank 1 called MPI_Abort with error code 3)")
+
+
+def test_the_note_travels_in_exit_messages_and_hellos_and_is_checked():
+    msg = protocol.exit_event(**ExitEvent("trainer", 1, 3, None, "h2", 0, "rank 1 called MPI_Abort").to_json())
+    assert protocol.parse_message(json.loads(json.dumps(msg)))["note"] == "rank 1 called MPI_Abort"
+    assert protocol.parse_message(protocol.exit_event("trainer", 1, 3, None, "h2", 0))["note"] is None
+    hello = protocol.hello("j", "h2", "ab" * 32, "p", [dict(msg, type=None)], None, 0, False, None)
+    assert protocol.parse_message(json.loads(json.dumps(hello)))["exits"][0]["note"] == "rank 1 called MPI_Abort"
+    with pytest.raises(protocol.ProtocolError):
+        protocol.parse_message(dict(msg, note={"not": "text"}))
+
+
+def _row(id=1, role="trainer", started_at=1000.0):
+    from clusterctl.host.processes import ProcessRow
+
+    r = ProcessRow.__new__(ProcessRow)
+    r.role, r.id, r.started_at = role, id, started_at
+    return r
+
+
+def test_abort_note_reads_the_aborting_ranks_record_and_nothing_else(tmp_path):
+    import os
+
+    from clusterctl.collective import pmiclient
+    from clusterctl.host.jobdir import ABORT_FILE, abort_note
+
+    assert ABORT_FILE == pmiclient.ABORT_FILE  # the runtime writes the file the supervisor reads
+    rec = pmiclient.abort_record(1, 3, "rank 1 called MPI_Abort with error code 3", host="h2", pid=42, spawned=None)
+    rec["time"] = 1001.0
+    path = tmp_path / ABORT_FILE
+    assert abort_note(str(tmp_path), _row()) is None  # no file
+    path.write_text(json.dumps(rec))
+    assert abort_note(str(tmp_path), _row()) == "rank 1 called MPI_Abort with error code 3"
+    assert abort_note(str(tmp_path), _row(id=0)) is None  # another rank aborted: this one was ended by it
+    assert abort_note(str(tmp_path), _row(role="pserver")) is None
+    assert abort_note(str(tmp_path), _row(started_at=1500.0)) is None  # an earlier attempt's record
+    path.write_text(json.dumps(dict(rec, message="line\nbreaks\x1b[2J and " + "x" * 500)))
+    note = abort_note(str(tmp_path), _row())
+    assert "\n" not in note and len(note) <= 200
+    for garbage in ("{", "[]", json.dumps(dict(rec, rank="1")), json.dumps(dict(rec, time=None)), "x" * 100_000):
+        path.write_text(garbage)
+        assert abort_note(str(tmp_path), _row()) is None, garbage[:40]
+    path.unlink()
+    (tmp_path / "elsewhere.json").write_text(json.dumps(rec))
+    os.symlink(tmp_path / "elsewhere.json", path)
+    assert abort_note(str(tmp_path), _row()) is None  # never followed

@@ -86,6 +86,41 @@ def test_a_failed_attempt_is_restarted_and_both_attempts_are_logged(home, tmp_pa
     assert not job_pids(name)
 
 
+ABORTER = """\
+import time
+from mpi4py import MPI
+w = MPI.COMM_WORLD
+w.Barrier()
+if w.Get_rank() == 1:
+    w.Abort(3)
+    time.sleep(60)
+w.Barrier()
+print("not reached", flush=True)
+"""
+
+
+def test_mpi_abort_fails_the_job_naming_the_rank_and_the_code(home, tmp_path, capsys):
+    """An unmodified mpi4py program under the host supervisor (the one every backend runs): rank 1's MPI_Abort(3)
+    ends every rank, and the job's reason names the rank, the code and why, from the rank's abort.json."""
+    pytest.importorskip("mpi4py.MPI")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "abort.py").write_text(ABORTER)
+    spec, name = local_spec(tmp_path, "torch_gloo", {"mode": "collective", "trainers": 2,
+                                                     "entrypoint": [PY, "-m", "clusterctl.collective", "abort.py"]})
+    data = yaml.safe_load(spec.read_text())
+    data["workspace"]["local"] = str(ws)
+    data["job"]["env"] = {"MPIR_CVAR_CH4_CMA_ENABLE": "0"}
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    code, out, err = run(capsys, "start", "--dispatch", "--follow", spec)
+    assert code != 0 and "not reached" not in out, out + err
+    code, out, _ = run(capsys, "status", "--json", spec)
+    st = json.loads(out)
+    assert st["state"] == "failed" and st["reason"] == (
+        "localhost: trainer.1 on localhost exited with code 3 (rank 1 called MPI_Abort with error code 3)"), st
+    assert not job_pids(name)
+
+
 def test_stop_leaves_no_process_of_the_job(home, tmp_path, capsys):
     spec, name = local_spec(tmp_path, "torch_gloo", {"trainers": 2, "entrypoint": ["sleep", "300"]})
     code, out, err = run(capsys, "start", "--dispatch", spec)
