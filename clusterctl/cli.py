@@ -18,7 +18,7 @@ _PLUGINS = ("clusterctl.testcluster_cli", "clusterctl.commands.lifecycle", "clus
             "clusterctl.k8s", "clusterctl.testcluster_slurm", "clusterctl.commands.top")
 # The plugin that adds each command, so that `clusterctl status` imports that one plugin, not all of them
 # (they cost up to ~0.2 s: yaml, rich, the spec models). A command missing here (a new one) or no command
-# at all (`--help`) loads every plugin; tests/unit/test_cli_fast.py checks this table against the plugins.
+# at all (`--help`) loads every plugin; tests/unit/test_plancache.py checks this table against the plugins.
 _COMMAND_PLUGIN = {
     "testcluster": "clusterctl.testcluster_cli",
     **dict.fromkeys(("dispatch", "start", "status", "logs", "stop"), "clusterctl.commands.lifecycle"),

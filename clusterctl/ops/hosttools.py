@@ -12,8 +12,7 @@ beside them (a script is compiled on every run): `agent status` took 37.8 ms (me
 for the single-file agent and 52.0 ms for a zipapp (docs/benchmarks.md, "Host package upload").
 
 Under Slurm the package travels inside the batch script instead (clusterctl/ops/slurm.py), to the same
-``~/.clusterctl/bin/host-<hash>/`` on every node. The single-file mechanism below (`_SINGLE_FILE`) served
-the old slurmjob.py, which is gone; nothing ships a single-file tool today.
+``~/.clusterctl/bin/host-<hash>/`` on every node.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ __all__ = ["tool_path", "tool_argv", "package_dir", "ensure_tools", "install_on"
 
 TOOLS_DIR = ".clusterctl/bin"  # relative to the remote user's home (ssh sessions start there)
 HOST_PACKAGE = "clusterctl_host"  # the host package's name on hosts: never the controller's own `clusterctl`
-_SINGLE_FILE = ("slurmjob",)  # tools still shipped as one file of their own (from clusterctl/)
 
 # argv: package directory, module, the tool's arguments. The package directory is made absolute (the agent's
 # supervisor changes to / after it daemonizes), and replaces the -c entry ('' = the cwd) on sys.path.
@@ -68,29 +66,6 @@ if not os.path.isdir(dest):
             raise
 """
 
-# single-file tools (slurmjob): the same content addressing, one file
-_INSTALL_FILES = """\
-import json, os, sys
-inp = sys.stdin.buffer
-sizes = json.loads(inp.readline())
-for path, size in sizes:
-    data = inp.read(size)
-    if len(data) != size:
-        sys.exit("short read installing " + path)
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "wb") as fh:
-            fh.write(data)
-        os.replace(path + ".tmp", path)
-"""
-
-
-def _source(module: str) -> bytes:
-    """The source of a host module: of the host package, or a single-file tool's (slurmjob)."""
-    package = "clusterctl" if module in _SINGLE_FILE else "clusterctl.host"
-    return resources.files(package).joinpath(f"{module}.py").read_bytes()
-
-
 @functools.cache
 def _package() -> tuple[str, tuple[tuple[str, int], ...], bytes, str]:
     """(content hash, ((path in the upload, size), ...), the files back to back, their sha256) of the host package."""
@@ -112,16 +87,11 @@ def package_dir() -> str:
 
 def tool_path(module: str) -> str:
     """Remote path of host module `module` (e.g. 'hostws'): inside this version's package directory."""
-    if module in _SINGLE_FILE:
-        digest = hashlib.sha256(_source(module)).hexdigest()[:12]
-        return f"{TOOLS_DIR}/{module}-{digest}.py"
     return f"{package_dir()}/{HOST_PACKAGE}/{module}.py"
 
 
 def tool_argv(module: str, args: list[str]) -> list[str]:
     """The argv that runs host tool `module` (agent, hostws) with `args` on a host where the package is installed."""
-    if module in _SINGLE_FILE:
-        return ["python3", tool_path(module), *args]
     return ["python3", "-S", "-E", "-c", _RUN, package_dir(), module, *args]
 
 
@@ -136,24 +106,13 @@ def _package_payload() -> bytes:
 
 def _install(modules: tuple[str, ...] | list[str]) -> tuple[str, bytes]:
     """The shell command that installs what `modules` need where missing, and the stdin it reads."""
-    singles = [m for m in modules if m in _SINGLE_FILE]
-    if singles and len(singles) < len(modules):  # each installer reads its own stdin, and may not run at all
-        raise ValueError("install the host package and single-file tools in separate commands")
-    parts, payload = [], b""
-    if len(singles) < len(modules):
-        parts.append(f"{{ test -d {quote(package_dir())} || python3 -S -E -c {quote(_INSTALL)}; }}")
-        payload += _package_payload()
-    if singles:
-        sources = [_source(m) for m in singles]
-        header = json.dumps([[tool_path(m), len(s)] for m, s in zip(singles, sources)]).encode() + b"\n"
-        test = " && ".join(f"test -f {quote(tool_path(m))}" for m in singles)
-        parts.append(f"{{ {test} || python3 -c {quote(_INSTALL_FILES)}; }}")
-        payload += header + b"".join(sources)
-    return " && ".join(parts), payload
+    if not modules:
+        return "true", b""
+    return f"{{ test -d {quote(package_dir())} || python3 -S -E -c {quote(_INSTALL)}; }}", _package_payload()
 
 
 def ensure_tools(remote: Remote, modules: tuple[str, ...], hosts=None, *, check: bool = True) -> dict[str, str]:
-    """Make sure each host has the current host package (and single-file tools); one round trip. Returns module → path."""
+    """Make sure each host has the current host package; one round trip. Returns module → path."""
     _run_install(remote, modules, hosts, check)
     return {m: tool_path(m) for m in modules}
 
