@@ -22,6 +22,7 @@ from ..host.status import JobStatus
 
 if TYPE_CHECKING:
     from ..errors import SpecProblem
+    from ..ops.top import TopAsk, TopRequest
     from ..plan import JobPlan
     from ..spec import ClusterSpec
 
@@ -118,6 +119,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def stop(self, *, grace: float | None = None) -> StopReport:
         """Stop the job everywhere (SIGTERM, SIGKILL after grace, the sweep by the job's tag). Idempotent."""
+
+    def top_asks(self, request: TopRequest) -> list[TopAsk]:
+        """How `clusterctl top` asks this backend's hosts for their supervisors' `top` replies: TopAsks (each
+        answers {host label: TopAnswer} for one host or several at once; clusterctl/ops/top.py keeps at most one of
+        each in flight, so a host that does not answer holds up only its own TopAsk's rows)."""
+        from ..errors import ClusterctlError
+
+        raise ClusterctlError(f"top: not available with backend: {self.name}; `clusterctl status` shows the job")
 
 
 def _matches(path: tuple, pattern: tuple) -> bool:

@@ -8,13 +8,14 @@ guarantees (the token, restarts, fail-fast, attempt logs, the sweep) are the sup
 status``); a pod that ended left its supervisor's last status in its termination message. `logs` reads
 ``kubectl logs``, where each pod's main process writes every attempt's lines prefixed ``[pod role.id]``.
 `stop` asks each running pod's supervisor to stop (``agent stop``: the exact report, the sweep in the
-pod), then deletes the objects.
+pod), then deletes the objects. `top` asks each running pod's supervisor for its figures and progress
+(``kubectl exec ... agent top``, one pod per TopAsk, at most EXEC_PARALLEL at once, the pods read once a refresh).
 
 Every kubectl call goes through `Kubectl` (argv lists, a deadline each, errors in one line naming the
 objects). No API server was reachable where this was built: tests/integration/test_k8s_pods.py runs it
 against a fake kubectl that plays the pods in Docker (docs/kubernetes.md says what that does and does not prove).
 
-Why one module of about 600 lines: it is the backend and the three things only it uses, in order: the kubectl
+Why one module of about 700 lines: it is the backend and the three things only it uses, in order: the kubectl
 layer (`Kubectl`), what a pod object says (`pod_facts`) and the fold of pods and replies into a JobStatus
 (`fold_status`, pure: unit-tested from pod JSON), then the operations. Split, each part would be a module with
 one caller.
@@ -23,6 +24,7 @@ one caller.
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import threading
@@ -40,7 +42,8 @@ from .base import Backend, LineCallback, Progress, StopReport
 __all__ = ["KubernetesBackend", "Kubectl", "KubectlError", "fold_status", "pod_facts", "LOG_LINE"]
 
 KUBECTL_TIMEOUT = 60.0  # seconds for one control command (get, create, exec of agent status)
-EXEC_PARALLEL = 16  # kubectl exec commands in flight at once (status, stop)
+EXEC_PARALLEL = 16  # kubectl exec commands in flight at once (status, stop, top)
+TOP_PODS_TTL_S = 1.0  # top: one `kubectl get` serves every pod's request of a refresh
 REPLY_LIMIT = 1 << 20  # bytes of an agent reply read from a pod
 START_POLL_S = 0.5
 FOLLOW_POLL_S = 1.0
@@ -588,6 +591,54 @@ class KubernetesBackend(Backend):
             raise JobError("logs incomplete:\n" + "\n".join(errors))
         return 0
 
+    def top_asks(self, request) -> list:
+        """One TopAsk per process (a pod each): its supervisor's `agent top` through `kubectl exec` while the pod
+        runs; a pod not started, ended or gone is a row that says so. The pods are read once a refresh."""
+        from functools import partial
+
+        from ..k8s import object_name
+        from ..ops.top import TopAsk
+
+        pods = _Cached(self._snapshot, TOP_PODS_TTL_S)
+        limit = threading.BoundedSemaphore(EXEC_PARALLEL)
+        name = object_name(self.spec)
+        return [TopAsk((f"{name}-{role}-{i}",), partial(self._top_pod, pods, limit, role, i, request))
+                for role, n in self._expected().items() for i in range(n)]
+
+    def _top_pod(self, pods: "_Cached", limit, role: str, i: int, request) -> dict:
+        from ..k8s import object_name
+        from ..ops.top import TopAnswer, answer_of
+
+        try:
+            jobs_exist, items = pods.get()
+        except KubectlError as e:
+            return {f"{object_name(self.spec)}-{role}-{i}": TopAnswer(time.monotonic(), "unreachable", error=str(e))}
+        got = _newest(items).get((role, i))
+        now = time.monotonic()
+        if got is None:
+            return {f"{object_name(self.spec)}-{role}-{i}": TopAnswer(
+                now, "waiting" if jobs_exist else "no job", error="no pod yet" if jobs_exist else "no pod",
+                state=JobState.STARTING if jobs_exist else JobState.NOT_RUNNING)}
+        f = got[0]
+        if f.phase == "waiting":
+            why = f"{f.waiting or 'pending'}: {f.message}".strip(": ")
+            return {f.name: TopAnswer(now, "waiting", error=f"not started ({why})", state=JobState.STARTING)}
+        if f.phase == "deleting":
+            return {f.name: TopAnswer(now, "no job", error="pod being deleted", state=JobState.STOPPING)}
+        if f.phase == "ended":  # its supervisor's last status: the processes' rows, no figures
+            return {f.name: TopAnswer(now, "ok", _ended_view(f))}
+        argv = self._agent(*request.agent_args(self._jobdir()))
+        with limit:
+            try:
+                res = self.kubectl.exec(f.name, f.role, argv, timeout=request.deadline(KUBECTL_TIMEOUT))
+            except KubectlError as e:
+                return {f.name: TopAnswer(time.monotonic(), "unreachable", error=str(e))}
+        data = _parse_reply(res.stdout)
+        if data is None:
+            why = _tail_line(res.stderr.decode("utf-8", "replace")) or f"exit {res.returncode}, no reply"
+            return {f.name: TopAnswer(time.monotonic(), "unreachable", error=f"kubectl exec {f.name}: {why}")}
+        return {f.name: answer_of(data, exit_code=res.returncode)}
+
     def stop(self, *, grace: float | None = None) -> StopReport:
         """Each running pod's supervisor stops its processes (`agent stop`: SIGTERM, SIGKILL after grace, the
         sweep), then the job's objects are deleted (the pods with their Jobs). Idempotent."""
@@ -615,6 +666,22 @@ class KubernetesBackend(Backend):
             left={pod: d["left"] for pod, d in done.items() if d.get("left")},
             detail=detail,
         )
+
+
+class _Cached:
+    """A value fetched at most once per `ttl` seconds, whoever asks (top's requests share one `kubectl get`)."""
+
+    def __init__(self, fetch, ttl: float):
+        self._fetch, self._ttl, self._lock = fetch, ttl, threading.Lock()
+        self._at, self._value = -math.inf, None
+
+    def get(self):
+        """The value, fetched again when older than ttl (a failed fetch raises, and the next get tries again)."""
+        with self._lock:
+            if time.monotonic() - self._at > self._ttl:
+                self._value = self._fetch()
+                self._at = time.monotonic()
+            return self._value
 
 
 def _own_line(line: str, f: PodFacts) -> bool:

@@ -71,6 +71,10 @@ class SlurmBackend(Backend):
                                     f"--output value: no whitespace or backslash (found {bad!r})"))
         return problems
 
+    def __init__(self, spec, plan, *, spec_path=None, options=None):
+        super().__init__(spec, plan, spec_path=spec_path, options=options)
+        self._closing: list = []
+
     def dispatch(self, *, on_progress: Progress | None = None) -> list:
         """The workspace to every node of the partition (or to the login node, for a shared workspace)."""
         from ..ops.slurm import dispatch
@@ -98,6 +102,20 @@ class SlurmBackend(Backend):
         if host is not None:
             raise JobError("--host selects nothing under backend: slurm (nodes are Slurm's choice); use --role/--id")
         return logs(self.spec, self.plan, on_line=on_line, follow=follow, role=role, id=id, lines=lines)
+
+    def top_asks(self, request) -> list:
+        """One TopAsk: every node's supervisor's `top` reply in one srun --overlap step from the login node."""
+        from ..ops.slurm import SlurmTop
+        from ..ops.top import TopAsk
+
+        asker = SlurmTop(self.spec, self.plan, request)
+        self._closing.append(asker.close)
+        return [TopAsk((asker.login.label,), asker)]
+
+    def close(self) -> None:
+        """Close what `top` holds open (the connection to the login node)."""
+        while self._closing:
+            self._closing.pop()()
 
     def stop(self, *, grace: float | None = None) -> StopReport:
         """Every supervisor's stop (grace, then the sweep by the job's tag), then scancel."""

@@ -73,6 +73,12 @@ class SshBackend(Backend):
         codes = logs(self.session, on_line=on_line, follow=follow, role=role, id=id, host=host, lines=lines)
         return max(codes.values(), default=0)
 
+    def top_asks(self, request) -> list:
+        """Each host on its own: its supervisor's `top` over the control socket (`agent top` as the fallback)."""
+        from ..ops.top import ssh_asks
+
+        return ssh_asks(self.session, request)
+
     def stop(self, *, grace: float | None = None) -> StopReport:
         """Stop the job on every host; the sweep by the job's tag."""
         from ..ops.job import stop

@@ -160,13 +160,11 @@ def run_top(spec, *, once: bool = False, as_json: bool = False, interval: float 
     if not MIN_INTERVAL <= interval <= 3600:
         raise ClusterctlError(f"top: --interval must be {MIN_INTERVAL:g} to 3600 seconds, not {interval:g}")
     with open_backend(spec) as backend:
-        if not type(backend).ssh_hosts:
-            raise ClusterctlError(f"top: not yet available with backend: {backend.name} (its hosts are not SSH hosts "
-                                  "clusterctl reaches); `clusterctl status` shows the job's state")
         # the live view gives up on a host's request after 5 refreshes (at least 10 s), so that a frozen host is
-        # named soon and Ctrl+C does not wait long for its request; --once waits ssh.command_timeout
+        # named soon and Ctrl+C does not wait long for its request; --once waits the backend's own deadline
+        # (ssh.command_timeout; Slurm's step deadline; kubectl's)
         wait = None if once else max(LIVE_REQUEST_MIN_S, LIVE_REQUEST_REFRESHES * interval)
-        with Top(backend.session, threshold=threshold, window_s=window_s, gpu=gpu, request_timeout=wait) as top:
+        with Top(backend, threshold=threshold, window_s=window_s, gpu=gpu, request_timeout=wait) as top:
             if once:
                 snap = top.snapshot(None, interval=None)
                 if as_json:

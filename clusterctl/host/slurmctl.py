@@ -4,10 +4,14 @@
                    pending or running; record it in ``~/.clusterctl/slurm/<job>.json`` (0600)
     login query    the record, Slurm's word (`scontrol show job`, else sacct), the nodes and their NodeAddr;
                    with --replies and a running job, every supervisor's `agent status` (one srun --overlap step)
+    login top      the record, Slurm's word and, for a running job, every supervisor's `top` reply (figures,
+                   progress: `clusterctl top`), in one srun --overlap step
     login stop     every supervisor's `agent stop` (grace, then the sweep by the job's tag) through srun
                    --overlap, then scancel, and the wait until Slurm has ended the job
     node-status / node-stop   (one srun --overlap task per node) `agent status|stop` on this node's job
                    directory; the reply in short base64 lines (srun cuts and interleaves long ones)
+    node-top       (one task per node) the supervisor's `top` over its control socket (its sampler kept in
+                   memory, nvidia-smi on its own thread), `agent top` where it cannot answer; replied as above
 
 Each `login` command prints one JSON object. Stdlib only (Python 3.9), as the rest of the host package.
 """
@@ -15,6 +19,7 @@ Each `login` command prints one JSON object. Stdlib only (Python 3.9), as the re
 import argparse
 import base64
 import contextlib
+import hmac
 import io
 import json
 import os
@@ -25,6 +30,7 @@ import sys
 import time
 
 from .common import emit
+from .controlproto import CLIENT_HEADER_TIMEOUT, OK, read_control
 from .slurm import NAME_RE, RECORD_DIR, _home_path, jobdir_rel
 
 __all__ = ["overlap_argv", "read_record", "query_job", "live", "reply_lines", "read_replies", "main",
@@ -34,6 +40,7 @@ LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUE
         "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED")  # Slurm's words for a job not over
 STEP_TIMEOUT = 60.0  # a status step's deadline (an agent status answers in well under a second)
 STOP_EXTRA = 30.0  # a stop step's deadline beyond the grace; scancel's wait too
+MAX_TOP_REPLY = 8 << 20  # bytes of a supervisor's `top` reply read over its control socket
 REPLY_MARK = "clusterctl-slurm-reply"  # starts the lines of a node command's reply in srun's output
 REPLY_CHUNK = 600  # base64 characters per reply line: srun cuts lines longer than 1024 bytes (and interleaves them)
 
@@ -193,6 +200,26 @@ def cmd_login_query(args):
     return 0
 
 
+def cmd_login_top(args):
+    """The job's record and Slurm's word; for a running job, every node's `top` reply (node-top, one srun --overlap
+    step within --timeout): what `clusterctl top` shows."""
+    rec = read_record(args.job)
+    out = {"ok": True, "record": rec, "slurm": None, "replies": None, "step_error": ""}
+    if rec is not None:
+        sj = query_job(rec["slurm_job"])
+        out["slurm"] = sj
+        if sj and _word(sj) == "RUNNING" and sj["nodes"] and rec.get("package"):
+            step = ["node-top", "--job", args.job, "--slurm-job", sj["id"]] + _top_args(args)
+            out["replies"], out["step_error"] = _node_step(rec, sj, step, args.timeout, "clusterctl-top")
+    emit(out)
+    return 0
+
+
+def _top_args(args):
+    """`agent top`'s rate options, as this command was given them."""
+    return ["--slice", "%g" % args.slice, "--slices", str(args.slices)] + (["--no-gpu"] if args.no_gpu else [])
+
+
 def cmd_login_stop(args):
     """Stop a running job's supervisors (their `agent stop`, with grace, through srun --overlap), then scancel
     and wait until Slurm has ended the job."""
@@ -293,12 +320,54 @@ def cmd_node_status(args):
     return 0
 
 
+def _supervisor_top(jobdir, request, timeout):
+    """The running supervisor's `top` reply over its control socket (clusterctl/host/control.py), or None where it
+    cannot answer (no control file, a dead supervisor, a refusal, no reply in time): then the agent answers."""
+    ctl = read_control(jobdir)
+    if ctl is None or not os.path.isdir("/proc/%d" % ctl[0]):
+        return None
+    _, port, client, server = ctl
+    line = "%s top %s\n" % (client, json.dumps(request, sort_keys=True, separators=(",", ":")))
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=CLIENT_HEADER_TIMEOUT) as sock:
+            sock.sendall(line.encode())
+            reader = sock.makefile("rb")
+            head = reader.readline(512).decode("ascii", "replace").strip()
+            if not hmac.compare_digest(head.encode(), ("%s %s" % (OK, server)).encode()):
+                return None
+            sock.settimeout(timeout)
+            body = reader.readline(MAX_TOP_REPLY)
+        reply = json.loads(body.decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return reply if isinstance(reply, dict) else None
+
+
+def cmd_node_top(args):
+    """This node's supervisor's `top` reply (its control socket, else `agent top`), as reply lines."""
+    node = _this_node()
+    jobdir = _home_path(jobdir_rel(args.job, args.slurm_job, node))
+    request = {"slice": args.slice, "slices": args.slices, "gpu": not args.no_gpu}
+    reply = _supervisor_top(jobdir, request, STEP_TIMEOUT)
+    if reply is None:
+        reply = _agent(["top", jobdir] + _top_args(args))
+    _emit_reply(node, reply)
+    return 0
+
+
 def cmd_node_stop(args):
     """This node's `agent stop` (the supervisor's stop with grace, then the sweep by the job's tag), as one line."""
     node = _this_node()
     jobdir = _home_path(jobdir_rel(args.job, args.slurm_job, node))
     _emit_reply(node, _agent(["stop", jobdir, "--grace", "%g" % args.grace, "--job", args.job]))
     return 0
+
+
+def _rate_options(parser):
+    """`top`'s options, bounded as `agent top` bounds them (clusterctl/host/topsnap.py)."""
+    parser.add_argument("--slice", type=float, required=True, help="seconds per rate slice (straggler rule)")
+    parser.add_argument("--slices", type=int, required=True, help="rate slices reported per rank")
+    parser.add_argument("--no-gpu", action="store_true", help="do not ask nvidia-smi")
 
 
 def main(argv=None):
@@ -319,12 +388,19 @@ def main(argv=None):
     q.add_argument("--job", required=True)
     q.add_argument("--grace", type=float, required=True)
     q.set_defaults(func=cmd_login_stop)
-    for name, func in (("node-status", cmd_node_status), ("node-stop", cmd_node_stop)):
+    q = lsub.add_parser("top")
+    q.add_argument("--job", required=True)
+    q.add_argument("--timeout", type=float, default=STEP_TIMEOUT, help="the srun step's deadline")
+    _rate_options(q)
+    q.set_defaults(func=cmd_login_top)
+    for name, func in (("node-status", cmd_node_status), ("node-stop", cmd_node_stop), ("node-top", cmd_node_top)):
         q = sub.add_parser(name)
         q.add_argument("--job", required=True)
         q.add_argument("--slurm-job", required=True)
         if name == "node-stop":
             q.add_argument("--grace", type=float, required=True)
+        if name == "node-top":
+            _rate_options(q)
         q.set_defaults(func=func)
     args = parser.parse_args(argv)
     os.umask(0o077)  # sbatch records it: the batch's output file, logs and job dirs are the user's alone
@@ -332,6 +408,10 @@ def main(argv=None):
         parser.error("a command is required")
     if not NAME_RE.match(args.job):
         emit({"ok": False, "error": "not a job name: %r" % args.job})
+        return 2
+    if hasattr(args, "slices") and not (0 <= args.slices <= 60 and 0.5 <= args.slice <= 600
+                                        and 1 <= getattr(args, "timeout", STEP_TIMEOUT) <= 600):
+        emit({"ok": False, "error": "top: --slices must be 0..60, --slice 0.5..600 and --timeout 1..600 seconds"})
         return 2
     try:
         return args.func(args)

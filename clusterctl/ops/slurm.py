@@ -8,7 +8,8 @@ job's token and starts the host supervisor on every node (one srun task per node
 put in place. From then on the job is the supervisors': `status` folds their `agent status` replies (through
 `srun --overlap` from the login node while the job runs, over ssh to the nodes once it has ended) with
 Slurm's word; `logs` reads every node's logs (every attempt) with `agent logs` over ssh; `stop` runs every
-supervisor's `agent stop` (grace, then the sweep by CLUSTERCTL_JOB) through `srun --overlap`, then scancel.
+supervisor's `agent stop` (grace, then the sweep by CLUSTERCTL_JOB) through `srun --overlap`, then scancel;
+`top` (`SlurmTop`) asks every node's supervisor for its `top` reply in one `srun --overlap` step a refresh.
 Which Slurm job is ours: the login node keeps ``~/.clusterctl/slurm/<job>.json``.
 """
 
@@ -33,9 +34,10 @@ from ..spec import ClusterSpec
 from . import Session
 from .hosttools import _package_payload, ensure_tools, install_on, package_dir, tool_argv, tool_command
 from .job import JobStatus, fold_status, job_files
+from .top import TopAnswer, TopRequest, answer_of
 
 __all__ = ["job_templates", "batch_script", "sbatch_options", "slurm_state", "slurm_status",
-           "dispatch", "start", "status", "logs", "stop", "SlurmError"]
+           "dispatch", "start", "status", "logs", "stop", "SlurmTop", "SlurmError"]
 
 WAIT_SUPERVISORS_S = 120.0
 LOGS_TIMEOUT_S = 600.0  # logs without --follow: a generous deadline for large logs  # logs --follow: how long a running job's supervisors may take to appear
@@ -437,3 +439,68 @@ def stop(spec: ClusterSpec, plan: JobPlan, *, grace: float | None = None) -> dic
             raise SlurmError(f"Slurm job {sj['id']} is {sj['state']}, but the sweep of its nodes by the job's tag "
                              "could not reach " + "; ".join(f"{n}: {why}" for n, why in lost.items()))
     return out
+
+
+class SlurmTop:
+    """`clusterctl top` under Slurm: each call is one `slurmctl login top` on the login node (one ssh connection,
+    kept until close()), whose one `srun --overlap` step brings every node's supervisor's `top` reply. Returns
+    {node: TopAnswer}: a node the step did not bring an answer from is a row that says so; a job that is not
+    running is one row under the login node's name."""
+
+    def __init__(self, spec: ClusterSpec, plan: JobPlan, request: TopRequest):
+        self.spec, self.plan, self.request = spec, plan, request
+        self.login = _login(spec)
+        self._remote: Remote | None = None
+
+    def close(self) -> None:
+        """Close the connection to the login node."""
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
+
+    def __call__(self) -> dict[str, TopAnswer]:
+        r, login = self.request, self.login
+        step = r.deadline(slurmctl.STEP_TIMEOUT)
+        args = ["login", "top", "--job", self.plan.job, "--timeout", f"{step:g}", "--slice", f"{r.slice_s:g}",
+                "--slices", str(r.slices)] + ([] if r.gpu else ["--no-gpu"])
+        if self._remote is None:
+            self._remote = Remote((login,), SshOptions.from_spec(self.spec))
+        cmd, payload = tool_command("slurmctl", args)
+        res = self._remote.run(cmd, hosts=[login], stdin=payload, check=False, what="top",
+                               timeout=self._remote.control_timeout + step)[login]
+        now = time.monotonic()
+        if not res.answered:
+            why = "did not answer in time" if res.timed_out else res.stderr.strip()[-300:] or "no answer"
+            return {login.label: TopAnswer(now, "unreachable", error=f"the Slurm login node: {why}")}
+        try:
+            q = res.reply()
+        except ClusterctlError:
+            q = {"ok": False, "error": (res.stderr or res.stdout).strip()[-300:] or f"exit {res.exit_code}"}
+        if not q.get("ok"):
+            return {login.label: TopAnswer(now, "error", error=f"slurmctl login top: {q.get('error')}")}
+        return self._answers(q, now)
+
+    def _answers(self, q: dict, now: float) -> dict[str, TopAnswer]:
+        rec, sj, login = q.get("record"), q.get("slurm"), self.login.label
+        if rec is None:
+            return {login: TopAnswer(now, "no job", error=f"job {self.plan.job} was never submitted from {login}",
+                                     state=JobState.NOT_RUNNING)}
+        if not sj:
+            return {login: TopAnswer(now, "no job", error=f"Slurm job {rec['slurm_job']} is no longer known to Slurm")}
+        word = slurm_state(sj["state"])
+        replies = q.get("replies")
+        if not isinstance(replies, dict):  # no step: the job waits, or has ended
+            what = f"Slurm job {sj['id']} {sj['state']}" + (f": {sj['reason']}" if sj.get("reason") else "")
+            if word == JobState.PENDING:
+                return {login: TopAnswer(now, "waiting", error=what, state=word)}
+            return {login: TopAnswer(now, "no job", error=what + "; top shows a running job (clusterctl status: how "
+                                     "it ended)", state=word)}
+        why = q.get("step_error") or "no answer"
+        out = {}
+        for node in sj["nodes"]:
+            if node not in replies:
+                out[node] = TopAnswer(now, "unreachable", error=f"no answer from its srun --overlap step: {why}")
+            else:
+                reply = replies[node]
+                out[node] = answer_of(reply if isinstance(reply, dict) else None, output="its step printed no reply")
+        return out

@@ -2,21 +2,26 @@
 
 Each host's supervisor samples its own processes and replies with the job's status plus the figures, over its
 control socket (clusterctl/host/control.py: no Python start on the host); where none runs, `agent top`
-(clusterctl/host/topsnap.py) answers from the state files; this module asks every host, folds the replies into one `Snapshot` (a row per
-process, totals per host, the stragglers among the ranks) and keeps going when hosts do not answer: a host
-is asked again only once its previous answer is in, and one that cannot be reached is a row that says so.
+(clusterctl/host/topsnap.py) answers from the state files. How a host is asked is its backend's (`top_asks`):
+over SSH (and on this machine) each host on its own (`ssh_asks` here); under Slurm every node in one `srun
+--overlap` step (clusterctl/ops/slurm.py); under Kubernetes each pod with `kubectl exec`. This module folds the
+answers into one `Snapshot` (a row per process, totals per host, the stragglers among the ranks) and keeps going
+when hosts do not answer: a host is asked again only once its previous answer is in, and one that cannot be
+reached is a row that says so.
 
-A refresh sends a command line, not the package: a host whose fallback needs this version of the host package
-and lacks it gets it once (clusterctl/ops/control.py `ask`). Replies are taken through
-allow-lists with bounds (a host may be compromised).
+A refresh over SSH sends a command line, not the package: a host whose fallback needs this version of the host
+package and lacks it gets it once (clusterctl/ops/control.py `ask`). Replies are taken through allow-lists with
+bounds (a host may be compromised).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 from ..errors import ClusterctlError
 from ..host.states import JobState
@@ -27,7 +32,8 @@ from . import Session
 from .control import ask, control_command
 from .job import STATE_ROOT
 
-__all__ = ["ProcRow", "HostRow", "Snapshot", "Top", "DEFAULT_INTERVAL", "MIN_INTERVAL"]
+__all__ = ["ProcRow", "HostRow", "Snapshot", "Top", "TopRequest", "TopAnswer", "TopAsk", "answer_of", "ssh_asks",
+           "DEFAULT_INTERVAL", "MIN_INTERVAL"]
 
 DEFAULT_INTERVAL = 2.0  # seconds between refreshes (docs/benchmarks.md: what one costs)
 MIN_INTERVAL = 0.5
@@ -188,35 +194,120 @@ def job_state(host_states: list[str]) -> str:
 
 # ------------------------------------------------------------------------------------ asking the hosts
 
+@dataclass(frozen=True)
+class TopRequest:
+    """What every host is asked: the rate slices of the straggler rule, whether to ask nvidia-smi, and how long one
+    request may take (None: the backend's own deadline; a backend never waits longer than its own)."""
+
+    slice_s: float
+    slices: int
+    gpu: bool = True
+    timeout: float | None = None
+
+    def agent_args(self, jobdir: str) -> list[str]:
+        """`agent top`'s argv after `agent` for the job dir `jobdir`."""
+        return ["top", jobdir, "--slice", f"{self.slice_s:g}", "--slices", str(self.slices)] + (
+            [] if self.gpu else ["--no-gpu"])
+
+    def control_args(self) -> dict:
+        """The supervisor's `top` request over its control socket (clusterctl/host/controlproto.py)."""
+        return {"slice": self.slice_s, "slices": self.slices, "gpu": self.gpu}
+
+    def deadline(self, own: float) -> float:
+        """The request's deadline under a backend whose own is `own`."""
+        return min(own, self.timeout or math.inf)
+
+
 @dataclass
-class _Answer:
+class TopAnswer:
+    """One host's latest answer: its `agent top` reply, or why there is none (and what that says of the job)."""
+
     at: float  # monotonic time it came
-    status: str  # ok | unreachable | no job | error
+    status: str  # ok | unreachable | no job | error | waiting
     reply: dict | None = None
     error: str | None = None
+    state: str | None = None  # not ok: the job's state this host stands for (default: lost when unreachable)
+
+
+_Answer = TopAnswer  # the name it had
+
+
+def answer_of(data: dict | None, *, exit_code: int | None = None, output: str = "") -> TopAnswer:
+    """A host's TopAnswer from the agent's (or the supervisor's) JSON reply, `data` None when none came; `output`
+    is what the host printed instead (its last 300 characters are the error)."""
+    now = time.monotonic()
+    if data is None:
+        tail = output.strip()[-300:]
+        return TopAnswer(now, "error", error=tail or (f"exit {exit_code} without a reply" if exit_code is not None
+                                                      else "no reply"))
+    if data.get("ok") is False:
+        if data.get("state") == JobState.UNKNOWN and exit_code in (None, 1):
+            return TopAnswer(now, "no job", data, _str(data.get("error"), 300))
+        return TopAnswer(now, "error", data, _str(data.get("error"), 300) or "failed")
+    return TopAnswer(now, "ok", data)
+
+
+@dataclass(frozen=True)
+class TopAsk:
+    """One request a backend can have in flight: `call()` asks some hosts (one SSH host; every node of a Slurm job
+    in one srun step; one pod) and returns {label: TopAnswer}; `labels` names its rows before it answered."""
+
+    labels: tuple[str, ...]
+    call: Callable[[], dict[str, TopAnswer]]
+
+
+def _ask_ssh_host(session: Session, host: Host, request: TopRequest) -> dict[str, TopAnswer]:
+    """The supervisor's `top` over its control socket (its Sampler kept in memory, nvidia-smi on a thread of its
+    own), or `agent top` where no supervisor runs (clusterctl/ops/control.py)."""
+    remote = session.remote
+    jobdir = f"{STATE_ROOT}/{session.plan.job}"
+    timeout = request.deadline(remote.control_timeout)
+    command = control_command(jobdir, "top", request.control_args(), request.agent_args(jobdir))
+    res = ask(remote, command, hosts=[host], timeout=timeout, what="top")[host]
+    if not res.answered:
+        if res.timed_out:
+            why = f"did not answer within {timeout:g}s" + (
+                " (ssh.command_timeout)" if timeout == remote.control_timeout else "")
+        else:
+            why = res.stderr.strip()[-300:] or "no answer"
+        return {host.label: TopAnswer(time.monotonic(), "unreachable", error=why)}
+    try:
+        data = res.reply()
+    except ClusterctlError:
+        data = None
+    return {host.label: answer_of(data, exit_code=res.exit_code, output=res.stderr or res.stdout)}
+
+
+def ssh_asks(session: Session, request: TopRequest) -> list[TopAsk]:
+    """One TopAsk per host of an SSH session (the SSH and local backends'): a slow host holds up only its own row."""
+    return [TopAsk((h.label,), partial(_ask_ssh_host, session, h, request)) for h in session.plan.hosts]
 
 
 class Top:
-    """Asks every host of a session for its `agent top` reply, at most one request per host in flight.
+    """Asks every host of a job for its `agent top` reply, at most one request per TopAsk in flight.
 
-    `snapshot(wait)` starts a request on every host that has none running, waits up to `wait` seconds
-    (None: until every host has answered or timed out) and folds the latest answer of each host. Use as a
-    context manager (or close())."""
+    `source` is an ops Session (its SSH hosts, each asked on its own) or a backend: anything with a `plan` and
+    `top_asks(request) -> [TopAsk]` (Slurm: one srun step for every node; Kubernetes: one `kubectl exec` per pod).
+    `snapshot(wait)` starts every TopAsk that has none running, waits up to `wait` seconds (None: until every one
+    has answered or timed out) and folds the latest answer of each host. Use as a context manager (or close())."""
 
-    def __init__(self, session: Session, *, threshold: float = STRAGGLER_THRESHOLD,
-                 window_s: float = STRAGGLER_WINDOW_S, slices: int = STRAGGLER_SLICES, gpu: bool = True,
-                 request_timeout: float | None = None):
+    def __init__(self, source, *, threshold: float = STRAGGLER_THRESHOLD, window_s: float = STRAGGLER_WINDOW_S,
+                 slices: int = STRAGGLER_SLICES, gpu: bool = True, request_timeout: float | None = None):
         if not 0 < threshold <= 1:
             raise ClusterctlError(f"top: the straggler threshold must be in (0, 1], not {threshold:g}")
         if not 6 <= window_s <= 180:
             raise ClusterctlError(f"top: the straggler window must be 6 to 180 seconds, not {window_s:g}")
-        self.session, self.threshold, self.window_s, self.slices, self.gpu = session, threshold, window_s, slices, gpu
-        # a host's request ends (unreachable) after this: ssh.command_timeout unless the view asks for less
-        self.request_timeout = min(session.remote.control_timeout, request_timeout or math.inf)
-        self.hosts: tuple[Host, ...] = tuple(session.plan.hosts)
-        self._answers: dict[Host, _Answer] = {}
-        self._inflight: dict[Host, Future] = {}
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(self.hosts))), thread_name_prefix="top")
+        self.threshold, self.window_s, self.slices, self.gpu = threshold, window_s, slices, gpu
+        self.job: str = source.plan.job
+        # a host's request ends (unreachable) after the backend's deadline (ssh.command_timeout, ...), or this
+        self.request = TopRequest(window_s / slices, slices, gpu, request_timeout)
+        if isinstance(source, Session):
+            self.asks = ssh_asks(source, self.request)
+        else:
+            self.asks = list(source.top_asks(self.request))
+        self._answers: dict[int, dict[str, TopAnswer]] = {}
+        self._inflight: dict[int, Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(self.asks))), thread_name_prefix="top")
 
     def __enter__(self) -> "Top":
         return self
@@ -228,45 +319,12 @@ class Top:
         """Stop asking (requests in flight end with their deadline)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _args(self) -> list[str]:
-        args = ["top", f"{STATE_ROOT}/{self.session.plan.job}", "--slice", f"{self.window_s / self.slices:g}",
-                "--slices", str(self.slices)]
-        return args + ([] if self.gpu else ["--no-gpu"])
-
-    def _command(self) -> str:
-        """The supervisor's `top` over its control socket (its Sampler kept in memory, nvidia-smi on a thread of
-        its own), or `agent top` where no supervisor runs (clusterctl/ops/control.py)."""
-        request = {"slice": self.window_s / self.slices, "slices": self.slices, "gpu": self.gpu}
-        return control_command(f"{STATE_ROOT}/{self.session.plan.job}", "top", request, self._args())
-
-    def _ask(self, host: Host) -> _Answer:
-        remote = self.session.remote
-        res = ask(remote, self._command(), hosts=[host], timeout=self.request_timeout, what="top")[host]
-        now = time.monotonic()
-        if not res.answered:
-            if res.timed_out:
-                why = f"did not answer within {self.request_timeout:g}s" + (
-                    " (ssh.command_timeout)" if self.request_timeout == remote.control_timeout else "")
-            else:
-                why = res.stderr.strip()[-300:] or "no answer"
-            return _Answer(now, "unreachable", error=why)
-        try:
-            data = res.reply()
-        except ClusterctlError:
-            tail = (res.stderr or res.stdout).strip()[-300:]
-            return _Answer(now, "error", error=tail or f"exit {res.exit_code} without a reply")
-        if data.get("ok") is False:
-            if data.get("state") == JobState.UNKNOWN and res.exit_code == 1:
-                return _Answer(now, "no job", data, _str(data.get("error"), 300))
-            return _Answer(now, "error", data, _str(data.get("error"), 300) or "failed")
-        return _Answer(now, "ok", data)
-
     def snapshot(self, wait_s: float | None = None, *, interval: float | None = None) -> Snapshot:
-        """Ask every idle host, wait up to `wait_s` (None: for all), and fold the latest answers."""
+        """Ask every idle TopAsk, wait up to `wait_s` (None: for all), and fold the latest answers."""
         t0 = time.monotonic()
-        for h in self.hosts:
-            if h not in self._inflight:
-                self._inflight[h] = self._pool.submit(self._ask, h)
+        for i, a in enumerate(self.asks):
+            if i not in self._inflight:
+                self._inflight[i] = self._pool.submit(a.call)
         pending = set(self._inflight.values())
         deadline = None if wait_s is None else t0 + wait_s
         while pending:
@@ -274,13 +332,15 @@ class Top:
             if left is not None and left <= 0:
                 break
             done, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
-        for h, fut in list(self._inflight.items()):
+        for i, fut in list(self._inflight.items()):
             if fut.done():
-                del self._inflight[h]
+                del self._inflight[i]
                 try:
-                    self._answers[h] = fut.result()
+                    self._answers[i] = dict(fut.result())
                 except Exception as exc:  # noqa: BLE001 - a bug in one host's request must not end the view
-                    self._answers[h] = _Answer(time.monotonic(), "error", error=f"{type(exc).__name__}: {exc}")
+                    now = time.monotonic()
+                    self._answers[i] = {label: TopAnswer(now, "error", error=f"{type(exc).__name__}: {exc}")
+                                        for label in self.asks[i].labels or ("?",)}
         return self._fold(t0, interval)
 
     def _fold(self, t0: float, interval: float | None) -> Snapshot:
@@ -288,29 +348,26 @@ class Top:
         rows: list[ProcRow] = []
         hosts: list[HostRow] = []
         host_states: list[str] = []
-        for h in self.hosts:
-            ans = self._answers.get(h)
-            if ans is None:
-                hosts.append(HostRow(h.label, "waiting", "no answer yet"))
+        for i, a in enumerate(self.asks):
+            answers = self._answers.get(i)
+            if answers is None:
+                hosts.extend(HostRow(label, "waiting", "no answer yet") for label in a.labels)
                 continue
-            age = round(now - ans.at, 3)
-            if ans.status == "unreachable":
-                hosts.append(HostRow(h.label, "unreachable", ans.error, age))
-                host_states.append(JobState.LOST)
-                continue
-            if ans.status != "ok":
-                hosts.append(HostRow(h.label, ans.status, ans.error, age))
-                host_states.append(JobState.UNKNOWN)
-                continue
-            mine = rows_of(h.label, ans.reply)
-            row = host_row(h.label, ans.reply, mine)
-            row.age_s = age
-            hosts.append(row)
-            state = row.state or JobState.UNKNOWN
-            if state == JobState.STOPPING and ans.reply.get("restart_pending"):
-                state = JobState.RESTARTING
-            host_states.append(state)
-            rows.extend(mine)
+            for label, ans in answers.items():
+                age = round(now - ans.at, 3)
+                if ans.status != "ok":
+                    hosts.append(HostRow(label, ans.status, ans.error, age, ans.state))
+                    host_states.append(ans.state or (JobState.LOST if ans.status == "unreachable" else JobState.UNKNOWN))
+                    continue
+                mine = rows_of(label, ans.reply)
+                row = host_row(label, ans.reply, mine)
+                row.age_s = age
+                hosts.append(row)
+                state = row.state or JobState.UNKNOWN
+                if state == JobState.STOPPING and ans.reply.get("restart_pending"):
+                    state = JobState.RESTARTING
+                host_states.append(state)
+                rows.extend(mine)
         found = mark_stragglers(rows, threshold=self.threshold, slices=self.slices)
-        return Snapshot(self.session.plan.job, job_state(host_states), rows, hosts, found, time.time(),
+        return Snapshot(self.job, job_state(host_states), rows, hosts, found, time.time(),
                         round(now - t0, 3), interval, self.threshold, self.window_s)

@@ -221,21 +221,6 @@ def test_top_from_the_command_line(tmp_path, monkeypatch, capsys):
             stop(s)
 
 
-def test_top_is_not_yet_there_for_backends_without_ssh_hosts(tmp_path, monkeypatch, capsys):
-    c = FakeCluster(tmp_path, hosts=1)
-    data = yaml.safe_load(c.spec_path.read_text())
-    data.pop("hosts")
-    data["job"].pop("ports")
-    data.update(backend="slurm", slurm={"login": "login", "nodes": 2, "partition": "debug"})
-    c.spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
-    c.everywhere(monkeypatch)
-    code = main(["top", str(c.spec_path), "--once"])
-    assert code == 1
-    assert capsys.readouterr().err.strip() == (
-        "clusterctl: error: top: not yet available with backend: slurm (its hosts are not SSH hosts clusterctl "
-        "reaches); `clusterctl status` shows the job's state")
-
-
 def test_gpu_columns_with_a_fake_nvidia_smi_on_the_hosts(tmp_path):
     c = cluster(tmp_path)
     fake_exe(c.bin, "nvidia-smi", """\
