@@ -348,3 +348,45 @@ def test_the_jobs_token_files_and_stop(slurm_cluster, tmp_path):
         assert node_exec(n.container, "ls /tmp/pwned-* 2>/dev/null || true") == ""
         for i in ids:
             assert node_exec(n.container, f"cat {OLD_NAMES[0].format(id=i)}") == PWNED.format(id=i)
+
+
+# A trainer that prints a progress line per step (as clusterctl.report writes them) until it is stopped.
+PROGRESS = """\
+import time
+for step in range(1000000):
+    print("step=%d loss=%.4f time=%.3f" % (step, 1.0 / (step + 1), time.time()), flush=True)
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_top_lists_every_process_with_its_steps(slurm_cluster, tmp_path):
+    """`clusterctl top` under Slurm: every node's supervisor answers in one srun --overlap step."""
+    info = slurm_cluster
+    hosts = [n.hostname for n in info.nodes]
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "job.py").write_text(PROGRESS)
+    job = {"mode": "collective", "entrypoint": [VENV_PY, "job.py"], "trainers": 1, "grace": 2,
+           "ports": {"control": 7600, "master": 7601, "pserver": 7605, "trainer": 7610}}
+    spec = slurm_spec(info, tmp_path / "top.yaml", "it-slurm-top", ws, "clusterctl-it/slurm-top", job)
+    clusterctl("stop", spec, check=True)
+    clusterctl("start", spec, "--dispatch", check=True, timeout=120)
+    try:
+        wait_status(spec, lambda s: len(s["processes"]) == 3 and all(p["state"] == "running" for p in s["processes"]))
+        deadline = time.monotonic() + 20
+        while True:
+            res = clusterctl("top", spec, "--once", "--json", "--no-gpu", timeout=60)
+            doc = json.loads(res.stdout)
+            if all((p["progress"] or {}).get("step", 0) > 0 for p in doc["processes"]) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert res.returncode == 0 and doc["state"] == "running", res.stdout + res.stderr
+        assert [(h["host"], h["status"], h["state"]) for h in doc["hosts"]] == [(h, "ok", "running") for h in hosts]
+        assert [(p["host"], p["name"], p["state"]) for p in doc["processes"]] == [
+            (hosts[i], f"trainer.{i}", "running") for i in range(3)]
+        assert all(p["progress"]["step"] > 0 and p["progress"]["metrics"]["loss"] > 0 and p["rss_bytes"] > 1 << 20
+                   for p in doc["processes"]), doc["processes"]
+    finally:
+        clusterctl("stop", spec, check=True)
+    assert not no_tagged(info, "it-slurm-top")
