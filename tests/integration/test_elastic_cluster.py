@@ -51,11 +51,11 @@ def nodes(cluster5):
     return tc.up(5, name=NAME, packages=PACKAGES, user="ubuntu")
 
 
-def reference_checksum(tmp_path) -> float:
-    """The final weights' checksum of an undisturbed run of STEPS steps (one process on this machine)."""
+def reference_checksum(tmp_path, steps=STEPS) -> float:
+    """The final weights' checksum of an undisturbed run of `steps` steps (one process on this machine)."""
     pytest.importorskip("torch")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLUSTERCTL_", "TORCHELASTIC_"))}
-    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), STEPS=str(STEPS))
+    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), STEPS=str(steps))
     out = subprocess.run([sys.executable, str(TORCH / "train.py")], env=env, capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -70,7 +70,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def elastic_spec(info, tmp_path, name, *, members=4, spares=1, base=7700, **job) -> tuple[Path, str]:
+def elastic_spec(info, tmp_path, name, *, members=4, spares=1, base=7700, steps=STEPS, step_s=0.5,
+                 **job) -> tuple[Path, str]:
     """torch_gloo on the first `members` nodes and `spares` spares; (spec path, rank 0's checkpoint dir)."""
     ckpt = f"{info.home}/ckpt-{name}-{uuid.uuid4().hex[:6]}"
     spec_dict = yaml.safe_load(Path(info.spec_path).read_text())
@@ -81,7 +82,7 @@ def elastic_spec(info, tmp_path, name, *, members=4, spares=1, base=7700, **job)
             "workspace": {"local": str(TORCH), "remote": f"clusterctl-it/{name}"},
             "job": {"mode": "collective", "entrypoint": ["/opt/venv/bin/python", "train.py"], "trainers": 1,
                     "restarts": 3, "restart_backoff": 1, "grace": 3,
-                    "env": {"STEPS": str(STEPS), "STEP_S": "0.5", "SAVE_EVERY": "10", "CHECKPOINT_DIR": ckpt},
+                    "env": {"STEPS": str(steps), "STEP_S": str(step_s), "SAVE_EVERY": "10", "CHECKPOINT_DIR": ckpt},
                     "ports": {"control": base, "master": base + 1, "trainer": base + 10}, **job}}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -122,8 +123,9 @@ def no_orphans(info, job, alive):
 
 @pytest.mark.timeout(600)
 def test_a_host_stopped_hard_is_replaced_by_the_spare_and_the_job_ends_as_an_undisturbed_run(nodes, tmp_path):
-    ref = reference_checksum(tmp_path)
-    spec, ckpt = elastic_spec(nodes, tmp_path, "it-el-spare")
+    # the default tier's elastic test: 40 steps of a quarter second, the loss after the checkpoint of step 20
+    ref = reference_checksum(tmp_path, 40)
+    spec, ckpt = elastic_spec(nodes, tmp_path, "it-el-spare", steps=40, step_s=0.25)
     ips = [n.ip for n in nodes.nodes]
     clusterctl("dispatch", spec, check=True)
     res = clusterctl("start", spec, timeout=180)

@@ -98,7 +98,7 @@ def truth_then_stop(info, spec, job, want_state):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("how", ["disconnect", "pause"])
+@pytest.mark.parametrize("how", ["disconnect", pytest.param("pause", marks=pytest.mark.slow)])
 def test_a_peer_cut_off_mid_run(testcluster, tmp_path, how):
     name = f"it-cut-peer-{how}"
     spec = long_job(testcluster, tmp_path, name)
@@ -136,6 +136,7 @@ def test_the_coordinators_host_cut_off_mid_run(testcluster, tmp_path):
     truth_then_stop(testcluster, spec, name, "failed")
 
 
+@pytest.mark.slow  # restarts after a lost peer: tests/integration/test_restarts.py and the fake-host tests
 @pytest.mark.timeout(240)
 def test_with_restarts_a_partition_that_heals_restarts_the_job_which_then_succeeds(testcluster, tmp_path):
     name = "it-cut-heal"

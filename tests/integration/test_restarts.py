@@ -94,6 +94,7 @@ def test_the_controller_is_disposable(testcluster, tmp_path):
     assert status_json(spec)["state"] == "stopped"
 
 
+@pytest.mark.slow  # the default tier restarts fit_a_line under the local backend (tests/unit/test_backend_local.py)
 @pytest.mark.timeout(240)
 def test_fit_a_line_resumes_from_the_pservers_checkpoint_after_a_trainer_is_killed(clusterctl_on_nodes, tmp_path):
     """Restarts on, pservers checkpointing every 20 steps: kill -9 a trainer mid-run; the job succeeds and the

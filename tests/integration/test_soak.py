@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import soak  # noqa: E402
 
 
+@pytest.mark.slow  # each fault has its own default-tier test; benchmarks/soak.py runs them in cycles
 @pytest.mark.timeout(150)
 def test_short_fault_soak_leaves_nothing_behind(testcluster, tmp_path):
     s = soak.make_soak(testcluster, tmp_path, job="it-soak", base_port=7700)

@@ -103,6 +103,7 @@ def test_apt_install_pin_hold_idempotent_and_check(provcluster, prov_spec, cache
     assert {n.container: _fs_state(n.container) for n in nodes} == before
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_dpkg_lock_bounded_wait_then_rerun_succeeds(provcluster, prov_spec, cache_home):
     nodes = provcluster.nodes
@@ -145,6 +146,7 @@ GPU = {
 }
 
 
+@pytest.mark.slow  # the GPU apt method offline: tests/provision/test_provision_offline.py
 @pytest.mark.timeout(240)
 def test_cuda_apt_method_pins_holds_and_detects_drift(provcluster, prov_spec, cache_home):
     nodes = provcluster.nodes

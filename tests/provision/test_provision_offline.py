@@ -55,6 +55,7 @@ def _offline(local_repos: dict | None = None, **extra) -> dict:
     return {"local": str(APT_OFFLINE_CACHE), **({"file_roots": roots} if roots else {}), **extra}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_unreachable_sources_and_index_fail_fast_naming_them_with_the_remedy(provcluster, prov_spec, cache_home):
     nodes = provcluster.nodes[:2]
