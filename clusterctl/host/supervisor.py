@@ -608,7 +608,7 @@ class Supervisor:
         if self.went:  # the start barrier passed while it was away (or before it joined: a late spare)
             self.link.send(host, protocol.go(core.attempt))
         for e in hello["exits"]:
-            self._on_exit(ExitEvent(e["role"], e["id"], e["code"], e["error"], host, e["attempt"], e["note"]))
+            self._on_exit(ExitEvent(e["role"], e["id"], e["code"], e["error"], host, e["attempt"], e.get("note")))
         if hello["failed"] and self.members.is_member(host):  # it stopped this attempt by itself
             verdict = rules.on_host_failed(core, host, hello["failed"])
             if verdict is not None:
@@ -619,7 +619,7 @@ class Supervisor:
         kind = msg["type"]
         if kind == Msg.EXIT:
             self._on_exit(ExitEvent(msg["role"], msg["id"], msg["code"], msg["error"], host, msg["attempt"],
-                                    msg["note"]))
+                                    msg.get("note")))
         elif kind == Msg.STOPPING:
             verdict = rules.on_stop_request(self.core, msg["reason"] or "stop requested on %s" % host)
             if verdict is not None:

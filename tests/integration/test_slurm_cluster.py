@@ -207,7 +207,9 @@ def test_a_killed_trainer_restarts_the_job_through_the_supervisor(slurm_cluster,
     victim = next(p for p in st["processes"] if p["id"] == 1)
     assert victim["host"] == hosts[1]
     node_exec(info.nodes[1].container, f"kill -9 {victim['pid']}")
-    st = wait_status(spec, lambda s: s["state"] in ("succeeded", "failed", "stopped"))
+    # the supervisors' word comes first; Slurm's (the reason) once the batch script has ended the allocation
+    st = wait_status(spec, lambda s: s["state"] in ("succeeded", "failed", "stopped")
+                     and not re.search(r"Slurm job \d+ (RUNNING|COMPLETING)", s["reason"] or ""))
     assert (st["state"], st["attempt"]) == ("succeeded", 1), st
     assert [(a["attempt"], a["outcome"], a["reason"]) for a in st["attempts"]] == [
         (0, "failed", f"trainer.1 on {hosts[1]} exited with code -9"),
