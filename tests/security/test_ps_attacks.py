@@ -184,6 +184,21 @@ class Pinger:
         self.sock.close(0)
 
 
+def send_refusable(s, frames, timeout=2.0, **kw) -> bool:
+    """Send on a DEALER whose handshake may be refused: libzmq drops a refused connection's pipe, and a DEALER
+    with no pipe blocks in send until the next reconnect makes one; so never block (a loaded machine may see
+    the refusal before the send), try again while `timeout` lasts. False: nothing could be queued."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            s.send_multipart(frames, zmq.NOBLOCK, **kw)
+            return True
+        except zmq.Again:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+
+
 def raw_request(endpoint, header, tensors=None, *, token=TOKEN, timeout=5.0):
     """One request on a bare DEALER (CURVE with ``token``'s keys; None: plain ZMTP); the reply header or None."""
     from clusterctl.ps.protocol import encode
@@ -193,8 +208,7 @@ def raw_request(endpoint, header, tensors=None, *, token=TOKEN, timeout=5.0):
     secure_client(s, Credentials.from_token(token) if token else None)
     s.connect("tcp://" + endpoint)
     try:
-        s.send_multipart(encode({"seq": 1, **header}, tensors))
-        if not s.poll(int(timeout * 1000)):
+        if not send_refusable(s, encode({"seq": 1, **header}, tensors), timeout) or not s.poll(int(timeout * 1000)):
             return None
         return json.loads(s.recv_multipart()[0])
     finally:
@@ -339,7 +353,7 @@ def test_a_stranger_without_the_token_reaches_nothing(group, tmp_path):
         pub, sec = zmq.curve_keypair()
         s.curve_serverkey, s.curve_publickey, s.curve_secretkey = creds.server_public, pub, sec
         s.connect("tcp://" + g.endpoint)
-        s.send_multipart([json.dumps({"v": 1, "op": "complete", "seq": 1, "tid": 0}).encode()])
+        send_refusable(s, [json.dumps({"v": 1, "op": "complete", "seq": 1, "tid": 0}).encode()])
         wait_for(lambda: g.door["refused_keys"] == 1, "the ZAP refusal")
         assert not s.poll(500)
         s.close()
@@ -474,7 +488,7 @@ def test_unauthenticated_gigabyte_messages_are_not_buffered():
             s.setsockopt(zmq.LINGER, 0)
             secure_client(s, Credentials.from_token(token) if token else None)
             s.connect("tcp://" + ep)
-            s.send_multipart([b"{}"] + [frame] * 256, copy=False)
+            assert send_refusable(s, [b"{}"] + [frame] * 256, copy=False)
             socks.append(s)
         pinger = Pinger(ep, ctx)
         base = pinger()["stats"]["requests"] - 1

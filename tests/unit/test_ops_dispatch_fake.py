@@ -187,6 +187,7 @@ def test_records_are_private_and_ones_readable_by_others_are_not_used(tmp_path, 
     monkeypatch.setattr(drecords, "RECORDS_DIR", cache / "dispatched")
     monkeypatch.setattr(dscan, "HASH_CACHE_DIR", cache / "hashes")
     c = FakeCluster(tmp_path, files={"train.py": "print(1)\n"})
+    first_mtime = (c.local / "train.py").stat().st_mtime_ns
     with c.session() as s:
         dispatch(s)
         files = [p for p in cache.rglob("*") if p.is_file()]
@@ -200,9 +201,12 @@ def test_records_are_private_and_ones_readable_by_others_are_not_used(tmp_path, 
         left = [p for p in cache.rglob("*") if p.is_file() and stat.S_IMODE(p.stat().st_mode) != 0o600]
         assert left == [p for p in files if p.parent.name == "manifests"]  # only the old generation's manifest
         assert all(drecords.Records(s.plan.workdir).load(h) is not None for h in s.plan.hosts)
-        c.write("train.py", "print(1)\n")  # back to the first content: its manifest (left 0644) is used again
+        # back to the first content and mtime (a manifest records both, mtime in whole seconds, so a run that
+        # crossed a second made another manifest): its manifest, left 0644, is used again
+        os.utime(c.write("train.py", "print(1)\n"), ns=(first_mtime, first_mtime))
         dispatch(s)
-        assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in cache.rglob("*") if p.is_file())
+        bad = [(str(p.relative_to(cache)), oct(p.stat().st_mode)) for p in cache.rglob("*") if p.is_file() and stat.S_IMODE(p.stat().st_mode) != 0o600]
+        assert not bad, bad
         assert all(drecords.Records(s.plan.workdir).load(h) is not None for h in s.plan.hosts)
         (cache / "dispatched").chmod(0o777)  # a directory others may write to: not used at all
         assert all(drecords.Records(s.plan.workdir).load(h) is None for h in s.plan.hosts)
