@@ -153,8 +153,10 @@ def render_top(s: Snapshot, *, title: str | None = None, width: int | None = Non
 
 
 def run_top(spec, *, once: bool = False, as_json: bool = False, interval: float = DEFAULT_INTERVAL,
-            threshold: float = STRAGGLER_THRESHOLD, window_s: float = STRAGGLER_WINDOW_S, gpu: bool = True) -> int:
-    """The `top` command: one snapshot (exit 1 when a host could not be asked) or a live view until Ctrl+C."""
+            threshold: float = STRAGGLER_THRESHOLD, window_s: float = STRAGGLER_WINDOW_S, gpu: bool = True,
+            exit_promptly: bool = False) -> int:
+    """The `top` command: one snapshot (exit 1 when a host could not be asked) or a live view until Ctrl+C
+    (`exit_promptly`, the command line's: the process ends within EXIT_AFTER_INTERRUPT_S of it)."""
     from ..backends import open_backend
 
     if not MIN_INTERVAL <= interval <= 3600:
@@ -175,7 +177,32 @@ def run_top(spec, *, once: bool = False, as_json: bool = False, interval: float 
             try:
                 return _live(top, interval, as_json)
             except KeyboardInterrupt:
+                if exit_promptly:
+                    _exit_soon()
                 return 0
+
+
+EXIT_AFTER_INTERRUPT_S = 5.0  # Ctrl+C ends the view within this, whatever a host's request still waits for
+
+
+def _exit_soon() -> None:
+    """After Ctrl+C the view cleans up as usual (connections closed, the terminal restored), but the
+    interpreter's exit joins the transport's worker threads, and a request to a host that stopped answering
+    holds one until its deadline (ssh.command_timeout): past EXIT_AFTER_INTERRUPT_S the process ends anyway,
+    exit 0, its output flushed."""
+    import os
+    import threading
+
+    def leave() -> None:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(0)
+
+    timer = threading.Timer(EXIT_AFTER_INTERRUPT_S, leave)
+    timer.daemon = True
+    timer.start()
 
 
 def _live(top: Top, interval: float, as_json: bool) -> int:
@@ -202,7 +229,7 @@ def _live(top: Top, interval: float, as_json: bool) -> int:
 
 def cmd_top(args: argparse.Namespace) -> int:
     """clusterctl top."""
-    return run_top(args.spec, once=args.once, as_json=args.json, interval=args.interval,
+    return run_top(args.spec, once=args.once, as_json=args.json, interval=args.interval, exit_promptly=True,
                    threshold=args.straggler_threshold, window_s=args.straggler_window, gpu=not args.no_gpu)
 
 

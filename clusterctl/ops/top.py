@@ -17,9 +17,10 @@ bounds (a host may be compromised).
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
@@ -307,7 +308,7 @@ class Top:
             self.asks = list(source.top_asks(self.request))
         self._answers: dict[int, dict[str, TopAnswer]] = {}
         self._inflight: dict[int, Future] = {}
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(self.asks))), thread_name_prefix="top")
+        self._closed = False
 
     def __enter__(self) -> "Top":
         return self
@@ -316,15 +317,31 @@ class Top:
         self.close()
 
     def close(self) -> None:
-        """Stop asking (requests in flight end with their deadline)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop asking. Requests in flight end with their deadline, on daemon threads: the program may exit
+        before (a view ended with Ctrl+C does not wait for a host that stopped answering)."""
+        self._closed = True
+
+    def _submit(self, ask) -> Future:
+        """Run one request on a thread of its own (at most one per TopAsk in flight, so as many as the asks)."""
+        fut: Future = Future()
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(ask.call())
+            except BaseException as exc:  # noqa: BLE001 - handed to snapshot(), which makes it the host's row
+                fut.set_exception(exc)
+
+        threading.Thread(target=run, name="top-request", daemon=True).start()
+        return fut
 
     def snapshot(self, wait_s: float | None = None, *, interval: float | None = None) -> Snapshot:
         """Ask every idle TopAsk, wait up to `wait_s` (None: for all), and fold the latest answers."""
         t0 = time.monotonic()
         for i, a in enumerate(self.asks):
-            if i not in self._inflight:
-                self._inflight[i] = self._pool.submit(a.call)
+            if i not in self._inflight and not self._closed:
+                self._inflight[i] = self._submit(a)
         pending = set(self._inflight.values())
         deadline = None if wait_s is None else t0 + wait_s
         while pending:
