@@ -143,6 +143,9 @@ _WATCHED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
+NULL_CLOSED_MEANS_MISMATCH = 3  # handshakes of a NULL (auth none) client closed by the pserver: a mismatch
+
+
 class HandshakeWatch:
     """A client's view of its handshakes with each pserver (monitor sockets on its DEALERs).
 
@@ -195,6 +198,12 @@ class HandshakeWatch:
                                 f"{TOKEN_ENV} (CURVE), the other with {AUTH_ENV}=none")
             self.last[i] = (f"protocol error 0x{value:08x}" if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                             else f"connection closed during the handshake ({os.strerror(value) if value else 'EOF'})")
+            # A NULL handshake (this trainer runs with auth none) has nothing to refuse: against a CURVE pserver
+            # libzmq reports the mismatch, or, when the pserver hung up first (a loaded machine), a closed
+            # connection. Closed every time, a few times over: the same disagreement.
+            if self.failures[i] >= NULL_CLOSED_MEANS_MISMATCH and self.socks[i].getsockopt(zmq.MECHANISM) == zmq.NULL:
+                raise AuthError(f"pserver {ep} and this trainer disagree on authentication: one runs with "
+                                f"{TOKEN_ENV} (CURVE), the other with {AUTH_ENV}=none")
 
     def hint(self, i: int) -> str:
         """Why pserver ``i`` may not have answered, for a timeout message ("" when nothing is known)."""

@@ -161,6 +161,16 @@ def _screen(session: str) -> str:
     return _tmux("capture-pane", "-p", "-t", session)
 
 
+def _pane_state(session: str) -> str:
+    """The pane's terminal modes and processes, for a view that did not end on Ctrl+C."""
+    pid = _tmux("display-message", "-p", "-t", session, "#{pane_pid}", check=False).strip()
+    tty = _tmux("display-message", "-p", "-t", session, "#{pane_tty}", check=False).strip()
+    modes = subprocess.run(["stty", "-a", "-F", tty], capture_output=True, text=True).stdout if tty else ""
+    procs = subprocess.run(["ps", "-o", "pid,ppid,pgid,tpgid,stat,wchan:24,args", "--ppid", pid, "-p", pid],
+                           capture_output=True, text=True).stdout if pid else ""
+    return f"\n--- the pane's terminal ({tty}):\n{modes}\n--- its processes:\n{procs}"
+
+
 def _wait_screen(session: str, pattern: str, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while True:
@@ -208,7 +218,7 @@ def test_the_live_view_in_a_terminal(job, testcluster):
         # for the status (or the signal that ended the process) itself
         while not (ended := _tmux("display-message", "-p", "-t", session,
                                   "#{pane_dead_status}/#{pane_dead_signal}").strip().strip("/")):
-            assert time.monotonic() < t0 + CMD_TIMEOUT + 20, _screen(session)
+            assert time.monotonic() < t0 + CMD_TIMEOUT + 20, _screen(session) + _pane_state(session)
             time.sleep(0.2)
         assert ended == "0", (ended, _screen(session))
         assert "Traceback" not in _screen(session)
