@@ -233,7 +233,9 @@ def suite_results(out: str) -> dict:
     """What both ranks' unittest runners said: per-rank summaries and the failing/erroring tests."""
     ran = sorted(re.findall(r"Ran (\d+) tests? in [\d.]+s", out))
     verdicts = sorted(re.findall(r"^(?:\[[^\]]*\] )*(OK(?: \(.*\))?|FAILED \(.*\))\s*$", out, re.M))
-    bad = sorted(re.findall(r"^(?:\[[^\]]*\] )*((?:FAIL|ERROR): \S+ \(\S+\))", out, re.M))
+    # the failing tests by name: hydra merges both ranks' output into one stream, where a line of one rank can
+    # be cut by the other's (the counts above are each rank's own summary line)
+    bad = sorted(set(re.findall(r"^(?:\[[^\]]*\] )*((?:FAIL|ERROR): \S+ \(\S+\))", out, re.M)))
     return {"ran": ran, "verdicts": verdicts, "bad": bad}
 
 
