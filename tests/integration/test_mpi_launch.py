@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -169,19 +170,6 @@ def test_the_mpi4py_futures_example_runs_under_both_launchers(clusterctl_on_node
     assert_no_orphans(info, name, hosts=info.nodes[:2])
 
 
-ABORTER = """\
-import time
-from mpi4py import MPI
-w = MPI.COMM_WORLD
-w.Barrier()
-if w.Get_rank() == 1:
-    w.Abort(3)
-    time.sleep(60)
-w.Barrier()
-print("not reached", flush=True)
-"""
-
-
 @pytest.mark.timeout(240)
 def test_mpi_abort_on_another_host_fails_the_job_naming_the_rank_and_code(clusterctl_on_nodes, tmp_path):
     """launcher: ssh, rank 1 on the second node calls MPI_Abort(3): it exits 3 at once, rank 0 a second
@@ -190,7 +178,7 @@ def test_mpi_abort_on_another_host_fails_the_job_naming_the_rank_and_code(cluste
     info = clusterctl_on_nodes
     ws = tmp_path / "ws"
     ws.mkdir()
-    (ws / "abort.py").write_text(ABORTER)
+    shutil.copy(ROOT / "tests/integration/jobs/mpi_abort.py", ws / "abort.py")
     name = "it-pmi-abort"
     spec = launcher_spec(info, tmp_path, name, "ssh", workspace=ws, script="abort.py")
     clusterctl("dispatch", spec, check=True)

@@ -5,6 +5,7 @@ and what the backend cannot honour is refused at its line."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -86,26 +87,13 @@ def test_a_failed_attempt_is_restarted_and_both_attempts_are_logged(home, tmp_pa
     assert not job_pids(name)
 
 
-ABORTER = """\
-import time
-from mpi4py import MPI
-w = MPI.COMM_WORLD
-w.Barrier()
-if w.Get_rank() == 1:
-    w.Abort(3)
-    time.sleep(60)
-w.Barrier()
-print("not reached", flush=True)
-"""
-
-
 def test_mpi_abort_fails_the_job_naming_the_rank_and_the_code(home, tmp_path, capsys):
     """An unmodified mpi4py program under the host supervisor (the one every backend runs): rank 1's MPI_Abort(3)
     ends every rank, and the job's reason names the rank, the code and why, from the rank's abort.json."""
     pytest.importorskip("mpi4py.MPI")
     ws = tmp_path / "ws"
     ws.mkdir()
-    (ws / "abort.py").write_text(ABORTER)
+    shutil.copy(ROOT / "tests/integration/jobs/mpi_abort.py", ws / "abort.py")
     spec, name = local_spec(tmp_path, "torch_gloo", {"mode": "collective", "trainers": 2,
                                                      "entrypoint": [PY, "-m", "clusterctl.collective", "abort.py"]})
     data = yaml.safe_load(spec.read_text())
