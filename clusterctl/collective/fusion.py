@@ -6,6 +6,10 @@ bucket of its own).  Buckets run on the communicator's worker thread with non-bl
 (``Iallreduce`` polled against the deadline), so the caller keeps computing, and packing bucket k+1
 overlaps reducing bucket k.  With the shared-memory window a bucket is packed straight into the window
 and unpacked straight out of the peers' segments (one copy each way).
+
+CUDA tensors are fused on the device: those of one device and floating dtype are concatenated into device
+buckets (one kernel), and each bucket is reduced as one tensor (handed to a CUDA-aware MPI, or staged
+through pinned host memory in one copy each way instead of one per tensor), then split back.
 """
 
 from __future__ import annotations
@@ -77,6 +81,37 @@ def _host_view(x):
     return None
 
 
+def _torch():
+    return sys.modules["torch"]
+
+
+def _device_buckets(xs: list, threshold: int) -> list[list[int]]:
+    """Indices of the CUDA tensors that can share a device bucket (contiguous, floating, not bf16 — which is
+    reduced in float32 —, same device and dtype), in order, in buckets of at most ``threshold`` bytes; a
+    bucket of one tensor is left to the single-tensor path."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(xs):
+        if (isinstance(x, torch.Tensor) and x.is_cuda and x.is_contiguous() and not x.is_sparse
+                and x.dtype in (torch.float32, torch.float64, torch.float16)):
+            groups.setdefault((x.device, x.dtype), []).append(i)
+    buckets = []
+    for idx in groups.values():
+        cur: list[int] = []
+        nbytes = 0
+        for i in idx:
+            n = xs[i].numel() * xs[i].element_size()
+            if cur and nbytes + n > max(threshold, 1):
+                buckets.append(cur)
+                cur, nbytes = [], 0
+            cur.append(i)
+            nbytes += n
+        buckets.append(cur)
+    return [b for b in buckets if len(b) > 1]
+
+
 def _empty_like(x):
     if isinstance(x, np.ndarray):
         out = np.empty(x.shape, dtype=x.dtype)
@@ -104,8 +139,9 @@ class FusedAllreduce:
         int_avg = [op == "avg" and v is not None and v.dtype.kind in "iu" for v in views]
         self.fusable = [i for i, v in enumerate(views)
                         if v is not None and not int_avg[i] and compression is None]
-        fusable_set = set(self.fusable)
-        self.single = [i for i in range(len(xs)) if i not in fusable_set]
+        self.device_buckets = _device_buckets(xs, self.threshold) if compression is None else []
+        taken = set(self.fusable).union(*self.device_buckets)
+        self.single = [i for i in range(len(xs)) if i not in taken]
         self.views = views
         key = (tuple(views[i].size for i in self.fusable), tuple(views[i].dtype.str for i in self.fusable),
                max(self.threshold, 1))
@@ -173,12 +209,37 @@ class FusedAllreduce:
                 if plan is None:
                     plan = self._copy_plans[k] = c.arena.copy_plan(outs, b.dtype)
             futures.append(c.submit(self._reduce_bucket, ins, outs, buf, plan))
+        for idx in self.device_buckets:
+            futures.append(self._start_device_bucket(idx, results, inplace))
         singles = []
         for i in self.single:
             x = self.xs[i]
             prepared = prepare(x, self.op, x if inplace else None, c.size, self.compression, c)
             singles.append((i, c.submit(reduce_one, c, prepared, self.op, "allreduce")))
         return results, futures, singles
+
+    def _start_device_bucket(self, idx: list[int], results: list, inplace: bool):
+        """Concatenate CUDA tensors ``idx`` into one device buffer, reduce it as one tensor on the worker, then
+        copy the pieces back (``inplace``) or hand out views of it as the results."""
+        c = self.comm
+        parts = [self.xs[i] for i in idx]
+        if c.size == 1:  # the sum (and the average) of one rank: the tensors themselves, no copy to the host
+            for i, x in zip(idx, parts):
+                if not inplace:
+                    results[i] = x.detach().clone()
+            return c.submit(lambda: None)
+        flat = _torch().cat([x.detach().reshape(-1) for x in parts])
+        prepared = prepare(flat, self.op, flat, c.size, None, c)
+        sizes = [x.numel() for x in parts]
+
+        def reduce_and_split():
+            reduce_one(c, prepared, self.op, f"fused allreduce ({len(parts)} CUDA tensors)")
+            for i, x, piece in zip(idx, parts, flat.split(sizes)):
+                if inplace:
+                    x.detach().copy_(piece.view(x.shape))
+                else:
+                    results[i] = piece.view(x.shape)
+        return c.submit(reduce_and_split)
 
     def run(self, *, inplace: bool = False) -> list:
         """Reduce every buffer and return the results in input order (the inputs when ``inplace``)."""

@@ -147,7 +147,7 @@ def _gpu_stack(venv_packages):
             info["driver_error"] = (out or "").strip().splitlines()[-1:] or ["nvidia-smi exit %s" % code]
     # The job's venv first (what its processes load), then system packages, then nvcc.
     for name, ver in sorted((venv_packages or {}).items()):
-        if name.startswith("nvidia-cuda-runtime-cu"):
+        if name == "nvidia-cuda-runtime" or name.startswith("nvidia-cuda-runtime-cu"):  # CUDA 13+: no suffix
             info["toolkit"] = "%s (pip %s)" % (ver, name)
         elif name.startswith("nvidia-cudnn-cu"):
             info["cudnn"] = "%s (pip %s)" % (ver, name)

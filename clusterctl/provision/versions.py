@@ -143,9 +143,13 @@ def _pip_version(version: str, what: str, cuda_major: int) -> str:
 
 
 def cuda_pip_requirements(cuda_version: str) -> list[str]:
-    """pip requirements for the CUDA runtime wheels: '12.4' → ['nvidia-cuda-runtime-cu12==12.4.*']."""
+    """pip requirements for the CUDA runtime wheels: '12.4' → ['nvidia-cuda-runtime-cu12==12.4.*'].
+
+    From CUDA 13 NVIDIA publishes the runtime without the suffix ('13.0' → 'nvidia-cuda-runtime==13.0.*');
+    `nvidia-cuda-runtime-cu13` is a 0.0.1 placeholder on PyPI."""
     major, minor = parse_cuda(cuda_version)
-    return [f"nvidia-cuda-runtime-cu{major}=={major}.{minor}.*"]
+    name = "nvidia-cuda-runtime" if major >= 13 else f"nvidia-cuda-runtime-cu{major}"
+    return [f"{name}=={major}.{minor}.*"]
 
 
 def cudnn_pip_requirement(cudnn_version: str, cuda_version: str) -> str:

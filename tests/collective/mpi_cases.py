@@ -310,6 +310,38 @@ def test_cuda_tensor():
     assert y.is_cuda and torch.allclose(y.cpu(), torch.full((1000,), float(sum(range(SIZE)))))
 
 
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "out-of-place"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_cuda_tensors_grouped_into_device_buckets(op, inplace):
+    """grouped_allreduce of CUDA tensors: same-dtype tensors share a device bucket (one staging copy each way,
+    or one CUDA-aware call), odd ones (bf16, non-contiguous, integer) take the single-tensor path; every
+    result is right and stays on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from clusterctl.collective.fusion import fused_for
+    shapes = [(1000,), (33, 7), (5,), (4096, 4), (2, 2, 2)]
+    xs = [torch.full(s, float(RANK + 1 + k), device="cuda") for k, s in enumerate(shapes)]
+    xs += [torch.full((300,), float(RANK + 1), device="cuda", dtype=torch.float64),
+           torch.full((300,), float(RANK + 1), device="cuda", dtype=torch.float64),
+           torch.full((64,), float(RANK + 1), device="cuda", dtype=torch.bfloat16),
+           torch.full((8, 6), float(RANK + 1), device="cuda").t(),
+           torch.full((10,), RANK + 1, device="cuda", dtype=torch.int64)]
+    if op == "avg":
+        xs.pop()  # an integer average is out-of-place only (floats); covered by the single-tensor tests
+    fused = fused_for(xs, op=op, comm=C, threshold=64 << 10, compression=None)
+    # float32: the first three share a bucket, the 64 KiB tensor fills one of its own and the last is left alone
+    # (single-tensor path), as are bf16, the transposed view and int64; float64: one bucket of two
+    assert sorted(len(b) for b in fused.device_buckets) == [2, 3]
+    expect = [sum(RANK2 + 1 + k for RANK2 in range(SIZE)) for k in range(len(shapes))] + [SIZE * (SIZE + 1) / 2] * 5
+    out = cc.grouped_allreduce(xs, op=op, inplace=inplace, threshold=64 << 10)
+    for k, (x, y) in enumerate(zip(xs, out)):
+        want = expect[k] / (SIZE if op == "avg" else 1)
+        assert y.is_cuda and y.shape == x.shape and y.dtype == x.dtype, k
+        assert torch.allclose(y.double().cpu(), torch.full(x.shape, float(want), dtype=torch.float64)), (k, y)
+        if inplace:
+            assert y is x
+
+
 def test_cupy_array():
     cupy = pytest.importorskip("cupy")
     if not torch.cuda.is_available():

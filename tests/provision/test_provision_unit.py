@@ -154,6 +154,8 @@ def test_versions_tables_and_package_names():
     assert versions.nccl_pip_requirement("2.21.5-1+cuda12.4", "12.4") == "nvidia-nccl-cu12==2.21.5"
     assert versions.cudnn_pip_requirement("9.1.0.70", "12.4") == "nvidia-cudnn-cu12==9.1.0.70"
     assert versions.cuda_pip_requirements("12.4") == ["nvidia-cuda-runtime-cu12==12.4.*"]
+    # CUDA 13's runtime wheel has no -cu13 suffix (nvidia-cuda-runtime-cu13 is a 0.0.1 placeholder on PyPI)
+    assert versions.cuda_pip_requirements("13.0") == ["nvidia-cuda-runtime==13.0.*"]
     with pytest.raises(ValueError, match=r"cuDNN 8.9.7 has no build for CUDA 13.x \(it supports CUDA 10.x, 11.x, 12.x\)"):
         versions.cudnn_apt_packages("8.9.7", "13.0")
 
@@ -527,3 +529,15 @@ def test_apt_reach_tries_apts_own_proxy(tmp_path):
         "CLUSTERCTL_STEP t failed cannot reach the archive: 127.0.0.1:9 (Connection refused); give a mirror this host "
         "can reach in apt.sources (with apt.update: sources), or apt.offline: true (the controller downloads the "
         "packages and uploads them)"))
+
+
+@pytest.mark.parametrize("runtime", ["nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12"])
+def test_doctor_facts_read_the_cuda_runtime_wheel_of_cuda_12_and_13(monkeypatch, runtime):
+    """doctor's facts name the CUDA runtime from the job's venv: CUDA 13's wheel has no -cuNN suffix."""
+    from clusterctl.host import provision_host
+    monkeypatch.setattr(provision_host.shutil, "which", lambda name: None)  # no nvidia-smi, no nvcc
+    monkeypatch.setattr(provision_host, "_dpkg", lambda: {})
+    info = provision_host._gpu_stack({runtime: "13.0.96", "nvidia-nccl-cu13": "2.27.7", "numpy": "2.3.0"})
+    assert info["toolkit"] == f"13.0.96 (pip {runtime})"
+    assert info["nccl"] == "2.27.7 (pip nvidia-nccl-cu13)"
+    assert info["gpus"] == [] and info["driver"] == ""
