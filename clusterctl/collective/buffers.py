@@ -46,6 +46,7 @@ class Prepared:
     device: Any = None
     average_here: bool = True
     finish: Callable[[], Any] = field(default=lambda: None)
+    local: bool = False  # nothing to exchange (one rank): ``finish`` alone makes the result
 
 
 def _check_op(op: str) -> None:
@@ -128,6 +129,17 @@ def _prepare_torch(x, op: str, out, size: int, compression: str | None, communic
         wire_dtype = torch.float16
     elif compression not in (None, "fp16", "bf16"):
         raise CollectiveError(f"compression={compression!r}: expected None, 'fp16' or 'bf16'")
+    if t.is_cuda and size == 1:  # one rank: the sum and the average are the tensor itself, no trip to the host
+        def finish_one():
+            if op == "avg" and is_int:
+                return t.double()
+            if inplace:
+                return x
+            if target is None:
+                return t.clone()
+            target.copy_(t)
+            return out
+        return Prepared(finish=finish_one, local=True)
     if t.is_cuda:
         from .cuda import cuda_aware, note_staging
         aware = cuda_aware(communicator)
@@ -264,7 +276,9 @@ def prepare(x, op: str, out, size: int, compression: str | None, communicator) -
 
 def reduce_one(c, prepared: Prepared, op: str, what: str):
     """Allreduce one prepared buffer on communicator ``c`` (run on its worker thread); return the result."""
-    if prepared.device is not None:
+    if prepared.local:
+        pass
+    elif prepared.device is not None:
         c.allreduce_device(prepared.device, what)
     else:
         c.allreduce_flat(prepared.src, prepared.dst, op == "avg" and prepared.average_here, what)

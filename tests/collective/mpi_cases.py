@@ -308,6 +308,13 @@ def test_cuda_tensor():
     x = torch.full((1000,), float(RANK), device="cuda")
     y = cc.allreduce(x)
     assert y.is_cuda and torch.allclose(y.cpu(), torch.full((1000,), float(sum(range(SIZE)))))
+    assert y is not x and torch.all(x == RANK)
+    out = torch.empty_like(x)
+    assert cc.allreduce(x, "avg", out=out) is out and torch.allclose(out.cpu(), torch.full((1000,), (SIZE - 1) / 2))
+    assert cc.allreduce(x, out=x) is x and torch.all(x == sum(range(SIZE)))
+    ints = torch.full((7,), RANK + 1, device="cuda", dtype=torch.int32)
+    avg = cc.allreduce(ints, "avg")  # an integer average is out-of-place, in float64
+    assert avg.is_cuda and avg.dtype == torch.float64 and torch.all(avg == (SIZE + 1) / 2)
 
 
 @pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "out-of-place"])
