@@ -47,6 +47,18 @@ done
 part "NCCL: two ranks on one GPU"
 timeout 120 mpiexec -n 2 "$PY" benchmarks/gpu.py nccl-probe 2>&1 | grep -E "^rank|Error" | head -4
 
+part "status and top of a GPU job (backend: local), then stop"
+work=$(mktemp -d) && cp benchmarks/gpu_top/train.py benchmarks/gpu_top/job.yaml "$work"/
+(
+    cd "$work" && cc() { "$PY" -m clusterctl.cli "$@"; }
+    cc start --dispatch job.yaml >/dev/null && sleep 12 && cc status job.yaml && COLUMNS=140 cc top --once job.yaml
+    code=$?
+    pid=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | head -1)
+    cc stop job.yaml || code=1
+    echo "after stop: trainer $pid is $(cut -d' ' -f3 "/proc/$pid/stat" 2>/dev/null || echo gone) (Z: exited, not yet reaped)"
+    exit $code
+) || rc=1
+
 for n in 1 2; do
     part "bench: mpiexec -n $n"
     timeout 300 mpiexec -n $n "$PY" benchmarks/gpu.py bench ${BENCH_ARGS:-} || rc=1
