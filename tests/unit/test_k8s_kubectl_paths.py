@@ -299,9 +299,11 @@ def test_logs_are_each_pods_own_process_lines_pservers_first(kube):
             (T0, "out", "[fit-trainer-0-abcde trainer.0] step=1"),
             (T0, "out", "[fit-trainer-0-abcde trainer.0#1] step=1 again")]
         assert _logs(b, host="fit-pserver-0", lines=1) == [(P0, "out", "[fit-pserver-0-abcde pserver.0] served 10")]
+        assert _logs(b, host=P0, lines=0) == []  # as the SSH backend's -n 0 (host/logtail.py): no line
+        assert len(_logs(b, host=P0, lines=5)) == 2
     logs_calls = [c[4:] for c in kube.calls() if c[4] == "logs"]
     assert logs_calls == [["logs", P0, "-c", "pserver"], ["logs", T0, "-c", "trainer"], ["logs", T0, "-c", "trainer"],
-                          ["logs", P0, "-c", "pserver"]]
+                          *[["logs", P0, "-c", "pserver"]] * 3]
 
 
 def test_logs_say_what_kubectl_could_not_read(kube):
