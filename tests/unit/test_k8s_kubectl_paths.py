@@ -332,7 +332,7 @@ def test_logs_refusals(kube):
 
 
 def test_follow_reads_each_line_once_across_restarted_streams_until_the_pods_end(kube):
-    first = "[fit-trainer-0-abcde trainer.0] step=1\nsupervisor line\n"
+    first = "supervisor line\n[fit-trainer-0-abcde trainer.0] step=1\n"  # a process line last: read once
     kube.set(pods=[[pod("trainer", 0, RUNNING), pod("trainer", 1, CREATING, phase="Pending")],
                    [pod("trainer", 0, RUNNING), pod("trainer", 1, RUNNING)]],
              objects=[obj("Job", "fit-trainer")],
@@ -350,7 +350,7 @@ def test_follow_reads_each_line_once_across_restarted_streams_until_the_pods_end
 
 
 def test_follow_with_lines_starts_from_the_last_ones(kube):
-    log = "[fit-trainer-0-abcde trainer.0] step=1\n[fit-trainer-0-abcde trainer.0] step=2\nsupervisor line\n"
+    log = "[fit-trainer-0-abcde trainer.0] step=1\nsupervisor line\n[fit-trainer-0-abcde trainer.0] step=2\n"
     kube.set(objects=[obj("Job", "fit-trainer"), pod("trainer", 0, RUNNING)], logs={T0: log},
              follow={T0: [{"out": log + "[fit-trainer-0-abcde trainer.0] step=3\n", "end": 0}]})
     with backend() as b:
