@@ -519,7 +519,7 @@ class KubernetesBackend(Backend):
                     problems.append(str(e))
                     continue
                 out = [ln for ln in text.splitlines() if _own_line(ln, f)]
-                for ln in out[-lines:] if lines is not None else out:
+                for ln in out[len(out) - lines:] if lines is not None else out:  # -n 0: none (out[-0:] is all)
                     on_line(f.name, "out", ln)
             if problems:
                 raise JobError("logs incomplete:\n" + "\n".join(problems))
