@@ -3,7 +3,7 @@ launcher: mpi (MPICH's hydra over the hosts' ssh mesh), alternating, timed; resu
 
 The suite is the test/ directory of the sdist of the mpi4py version on the hosts (``pip download
 --no-binary :all: --no-deps mpi4py==V``), unmodified; mpi4py's own ``-x`` leaves out testDistgraphcomm (it
-hangs in MPICH whenever a rank's peer is on another node) and test_spawn's testNoArgs (its child script
+hangs in MPICH's ch4:ucx whenever a rank's peer is on another node: docs/benchmarks.md, issue 26) and test_spawn's testNoArgs (its child script
 lives in the spawning rank's /tmp, and hydra starts the child on the other host). Each run is
 ``clusterctl dispatch`` then ``clusterctl start --follow`` (timed: start to the job's end); the table gives
 the medians and, per launcher, what unittest said on each rank.
