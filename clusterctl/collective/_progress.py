@@ -42,27 +42,29 @@ class RequestPoller:
         self.what = "idle"
         self.broken: CollectiveError | None = None
         self._ping_buf = np.zeros(2, dtype=np.int64)
-        self._ping_req = ctl.Irecv(self._ping_buf, source=MPI.ANY_SOURCE, tag=TAG_PING)
+        self._serving = True
         self._status = MPI.Status()
         self._replies: list = []          # (request, buffer) of in-flight pong sends
 
     # -- liveness service ------------------------------------------------------------------------
     def _serve(self) -> None:
-        """Answer pending pings (non-blocking); called from every poll loop."""
-        while self._ping_req is not None and self._ping_req.Test(self._status):
+        """Answer pending pings (non-blocking); called from every poll loop.
+
+        A ping is found with ``Iprobe(ANY_SOURCE)`` and received from its sender by rank: no any-source receive
+        is ever posted, because MPICH 5.0.2's ch4:ucx never completes one posted while a message from another
+        node is already in (docs/benchmarks.md, "testDistgraphcomm"): a standing ``Irecv(ANY_SOURCE)`` re-posted
+        after a ping would miss the next one, and a live rank would be named missing."""
+        while self._serving and self.ctl.Iprobe(source=self.MPI.ANY_SOURCE, tag=TAG_PING, status=self._status):
             src = self._status.Get_source()
+            self.ctl.Recv(self._ping_buf, source=src, tag=TAG_PING)
             out = np.array([self.topo.rank, self.seq], dtype=np.int64)
             self._replies.append((self.ctl.Isend(out, dest=src, tag=TAG_PONG), out))
-            self._ping_req = self.ctl.Irecv(self._ping_buf, source=self.MPI.ANY_SOURCE, tag=TAG_PING)
         if self._replies:
             self._replies = [(r, b) for r, b in self._replies if not r.Test()]
 
     def close(self) -> None:
-        """Cancel the standing ping receive (before the communicator is freed)."""
-        if self._ping_req is not None:
-            self._ping_req.Cancel()
-            self._ping_req.Wait()
-            self._ping_req = None
+        """Stop answering pings (before the communicator is freed)."""
+        self._serving = False
 
     # -- waiting ---------------------------------------------------------------------------------
     def check(self) -> None:
