@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     out: Console  # module attributes made on first access by __getattr__ below
     err: Console
 
-__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "write_line", "printable"]
+__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "write_line", "write_text", "printable"]
 
 # `out` and `err` (rich Consoles) are made on first use: rich costs ~0.1 s to import, and a command that
 # only streams lines (`exec`) or fails early never needs it (module __getattr__, PEP 562).
@@ -95,8 +95,13 @@ class LinePrinter:
 def write_line(target, text: str) -> None:
     """Write one line (control characters escaped: see printable); when our reader went away (`| head`),
     drop output instead of failing remote work."""
+    write_text(target, printable(text) + "\n")
+
+
+def write_text(target, text: str) -> None:
+    """Write `text` as it is (already printable) and flush; when our reader went away, drop output (write_line)."""
     try:
-        target.write(printable(text) + "\n")
+        target.write(text)
         target.flush()
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)  # Python's documented recipe for EPIPE on stdout

@@ -21,7 +21,7 @@ def escape(text: str) -> str:
 
 
 def render_status(st) -> None:
-    """clusterctl/commands/render.py's table (rich imported on first use)."""
+    """clusterctl/commands/render.py's table (stdlib only: `status` imports no rich)."""
     from .render import render_status as render
 
     render(st)
