@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     out: Console  # module attributes made on first access by __getattr__ below
     err: Console
 
-__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "write_line", "write_text", "printable"]
+__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "write_line", "write_text", "printable", "use_colour",
+           "paint"]
 
 # `out` and `err` (rich Consoles) are made on first use: rich costs ~0.1 s to import, and a command that
 # only streams lines (`exec`) or fails early never needs it (module __getattr__, PEP 562).
@@ -68,6 +69,29 @@ def printable(text: str) -> str:
     if text.isprintable():  # the common case, at C speed
         return text
     return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in text)
+
+
+_SGR = {"bold": "1", "dim": "2", "italic": "3", "red": "31", "green": "32", "yellow": "33"}
+
+
+def use_colour(stream) -> bool:
+    """Whether `stream` gets ANSI colours: a terminal (or FORCE_COLOR set), not TERM=dumb, and NO_COLOR unset
+    (https://no-color.org: set and not empty)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def paint(text: str, style: str, colour: bool) -> str:
+    """`text` in `style` ("bold red", "green", ...) as ANSI SGR codes when `colour`, else as it is."""
+    if not colour or not style or not text:
+        return text
+    return f"\x1b[{';'.join(_SGR[word] for word in style.split())}m{text}\x1b[0m"
 
 
 def error(message: str) -> None:

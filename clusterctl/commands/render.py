@@ -7,43 +7,20 @@ ANSI codes, used only on a terminal and never when NO_COLOR is set. Every cell a
 
 from __future__ import annotations
 
-import os
 import sys
 
-from ..console import printable, write_text
+from ..console import paint, printable, use_colour, write_text
 from ..host.states import TERMINAL_JOB_STATES, JobState, ProcState
 
-__all__ = ["render_status", "STATE_STYLE", "use_colour", "paint", "table_lines"]
+__all__ = ["render_status", "STATE_STYLE", "table_lines"]
 
 STATE_STYLE = {JobState.RUNNING: "green", JobState.SUCCEEDED: "bold green", ProcState.EXITED: "green",
                JobState.FAILED: "bold red", JobState.LOST: "bold red", JobState.STOPPED: "yellow",
                JobState.NOT_RUNNING: "dim", JobState.RESTARTING: "yellow"}
 
-_SGR = {"bold": "1", "dim": "2", "italic": "3", "red": "31", "green": "32", "yellow": "33"}
-
 # box characters, as rich's HEAVY_HEAD (the other commands' tables) and its ASCII fallback
 _UNICODE = {"top": "┏━┳┓", "head": "┃┃┃", "rule": "┡━╇┩", "row": "│││", "bottom": "└─┴┘"}
 _ASCII = {"top": "+-++", "head": "|||", "rule": "|-+|", "row": "|||", "bottom": "+-++"}
-
-
-def use_colour(stream) -> bool:
-    """Whether `stream` gets ANSI colours: a terminal (or FORCE_COLOR set), not TERM=dumb, and NO_COLOR unset
-    (https://no-color.org: set and not empty)."""
-    if os.environ.get("NO_COLOR"):
-        return False
-    if os.environ.get("FORCE_COLOR"):
-        return True
-    try:
-        return stream.isatty() and os.environ.get("TERM") != "dumb"
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        return False
-
-
-def paint(text: str, style: str, colour: bool) -> str:
-    """`text` in `style` ("bold red", "green", ...) as ANSI SGR codes when `colour`, else as it is."""
-    if not colour or not style or not text:
-        return text
-    return f"\x1b[{';'.join(_SGR[word] for word in style.split())}m{text}\x1b[0m"
 
 
 def _width(text: str) -> int:

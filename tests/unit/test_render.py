@@ -146,10 +146,11 @@ sys.exit(code)
 """
 
 
-def test_the_status_command_imports_no_rich(tmp_path, monkeypatch):
-    """`clusterctl status` of a running job (backend: local, the supervisor a real one), in a process of its own:
-    the table is shown and rich was never imported (issue 23: its import cost more than the rest of the command).
-    sys.modules at the end, not `-X importtime`, which misses what importlib.import_module loads (the plugins)."""
+def test_the_start_and_status_commands_import_no_rich(tmp_path, monkeypatch):
+    """`clusterctl start`, then `clusterctl status` of the running job (backend: local, the supervisor a real one),
+    each in a process of its own: the table is shown and rich was never imported (issue 23: its import cost more
+    than the rest of `status`). sys.modules at the end, not `-X importtime`, which misses what
+    importlib.import_module loads (the plugins)."""
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
@@ -165,19 +166,26 @@ def test_the_status_command_imports_no_rich(tmp_path, monkeypatch):
         "workspace": {"local": str(tmp_path / "ws"), "remote": f"clusterctl-local/{name}"},
         "job": {"entrypoint": ["sleep", "300"], "trainers": 2, "grace": 3,
                 "ports": {"control": base, "master": base + 1, "pserver": base + 2, "trainer": base + 12}}}))
-    assert cli.main(["start", "--dispatch", str(spec)]) == 0
-    try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        res = subprocess.run([sys.executable, "-c", PROBE, "status", str(spec)], capture_output=True, text=True,
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def probe(*argv):
+        res = subprocess.run([sys.executable, "-c", PROBE, *argv, str(spec)], capture_output=True, text=True,
                              env=env, timeout=120)
+        modules = set(res.stderr.rsplit("modules: ", 1)[-1].split())
+        assert "clusterctl.commands.lifecycle" in modules, res.stderr[-3000:]  # the probe sees the command's imports
+        assert not {m for m in modules if m == "rich" or m.startswith("rich.")}, (argv, sorted(modules))
+        return res, modules
+
+    try:
+        res, _ = probe("start", "--dispatch")  # `start` too: its progress lines and the table
+        assert res.returncode == 0 and "started in " in res.stdout and "launching…" in res.stderr, res
+        res, modules = probe("status")
         assert res.returncode == 0, res.stderr[-3000:]
         rows = [[c.strip() for c in line.split("│")[1:-1]] for line in res.stdout.splitlines() if "│" in line]
         assert [(r[0], r[1], r[2], r[4]) for r in rows] == [("localhost", "trainer", "0", "running"),
                                                            ("localhost", "trainer", "1", "running")], res.stdout
         assert res.stdout.startswith(f"job {name}: running\n"), res.stdout
-        modules = set(res.stderr.rsplit("modules: ", 1)[1].split())
-        assert {"clusterctl.commands.lifecycle", "clusterctl.commands.render", "clusterctl.backends.local"} <= modules
-        assert not {m for m in modules if m == "rich" or m.startswith("rich.")}, sorted(modules)
+        assert {"clusterctl.commands.render", "clusterctl.backends.local"} <= modules
     finally:
         assert cli.main(["stop", str(spec)]) == 0
     assert not job_pids(name)
