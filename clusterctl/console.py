@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     out: Console  # module attributes made on first access by __getattr__ below
     err: Console
 
-__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "write_line", "printable"]
+__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "write_line", "write_text", "printable", "use_colour",
+           "paint"]
 
 # `out` and `err` (rich Consoles) are made on first use: rich costs ~0.1 s to import, and a command that
 # only streams lines (`exec`) or fails early never needs it (module __getattr__, PEP 562).
@@ -70,6 +71,29 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in text)
 
 
+_SGR = {"bold": "1", "dim": "2", "italic": "3", "red": "31", "green": "32", "yellow": "33"}
+
+
+def use_colour(stream) -> bool:
+    """Whether `stream` gets ANSI colours: a terminal (or FORCE_COLOR set), not TERM=dumb, and NO_COLOR unset
+    (https://no-color.org: set and not empty)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def paint(text: str, style: str, colour: bool) -> str:
+    """`text` in `style` ("bold red", "green", ...) as ANSI SGR codes when `colour`, else as it is."""
+    if not colour or not style or not text:
+        return text
+    return f"\x1b[{';'.join(_SGR[word] for word in style.split())}m{text}\x1b[0m"
+
+
 def error(message: str) -> None:
     """Print an error message, one `clusterctl: error:` line per line of `message`."""
     from rich.markup import escape
@@ -95,8 +119,13 @@ class LinePrinter:
 def write_line(target, text: str) -> None:
     """Write one line (control characters escaped: see printable); when our reader went away (`| head`),
     drop output instead of failing remote work."""
+    write_text(target, printable(text) + "\n")
+
+
+def write_text(target, text: str) -> None:
+    """Write `text` as it is (already printable) and flush; when our reader went away, drop output (write_line)."""
     try:
-        target.write(printable(text) + "\n")
+        target.write(text)
         target.flush()
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)  # Python's documented recipe for EPIPE on stdout

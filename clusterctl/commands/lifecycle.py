@@ -9,7 +9,7 @@ import sys
 import time
 
 from .. import console
-from ..console import write_line
+from ..console import paint, printable, use_colour, write_line, write_text
 from ..host.states import ACTIVE_JOB_STATES, JobState
 
 
@@ -21,7 +21,7 @@ def escape(text: str) -> str:
 
 
 def render_status(st) -> None:
-    """clusterctl/commands/render.py's table (rich imported on first use)."""
+    """clusterctl/commands/render.py's table (stdlib only: `status` imports no rich)."""
     from .render import render_status as render
 
     render(st)
@@ -45,7 +45,8 @@ def _open(spec):
 
 
 def _say(msg: str) -> None:
-    console.err.print(f"[dim]{escape(msg)}…[/]")
+    """A step of a command, dim on a terminal (no rich: `start` imports none)."""
+    write_text(sys.stderr, paint(printable(msg) + "…", "dim", use_colour(sys.stderr)) + "\n")
 
 
 def render_dispatch(results, seconds: float) -> None:
@@ -136,11 +137,12 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
     with _open(spec) as backend:
         if dispatch_first:
             sent = backend.dispatch(on_progress=_say)
-            console.out.print(f"dispatched: {sum(d.files_sent for d in sent)} file(s), {_human(sum(d.bytes_sent for d in sent))}")
+            write_text(sys.stdout, f"dispatched: {sum(d.files_sent for d in sent)} file(s), "
+                                   f"{_human(sum(d.bytes_sent for d in sent))}\n")
         t0 = time.monotonic()
         try:
             st = backend.start(on_progress=_say)
-            console.out.print(f"started in {time.monotonic() - t0:.1f}s")
+            write_text(sys.stdout, f"started in {time.monotonic() - t0:.1f}s\n")
             render_status(st)
             if not follow:
                 return 0

@@ -17,7 +17,7 @@ from rich.text import Text
 from ..console import out, printable
 from ..errors import ClusterctlError
 from ..progress import STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, metrics_text
-from .render import _styled
+from .render import STATE_STYLE
 from ..ops.top import DEFAULT_INTERVAL, MIN_INTERVAL, HostRow, ProcRow, Snapshot, Top
 
 __all__ = ["add_cli", "render_top", "run_top"]
@@ -49,6 +49,12 @@ def _gpu_text(gpus: list, proc_mib: float | None = None) -> str:
     if proc_mib is not None:
         parts.append(f"own {_gib(proc_mib)}G")
     return ", ".join(parts)
+
+
+def _styled(state: str) -> str:
+    """A job's or process's state in rich markup, coloured as in `clusterctl status` (render.STATE_STYLE)."""
+    style = STATE_STYLE.get(state, "")
+    return f"[{style}]{escape(state)}[/]" if style else escape(state)
 
 
 def _rate(r: ProcRow) -> str:

@@ -1,6 +1,9 @@
-"""What every host command shares: the input error, one JSON object on stdout, timestamped log lines."""
+"""What every host command shares: the input error, one JSON object on stdout, timestamped log lines, and two
+file-system helpers that spare `agent up` (every start, on every host) the imports of tempfile and shutil."""
 
+import errno
 import json
+import os
 import sys
 import time
 
@@ -18,6 +21,41 @@ def emit(obj):
     """Print one JSON object on stdout."""
     sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
     sys.stdout.flush()
+
+
+def private_temp(dirname, prefix):
+    """(fd, path) of a new empty file in `dirname`, mode 0600, created exclusively (never through a link):
+    tempfile.mkstemp's guarantees, without importing tempfile (and with it shutil, random and hashlib)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        path = os.path.join(dirname, prefix + os.urandom(6).hex())
+        try:
+            return os.open(path, flags, 0o600), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unused temporary file name", dirname)
+
+
+def which(name, path):
+    """shutil.which(name, path=path) on POSIX, without importing shutil (its import loads zlib, bz2 and lzma):
+    the executable file `name` (a path when it has a slash, else looked up in `path`), or None."""
+
+    def runnable(fn):
+        return os.path.exists(fn) and os.access(fn, os.F_OK | os.X_OK) and not os.path.isdir(fn)
+
+    if os.path.dirname(name):
+        return name if runnable(name) else None
+    if not path:
+        return None
+    seen = set()
+    for d in os.fsdecode(path).split(os.pathsep):
+        normdir = os.path.normcase(d)
+        if normdir not in seen:
+            seen.add(normdir)
+            candidate = os.path.join(d, name)
+            if runnable(candidate):
+                return candidate
+    return None
 
 
 def log(msg):

@@ -26,7 +26,6 @@ import hmac
 import json
 import os
 import selectors
-import shutil
 import socket
 import threading
 import time
@@ -394,6 +393,8 @@ class ControlServer:
             s = self.sampler
             if args.get("gpu", True):
                 if s.nvidia_smi is None:
+                    import shutil  # only here: its import (zlib, bz2, lzma) is not for every start
+
                     s.nvidia_smi = shutil.which("nvidia-smi") or ""
                 if s.nvidia_smi:
                     if self.gpu is None:

@@ -6,10 +6,9 @@ an error (`StateFileError`), never taken for "never launched".
 
 import json
 import os
-import tempfile
 import time
 
-from .common import InputError, emit, log
+from .common import InputError, emit, log, private_temp
 from .jobfile import JOB_FILE, load_job
 from .procfs import pid_alive
 from .states import TERMINAL_JOB_STATES, JobState, ProcState
@@ -31,7 +30,7 @@ class StateFileError(InputError):
 def write_json_atomic(path, obj):
     """Write JSON to path via a temporary file and os.replace."""
     d = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    fd, tmp = private_temp(d, ".tmp-")
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, sort_keys=True, indent=1)

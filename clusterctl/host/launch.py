@@ -8,7 +8,6 @@ import selectors
 import signal
 import sys
 import time
-import traceback
 
 from .common import InputError, emit, log
 from .jobdir import LOCK_FILE, STATE_FILE, STOP_REQUEST, SUPERVISOR_LOG, read_state_or_none, supervisor_alive
@@ -57,10 +56,11 @@ def _ask_to_go(state, lockfd):
     return _lock(lockfd)
 
 
-def _claim(jobfile):
-    """Load the job file and take its job dir for a new supervisor: (job, jobdir, lock fd), or (job, jobdir,
-    refusal) when a supervisor or a process of the job is still there (the refusal is the JSON reply)."""
-    job = load_job(jobfile)
+def _claim(jobfile, job=None):
+    """Load the job file (unless `job`, the file's content already validated, is given) and take its job dir for a
+    new supervisor: (job, jobdir, lock fd), or (job, jobdir, refusal) when a supervisor or a process of the job
+    is still there (the refusal is the JSON reply)."""
+    job = load_job(jobfile) if job is None else job
     jobdir = os.path.dirname(jobfile)
     try:
         lockfd = os.open(os.path.join(jobdir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
@@ -149,13 +149,14 @@ def _report_lines(rfd, deadline, wait_started):
     return last if isinstance(last, dict) else None
 
 
-def launch_job(path, wait_started=0.0):
+def launch_job(path, wait_started=0.0, job=None):
     """Daemonize a supervisor for the job file at `path`: (exit code, the launch report: ok, pids, error).
 
     A host of a multi-host job reports as soon as its supervisor is armed (listening, or set to join the
     coordinator) with no pids and `armed: true`: its processes start once every host joined. `wait_started`:
-    how long to wait after that for them to start (then the report has their pids)."""
-    job, jobdir, lockfd = _claim(os.path.abspath(path))
+    how long to wait after that for them to start (then the report has their pids). `job`: the job file's
+    content, validated (`agent up` wrote it): not read again."""
+    job, jobdir, lockfd = _claim(os.path.abspath(path), job)
     if isinstance(lockfd, dict):
         return 1, lockfd
     logpath = os.path.join(jobdir, SUPERVISOR_LOG)
@@ -180,6 +181,8 @@ def launch_job(path, wait_started=0.0):
             code = Supervisor(job, jobdir, wfd).run()
         except BaseException:
             try:
+                import traceback
+
                 log("supervisor crashed:\n" + traceback.format_exc())
             except OSError:  # nowhere left to report to; the exit code (70) still says it
                 code = 71

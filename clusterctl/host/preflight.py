@@ -2,12 +2,10 @@
 
 import errno
 import os
-import shutil
 import socket
-import tempfile
 import time
 
-from .common import InputError, emit
+from .common import InputError, emit, private_temp, which
 from .jobfile import format_endpoint, load_job, parse_endpoint
 from .spawn import base_env
 
@@ -44,7 +42,7 @@ def _writable_dir(path):
     if probe != path:
         return None if os.access(probe, os.W_OK | os.X_OK) else "%s is not writable" % probe
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".clusterctl-preflight-", dir=path)
+        fd, tmp = private_temp(path, ".clusterctl-preflight-")
     except OSError as e:
         return "%s is not writable: %s" % (path, e.strerror)
     os.close(fd)
@@ -87,7 +85,7 @@ def preflight(job, jobdir=None):
             elif not os.access(path, os.X_OK):
                 add("entrypoint_not_executable", "%s: %s is not executable" % (name, path), process=name,
                     path=path)
-        elif shutil.which(exe, path=env["PATH"]) is None:
+        elif which(exe, env["PATH"]) is None:
             add("entrypoint_missing", "%s: %s not found in PATH=%s" % (name, exe, env["PATH"]), process=name,
                 path=exe)
         script = _script_arg(p["argv"])

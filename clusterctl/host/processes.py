@@ -5,12 +5,13 @@
 sockets.
 """
 
+from __future__ import annotations  # `X | None` on Python 3.9 hosts; no typing import (every start)
+
 import os
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from .common import log
 from .jobfile import RESTART_ENV, ROLES, parse_endpoint
@@ -35,13 +36,13 @@ class ProcessRow:
     ports: list
     env: dict = field(repr=False)  # the job file's env for it (the host's base env and tags are added)
     log: str = ""
-    pid: Optional[int] = None
-    start_ticks: Optional[int] = None
+    pid: int | None = None
+    start_ticks: int | None = None
     state: str = ProcState.PENDING
-    exit_code: Optional[int] = None
-    started_at: Optional[float] = None
-    ended_at: Optional[float] = None
-    error: Optional[str] = None
+    exit_code: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    error: str | None = None
     signalled: bool = False  # a stop signalled it: its end is `stopped`, not an exit of its own
     logs: list = field(default_factory=list)  # [{"attempt": k, "path": log}] of every attempt so far
 

@@ -10,8 +10,9 @@ carries the answer out (a `Verdict` -> stop the local processes and tell the pee
 The job state on one host moves only along `TRANSITIONS`; `JobCore.move` checks every move.
 """
 
+from __future__ import annotations  # `X | None` on Python 3.9 hosts; no typing import (every start)
+
 from dataclasses import dataclass, field
-from typing import Optional
 
 from .policy import Policy
 from .states import JobState
@@ -70,9 +71,9 @@ class Verdict:
 
     outcome: str
     reason: str
-    failure: Optional[dict] = None
+    failure: dict | None = None
     restart: bool = False
-    grace: Optional[float] = None
+    grace: float | None = None
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,11 @@ class ExitEvent:
 
     role: str
     id: int
-    code: Optional[int]
-    error: Optional[str]
+    code: int | None
+    error: str | None
     host: str
     attempt: int
-    note: Optional[str] = None
+    note: str | None = None
 
     @property
     def key(self):
@@ -127,8 +128,8 @@ class JobCore:
     trainers_total: int
     attempt: int = 0
     state: str = S.STARTING
-    started_at: Optional[float] = None  # wall clock: when the attempt started
-    verdict: Optional[Verdict] = None
+    started_at: float | None = None  # wall clock: when the attempt started
+    verdict: Verdict | None = None
     exits: dict = field(default_factory=dict)  # (role, id) -> ExitEvent, this attempt
     failures: list = field(default_factory=list)  # failure dicts of this attempt, in order
     stop_done: bool = False  # the local processes of this attempt are stopped

@@ -120,7 +120,7 @@ def up(doc, home):
     if problems:
         reply.update(stage="preflight", problems=problems, error="; ".join(p["message"] for p in problems))
         return 1, reply
-    code, report = launch_job(jobfile, wait_started=START_WAIT)
+    code, report = launch_job(jobfile, wait_started=START_WAIT, job=job)
     reply.update(report, stage="launched" if code == 0 else "launch")
     state = read_state_or_none(jobdir)
     if state is not None:

@@ -35,6 +35,12 @@ HOST_PACKAGE = "clusterctl_host"  # the host package's name on hosts: never the 
 # supervisor changes to / after it daemonizes), and replaces the -c entry ('' = the cwd) on sys.path.
 _RUN = ("import os, sys; sys.path[0] = os.path.abspath(sys.argv[1]); "
         f"sys.exit(__import__('{HOST_PACKAGE}.' + sys.argv[2], fromlist=['main']).main(sys.argv[3:]))")
+# The same, ending with os._exit once the tool's output is flushed: no interpreter teardown (freeing every module
+# and object: ~5 ms of the host's CPU, a tenth of `agent up`, the command every start runs on every host). Only
+# for tools that leave no thread, atexit handler or unflushed file behind when main() returns.
+_RUN_QUICK_EXIT = ("import os, sys; sys.path[0] = os.path.abspath(sys.argv[1]); "
+                   f"c = __import__('{HOST_PACKAGE}.' + sys.argv[2], fromlist=['main']).main(sys.argv[3:]); "
+                   "sys.stdout.flush(); sys.stderr.flush(); os._exit(c or 0)")
 
 _INSTALL = """\
 import hashlib, json, os, shutil, sys, tempfile, zlib
@@ -90,9 +96,10 @@ def tool_path(module: str) -> str:
     return f"{package_dir()}/{HOST_PACKAGE}/{module}.py"
 
 
-def tool_argv(module: str, args: list[str]) -> list[str]:
-    """The argv that runs host tool `module` (agent, hostws) with `args` on a host where the package is installed."""
-    return ["python3", "-S", "-E", "-c", _RUN, package_dir(), module, *args]
+def tool_argv(module: str, args: list[str], *, quick_exit: bool = False) -> list[str]:
+    """The argv that runs host tool `module` (agent, hostws) with `args` on a host where the package is installed;
+    `quick_exit`: skip the interpreter's teardown once main() returned (see _RUN_QUICK_EXIT)."""
+    return ["python3", "-S", "-E", "-c", _RUN_QUICK_EXIT if quick_exit else _RUN, package_dir(), module, *args]
 
 
 @functools.cache

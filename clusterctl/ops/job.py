@@ -219,7 +219,8 @@ def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | No
 
 
 def _up_command() -> str:
-    return f"{{ test -d {quote(package_dir())} || exit {NEEDS_PACKAGE}; }} && {_agent_cmd('up')}"
+    up = join(tool_argv("agent", ["up"], quick_exit=True))  # it leaves no thread: the supervisor is a forked daemon
+    return f"{{ test -d {quote(package_dir())} || exit {NEEDS_PACKAGE}; }} && {up}"
 
 
 def _up_docs(plan: JobPlan, token: str) -> dict[Host, bytes]:

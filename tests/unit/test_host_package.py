@@ -215,3 +215,83 @@ def test_ensure_tools_then_the_workspace_tool(tmp_path):
     assert paths == {"agent": hosttools.tool_path("agent"), "hostws": hosttools.tool_path("hostws")}
     for host in hosts:
         assert out[host].reply() == {"gen": None, "drift": [{"path": "", "problem": "never dispatched"}]}
+
+
+# ------------------------------------------------------------------ what `agent up` costs a host (issue 23)
+
+UP_PROBE = """\
+import sys
+sys.path[0] = sys.argv[1]
+from clusterctl.host import agent
+code = agent.main(["up"])
+sys.stderr.write("modules: " + " ".join(sorted(sys.modules)) + "\\n")
+sys.exit(code)
+"""
+
+
+def test_agent_up_imports_what_the_supervisor_needs_and_no_more(cluster):
+    """`agent up` (every start, on every host) as the controller runs it (python3 -S -E, the document on stdin)
+    launches the job without argparse (and gettext), shutil, tempfile, traceback or typing: together ~10 ms of
+    the host's CPU, a sixth of the command. The modules are read back after the reply."""
+    job_id = cluster.new_job_id("up")
+    jobdir = cluster.host("h0", job_id, [cluster.process("trainer", 0, "sleep")],
+                          coordinator=coordinator(free_port(), True, 1, 1))
+    doc = {"job": json.loads((Path(jobdir) / "job.json").read_text()), "jobdir": jobdir}
+    res = subprocess.run([PY, "-S", "-E", "-c", UP_PROBE, str(HOST.parent.parent)], input=json.dumps(doc).encode(),
+                         capture_output=True, timeout=60)
+    reply = json.loads(res.stdout.decode().strip().splitlines()[-1])
+    assert res.returncode == 0 and (reply["ok"], reply["stage"]) == (True, "launched"), (reply, res.stderr[-2000:])
+    assert reply["status"]["processes"][0]["state"] in ("running", "pending"), reply
+    modules = set(res.stderr.decode().rsplit("modules: ", 1)[1].split())
+    assert {"clusterctl.host.up", "clusterctl.host.preflight", "clusterctl.host.supervisor"} <= modules
+    assert not {"argparse", "gettext", "shutil", "tempfile", "traceback", "typing"} & modules, sorted(modules)
+
+
+def test_which_is_shutil_which(tmp_path, monkeypatch):
+    """preflight's entrypoint lookup (common.which, no shutil import) answers as shutil.which(name, path=...)."""
+    import os
+    import shutil
+
+    from clusterctl.host.common import which
+
+    for name, mode in (("tool", 0o755), ("plain", 0o644), ("both", 0o755)):
+        (tmp_path / "a").mkdir(exist_ok=True)
+        (tmp_path / "a" / name).write_text("#!/bin/sh\n")
+        (tmp_path / "a" / name).chmod(mode)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "both").write_text("#!/bin/sh\n")
+    (tmp_path / "b" / "both").chmod(0o755)
+    (tmp_path / "b" / "adir").mkdir()
+    (tmp_path / "b" / "rel").write_text("#!/bin/sh\n")
+    (tmp_path / "b" / "rel").chmod(0o755)
+    monkeypatch.chdir(tmp_path / "b")
+    paths = [f"{tmp_path}/a:{tmp_path}/b", f"{tmp_path}/b:{tmp_path}/a", f"{tmp_path}/nowhere", "", ":", "/usr/bin:/bin"]
+    names = ["tool", "plain", "both", "adir", "missing", "sh", f"{tmp_path}/a/tool", f"{tmp_path}/a/plain", "./rel",
+             "rel", f"{tmp_path}/b/adir"]
+    for path in paths:
+        for name in names:
+            assert which(name, path) == shutil.which(name, path=path), (name, path)
+    assert which("both", f"{tmp_path}/b:{tmp_path}/a") == f"{tmp_path}/b/both"
+    assert which("rel", ":") == "rel" and os.access("rel", os.X_OK)  # an empty PATH entry: the working directory
+
+
+def test_private_temp_is_a_new_0600_file_never_through_a_link(tmp_path):
+    """The job dir's temporary files (state.json's atomic writes, preflight's probe): tempfile.mkstemp's promises."""
+    import os
+    import stat
+
+    from clusterctl.host.common import private_temp
+
+    made = [private_temp(str(tmp_path), ".tmp-") for _ in range(50)]
+    assert len({path for _, path in made}) == 50
+    for fd, path in made:
+        st = os.fstat(fd)
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 0 and os.path.basename(path).startswith(".tmp-")
+        assert os.path.samestat(st, os.stat(path))
+        os.close(fd)
+    target = tmp_path / "target"
+    os.symlink(target, tmp_path / ".tmp-link")
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    with pytest.raises(FileExistsError):  # what private_temp opens with: an existing name (a link too) is refused
+        os.open(str(tmp_path / ".tmp-link"), flags, 0o600)
+    assert not target.exists()

@@ -93,29 +93,27 @@ def test_a_snapshot_has_every_process_its_resources_progress_and_the_straggler(r
     assert "host total" in text and f"job {c.name}: running" in text
 
 
-def test_status_shows_each_trainers_step_and_rate(running):
+def test_status_shows_each_trainers_step_and_rate(running, capsys):
     c, s = running
     st = wait_until(lambda: (x := status(s)) and all(p.progress and p.progress["rate"] for p in x.processes) and x,
                     timeout=30, interval=0.3)
     assert all(p.progress["step"] >= 0 and "slices" not in p.progress for p in st.processes)
     assert st.stragglers == []  # the default window (a minute) has not passed
     assert st.to_json()["processes"][0]["progress"]["metrics"]["loss"] > 0
-    with out.capture() as cap:
-        render_status(st)
-    header = next(line for line in cap.get().splitlines() if "host" in line and "role" in line)
+    render_status(st)
+    header = next(line for line in capsys.readouterr().out.splitlines() if "host" in line and "role" in line)
     assert header.split("┃")[1:-1] and [c.strip() for c in header.split("┃")[1:-1]] == [
         "host", "role", "id", "pid", "state", "exit", "uptime", "step", "steps/s"]
 
 
-def test_status_names_a_straggler():
+def test_status_names_a_straggler(capsys):
     st = JobStatus("j", "running", processes=[
         ProcessStatus("n0", "trainer", 0, 11, "running", None, 5.0, None, {"step": 90, "rate": 9.5, "done": False}),
         ProcessStatus("n1", "trainer", 1, 12, "running", None, 5.0, None, {"step": 30, "rate": 3.1, "done": False}),
         ProcessStatus("n1", "pserver", 0, 13, "running", None, 5.0)],
         stragglers=[{"host": "n1", "process": "trainer.1", "rate": 3.1, "median": 9.4, "ratio": 0.33}])
-    with out.capture() as cap:
-        render_status(st)
-    text = cap.get()
+    render_status(st)
+    text = capsys.readouterr().out
     assert "straggler: trainer.1 on n1: 3.1 steps/s, 33% of the median 9.4" in text
     assert re.search(r"n1 .* trainer .* 1 .* 12 .* running .* 30 .* 3\.1 straggler", text)
     assert st.to_json()["stragglers"] == [{"host": "n1", "process": "trainer.1", "rate": 3.1, "median": 9.4, "ratio": 0.33}]
