@@ -8,16 +8,8 @@ import signal
 import sys
 import time
 
-from .. import console
 from ..console import paint, printable, use_colour, write_line, write_text
 from ..host.states import ACTIVE_JOB_STATES, JobState
-
-
-def escape(text: str) -> str:
-    """rich's markup escape, rich imported on first use (`status --json` needs none of it)."""
-    from rich.markup import escape as rich_escape
-
-    return rich_escape(text)
 
 
 def render_status(st) -> None:
@@ -49,16 +41,19 @@ def _say(msg: str) -> None:
     write_text(sys.stderr, paint(printable(msg) + "…", "dim", use_colour(sys.stderr)) + "\n")
 
 
-def render_dispatch(results, seconds: float) -> None:
-    """What each host received: one row per host."""
-    from rich.table import Table
+def render_dispatch(results, seconds: float, file=None) -> None:
+    """What each host received: one row per host (stdlib only: `dispatch` imports no rich)."""
+    from .render import table_lines
 
-    table = Table(title=f"dispatch ({seconds:.1f}s)", title_justify="left")
-    for col in ("host", "files sent", "bytes sent", "deleted", "generation"):
-        table.add_column(col)
-    for r in results:
-        table.add_row(escape(r.host.label), str(r.files_sent), _human(r.bytes_sent), str(r.deleted), r.generation)
-    console.out.print(table)
+    file = sys.stdout if file is None else file
+    encoding = (getattr(file, "encoding", None) or "utf-8").lower().replace("-", "")
+    rows = [[(r.host.label, ""), (str(r.files_sent), ""), (_human(r.bytes_sent), ""), (str(r.deleted), ""),
+             (r.generation, "")] for r in results]
+    lines = [paint(f"dispatch ({seconds:.1f}s)", "italic", use_colour(file))]
+    lines += table_lines(["host", "files sent", "bytes sent", "deleted", "generation"], rows,
+                         right=frozenset({"files sent", "bytes sent", "deleted"}), colour=use_colour(file),
+                         unicode=encoding.startswith("utf"))
+    write_text(file, "".join(line + "\n" for line in lines))
 
 
 def cmd_dispatch(args: argparse.Namespace) -> int:
@@ -87,15 +82,17 @@ def run_status(spec, *, as_json: bool = False) -> int:
 
 
 def render_stop(report) -> None:
-    """One line: stopped where, how many processes killed; or not running."""
-    where = f" ({escape(report.detail)})" if report.detail else ""
+    """One line: stopped where, how many processes killed; or not running (stdlib only, as `status`)."""
+    where = f" ({printable(report.detail)})" if report.detail else ""
     if report.was_running:
         killed = f", {report.killed} process(es) killed" if report.killed else ""
-        console.out.print(f"job {escape(report.job)} stopped on {report.hosts} host(s){where}{killed}")
+        write_text(sys.stdout, f"job {printable(report.job)} stopped on {report.hosts} host(s){where}{killed}\n")
     else:
-        console.out.print(f"job {escape(report.job)} is not running{where}")
+        write_text(sys.stdout, f"job {printable(report.job)} is not running{where}\n")
+    colour = use_colour(sys.stderr)
     for host, pids in report.left.items():
-        console.err.print(f"[red]{escape(host)}: processes of the job still alive: {escape(str(pids))}[/]")
+        write_text(sys.stderr, paint(f"{printable(host)}: processes of the job still alive: {printable(str(pids))}",
+                                     "red", colour) + "\n")
 
 
 def run_stop(spec) -> int:
@@ -118,7 +115,7 @@ def _stop_after_interrupt(backend) -> int:
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not abort the cleanup
     try:
-        console.err.print("[yellow]interrupted: stopping the job…[/]")
+        write_text(sys.stderr, paint("interrupted: stopping the job…", "yellow", use_colour(sys.stderr)) + "\n")
         backend.close()  # ends the follow channels, which hold the worker threads
         with open_backend(backend.spec) as fresh:
             fresh.stop()

@@ -146,8 +146,8 @@ sys.exit(code)
 """
 
 
-def test_the_start_and_status_commands_import_no_rich(tmp_path, monkeypatch):
-    """`clusterctl start`, then `clusterctl status` of the running job (backend: local, the supervisor a real one),
+def test_the_lifecycle_commands_import_no_rich(tmp_path, monkeypatch):
+    """`clusterctl start`, then `clusterctl status` of the running job, `dispatch` and `stop` (backend: local, the supervisor a real one),
     each in a process of its own: the table is shown and rich was never imported (issue 23: its import cost more
     than the rest of `status`). sys.modules at the end, not `-X importtime`, which misses what
     importlib.import_module loads (the plugins)."""
@@ -186,6 +186,14 @@ def test_the_start_and_status_commands_import_no_rich(tmp_path, monkeypatch):
                                                            ("localhost", "trainer", "1", "running")], res.stdout
         assert res.stdout.startswith(f"job {name}: running\n"), res.stdout
         assert {"clusterctl.commands.render", "clusterctl.backends.local"} <= modules
+        res, _ = probe("dispatch")  # nothing changed since the start's dispatch: a row that says so
+        rows = [[c.strip() for c in line.split("│")[1:-1]] for line in res.stdout.splitlines() if "│" in line]
+        assert res.returncode == 0 and res.stdout.startswith("dispatch ("), res
+        head = [c.strip() for c in res.stdout.splitlines()[2].split("┃")[1:-1]]
+        assert head == ["host", "files sent", "bytes sent", "deleted", "generation"], res.stdout
+        assert [r[:2] for r in rows] == [["localhost", "0"]], res.stdout
+        res, _ = probe("stop")
+        assert res.returncode == 0 and res.stdout == f"job {name} stopped on 1 host(s), 2 process(es) killed\n", res
     finally:
         assert cli.main(["stop", str(spec)]) == 0
     assert not job_pids(name)
