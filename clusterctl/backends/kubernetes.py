@@ -4,7 +4,7 @@
 job's template in a ConfigMap, a headless Service, the Jobs) with ``kubectl create``; every pod's main process
 is clusterctl/host/pod.py, which builds the pod's job file and runs the supervisor in the foreground, so the
 guarantees (the token, restarts, fail-fast, attempt logs, the sweep) are the supervisor's, as over SSH.
-`status` reads the pods (``kubectl get``) and asks each running pod's supervisor (``kubectl exec ... agent
+`status` reads the Jobs and pods (one ``kubectl get``) and asks each running pod's supervisor (``kubectl exec ... agent
 status``); a pod that ended left its supervisor's last status in its termination message. `logs` reads
 ``kubectl logs``, where each pod's main process writes every attempt's lines prefixed ``[pod role.id]``.
 `stop` asks each running pod's supervisor to stop (``agent stop``: the exact report, the sweep in the
