@@ -4,7 +4,7 @@
 job's template in a ConfigMap, a headless Service, the Jobs) with ``kubectl create``; every pod's main process
 is clusterctl/host/pod.py, which builds the pod's job file and runs the supervisor in the foreground, so the
 guarantees (the token, restarts, fail-fast, attempt logs, the sweep) are the supervisor's, as over SSH.
-`status` reads the pods (``kubectl get``) and asks each running pod's supervisor (``kubectl exec ... agent
+`status` reads the Jobs and pods (one ``kubectl get``) and asks each running pod's supervisor (``kubectl exec ... agent
 status``); a pod that ended left its supervisor's last status in its termination message. `logs` reads
 ``kubectl logs``, where each pod's main process writes every attempt's lines prefixed ``[pod role.id]``.
 `stop` asks each running pod's supervisor to stop (``agent stop``: the exact report, the sweep in the
@@ -205,6 +205,98 @@ def _newest(pods: list[dict]) -> dict[tuple[str, int], tuple[PodFacts, dict]]:
     return out
 
 
+# --------------------------------------------------------------------------------------------- jobs
+
+
+def _text(value, limit: int) -> str:
+    """Text from the cluster made safe to show: one line, control characters escaped, at most `limit` characters."""
+    from ..console import printable
+
+    text = printable(" ".join(str(value).split())) if value is not None else ""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _indexes(value, count: int) -> frozenset[int]:
+    """The indexes below `count` in a Job's `completedIndexes`/`failedIndexes` ("0,2-4"); anything else: none."""
+    out: set[int] = set()
+    for part in (value if isinstance(value, str) else "")[:65536].split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not (lo.isascii() and lo.isdigit()) or (hi and not (hi.isascii() and hi.isdigit())):
+            continue
+        out.update(range(int(lo), min(int(hi or lo), count - 1) + 1))
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What a (role's Indexed) Job object says, for the processes whose pods are gone."""
+
+    name: str
+    role: str
+    done: str | None  # "Complete" or "Failed" (its condition of that type is "True"); None: not finished
+    condition: str = ""  # that condition, printable: "Failed (FailedIndexes: Job has failed indexes) at T"
+    completed: frozenset[int] = frozenset()  # status.completedIndexes
+    failed: frozenset[int] = frozenset()  # status.failedIndexes
+    counts: str = ""  # "2 succeeded, 1 failed" (status.succeeded / status.failed)
+
+    def outcome(self, i: int) -> tuple[str, str] | None:
+        """Process `i` of a pod that is gone: (JobState.SUCCEEDED or FAILED, what says so), or None: not known
+        to have ended (a pod not created yet, or one deleted while the Job runs on)."""
+        if i in self.failed:
+            state, bits = JobState.FAILED, [f"index {i} failed"]
+        elif i in self.completed:
+            state, bits = JobState.SUCCEEDED, [f"index {i} completed"]
+        elif self.done == "Complete":  # every index completed
+            state, bits = JobState.SUCCEEDED, []
+        elif self.done == "Failed":  # ended without index i completed (failed, or never run: a deadline)
+            state, bits = JobState.FAILED, []
+        else:
+            return None
+        return state, f"pod gone; Job {self.name}: " + ", ".join(bits + ([self.condition] if self.done else []))
+
+    def summary(self) -> str:
+        """The Job's verdict for the job's reason: its condition and counts."""
+        what = ", ".join(w for w in (self.condition, self.counts) if w)
+        return f"pods gone; Job {self.name}: {what}"
+
+
+def job_facts(job: dict, expected: dict[str, int]) -> JobFacts | None:
+    """The facts of one Job object of `kubectl get jobs -o json` (None: not a role's Job); expected: role -> its
+    number of processes (indexes)."""
+    from ..k8s import LABEL_ROLE
+
+    meta = job.get("metadata") if isinstance(job.get("metadata"), dict) else {}
+    role = (meta.get("labels") or {}).get(LABEL_ROLE) if isinstance(meta.get("labels"), dict) else None
+    if job.get("kind") != "Job" or role not in ("pserver", "trainer"):
+        return None
+    status = job.get("status") if isinstance(job.get("status"), dict) else {}
+    done, condition = None, ""
+    for c in status.get("conditions") if isinstance(status.get("conditions"), list) else []:
+        if isinstance(c, dict) and c.get("type") in ("Failed", "Complete") and c.get("status") == "True":
+            done = c["type"]
+            why = ": ".join(t for t in (_text(c.get("reason"), 64), _text(c.get("message"), 200)) if t)
+            when = _text(status.get("completionTime") if done == "Complete" else None, 40) or _text(
+                c.get("lastTransitionTime"), 40)
+            condition = done + (f" ({why})" if why else "") + (f" at {when}" if when else "")
+            if done == "Failed":
+                break
+    counts = ", ".join(f"{n} {what}" for what in ("succeeded", "failed")
+                       if isinstance(n := status.get(what), int) and not isinstance(n, bool) and n > 0)
+    return JobFacts(_text(meta.get("name"), 80) or f"?-{role}", role, done, condition,
+                    _indexes(status.get("completedIndexes"), expected.get(role, 0)),
+                    _indexes(status.get("failedIndexes"), expected.get(role, 0)), counts)
+
+
+def _jobs_by_role(jobs: list[dict], expected: dict[str, int]) -> dict[str, JobFacts]:
+    """The facts of each role's Job (one a role: its name is `<name>-<role>`)."""
+    out: dict[str, JobFacts] = {}
+    for job in jobs:
+        facts = job_facts(job, expected)
+        if facts is not None:
+            out[facts.role] = facts
+    return out
+
+
 def _parse_reply(text: bytes | str) -> dict | None:
     """The agent's JSON object: its last line that is one (what a pod prints before it is skipped)."""
     if isinstance(text, bytes):
@@ -232,16 +324,21 @@ def _ended_view(f: PodFacts) -> dict:
     return {"state": JobState.FAILED, "reason": f"pod {f.name}{code} ({why})", "processes": []}
 
 
-def fold_status(job: str, expected: dict[str, int], jobs_exist: bool, pods: list[dict],
+def fold_status(job: str, expected: dict[str, int], jobs: list[dict], pods: list[dict],
                 replies: dict[str, tuple[dict | None, str | None]]) -> JobStatus:
-    """The job's JobStatus from its pods and the running pods' supervisors' replies (pure).
+    """The job's JobStatus from its Jobs, its pods and the running pods' supervisors' replies (pure).
 
-    expected: role -> number of pods; replies: pod name -> (agent status reply, or None and why not).
+    expected: role -> number of pods; replies: pod name -> (agent status reply, or None and why not). A process
+    without a pod is what its Job says of its index (completed, failed: the pod is gone) or, when the Job says
+    nothing of it, pending ("no pod yet").
     """
     S = JobState
     seen = _newest(pods)
+    jobs_exist = bool(jobs)
     if not seen and not jobs_exist:
         return JobStatus(job, S.NOT_RUNNING, None, backend="kubernetes")
+    by_role = _jobs_by_role(jobs, expected)
+    gone: list[str] = []  # the verdicts of the Jobs whose pods are gone
     procs: list[ProcessStatus] = []
     host_states: list[str] = []
     unreachable: dict[str, str] = {}
@@ -252,6 +349,15 @@ def fold_status(job: str, expected: dict[str, int], jobs_exist: bool, pods: list
     for role in ("pserver", "trainer"):
         for i in range(expected.get(role, 0)):
             got = seen.get((role, i))
+            outcome = by_role[role].outcome(i) if got is None and role in by_role else None
+            if outcome is not None:  # the Job ended (or says how index i did) and the pod is gone
+                state, note = outcome
+                host_states.append(state)
+                done = ProcState.EXITED if state == S.SUCCEEDED else ProcState.FAILED
+                procs.append(ProcessStatus("-", role, i, None, done, None, None, note))
+                verdict = by_role[role].summary() if by_role[role].done else note
+                (reasons if state == S.FAILED else gone).append(verdict)
+                continue
             if got is None:
                 host_states.append(S.STARTING if jobs_exist else S.UNKNOWN)
                 procs.append(ProcessStatus("-", role, i, None, ProcState.PENDING if jobs_exist else ProcState.NOT_STARTED,
@@ -306,7 +412,8 @@ def fold_status(job: str, expected: dict[str, int], jobs_exist: bool, pods: list
     state = overall_state(host_states)
     # the coordinator's verdict names the cause; the other pods repeat it
     reason = coordinator_reason or "; ".join(dict.fromkeys(reasons)) or (
-        "unreachable: " + ", ".join(unreachable) if unreachable else None)
+        "unreachable: " + ", ".join(unreachable) if unreachable else None) or (
+        "; ".join(dict.fromkeys(gone)) if gone and state == S.SUCCEEDED else None)
     attempts = [{k: a.get(k) for k in ("attempt", "outcome", "reason", "started_at", "ended_at")}
                 for a in best[2] if isinstance(a, dict)]
     return JobStatus(job, state, reason, procs, unreachable, best[0], restarts, attempts, backend="kubernetes")
@@ -411,9 +518,11 @@ class KubernetesBackend(Backend):
         with ThreadPoolExecutor(max_workers=min(EXEC_PARALLEL, len(pods))) as pool:
             return dict(pool.map(one, pods))
 
-    def _snapshot(self) -> tuple[bool, list[dict]]:
+    def _snapshot(self) -> tuple[list[dict], list[dict]]:
+        """The job's Jobs and pods, in one `kubectl get` (the Jobs' status says how the processes whose pods are
+        gone ended)."""
         items = self.kubectl.get("jobs,pods", self.selector)
-        return any(i.get("kind") == "Job" for i in items), [i for i in items if i.get("kind") == "Pod"]
+        return [i for i in items if i.get("kind") == "Job"], [i for i in items if i.get("kind") == "Pod"]
 
     # -- operations -------------------------------------------------------------------------------
 
@@ -428,12 +537,12 @@ class KubernetesBackend(Backend):
 
     def status(self) -> JobStatus:
         """The pods' state, and each running pod's supervisor's view, folded into one JobStatus."""
-        jobs_exist, pods = self._snapshot()
+        jobs, pods = self._snapshot()
         running = [f for f, _ in _newest(pods).values() if f.phase == "running"]
         replies = self._ask(running, self._agent("status", self._jobdir()), KUBECTL_TIMEOUT)
         if any(data is None for data, _ in replies.values()):  # a pod may have ended since `get`: look again
-            jobs_exist, pods = self._snapshot()
-        return fold_status(self.plan.job, self._expected(), jobs_exist, pods, replies)
+            jobs, pods = self._snapshot()
+        return fold_status(self.plan.job, self._expected(), jobs, pods, replies)
 
     def start(self, *, on_progress: Progress | None = None) -> JobStatus:
         """Create the job's objects; wait (at most kubernetes.wait_timeout) until every pod's supervisor runs."""
@@ -498,8 +607,8 @@ class KubernetesBackend(Backend):
         if not wanted:
             what = " ".join(f"{k}={v}" for k, v in (("role", role), ("id", id)) if v is not None)
             raise JobError(f"no process of job {self.plan.job} matches {what}")
-        jobs_exist, pods = self._snapshot()
-        if not pods and not jobs_exist:
+        jobs, pods = self._snapshot()
+        if not pods and not jobs:
             raise JobError(f"job {self.plan.job} has no pods in namespace {self.spec.kubernetes.namespace} "
                            "(never started, or stopped: a stop deletes the pods and their logs)")
 
@@ -507,8 +616,15 @@ class KubernetesBackend(Backend):
             return [f for key, (f, _) in sorted(seen.items(), key=lambda kv: (kv[0][0] != "pserver", kv[0][1]))
                     if key in wanted and host in (None, f.name, f"{f.name.rsplit('-', 1)[0]}")]
 
+        def gone(seen, jobs) -> dict[tuple[str, int], str]:
+            """The wanted processes whose pods are gone after their Job said how they ended: why, each."""
+            by_role = _jobs_by_role(jobs, self._expected())
+            return {(r, i): out[1] for r, i in wanted if (r, i) not in seen and r in by_role
+                    and (out := by_role[r].outcome(i)) is not None}
+
         if not follow:
-            problems = []
+            problems = [f"{r}.{i}: {note} (its log went with the pod)" for (r, i), note in gone(_newest(pods), jobs).items()
+                        if host is None]
             for f in selected(_newest(pods)):
                 if f.phase == "waiting":
                     problems.append(f"{f.name}: not started ({f.waiting or 'pending'})")
@@ -524,9 +640,13 @@ class KubernetesBackend(Backend):
             if problems:
                 raise JobError("logs incomplete:\n" + "\n".join(problems))
             return 0
-        return self._follow(on_line, selected, lines)
+        # nothing left to wait for: every wanted process without a pod is one whose Job says it ended (pod gone)
+        def settled(seen, jobs) -> bool:
+            return len(gone(seen, jobs)) == sum(1 for key in wanted if key not in seen)
 
-    def _follow(self, on_line: LineCallback, selected, lines: int | None) -> int:
+        return self._follow(on_line, selected, lines, settled)
+
+    def _follow(self, on_line: LineCallback, selected, lines: int | None, settled) -> int:
         """One thread per pod once its container runs; until every selected pod ended (or the job is gone)."""
         lock = threading.Lock()
         threads: dict[str, threading.Thread] = {}
@@ -574,7 +694,7 @@ class KubernetesBackend(Backend):
                 time.sleep(FOLLOW_POLL_S)  # the stream ended while the container runs: follow it again
 
         while True:
-            jobs_exist, pods = self._snapshot()
+            jobs, pods = self._snapshot()
             seen = _newest(pods)
             targets = selected(seen)
             for f in targets:
@@ -584,7 +704,7 @@ class KubernetesBackend(Backend):
                     t.start()
             waiting = [f for f in targets if f.name not in threads and f.phase == "waiting"]
             if not waiting and all(not t.is_alive() for t in threads.values()):
-                if threads or not jobs_exist:
+                if threads or not jobs or settled(seen, jobs):
                     break
             time.sleep(FOLLOW_POLL_S)
         if errors:
@@ -610,15 +730,22 @@ class KubernetesBackend(Backend):
         from ..ops.top import TopAnswer, answer_of
 
         try:
-            jobs_exist, items = pods.get()
+            jobs, items = pods.get()
         except KubectlError as e:
             return {f"{object_name(self.spec)}-{role}-{i}": TopAnswer(time.monotonic(), "unreachable", error=str(e))}
         got = _newest(items).get((role, i))
         now = time.monotonic()
+        job = _jobs_by_role(jobs, self._expected()).get(role)
+        outcome = job.outcome(i) if got is None and job is not None else None
+        if outcome is not None:  # the pod is gone, its Job says how it ended: a row of the process, no figures
+            state, note = outcome
+            done = ProcState.EXITED if state == JobState.SUCCEEDED else ProcState.FAILED
+            return {f"{object_name(self.spec)}-{role}-{i}": TopAnswer(now, "ok", {
+                "state": state, "top_error": note, "processes": [{"role": role, "id": i, "state": done}]})}
         if got is None:
             return {f"{object_name(self.spec)}-{role}-{i}": TopAnswer(
-                now, "waiting" if jobs_exist else "no job", error="no pod yet" if jobs_exist else "no pod",
-                state=JobState.STARTING if jobs_exist else JobState.NOT_RUNNING)}
+                now, "waiting" if jobs else "no job", error="no pod yet" if jobs else "no pod",
+                state=JobState.STARTING if jobs else JobState.NOT_RUNNING)}
         f = got[0]
         if f.phase == "waiting":
             why = f"{f.waiting or 'pending'}: {f.message}".strip(": ")

@@ -254,17 +254,20 @@ def _reply(state, procs, **kw):
 
 
 RUNNING = {"running": {"startedAt": "x"}}
+# the job's Jobs, running (no condition): a process without a pod has none yet
+JOBS = [{"kind": "Job", "metadata": {"name": f"j-{r}", "labels": {k8s.LABEL_JOB: "j", k8s.LABEL_ROLE: r}},
+         "status": {"active": 1}} for r in ("pserver", "trainer")]
 
 
 def test_no_objects_is_not_running():
-    st = fold_status("j", {"trainer": 2}, False, [], {})
+    st = fold_status("j", {"trainer": 2}, [], [], {})
     assert (st.state, st.processes, st.backend) == ("not running", [], "kubernetes")
 
 
 def test_pods_waiting_to_start_are_pending_and_an_image_error_is_the_reason():
     pods = [_pod("trainer", 0, phase="Pending", state={"waiting": {"reason": "ContainerCreating"}}),
             _pod("trainer", 1, phase="Pending", init={"waiting": {"reason": "ErrImagePull", "message": "no such image"}})]
-    st = fold_status("j", {"trainer": 3}, True, pods, {})
+    st = fold_status("j", {"trainer": 3}, JOBS, pods, {})
     assert st.state == "running"
     assert [(p.host, p.state, p.error) for p in st.processes] == [
         ("j-trainer-0-abcde", "pending", None), ("j-trainer-1-abcde", "pending", "ErrImagePull: no such image"),
@@ -281,14 +284,14 @@ def test_running_pods_are_their_supervisors_replies():
                                                 "code 3", "started_at": 1, "ended_at": 2}]), None),
         "j-trainer-1-abcde": (None, "kubectl exec j-trainer-1-abcde -c trainer: error: connection refused"),
     }
-    st = fold_status("j", {"pserver": 1, "trainer": 2}, True, pods, replies)
+    st = fold_status("j", {"pserver": 1, "trainer": 2}, JOBS, pods, replies)
     assert st.state == "lost"  # a pod that does not answer while it runs: as an unreachable host over SSH
     assert st.unreachable == {"j-trainer-1-abcde": "kubectl exec j-trainer-1-abcde -c trainer: error: connection refused"}
     assert (st.attempt, st.restarts, st.attempts[0]["outcome"]) == (1, 2, "failed")
     assert [(p.role, p.id, p.pid, p.state) for p in st.processes] == [
         ("pserver", 0, 7, "running"), ("trainer", 0, 8, "stopped"), ("trainer", 1, None, "running")]
     replies["j-trainer-1-abcde"] = ({"ok": False, "state": "unknown", "error": "no job state"}, None)
-    assert fold_status("j", {"pserver": 1, "trainer": 2}, True, pods, replies).state == "running"
+    assert fold_status("j", {"pserver": 1, "trainer": 2}, JOBS, pods, replies).state == "running"
 
 
 def test_pods_that_ended_are_their_termination_messages():
@@ -302,14 +305,14 @@ def test_pods_that_ended_are_their_termination_messages():
                  message=msg("failed", why, [("trainer", 0, 6, "stopped", -15)])),
             _pod("trainer", 1, phase="Failed", state={"terminated": {"exitCode": 1}},
                  message=msg("failed", why, [("trainer", 1, 6, "failed", 3)]))]
-    st = fold_status("j", {"pserver": 1, "trainer": 2}, True, pods, {})
+    st = fold_status("j", {"pserver": 1, "trainer": 2}, JOBS, pods, {})
     assert st.state == "failed" and st.reason == f"j-trainer-0-abcde: {why}"  # the coordinator's, once
     assert [(p.role, p.id, p.state, p.exit_code) for p in st.processes] == [
         ("pserver", 0, "stopped", -15), ("trainer", 0, "stopped", -15), ("trainer", 1, "failed", 3)]
     # no message (a container killed before it wrote one): the exit code says what it can
     pods = [_pod("trainer", 0, phase="Succeeded", state={"terminated": {"exitCode": 0, "reason": "Completed"}}),
             _pod("trainer", 1, phase="Failed", state={"terminated": {"exitCode": 137, "reason": "OOMKilled"}})]
-    st = fold_status("j", {"trainer": 2}, True, pods, {})
+    st = fold_status("j", {"trainer": 2}, JOBS, pods, {})
     assert st.state == "failed" and st.reason == "j-trainer-1-abcde: pod j-trainer-1-abcde exited 137 (OOMKilled)"
     assert [(p.state, p.error) for p in st.processes] == [
         ("exited", None), ("failed", "pod j-trainer-1-abcde exited 137 (OOMKilled)")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import threading
 
 import pytest
 
@@ -496,3 +497,168 @@ def test_dispatch_says_which_volume_holds_the_code(kube):
         assert b.dispatch(on_progress=said.append) == []
     assert said == ["nothing to dispatch with backend: kubernetes: the pods run the code in the volume code at /src"]
     assert kube.calls() == []
+
+
+# ----------------------------------------------------------------- Jobs whose pods are gone (their conditions)
+
+DONE_AT = "2026-01-01T00:10:00Z"
+
+
+def job(role: str, **status) -> dict:
+    """Job fit-<role> as `kubectl get jobs -o json` shows it, with `status` (conditions=[(type, reason, message)])."""
+    conds = [{"type": t, "status": "True", "reason": r, "message": m, "lastTransitionTime": DONE_AT}
+             for t, r, m in status.pop("conditions", [])]
+    return {"kind": "Job", "metadata": {"name": f"fit-{role}", "labels": {k8s.LABEL_JOB: "fit", k8s.LABEL_ROLE: role}},
+            "status": {"startTime": "2026-01-01T00:00:00Z", **({"conditions": conds} if conds else {}), **status}}
+
+
+COMPLETE = ("Complete", "CompletionsReached", "Reached expected number of succeeded pods")
+FAILED = ("Failed", "FailedIndexes", "Job has failed indexes")
+# the previous run's Jobs, finished, their pods gone (deleted by hand, pod GC, ttlSecondsAfterFinished...)
+FINISHED = [job("pserver", conditions=[COMPLETE], succeeded=1, completedIndexes="0", completionTime=DONE_AT),
+            job("trainer", conditions=[COMPLETE], succeeded=2, completedIndexes="0-1", completionTime=DONE_AT)]
+
+
+def test_status_of_finished_jobs_whose_pods_are_gone_is_their_conditions(kube):
+    kube.set(objects=FINISHED)
+    with backend() as b:
+        st = b.status()
+    done = "Complete (CompletionsReached: Reached expected number of succeeded pods) at 2026-01-01T00:10:00Z"
+    assert (st.state, st.unreachable) == ("succeeded", {})
+    assert st.reason == (f"pods gone; Job fit-pserver: {done}, 1 succeeded; "
+                         f"pods gone; Job fit-trainer: {done}, 2 succeeded")
+    assert [(p.host, p.role, p.id, p.state, p.error) for p in st.processes] == [
+        ("-", "pserver", 0, "exited", f"pod gone; Job fit-pserver: index 0 completed, {done}"),
+        ("-", "trainer", 0, "exited", f"pod gone; Job fit-trainer: index 0 completed, {done}"),
+        ("-", "trainer", 1, "exited", f"pod gone; Job fit-trainer: index 1 completed, {done}")]
+    assert kube.calls() == [GET]  # the Jobs came with the pods: one look, nothing to exec
+
+
+def test_status_of_failed_jobs_whose_pods_are_gone_names_each_index(kube):
+    kube.set(objects=[job("pserver", conditions=[FAILED], failed=1, failedIndexes="0"),
+                      job("trainer", conditions=[FAILED], succeeded=1, failed=1, completedIndexes="0",
+                          failedIndexes="1")])
+    with backend() as b:
+        st = b.status()
+    failed = "Failed (FailedIndexes: Job has failed indexes) at 2026-01-01T00:10:00Z"
+    assert st.state == "failed"
+    assert st.reason == (f"pods gone; Job fit-pserver: {failed}, 1 failed; "
+                         f"pods gone; Job fit-trainer: {failed}, 1 succeeded, 1 failed")
+    assert [(p.role, p.id, p.state, p.error) for p in st.processes] == [
+        ("pserver", 0, "failed", f"pod gone; Job fit-pserver: index 0 failed, {failed}"),
+        ("trainer", 0, "exited", f"pod gone; Job fit-trainer: index 0 completed, {failed}"),
+        ("trainer", 1, "failed", f"pod gone; Job fit-trainer: index 1 failed, {failed}")]
+
+
+def test_a_pod_gone_while_its_job_runs_on_is_what_the_job_says_of_its_index(kube):
+    # trainer 1's pod deleted by hand: the Job controller counts its index failed; the others still run
+    kube.set(objects=[job("pserver", active=1), job("trainer", active=1, failed=1, failedIndexes="1"),
+                      pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING)],
+             exec={P0: {"status": answer(reply("running", [("pserver", 0, 7, "running", None)]))},
+                   T0: {"status": answer(reply("running", [("trainer", 0, 8, "running", None)]))}})
+    with backend() as b:
+        st = b.status()
+    assert (st.state, st.reason) == ("running", "pod gone; Job fit-trainer: index 1 failed")
+    assert [(p.host, p.state, p.error) for p in st.processes] == [
+        (P0, "running", None), (T0, "running", None), ("-", "failed", "pod gone; Job fit-trainer: index 1 failed")]
+
+
+def test_jobs_without_a_verdict_and_without_pods_are_still_starting(kube):
+    # created, the pods not scheduled yet: no condition, no index ended (today's "no pod yet")
+    kube.set(objects=[job("pserver", active=1), job("trainer", active=2, completedIndexes="")])
+    with backend() as b:
+        st = b.status()
+    assert (st.state, st.reason) == ("running", None)
+    assert [(p.host, p.state, p.error) for p in st.processes] == [("-", "pending", "no pod yet")] * 3
+    # a condition that is not "True", or not Complete/Failed, is no verdict either
+    kube.set(objects=[job("pserver", conditions=[("Suspended", "JobSuspended", "suspended")]),
+                      job("trainer", conditions=[("FailureTarget", "FailedIndexes", "Job has failed indexes")])
+                      | {"status": {"conditions": [{"type": "Complete", "status": "False"}]}}])
+    with backend() as b:
+        st = b.status()
+    assert [(p.state, p.error) for p in st.processes] == [("pending", "no pod yet")] * 3
+
+
+def test_what_a_job_says_is_untrusted_text_one_bounded_printable_line(kube):
+    evil = "\x1b[2J\x1b]0;owned\x07line one\nline two\r\u202e" + "x" * 5000
+    kube.set(objects=[job("trainer", conditions=[("Failed", "Bad\nReason" + "r" * 100, evil)],
+                          completedIndexes="0-999999999999,x,-1,\u00b2,1-0", failedIndexes=["1"])])
+    with backend() as b:
+        st = b.status()
+    row = st.processes[2].error
+    assert row.startswith("pod gone; Job fit-trainer: index 1 completed, Failed (Bad Reason" + "r" * 51 + "...: \\x1b[2J\\x1b]0;owned\\x07"
+                          "line one line two \\u202e" + "x" * 100)
+    assert row.endswith("x...) at 2026-01-01T00:10:00Z") and all(c.isprintable() for c in row) and len(row) < 400
+    # the indexes are clamped to the job's (0-999999999999 is 0 and 1 here); what is not an index list is none
+    assert [(p.role, p.id, p.state) for p in st.processes] == [
+        ("pserver", 0, "pending"), ("trainer", 0, "exited"), ("trainer", 1, "exited")]
+
+
+def test_start_after_a_run_whose_pods_are_gone_replaces_it(kube):
+    kube.set(objects=[*FINISHED, obj("Secret", "fit-token")],
+             pods=[[], [], [pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING), pod("trainer", 1, RUNNING)]],
+             exec={P0: {"status": answer(reply("running", [("pserver", 0, 7, "running", None)]))},
+                   T0: {"status": answer(reply("running", [("trainer", 0, 8, "running", None)]))},
+                   T1: {"status": answer(reply("running", [("trainer", 1, 9, "running", None)]))}})
+    said = []
+    with backend() as b:
+        st = b.start(on_progress=said.append)
+    assert said[:2] == ["deleting the previous run's 3 object(s) (its logs go with them)",
+                        "creating Secret fit-token, ConfigMap fit-host, Service fit, Job fit-pserver, Job fit-trainer"]
+    assert st.state == "running"
+    assert kube.calls()[:5] == [GET, GET_ALL, DELETE, CREATE, GET]
+
+
+def test_start_still_refuses_while_a_job_of_the_previous_run_has_no_verdict(kube):
+    kube.set(objects=[FINISHED[0], job("trainer", active=2, succeeded=1, completedIndexes="0")])
+    with backend() as b, pytest.raises(JobError) as info:
+        b.start()
+    assert str(info.value) == "job fit is already running; stop it first (clusterctl stop)"
+    assert kube.calls() == [GET]  # nothing created, nothing deleted
+
+
+def test_top_rows_of_processes_whose_pods_are_gone(kube, monkeypatch):
+    monkeypatch.setattr(kubernetes, "TOP_PODS_TTL_S", 600)
+    kube.set(objects=[FINISHED[0], job("trainer", conditions=[FAILED], failed=2, failedIndexes="0-1")])
+    with backend() as b:
+        got = _top(b)
+    failed = "Failed (FailedIndexes: Job has failed indexes) at 2026-01-01T00:10:00Z"
+    assert {k: (a.status, a.reply["state"], a.reply["top_error"], a.reply["processes"]) for k, a in got.items()} == {
+        "fit-pserver-0": ("ok", "succeeded", "pod gone; Job fit-pserver: index 0 completed, Complete "
+                          "(CompletionsReached: Reached expected number of succeeded pods) at 2026-01-01T00:10:00Z",
+                          [{"role": "pserver", "id": 0, "state": "exited"}]),
+        "fit-trainer-0": ("ok", "failed", f"pod gone; Job fit-trainer: index 0 failed, {failed}",
+                          [{"role": "trainer", "id": 0, "state": "failed"}]),
+        "fit-trainer-1": ("ok", "failed", f"pod gone; Job fit-trainer: index 1 failed, {failed}",
+                          [{"role": "trainer", "id": 1, "state": "failed"}])}
+    assert kube.calls() == [GET]
+
+
+def test_logs_of_processes_whose_pods_are_gone_say_so_and_follow_ends(kube):
+    done = reply("succeeded", [("trainer", 0, 8, "exited", 0)])
+    kube.set(objects=[*FINISHED, ended("trainer", 0, done)], logs={T0: T0_LOG},
+             follow={T0: [{"out": T0_LOG, "rc": 0}]})
+    complete = "Complete (CompletionsReached: Reached expected number of succeeded pods) at 2026-01-01T00:10:00Z"
+    with backend() as b:
+        with pytest.raises(JobError) as info:
+            _logs(b)
+        assert str(info.value).splitlines() == [
+            "logs incomplete:",
+            f"pserver.0: pod gone; Job fit-pserver: index 0 completed, {complete} (its log went with the pod)",
+            f"trainer.1: pod gone; Job fit-trainer: index 1 completed, {complete} (its log went with the pod)"]
+        result = []
+        follower = threading.Thread(target=lambda: result.append(_logs(b, follow=True, role="pserver")), daemon=True)
+        follower.start()
+        follower.join(timeout=60)  # without the Jobs' verdicts this waits for a pod forever
+        assert not follower.is_alive() and result == [[]]
+
+
+def test_stop_of_finished_jobs_whose_pods_are_gone_deletes_them(kube):
+    kube.set(objects=[*FINISHED, obj("Secret", "fit-token")])
+    with backend() as b:
+        report = b.stop()
+    assert report == StopReport(job="fit", was_running=False, hosts=0, killed=0, left={},
+                                detail="deleted Job, Secret in namespace ml")
+    assert kube.calls() == [GET_ALL, DELETE]
+    with backend() as b:
+        assert b.status().state == "not running"
