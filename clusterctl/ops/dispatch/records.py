@@ -50,9 +50,10 @@ class Records:
             ref = rec["manifest"]
             if not isinstance(ref, str) or not ref.isalnum():
                 return None
-            if ref not in self._loaded:
-                self._loaded[ref] = json.loads(read_private(self.dir / "manifests" / f"{ref}.json", 1 << 30) or b"null")
-            if not isinstance(rec["gen"], str) or not _manifest_ok(self._loaded[ref]):
+            if ref not in self._loaded:  # hosts usually share one manifest: read and checked once
+                manifest = json.loads(read_private(self.dir / "manifests" / f"{ref}.json", 1 << 30) or b"null")
+                self._loaded[ref] = manifest if _manifest_ok(manifest) else None
+            if not isinstance(rec["gen"], str) or self._loaded[ref] is None:
                 return None
             return HostView(rec["gen"], self._loaded[ref], check=True)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
