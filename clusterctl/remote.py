@@ -23,7 +23,8 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
 from .errors import ClusterctlError
@@ -204,6 +205,7 @@ class Remote:
         if self._ssh is None:
             return self.run(command, hosts=hosts, stdin=stdin, timeout=timeout, check=False, what=what)
         futures = {h: self._pool.submit(self._push_one, h, command, stdin, timeout) for h in hosts}
+        _wait_awake(futures.values())
         return GroupResult((h, f.result()) for h, f in futures.items())
 
     def _push_one(self, host: Host, command: str, stdin, timeout) -> Result:
@@ -224,6 +226,21 @@ class Remote:
     def _ssh_failure(self, host: Host, stderr: str) -> str:
         """One line for the OpenSSH client's own failure (clusterctl.transport.openssh.ssh_failure)."""
         return ssh_failure(host, stderr, self.options, self._explain)
+
+
+WAKE_S = 0.25  # the waiting thread wakes this often, so that Ctrl+C reaches it (_wait_awake)
+
+
+def _wait_awake(futures) -> None:
+    """Wait for `futures` (or the first to fail), waking every WAKE_S. A process-directed SIGINT (Ctrl+C) is
+    taken by whichever thread the kernel picks; when that is a worker, the main thread blocked in a lock without
+    a timeout would not run the handler (KeyboardInterrupt) until the futures were done: with a followed log,
+    never. Waking makes it run within WAKE_S."""
+    pending = set(futures)
+    while pending:
+        done, pending = wait_futures(pending, timeout=WAKE_S, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            return
 
 
 class Launch:
@@ -249,14 +266,22 @@ class Launch:
         """Feed each host in `stdin` its stream and wait for all (output lines to `on_line` as they come);
         a launched host not in `stdin` gets an empty stdin (the command must treat that as nothing to do).
         The Results of the hosts in `stdin`; exit codes as with Remote.run(check=False)."""
-        futures = {}
-        for host in self.hosts:
-            run = self._runs.pop(host, None)
-            if run is None or (run.deferred and host not in stdin):
-                continue  # finished already, or never started (paramiko runs nothing until finished)
-            feed = (lambda h=host: stdin[h](h)) if host in stdin else (lambda: ())
-            futures[host] = self.remote._pool.submit(run.finish, feed, timeout, on_line if host in stdin else None)
-        return GroupResult((h, f.result()) for h, f in futures.items() if h in stdin)
+        futures, running = {}, []
+        try:  # from the first submit: a Ctrl+C may come as soon as one host's output does
+            for host in self.hosts:
+                run = self._runs.get(host)
+                if run is None or (run.deferred and host not in stdin):
+                    continue  # finished already, or never started (paramiko runs nothing until finished)
+                running.append(run)
+                feed = (lambda h=host: stdin[h](h)) if host in stdin else (lambda: ())
+                futures[host] = self.remote._pool.submit(run.finish, feed, timeout, on_line if host in stdin else None)
+                del self._runs[host]
+            _wait_awake(futures.values())
+            return GroupResult((h, f.result()) for h, f in futures.items() if h in stdin)
+        except BaseException:  # Ctrl+C while waiting (a followed log, say): end the commands, not only the wait
+            for run in running:
+                run.kill()
+            raise
 
     def close(self) -> None:
         """End the processes that were never finished (the caller gave up before sending anything)."""

@@ -230,7 +230,7 @@ class Running:
         raise NotImplementedError
 
     def kill(self) -> None:
-        """End the command (it was never finished)."""
+        """End the command: one never finished, or one another thread is finishing (that thread then sees its end)."""
 
 
 class Transport:

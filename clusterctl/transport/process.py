@@ -58,6 +58,7 @@ class ProcessRun(Running):
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._killed = False
+        self._finishing = False  # a thread reads its output (finish): a kill ends the process only
         self._error: OSError | None = None
         self.proc = proc if proc is not None else transport.spawn(host, command, wait=False)
         if self.proc is not None:
@@ -89,6 +90,8 @@ class ProcessRun(Running):
         self._ready.wait()
         if self._error is not None:
             raise self._error
+        with self._lock:
+            self._finishing = True
         host, command, start, proc = self.host, self.command, self.start_time, self.proc
         for attempt in range(CONNECT_TRIES):
             held = _PreLoginLines(on_line, self.transport.prelogin) if on_line is not None else None
@@ -104,17 +107,25 @@ class ProcessRun(Running):
                     held.release()
                 break
             time.sleep((0.1 + 0.2 * os.urandom(1)[0] / 255) * 2 ** min(attempt, 3))  # jittered, no `random` import
+            with self._lock:
+                if self._killed:  # ended meanwhile (the caller was interrupted): no new connection
+                    break
             proc = self.proc = self.transport.spawn(host, command, wait=True)
         if code == UNREACHABLE and not out:
             return unreachable_result(host, command, self.transport.failure_reason(host, err), time.monotonic() - start)
         return Result(host, command, code, out, err, time.monotonic() - start)
 
     def kill(self) -> None:
-        """End the process (never finished); one still waiting for a slot is ended when it starts."""
+        """End the process; one still waiting for a slot is ended when it starts. While a thread finishes it
+        (reads its output), only the process is ended: that thread sees its end and closes the pipes."""
         with self._lock:
             self._killed = True
-            proc = self.proc
-        if proc is not None:
+            proc, finishing = self.proc, self._finishing
+        if proc is None:
+            return
+        if finishing:
+            proc.kill()
+        else:
             _end(proc)
 
 

@@ -200,6 +200,8 @@ def test_sigint_on_start_follow_stops_everything(testcluster, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "clusterctl.cli", "start", str(spec), "--follow"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT below: every thread's stack in the output
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # however the suite itself was started
     )
     seen = []
     deadline = time.monotonic() + 60
@@ -207,8 +209,14 @@ def test_sigint_on_start_follow_stops_everything(testcluster, tmp_path):
         seen.append(line)
         if "step=" in line or time.monotonic() > deadline:
             break
+    # a process-directed SIGINT, as Ctrl+C sends: any thread may take it (the main one must still see it)
     proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=60)
+    try:
+        rest, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        rest, _ = proc.communicate(timeout=30)
+        pytest.fail("start --follow did not end within 60 s of SIGINT; its threads then:\n" + rest[-8000:])
     assert proc.returncode == 130, "".join(seen) + rest
     assert "interrupted: stopping the job" in rest
     assert_no_orphans(testcluster, "it-sigint", job_ports(spec))

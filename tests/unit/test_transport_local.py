@@ -53,3 +53,48 @@ def test_a_failing_local_stream_is_raised_not_taken_for_the_host(tmp_path):
         for timeout in (None, 5):
             with pytest.raises(OSError, match="vanished"):
                 remote.run("cat > /dev/null", stdin=feed, timeout=timeout, check=False)
+
+
+def test_ctrl_c_while_waiting_ends_the_hosts_commands_not_only_the_wait(tmp_path):
+    """Ctrl+C while every host's command runs (a followed log, say): KeyboardInterrupt reaches the caller at once
+    and each host's command is ended with it, instead of streaming on in the worker threads."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import pytest
+
+    remote, hosts = _remote(tmp_path, 2)
+    started = threading.Event()
+
+    def on_line(host, stream, line):
+        if line.strip() == "up":
+            started.set()
+
+    def interrupt():
+        started.wait(30)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # however the suite was started
+    threading.Thread(target=interrupt, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        with remote, pytest.raises(KeyboardInterrupt):
+            remote.run('echo $$ > pid; echo up; exec sleep 60', on_line=on_line, check=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert started.is_set() and time.monotonic() - t0 < 30
+    pids = [int((tmp_path / h.address / "pid").read_text()) for h in hosts]
+
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(") ", 1)[1][0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if running(p)], "the hosts' commands outlived the interrupt"
