@@ -366,8 +366,12 @@ def test_coordinator_loses_peer_host(cluster):
     assert final["hosts"]["hB"]["state"] == "lost"
     assert proc(final, "pserver", 0)["state"] == "stopped"
     # B's trainer got SIGTERM from the kernel (PR_SET_PDEATHSIG); B's record says what happened
-    stB = wait_for(lambda: proc(status(hB), "trainer", 0)["state"] == "lost" and status(hB), SLACK)
-    assert stB and stB["state"] == "lost" and stB["supervisor"]["alive"] is False, status(hB)
+    def b_says_lost():  # one reply read whole (two replies could straddle the moment B's record settles)
+        st = status(hB)
+        settled = proc(st, "trainer", 0)["state"] == "lost" and st["state"] == "lost"
+        return st if settled and st["supervisor"]["alive"] is False else None
+
+    assert wait_for(b_says_lost, SLACK), json.dumps(status(hB), indent=1, default=str)[:4000]
     assert wait_for(lambda: tagged(job_id) == [], SLACK)
 
 
