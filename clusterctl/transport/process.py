@@ -91,6 +91,9 @@ class ProcessRun(Running):
         if self._error is not None:
             raise self._error
         with self._lock:
+            if self._killed:  # ended (its pipes closed) before this thread came to it
+                return unreachable_result(self.host, self.command, "ended before it was finished",
+                                          time.monotonic() - self.start_time)
             self._finishing = True
         host, command, start, proc = self.host, self.command, self.start_time, self.proc
         for attempt in range(CONNECT_TRIES):

@@ -66,11 +66,13 @@ def test_ctrl_c_while_waiting_ends_the_hosts_commands_not_only_the_wait(tmp_path
     import pytest
 
     remote, hosts = _remote(tmp_path, 2)
-    started = threading.Event()
+    started, up = threading.Event(), set()
 
     def on_line(host, stream, line):
         if line.strip() == "up":
-            started.set()
+            up.add(host)
+            if len(up) == len(hosts):  # both wrote their pid: interrupt with both commands running
+                started.set()
 
     def interrupt():
         started.wait(30)
