@@ -49,9 +49,10 @@ def render_dispatch(results, seconds: float, file=None) -> None:
     encoding = (getattr(file, "encoding", None) or "utf-8").lower().replace("-", "")
     rows = [[(r.host.label, ""), (str(r.files_sent), ""), (_human(r.bytes_sent), ""), (str(r.deleted), ""),
              (r.generation, "")] for r in results]
-    lines = [paint(f"dispatch ({seconds:.1f}s)", "italic", use_colour(file))]
+    colour = use_colour(file)
+    lines = [paint(f"dispatch ({seconds:.1f}s)", "italic", colour)]
     lines += table_lines(["host", "files sent", "bytes sent", "deleted", "generation"], rows,
-                         right=frozenset({"files sent", "bytes sent", "deleted"}), colour=use_colour(file),
+                         right=frozenset({"files sent", "bytes sent", "deleted"}), colour=colour,
                          unicode=encoding.startswith("utf"))
     write_text(file, "".join(line + "\n" for line in lines))
 

@@ -100,6 +100,12 @@ def ended(role: str, i: int, status: dict, code: int = 0) -> dict:
 # ------------------------------------------------------------------------------------------- start
 
 
+def all_running() -> dict:
+    """Each pod's supervisor answering `status`: every process running (a new dict per test)."""
+    return {P0: {"status": answer(reply("running", [("pserver", 0, 7, "running", None)]))},
+            T0: {"status": answer(reply("running", [("trainer", 0, 8, "running", None)]))},
+            T1: {"status": answer(reply("running", [("trainer", 1, 9, "running", None)]))}}
+
 def test_start_replaces_the_previous_run_creates_the_objects_and_waits_for_every_pod(kube):
     done = reply("succeeded", [("trainer", 0, 5, "exited", 0)], reason="all 2 trainers exited 0")
     old = [ended("pserver", 0, done), ended("trainer", 0, done), ended("trainer", 1, done)]
@@ -111,9 +117,7 @@ def test_start_replaces_the_previous_run_creates_the_objects_and_waits_for_every
                    [pod("pserver", 0, CREATING, phase="Pending"), pod("trainer", 0, CREATING, phase="Pending")],
                    [pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING), pod("trainer", 1, CREATING)],
                    [pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING), pod("trainer", 1, RUNNING)]],
-             exec={P0: {"status": answer(reply("running", [("pserver", 0, 7, "running", None)]))},
-                   T0: {"status": answer(reply("running", [("trainer", 0, 8, "running", None)]))},
-                   T1: {"status": answer(reply("running", [("trainer", 1, 9, "running", None)]))}})
+             exec=all_running())
     said = []
     with backend() as b:
         st = b.start(on_progress=said.append)
@@ -597,9 +601,7 @@ def test_what_a_job_says_is_untrusted_text_one_bounded_printable_line(kube):
 def test_start_after_a_run_whose_pods_are_gone_replaces_it(kube):
     kube.set(objects=[*FINISHED, obj("Secret", "fit-token")],
              pods=[[], [], [pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING), pod("trainer", 1, RUNNING)]],
-             exec={P0: {"status": answer(reply("running", [("pserver", 0, 7, "running", None)]))},
-                   T0: {"status": answer(reply("running", [("trainer", 0, 8, "running", None)]))},
-                   T1: {"status": answer(reply("running", [("trainer", 1, 9, "running", None)]))}})
+             exec=all_running())
     said = []
     with backend() as b:
         st = b.start(on_progress=said.append)
