@@ -145,6 +145,22 @@ class LocalProcesses:
             log("%s pid %d ended with %s -> %s" % (r.name, r.pid, rc, r.state))
         return ended
 
+    def settle(self, timeout, skip=()):
+        """Wait (`timeout` seconds in all) for the signalled processes still `running` to be reapable, pids in
+        `skip` aside (those the stopper gave up on). A group whose processes all left /proc's live list may not
+        be reapable yet: a multi-threaded process's leader shows as a zombie while its other threads still exit,
+        and waitpid waits for them (28 of 30 SIGTERMed 8-thread processes on the development machine); the
+        caller reaps afterwards, so that no row stays `running` past the stop."""
+        deadline = time.monotonic() + timeout
+        for r in self.rows:
+            popen = self.popens.get((r.role, r.id))
+            if popen is None or r.state != ProcState.RUNNING or not r.signalled or r.pid in skip:
+                continue
+            try:
+                popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log("%s pid %d: still not reapable after the stop" % (r.name, r.pid))
+
     def failed(self, roles=ROLES):
         """The processes of `roles` that could not start."""
         return [r for r in self.rows if r.state == ProcState.FAILED and r.role in roles and r.pid is None]

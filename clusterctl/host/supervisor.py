@@ -43,6 +43,7 @@ from .stopping import Stopper
 __all__ = ["Supervisor", "LAUNCH_REPORT_TIMEOUT"]
 
 LAUNCH_REPORT_TIMEOUT = 60.0
+SETTLE_S = 2.0  # after a stop: how long a stopped process may take to be reapable (Processes.settle)
 TICK = 0.1  # seconds the loop waits for a socket before it looks at processes and timers again
 
 
@@ -433,6 +434,7 @@ class Supervisor:
         self.stopper.start(self.clock())
 
     def _stop_finished(self):
+        self.procs.settle(SETTLE_S, skip=self.stopper.leftover)
         self._reap()
         self.stop_done_at = self.clock()
         v = self.core.verdict
