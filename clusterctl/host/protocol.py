@@ -431,6 +431,11 @@ class Conn:
 
     def __init__(self, sock, addr, now, auth_timeout=AUTH_TIMEOUT, clock=time.monotonic):
         self.sock = sock
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # every message is one small write, often right after another (challenge, welcome, go): with Nagle's
+            # algorithm a write waits for the ACK of the one before, which the other end delays (~40 ms), and
+            # every multi-host start waited that long for its `go`
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.clock = clock
         self.source = addr[0] if isinstance(addr, tuple) else str(addr)
         self.addr = "%s:%s" % (addr[0], addr[1]) if isinstance(addr, tuple) else str(addr)

@@ -128,8 +128,12 @@ class Supervisor:
         return Membership(len(labels), members=labels, everyone=everyone)
 
     def _peer_link(self, address, port):
-        return PeerLink(self.loop, self.job_id, self.host, address, port, self.coord["token"], self.timings, self,
+        link = PeerLink(self.loop, self.job_id, self.host, address, port, self.coord["token"], self.timings, self,
                         self.log_bad, self.clock)
+        # the first try now, not at the loop's first timer round: that came a tick (0.1 s) later, and every
+        # multi-host start waited for it (the start barrier waits for the last host to join)
+        link.tick(self.clock())
+        return link
 
     # -- state.json and the launch report ---------------------------------------------------------------------
 
