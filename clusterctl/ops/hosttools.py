@@ -20,8 +20,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import zlib
-from importlib import resources
 
 from ..quoting import join, quote
 from ..remote import Remote
@@ -75,8 +75,20 @@ if not os.path.isdir(dest):
 @functools.cache
 def _package() -> tuple[str, tuple[tuple[str, int], ...], bytes, str]:
     """(content hash, ((path in the upload, size), ...), the files back to back, their sha256) of the host package."""
-    root = resources.files("clusterctl.host")
-    files = sorted((entry.name, entry.read_bytes()) for entry in root.iterdir() if entry.name.endswith(".py"))
+    from .. import host
+
+    here = os.path.dirname(os.path.abspath(host.__file__))
+    if os.path.isdir(here):  # a checkout or an installed wheel: plain files (no importlib.resources, ~4 ms to import)
+        files = []
+        for name in sorted(os.listdir(here)):
+            if name.endswith(".py"):
+                with open(os.path.join(here, name), "rb") as f:
+                    files.append((name, f.read()))
+    else:  # imported from an archive
+        from importlib import resources
+
+        root = resources.files("clusterctl.host")
+        files = sorted((entry.name, entry.read_bytes()) for entry in root.iterdir() if entry.name.endswith(".py"))
     digest = hashlib.sha256()
     for name, data in files:
         digest.update(b"%s\0%d\0" % (name.encode(), len(data)))
