@@ -7,7 +7,7 @@ default or a limit is written once. `Timings` are the coordinator protocol's fou
 ``coordinator`` section). Stdlib only, like the rest of the host package.
 """
 
-from dataclasses import asdict, dataclass, fields
+from .record import asdict, dataclass, fields
 
 from .common import InputError
 

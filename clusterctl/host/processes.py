@@ -11,7 +11,7 @@ import os
 import socket
 import subprocess
 import time
-from dataclasses import dataclass, field
+from .record import dataclass, field
 
 from .common import log
 from .jobfile import RESTART_ENV, ROLES, parse_endpoint

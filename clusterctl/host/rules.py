@@ -12,7 +12,7 @@ The job state on one host moves only along `TRANSITIONS`; `JobCore.move` checks 
 
 from __future__ import annotations  # `X | None` on Python 3.9 hosts; no typing import (every start)
 
-from dataclasses import dataclass, field
+from .record import dataclass, field
 
 from .policy import Policy
 from .states import JobState

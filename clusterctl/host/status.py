@@ -10,7 +10,7 @@ records the supervisor's rules keep (clusterctl/host/rules.py). Stdlib only, lik
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from .record import dataclass, field
 
 from .states import JobState
 

@@ -9,7 +9,6 @@ nobody is watching from the controller.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import posixpath
 import secrets
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from ..plan import Host, JobPlan, factor_env
 from ..quoting import join, quote
 from ..remote import LineCallback
 from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
+from ..host.record import replace
 from ..host.states import JobState
 from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from ..progress import clean_progress, stragglers
