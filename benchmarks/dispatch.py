@@ -234,8 +234,13 @@ def main() -> int:
             t_ = 0 if args.no_first else r  # --no-first: one set of targets, sent once untimed, then changes only
             remote = f"bench/{run}-ws{t_}"
             spec = Path(tmp) / "bench.yaml"
-            spec.write_text(yaml.safe_dump({**base, "name": "bench", "hosts": base["hosts"][: args.nodes],
-                                            "workspace": {"local": str(ws), "remote": remote}}))
+            text = yaml.safe_dump({**base, "name": "bench", "hosts": base["hosts"][: args.nodes],
+                                   "workspace": {"local": str(ws), "remote": remote}})
+            if not spec.exists() or spec.read_text() != text:
+                # written only when it changes, as a user's spec is: a spec file rewritten a moment before a
+                # command is planned again (the plan cache keeps nothing made from a file changed within a
+                # second), which cost the command a spec load (pydantic) in most rounds
+                spec.write_text(text)
             peers = {
                 "rsync": lambda: rsync_all(ws, ips, info, f"bench/{run}-rs{t_}"),
                 "tuned": lambda: rsync_all(ws, ips, info, f"bench/{run}-rt{t_}", tuned=True),
