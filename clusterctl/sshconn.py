@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import paramiko
@@ -244,11 +245,15 @@ def _send_all(chan, data: bytes, deadline: float | None) -> None:
         view = view[sent:]
 
 
-def run_on(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float | None, on_line) -> tuple[int, str, str]:
+def run_on(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float | None, on_line,
+           opened: Callable[[paramiko.Channel], None] | None = None) -> tuple[int, str, str]:
     """Run `cmd` over a new channel of `conn`: (exit code, stdout, stderr). Raises Timeout, or one of
-    TRANSPORT_ERRORS when the connection breaks."""
+    TRANSPORT_ERRORS when the connection breaks. `opened(channel)`: told the channel before the command starts
+    (closing it from another thread ends the run, as killing an `ssh` client does)."""
     chan = conn.transport.open_session(timeout=conn.connect_timeout)
     try:
+        if opened is not None:
+            opened(chan)
         chan.exec_command(cmd)
         out = LineSplitter(host, "out", on_line)
         err = LineSplitter(host, "err", on_line)
@@ -384,19 +389,26 @@ class ParamikoTransport(Transport):
             return str(exc)
         return None
 
-    def run(self, host: Host, cmd: str, stdin: Stdin, timeout: float | None, on_line, start: float | None = None) -> Result:
+    def run(self, host: Host, cmd: str, stdin: Stdin, timeout: float | None, on_line, start: float | None = None,
+            opened: Callable[[paramiko.Channel], None] | None = None,
+            killed: Callable[[], bool] | None = None) -> Result:
         """Run `cmd` on `host` over its connection: the host's Result (255 with the reason when the host was
-        not reached or the connection broke, 124 when `timeout` ended it)."""
+        not reached or the connection broke, 124 when `timeout` ended it). `opened`: as for run_on; `killed()`:
+        whether the caller closed the channel (then its end is no broken connection: the connection is kept)."""
         start = time.monotonic() if start is None else start
         try:
             conn = self.connection(host)
         except ClusterctlError as exc:
             return unreachable_result(host, cmd, str(exc), time.monotonic() - start)
         try:
-            code, out, err = run_on(conn, host, cmd, stdin, timeout, on_line)
+            code, out, err = run_on(conn, host, cmd, stdin, timeout, on_line, opened)
         except Timeout:
             return timed_out_result(host, cmd, timeout, time.monotonic() - start)
+        except _Killed:
+            return unreachable_result(host, cmd, "interrupted", time.monotonic() - start)
         except TRANSPORT_ERRORS as exc:
+            if killed is not None and killed():
+                return unreachable_result(host, cmd, "interrupted", time.monotonic() - start)
             with self._lock(host):
                 self._conns.pop(host, None)
             msg = f"connection to {host.label} lost: {exc or type(exc).__name__}"
@@ -415,14 +427,41 @@ class ParamikoTransport(Transport):
         self._conns.clear()
 
 
+class _Killed(Exception):
+    """The run's channel was closed by kill() (Ctrl+C): not a broken connection."""
+
+
 class _ChannelRun(Running):
-    """A command for one host over paramiko: nothing runs until finish()."""
+    """A command for one host over paramiko: nothing runs until finish(); kill() closes its channel."""
 
     deferred = True
 
     def __init__(self, transport: ParamikoTransport, host: Host, command: str):
         self.transport, self.host, self.command = transport, host, command
+        self._lock = threading.Lock()
+        self._chan: paramiko.Channel | None = None
+        self._killed = False
 
     def finish(self, feed, timeout, on_line) -> Result:
         """Run the command with what `feed()` yields as its stdin."""
-        return self.transport.run(self.host, self.command, lambda _h: feed(), timeout, on_line)
+        if self._killed:  # interrupted before a worker came to it: never run
+            return unreachable_result(self.host, self.command, "interrupted", 0.0)
+        return self.transport.run(self.host, self.command, lambda _h: feed(), timeout, on_line, opened=self._opened,
+                                  killed=lambda: self._killed)
+
+    def _opened(self, chan: paramiko.Channel) -> None:
+        with self._lock:
+            self._chan = chan
+            killed = self._killed
+        if killed:
+            chan.close()
+            raise _Killed()
+
+    def kill(self) -> None:
+        """Close the channel (the command then sees its stdin and stdout closed, as when an `ssh` client is killed);
+        a run not started yet never starts."""
+        with self._lock:
+            self._killed = True
+            chan = self._chan
+        if chan is not None:
+            chan.close()

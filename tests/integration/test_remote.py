@@ -285,3 +285,46 @@ def test_stopped_container_fails_within_connect_timeout_and_is_named(testcluster
     assert res.returncode == 255
     assert f"clusterctl: error: cannot connect to {info.nodes[0].ip}{via(info)}: " in res.stderr
     assert elapsed < 3 + 6, elapsed
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_over_paramiko_closes_the_channels_and_a_writing_command_ends(testcluster, tmp_path):
+    """With `accept-new` the commands run over paramiko channels. Ctrl+C in a fan-out (a followed log, say) closes
+    them, as killing the `ssh` clients does under OpenSSH: a command that writes ends on its host while the
+    session, and its connections, are still open (before, the channels streamed on in the worker threads)."""
+    import os
+    import signal
+    import threading
+
+    spec = write_spec(testcluster, tmp_path / "c.yaml", name="pmkill", hosts=2, job={"entrypoint": ["true"]},
+                      ssh={"host_key_policy": "accept-new"})
+    nodes = testcluster.nodes[:2]
+    started, up = threading.Event(), set()
+
+    def on_line(host, stream, line):
+        if line.strip() == "up":
+            up.add(host)
+            if len(up) == len(nodes):
+                started.set()
+
+    def interrupt():
+        started.wait(60)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # however the suite was started
+    try:
+        with open_session(str(spec)) as session:
+            threading.Thread(target=interrupt, daemon=True).start()
+            with pytest.raises(KeyboardInterrupt):
+                session.remote.run("echo $$ > /tmp/pmkill.pid; echo up; while echo tick; do sleep 0.2; done",
+                                   on_line=on_line, check=False)
+            assert started.is_set()
+            assert any(map(session.remote.is_open, session.remote.hosts))  # the connections stay open
+            for n in nodes:  # the loop's next `echo` meets a closed channel: it ends
+                pid = node_exec(n.container, "cat /tmp/pmkill.pid").strip()
+                deadline = time.monotonic() + 20
+                while node_exec(n.container, f"kill -0 {pid} 2>/dev/null && echo alive", check=False).strip():
+                    assert time.monotonic() < deadline, f"{n.ip}: the command (pid {pid}) still runs"
+                    time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
