@@ -7,9 +7,8 @@ default or a limit is written once. `Timings` are the coordinator protocol's fou
 ``coordinator`` section). Stdlib only, like the rest of the host package.
 """
 
-from .record import asdict, dataclass, fields
-
 from .common import InputError
+from .record import asdict, dataclass, fields
 
 __all__ = ["Policy", "Timings", "DEFAULT_POLICY", "DEFAULT_TIMINGS", "ON_FAILURE", "GRACE_MAX", "RESTARTS_MAX",
            "RESTART_BACKOFF_MIN", "RESTART_BACKOFF_MAX"]

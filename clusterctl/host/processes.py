@@ -11,11 +11,11 @@ import os
 import socket
 import subprocess
 import time
-from .record import dataclass, field
 
 from .common import log
 from .jobfile import RESTART_ENV, ROLES, parse_endpoint
 from .procfs import proc_stat
+from .record import dataclass, field
 from .spawn import _pdeathsig_setup, _private_opener, attempt_log, base_env
 from .states import ProcState
 

@@ -12,9 +12,8 @@ The job state on one host moves only along `TRANSITIONS`; `JobCore.move` checks 
 
 from __future__ import annotations  # `X | None` on Python 3.9 hosts; no typing import (every start)
 
-from .record import dataclass, field
-
 from .policy import Policy
+from .record import dataclass, field
 from .states import JobState
 from .status import AttemptRecord
 

@@ -11,7 +11,6 @@ records the supervisor's rules keep (clusterctl/host/rules.py). Stdlib only, lik
 from __future__ import annotations
 
 from .record import dataclass, field
-
 from .states import JobState
 
 __all__ = ["ProcessStatus", "JobStatus", "AttemptRecord", "HostStatus", "overall_state"]
