@@ -404,8 +404,6 @@ class ParamikoTransport(Transport):
             code, out, err = run_on(conn, host, cmd, stdin, timeout, on_line, opened)
         except Timeout:
             return timed_out_result(host, cmd, timeout, time.monotonic() - start)
-        except _Killed:
-            return unreachable_result(host, cmd, "interrupted", time.monotonic() - start)
         except TRANSPORT_ERRORS as exc:
             if killed is not None and killed():
                 return unreachable_result(host, cmd, "interrupted", time.monotonic() - start)
@@ -425,10 +423,6 @@ class ParamikoTransport(Transport):
         for conn in list(self._conns.values()):  # a snapshot: workers may drop lost connections meanwhile
             conn.close()
         self._conns.clear()
-
-
-class _Killed(Exception):
-    """The run's channel was closed by kill() (Ctrl+C): not a broken connection."""
 
 
 class _ChannelRun(Running):
@@ -453,9 +447,8 @@ class _ChannelRun(Running):
         with self._lock:
             self._chan = chan
             killed = self._killed
-        if killed:
+        if killed:  # the command then fails to start on a closed channel: `killed()` tells run() why
             chan.close()
-            raise _Killed()
 
     def kill(self) -> None:
         """Close the channel (the command then sees its stdin and stdout closed, as when an `ssh` client is killed);
