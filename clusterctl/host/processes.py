@@ -81,11 +81,12 @@ class LocalProcesses:
         self.rows = [ProcessRow(p["role"], p["id"], list(p["argv"]), p["cwd"], p["log"], list(p["ports"]),
                                 dict(p["env"])) for p in entries]
         self.popens = {}  # (role, id) -> Popen of the current attempt
+        self._preexec = None  # (pid it was made in, the children's preexec_fn): prepare()
 
     def spawn(self, attempt, roles=ROLES):
         """Start the pending processes of `roles` for `attempt`; None, or why one could not start (it is then
         `failed` and the rest of `roles` is `stopped`: not started)."""
-        preexec = _pdeathsig_setup(os.getpid())
+        preexec = self.prepare()
         for r in self.rows:
             if r.role not in roles or r.state != ProcState.PENDING:
                 continue
@@ -116,6 +117,14 @@ class LocalProcesses:
             self.popens[(r.role, r.id)] = popen
             log("started %s pid %d: %s" % (r.name, popen.pid, r.argv))
         return None
+
+    def prepare(self):
+        """What every spawn needs and is costly to make once (the children's preexec_fn: it imports ctypes for
+        prctl), made now: a multi-host job's supervisor calls this while it waits at the start barrier, so that
+        every host does not spend those milliseconds at once after the `go`. The preexec_fn."""
+        if self._preexec is None or self._preexec[0] != os.getpid():
+            self._preexec = (os.getpid(), _pdeathsig_setup(os.getpid()))
+        return self._preexec[1]
 
     def not_started(self, why, roles=ROLES, state=ProcState.STOPPED):
         """Mark the pending processes of `roles` as never started (`why`); return them."""

@@ -323,6 +323,7 @@ class Supervisor:
             self.write_state()
             log("waiting for every host of the job to join before starting anything")
             self._report_armed()
+            self.procs.prepare()  # while it waits, not after the `go` (at once on every host)
             return
         self._spawn()
 

@@ -135,11 +135,15 @@ def test_the_coordinator_restarts_the_job_once_every_host_stopped(tmp_path):
     link = sup.link
     sup._start_attempt()
     assert sup.core.state == S.STARTING and sup.awaiting_go  # the start barrier: nothing runs before every host joined
+    # what the spawns need was made while waiting (ctypes' prctl), not after the `go`, and is made once
+    assert sup.procs._preexec is not None and sup.procs._preexec[0] == os.getpid()
+    ready = sup.procs._preexec
     for host in ("hB", "hC"):
         link.peers.add(host)
         sup.peer_joined(host, "127.0.0.1:9", hello())
         sup.step()
     assert link.sent == [("hB", protocol.go(0)), ("hC", protocol.go(0))]  # once the last one joined
+    assert sup.procs._preexec is ready
     link.sent.clear()
     assert sup.members.waiting() == ["hB", "hC"] and sup.core.state == S.RUNNING
     sup.peer_message("hC", {"type": protocol.Msg.EXIT, "role": "trainer", "id": 1, "code": 7, "error": None,
