@@ -30,6 +30,7 @@ import time
 
 from .jobdir import LOCK_FILE, STATE_FILE
 from .jobfile import JOB_FILE, validate_job
+from .unpack import IMPORTS, INSTALL
 
 __all__ = ["node_token", "node_job", "jobdir_rel", "create_jobdir", "write_private", "gpu_map", "step_argv", "boot",
            "BOOT", "HOME_MARK", "RECORD_DIR", "JOBS_DIR"]
@@ -48,38 +49,15 @@ _LAYOUT_ENV = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_T
 # the blob's size and sha256), the zlib blob of the package's files, then the rest (the job, JSON). It
 # installs the package where missing (a private temporary directory renamed into place, as
 # clusterctl/ops/hosttools.py does over ssh) and hands the rest to boot() below.
-BOOT = r"""
-import base64, hashlib, json, os, shutil, sys, tempfile, zlib
-os.umask(0o077)
+BOOT = IMPORTS + "import base64\nos.umask(0o077)\n" + INSTALL + r"""
 raw = sys.stdin.buffer.read()
 if sys.argv[1] == "batch":
     raw = base64.b64decode(raw)
 line, _, raw = raw.partition(b"\n")
 head = json.loads(line)
 blob, rest = raw[:head["size"]], raw[head["size"]:]
-if len(blob) != head["size"]:
-    sys.exit("clusterctl-slurm: short read of the host package")
 dest = os.path.join(os.path.expanduser("~"), head["dir"])
-if not os.path.isdir(dest):
-    data = zlib.decompress(blob)
-    if hashlib.sha256(data).hexdigest() != head["sha256"]:
-        sys.exit("clusterctl-slurm: corrupt host package")
-    parent = os.path.dirname(dest)
-    os.makedirs(parent, mode=0o700, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-host-", dir=parent)
-    pos = 0
-    for rel, size in head["files"]:
-        path = os.path.join(tmp, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as fh:
-            fh.write(data[pos:pos + size])
-        pos += size
-    try:
-        os.rename(tmp, dest)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.isdir(dest):
-            raise
+install(head, blob, dest, "clusterctl-slurm")
 sys.path[0] = dest
 package = head["files"][0][0].split("/")[0]
 sys.exit(__import__(package + ".slurm", fromlist=["boot"]).boot(sys.argv[1], head, blob, rest))

@@ -23,6 +23,7 @@ import json
 import os
 import zlib
 
+from ..host.unpack import IMPORTS, INSTALL
 from ..quoting import join, quote
 from ..remote import Remote
 
@@ -42,35 +43,10 @@ _RUN_QUICK_EXIT = ("import os, sys; sys.path[0] = os.path.abspath(sys.argv[1]); 
                    f"c = __import__('{HOST_PACKAGE}.' + sys.argv[2], fromlist=['main']).main(sys.argv[3:]); "
                    "sys.stdout.flush(); sys.stderr.flush(); os._exit(c or 0)")
 
-_INSTALL = """\
-import hashlib, json, os, shutil, sys, tempfile, zlib
-inp = sys.stdin.buffer
-head = json.loads(inp.readline())
-blob = inp.read(head["size"])
-if len(blob) != head["size"]:
-    sys.exit("short read installing " + head["dir"])
-dest = head["dir"]
-if not os.path.isdir(dest):
-    data = zlib.decompress(blob)
-    if hashlib.sha256(data).hexdigest() != head["sha256"]:
-        sys.exit("corrupt upload of " + dest)
-    parent = os.path.dirname(dest)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-host-", dir=parent)
-    pos = 0
-    for rel, size in head["files"]:
-        path = os.path.join(tmp, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as fh:
-            fh.write(data[pos:pos + size])
-        pos += size
-    try:
-        os.rename(tmp, dest)
-    except OSError:  # another session installed it first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.isdir(dest):
-            raise
-"""
+# the host package's installer over ssh: its stdin is _package_payload()
+_INSTALL = (IMPORTS + INSTALL + "inp = sys.stdin.buffer\nhead = json.loads(inp.readline())\n"
+            "install(head, inp.read(head['size']), head['dir'], 'clusterctl')\n")
+
 
 @functools.cache
 def _package() -> tuple[str, tuple[tuple[str, int], ...], bytes, str]:

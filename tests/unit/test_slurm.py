@@ -180,7 +180,7 @@ def test_batch_script_carries_the_options_the_glue_the_package_and_every_job_fil
                        "--output=clusterctl/sj.logs/slurm-%j.out", "--partition=gpu", "--time=01:00:00",
                        "--account=ml", "--gres=gpu:2", "--exclusive"]
     body = script.split("\n", len(options) + 2)[-1]
-    assert body.startswith("umask 077\nexec python3 -S -E -c '\nimport base64, hashlib")
+    assert body.startswith("umask 077\nexec python3 -S -E -c 'import hashlib, json, os")
     assert f"{glue.BOOT}' batch <<'CLUSTERCTL_EOF'\n" in body
     head, blob, job = _unpack(script)
     assert head["dir"] == package_dir() and head["sha256"] == json.loads(_package_payload().split(b"\n")[0])["sha256"]
