@@ -15,6 +15,9 @@ import json
 import os
 import re
 import shlex
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -392,3 +395,54 @@ def test_top_lists_every_process_with_its_steps(slurm_cluster, tmp_path):
     finally:
         clusterctl("stop", spec, check=True)
     assert not no_tagged(info, "it-slurm-top")
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_on_start_follow_cancels_the_allocation_and_leaves_nothing(slurm_cluster, tmp_path):
+    """Ctrl+C while `start --follow` streams a Slurm job's logs: the same cleanup as over ssh (the job stopped
+    through fresh connections, exit 130), and the allocation cancelled."""
+    info = slurm_cluster
+    head = info.nodes[0].container
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "job.py").write_text(PROGRESS)
+    job = {"mode": "collective", "entrypoint": [VENV_PY, "job.py"], "trainers": 1, "grace": 2,
+           "ports": {"control": 7620, "master": 7621, "pserver": 7625, "trainer": 7630}}
+    spec = slurm_spec(info, tmp_path / "sigint.yaml", "it-slurm-sigint", ws, "clusterctl-it/slurm-sigint", job)
+    clusterctl("stop", spec, check=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clusterctl.cli", "start", str(spec), "--dispatch", "--follow"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT below: every thread's stack in the output
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # however the suite itself was started
+    )
+    seen = []
+    try:
+        deadline = time.monotonic() + UP_S
+        for line in proc.stdout:  # every node's trainer has stepped: its lines are in the followed logs
+            seen.append(line)
+            if sum("step=2 " in s for s in seen) == NODES or time.monotonic() > deadline:
+                break
+        assert sum("step=2 " in s for s in seen) == NODES, "".join(seen)
+        slurm_id = node_exec(head, "squeue -h -o %i -n clusterctl-it-slurm-sigint").strip()
+        assert slurm_id.isdigit(), slurm_id
+        proc.send_signal(signal.SIGINT)  # process-directed, as Ctrl+C sends it
+        try:
+            rest, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            rest, _ = proc.communicate(timeout=30)
+            pytest.fail("start --follow did not end within 90 s of SIGINT; its threads then:\n" + rest[-8000:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(seen) + rest
+    assert proc.returncode == 130 and "interrupted: stopping the job" in rest, out
+    assert "Traceback" not in out, out
+    assert not no_tagged(info, "it-slurm-sigint")
+    assert node_exec(head, f"squeue -h -j {slurm_id} -o %T 2>/dev/null || true").strip() in ("", "CANCELLED",
+                                                                                           "COMPLETING"), out
+    st = status_json(spec)
+    assert st["state"] == "stopped" and st["reason"].startswith(f"Slurm job {slurm_id} CANCELLED"), st
+    assert "is not running" in clusterctl("stop", spec, check=True).stdout
