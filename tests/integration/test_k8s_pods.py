@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -332,3 +333,47 @@ def test_an_image_that_is_not_there_fails_start_in_one_line_and_leaves_nothing(k
     assert "Traceback" not in res.stderr
     assert not list((kube.dir / "ns" / NS / "objects").glob("*/k8s-noimage*.json"))
     assert not [c for c in kube.containers() if "-k8s-noimage-" in c]
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_on_start_follow_stops_the_job_and_deletes_it(kube, image, tmp_path):
+    """Ctrl+C while `start --follow` streams the pods' logs: the same cleanup as over ssh (the job stopped through
+    fresh connections, exit 130): every pod's processes ended and every object deleted."""
+    spec = h.write_spec(tmp_path / "sigint.yaml", name="k8s-sigint", image=image, workspace=JOBS, job={
+        "mode": "collective", "entrypoint": ["python3", "job.py"], "args": ["{role}", "{id}"], "trainers": 2,
+        "grace": 2, "env": {"STEPS": "100000"}})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clusterctl.cli", "start", str(spec), "--follow"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+        env={**kube.env(), "COLUMNS": "200", "PYTHONFAULTHANDLER": "1"},  # SIGABRT below: every thread's stack
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # however the suite itself was started
+    )
+    seen = []
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:  # both trainers have stepped: their lines are in the followed logs
+            seen.append(line)
+            if all(any(f"step=3 trainer={i}" in s for s in seen) for i in (0, 1)) or time.monotonic() > deadline:
+                break
+        assert all(any(f"step=3 trainer={i}" in s for s in seen) for i in (0, 1)), "".join(seen)
+        proc.send_signal(signal.SIGINT)  # process-directed, as Ctrl+C sends it
+        try:
+            rest, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            rest, _ = proc.communicate(timeout=30)
+            pytest.fail("start --follow did not end within 90 s of SIGINT; its threads then:\n" + rest[-8000:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(seen) + rest
+    assert proc.returncode == 130 and "interrupted: stopping the job" in rest, out
+    assert "Traceback" not in out, out
+    # when Kubernetes started deleting the pods, no process of the job was left in any of them
+    sweeps = [s for s in kube.sweeps() if s["pod"].startswith("k8s-sigint-")]
+    assert len(sweeps) == 4 and all(s["tagged"] == [] for s in sweeps), sweeps  # a pod per process: 2 hosts x 2
+    assert not [c for c in kube.containers() if "-k8s-sigint-" in c]
+    assert not list((kube.dir / "ns" / NS / "objects").glob("*/k8s-sigint*.json"))
+    res = h.clusterctl(kube, "stop", spec)
+    assert res.returncode == 0 and "job k8s-sigint is not running" in res.stdout, res.stdout
