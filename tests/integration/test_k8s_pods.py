@@ -377,3 +377,42 @@ def test_ctrl_c_on_start_follow_stops_the_job_and_deletes_it(kube, image, tmp_pa
     assert not list((kube.dir / "ns" / NS / "objects").glob("*/k8s-sigint*.json"))
     res = h.clusterctl(kube, "stop", spec)
     assert res.returncode == 0 and "job k8s-sigint is not running" in res.stdout, res.stdout
+
+
+# A trainer that prints a progress line per step (as clusterctl.report writes them) until it is stopped.
+PROGRESS = """\
+import time
+for step in range(1000000):
+    print("step=%d loss=%.4f time=%.3f" % (step, 1.0 / (step + 1), time.time()), flush=True)
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_top_lists_every_pods_process_with_its_steps(kube, image, tmp_path):
+    """`clusterctl top` under Kubernetes: every pod's supervisor answers (kubectl exec), with each process's
+    resources and the steps its log reports."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "job.py").write_text(PROGRESS)
+    spec = h.write_spec(tmp_path / "top.yaml", name="k8s-top", image=image, workspace=ws, job={
+        "mode": "collective", "entrypoint": ["/opt/venv/bin/python", "job.py"], "trainers": 1, "grace": 2})
+    res = h.clusterctl(kube, "start", spec)
+    assert res.returncode == 0, res.stdout + res.stderr
+    try:
+        _wait(kube, spec, lambda s: _running(s, "trainer", 0) and _running(s, "trainer", 1), 120, "trainers running")
+        deadline = time.monotonic() + 30
+        while True:
+            res = h.clusterctl(kube, "top", spec, "--once", "--json", "--no-gpu", timeout=60)
+            doc = json.loads(res.stdout) if res.stdout.startswith("{") else {}
+            if (doc and all((p["progress"] or {}).get("step", 0) > 0 for p in doc["processes"])
+                    or time.monotonic() > deadline):
+                break
+            time.sleep(1)
+        assert res.returncode == 0 and doc["state"] == "running", res.stdout + res.stderr
+        assert sorted(p["name"] for p in doc["processes"]) == ["trainer.0", "trainer.1"], doc["processes"]
+        assert all(h_["status"] == "ok" and h_["state"] == "running" for h_ in doc["hosts"]), doc["hosts"]
+        assert all(p["state"] == "running" and p["progress"]["step"] > 0 and p["progress"]["metrics"]["loss"] > 0
+                   and p["rss_bytes"] > 1 << 20 for p in doc["processes"]), doc["processes"]
+    finally:
+        h.clusterctl(kube, "stop", spec, timeout=120)
