@@ -98,14 +98,11 @@ def _scalar(value: str | None, lines: list[str], index: int, indent: int) -> str
     return value
 
 
-def _flow(value: str) -> dict[str, str | None]:
-    """A one-line flow mapping `{k: v, ...}` of plain or quoted scalars."""
-    value = value.strip()
-    end = value.rfind("}")
-    if not value.startswith("{") or end < 0 or value[end + 1:].strip()[:1] not in ("", "#"):
-        raise _Unsure("not a one-line flow mapping")
-    body, items, depth, quote, start = value[1:end], [], 0, None, 0
-    for i, c in enumerate(body):
+def _split_top(text: str) -> tuple[list[str], bool]:
+    """`text` split at its top-level commas (outside quotes and brackets), and whether every quote and bracket
+    it opens is closed."""
+    items, depth, quote, start = [], 0, None, 0
+    for i, c in enumerate(text):
         if quote:
             if c == quote:
                 quote = None
@@ -116,11 +113,21 @@ def _flow(value: str) -> dict[str, str | None]:
         elif c in "]}":
             depth -= 1
         elif c == "," and depth == 0:
-            items.append(body[start:i])
+            items.append(text[start:i])
             start = i + 1
-    if quote or depth:
+    items.append(text[start:])
+    return items, depth == 0 and quote is None
+
+
+def _flow(value: str) -> dict[str, str | None]:
+    """A one-line flow mapping `{k: v, ...}` of plain or quoted scalars."""
+    value = value.strip()
+    end = value.rfind("}")
+    if not value.startswith("{") or end < 0 or value[end + 1:].strip()[:1] not in ("", "#"):
+        raise _Unsure("not a one-line flow mapping")
+    items, balanced = _split_top(value[1:end])
+    if not balanced:
         raise _Unsure("unbalanced flow mapping")
-    items.append(body[start:])
     out: dict[str, str | None] = {}
     for item in items:
         if not item.strip():
@@ -182,20 +189,8 @@ def _closed(text: str) -> None:
         return
     if text[0] == '"' and re.match(r'"(?:[^"\\]|\\.)*"[ \t]*(?:#.*)?$', text):
         return
-    if text[0] in "[{":
-        depth, quote = 0, None
-        for c in text:
-            if quote:
-                if c == quote:
-                    quote = None
-            elif c in "'\"":
-                quote = c
-            elif c in "[{":
-                depth += 1
-            elif c in "]}":
-                depth -= 1
-        if depth == 0 and quote is None:
-            return
+    if text[0] in "[{" and _split_top(text)[1]:
+        return
     raise _Unsure("a value that goes on over lines")
 
 
