@@ -36,6 +36,22 @@ def private_temp(dirname, prefix):
     raise FileExistsError(errno.EEXIST, "no unused temporary file name", dirname)
 
 
+def write_private(path, data):
+    """Replace `path` with `data` (bytes or str) atomically, mode 0600: a new file made by private_temp beside it
+    (never through a link, never a stale one's mode), renamed over it; the temporary file removed on failure."""
+    fd, tmp = private_temp(os.path.dirname(path) or ".", ".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
 def which(name, path):
     """shutil.which(name, path=path) on POSIX, without importing shutil (its import loads zlib, bz2 and lzma):
     the executable file `name` (a path when it has a slash, else looked up in `path`), or None."""

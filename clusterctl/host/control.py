@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 
-from .common import InputError, log
+from .common import InputError, log, write_private
 from .controlproto import (CLIENT_HEADER_TIMEOUT, COMMANDS, CONTROL_FILE, CONTROL_VERSION, ERROR, MAX_REQUEST, OK,
                            RequestError, parse_request, read_control)
 from .jobdir import STOP_REQUEST, describe, write_json_atomic
@@ -127,16 +127,8 @@ class ControlServer:
             return "cannot listen on 127.0.0.1: %s" % (e.strerror or e)
         line = "%d %d %d %s %s\n" % (CONTROL_VERSION, os.getpid(), self.port, self.client_secret.decode(),
                                      self.server_secret)
-        tmp = "%s.%d.tmp" % (self.path, os.getpid())
         try:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(line)
-            os.replace(tmp, self.path)
+            write_private(self.path, line)
         except OSError as e:
             self._close_listener()
             return "cannot write %s: %s" % (self.path, e.strerror or e)

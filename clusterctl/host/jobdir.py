@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from .common import InputError, emit, log, private_temp
+from .common import InputError, emit, log, write_private
 from .jobfile import JOB_FILE, load_job
 from .procfs import pid_alive
 from .states import TERMINAL_JOB_STATES, JobState, ProcState
@@ -28,20 +28,8 @@ class StateFileError(InputError):
 
 
 def write_json_atomic(path, obj):
-    """Write JSON to path via a temporary file and os.replace."""
-    d = os.path.dirname(path)
-    fd, tmp = private_temp(d, ".tmp-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, sort_keys=True, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    """Write JSON to path atomically, 0600 (common.write_private)."""
+    write_private(path, json.dumps(obj, sort_keys=True, indent=1) + "\n")
 
 
 def abort_note(jobdir, row):

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from .common import InputError, log
+from .common import InputError, log, write_private
 from .jobfile import JOB_FILE, JOB_ENV, build_job, coordinator_entry, process_entry
 
 __all__ = ["SECRET_ENV", "POD_NAME_ENV", "TEMPLATE_VERSION", "pod_job", "process_env", "clean_environ",
@@ -136,15 +136,7 @@ def write_job_file(job, state_root):
     os.makedirs(jobdir, mode=0o700, exist_ok=True)
     os.chmod(jobdir, 0o700)
     path = os.path.join(jobdir, JOB_FILE)
-    tmp = path + ".tmp"
-    try:
-        os.unlink(tmp)
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(job, f)
-    os.replace(tmp, path)
+    write_private(path, json.dumps(job))
     return path
 
 

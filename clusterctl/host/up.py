@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from .common import InputError, emit
+from .common import InputError, emit, write_private
 from .jobdir import JOB_FILE, describe, read_state_or_none, supervisor_alive
 from .jobfile import validate_job
 
@@ -82,13 +82,6 @@ def _drift(workspace):
         return [{"path": workspace, "problem": "cannot be checked (%s)" % e}]
 
 
-def _write_private(path, data):
-    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(path + ".tmp", path)
-
-
 def up(doc, home):
     """Run the stages for one host's job document; (exit code, reply)."""
     from .launch import launch_job
@@ -111,11 +104,11 @@ def up(doc, home):
             reply.update(stage="workspace", drift=drift, error="workspace differs from its last dispatch")
             return 1, reply
     jobfile = os.path.join(jobdir, JOB_FILE)
-    _write_private(jobfile, json.dumps(raw).encode())
+    write_private(jobfile, json.dumps(raw))
     for rel, text in sorted((doc.get("files") or {}).items()):
         path = _home_path(home, rel)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        _write_private(path, text.encode("utf-8"))
+        write_private(path, text)
     problems = preflight(job, jobdir)
     if problems:
         reply.update(stage="preflight", problems=problems, error="; ".join(p["message"] for p in problems))

@@ -295,3 +295,27 @@ def test_private_temp_is_a_new_0600_file_never_through_a_link(tmp_path):
     with pytest.raises(FileExistsError):  # what private_temp opens with: an existing name (a link too) is refused
         os.open(str(tmp_path / ".tmp-link"), flags, 0o600)
     assert not target.exists()
+
+
+def test_write_private_replaces_a_file_with_a_new_0600_one_and_leaves_nothing_on_failure(tmp_path):
+    """The job file (with the token), the control file (with its secrets), state.json: written by write_private."""
+    import os
+    import stat
+
+    from clusterctl.host.common import write_private
+
+    path = tmp_path / "job.json"
+    path.write_text("old")
+    os.chmod(path, 0o644)
+    old_inode = path.stat().st_ino
+    os.symlink(tmp_path / "elsewhere", tmp_path / "job.json.tmp")  # the name the old writer used: not followed
+    write_private(str(path), '{"token": "x"}')
+    assert path.read_text() == '{"token": "x"}' and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.stat().st_ino != old_inode  # a new file: never the old one's mode, never a reader's half-write
+    write_private(str(path), b"\x00bytes")
+    assert path.read_bytes() == b"\x00bytes"
+    assert not (tmp_path / "elsewhere").exists()
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(OSError):  # a directory in the way: os.replace fails
+        write_private(str(tmp_path / "adir"), "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "job.json", "job.json.tmp"]
