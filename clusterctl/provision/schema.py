@@ -34,6 +34,25 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class _Switch(_Model):
+    """A section that `true` or `false` alone turns on or off (shorthand for {enabled: ...})."""
+
+    enabled: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"enabled": v} if isinstance(v, bool) else v
+
+
+def _remote_path(v: str, what: str = "path", *, tilde: bool = False) -> str:
+    """A path on the host, relative to the login's home (or absolute): no `..` component, no shell metacharacter."""
+    allowed = r"[A-Za-z0-9_./~+-]+" if tilde else r"[A-Za-z0-9_./+-]+"
+    if not v or ".." in v.split("/") or not re.fullmatch(allowed, v):
+        raise ValueError(f"not a usable {what}: {v!r}")
+    return v
+
+
 def _apt_package(value: str) -> str:
     name, sep, version = value.partition("=")
     if not _NAME_RE.match(name):
@@ -83,10 +102,9 @@ class AptSource(_Model):
         return self
 
 
-class AptOfflineSpec(_Model):
+class AptOfflineSpec(_Switch):
     """Air-gapped hosts: the controller resolves and downloads the .debs each host lacks and uploads them."""
 
-    enabled: bool = True
     local: str = "~/.cache/clusterctl/apt-offline"  # controller-side cache: package indexes and .debs
     remote: str = ".clusterctl/apt-offline"  # the host's local repository (relative: under the login user's home)
     # controller directories that `file:` sources (apt.sources, cuda.repository) may be read from; relative to
@@ -96,17 +114,10 @@ class AptOfflineSpec(_Model):
     # reading their state, apt-get update, resolving and downloading
     timeout: float = Field(600.0, gt=0, le=86400)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, v: Any) -> Any:
-        return {"enabled": v} if isinstance(v, bool) else v
-
     @field_validator("remote")
     @classmethod
     def _remote(cls, v: str) -> str:
-        if ".." in v.split("/") or not re.fullmatch(r"[A-Za-z0-9_./+-]+", v):
-            raise ValueError(f"not a usable path: {v!r}")
-        return v
+        return _remote_path(v)
 
 
 class AptSpec(_Model):
@@ -190,9 +201,7 @@ class PythonSpec(_Model):
     @field_validator("venv")
     @classmethod
     def _venv(cls, v: str) -> str:
-        if not v or ".." in v.split("/") or not re.fullmatch(r"[A-Za-z0-9_./~+-]+", v):
-            raise ValueError(f"not a usable venv path: {v!r}")
-        return v
+        return _remote_path(v, "venv path", tilde=True)
 
     @field_validator("interpreter")
     @classmethod
@@ -224,38 +233,24 @@ class MpiSpec(_Model):
         return v
 
 
-class WheelhouseSpec(_Model):
+class WheelhouseSpec(_Switch):
     """Air-gapped hosts: the controller downloads wheels once and uploads them; hosts install offline."""
 
-    enabled: bool = True
     local: str = "~/.cache/clusterctl/wheelhouse"
     remote: str = ".clusterctl/wheelhouse"
     index_url: str | None = None
     find_links: tuple[str, ...] = ()  # controller-side folders of extra wheels (e.g. ones you built), relative to the spec
 
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, v: Any) -> Any:
-        return {"enabled": v} if isinstance(v, bool) else v
-
     @field_validator("remote")
     @classmethod
     def _remote(cls, v: str) -> str:
-        if ".." in v.split("/") or not re.fullmatch(r"[A-Za-z0-9_./~+-]+", v):
-            raise ValueError(f"not a usable path: {v!r}")
-        return v
+        return _remote_path(v, tilde=True)
 
 
-class SshMeshSpec(_Model):
+class SshMeshSpec(_Switch):
     """Passwordless SSH between the hosts (for mpiexec), with every peer's host key pinned."""
 
-    enabled: bool = True
     key: str = ""  # controller-side private key; default ~/.cache/clusterctl/mesh/<job>/id_ed25519
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, v: Any) -> Any:
-        return {"enabled": v} if isinstance(v, bool) else v
 
 
 class CommandSpec(_Model):
