@@ -102,9 +102,12 @@ def test_a_stop_through_the_supervisors_counts_every_process_once(fleet, tmp_pat
         res = clusterctl("stop", spec, timeout=120)
         assert res.returncode == 0, res.stdout + res.stderr
         assert res.stdout.strip() == f"job {name} stopped on 2 host(s), 4 process(es) killed"
-        # node0 (the coordinator) answered over its socket; node1 too, unless node0's stop ended it first
-        assert _starts(fleet, 0) == []
-        assert all(" agent stop " in f" {line} " for line in _starts(fleet, 1)), _starts(fleet, 1)
+        # each node answered over its socket, unless the other node's stop ended the job there first (the two are
+        # asked at once; on a loaded machine either may be reached after the other's stop went through the
+        # coordinator, whose supervisor may then be gone): its agent answered from the state files
+        starts = {i: _starts(fleet, i) for i in NODES}
+        assert all(" agent stop " in f" {line} " for i in NODES for line in starts[i]), starts
+        assert any(not starts[i] for i in NODES), starts
         assert_no_orphans(fleet, name, hosts=[fleet.nodes[i] for i in NODES], within=GRACE + 5 + SLACK)
         again = clusterctl("stop", spec, timeout=120)
         assert again.stdout.strip() == f"job {name} is not running"
