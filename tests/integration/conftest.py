@@ -151,6 +151,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture(scope="session")
+def testcluster_packages() -> list[str]:
+    """The session cluster's pip packages: the clusters of other modules (Slurm, the pods' image) install the same,
+    so that they share its node image."""
+    return list(TESTCLUSTER_PACKAGES)
+
+
+@pytest.fixture(scope="session")
 def testcluster_bringup_seconds(testcluster: tc.ClusterInfo) -> float:
     """Wall time the session's first `up` took (image build included when it happened)."""
     return _SESSION["outcome"][2]

@@ -23,7 +23,6 @@ import fakekube
 
 ROOT = Path(__file__).resolve().parents[2]
 POD_IMAGE_REPO = "clusterctl/k8s-pod"
-DEFAULT_PACKAGES = ["numpy", "mpi4py", "mpich", "pyzmq", "torch==2.13.0"]  # tests/integration/conftest.py's
 
 
 def _source_hash() -> str:

@@ -30,17 +30,8 @@ NS = "k8s-it"
 JOBS = Path(__file__).resolve().parent / "jobs"
 
 
-def _session_packages(config) -> list[str]:
-    """The session cluster's pip packages (tests/integration/conftest.py), so that both share a node image."""
-    for plugin in config.pluginmanager.get_plugins():
-        packages = getattr(plugin, "TESTCLUSTER_PACKAGES", None)
-        if packages is not None:
-            return list(packages)
-    return list(h.DEFAULT_PACKAGES)
-
-
 @pytest.fixture(scope="module")
-def image(pytestconfig, request):
+def image(testcluster_packages, request):
     """The pods' image: the test cluster's node image plus this checkout's wheel in /opt/venv."""
     from clusterctl import testcluster as tc
     from clusterctl.errors import ClusterctlError
@@ -51,7 +42,7 @@ def image(pytestconfig, request):
         if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
             pytest.fail(f"docker cannot be used: {exc}")
         pytest.skip(f"docker cannot be used: {exc}")
-    tag, _built = h.pod_image(_session_packages(pytestconfig), lambda: request.getfixturevalue("clusterctl_wheel"))
+    tag, _built = h.pod_image(testcluster_packages, lambda: request.getfixturevalue("clusterctl_wheel"))
     return tag
 
 

@@ -65,17 +65,8 @@ time.sleep(600)
 """
 
 
-def _session_packages(config) -> list[str]:
-    """The session cluster's pip packages (tests/integration/conftest.py), so that both share a node image."""
-    for plugin in config.pluginmanager.get_plugins():
-        packages = getattr(plugin, "TESTCLUSTER_PACKAGES", None)
-        if packages is not None:
-            return list(packages)
-    return ["numpy", "mpi4py", "mpich", "pyzmq"]  # what these tests need
-
-
 @pytest.fixture(scope="module")
-def slurm_cluster(pytestconfig, clusterctl_wheel):
+def slurm_cluster(testcluster_packages, clusterctl_wheel):
     """A 3-node Slurm cluster with this checkout of clusterctl (the session's wheel) in every node's /opt/venv."""
     from clusterctl import testcluster as tc
     from clusterctl import testcluster_slurm as tsl
@@ -88,7 +79,7 @@ def slurm_cluster(pytestconfig, clusterctl_wheel):
             pytest.fail(f"docker cannot be used: {exc}")
         pytest.skip(f"docker cannot be used: {exc}")
     t0 = time.monotonic()
-    packages = _session_packages(pytestconfig)
+    packages = testcluster_packages
     info = tsl.up(NODES, name=CLUSTER_NAME, packages=packages)
     wheel = clusterctl_wheel
 
