@@ -86,6 +86,7 @@ class MuxProcess:
         self._conn, self._session = conn, session
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.returncode: int | None = None
+        self.killed = False  # kill() was called: the output may never reach EOF (process.collect_once)
         self._exit: int | None = None
         self._lock = threading.Lock()
         self.args = ("<mux session>",)
@@ -125,11 +126,18 @@ class MuxProcess:
 
     def kill(self) -> None:
         """End the session: closing the control socket makes the master close its channel."""
+        self.killed = True
         if self.returncode is None:
             self._close(UNREACHABLE)
 
     def _close(self, code: int) -> None:
+        import socket
+
         self.returncode = code
+        try:  # wakes a thread blocked reading the socket (close alone does not) and ends the session at the master
+            self._conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self._conn.sock.close()
         except OSError:

@@ -16,6 +16,7 @@ from .base import (UNREACHABLE, LineCallback, LineSplitter, Result, Running, Tra
 __all__ = ["ProcessTransport", "ProcessRun", "CONNECT_TRIES"]
 
 CONNECT_TRIES = 6  # a connection shed before the login is tried this many times in all
+KILLED_DRAIN_S = 0.5  # a killed kept-connection session: how long its output may still take to end (collect_once)
 
 
 class ProcessTransport(Transport):
@@ -175,7 +176,9 @@ def collect_once(host: Host, proc: subprocess.Popen, chunks: Iterable[bytes], ti
         if code is None:
             return None, "", ""
     for t in readers:
-        t.join()
+        # a killed session of a kept connection: its master holds our pipes' other ends until the host's side of
+        # the session is gone, which a quiet command (a followed log) notices only at its next write; not waited for
+        t.join(KILLED_DRAIN_S if getattr(proc, "killed", False) else None)
     return code, outputs.get("out", ""), outputs.get("err", "")
 
 

@@ -9,6 +9,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -70,6 +71,12 @@ class FakeMaster:
                 return
             _send(conn, mux.MUX_S_SESSION_OPENED, 1, 5)
             stdin, stdout, stderr = fds
+            if self.mode == "hold":  # a quiet command: nothing sent; after the client left, the host's side of the
+                self.seen["client gone"] = conn.recv(1) == b""  # session takes a while to end (a keepalive)
+                time.sleep(6)
+                for fd in fds:
+                    os.close(fd)
+                return
             data = b""
             while chunk := os.read(stdin, 65536):
                 data += chunk
@@ -175,4 +182,42 @@ def test_kill_ends_a_session_and_wait_returns(sock_path):
     assert proc.wait(5) == 255 and proc.poll() == 255
     proc.stdin.close()
     master.thread.join(5)
+    assert master.seen["client gone"]
+
+
+def test_kill_wakes_a_thread_waiting_for_the_session(sock_path):
+    """Ctrl+C on a followed log: the session's waiting thread is blocked reading the control socket when another
+    thread kills the session. Closing the socket alone does not wake a blocked recv (nor tell the master: the
+    blocked call keeps the socket alive), so `clusterctl logs -f` hung after saying "interrupted"."""
+    master = FakeMaster(sock_path)
+    proc = mux.open_session(sock_path, "tail -f log")
+    codes = []
+    waiter = threading.Thread(target=lambda: codes.append(proc.wait()), daemon=True)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # blocked in the control socket's recv: the master has said nothing yet
+    proc.kill()
+    waiter.join(5)
+    assert not waiter.is_alive() and codes == [255]
+    proc.stdin.close()
+    master.thread.join(5)
+
+
+def test_a_killed_run_ends_without_waiting_for_the_master_to_let_go_of_its_output(sock_path):
+    """After a kill, a real master keeps our output pipes until the host's side of the session is gone, which a
+    quiet command notices only at its next write: the run ends without waiting for that."""
+    master = FakeMaster(sock_path, mode="hold")
+    proc = mux.open_session(sock_path, "tail -f log")
+    transport = type("Transport", (), {"shed": lambda self, err: False, "failure_reason": lambda self, h, err: err})()
+    run = ProcessRun(transport, Host("h", 22, "u", 0), "tail -f log", proc=proc)
+    results = []
+    finisher = threading.Thread(target=lambda: results.append(run.finish(lambda: [], None, None)), daemon=True)
+    finisher.start()
+    finisher.join(0.3)
+    assert finisher.is_alive()
+    t0 = time.monotonic()
+    run.kill()
+    finisher.join(5)
+    assert not finisher.is_alive() and time.monotonic() - t0 < 3 and results[0].exit_code == 255
+    master.thread.join(10)
     assert master.seen["client gone"]
