@@ -16,6 +16,11 @@ from .states import TERMINAL_JOB_STATES, ProcState
 
 LOG_CHUNK = 64 * 1024
 LOG_MAX_PARTIAL = 4 * 1024 * 1024  # --follow: a partial line longer than this is emitted in pieces
+# --follow: after this long with nothing to send, an empty line (the controller drops it). A follower whose client
+# went away (Ctrl+C, a lost connection) learns it only by writing: without this, a quiet job kept it, and the
+# `cat` relaying the control socket's stream, on the host until the job's next log line or its end.
+KEEPALIVE_S = 5.0
+KEEPALIVE = b"\n"
 
 
 def _tail_offset(f, size, n):
@@ -175,10 +180,11 @@ def cmd_logs(args):
 
 
 def stream(jobdir, out, follow=False, role=None, id=None, lines=None, host_label=None, interval=0.2, ended=None,
-           say=log):
+           say=log, keepalive=KEEPALIVE_S):
     """Write the selected logs of the job in `jobdir` to the binary stream `out` (what `agent logs` prints; the
     supervisor's control socket serves the same to its `logs` clients); 0. With `follow`, until the job is over on
-    this host, or `ended()` says so (then what is left is drained). `say` gets the notes about missing files.
+    this host, or `ended()` says so (then what is left is drained), writing an empty line after every `keepalive`
+    seconds with nothing to send. `say` gets the notes about missing files.
     Raise InputError on a selection that matches nothing."""
     state, job = job_from_dir(jobdir, strict=False)
     if state is None and job is None:
@@ -199,13 +205,13 @@ def stream(jobdir, out, follow=False, role=None, id=None, lines=None, host_label
         raise InputError("-n must be >= 0")
     tails = [LogTail(_log_prefix(host, p, attempt), path, out) for p in sel for attempt, path in _attempt_logs(p)]
     try:
-        return _write_out(jobdir, out, follow, lines, interval, ended, say, host, wanted, tails)
+        return _write_out(jobdir, out, follow, lines, interval, ended, say, host, wanted, tails, keepalive)
     finally:
         for t in tails:
             t.close()
 
 
-def _write_out(jobdir, out, follow, lines, interval, ended, say, host, wanted, tails):
+def _write_out(jobdir, out, follow, lines, interval, ended, say, host, wanted, tails, keepalive):
     if not follow:
         missing = [t.path for t in tails if not t.dump(lines)]
         out.flush()
@@ -215,6 +221,7 @@ def _write_out(jobdir, out, follow, lines, interval, ended, say, host, wanted, t
     for t in tails:
         t.open(lines)
     known = set(t.path for t in tails)
+    quiet_since = time.monotonic()
     while True:
         state = read_state_or_none(jobdir)
         # decide before draining so nothing written before the end is lost
@@ -226,6 +233,12 @@ def _write_out(jobdir, out, follow, lines, interval, ended, say, host, wanted, t
                         known.add(path)
                         tails.append(LogTail(_log_prefix(host, p, attempt), path, out))
         busy = sum(t.poll() for t in tails)
+        now = time.monotonic()
+        if busy:
+            quiet_since = now
+        elif now - quiet_since >= keepalive:
+            out.write(KEEPALIVE)
+            quiet_since = now
         out.flush()
         if over:
             while sum(t.poll() for t in tails):

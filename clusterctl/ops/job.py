@@ -353,6 +353,8 @@ def logs(
         if stream != "out":  # held until the host's outcome is known (a failure is said once, below)
             notes.setdefault(h, []).append(line)
             return
+        if not line:  # a follower's keepalive (clusterctl/host/logtail.py): every log line has its prefix
+            return
         if line.startswith("{"):  # the agent's own JSON message, not a log line
             try:
                 error = str(json.loads(line).get("error", line))

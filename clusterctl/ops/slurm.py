@@ -400,6 +400,8 @@ def logs(
     problems: list[str] = []
 
     def relay(h: Host, stream: str, line: str) -> None:
+        if stream == "out" and not line:  # a follower's keepalive (clusterctl/host/logtail.py)
+            return
         if line.startswith("{"):  # the agent's own JSON message, not a log line
             try:
                 problems.append(f"{h.label}: {json.loads(line).get('error', line)}")

@@ -224,6 +224,48 @@ def test_sigint_on_start_follow_stops_everything(testcluster, tmp_path):
     assert again.stdout.strip() == "job it-sigint is not running"
 
 
+@pytest.mark.timeout(150)
+def test_ctrl_c_on_logs_follow_of_a_quiet_job_leaves_no_follower_on_the_hosts(testcluster, tmp_path):
+    """Ctrl+C ends `logs --follow` at once, and on each host the follower (the supervisor's log thread and the `cat`
+    relaying its stream) goes within two keepalives, although the job writes nothing more (clusterctl/host/logtail.py
+    KEEPALIVE_S); the job runs on."""
+    from clusterctl.host.logtail import KEEPALIVE_S
+
+    spec = job_spec(testcluster, tmp_path, "it-quiet", hosts=2, mode="collective",
+                    env={"STEPS": "2", "STEP_S": "600"})
+    clusterctl("start", spec, "--dispatch", check=True)
+    nodes = testcluster.nodes[:2]
+
+    def cats():
+        return {n.container: node_exec(n.container, "pgrep -u ubuntu -x cat || true").split() for n in nodes}
+
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clusterctl.cli", "logs", str(spec), "--follow"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # however the suite itself was started
+        )
+        seen = []
+        deadline = time.monotonic() + 60
+        for line in proc.stdout:  # both trainers' first (and only) step: the followers are streaming
+            seen.append(line)
+            if sum("step=0 " in s for s in seen) == 2 or time.monotonic() > deadline:
+                break
+        assert sum("step=0 " in s for s in seen) == 2, "".join(seen)
+        assert all(cats().values()), cats()  # each host relays its supervisor's stream with a `cat`
+        proc.send_signal(signal.SIGINT)  # process-directed, as Ctrl+C sends it
+        rest, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 130 and "Traceback" not in rest, "".join(seen) + rest
+        assert not [line for line in seen if not line.strip()], seen  # the keepalives are not shown
+        deadline = time.monotonic() + 2 * KEEPALIVE_S + 20  # 20: polling and a loaded machine
+        while any(cats().values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(cats().values()), cats()
+        assert status_json(spec)["state"] == "running"
+    finally:
+        clusterctl("stop", spec, check=True)
+
+
 @pytest.mark.timeout(120)
 def test_paused_host_fails_start_within_connect_timeout(testcluster, tmp_path):
     spec = job_spec(testcluster, tmp_path, "it-paused", hosts=2)

@@ -437,3 +437,52 @@ def test_ctrl_c_on_start_follow_cancels_the_allocation_and_leaves_nothing(slurm_
     st = status_json(spec)
     assert st["state"] == "stopped" and st["reason"].startswith(f"Slurm job {slurm_id} CANCELLED"), st
     assert "is not running" in clusterctl("stop", spec, check=True).stdout
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_on_logs_follow_of_a_quiet_job_leaves_no_follower_on_the_nodes(slurm_cluster, tmp_path):
+    """`logs --follow` under Slurm runs `agent logs --follow` on each node over ssh: after Ctrl+C, each one ends at
+    its next keepalive (clusterctl/host/logtail.py KEEPALIVE_S), although the job writes nothing more."""
+    from clusterctl.host.logtail import KEEPALIVE_S
+
+    info = slurm_cluster
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "job.py").write_text("import time\nprint('step=0 quiet now', flush=True)\ntime.sleep(600)\n")
+    job = {"mode": "collective", "entrypoint": [VENV_PY, "job.py"], "trainers": 1, "grace": 2,
+           "ports": {"control": 7640, "master": 7641, "pserver": 7645, "trainer": 7650}}
+    spec = slurm_spec(info, tmp_path / "quiet.yaml", "it-slurm-quiet", ws, "clusterctl-it/slurm-quiet", job)
+    clusterctl("stop", spec, check=True)
+    clusterctl("start", spec, "--dispatch", check=True, timeout=120)
+
+    def followers():
+        return {n.container: node_exec(n.container, "pgrep -f '[a]gent logs .*--follow' || true").split()
+                for n in info.nodes}
+
+    try:
+        wait_status(spec, lambda s: len(s["processes"]) == NODES and all(p["state"] == "running"
+                                                                          for p in s["processes"]))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clusterctl.cli", "logs", str(spec), "--follow"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # however the suite itself was started
+        )
+        seen = []
+        deadline = time.monotonic() + UP_S
+        for line in proc.stdout:
+            seen.append(line)
+            if sum("step=0 quiet now" in s for s in seen) == NODES or time.monotonic() > deadline:
+                break
+        assert sum("step=0 quiet now" in s for s in seen) == NODES, "".join(seen)
+        assert all(followers().values()), followers()
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 130 and "Traceback" not in rest, "".join(seen) + rest
+        deadline = time.monotonic() + 2 * KEEPALIVE_S + 20  # 20: polling and a loaded machine
+        while any(followers().values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(followers().values()), followers()
+        assert status_json(spec)["state"] == "running"
+    finally:
+        clusterctl("stop", spec, check=True, timeout=120)
+    assert not no_tagged(info, "it-slurm-quiet")

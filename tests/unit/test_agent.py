@@ -748,8 +748,45 @@ def test_logs_follow_survives_truncation_and_exits_when_job_ends(cluster):
         if follower.poll() is None:
             follower.kill()
         reader.join()
-    assert lines == [b"[hF trainer.0] one\n", b"[hF trainer.0] two\n", b"[hF trainer.0] three\n",
-                     b"[hF trainer.0] " + big + b"\n", b"[hF trainer.0] \xff tail\n"]
+    assert [line for line in lines if line != b"\n"] == [  # but the keepalives of a slow run
+        b"[hF trainer.0] one\n", b"[hF trainer.0] two\n", b"[hF trainer.0] three\n",
+        b"[hF trainer.0] " + big + b"\n", b"[hF trainer.0] \xff tail\n"]
+
+
+@pytest.mark.timeout(60)
+def test_a_quiet_follower_sends_keepalives_and_ends_once_its_reader_is_gone(cluster):
+    """A follower learns that its client left (Ctrl+C, a lost connection) only from a write that fails: a quiet
+    job's follower writes an empty line every `keepalive` seconds (the controller drops them), so that neither it
+    nor the `cat` relaying the control socket's stream stays on the host until the job's next line."""
+    from clusterctl.host import logtail
+
+    job_id = cluster.new_job_id()
+    d = cluster.host("hK", job_id, [cluster.process("trainer", 0, "sleep")])
+    launch(d)
+    reader, writer = socket.socketpair()
+    out = writer.makefile("wb")
+    result = {}
+
+    def follow():
+        try:
+            result["rc"] = logtail.stream(d, out, follow=True, keepalive=0.1)
+        except OSError as e:
+            result["error"] = e
+
+    t = threading.Thread(target=follow)
+    t.start()
+    try:
+        reader.settimeout(10)
+        got = reader.recv(100)  # nothing was logged: keepalives only
+        assert got and set(got) == {ord("\n")}, got
+        reader.close()  # the reader goes away
+        t.join(10)
+        assert not t.is_alive() and isinstance(result.get("error"), OSError), result
+    finally:
+        rc, _ = agent("stop", d, "--grace", "1")
+        t.join(10)
+        writer.close()
+    assert rc == 0
 
 
 # ---------------------------------------------------------------------------
