@@ -6,14 +6,17 @@ need no cluster (free ports, the local /proc sweep) are in tests/helpers.py.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -102,6 +105,58 @@ def clusterctl(*args: str, timeout: float = 120, check: bool = False, input: str
     if check and res.returncode != 0:
         raise AssertionError(f"clusterctl {' '.join(map(str, args))} exited {res.returncode}\n{res.stdout}\n{res.stderr}")
     return res
+
+
+@contextlib.contextmanager
+def cli_to_interrupt(*args: str, env: dict | None = None) -> Iterator[subprocess.Popen]:
+    """`clusterctl ARGS` as a user runs it at a terminal before pressing Ctrl+C: SIGINT at its default however the
+    suite was started, faulthandler on (interrupt() prints its threads if it hangs), stdout and stderr merged,
+    stdin closed. Killed on the way out if still running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clusterctl.cli", *map(str, args)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+        env={**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def read_until(proc: subprocess.Popen, done: Callable[[list[str]], bool], timeout: float) -> list[str]:
+    """The lines `proc` printed until done(lines) held, it ended, or `timeout` passed (checked at each line)."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if done(seen) or time.monotonic() > deadline:
+            break
+    return seen
+
+
+def interrupt(proc: subprocess.Popen, timeout: float) -> str:
+    """Ctrl+C: a process-directed SIGINT (any thread may take it; the main one must still see it). The rest of
+    the output once `proc` ended; a failure with every thread's stack when it did not end within `timeout`."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        rest, _ = proc.communicate(timeout=30)
+        pytest.fail(f"{proc.args[3:5]} did not end within {timeout:g} s of SIGINT; its threads then:\n" + rest[-8000:])
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, interval: float = 0.5) -> bool:
+    """Poll cond() until it holds or `timeout` passes; its last value."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
 
 
 def docker(*args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import k8sharness as h
+from clusterlib import cli_to_interrupt, interrupt, read_until
 
 pytestmark = pytest.mark.integration
 
@@ -333,31 +333,13 @@ def test_ctrl_c_on_start_follow_stops_the_job_and_deletes_it(kube, image, tmp_pa
     spec = h.write_spec(tmp_path / "sigint.yaml", name="k8s-sigint", image=image, workspace=JOBS, job={
         "mode": "collective", "entrypoint": ["python3", "job.py"], "args": ["{role}", "{id}"], "trainers": 2,
         "grace": 2, "env": {"STEPS": "100000"}})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clusterctl.cli", "start", str(spec), "--follow"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
-        env={**kube.env(), "COLUMNS": "200", "PYTHONFAULTHANDLER": "1"},  # SIGABRT below: every thread's stack
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # however the suite itself was started
-    )
-    seen = []
-    try:
-        deadline = time.monotonic() + 120
-        for line in proc.stdout:  # both trainers have stepped: their lines are in the followed logs
-            seen.append(line)
-            if all(any(f"step=3 trainer={i}" in s for s in seen) for i in (0, 1)) or time.monotonic() > deadline:
-                break
-        assert all(any(f"step=3 trainer={i}" in s for s in seen) for i in (0, 1)), "".join(seen)
-        proc.send_signal(signal.SIGINT)  # process-directed, as Ctrl+C sends it
-        try:
-            rest, _ = proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGABRT)
-            rest, _ = proc.communicate(timeout=30)
-            pytest.fail("start --follow did not end within 90 s of SIGINT; its threads then:\n" + rest[-8000:])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    def stepped(seen):  # both trainers have stepped: their lines are in the followed logs
+        return all(any(f"step=3 trainer={i}" in s for s in seen) for i in (0, 1))
+
+    with cli_to_interrupt("start", spec, "--follow", env={**kube.env(), "COLUMNS": "200"}) as proc:
+        seen = read_until(proc, stepped, 120)
+        assert stepped(seen), "".join(seen)
+        rest = interrupt(proc, 90)
     out = "".join(seen) + rest
     assert proc.returncode == 130 and "interrupted: stopping the job" in rest, out
     assert "Traceback" not in out, out

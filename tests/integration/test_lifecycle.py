@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,8 +16,9 @@ import pytest
 import yaml
 
 from clusterlib import (
-    JOBS, ROOT, assert_no_orphans, clusterctl, clusterctl_while_paused, job_ports, job_spec, listening, node_exec,
-    port_base, status_json, tagged_pids, via, wait_state, write_spec,
+    JOBS, ROOT, assert_no_orphans, cli_to_interrupt, clusterctl, clusterctl_while_paused, interrupt, job_ports,
+    job_spec, listening, node_exec, port_base, read_until, status_json, tagged_pids, via, wait_state, wait_until,
+    write_spec,
 )
 
 pytestmark = pytest.mark.integration
@@ -197,26 +197,9 @@ def test_other_jobs_process_with_the_same_script_survives_stop(testcluster, tmp_
 def test_sigint_on_start_follow_stops_everything(testcluster, tmp_path):
     spec = job_spec(testcluster, tmp_path, "it-sigint", hosts=2, env={"STEPS": "600"})
     clusterctl("dispatch", spec, check=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clusterctl.cli", "start", str(spec), "--follow"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT below: every thread's stack in the output
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # however the suite itself was started
-    )
-    seen = []
-    deadline = time.monotonic() + 60
-    for line in proc.stdout:
-        seen.append(line)
-        if "step=" in line or time.monotonic() > deadline:
-            break
-    # a process-directed SIGINT, as Ctrl+C sends: any thread may take it (the main one must still see it)
-    proc.send_signal(signal.SIGINT)
-    try:
-        rest, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGABRT)
-        rest, _ = proc.communicate(timeout=30)
-        pytest.fail("start --follow did not end within 60 s of SIGINT; its threads then:\n" + rest[-8000:])
+    with cli_to_interrupt("start", spec, "--follow") as proc:
+        seen = read_until(proc, lambda seen: "step=" in seen[-1], 60)
+        rest = interrupt(proc, 60)
     assert proc.returncode == 130, "".join(seen) + rest
     assert "interrupted: stopping the job" in rest
     assert_no_orphans(testcluster, "it-sigint", job_ports(spec))
@@ -240,27 +223,16 @@ def test_ctrl_c_on_logs_follow_of_a_quiet_job_leaves_no_follower_on_the_hosts(te
         return {n.container: node_exec(n.container, "pgrep -u ubuntu -x cat || true").split() for n in nodes}
 
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "clusterctl.cli", "logs", str(spec), "--follow"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # however the suite itself was started
-        )
-        seen = []
-        deadline = time.monotonic() + 60
-        for line in proc.stdout:  # both trainers' first (and only) step: the followers are streaming
-            seen.append(line)
-            if sum("step=0 " in s for s in seen) == 2 or time.monotonic() > deadline:
-                break
-        assert sum("step=0 " in s for s in seen) == 2, "".join(seen)
-        assert all(cats().values()), cats()  # each host relays its supervisor's stream with a `cat`
-        proc.send_signal(signal.SIGINT)  # process-directed, as Ctrl+C sends it
-        rest, _ = proc.communicate(timeout=30)
+        with cli_to_interrupt("logs", spec, "--follow") as proc:
+            # both trainers' first (and only) step: the followers are streaming
+            seen = read_until(proc, lambda seen: sum("step=0 " in s for s in seen) == 2, 60)
+            assert sum("step=0 " in s for s in seen) == 2, "".join(seen)
+            assert all(cats().values()), cats()  # each host relays its supervisor's stream with a `cat`
+            rest = interrupt(proc, 30)
         assert proc.returncode == 130 and "Traceback" not in rest, "".join(seen) + rest
         assert not [line for line in seen if not line.strip()], seen  # the keepalives are not shown
-        deadline = time.monotonic() + 2 * KEEPALIVE_S + 20  # 20: polling and a loaded machine
-        while any(cats().values()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not any(cats().values()), cats()
+        # 20: polling and a loaded machine
+        assert wait_until(lambda: not any(cats().values()), 2 * KEEPALIVE_S + 20), cats()
         assert status_json(spec)["state"] == "running"
     finally:
         clusterctl("stop", spec, check=True)

@@ -15,9 +15,6 @@ import json
 import os
 import re
 import shlex
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterlib import (ROOT, assert_mlp_ranks_match_single, clusterctl, docker, listening, node_exec, status_json,
-                        tagged_pids)
+from clusterlib import (ROOT, assert_mlp_ranks_match_single, cli_to_interrupt, clusterctl, docker, interrupt, listening,
+                        node_exec, read_until, status_json, tagged_pids, wait_until)
 
 pytestmark = pytest.mark.integration
 
@@ -401,33 +398,13 @@ def test_ctrl_c_on_start_follow_cancels_the_allocation_and_leaves_nothing(slurm_
            "ports": {"control": 7620, "master": 7621, "pserver": 7625, "trainer": 7630}}
     spec = slurm_spec(info, tmp_path / "sigint.yaml", "it-slurm-sigint", ws, "clusterctl-it/slurm-sigint", job)
     clusterctl("stop", spec, check=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clusterctl.cli", "start", str(spec), "--dispatch", "--follow"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT below: every thread's stack in the output
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # however the suite itself was started
-    )
-    seen = []
-    try:
-        deadline = time.monotonic() + UP_S
-        for line in proc.stdout:  # every node's trainer has stepped: its lines are in the followed logs
-            seen.append(line)
-            if sum("step=2 " in s for s in seen) == NODES or time.monotonic() > deadline:
-                break
+    with cli_to_interrupt("start", spec, "--dispatch", "--follow") as proc:
+        # every node's trainer has stepped: its lines are in the followed logs
+        seen = read_until(proc, lambda seen: sum("step=2 " in s for s in seen) == NODES, UP_S)
         assert sum("step=2 " in s for s in seen) == NODES, "".join(seen)
         slurm_id = node_exec(head, "squeue -h -o %i -n clusterctl-it-slurm-sigint").strip()
         assert slurm_id.isdigit(), slurm_id
-        proc.send_signal(signal.SIGINT)  # process-directed, as Ctrl+C sends it
-        try:
-            rest, _ = proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGABRT)
-            rest, _ = proc.communicate(timeout=30)
-            pytest.fail("start --follow did not end within 90 s of SIGINT; its threads then:\n" + rest[-8000:])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        rest = interrupt(proc, 90)
     out = "".join(seen) + rest
     assert proc.returncode == 130 and "interrupted: stopping the job" in rest, out
     assert "Traceback" not in out, out
@@ -462,26 +439,14 @@ def test_ctrl_c_on_logs_follow_of_a_quiet_job_leaves_no_follower_on_the_nodes(sl
     try:
         wait_status(spec, lambda s: len(s["processes"]) == NODES and all(p["state"] == "running"
                                                                           for p in s["processes"]))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "clusterctl.cli", "logs", str(spec), "--follow"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # however the suite itself was started
-        )
-        seen = []
-        deadline = time.monotonic() + UP_S
-        for line in proc.stdout:
-            seen.append(line)
-            if sum("step=0 quiet now" in s for s in seen) == NODES or time.monotonic() > deadline:
-                break
-        assert sum("step=0 quiet now" in s for s in seen) == NODES, "".join(seen)
-        assert all(followers().values()), followers()
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=30)
+        with cli_to_interrupt("logs", spec, "--follow") as proc:
+            seen = read_until(proc, lambda seen: sum("step=0 quiet now" in s for s in seen) == NODES, UP_S)
+            assert sum("step=0 quiet now" in s for s in seen) == NODES, "".join(seen)
+            assert all(followers().values()), followers()
+            rest = interrupt(proc, 30)
         assert proc.returncode == 130 and "Traceback" not in rest, "".join(seen) + rest
-        deadline = time.monotonic() + 2 * KEEPALIVE_S + 20  # 20: polling and a loaded machine
-        while any(followers().values()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not any(followers().values()), followers()
+        # 20: polling and a loaded machine
+        assert wait_until(lambda: not any(followers().values()), 2 * KEEPALIVE_S + 20), followers()
         assert status_json(spec)["state"] == "running"
     finally:
         clusterctl("stop", spec, check=True, timeout=120)
