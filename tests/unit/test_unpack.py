@@ -2,12 +2,13 @@
 python3 -S -E process reading the real payload, in a scratch home."""
 
 import json
-import os
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 from clusterctl.host import slurm
+from clusterctl.host import unpack
 from clusterctl.host.unpack import INSTALL
 from clusterctl.ops import hosttools
 
@@ -25,8 +26,7 @@ def test_install_unpacks_the_package_privately_and_once(tmp_path):
     _, layout, data, _ = hosttools._package()
     assert sorted(p.name for p in (dest / hosttools.HOST_PACKAGE).iterdir()) == sorted(
         rel.split("/")[1] for rel, _ in layout)
-    assert (dest / hosttools.HOST_PACKAGE / "unpack.py").read_bytes() == open(
-        os.path.join(os.path.dirname(slurm.__file__), "unpack.py"), "rb").read()
+    assert (dest / hosttools.HOST_PACKAGE / "unpack.py").read_bytes() == Path(unpack.__file__).read_bytes()
     assert oct(dest.stat().st_mode & 0o777) == "0o700" and oct(dest.parent.stat().st_mode & 0o777) == "0o700"
     assert not [p for p in dest.parent.iterdir() if p.name.startswith(".tmp-host-")]
     # there already: nothing is read back or rewritten (even a payload that would no longer match)
