@@ -352,3 +352,44 @@ def test_sshconn_builds_on_the_transport_base_not_on_remote():
                 assert not any(n == "remote" or n.endswith(".remote") for n in names if n), (path, node.lineno)
     code = "import clusterctl.sshconn, sys; print('clusterctl.remote' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------------------ a deadline's wait
+
+
+def test_a_process_with_a_deadline_is_seen_ending_at_once_not_at_a_later_look(monkeypatch):
+    """Popen.wait(timeout) sleeps up to 50 ms between looks for the exit (~40 ms late on every `start`
+    over new connections); wait_until is woken by the exit itself: it never sleeps."""
+    from clusterctl.transport import process
+
+    proc = subprocess.Popen(["sleep", "0.3"])
+    real_sleep = time.sleep
+
+    def no_sleep(seconds):
+        raise AssertionError(f"slept {seconds}s waiting for a process")
+
+    monkeypatch.setattr(time, "sleep", no_sleep)
+    try:
+        assert process.wait_until(proc, time.monotonic() + 30) == 0
+    finally:
+        monkeypatch.setattr(time, "sleep", real_sleep)
+        proc.kill()
+        proc.wait()
+
+
+def test_a_process_past_its_deadline_times_out_and_can_still_be_ended():
+    from clusterctl.transport import process
+
+    proc = subprocess.Popen(["sleep", "30"])
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.wait_until(proc, t0 + 0.2)
+    assert 0.19 <= time.monotonic() - t0 < 10
+    proc.kill()
+    assert process.wait_until(proc, time.monotonic() + 10) == -9  # already reaped or not: the code
+
+
+def test_a_run_with_a_deadline_returns_its_exit_code_and_output(tmp_path):
+    run = ProcessRun(LocalTransport(tmp_path), H, "echo out; echo err >&2; exit 3")
+    res = run.finish(lambda: (), 30, None)
+    assert (res.exit_code, res.stdout.strip(), res.stderr.strip()) == (3, "out", "err")
