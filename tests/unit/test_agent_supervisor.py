@@ -345,3 +345,42 @@ def _no_leftovers():
 
     for pid in job_pids("job-sup"):
         os.kill(pid, 9)
+
+
+def _real_supervisor(tmp_path, seconds):
+    job = validate_job({"job": "job-sup", "host": "hA", "token": TOKEN, "grace": 5, "processes": [
+        {"role": "trainer", "id": 0, "argv": ["sleep", str(seconds)], "cwd": str(tmp_path),
+         "log": str(tmp_path / "t.log")}]}, "job.json")
+    sup = Supervisor(job, str(tmp_path))
+    sup.tick = 60.0  # the loop's wait between looks at processes and timers: never reached below
+    return sup
+
+
+def test_a_process_exit_wakes_the_loop_at_once_not_at_its_next_tick(tmp_path):
+    sup = _real_supervisor(tmp_path, 0.3)
+    t0 = time.monotonic()
+    assert sup.run() == 0
+    assert time.monotonic() - t0 < 20, "the exit was seen only at the loop's next tick"
+    assert sup.core.state == S.SUCCEEDED
+    assert sup.procs.rows[0].exit_code == 0
+
+
+def test_sigterm_wakes_the_loop_at_once_and_the_handlers_and_wakeup_fd_are_put_back(tmp_path):
+    import signal
+    import threading
+
+    sup = _real_supervisor(tmp_path, 120)
+    before = signal.getsignal(signal.SIGCHLD), signal.getsignal(signal.SIGTERM)
+    def term_once_started():  # the handlers are in place once the process runs
+        deadline = time.monotonic() + 30
+        while sup.procs.rows[0].pid is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=term_once_started, daemon=True).start()
+    t0 = time.monotonic()
+    sup.run()
+    assert time.monotonic() - t0 < 20, "SIGTERM was seen only at the loop's next tick"
+    assert sup.core.state == S.STOPPED and sup.procs.rows[0].state == ProcState.STOPPED
+    assert (signal.getsignal(signal.SIGCHLD), signal.getsignal(signal.SIGTERM)) == before
+    assert signal.set_wakeup_fd(-1) == -1  # none left set
