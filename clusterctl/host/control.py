@@ -49,6 +49,7 @@ LOG_SEND_TIMEOUT = 60.0  # a `logs` client that reads nothing for this long is d
 TOP_BASELINE_WAIT = 0.25  # no CPU baseline younger than metrics.BASELINE_MAX_AGE_S: take one, answer this later
 GPU_REFRESH_S = 2.0  # GpuWatch: nvidia-smi every this many seconds while `top` is asked
 GPU_IDLE_S = 30.0  # ... and stops this long after the last `top`
+LAST_REQUEST_S = 0.2  # at close: how long a client that connected may take to send its request line
 CLOSE_DRAIN_S = 2.0  # at the supervisor's exit: time left to the replies being written and the log clients
 ACCEPT_PAUSE = 0.5  # seconds without accepting after an accept error such as EMFILE
 ACCEPT_BATCH = 32
@@ -135,6 +136,26 @@ class ControlServer:
         self.loop.register(self.listener, self._on_accept)
         self.loop.on_poll(self.tick)
         return None
+
+    def _serve_last_requests(self):
+        """At close: the clients that connected before the listener closes (accepted or still in its backlog) are
+        served, not dropped, when their request line comes within LAST_REQUEST_S: a `stop` that reached this host
+        just after the coordinator's broadcast ended the job here gets its answer from this supervisor, instead of
+        falling back to a Python `agent stop` on the host (what `stop` then waited for)."""
+        if self.listener is None:
+            return
+        self._on_accept(self.listener)
+        deadline = time.monotonic() + LAST_REQUEST_S
+        while True:
+            for conn in list(self.pending.values()):
+                self._on_request(conn.sock)  # non-blocking: serves a complete request, drops a closed client
+            left = deadline - time.monotonic()
+            if not self.pending or left <= 0:
+                return
+            with selectors.DefaultSelector() as sel:  # not select(): a coordinator's descriptors pass FD_SETSIZE
+                for conn in self.pending.values():
+                    sel.register(conn.sock, selectors.EVENT_READ)
+                sel.select(left)
 
     def _close_listener(self):
         if self.listener is not None:
@@ -510,6 +531,7 @@ class ControlServer:
                 os.unlink(self.path)
         except OSError:
             pass
+        self._serve_last_requests()
         self._close_listener()
         for conn in list(self.pending.values()):
             self._drop(conn, "rejected")

@@ -331,6 +331,28 @@ def test_closing_answers_a_waiting_stop_and_removes_the_control_file(tmp_path):
     assert not os.path.exists(os.path.join(sup.jobdir, CONTROL_FILE))
 
 
+def test_closing_serves_the_requests_of_clients_that_connected_before_it_and_drops_the_silent_ones(tmp_path):
+    """A `stop` that reaches a host just after the job ended there (the coordinator's broadcast came first) is
+    answered by the closing supervisor, not refused: refused, the host would start Python for `agent stop`."""
+    sup = served(tmp_path)
+    sup.term_requested = True  # the job ends here before the clients below come
+    assert run_until(sup, lambda: sup.core.stop_done)
+    _, client, _ = secrets_of(sup)
+    stop = Client(sup, client.encode() + b' stop {"grace":0}\n')  # in the listener's backlog: never accepted
+    status = Client(sup, client.encode() + b" status\n")
+    silent = Client(sup)  # connects, says nothing
+    t0 = time.monotonic()
+    sup.control.close()
+    assert time.monotonic() - t0 < control.LAST_REQUEST_S + 5
+    stop.until(lambda c: c.eof, step=False)
+    assert json.loads(header_and_body_after_close(stop.data))["state"] == "stopped"
+    status.until(lambda c: c.eof, step=False)
+    assert json.loads(header_and_body_after_close(status.data))["state"] == "stopped"
+    silent.until(lambda c: c.eof, step=False)
+    assert silent.data == b""
+    assert sup.control.counts["answered"] == 2 and sup.control.counts["rejected"] == 1
+
+
 def header_and_body_after_close(data):
     head, _, body = data.partition(b"\n")
     assert head.startswith(b"ok ")
