@@ -369,7 +369,7 @@ def cmd_delete(ns: str, args: list[str]) -> int:
 
 # run in a pod's main container just before its deletion (for the tests): pids carrying a CLUSTERCTL_JOB tag
 SWEEP = """
-import os
+import json, os
 found = []
 for pid in (p for p in os.listdir("/proc") if p.isdigit()):
     try:
@@ -377,9 +377,29 @@ for pid in (p for p in os.listdir("/proc") if p.isdigit()):
     except OSError:
         continue
     if any(e.startswith(b"CLUSTERCTL_JOB=") for e in env):
-        found.append(int(pid))
-print(found)
+        try:  # what it is, for a failed test to say: "pid argv..."
+            argv = open("/proc/%s/cmdline" % pid, "rb").read().split(b"\\0")
+        except OSError:
+            argv = []
+        found.append(" ".join([pid] + [a.decode("utf-8", "replace") for a in argv if a]))
+print(json.dumps(found))
 """
+
+
+def _sweep(container: str) -> dict:
+    """The processes tagged with a job in a running container ({"tagged": [...]}), or {"running": False} when its
+    PID 1 exits meanwhile: an exec into a container whose PID 1 is exiting fails while docker may still call it
+    running for a moment, so a failed sweep is tried again until it succeeds or the container has stopped (5 s)."""
+    deadline = time.monotonic() + 5
+    while True:
+        res = docker("exec", container, "python3", "-c", SWEEP, check=False)
+        if res.returncode == 0:
+            return {"tagged": json.loads(res.stdout)}
+        if not _running(container):  # nothing runs in a stopped container
+            return {"running": False}
+        if time.monotonic() > deadline:
+            return {"tagged": f"sweep failed: {res.stderr.strip()}"}
+        time.sleep(0.2)
 
 
 def delete_pod(ns: str, pod: str) -> None:
@@ -402,13 +422,7 @@ def _delete_pod(ns: str, pod: str) -> None:
         running = bool(main) and _running(container_name(pod, main))
         record = {"pod": pod, "running": running, "tagged": []}
         if running:  # what the job left in the pod when Kubernetes starts deleting it (the tests' orphan check)
-            res = docker("exec", container_name(pod, main), "python3", "-c", SWEEP, check=False)
-            if res.returncode == 0:
-                record["tagged"] = json.loads(res.stdout)
-            elif _running(container_name(pod, main)):
-                record["tagged"] = f"sweep failed: {res.stderr.strip()}"
-            else:  # its PID 1 exited meanwhile: nothing runs in a stopped container
-                record["running"] = False
+            record.update(_sweep(container_name(pod, main)))
         with open(state_dir() / "sweeps.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         if running:
