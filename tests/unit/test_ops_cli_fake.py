@@ -195,11 +195,18 @@ def _listening(addr, port):
 # A fake Slurm (tests/unit/fakeslurm.py) on the fake hosts: sbatch runs the batch script for real on node1
 # (home: the fake host 127.0.0.1), srun runs one task per node (node2: 127.0.0.2), scancel signals the job's
 # process groups. The batch script, the glue (clusterctl/host/slurm.py) and the supervisors are the real ones.
+# The failing rank fails once every rank of its attempt has said its line (files in the shared workspace): the
+# supervisors stop the others at once, and a line not yet printed then would never be.
 SLURM_TRAIN = """\
 import os, sys, time
 rank, attempt = int(os.environ["RANK"]), int(os.environ["CLUSTERCTL_RESTART_COUNT"])
 print(f"rank {rank} attempt {attempt} token {len(os.environ.get('CLUSTERCTL_JOB_TOKEN', ''))}", flush=True)
+open(f"said-{rank}-{attempt}", "w").close()
 if str(rank) == os.environ.get("FAIL_RANK") and attempt < int(os.environ.get("FAIL_ATTEMPTS", "99")):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(os.path.exists(f"said-{r}-{attempt}")
+                                                  for r in range(int(os.environ["WORLD_SIZE"]))):
+        time.sleep(0.01)
     sys.exit(3)
 time.sleep(float(os.environ.get("SLEEP", "0")))
 """
