@@ -13,10 +13,13 @@ the rounds. The load average is printed at the start and end of each.
   one `sleep` per node.
 - `start16` (kept connections): `start` of 16 processes on 8 nodes (2 per node), then an untimed `stop`; with
   `exec true` in the same rounds.
+- `stop` (kept connections): `stop` of a running job of one `sleep` per node (started, untimed, a second before
+  each), with `exec true` in the same rounds; with `--compare-python`, that one's `stop` too.
 
     .venv/bin/python benchmarks/lifecycle.py ask --nodes 8 --rounds 9 [--compare-python PY] [--python PY]
     .venv/bin/python benchmarks/lifecycle.py start-cold --nodes 16 --bastion --rounds 5 [--connect-timeout 15]
     .venv/bin/python benchmarks/lifecycle.py start16 --rounds 7
+    .venv/bin/python benchmarks/lifecycle.py stop --nodes 16 --bastion --rounds 9 [--compare-python PY]
 """
 
 from __future__ import annotations
@@ -169,7 +172,7 @@ def job_spec(info, name: str, state: Path, *, trainers: int = 1, persist: int | 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("ask", "start-cold", "start16"))
+    ap.add_argument("what", choices=("ask", "start-cold", "start16", "stop"))
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--bastion", action="store_true")
     ap.add_argument("--rounds", type=int, default=7)
@@ -225,6 +228,29 @@ def main() -> int:
         print(f"load average after the rounds: {load()}")
         table(f"{nodes} nodes{' behind a bastion' if args.bastion else ''}, ssh.persist 0 (a new connection per "
               f"host and command), medians of {args.rounds} rounds", med, "exec true (new connections)")
+        return 0
+
+    if args.what == "stop":
+        spec = job_spec(info, "lcstop", state, connect_timeout=args.connect_timeout)
+        timed(cli + ["stop", str(spec)], check=False)
+        timed(cli + ["dispatch", str(spec)])
+        start = cli + ["start", str(spec)]
+        cmds = {"exec true": cli + ["exec", str(spec), "--", "true"], "stop": cli + ["stop", str(spec)]}
+        env = with_before(cmds, before, {"stop, before": ["stop", str(spec)]})
+
+        def started(name: str) -> None:  # every `stop` stops a job that runs
+            if name.startswith("stop"):
+                timed(start)
+                time.sleep(1.0)
+
+        started("stop")
+
+        print(f"load average before the rounds: {load()}", flush=True)
+        med = rounds(cmds, args.rounds, between=started, hosts=hosts, env=env)
+        print(f"load average after the rounds: {load()}")
+        table(f"{nodes} nodes{' behind a bastion' if args.bastion else ''}, a running job, kept connections, "
+              f"medians of {args.rounds} rounds", med, "exec true")
+        timed(cli + ["stop", str(spec)], check=False)
         return 0
 
     spec = job_spec(info, "lcstart16", state, trainers=2, connect_timeout=args.connect_timeout)
