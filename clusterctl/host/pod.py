@@ -286,6 +286,8 @@ class _Init:
             if not tailing and self.code is None and os.path.exists(state):
                 self.tail, tailing = self._spawn("agent", ["logs", self.jobdir, "--follow", "--host-label", self.pod]), True
             time.sleep(0.05)
+        if not tailing and os.path.exists(state):  # the job ended before the follower started: its logs once
+            self.tail = self._spawn("agent", ["logs", self.jobdir, "--host-label", self.pod])
         deadline = time.monotonic() + TAIL_DRAIN_S
         while self.tail is not None and time.monotonic() < deadline:  # it ends by itself: the job is over
             self._reap()

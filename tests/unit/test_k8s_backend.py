@@ -122,8 +122,12 @@ def test_sigterm_to_the_pod_stops_the_job_through_its_supervisor(tmp_path):
     pod = Pod(tmp_path)
     proc = pod.start([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"])
     state = pod.state / "jobs" / "tiny" / "state.json"
-    _wait_for(lambda: state.exists() and json.loads(state.read_text())["processes"][0]["state"] == "running", 30,
-              "the process running")
+    def said_up():
+        procs = json.loads(state.read_text())["processes"] if state.exists() else []
+        return bool(procs) and procs[0]["state"] == "running" and Path(procs[0]["log"]).exists() and \
+            "up" in Path(procs[0]["log"]).read_text().split()
+
+    _wait_for(said_up, 30, "the process running and its line in its log")
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
@@ -133,6 +137,18 @@ def test_sigterm_to_the_pod_stops_the_job_through_its_supervisor(tmp_path):
     assert msg["state"] == "stopped" and msg["reason"].startswith("stop requested on tiny-trainer-0-abcde"), msg
     assert [(p["state"], p["exit_code"]) for p in msg["processes"]] == [("stopped", -15)]
     assert "[tiny-trainer-0-abcde trainer.0] up" in out.splitlines()
+
+
+@pytest.mark.slow  # ~22 s a pod here: PID 1 lingers for `kubectl exec` commands, and this test's "pod" sees every process
+def test_a_job_that_ends_before_the_log_follower_starts_still_has_its_lines_on_the_pods_stdout(tmp_path):
+    """`kubectl logs` is the pod's stdout: a process that prints and exits at once may end the job before PID 1
+    started its follower (4 of 10 such pods lost their line before the fix); PID 1 then prints the logs once."""
+    for i in range(5):
+        pod = Pod(tmp_path / str(i))
+        proc = pod.start([sys.executable, "-c", "print('hi', flush=True)"])
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "[tiny-trainer-0-abcde trainer.0] hi" in out.splitlines(), (i, out, err)
 
 
 @pytest.mark.parametrize("change,message", [
