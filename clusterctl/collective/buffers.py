@@ -165,7 +165,7 @@ def _prepare_torch(x, op: str, out, size: int, compression: str | None, communic
                 target.copy_(res_src.view(x.shape))
                 return x if inplace else out
             return Prepared(device=buf, finish=finish_dev, average_here=False)
-        note_staging()
+        note_staging(communicator)
         host = torch.empty(work.shape, dtype=work.dtype, pin_memory=True)
         host.copy_(work)
         flat = host.reshape(-1).numpy()
@@ -176,7 +176,7 @@ def _prepare_torch(x, op: str, out, size: int, compression: str | None, communic
                 if op == "avg" and is_int:
                     return res.double() / size
                 return res.to(x.dtype)
-            target.copy_(host.view(x.shape).to(target.device))
+            target.copy_(host.view(x.shape))          # one copy to the device, into the target
             return x if inplace else out
         return Prepared(src=flat, dst=flat, finish=finish_staged,
                         average_here=not (op == "avg" and is_int))
@@ -244,7 +244,7 @@ def _prepare_cupy(x, op: str, out, size: int, compression: str | None, communica
                 target[...] = res
             return target
         return Prepared(device=work.reshape(-1), finish=finish_dev, average_here=False)
-    note_staging()
+    note_staging(communicator)
     import cupyx
     host = cupyx.empty_pinned(work.shape, dtype=work.dtype)
     work.get(out=host)

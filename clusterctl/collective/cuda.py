@@ -28,8 +28,8 @@ def _loaded_libmpi() -> list[str]:
     return paths
 
 
-def detect_cuda_aware(comm, MPI) -> tuple[bool, str]:
-    """Ask the MPI library whether it accepts CUDA device buffers; returns (answer, how it was found)."""
+def _library_cuda_support(comm, MPI) -> tuple[bool, str]:
+    """Whether the MPI library says it accepts CUDA device buffers at all; returns (answer, how it said so)."""
     # 1. MPI-4.1: the communicator's info lists the memory kinds the library supports.
     try:
         info = comm.Get_info()
@@ -47,16 +47,35 @@ def detect_cuda_aware(comm, MPI) -> tuple[bool, str]:
             continue
         fn.restype = ctypes.c_int
         if fn():
-            return True, f"MPIX_Query_cuda_support() in {os.path.basename(path)}"
+            return True, f"MPIX_Query_cuda_support() = 1 in {os.path.basename(path)}"
         return False, f"MPIX_Query_cuda_support() = 0 in {os.path.basename(path)}"
-    # 3. Open MPI build information in the library version string.
-    version = MPI.Get_library_version()
-    if "Open MPI" in version and "cuda" in version.lower():
-        return True, "Open MPI library version mentions CUDA"
     return False, f"no cuda memory kind (mpi_memory_alloc_kinds={kinds or 'unset'})"
 
 
-_answers: dict[int, bool] = {}
+def _vendor(MPI) -> str:
+    try:
+        return MPI.get_vendor()[0]
+    except (AttributeError, TypeError, IndexError):
+        return "Open MPI" if "Open MPI" in MPI.Get_library_version() else ""
+
+
+def detect_cuda_aware(comm, MPI) -> tuple[bool, str]:
+    """Whether device buffers may go straight to this package's collectives; returns (answer, why).
+
+    Every collective here is non-blocking (``Iallreduce``/``Ibcast`` polled against a deadline), so a library
+    must take device buffers in *non-blocking* collectives.  MPICH built with GPU support does; Open MPI does
+    in blocking ones only (its ``coll/cuda`` component intercepts the blocking reductions and stages them
+    through host memory; a non-blocking reduction reads device memory on the CPU), so with Open MPI device
+    buffers are staged here, through pinned memory, which is what its own component would do.
+    """
+    aware, how = _library_cuda_support(comm, MPI)
+    if aware and _vendor(MPI) == "Open MPI":
+        return False, (f"{how}, but Open MPI takes device buffers in blocking collectives only, "
+                       "and these are non-blocking")
+    return aware, how
+
+
+_answers: dict[int, tuple[bool, str]] = {}
 
 
 def cuda_aware(communicator) -> bool:
@@ -66,19 +85,21 @@ def cuda_aware(communicator) -> bool:
         return raw == "1"
     key = id(communicator)
     if key not in _answers:
-        answer, how = detect_cuda_aware(communicator.comm, communicator.MPI)
-        _answers[key] = answer
-        log.debug("CUDA-aware MPI: %s (%s)", answer, how)
-    return _answers[key]
+        _answers[key] = detect_cuda_aware(communicator.comm, communicator.MPI)
+        log.debug("CUDA-aware MPI: %s (%s)", *_answers[key])
+    return _answers[key][0]
 
 
 _noted = False
 
 
-def note_staging() -> None:
-    """Log once per process that device buffers are staged through pinned host memory."""
+def note_staging(communicator=None) -> None:
+    """Log once per process that device buffers are staged through pinned host memory, and why."""
     global _noted
     if not _noted:
         _noted = True
-        log.warning("MPI is not CUDA-aware: device buffers are staged through pinned host memory "
-                    "(set %s=1 to override detection)", CUDA_AWARE_ENV)
+        raw = os.environ.get(CUDA_AWARE_ENV, "").strip()
+        why = (f"{CUDA_AWARE_ENV}={raw}" if raw in ("0", "1")
+               else _answers.get(id(communicator), (False, "MPI is not CUDA-aware"))[1])
+        log.warning("device buffers are staged through pinned host memory (%s; set %s=1 to override "
+                    "detection)", why, CUDA_AWARE_ENV)

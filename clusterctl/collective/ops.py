@@ -92,7 +92,7 @@ def broadcast(x, root: int = 0, *, comm=None):
         elif kind == "torch-cuda" and buf.data_ptr() != x.data_ptr():
             x.detach().copy_(buf)
         return x
-    note_staging()
+    note_staging(c)
     if kind == "torch-cuda":
         import torch
         host = x.detach().to("cpu").contiguous()

@@ -30,7 +30,7 @@ try:
     mpi4py.rc.finalize = False
     from mpi4py import MPI
     out["mpi4py"] = mpi4py.__version__
-    out["mpi_library"] = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+    out["mpi_library"] = " ".join(MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].split())
     out["mpi_version"] = "%d.%d" % MPI.Get_version()
 except ModuleNotFoundError:
     pass  # no mpi4py in this venv: doctor shows "-", and a problem only when the spec asks for mpi
