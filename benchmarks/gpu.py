@@ -3,14 +3,20 @@
     python benchmarks/gpu.py facts        # doctor's host facts script against the real driver, read back as doctor does
     python benchmarks/gpu.py provision    # the gpu provisioning step (driver check, CUDA/NCCL wheels) in check and apply mode
     mpiexec -n N python benchmarks/gpu.py bench [--sizes-mb 0.25,4,64] [--steps 20]
+    mpiexec -n N python benchmarks/gpu.py cuda-mpi-probe --calls Allreduce,Bcast,Ibcast,Iallreduce
 
 ``bench`` times, on CUDA tensors, interleaved round by round (medians, timed by the slowest rank after a
 barrier, with the device synchronized): clusterctl's allreduce (the CUDA-aware path when MPI says it is
-CUDA-aware, and the pinned-host staging fallback), ``torch.distributed.all_reduce`` over NCCL (when there is a
+CUDA-aware, and the pinned-host staging fallback; and the library's own blocking ``MPI_Allreduce`` of the device
+pointer when the library says it takes device buffers at all), ``torch.distributed.all_reduce`` over NCCL (when there is a
 GPU per rank: NCCL refuses two ranks on one device) and over gloo (CUDA tensors, more than one rank); then a
 training step (forward, backward, gradient averaging, SGD step) with clusterctl's ``grouped_allreduce`` of the
 gradients (device buckets) against ``DistributedDataParallel`` over NCCL / gloo. Every rank uses GPU
 ``local_rank % device_count``.
+
+``cuda-mpi-probe`` hands a CUDA tensor straight to the named mpi4py calls, one after another, and says whether
+each result is right: what a library that calls itself CUDA-aware does with device buffers in blocking and
+non-blocking collectives (a crash ends the run: put the call that may crash last).
 """
 
 from __future__ import annotations
@@ -99,6 +105,11 @@ def provision() -> int:
     return rc
 
 
+def _library(MPI) -> str:
+    """The library's version line (Open MPI 4.1's ends with a NUL)."""
+    return MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()
+
+
 def _timed(comm, MPI, fn, sync) -> float:
     comm.Barrier()
     t0 = time.perf_counter()
@@ -115,7 +126,7 @@ def bench(args) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import clusterctl.collective as cc
-    from clusterctl.collective.cuda import CUDA_AWARE_ENV, detect_cuda_aware
+    from clusterctl.collective.cuda import CUDA_AWARE_ENV, _library_cuda_support, detect_cuda_aware
 
     c = cc.init(timeout=600)
     MPI, comm = c.MPI, c.MPI.COMM_WORLD
@@ -128,6 +139,7 @@ def bench(args) -> int:
         torch.cuda.set_device(dev)
         sync = torch.cuda.synchronize
     aware, how = detect_cuda_aware(comm, MPI)
+    library_aware = _library_cuda_support(comm, MPI)[0]
     groups = {}
     port = None
     if rank == 0:
@@ -143,7 +155,7 @@ def bench(args) -> int:
     if rank == 0:
         print(f"ranks {n}, GPUs {ngpu} ({torch.cuda.get_device_name(dev) if ngpu else 'CPU tensors'}); torch {torch.__version__} "
               f"(CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version())) if ngpu else '-'}); "
-              f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}; CUDA-aware: {aware} ({how}); "
+              f"MPI: {_library(MPI)}; CUDA-aware: {aware} ({how}); "
               f"references: {', '.join(groups) or 'none'}"
               + ("" if "nccl" in groups else f" (no NCCL: {n} ranks on {ngpu} GPU(s))"))
 
@@ -156,6 +168,8 @@ def bench(args) -> int:
     methods = {"ours (staged)": ours("staged")}
     if aware:
         methods["ours (CUDA-aware)"] = ours("aware")
+    if library_aware and n > 1 and ngpu:  # the library's own device path (blocking: no deadline, no liveness pings)
+        methods["MPI_Allreduce (device pointer)"] = lambda x: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
     for name, g in groups.items():
         methods[f"torch.distributed {name}"] = lambda x, g=g: dist.all_reduce(x, group=g)
 
@@ -273,9 +287,46 @@ def nccl_two_ranks_one_gpu() -> int:
     return 0
 
 
+def cuda_mpi_probe(args) -> int:
+    """Hand a CUDA tensor straight to each of ``args.calls`` and say whether the result is right."""
+    import torch
+    from mpi4py import MPI
+
+    from clusterctl.collective.cuda import _library_cuda_support, detect_cuda_aware
+    comm = MPI.COMM_WORLD
+    rank, n = comm.rank, comm.size
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    says, how = _library_cuda_support(comm, MPI)
+    ours, why = detect_cuda_aware(comm, MPI)
+    if rank == 0:
+        print(f"{_library(MPI)}: device buffers {'yes' if says else 'no'} "
+              f"({how}); clusterctl's collectives take them: {'yes' if ours else 'no'} ({why})", flush=True)
+    for call in args.calls.split(","):
+        x = torch.full((1 << 20,), float(rank + 1), device="cuda")
+        torch.cuda.synchronize()
+        comm.Barrier()
+        if call == "Allreduce":
+            comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+        elif call == "Iallreduce":
+            comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM).Wait()
+        elif call == "Bcast":
+            comm.Bcast(x, root=0)
+        elif call == "Ibcast":
+            comm.Ibcast(x, root=0).Wait()
+        else:
+            raise SystemExit(f"cuda-mpi-probe: unknown call {call!r}")
+        torch.cuda.synchronize()
+        want = 1.0 if "cast" in call else n * (n + 1) / 2
+        right = bool(torch.all(x == want))
+        print(f"rank {rank}: {call} of a 4 MiB CUDA tensor: "
+              f"{'right' if right else f'WRONG (want {want}, got {x[:3].tolist()}...)'}", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["facts", "provision", "bench", "nccl-probe"])
+    ap.add_argument("what", choices=["facts", "provision", "bench", "nccl-probe", "cuda-mpi-probe"])
+    ap.add_argument("--calls", default="Allreduce,Bcast,Ibcast,Iallreduce")
     ap.add_argument("--sizes-mb", default="0.25,4,64")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--models", default="mlp,deep")
@@ -289,6 +340,8 @@ def main() -> int:
         return provision()
     if args.what == "nccl-probe":
         return nccl_two_ranks_one_gpu()
+    if args.what == "cuda-mpi-probe":
+        return cuda_mpi_probe(args)
     return bench(args)
 
 

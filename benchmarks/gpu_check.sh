@@ -4,6 +4,10 @@
 #
 #   benchmarks/gpu_check.sh                      # with clusterctl's dependencies and the MPI wheels installed
 #   WHEELS=.whl benchmarks/gpu_check.sh          # a machine with no package index: install these wheels first
+#   CUDA_MPI=/opt/ompi-cuda benchmarks/gpu_check.sh  # also the parts under an MPI built with CUDA (Open MPI's
+#                                                # prefix: its bin/mpirun and lib/libmpi.so.40)
+#   PARTS="cuda-mpi" benchmarks/gpu_check.sh     # only these parts (machine doctor provision collective nccl
+#                                                # top bench cuda-mpi; all of them by default)
 #
 # Each part prints a "== part" line; the script exits non-zero when a check failed.
 set -u
@@ -21,6 +25,7 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 rc=0
 part() { echo; echo "== $* ($(date +%T))"; }
+want() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
 
 part machine
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
@@ -29,13 +34,17 @@ torch.__version__, 'CUDA', torch.version.cuda, '| mpi4py', mpi4py.__version__, '
 MPI.Get_library_version().splitlines()[0].strip())" || rc=1
 echo "mpiexec: $(command -v mpiexec)"
 
+if want doctor; then
 part "doctor: the host facts script against the driver"
 "$PY" benchmarks/gpu.py facts || rc=1
+fi
 
+if want provision; then
 part "provisioning: the gpu step (driver check, CUDA and NCCL wheels)"
 timeout 300 "$PY" benchmarks/gpu.py provision || rc=1
+fi
 
-for n in 1 2; do
+want collective && for n in 1 2; do
     for aware in "" 0; do
         part "collective GPU tests: mpi_cases.py under mpiexec -n $n${aware:+, CLUSTERCTL_COLLECTIVE_CUDA_AWARE=$aware}"
         CLUSTERCTL_COLLECTIVE_CUDA_AWARE=$aware timeout 300 mpiexec -n $n "$PY" -m pytest -q -rs -p no:cacheprovider \
@@ -44,9 +53,12 @@ for n in 1 2; do
     done
 done
 
+if want nccl; then
 part "NCCL: two ranks on one GPU"
 timeout 120 mpiexec -n 2 "$PY" benchmarks/gpu.py nccl-probe 2>&1 | grep -E "^rank|Error" | head -4
+fi
 
+if want top; then
 part "status and top of a GPU job (backend: local), then stop"
 work=$(mktemp -d) && cp benchmarks/gpu_top/train.py benchmarks/gpu_top/job.yaml "$work"/
 (
@@ -58,11 +70,40 @@ work=$(mktemp -d) && cp benchmarks/gpu_top/train.py benchmarks/gpu_top/job.yaml 
     echo "after stop: trainer $pid is $(cut -d' ' -f3 "/proc/$pid/stat" 2>/dev/null || echo gone) (Z: exited, not yet reaped)"
     exit $code
 ) || rc=1
+fi
 
-for n in 1 2; do
+want bench && for n in 1 2; do
     part "bench: mpiexec -n $n"
     timeout 300 mpiexec -n $n "$PY" benchmarks/gpu.py bench ${BENCH_ARGS:-} || rc=1
 done
+
+if [ -n "${CUDA_MPI:-}" ] && { want cuda-mpi || want cuda-mpi-probe; }; then
+    # Open MPI built with CUDA: mpi4py loads its libmpi; mpirun may run as root on a lent machine.
+    CUDA_AWARE_OVERRIDE=CLUSTERCTL_COLLECTIVE_CUDA_AWARE=1
+    ompi=(env PATH="$CUDA_MPI/bin:$PATH" LD_LIBRARY_PATH="$CUDA_MPI/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+          MPI4PY_LIBMPI="$CUDA_MPI/lib/libmpi.so.40" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+          OMPI_MCA_rmaps_base_oversubscribe=1 "$CUDA_MPI/bin/mpirun" --bind-to none)
+    part "CUDA-aware MPI: $("$CUDA_MPI/bin/ompi_info" --parsable --all 2>/dev/null | grep -m1 'mpi_built_with_cuda_support:value')"
+    for calls in Allreduce,Bcast,Ibcast Iallreduce; do
+        timeout 60 "${ompi[@]}" -n 2 "$PY" benchmarks/gpu.py cuda-mpi-probe --calls $calls 2>&1 | tr -d "\\000" | grep -avE "^\s*$" | head -12
+        echo "(mpirun exit ${PIPESTATUS[0]})"
+    done
+    # what clusterctl did before it asked who the vendor is: the device pointer straight to MPI_Iallreduce
+    echo "-- the GPU tests with $CUDA_AWARE_OVERRIDE (device buffers straight to the non-blocking collectives):"
+    timeout 120 env "$CUDA_AWARE_OVERRIDE" "${ompi[@]}" -n 2 "$PY" -m pytest -q -x -p no:cacheprovider \
+        tests/collective/mpi_cases.py -k "cuda and not cupy" 2>&1 | tr -d "\\000" | grep -aE "passed|failed|Segmentation|signal|error" | head -6
+    echo "(mpirun exit ${PIPESTATUS[0]})"
+fi
+if [ -n "${CUDA_MPI:-}" ] && want cuda-mpi; then
+    for n in 1 2; do
+        part "collective GPU tests under the CUDA-aware MPI: mpirun -n $n"
+        timeout 300 "${ompi[@]}" -n $n "$PY" -m pytest -q -rs -p no:cacheprovider tests/collective/mpi_cases.py \
+            -k "cuda or cupy" 2>&1 | grep -vE "durations|^$|^[0-9.]+s (call|setup|teardown)"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
+    part "bench under the CUDA-aware MPI: mpirun -n 2"
+    timeout 300 "${ompi[@]}" -n 2 "$PY" benchmarks/gpu.py bench ${BENCH_ARGS:-} || rc=1
+fi
 echo
 echo "gpu_check: exit $rc"
 exit $rc
