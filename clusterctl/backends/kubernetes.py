@@ -47,6 +47,7 @@ TOP_PODS_TTL_S = 1.0  # top: one `kubectl get` serves every pod's request of a r
 REPLY_LIMIT = 1 << 20  # bytes of an agent reply read from a pod
 START_POLL_S = 0.5
 FOLLOW_POLL_S = 1.0
+FOLLOWER_END_S = 2.0  # a `kubectl logs -f` told to end (SIGTERM) before it is killed
 KINDS = "jobs,pods,services,configmaps,secrets"
 DELETE_KINDS = "jobs,services,configmaps,secrets"  # the pods go with their Jobs (--cascade=foreground)
 # a pod waiting for one of these will not start by itself: `start` deletes the job and says why
@@ -651,6 +652,8 @@ class KubernetesBackend(Backend):
         lock = threading.Lock()
         threads: dict[str, threading.Thread] = {}
         errors: list[str] = []
+        followers: set[subprocess.Popen] = set()  # the `kubectl logs -f` running now, ended on the way out
+        closing = threading.Event()
 
         def emit(pod: str, line: str) -> None:
             with lock:
@@ -669,7 +672,11 @@ class KubernetesBackend(Backend):
                 for ln in deque((ln for ln in all_lines if _own_line(ln, f)), maxlen=lines):
                     emit(f.name, ln)
             while True:
-                proc = self.kubectl.follow(f.name, f.role)
+                with lock:
+                    if closing.is_set():
+                        return
+                    proc = self.kubectl.follow(f.name, f.role)
+                    followers.add(proc)
                 n = 0
                 for raw in proc.stdout:
                     n += 1
@@ -680,6 +687,10 @@ class KubernetesBackend(Backend):
                     if _own_line(ln, f):
                         emit(f.name, ln)
                 proc.wait()
+                with lock:
+                    followers.discard(proc)
+                if closing.is_set():  # ended on the way out (below): nothing to say
+                    return
                 err = proc.stderr.read().decode("utf-8", "replace")
                 try:
                     _, pods = self._snapshot()
@@ -693,20 +704,33 @@ class KubernetesBackend(Backend):
                     return
                 time.sleep(FOLLOW_POLL_S)  # the stream ended while the container runs: follow it again
 
-        while True:
-            jobs, pods = self._snapshot()
-            seen = _newest(pods)
-            targets = selected(seen)
-            for f in targets:
-                if f.name not in threads and f.phase in ("running", "ended", "deleting"):
-                    t = threading.Thread(target=follow_pod, args=(f,), daemon=True, name=f"logs {f.name}")
-                    threads[f.name] = t
-                    t.start()
-            waiting = [f for f in targets if f.name not in threads and f.phase == "waiting"]
-            if not waiting and all(not t.is_alive() for t in threads.values()):
-                if threads or not jobs or settled(seen, jobs):
-                    break
-            time.sleep(FOLLOW_POLL_S)
+        try:
+            while True:
+                jobs, pods = self._snapshot()
+                seen = _newest(pods)
+                targets = selected(seen)
+                for f in targets:
+                    if f.name not in threads and f.phase in ("running", "ended", "deleting"):
+                        t = threading.Thread(target=follow_pod, args=(f,), daemon=True, name=f"logs {f.name}")
+                        threads[f.name] = t
+                        t.start()
+                waiting = [f for f in targets if f.name not in threads and f.phase == "waiting"]
+                if not waiting and all(not t.is_alive() for t in threads.values()):
+                    if threads or not jobs or settled(seen, jobs):
+                        break
+                time.sleep(FOLLOW_POLL_S)
+        finally:  # Ctrl+C or an error: no `kubectl logs -f` outlives the command
+            with lock:
+                closing.set()
+                left = list(followers)
+            for proc in left:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in left:
+                try:
+                    proc.wait(timeout=FOLLOWER_END_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
         if errors:
             raise JobError("logs incomplete:\n" + "\n".join(errors))
         return 0

@@ -329,9 +329,9 @@ def cmd_logs(ns: str, args: list[str]) -> int:
         raise Refused(f'Error from server (BadRequest): container "{container}" in pod "{pod}" is waiting to start: '
                       "PodInitializing")
     sys.stdout.flush()
-    res = subprocess.run(["docker", "logs", *(["-f"] if follow else []), name], stdout=sys.stdout,
-                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return res.returncode
+    # one process, as kubectl is: a SIGTERM to `kubectl logs -f` ends the stream (a child would outlive it)
+    os.dup2(1, 2)
+    os.execvp("docker", ["docker", "logs", *(["-f"] if follow else []), name])
 
 
 # ------------------------------------------------------------------------------------------- delete

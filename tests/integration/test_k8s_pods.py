@@ -282,6 +282,17 @@ def test_stop_ends_every_process_in_every_pod_and_deletes_the_job(kube, image, t
             return len(json.loads(res.stdout)) == 2  # once the trainer (just started) has started its grandchild
 
         _until(tagged, 60, f"two processes tagged with the job in {pod}")
+    # Ctrl+C on `logs --follow` (SIGINT to clusterctl alone, as a wrapper sends it): exit 130, and no `kubectl
+    # logs -f` it started is left streaming on this machine (they would until the pods end); the job runs on
+    with cli_to_interrupt("logs", spec, "--follow", env={**kube.env(), "COLUMNS": "200"}) as proc:
+        def both(seen):
+            return all(any(f" trainer={i}" in s for s in seen) for i in (0, 1))
+        seen = read_until(proc, both, 60)
+        assert both(seen), "".join(seen)
+        rest = interrupt(proc, 30)
+    assert proc.returncode == 130 and "Traceback" not in rest, "".join(seen) + rest
+    assert not _followers("k8s-stop-"), _followers("k8s-stop-")
+    assert _running(_backend_status(spec), "trainer", 1), "the job stopped with its logs' follower"
     res = h.clusterctl(kube, "stop", spec, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     m = re.fullmatch(r"job k8s-stop stopped on 3 host\(s\) \(deleted ConfigMap, Job, Pod, Secret, Service in namespace "
@@ -303,6 +314,19 @@ def _until(cond, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout:g}s")
         time.sleep(0.5)
+
+
+def _followers(pods: str) -> list[str]:
+    """The command lines of this machine's `logs -f` processes (kubectl's, docker's) of pods named `pods`*."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().decode("utf-8", "replace").split("\0")
+        except OSError:  # not a process, or gone since
+            continue
+        if "logs" in argv and "-f" in argv and any(pods in a for a in argv):
+            found.append(" ".join(argv).strip())
+    return found
 
 
 def _sweep_script() -> str:

@@ -13,7 +13,8 @@ and answers from what the test wrote into the state dir with `FakeKubectl`:
   NotFound error (exit 1).
 - ``logs``: pod -> its container log (`logs POD -c C`); ``follow``: pod -> the successive `logs -f` streams
   ({"out", "rc", "err", "end"}: each call answers the next; with "end" the pod's container has ended afterwards:
-  its state is then terminated, exit code "end").
+  its state is then terminated, exit code "end"; "hold": seconds the stream then stays open, as a running
+  container's does; each `logs -f` process's pid is kept: `follower_pids()`).
 - ``fail``: verb -> {"rc", "err"}: every call of that verb fails so.
 
 Every call's argv (after `kubectl`) is logged in order; `calls()` reads them back.
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -60,6 +63,11 @@ class FakeKubectl:
         """Every call's argv after `kubectl`, in order."""
         log = self.state / "argv.jsonl"
         return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    def follower_pids(self) -> list[int]:
+        """The pid of every `logs -f` started so far."""
+        path = self.state / "follower_pids.json"
+        return json.loads(path.read_text()) if path.exists() else []
 
     def created(self) -> list[dict]:
         """The objects of every `create -f -`, as kubectl read them from stdin."""
@@ -185,9 +193,12 @@ def main(state: Path, argv: list[str]) -> int:
             stream = streams[min(served.get(pod, 0), len(streams) - 1)] if streams else {"rc": 1, "err": "no stream"}
             served[pod] = served.get(pod, 0) + 1
             _save(state, "served", served)
+            _save(state, "follower_pids", _load(state, "follower_pids", []) + [os.getpid()])
         sys.stdout.write(stream.get("out", ""))
         sys.stdout.flush()
         sys.stderr.write(stream.get("err", ""))
+        if "hold" in stream:
+            time.sleep(stream["hold"])
         if "end" in stream:
             with _locked(state):
                 _save(state, "ended", {**_load(state, "ended", {}), pod: stream["end"]})

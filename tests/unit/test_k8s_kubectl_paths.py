@@ -354,6 +354,32 @@ def test_follow_reads_each_line_once_across_restarted_streams_until_the_pods_end
     assert sorted(follows) == [["logs", "-f", T0, "-c", "trainer"]] * 2 + [["logs", "-f", T1, "-c", "trainer"]]
 
 
+def test_an_interrupted_follow_leaves_no_kubectl_logs_running(kube):
+    """Ctrl+C of `logs --follow` while the pods run: each `kubectl logs -f` it started is ended on the
+    way out, not left streaming on the user's machine until the pod ends (a SIGINT to clusterctl alone, as a
+    wrapper sends it, reaches no child of it)."""
+    kube.set(objects=[obj("Job", "fit-trainer"), pod("trainer", 0, RUNNING), pod("trainer", 1, RUNNING)],
+             follow={T0: [{"out": "[fit-trainer-0-abcde trainer.0] step=1\n", "hold": 600}],
+                     T1: [{"out": "[fit-trainer-1-abcde trainer.1] step=1\n", "hold": 600}]})
+    got = []
+    with backend() as b:
+        looks = b._snapshot
+
+        def snapshot():  # Ctrl+C at the main thread's next look once both streams said their line
+            if len(got) == 2:
+                raise KeyboardInterrupt
+            return looks()
+        b._snapshot = snapshot
+        with pytest.raises(KeyboardInterrupt):
+            b.logs(on_line=lambda host, stream, line: got.append(line), role="trainer", follow=True)
+    pids = kube.follower_pids()
+    assert len(pids) == 2 and sorted(got) == ["[fit-trainer-0-abcde trainer.0] step=1",
+                                              "[fit-trainer-1-abcde trainer.1] step=1"], (pids, got)
+    for pid in pids:  # ended and reaped: no such process
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_follow_with_lines_starts_from_the_last_ones(kube):
     log = "[fit-trainer-0-abcde trainer.0] step=1\nsupervisor line\n[fit-trainer-0-abcde trainer.0] step=2\n"
     kube.set(objects=[obj("Job", "fit-trainer"), pod("trainer", 0, RUNNING)], logs={T0: log},
