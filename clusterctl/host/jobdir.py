@@ -91,6 +91,17 @@ def supervisor_alive(state):
     return pid_alive(sup.get("pid"), sup.get("start_ticks"))
 
 
+def settled_state(jobdir, state):
+    """`state` as read from jobdir, or read again when its supervisor turned out dead while it says the job goes on.
+    A supervisor writes its last state and then exits: a state.json read just before that write, and a look at
+    /proc just after the exit, would call a finished job lost. Once the supervisor is seen dead its last write is
+    on disk, so a second read has it (and a supervisor that died without one is lost, as before)."""
+    if state is None or state.get("state") in TERMINAL_JOB_STATES or supervisor_alive(state):
+        return state
+    again = read_state_or_none(jobdir)
+    return state if again is None else again
+
+
 def job_from_dir(jobdir, strict=True):
     """(state.json, None) once launched, else (None, job.json or None); strict: a corrupt state.json raises."""
     state = read_state(jobdir) if strict else read_state_or_none(jobdir)
@@ -158,5 +169,5 @@ def cmd_status(args):
               "job": job["job"] if job else None,
               "error": "no job state in %s (never launched here?)" % jobdir})
         return 1
-    emit(describe(state))
+    emit(describe(settled_state(jobdir, state)))
     return 0

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from .common import UsageError, emit
-from .jobdir import StateFileError, describe, job_from_dir
+from .jobdir import StateFileError, describe, job_from_dir, settled_state
 from .jobfile import JOB_FILE
 from .metrics import Sampler, dumps
 from .progressline import STRAGGLER_SLICES, STRAGGLER_WINDOW_S
@@ -164,7 +164,7 @@ def cmd_top(args):
     try:
         if lock is not None:
             sampler = _load(jobdir)
-        out = reply(state, job, sampler, progress_only=args.progress_only, slice_s=args.slice, slices=args.slices,
+        out = reply(settled_state(jobdir, state), job, sampler, progress_only=args.progress_only, slice_s=args.slice, slices=args.slices,
                     wait=args.wait, gpu=not args.no_gpu)
         if lock is not None:
             _save(jobdir, sampler)

@@ -22,7 +22,7 @@ import os
 import sys
 
 from .common import InputError, emit, write_private
-from .jobdir import JOB_FILE, describe, read_state_or_none, supervisor_alive
+from .jobdir import JOB_FILE, describe, read_state_or_none, settled_state, supervisor_alive
 from .jobfile import validate_job
 
 MAX_DOC_BYTES = 64 << 20  # a job document larger than this is refused (the endpoint lists of ~10,000 trainers fit)
@@ -115,7 +115,7 @@ def up(doc, home):
         return 1, reply
     code, report = launch_job(jobfile, wait_started=START_WAIT, job=job)
     reply.update(report, stage="launched" if code == 0 else "launch")
-    state = read_state_or_none(jobdir)
+    state = settled_state(jobdir, read_state_or_none(jobdir))
     if state is not None:
         reply["status"] = describe(state)
     return code, reply

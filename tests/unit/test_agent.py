@@ -836,3 +836,26 @@ def test_pserver_endpoint_that_never_opens_fails_the_launch_and_leaves_nothing(c
     assert st["state"] == "failed", st
     assert proc(st, "trainer", 0)["pid"] is None
     assert wait_for(lambda: not tagged(job_id), 10)
+
+
+def test_a_status_read_as_the_supervisor_writes_its_last_state_and_exits_is_that_last_state(tmp_path):
+    """`agent status` reads state.json, then looks for the supervisor in /proc: a supervisor that wrote its last
+    state and exited in between was called lost (an idle fresh-clone run saw it, test_agent_flood). Once the
+    supervisor is seen dead, state.json is read again: its last write is there."""
+    from clusterctl.host.jobdir import STATE_FILE, describe, settled_state
+    from clusterctl.host.procfs import proc_stat
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    read_before = {"job": "j", "state": "running", "supervisor": {"pid": gone.pid, "start_ticks": 1},
+                   "processes": [], "attempt": 0}
+    (tmp_path / STATE_FILE).write_text(json.dumps(dict(read_before, state="succeeded", reason="all done")))
+    assert describe(read_before)["state"] == "lost"  # what the status said
+    assert describe(settled_state(str(tmp_path), read_before))["state"] == "succeeded"
+    # a supervisor that died without a last write is lost, as before
+    (tmp_path / STATE_FILE).write_text(json.dumps(read_before))
+    assert describe(settled_state(str(tmp_path), read_before))["state"] == "lost"
+    # a live one: the state as read, without a second read
+    alive = dict(read_before, supervisor={"pid": os.getpid(), "start_ticks": proc_stat(os.getpid())[2]})
+    (tmp_path / STATE_FILE).write_text("not JSON")
+    assert settled_state(str(tmp_path), alive) is alive
