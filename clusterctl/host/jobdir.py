@@ -95,11 +95,12 @@ def settled_state(jobdir, state):
     """`state` as read from jobdir, or read again when its supervisor turned out dead while it says the job goes on.
     A supervisor writes its last state and then exits: a state.json read just before that write, and a look at
     /proc just after the exit, would call a finished job lost. Once the supervisor is seen dead its last write is
-    on disk, so a second read has it (and a supervisor that died without one is lost, as before)."""
+    on disk, so a second read has it (and a supervisor that died without one is lost, as before: then the state
+    as read is kept, the very dicts the caller may hold)."""
     if state is None or state.get("state") in TERMINAL_JOB_STATES or supervisor_alive(state):
         return state
     again = read_state_or_none(jobdir)
-    return state if again is None else again
+    return again if again is not None and again.get("state") in TERMINAL_JOB_STATES else state
 
 
 def job_from_dir(jobdir, strict=True):

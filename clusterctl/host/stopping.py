@@ -10,7 +10,8 @@ import signal
 import time
 
 from .common import InputError, emit, log
-from .jobdir import LOCK_FILE, STATE_FILE, STOP_REQUEST, job_from_dir, read_state_or_none, supervisor_alive, write_json_atomic
+from .jobdir import (LOCK_FILE, STATE_FILE, STOP_REQUEST, job_from_dir, read_state_or_none, settled_state,
+                     supervisor_alive, write_json_atomic)
 from .jobfile import JOB_ID_RE
 from .procfs import group_members, pid_alive, proc_stat, tagged_processes
 from .states import TERMINAL_JOB_STATES, JobState, ProcState
@@ -122,6 +123,7 @@ def cmd_stop(args):
     """Stop the job on this host: supervisor first, then anything left, then the environ sweep."""
     jobdir = os.path.abspath(args.jobdir)
     state, job = job_from_dir(jobdir, strict=False)  # a corrupt state.json: still stop by the job's tag
+    state = settled_state(jobdir, state)  # a supervisor that just wrote its last state and exited: that state
     job_id = args.job or (state or {}).get("job") or (job or {}).get("job") or os.path.basename(jobdir)
     if not JOB_ID_RE.match(job_id):
         raise InputError("cannot tell the job id of %s; pass --job" % jobdir)
@@ -175,6 +177,7 @@ def cmd_stop(args):
         was_running = True
         killed.extend(own)
     if state is not None and not supervisor_alive(state):
+        state = settled_state(jobdir, state)  # it may have ended (and written its verdict) since the read above
         for r in state.get("processes") or []:
             if r.get("state") == ProcState.RUNNING:
                 r["state"] = ProcState.STOPPED if any(g is r for g in groups) else ProcState.LOST

@@ -859,3 +859,27 @@ def test_a_status_read_as_the_supervisor_writes_its_last_state_and_exits_is_that
     alive = dict(read_before, supervisor={"pid": os.getpid(), "start_ticks": proc_stat(os.getpid())[2]})
     (tmp_path / STATE_FILE).write_text("not JSON")
     assert settled_state(str(tmp_path), alive) is alive
+
+
+def test_a_stop_that_read_the_state_before_the_supervisors_last_write_keeps_the_verdict(tmp_path, monkeypatch, capsys):
+    """`agent stop` that read state.json ("running") just before the supervisor wrote its verdict and exited found
+    the supervisor dead, and wrote "stopped ... (supervisor was not running)" over the job's "succeeded". Now it
+    reads the state again once the supervisor is gone, and leaves a finished job as it ended."""
+    import argparse
+
+    from clusterctl.host import stopping
+    from clusterctl.host.jobdir import STATE_FILE
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    job_id = "race-" + uuid.uuid4().hex[:8]
+    stale = {"job": job_id, "state": "running", "supervisor": {"pid": gone.pid, "start_ticks": 1}, "grace": 1,
+             "processes": [{"role": "trainer", "id": 0, "pid": gone.pid, "start_ticks": 1, "state": "running"}]}
+    final = dict(stale, state="succeeded", reason="all 1 trainers exited 0",
+                 processes=[dict(stale["processes"][0], state="exited", exit_code=0)])
+    (tmp_path / STATE_FILE).write_text(json.dumps(final))
+    monkeypatch.setattr(stopping, "job_from_dir", lambda jobdir, strict=True: (json.loads(json.dumps(stale)), None))
+    assert stopping.cmd_stop(argparse.Namespace(jobdir=str(tmp_path), grace=0.1, job=None)) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["state"] == "succeeded" and not out["killed"], out
+    assert json.loads((tmp_path / STATE_FILE).read_text()) == final
