@@ -47,7 +47,6 @@ TOP_PODS_TTL_S = 1.0  # top: one `kubectl get` serves every pod's request of a r
 REPLY_LIMIT = 1 << 20  # bytes of an agent reply read from a pod
 START_POLL_S = 0.5
 FOLLOW_POLL_S = 1.0
-FOLLOWER_END_S = 2.0  # a `kubectl logs -f` told to end (SIGTERM) before it is killed
 KINDS = "jobs,pods,services,configmaps,secrets"
 DELETE_KINDS = "jobs,services,configmaps,secrets"  # the pods go with their Jobs (--cascade=foreground)
 # a pod waiting for one of these will not start by itself: `start` deletes the job and says why
@@ -725,12 +724,8 @@ class KubernetesBackend(Backend):
                 left = list(followers)
             for proc in left:
                 if proc.poll() is None:
-                    proc.terminate()
-            for proc in left:
-                try:
-                    proc.wait(timeout=FOLLOWER_END_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                    proc.kill()  # a log stream: nothing to end gracefully
+                proc.wait()
         if errors:
             raise JobError("logs incomplete:\n" + "\n".join(errors))
         return 0

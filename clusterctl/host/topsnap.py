@@ -164,8 +164,8 @@ def cmd_top(args):
     try:
         if lock is not None:
             sampler = _load(jobdir)
-        out = reply(settled_state(jobdir, state), job, sampler, progress_only=args.progress_only, slice_s=args.slice, slices=args.slices,
-                    wait=args.wait, gpu=not args.no_gpu)
+        out = reply(settled_state(jobdir, state), job, sampler, progress_only=args.progress_only,
+                    slice_s=args.slice, slices=args.slices, wait=args.wait, gpu=not args.no_gpu)
         if lock is not None:
             _save(jobdir, sampler)
     finally:
