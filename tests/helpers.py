@@ -23,24 +23,13 @@ __all__ = ["MPIEXEC", "free_port", "free_ports", "free_port_base", "job_pids", "
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports that were free on ``host`` a moment ago (all bound at once, then released)."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind((host, 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
+# Test ports come from below the kernel's ephemeral range (32768 and up on Linux): a port the kernel hands to
+# bind(port 0), to an outgoing connection or to Docker's port publishing is never one of these, so the port a
+# test picked stays free until the test's own server binds it. (Port 0 picked then released is not safe: in the
+# moment before the server binds it, an ssh connection of the other test lane may take it; CI saw exactly that.)
+_LOW, _HIGH = 20000, 32000
+_handed: set[int] = set()
+_handed_lock = threading.Lock()
 
 
 def _bindable(addr: str, port: int) -> bool:
@@ -53,14 +42,27 @@ def _bindable(addr: str, port: int) -> bool:
 
 
 def free_port_base(width: int, addrs: tuple[str, ...] = ("127.0.0.1",)) -> int:
-    """A port p such that p .. p+width-1 are free on every address in `addrs` (just now). Below the kernel's
-    ephemeral range (32768 and up), where no outgoing connection, and no other test's port 0, takes it meanwhile."""
+    """A port p such that p .. p+width-1 are free on every address in `addrs` (just now) and were not handed out
+    before in this process. Below the kernel's ephemeral range, where nothing else takes it meanwhile."""
     rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - width)
-        if all(_bindable(a, p) for a in addrs for p in range(base, base + width)):
-            return base
+    with _handed_lock:
+        for _ in range(500):
+            base = rng.randrange(_LOW, _HIGH - width)
+            ports = range(base, base + width)
+            if _handed.isdisjoint(ports) and all(_bindable(a, p) for a in addrs for p in ports):
+                _handed.update(ports)
+                return base
     raise RuntimeError("no free port range found")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` now and that nothing but the caller will take (see free_port_base)."""
+    return free_port_base(1, (host,))
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that are free on ``host`` now (see free_port)."""
+    return [free_port(host) for _ in range(n)]
 
 
 def job_pids(job: str) -> list[int]:

@@ -24,6 +24,7 @@ import yaml
 
 from clusterctl import testcluster as tc
 from clusterlib import ROOT, clusterctl, docker, node_exec, status_json, tagged_pids, wait_state
+from helpers import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -55,19 +56,12 @@ def reference_checksum(tmp_path, steps=STEPS) -> float:
     """The final weights' checksum of an undisturbed run of `steps` steps (one process on this machine)."""
     pytest.importorskip("torch")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLUSTERCTL_", "TORCHELASTIC_"))}
-    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), STEPS=str(steps))
+    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), STEPS=str(steps))
     out = subprocess.run([sys.executable, str(TORCH / "train.py")], env=env, capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     return float(re.search(r"checksum=([\d.]+) trainer=0 world=1", out.stdout).group(1))
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def elastic_spec(info, tmp_path, name, *, members=4, spares=1, base=7700, steps=STEPS, step_s=0.5,

@@ -25,6 +25,7 @@ from clusterctl.host import pod as hostpod
 from clusterctl.host.common import InputError
 from clusterctl.host.jobfile import load_job
 from clusterctl.spec import parse_spec
+from helpers import free_port
 
 HOST = Path(hostpod.__file__).resolve().parent
 TOKEN = "feedbeef" * 4
@@ -37,13 +38,6 @@ job: {entrypoint: [python3, t.py], grace: 1}
 kubernetes: {image: img}
 """
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------- the pod glue
@@ -67,7 +61,7 @@ class Pod:
         self.termination = tmp / "termination-log"
         self.template.update(state_root=str(self.state / "jobs"), pycache=str(self.state / "pycache"),
                              termination_log=str(self.termination))
-        self.template["coordinator"].update(address="127.0.0.1", port=_free_port())
+        self.template["coordinator"].update(address="127.0.0.1", port=free_port())
         self.template["roles"]["trainer"]["dns"] = "127.0.0.1"
         (self.mount / "template.json").write_text(json.dumps(self.template))
         self.env = k8s.pod_env(self.job, 0, pod_name="tiny-trainer-0-abcde",
