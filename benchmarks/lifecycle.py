@@ -25,8 +25,10 @@ the rounds. The load average is printed at the start and end of each.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -147,7 +149,9 @@ def with_before(cmds: dict, before: list[str] | None, extra: dict[str, list[str]
     made by another installation is a miss."""
     if not before:
         return {}
-    other = {**os.environ, "XDG_CACHE_HOME": f"/tmp/lcb-{os.getpid()}"}
+    cache = f"/tmp/lcb-{os.getpid()}"
+    atexit.register(shutil.rmtree, cache, True)  # its kept connections' masters end on their own (persist)
+    other = {**os.environ, "XDG_CACHE_HOME": cache}
     for name, argv in extra.items():
         cmds[name] = before + argv
     return dict.fromkeys(extra, other)

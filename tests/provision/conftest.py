@@ -8,6 +8,7 @@ for the same pattern). CLUSTERCTL_KEEP_TESTCLUSTER=1 keeps it for the next sessi
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,7 +75,14 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     if config.option.collectonly or "outcome" in _SESSION:
         return
     if any("provcluster" in getattr(item, "fixturenames", ()) for item in items):
-        _SESSION["outcome"] = _bring_up(Path(tempfile.mkdtemp(prefix="clusterctl-provision-repos-")))
+        _SESSION["repos"] = Path(tempfile.mkdtemp(prefix="clusterctl-provision-repos-"))
+        _SESSION["outcome"] = _bring_up(_SESSION["repos"])
+
+
+def pytest_unconfigure(config) -> None:
+    """The repositories made before the session's tmp_path existed go with the session."""
+    if "repos" in _SESSION:
+        shutil.rmtree(_SESSION.pop("repos"), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

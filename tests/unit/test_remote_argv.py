@@ -207,7 +207,7 @@ def test_only_connections_shed_before_the_login_are_tried_again(stderr, retried)
     assert remote_mod.shed(stderr) is retried
 
 
-def test_a_shed_connection_is_retried_with_a_fresh_stdin(monkeypatch):
+def test_a_shed_connection_is_retried_with_a_fresh_stdin(monkeypatch, tmp_path):
     """The first two ssh processes are shed by the server (MaxStartups), the third runs: one Result, the
     whole stdin delivered to the one that ran."""
     import subprocess
@@ -216,20 +216,21 @@ def test_a_shed_connection_is_retried_with_a_fresh_stdin(monkeypatch):
     script = ("import sys, os; n = int(open(sys.argv[1]).read() or 0); open(sys.argv[1], 'w').write(str(n + 1));\n"
               "if n < 2: sys.stderr.write('kex_exchange_identification: read: Connection reset by peer\\n'); sys.exit(255)\n"
               "sys.stdout.write(str(len(sys.stdin.buffer.read())))")
-    counter = tempfile.NamedTemporaryFile(delete=False)
+    counter = tmp_path / "tries"
+    counter.touch()
     import sys as _sys
 
     transport = remote_mod.OpenSshTransport(SshOptions())
     monkeypatch.setattr(transport, "popen", lambda h, c: subprocess.Popen(
-        [_sys.executable, "-c", script, counter.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [_sys.executable, "-c", script, str(counter)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE))
     monkeypatch.setattr(process_mod.time, "sleep", lambda s: None)
     res = ProcessRun(transport, host, "cat").finish(lambda: [b"x" * 100_000], 30, None)
     assert (res.exit_code, res.stdout) == (0, "100000")
-    assert Path(counter.name).read_text() == "3"
+    assert Path(str(counter)).read_text() == "3"
 
 
-def test_a_shed_try_prints_nothing_and_the_try_that_stands_prints_everything(monkeypatch):
+def test_a_shed_try_prints_nothing_and_the_try_that_stands_prints_everything(monkeypatch, tmp_path):
     """Streamed lines (exec, logs): ssh's pre-login lines of a shed try are dropped, not shown as if the
     host had failed; those of the try that stands are shown, in order, stdout and stderr alike."""
     import subprocess
@@ -241,15 +242,16 @@ def test_a_shed_try_prints_nothing_and_the_try_that_stands_prints_everything(mon
               "    sys.stderr.write('kex_exchange_identification: Connection closed by remote host\\n'\n"
               "                     'Connection closed by UNKNOWN port 65535\\n'); sys.exit(255)\n"
               "sys.stderr.write('Connection closed by a user line\\nwarning: w\\n'); sys.stdout.write('ran\\n')")
-    counter = tempfile.NamedTemporaryFile(delete=False)
+    counter = tmp_path / "tries"
+    counter.touch()
     seen = []
     transport = remote_mod.OpenSshTransport(SshOptions())
     monkeypatch.setattr(transport, "popen", lambda h, c: subprocess.Popen(
-        [_sys.executable, "-c", script, counter.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [_sys.executable, "-c", script, str(counter)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE))
     monkeypatch.setattr(process_mod.time, "sleep", lambda s: None)
     res = ProcessRun(transport, host, "true").finish(lambda: [], 30, lambda h, stream, line: seen.append((stream, line)))
     assert (res.exit_code, res.stdout) == (0, "ran\n")
-    assert Path(counter.name).read_text() == "3"
+    assert Path(str(counter)).read_text() == "3"
     assert sorted(seen) == [("err", "Connection closed by a user line"), ("err", "warning: w"), ("out", "ran")]
     assert [ln for s, ln in seen if s == "err"] == ["Connection closed by a user line", "warning: w"]
