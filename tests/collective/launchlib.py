@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import free_port, job_pids
+from helpers import free_port, free_port_base, job_pids
 
 from clusterctl.plan import make_plan
 from clusterctl.spec import parse_spec
@@ -36,7 +36,7 @@ hosts: [{{address: 127.0.0.1}}]
 job:
   entrypoint: [{', '.join(map(str, entry))}{''.join(', ' + a for a in args)}]
   trainers: {trainers}
-  ports: {{trainer: {free_port()}, master: {free_port()}, control: {free_port()}}}
+  ports: {{trainer: {free_port_base(trainers)}, master: {free_port()}, control: {free_port()}}}
 """)
     return make_plan(spec)
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, free_port_base
 
 from clusterctl.plan import make_plan
 from clusterctl.spec import parse_spec
@@ -25,7 +25,7 @@ hosts: [{{address: 127.0.0.1}}]
 job:
   entrypoint: [{sys.executable}, {ROOT / 'examples/torch_gloo/train.py'}]
   trainers: 2
-  ports: {{trainer: {free_port()}, master: {master}, control: {free_port()}}}
+  ports: {{trainer: {free_port_base(2)}, master: {master}, control: {free_port()}}}
   env: {{STEPS: 20}}
 """
     )
@@ -72,7 +72,7 @@ job:
   entrypoint: [{python}, {ROOT / 'examples/paddle_collective/train.py'}]
   trainers: 2
   env: {{PADDLE_DISTRI_BACKEND: gloo}}
-  ports: {{trainer: {free_port()}, master: {free_port()}, control: {free_port()}}}
+  ports: {{trainer: {free_port_base(2)}, master: {free_port()}, control: {free_port()}}}
 """
     )
     base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
