@@ -6,6 +6,7 @@ import argparse
 import json
 import signal
 import sys
+import threading
 import time
 
 from ..console import paint, printable, use_colour, write_line, write_text
@@ -110,20 +111,44 @@ def run_logs(spec, *, follow=False, role=None, id=None, host=None, lines=None) -
         return backend.logs(on_line=_raw_line, follow=follow, role=role, id=id, host=host, lines=lines)
 
 
-def _stop_after_interrupt(backend) -> int:
-    """Ctrl+C while a job was starting or followed: stop it everywhere through fresh connections."""
+class _SigtermAsInterrupt:
+    """While `start` owns the job (starting it, or following it), SIGTERM takes Ctrl+C's path: the job is stopped
+    everywhere and the command exits 143, as mpiexec or torchrun end their ranks when a CI runner, `timeout` or a
+    batch system's time limit ends them. (SIGKILL cannot be caught: the job runs on, docs/lifecycle.md.) Armed in
+    the main thread only, where Python runs signal handlers; `disarm` puts back what was there."""
+
+    def __init__(self) -> None:
+        self.terminated = False
+        self.previous = (signal.signal(signal.SIGTERM, self._handler)
+                         if threading.current_thread() is threading.main_thread() else None)
+
+    def _handler(self, signum, frame):
+        self.terminated = True
+        raise KeyboardInterrupt
+
+    def disarm(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+            self.previous = None
+
+
+def _stop_after_interrupt(backend, terminated: bool = False) -> int:
+    """Ctrl+C (or SIGTERM) while a job was starting or followed: stop it everywhere through fresh connections."""
     from ..backends import open_backend
 
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not abort the cleanup
+    # a second Ctrl+C or SIGTERM must not abort the cleanup (which its own deadlines bound)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        write_text(sys.stderr, paint("interrupted: stopping the job…", "yellow", use_colour(sys.stderr)) + "\n")
+        what = "terminated" if terminated else "interrupted"
+        write_text(sys.stderr, paint(f"{what}: stopping the job…", "yellow", use_colour(sys.stderr)) + "\n")
         backend.close()  # ends the follow channels, which hold the worker threads
         with open_backend(backend.spec) as fresh:
             fresh.stop()
             render_status(fresh.status())
     finally:
-        signal.signal(signal.SIGINT, previous)
-    return 130
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 + signal.SIGTERM if terminated else 130
 
 
 # after the logs of a followed job end, how long its verdict (the coordinator's decision) may take to show
@@ -137,6 +162,7 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
             sent = backend.dispatch(on_progress=_say)
             write_text(sys.stdout, f"dispatched: {sum(d.files_sent for d in sent)} file(s), "
                                    f"{_human(sum(d.bytes_sent for d in sent))}\n")
+        sigterm = _SigtermAsInterrupt()
         t0 = time.monotonic()
         try:
             st = backend.start(on_progress=_say)
@@ -154,7 +180,9 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
                 time.sleep(0.2)
                 final = backend.status()
         except KeyboardInterrupt:
-            return _stop_after_interrupt(backend)
+            return _stop_after_interrupt(backend, sigterm.terminated)
+        finally:
+            sigterm.disarm()
         render_status(final)
         return 0 if final.state == JobState.SUCCEEDED else 1
 

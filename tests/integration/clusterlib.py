@@ -137,16 +137,16 @@ def read_until(proc: subprocess.Popen, done: Callable[[list[str]], bool], timeou
     return seen
 
 
-def interrupt(proc: subprocess.Popen, timeout: float) -> str:
-    """Ctrl+C: a process-directed SIGINT (any thread may take it; the main one must still see it). The rest of
-    the output once `proc` ended; a failure with every thread's stack when it did not end within `timeout`."""
-    proc.send_signal(signal.SIGINT)
+def interrupt(proc: subprocess.Popen, timeout: float, sig: int = signal.SIGINT) -> str:
+    """Ctrl+C: a process-directed SIGINT (any thread may take it; the main one must still see it), or `sig`. The
+    rest of the output once `proc` ended; a failure with every thread's stack when it did not end within `timeout`."""
+    proc.send_signal(sig)
     try:
         return proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGABRT)
         rest, _ = proc.communicate(timeout=30)
-        pytest.fail(f"{proc.args[3:5]} did not end within {timeout:g} s of SIGINT; its threads then:\n" + rest[-8000:])
+        pytest.fail(f"{proc.args[3:5]} did not end within {timeout:g} s of {signal.Signals(sig).name}; its threads then:\n" + rest[-8000:])
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, interval: float = 0.5) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -194,17 +195,22 @@ def test_other_jobs_process_with_the_same_script_survives_stop(testcluster, tmp_
 
 
 @pytest.mark.timeout(150)
-def test_sigint_on_start_follow_stops_everything(testcluster, tmp_path):
-    spec = job_spec(testcluster, tmp_path, "it-sigint", hosts=2, env={"STEPS": "600"})
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+                         ids=["sigint", "sigterm"])
+def test_sigint_or_sigterm_on_start_follow_stops_everything(testcluster, tmp_path, sig, code, said):
+    """Ctrl+C, or SIGTERM (a CI runner's cancel, `timeout`, a batch system's time limit), while `start --follow`
+    owns the job: stopped on every host, nothing left."""
+    name = f"it-{signal.Signals(sig).name.lower()}"
+    spec = job_spec(testcluster, tmp_path, name, hosts=2, env={"STEPS": "600"})
     clusterctl("dispatch", spec, check=True)
     with cli_to_interrupt("start", spec, "--follow") as proc:
         seen = read_until(proc, lambda seen: "step=" in seen[-1], 60)
-        rest = interrupt(proc, 60)
-    assert proc.returncode == 130, "".join(seen) + rest
-    assert "interrupted: stopping the job" in rest
-    assert_no_orphans(testcluster, "it-sigint", job_ports(spec))
+        rest = interrupt(proc, 60, sig)
+    assert proc.returncode == code, "".join(seen) + rest
+    assert f"{said}: stopping the job" in rest
+    assert_no_orphans(testcluster, name, job_ports(spec))
     again = clusterctl("stop", spec, check=True)
-    assert again.stdout.strip() == "job it-sigint is not running"
+    assert again.stdout.strip() == f"job {name} is not running"
 
 
 @pytest.mark.timeout(150)

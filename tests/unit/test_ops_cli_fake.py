@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 
+import pytest
 import yaml
 
 from clusterctl.cli import main
@@ -80,7 +81,12 @@ def test_start_follow_streams_the_logs_and_exits_with_the_jobs_state(tmp_path, m
     assert re.search(r"reason: n0: trainer\.\d on n\d exited with code 4", final)
 
 
-def test_ctrl_c_while_following_stops_the_job(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("sig, code, said", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_ctrl_c_or_sigterm_while_following_stops_the_job(tmp_path, monkeypatch, capsys, sig, code, said):
+    """Ctrl+C, and SIGTERM (a CI runner's cancel, `timeout`, a batch time limit), while `start --follow` owns the
+    job: it is stopped everywhere; afterwards SIGTERM is this process's own again."""
+    import signal
+
     c = FakeCluster(tmp_path, files={"train.py": TRAIN}, hosts=1, job={"env": {"SLEEP": "60"}}).everywhere(monkeypatch)
     log = c.home(0) / f"{c.remote_dir}.logs" / "trainer.0.log"
 
@@ -91,17 +97,19 @@ def test_ctrl_c_while_following_stops_the_job(tmp_path, monkeypatch, capsys):
             wait_until(lambda: log.exists() and log.read_text(), timeout=50)
         except AssertionError as exc:  # interrupted all the same (the command must not run for the trainer's 60 s)
             late.append(exc)
-        os.kill(os.getpid(), __import__("signal").SIGINT)
+        os.kill(os.getpid(), getattr(signal, sig))
 
+    before = signal.getsignal(signal.SIGTERM)
     t = threading.Thread(target=interrupt_once_running, daemon=True)
     t.start()
-    code, out, err = cli(capsys, "start", c.spec_path, "--dispatch", "--follow")
+    got, out, err = cli(capsys, "start", c.spec_path, "--dispatch", "--follow")
     t.join()
     assert not late, f"the trainer's log stayed empty: {late[0]}\n{out}\n{err}"
-    assert code == 130, (out, err)
-    assert "interrupted: stopping the job" in err
+    assert got == code, (out, err)
+    assert f"{said}: stopping the job" in err
     assert f"job {c.name}: stopped" in out
     assert job_pids(c.name) == []
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_status_exits_1_when_a_host_is_unreachable(tmp_path, monkeypatch, capsys):
