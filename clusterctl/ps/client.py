@@ -180,16 +180,41 @@ class PSClient:
                 continue
             yield i, msg
 
+    def _send(self, i: int, frames: list[Any], deadline: float, op: str, wait: float) -> None:
+        """Queue a request to pserver ``i`` without ever blocking past ``deadline``.
+
+        A DEALER's send blocks while it has no pipe to a peer, and libzmq drops a connection's pipe for good when
+        its handshake fails with a protocol error (one side CURVE, the other not), without reconnecting: had that
+        happened before the first request (a loaded machine), a blocking send would wait for ever. Here a send
+        that cannot go waits for the socket to become writable or for a handshake event, which raises the refusal
+        it reports (AuthError), until the deadline (PsTimeoutError)."""
+        sock = self._socks[i]
+        while True:
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            self._watch.check(i)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._timeout([i], op, wait)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLOUT)
+            if self._watch.monitors and not self._watch.succeeded[i]:
+                poller.register(self._watch.monitors[i], zmq.POLLIN)
+            poller.poll(int(left * 1000) + 1)
+
     def _request(self, op: str, per_server: Mapping[int, tuple[dict[str, Any], Mapping[str, np.ndarray]]],
                  timeout: float | None = None) -> dict[int, Message]:
         """Send one request to each listed pserver, wait for every reply; raise on errors or timeout."""
         self._seq += 1
         seq = self._seq
-        for i, (fields, tensors) in per_server.items():
-            head = {"op": op, "seq": seq, "tid": self.trainer_id, **fields}
-            self._socks[i].send_multipart(encode(head, tensors), copy=False)
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
+        for i, (fields, tensors) in per_server.items():
+            head = {"op": op, "seq": seq, "tid": self.trainer_id, **fields}
+            self._send(i, encode(head, tensors), deadline, op, wait)
         replies: dict[int, Message] = {}
         poller = self._poller(per_server)
         while len(replies) < len(per_server):
@@ -363,7 +388,7 @@ class PSClient:
             for i, msgs in todo.items():  # keep up to WINDOW requests in flight to each pserver
                 while sent[i] < len(msgs) and sent[i] - got[i] < WINDOW:
                     head, tensors = msgs[sent[i]]
-                    self._socks[i].send_multipart(encode(head, tensors, chunk_bytes=chunk), copy=False)
+                    self._send(i, encode(head, tensors, chunk_bytes=chunk), deadline, "push_pull", self.timeout)
                     sent[i] += 1
             left = deadline - time.monotonic()
             if left <= 0:
