@@ -23,7 +23,8 @@ from . import auth as auth_mod
 from . import checkpoint as ckpt
 from . import protocol
 from .endpoints import zmq_address
-from .errors import BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsTimeoutError, RemoteOpError
+from .errors import (BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError, PsTimeoutError,
+                     RemoteOpError)
 from .optim import SGD, OptimizerConfig
 from .protocol import MAX_WIRE_FRAME_BYTES, Message, decode, encode
 from .server import MODES
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 #: Pipelined push_pull: requests in flight per pserver (far below ZeroMQ's default high-water mark
 #: of 1000, so the pserver's replies are never dropped while this trainer is still sending).
 WINDOW = 32
+#: Seconds a trainer waits for the other pservers to take a failed sync round's ``abort`` (best effort).
+ABORT_WAIT = 3.0
 #: Sync/async push_pull pipelined in pieces (default); CLUSTERCTL_PS_PIPELINE=0 sends one message per pserver.
 PIPELINE = os.environ.get("CLUSTERCTL_PS_PIPELINE", "1") != "0"
 
@@ -225,14 +228,32 @@ class PSClient:
             for i, msg in self._replies(poller, left, seq):
                 replies[i] = msg
                 poller.unregister(self._socks[i])
+        timed_out = [i for i, msg in replies.items() if msg.header.get("code") == "barrier_timeout"]
+        if timed_out:
+            h = replies[timed_out[0]].header
+            raise self._barrier_failed(h, self.step, timed_out)
         for i, msg in sorted(replies.items()):
             if not msg.header.get("ok"):
                 code = str(msg.header.get("code", "error"))
-                if code == "barrier_timeout":
-                    h = msg.header
-                    raise BarrierTimeoutError(h.get("missing", []), h.get("timeout", 0.0), h.get("step", self.step))
                 raise RemoteOpError(self.endpoints[i], code, str(msg.header.get("error", "")))
         return replies
+
+    def _barrier_failed(self, header: Mapping[str, Any], step: int, reported: Sequence[int]) -> BarrierTimeoutError:
+        """The error of a sync round that pserver(s) ``reported`` timed out, after telling the other pservers.
+
+        Another pserver may have completed the round (the lost trainer's push reached it and no other): nobody
+        would push to it again, and it would wait for ever. The ``abort`` makes it fail the same way; best
+        effort, for at most ABORT_WAIT seconds (a pserver that timed out on its own has exited and does not answer).
+        """
+        err = BarrierTimeoutError(header.get("missing", []), header.get("timeout", 0.0), header.get("step", step))
+        others = [i for i in range(len(self.endpoints)) if i not in reported]
+        if others:
+            fields = {"missing": list(err.missing), "timeout": err.timeout, "step": err.step}
+            try:
+                self._request("abort", {i: (fields, {}) for i in others}, timeout=min(self.timeout, ABORT_WAIT))
+            except PsError as exc:
+                log.debug("trainer %d: telling the other pservers about the failed round: %s", self.trainer_id, exc)
+        return err
 
     def _need_plan(self) -> ShardPlan:
         if self.plan is None:
@@ -399,7 +420,7 @@ class PSClient:
                 h = msg.header
                 if not h.get("ok"):
                     if h.get("code") == "barrier_timeout":  # sync: the round will not complete
-                        raise BarrierTimeoutError(h.get("missing", []), h.get("timeout", 0.0), h.get("step", step))
+                        raise self._barrier_failed(h, step, [i])
                     error = error or RemoteOpError(self.endpoints[i], str(h.get("code", "error")),
                                                    str(h.get("error", "")))
                     continue

@@ -54,7 +54,7 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 #: Requests a pserver understands.
-OPS = frozenset({"ping", "init", "pull", "push", "push_pull", "save", "load", "complete"})
+OPS = frozenset({"ping", "init", "pull", "push", "push_pull", "save", "load", "complete", "abort"})
 #: Tensor dtypes allowed on the wire (anything else is rejected before touching the buffers).
 DTYPES = frozenset({"float16", "float32", "float64"})
 MAX_HEADER_BYTES = 64 * 1024

@@ -195,6 +195,7 @@ class ParameterServer:
         self._pool: dict[str, list[np.ndarray]] = {}
         self._inflight: list[tuple[list[zmq.MessageTracker], list[np.ndarray]]] = []
         self._round_started = 0.0
+        self._failed: BarrierTimeoutError | None = None  # sync: a trainer reported another pserver's timeout
         self._stop = threading.Event()
         self._ctx: zmq.Context | None = None  # the pserver's own: ZAP handlers are per context
         self._sock: zmq.Socket | None = None
@@ -266,6 +267,8 @@ class ParameterServer:
                 if sock.poll(self._poll_ms(), zmq.POLLIN):
                     frames = sock.recv_multipart(copy=False)
                     self._dispatch(frames)
+                    if self._failed is not None:
+                        raise self._failed
                     self._maybe_save()
                     if self._deferred:
                         self._replay()
@@ -306,15 +309,19 @@ class ParameterServer:
         missing = sorted(self._active() - {t for t, p in self._round.items() if p.finished()})
         err = BarrierTimeoutError(missing, self.barrier_timeout, self.step)
         log.error("pserver %d: %s", self.server_id, err)
+        self._fail_round(err)
+        raise err
+
+    def _fail_round(self, err: BarrierTimeoutError) -> None:
+        """Answer every push held in the open round with ``err`` and close the round."""
         for push in self._round.values():
             held = [(w.envelope, w.msg) for w in [push.whole] if w is not None]
             held += [(env, msg) for env, msg, _ in push.unanswered]
             for envelope, msg in held:
                 self._send(envelope, encode({"ok": False, "seq": msg.seq, "code": "barrier_timeout",
-                                             "error": str(err), "missing": missing,
-                                             "timeout": self.barrier_timeout, "step": self.step}))
+                                             "error": str(err), "missing": list(err.missing),
+                                             "timeout": err.timeout, "step": err.step}))
         self._clear_round()
-        raise err
 
     def _clear_round(self) -> None:
         self._round.clear()
@@ -891,6 +898,29 @@ class ParameterServer:
         self._clear_round()
         self.optimizer = opt
         self.step = self.loaded_step = loaded.step
+
+    def _op_abort(self, envelope: list[Any], msg: Message) -> None:
+        """Sync: a trainer reports that another pserver's barrier timed out; this pserver fails the same way.
+
+        Without it, a pserver whose round had completed (the lost trainer's push reached it, not the other
+        pservers) would wait for ever for a next round that nobody will push: the trainers failed on the
+        other pserver's timeout. A trainer holding the job token could end the job by other means as well.
+        """
+        tid = self._tid(msg)
+        if self.mode != "sync":
+            raise ProtocolError(f"abort is for sync mode; pserver {self.server_id} runs {self.mode}")
+        h = msg.header
+        missing, timeout, step = h.get("missing"), h.get("timeout"), h.get("step")
+        if (not isinstance(missing, list) or len(missing) > self.num_trainers
+                or any(isinstance(t, bool) or not isinstance(t, int) for t in missing)
+                or isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                or isinstance(step, bool) or not isinstance(step, int)):
+            raise ProtocolError("abort needs the barrier's 'missing' trainer ids, its 'timeout' and its 'step'")
+        err = BarrierTimeoutError(missing, timeout, step)
+        log.error("pserver %d: trainer %d reports another pserver's %s", self.server_id, tid, err)
+        self._reply(envelope, msg, {"step": self.step})
+        self._fail_round(err)
+        self._failed = err
 
     def _op_complete(self, envelope: list[Any], msg: Message) -> None:
         tid = self._tid(msg)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 from helpers import free_ports
-from ps_jobs import REPO, TOKEN, job_env, raw_dealer
+from ps_jobs import REPO, TOKEN, in_threads, job_env, raw_dealer
 
 from clusterctl.ps import (
     SGD,
@@ -21,7 +21,10 @@ from clusterctl.ps import (
     ParameterServer,
     PSClient,
     PsConfigError,
+    PsError,
+    PsTimeoutError,
 )
+from clusterctl.ps import client as client_mod
 from clusterctl.ps.auth import Credentials, secure_client
 
 pytestmark = pytest.mark.timeout(30)
@@ -146,6 +149,62 @@ def test_barrier_timeout_names_the_missing_trainers(servers):
     srv_err = g.errors[0]
     assert isinstance(srv_err, BarrierTimeoutError)
     assert str(srv_err) == "sync barrier for step 0 timed out after 1s; missing trainer id(s): 0, 2"
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "whole"])
+def test_a_pserver_whose_round_completed_fails_too_when_the_other_times_out(servers, monkeypatch, pipelined):
+    """Trainer 1's push reaches pserver 0 and never pserver 1 (it was killed in between): pserver 0's round
+    completes and pserver 1's times out. The trainers that pserver 1 failed tell pserver 0 (``abort``), which
+    fails the same way instead of waiting for ever for a round nobody will push (seen in CI under load)."""
+    monkeypatch.setattr(client_mod, "PIPELINE", pipelined)
+    g = servers(2, num_trainers=3, mode="sync", barrier_timeout=1.0)
+    grads = {"w": np.ones((3, 2), np.float32), "b": np.ones(1, np.float32)}
+    failed: dict[int, BaseException] = {}
+
+    def trainer(tid: int) -> None:
+        with PSClient(g.endpoints, trainer_id=tid, num_trainers=3, mode="sync", optimizer=SGD(0.1),
+                      timeout=4) as c:
+            c.init(_params())
+            assert all(c._split(grads).values())  # both pservers hold a block
+            if tid == 1:  # everything it sends to pserver 1 from now on is lost
+                real = c._send
+                c._send = lambda i, *a: None if i == 1 else real(i, *a)
+            try:
+                c.push_pull(grads)
+            except PsError as exc:
+                failed[tid] = exc
+
+    t0 = time.monotonic()
+    in_threads(trainer, range(3))
+    assert g.join(8), "pserver 0 still waits for a round that nobody will push"
+    assert time.monotonic() - t0 < 9
+    why = "sync barrier for step 0 timed out after 1s; missing trainer id(s): 1"
+    assert [type(failed[t]).__name__ for t in (0, 2)] == ["BarrierTimeoutError"] * 2
+    assert str(failed[0]) == str(failed[2]) == why
+    assert isinstance(failed[1], PsTimeoutError)  # the lost trainer's own view: pserver 1 never answered
+    assert [str(g.errors[i]) for i in (0, 1)] == [why, why]
+    assert all(isinstance(g.errors[i], BarrierTimeoutError) for i in (0, 1))
+
+
+def test_abort_is_checked_and_only_for_sync_mode(servers):
+    g = servers(1, num_trainers=2, mode="async")
+    d = raw_dealer(g.endpoints[0])
+    d.send_multipart([json.dumps({"v": 1, "op": "abort", "seq": 1, "tid": 0, "missing": [1], "timeout": 1,
+                                  "step": 0}).encode()])
+    assert d.poll(5000)
+    assert json.loads(d.recv_multipart()[0])["error"] == "abort is for sync mode; pserver 0 runs async"
+    g2 = servers(1, num_trainers=2, mode="sync", barrier_timeout=10)
+    d2 = raw_dealer(g2.endpoints[0])
+    for bad in ({"missing": "1", "timeout": 1, "step": 0}, {"missing": [1], "timeout": True, "step": 0},
+                {"missing": [1], "timeout": 1}, {"missing": [0, 1, 1], "timeout": 1, "step": 0}):
+        d2.send_multipart([json.dumps({"v": 1, "op": "abort", "seq": 2, "tid": 0, **bad}).encode()])
+        assert d2.poll(5000)
+        reply = json.loads(d2.recv_multipart()[0])
+        assert (reply["code"], reply["error"]) == ("bad_request", "abort needs the barrier's 'missing' trainer "
+                                                   "ids, its 'timeout' and its 'step'"), bad
+    assert not g.errors and not g2.errors and all(t.is_alive() for t in g.threads + g2.threads)
+    d.close(0)
+    d2.close(0)
 
 
 def test_client_times_out_when_no_pserver_answers():

@@ -336,12 +336,13 @@ def test_a_stranger_without_the_token_reaches_nothing(group, tmp_path):
     with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="async", timeout=5, token=TOKEN) as c:
         c.init({"w": np.arange(4, dtype=np.float32)})
         base = dict(g.server.stats)
-        # 1. plain ZMTP, no keys at all: init, push, save, complete (the last ended a token-less pserver)
+        # 1. plain ZMTP, no keys at all: init, push, save, complete (ended a token-less pserver), abort
         for header, tensors in [
             ({"op": "init", "tid": 0, "mode": "async", "plan": "x"}, {"w.block0": np.zeros(4, np.float32)}),
             ({"op": "push", "tid": 0}, {"w.block0": np.full(4, 1e9, np.float32)}),
             ({"op": "save", "dir": str(tmp_path / "x")}, None),
             ({"op": "complete", "tid": 0}, None),
+            ({"op": "abort", "tid": 0, "missing": [0], "timeout": 1, "step": 0}, None),
         ]:
             assert raw_request(g.endpoint, header, tensors, token=None, timeout=0.5) is None
             # 2. another job's token (CURVE, but the wrong keys): refused in the handshake
