@@ -189,9 +189,8 @@ class PSClient:
         A DEALER's send blocks while it has no pipe to a peer, and libzmq may drop a connection's pipe for good when
         its handshake fails with a protocol error (one side CURVE, the other not; 4.3.5 did about one time in two),
         without reconnecting: had that happened before the first request (a loaded machine), a blocking send would
-        wait for ever. Here a send
-        that cannot go waits for the socket to become writable or for a handshake event, which raises the refusal
-        it reports (AuthError), until the deadline (PsTimeoutError)."""
+        wait for ever. Here a send that cannot go waits for the socket to become writable or for a handshake event,
+        which raises the refusal it reports (AuthError), until the deadline (PsTimeoutError)."""
         sock = self._socks[i]
         while True:
             try:
