@@ -145,6 +145,14 @@ def _run(fn) -> None:
         sys.exit(code)
 
 
+def _whole_number(option: str, value) -> int:
+    """A task's numeric option as given on fab's command line (a string): an int, or a one-line error."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ClusterctlError(f"{option} must be a whole number, not {value!r}") from None
+
+
 def _opts(c=None, *, entrypoint=None, workspace=None, remote_dir=None, port=None, name=None, accept_new=False,
           known_hosts=None) -> dict:
     return {
@@ -152,7 +160,7 @@ def _opts(c=None, *, entrypoint=None, workspace=None, remote_dir=None, port=None
         "entrypoint": entrypoint,
         "workspace": workspace,
         "remote_dir": remote_dir,
-        "pserver_port": int(port) if port else None,
+        "pserver_port": _whole_number("--port", port) if port else None,
         "name": name,
         "host_key_policy": "accept-new" if accept_new else None,
     }
@@ -188,18 +196,21 @@ def start(c, spec=None, entrypoint=None, workspace=None, remote_dir=None, port=N
     """Dispatch the workspace and start pservers then trainers on every host (detached unless --follow)."""
     from clusterctl.commands.lifecycle import run_start
 
-    opts = _opts(entrypoint=entrypoint, workspace=workspace, remote_dir=remote_dir, port=port, name=name,
-                 accept_new=accept_new, known_hosts=known_hosts)
-    _run(lambda: run_start(_spec(c, spec, opts, remember=True), dispatch_first=True, follow=follow))
+    _run(lambda: run_start(_spec(c, spec, _opts(entrypoint=entrypoint, workspace=workspace, remote_dir=remote_dir,
+                                                port=port, name=name, accept_new=accept_new, known_hosts=known_hosts),
+                                 remember=True), dispatch_first=True, follow=follow))
 
 
 @cluster_task(name="tail-log", help=_help(*_CONN, "lines", "follow"))
-def tail_log(c, spec=None, name=None, lines=10, follow=False, accept_new=False, known_hosts=None):
+def tail_log(c, spec=None, name=None, lines=None, follow=False, accept_new=False, known_hosts=None):
     """Show the last lines of every process's log, prefixed [host role.id]."""
     from clusterctl.commands.lifecycle import run_logs
 
+    # `lines` defaults to None, not 10: with an int default Invoke converts the value itself and a word
+    # given for it ends in Invoke's traceback instead of one line
     opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
-    _run(lambda: run_logs(_spec(c, spec, opts), lines=int(lines), follow=follow))
+    _run(lambda: run_logs(_spec(c, spec, opts), lines=10 if lines is None else _whole_number("--lines", lines),
+                          follow=follow))
 
 
 @cluster_task(help=_help(*_CONN))
@@ -250,9 +261,17 @@ def doctor(c, spec=None, name=None, accept_new=False, known_hosts=None):
 @cluster_task(name="exec", help=_help(*_CONN, "cmd"))
 def exec_(c, cmd, spec=None, name=None, accept_new=False, known_hosts=None):
     """Run a shell command on every host, output prefixed [host]."""
-    import shlex
-
     from clusterctl.commands.core import cmd_exec
 
     opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
-    _run(lambda: cmd_exec(argparse.Namespace(spec=_spec(c, spec, opts), argv=shlex.split(cmd), timeout=None)))
+    _run(lambda: cmd_exec(argparse.Namespace(spec=_spec(c, spec, opts), argv=_words(cmd), timeout=None)))
+
+
+def _words(cmd: str) -> list[str]:
+    """`exec`'s command split as a shell would (shlex), or a one-line error (an unclosed quote)."""
+    import shlex
+
+    try:
+        return shlex.split(cmd)
+    except ValueError as exc:
+        raise ClusterctlError(f"exec: cannot split the command {cmd!r}: {exc}") from None

@@ -103,6 +103,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+#: `exec --timeout`'s upper bound (a week): beyond it a deadline is a mistake, and at inf it overflows the clock.
+MAX_EXEC_TIMEOUT_S = 7 * 24 * 3600
+
+
 class _UsageError(ClusterctlError):
     """A command line argparse would have refused: exit 2, as argparse does."""
 
@@ -131,6 +135,10 @@ def cmd_exec(args: argparse.Namespace) -> int:
         argv = argv[cut + 1:]
     if not argv:
         raise ClusterctlError("exec needs a command after --, e.g. clusterctl exec cluster.yaml -- hostname")
+    if args.timeout is not None and not 0 < args.timeout <= MAX_EXEC_TIMEOUT_S:  # also NaN: no comparison holds
+        # coreutils `timeout 0` runs without a limit, a negative one is an option to it, inf overflows the clock
+        raise _UsageError(f"exec: --timeout must be more than 0 and at most {MAX_EXEC_TIMEOUT_S} seconds, "
+                          f"not {args.timeout:g}")
     with ssh_session(args.spec) as session:
         width = max(len(h.label) for h in session.plan.hosts)
         results = execute(session.remote, argv, on_line=LinePrinter(width), timeout=args.timeout)

@@ -1,0 +1,73 @@
+"""Numbers and words a user types, refused in one line before any host is asked: `clusterctl exec --timeout`,
+`clusterctl logs -n`, and the fab tasks' `--lines`, `--port` and `exec --cmd`. A refusal is the command's exit
+code and one `clusterctl: error:` line, never a traceback (fab's own parser included)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterctl import cli
+from fakehosts import FakeCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def ran(tmp_path, monkeypatch):
+    """A spec of two local fake hosts; the list of commands exec sent to them (none, for a refusal)."""
+    import clusterctl.ops.execute as execute
+
+    calls: list = []
+    real = execute.execute
+
+    def spy(remote, argv, on_line=None, timeout=None):
+        calls.append((list(argv), timeout))
+        return real(remote, argv, on_line=on_line, timeout=timeout)
+
+    monkeypatch.setattr(execute, "execute", spy)
+    return str(FakeCluster(tmp_path).everywhere(monkeypatch).spec_path), calls
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "1e9"])
+def test_exec_refuses_a_timeout_that_is_no_deadline(ran, value, capsys):
+    # `timeout 0` on the host means no limit, `-1` is read as an option by coreutils, inf and nan ended in
+    # tracebacks from the controller's clock
+    spec, calls = ran
+    assert cli.main(["exec", spec, "--timeout", value, "--", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("clusterctl: error: exec: --timeout must be more than 0"), err
+    assert calls == []
+
+
+def test_exec_takes_a_timeout_within_bounds(ran, capsys):
+    spec, calls = ran
+    assert cli.main(["exec", "--timeout", "0.5", spec, "--", "true"]) == 0
+    assert calls == [(["true"], 0.5)]
+
+
+def test_logs_refuses_a_negative_line_count_once(tmp_path, capsys):
+    # refused before the spec is even read: every host's agent would refuse it too, once per host
+    assert cli.main(["logs", str(tmp_path / "never-read.yaml"), "-n", "-5"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["clusterctl: error: logs: the number of lines must be 0 or more, not -5"]
+
+
+def _fab(*words: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fabric", "-r", str(ROOT), "-H", "127.0.0.1", *words],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+@pytest.mark.parametrize("words, said", [
+    (("tail-log", "--lines", "many"), "--lines must be a whole number, not 'many'"),
+    (("start", "--port", "http"), "--port must be a whole number, not 'http'"),
+    (("exec", "--cmd", "echo 'unclosed"), "exec: cannot split the command \"echo 'unclosed\": No closing quotation"),
+])
+def test_fab_tasks_refuse_bad_words_in_one_line(tmp_path, words, said):
+    # each is refused before a connection is made (the host is loopback all the same)
+    res = _fab(*words, cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stderr.strip().splitlines() == [f"clusterctl: error: {said}"], res.stderr
