@@ -16,6 +16,7 @@ __all__ = [
     "CommandFailed",
     "ProvisionError",
     "JobError",
+    "BadReply",
 ]
 
 
@@ -127,3 +128,9 @@ class ProvisionError(ClusterctlError):
 
 class JobError(ClusterctlError):
     """A job could not be dispatched, started, inspected or stopped as asked."""
+
+
+class BadReply(ValueError):
+    """A host's reply that is not what clusterctl's host side prints (a broken or compromised host): that host
+    fails, by name, with this one-line message; the other hosts go on. Not a ClusterctlError: the operation
+    that reads the reply turns it into that host's failure."""

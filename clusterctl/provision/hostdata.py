@@ -13,11 +13,9 @@ import json
 import re
 import threading
 
+from ..errors import BadReply
+
 __all__ = ["Collector", "last_object", "shown", "BadReply"]
-
-
-class BadReply(ValueError):
-    """A host's reply that is not what the script prints; the message is one line."""
 
 
 def shown(text: object, limit: int = 80) -> str:

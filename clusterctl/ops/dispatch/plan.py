@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 
+from ...errors import BadReply
 from ...host import wire
 from .delta import Patch, delta
 from .scan import LocalFile
 
-__all__ = ["INLINE", "BULK", "HostView", "HostPlan", "DispatchPlan", "view_of", "plan_host", "plan_dispatch"]
+__all__ = ["INLINE", "BULK", "HostView", "HostPlan", "DispatchPlan", "drift_of", "generation_of", "view_of", "plan_host",
+           "plan_dispatch"]
 
 INLINE = 1 << 20  # per-host update size up to which file content travels inside the header
 # per-host update size from which a host planned from records confirms its state first, and from which
@@ -33,9 +35,47 @@ class HostView:
     check: bool = False  # from the controller's records, not read just now: the host must confirm it
 
 
+def generation_of(reply: dict, *, none_ok: bool = False) -> str | None:
+    """The generation a host's reply names, checked: a name hostws could have made (it becomes part of
+    this controller's records and of the next header, and is printed)."""
+    gen = reply.get(wire.GEN)
+    if gen is None and none_ok:
+        return None
+    if not (isinstance(gen, str) and 0 < len(gen) <= 128 and gen[0] != "." and gen.isascii()
+            and all(c.isalnum() or c in "._~-" for c in gen)):
+        raise BadReply(f"{wire.GEN!r} is not a generation name: {repr(gen)[:80]}")
+    return gen
+
+
+_ENTRY_KEYS = frozenset(wire.ENTRY_KEYS)
+
+
+def _entry_ok(entry) -> bool:
+    """Whether `entry` is a manifest entry as wire.manifest_entry makes them (~0.5 µs: a reply may hold 100,000)."""
+    return (type(entry) is dict and entry.keys() == _ENTRY_KEYS and type(entry[wire.ENTRY_SIZE]) is int
+            and type(entry[wire.ENTRY_MODE]) is int and type(entry[wire.ENTRY_MTIME_NS]) is int
+            and type(entry[wire.ENTRY_SHA256]) is str)
+
+
 def view_of(state: dict) -> HostView:
-    """The view of a host from its `state` reply (or a `stale` reply of `apply`, which carries the same)."""
-    return HostView(state[wire.GEN], state[wire.MANIFEST], frozenset(d[wire.PATH] for d in state[wire.DRIFT]))
+    """The view of a host from its `state` reply (or a `stale` reply of `apply`, which carries the same),
+    checked field by field; BadReply says what is wrong. (Paths are not judged here: every path that
+    travels back in a header is checked again by the host that applies it.)"""
+    gen = generation_of(state, none_ok=True)
+    manifest = state.get(wire.MANIFEST)
+    if not isinstance(manifest, dict) or not all(isinstance(k, str) and _entry_ok(v) for k, v in manifest.items()):
+        raise BadReply(f"{wire.MANIFEST!r} is not a manifest of {{path: entry}}")
+    return HostView(gen, manifest, frozenset(d[wire.PATH] for d in drift_of(state)))
+
+
+def drift_of(reply: dict) -> list[dict]:
+    """The drift a host reports (`state`, a stale `apply`, `verify`), checked: [{'path': str, 'problem': str}]."""
+    drift = reply.get(wire.DRIFT)
+    if not isinstance(drift, list) or not all(
+            isinstance(d, dict) and isinstance(d.get(wire.PATH), str) and isinstance(d.get("problem"), str)
+            for d in drift):
+        raise BadReply(f"{wire.DRIFT!r} is not a list of {{{wire.PATH!r}: path, 'problem': text}}")
+    return drift
 
 
 @dataclass(frozen=True)

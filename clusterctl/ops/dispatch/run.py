@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 from ...plan import DATA_ENV, Host
 from ...quoting import join
+from ...errors import BadReply, RemoteError
 from ...remote import GroupException, GroupResult, Launch, Result
 from ..hosttools import package_dir, tool_argv, tool_command
 from ..session import Session
 from ...host import wire
 from .archive import Archive, update_bytes
-from .plan import BULK, HostPlan, HostView, plan_dispatch, view_of
+from .plan import BULK, HostPlan, HostView, drift_of, generation_of, plan_dispatch, view_of
 from .records import Records
 from .scan import LocalFile, scan_workspace
 from .sources import Sources, sources_of
@@ -62,8 +63,21 @@ def _read_states(remote, hosts: list[Host], root: str) -> dict[Host, HostView | 
     out: dict[Host, HostView | Result] = {}
     for host, res in remote.run(state_cmd, hosts=hosts, stdin=payload, check=False, timeout=remote.control_timeout,
                                 what="reading workspace state").items():
-        out[host] = view_of(res.reply()) if res.ok else res
+        if not res.ok:
+            out[host] = res
+            continue
+        try:
+            out[host] = view_of(res.reply())
+        except (RemoteError, BadReply) as exc:
+            out[host] = _unexpected(res, exc)
     return out
+
+
+def _unexpected(res: Result, exc: RemoteError | BadReply) -> Result:
+    """A host that answered, but not as hostws does (no JSON object, or one of another shape): its failure,
+    saying what came instead. The other hosts' dispatch goes on."""
+    why = exc.failures[0].reason if isinstance(exc, RemoteError) else exc
+    return Result(res.host, res.command, 1, "", f"unexpected reply from the host: {why}", res.seconds)
 
 
 def dispatch(session: Session) -> list[HostDispatch]:
@@ -135,14 +149,19 @@ def _dispatch(session: Session, records: Records, apply: str, views: dict, ask: 
             elif not res.ok:
                 failed[host] = res
             else:
-                reply = res.reply()
-                if wire.STALE not in reply:
-                    done[host] = (plans[host], reply[wire.GEN])
-                    succeeded[host] = res
-                    if not reply.get(wire.UNCHANGED):
-                        learned[host] = (reply[wire.GEN], plans[host].manifest)
+                try:
+                    reply = res.reply()
+                    if wire.STALE not in reply:
+                        now = generation_of(reply)  # the host's generation now (`gen`, or its current one)
+                        done[host] = (plans[host], now)
+                        succeeded[host] = res
+                        if not reply.get(wire.UNCHANGED):
+                            learned[host] = (now, plans[host].manifest)
+                        continue
+                    views[host] = view_of(reply)
+                except (RemoteError, BadReply) as exc:
+                    failed[host] = _unexpected(res, exc)
                     continue
-                views[host] = view_of(reply)
                 if reply[wire.STALE] == wire.STALE_PATCH:
                     no_deltas.add(host)
         if not views and not ask:
@@ -214,4 +233,12 @@ def verify(session: Session, *, hosts=None) -> dict[Host, list[dict]]:
     cmd, payload = tool_command("hostws", ["verify", session.plan.workdir])
     results = session.remote.run(cmd, hosts=hosts, stdin=payload, timeout=10 * session.remote.control_timeout,
                                  what="verifying workspaces")
-    return {host: res.reply()[wire.DRIFT] for host, res in results.items()}
+    drift, bad = {}, {}
+    for host, res in results.items():
+        try:
+            drift[host] = drift_of(res.reply())
+        except (RemoteError, BadReply) as exc:
+            bad[host] = _unexpected(res, exc)
+    if bad:
+        raise GroupException(GroupResult((h, bad.get(h) or results[h]) for h in results), what="verifying workspaces")
+    return drift

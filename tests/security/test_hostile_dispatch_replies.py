@@ -1,0 +1,115 @@
+"""What a host answers to dispatch (`hostws state`, `apply`, `verify`) is untrusted: a broken or compromised host
+whose reply is not what hostws prints fails, by name and in one line, and the other hosts get their update
+and are remembered. Before, such a reply ended the whole command in a KeyError or TypeError traceback (the
+other hosts updated but not recorded), or was taken as a generation name.
+
+The real hostws runs on fake hosts (tests/unit/fakehosts.py); on n1 the command is replaced by a reply."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterctl import cli
+from clusterctl.errors import RemoteError
+from clusterctl.ops.dispatch import dispatch, verify
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from fakehosts import FakeCluster, FaultyTransport  # noqa: E402
+
+
+class Hostile(FaultyTransport):
+    """n1 answers the commands that contain `only` with `reply` (after reading what it was sent)."""
+
+    def __init__(self, inner, reply: str, only: str):
+        super().__init__(inner)
+        self.reply, self.only = reply, only
+
+    def popen(self, host, command: str):
+        if self.only in command and host.address == "n1":
+            command = f"cat >/dev/null; printf '%s\\n' {shlex.quote(self.reply)}"
+        return self.inner.popen(host, command)
+
+
+BAD_STATES = [
+    ('{"gen": 5, "manifest": {}, "drift": []}', "'gen' is not a generation name: 5"),
+    ('{"gen": "../../etc", "manifest": {}, "drift": []}', "'gen' is not a generation name: '../../etc'"),
+    ('{"gen": "g\\u001b[2J", "manifest": {}, "drift": []}', "'gen' is not a generation name: 'g\\x1b[2J'"),
+    ('{"gen": "g", "manifest": [], "drift": []}', "'manifest' is not a manifest of {path: entry}"),
+    ('{"gen": "g", "manifest": {"a": 1}, "drift": []}', "'manifest' is not a manifest of {path: entry}"),
+    ('{"gen": "g", "manifest": {"a": {"s": "1", "h": "x", "m": 1, "t": 1}}, "drift": []}',
+     "'manifest' is not a manifest of {path: entry}"),
+    ('{"gen": "g", "manifest": {}, "drift": "x"}', "'drift' is not a list of"),
+    ('{"gen": "g", "manifest": {}, "drift": [1]}', "'drift' is not a list of"),
+    ('{"manifest": {}}', "'drift' is not a list of"),
+    ("[1, 2]", "exit 0 but no JSON reply on stdout (got '[1, 2]')"),
+]
+
+
+def _one_failure(info, said: str) -> str:
+    text = str(info.value)
+    assert text.startswith("dispatch failed on 1 host(s): n1") or text.startswith("verifying workspaces failed on 1 host(s): n1"), text
+    assert f"n1: exit 1: unexpected reply from the host: {said}" in text, text
+    return text
+
+
+@pytest.mark.parametrize("reply, said", BAD_STATES)
+def test_a_bad_state_reply_fails_that_host_and_the_others_are_updated(tmp_path, reply, said):
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n"})
+    with c.session(transport=Hostile(c.transport, reply, "hostws state")) as s:  # no records: both are asked
+        with pytest.raises(RemoteError) as info:
+            dispatch(s)
+    _one_failure(info, said)
+    assert (c.workspace(0) / "train.py").read_text() == "print(1)\n"
+    assert not c.workspace(1).exists()
+    with c.session() as s:  # n0 was recorded: nothing travels to it again; n1 gets everything now
+        again = {r.host.label: r.files_sent for r in dispatch(s)}
+    assert again == {"n0": 0, "n1": 1}
+
+
+@pytest.mark.parametrize("reply, said", [
+    ('{"gen": 7}', "'gen' is not a generation name: 7"),
+    ('{"nothing": 1}', "'gen' is not a generation name: None"),
+    ('{"stale": "drift", "gen": "g"}', "'manifest' is not a manifest of {path: entry}"),
+    ('{"stale": "drift", "gen": "g", "manifest": {}, "drift": [{"path": 1}]}', "'drift' is not a list of"),
+])
+def test_a_bad_apply_reply_fails_that_host_and_the_others_are_remembered(tmp_path, reply, said):
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n"})
+    with c.session() as s:
+        dispatch(s)
+    c.write("train.py", "print(2)\n")
+    with c.session(transport=Hostile(c.transport, reply, "hostws apply")) as s:
+        with pytest.raises(RemoteError) as info:
+            dispatch(s)
+    _one_failure(info, said)
+    assert (c.workspace(0) / "train.py").read_text() == "print(2)\n"
+    assert (c.workspace(1) / "train.py").read_text() == "print(1)\n"  # the real apply never ran there
+    with c.session() as s:
+        again = {r.host.label: r.files_sent for r in dispatch(s)}
+    assert again == {"n0": 0, "n1": 1}
+
+
+@pytest.mark.parametrize("reply, said", [
+    ('{"gen": "g"}', "'drift' is not a list of"),
+    ('{"gen": "g", "drift": [{"path": "a", "problem": 3}]}', "'drift' is not a list of"),
+])
+def test_a_bad_verify_reply_fails_that_host_by_name(tmp_path, reply, said):
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n"})
+    with c.session() as s:
+        dispatch(s)
+    with c.session(transport=Hostile(c.transport, reply, "hostws verify")) as s:
+        with pytest.raises(RemoteError) as info:
+            verify(s)
+    _one_failure(info, said)
+
+
+def test_the_command_line_says_it_in_lines_not_a_traceback(tmp_path, monkeypatch, capsys):
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n"})
+    c.everywhere(monkeypatch, transport=Hostile(c.transport, '{"gen": "g", "manifest": {}, "drift": [1]}',
+                                                 "hostws state"))
+    assert cli.main(["dispatch", str(c.spec_path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "n1: exit 1: unexpected reply from the host: 'drift' is not a list of" in err, err
