@@ -236,14 +236,32 @@ def _up_docs(plan: JobPlan, token: str) -> dict[Host, bytes]:
     return docs
 
 
+def _up_reply(res) -> dict:
+    """`agent up`'s reply, with only the fields `start` reads and each of the type the agent writes (the host
+    may be compromised: a field of another type is left out, so a failure falls back to the host's stderr or
+    exit code instead of a traceback)."""
+    raw = _parse(res) if res.answered else {}
+    out = {k: raw[k] for k, kind in (("stage", str), ("error", str), ("pids", dict), ("status", dict))
+           if isinstance(raw.get(k), kind)}
+    if isinstance(raw.get("drift"), list):
+        out["drift"] = [{"path": d["path"], "problem": str(d.get("problem"))} for d in raw["drift"]
+                        if isinstance(d, dict) and isinstance(d.get("path"), str)]
+    if isinstance(raw.get("problems"), list):
+        out["problems"] = [{"message": p["message"] if isinstance(p, dict) and isinstance(p.get("message"), str)
+                            else str(p)} for p in raw["problems"]]
+    return out
+
+
 def _reason(host: Host, res, reply: dict) -> str:
     stage = reply.get("stage")
     if stage == "workspace":
         items = reply.get("drift") or []
+        if not items:  # a host that says so without saying what (the agent always lists the paths)
+            return f"{host.label}: workspace differs from its last dispatch"
         return "\n".join(f"{host.label}: workspace {'not dispatched' if not d.get('path') else d['path'] + ' ' + str(d.get('problem'))}"
                          " since the last dispatch" for d in items[:20])
     if stage == "preflight":
-        return "\n".join(f"{host.label}: {p.get('message') or p}" for p in reply.get("problems") or [])
+        return "\n".join(f"{host.label}: {p['message']}" for p in reply.get("problems") or [])
     return f"{host.label}: {reply.get('error') or (res.error() if not res.answered else None) or res.stderr.strip() or f'exit {res.exit_code}'}"
 
 
@@ -276,7 +294,7 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
         ensure_tools(remote, ("agent",), missing)
         results.update(remote.run(_up_command(), hosts=missing, stdin=lambda h: [docs[h]], check=False,
                                   timeout=timeout, what="start"))
-    replies = {h: _parse(r) if r.answered else {} for h, r in results.items()}
+    replies = {h: _up_reply(r) for h, r in results.items()}
     failed = {h: r for h, r in results.items() if r.exit_code != 0}
     if failed:
         reasons = [_reason(h, r, replies[h]) for h, r in failed.items()]

@@ -12,6 +12,7 @@ Fake executables (`apt-get`, `sbatch`, ...) go into `bin`, first on every fake h
 from __future__ import annotations
 
 import os
+import shlex
 import secrets
 import stat
 import sys
@@ -140,11 +141,14 @@ def refused(host: str) -> str:
 
 class FaultyTransport(ProcessTransport):
     """A LocalTransport whose `down` hosts answer as an unreachable host does over ssh (exit 255, ssh's own
-    message), and whose `hung` hosts never answer: their command takes its stdin, as the ssh client does
-    (its channel window holds far more than a control command sends), then sleeps."""
+    message), whose `hung` hosts never answer: their command takes its stdin, as the ssh client does
+    (its channel window holds far more than a control command sends), then sleeps; and whose `hostile`
+    hosts ({address: (stdout, exit code)}) take their stdin and answer that instead of running the command,
+    as a compromised host may."""
 
-    def __init__(self, inner: LocalTransport, *, down=(), hung=(), only: str = ""):
+    def __init__(self, inner: LocalTransport, *, down=(), hung=(), hostile=None, only: str = ""):
         self.inner, self.down, self.hung, self.only = inner, set(down), set(hung), only  # only: commands containing it
+        self.hostile = dict(hostile or {})
 
     def popen(self, host, command: str):
         """Start `command` for `host`, or the fault planned for that host."""
@@ -152,4 +156,7 @@ class FaultyTransport(ProcessTransport):
             command = f"echo 'ssh: connect to host {host.address} port 22: Connection refused' >&2; exit 255"
         elif self.only in command and host.address in self.hung:
             command = "cat >/dev/null; exec sleep 60"
+        elif self.only in command and host.address in self.hostile:
+            stdout, code = self.hostile[host.address]
+            command = f"cat >/dev/null; printf '%s\\n' {shlex.quote(stdout)}; exit {code}"
         return self.inner.popen(host, command)

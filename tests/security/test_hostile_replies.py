@@ -1,13 +1,14 @@
-"""What a host answers to dispatch (`hostws state`, `apply`, `verify`) is untrusted: a broken or compromised host
-whose reply is not what hostws prints fails, by name and in one line, and the other hosts get their update
-and are remembered. Before, such a reply ended the whole command in a KeyError or TypeError traceback (the
-other hosts updated but not recorded), or was taken as a generation name.
+"""What a host answers to dispatch (`hostws state`, `apply`, `verify`) and to `start` (`agent up`) is untrusted: a
+broken or compromised host whose reply is not what clusterctl's host side prints fails, by name and in lines, and
+the other hosts get their update and are remembered. Before, such a reply ended the whole command in a KeyError,
+TypeError or AttributeError traceback (dispatch: the other hosts updated but not recorded), or was taken as a
+generation name.
 
-The real hostws runs on fake hosts (tests/unit/fakehosts.py); on n1 the command is replaced by a reply."""
+The real host side runs on fake hosts (tests/unit/fakehosts.py); n1's command is replaced by a reply
+(FaultyTransport's `hostile`)."""
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
@@ -21,17 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from fakehosts import FakeCluster, FaultyTransport  # noqa: E402
 
 
-class Hostile(FaultyTransport):
-    """n1 answers the commands that contain `only` with `reply` (after reading what it was sent)."""
-
-    def __init__(self, inner, reply: str, only: str):
-        super().__init__(inner)
-        self.reply, self.only = reply, only
-
-    def popen(self, host, command: str):
-        if self.only in command and host.address == "n1":
-            command = f"cat >/dev/null; printf '%s\\n' {shlex.quote(self.reply)}"
-        return self.inner.popen(host, command)
+def Hostile(inner, reply: str, only: str) -> FaultyTransport:
+    """n1 answers the commands that contain `only` with `reply` (after reading what it was sent), exit 0."""
+    return FaultyTransport(inner, hostile={"n1": (reply, 0)}, only=only)
 
 
 BAD_STATES = [
@@ -113,3 +106,28 @@ def test_the_command_line_says_it_in_lines_not_a_traceback(tmp_path, monkeypatch
     assert cli.main(["dispatch", str(c.spec_path)]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "n1: exit 1: unexpected reply from the host: 'drift' is not a list of" in err, err
+
+
+# `start`: `agent up`'s reply (exit 1, a failure to report) with fields of the wrong type
+@pytest.mark.parametrize("reply, said", [
+    ('{"ok": false, "stage": "workspace", "drift": "xx"}', "n1: workspace differs from its last dispatch"),
+    ('{"ok": false, "stage": "workspace", "drift": [1, {"path": 3}]}', "n1: workspace differs from its last dispatch"),
+    ('{"ok": false, "stage": "preflight", "problems": [1, {"message": 5}, {"message": "port 6170 busy"}]}',
+     "n1: 1\nn1: {'message': 5}\nn1: port 6170 busy"),
+    ('{"ok": false, "stage": ["launched"], "pids": 5, "error": {"x": 1}}', "n1: exit 1"),
+])
+def test_a_bad_start_reply_is_that_hosts_failure_in_lines(tmp_path, reply, said):
+    from clusterctl.errors import JobError
+    from clusterctl.ops.job import start, stop
+
+    c = FakeCluster(tmp_path, files={"train.py": "import time; time.sleep(30)\n"})
+    with c.session() as s:
+        dispatch(s)
+    try:
+        with c.session(transport=FaultyTransport(c.transport, hostile={"n1": (reply, 1)}, only=" agent up")) as s:
+            with pytest.raises(JobError) as info:  # was an AttributeError or TypeError from the reply's fields
+                start(s)
+        assert str(info.value).endswith("\n" + said), str(info.value)
+    finally:
+        with c.session() as s:
+            stop(s)
