@@ -246,11 +246,14 @@ class Transport:
 
 
 class LineSplitter:
-    """Turns a byte stream into decoded lines for a callback. Without a callback it keeps everything for
-    the Result; with one, the lines belong to the callback and only the last KEEP_WITH_CALLBACK bytes are
-    kept (for the Result's tail and reply), so streaming a log of any size holds a bounded amount."""
+    """Turns a byte stream into decoded lines for a callback. Without a callback it keeps the stream for the
+    Result, up to MAX_KEPT bytes (a host may be compromised: what it prints must not fill the controller's
+    memory; what comes beyond is counted and dropped, and the Result ends with a line that says so); with one,
+    the lines belong to the callback and only the last KEEP_WITH_CALLBACK bytes are kept (for the Result's
+    tail and reply), so streaming a log of any size holds a bounded amount."""
 
     KEEP_WITH_CALLBACK = 1 << 20
+    MAX_KEPT = 256 << 20  # a 1,000,000-file workspace's state reply is ~130 MiB
     MAX_PARTIAL = 4 << 20  # a "line" longer than this is handed on in pieces
 
     def __init__(self, host: Host, stream: str, on_line: LineCallback | None):
@@ -258,10 +261,14 @@ class LineSplitter:
         self.chunks: collections.deque[bytes] = collections.deque()
         self._kept = 0
         self.dropped = 0  # bytes streamed to the callback and not kept
+        self.over = 0  # bytes beyond MAX_KEPT, without a callback: dropped
         self._partial = b""
 
     def feed(self, data: bytes) -> None:
         """Take the next chunk of the stream."""
+        if self.on_line is None and (self.over or self._kept + len(data) > self.MAX_KEPT):
+            self.over += len(data)
+            return
         self.chunks.append(data)
         self._kept += len(data)
         if self.on_line is None:
@@ -287,4 +294,7 @@ class LineSplitter:
         self.chunks.clear()
         if self.dropped:  # the tail starts mid-stream: from its first whole line
             data = data[data.find(b"\n") + 1:]
-        return data.decode("utf-8", "replace")
+        text = data.decode("utf-8", "replace")
+        if self.over:
+            text += f"\n[clusterctl: {self.over:,} more bytes beyond {self.MAX_KEPT >> 20} MiB dropped]\n"
+        return text

@@ -67,6 +67,22 @@ def test_without_a_callback_everything_is_kept():
     assert len(split.close()) == 40 * 65536
 
 
+def test_without_a_callback_a_flood_is_cut_at_the_limit_and_says_so(monkeypatch):
+    # a compromised host answering a control command with gigabytes must not fill the controller's memory
+    monkeypatch.setattr(LineSplitter, "MAX_KEPT", 1 << 20)
+    split = LineSplitter(HOST, "out", None)
+    peak = 0
+    for _ in range(160):  # 10 MiB, then the reply a real host would end with
+        split.feed(b"y" * 65536)
+        peak = max(peak, sum(len(c) for c in split.chunks))
+    split.feed(b'{"gen": "g1", "drift": []}\n')
+    text = split.close()
+    assert peak <= 1 << 20
+    assert text.endswith(f"\n[clusterctl: {9 * 2**20 + 27:,} more bytes beyond 1 MiB dropped]\n"), text[-120:]
+    with pytest.raises(RemoteError, match=r"no JSON reply on stdout .*more bytes beyond 1 MiB dropped"):
+        result(text).reply()  # the reply after the flood is not taken: that host fails, by name
+
+
 def test_an_endless_line_is_handed_on_in_pieces():
     got = []
     split = LineSplitter(HOST, "out", lambda h, s, line: got.append(len(line)))

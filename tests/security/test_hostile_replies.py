@@ -131,3 +131,25 @@ def test_a_bad_start_reply_is_that_hosts_failure_in_lines(tmp_path, reply, said)
     finally:
         with c.session() as s:
             stop(s)
+
+
+def test_a_host_that_floods_its_reply_fails_and_the_controller_keeps_a_bounded_amount(tmp_path, monkeypatch):
+    # at the real limit (256 MiB) this is the same path; 1 MiB here keeps the test quick
+    from clusterctl.transport.base import LineSplitter
+
+    monkeypatch.setattr(LineSplitter, "MAX_KEPT", 1 << 20)
+    c = FakeCluster(tmp_path, files={"train.py": "print(1)\n"})
+
+    class Flood(FaultyTransport):  # n1 answers with 8 MiB of noise, then the reply a real host would print
+        def popen(self, host, command: str):
+            if host.address == "n1":
+                command = ("cat >/dev/null; head -c 8388608 /dev/zero | tr '\\0' y; "
+                           "echo '{\"gen\": null, \"manifest\": {}, \"drift\": []}'")
+            return self.inner.popen(host, command)
+
+    with c.session(transport=Flood(c.transport)) as s:
+        with pytest.raises(RemoteError) as info:
+            dispatch(s)
+    _one_failure(info, "exit 0 but no JSON reply on stdout")
+    assert "more bytes beyond 1 MiB dropped" in str(info.value)
+    assert (c.workspace(0) / "train.py").read_text() == "print(1)\n"
