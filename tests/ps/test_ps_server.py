@@ -196,7 +196,8 @@ def test_abort_is_checked_and_only_for_sync_mode(servers):
     g2 = servers(1, num_trainers=2, mode="sync", barrier_timeout=10)
     d2 = raw_dealer(g2.endpoints[0])
     for bad in ({"missing": "1", "timeout": 1, "step": 0}, {"missing": [1], "timeout": True, "step": 0},
-                {"missing": [1], "timeout": 1}, {"missing": [0, 1, 1], "timeout": 1, "step": 0}):
+                {"missing": [1], "timeout": 1}, {"missing": [0, 1, 1], "timeout": 1, "step": 0},
+                {"missing": [2], "timeout": 1, "step": 0}, {"missing": [-1], "timeout": 1, "step": 0}):  # not its trainers
         d2.send_multipart([json.dumps({"v": 1, "op": "abort", "seq": 2, "tid": 0, **bad}).encode()])
         assert d2.poll(5000)
         reply = json.loads(d2.recv_multipart()[0])
