@@ -913,6 +913,7 @@ class ParameterServer:
         missing, timeout, step = h.get("missing"), h.get("timeout"), h.get("step")
         if (not isinstance(missing, list) or len(missing) > self.num_trainers
                 or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.num_trainers for t in missing)
+                or len(set(missing)) != len(missing)
                 or isinstance(timeout, bool) or not isinstance(timeout, int | float)
                 or isinstance(step, bool) or not isinstance(step, int)):
             raise ProtocolError("abort needs the barrier's 'missing' trainer ids, its 'timeout' and its 'step'")

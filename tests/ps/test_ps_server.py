@@ -197,7 +197,8 @@ def test_abort_is_checked_and_only_for_sync_mode(servers):
     d2 = raw_dealer(g2.endpoints[0])
     for bad in ({"missing": "1", "timeout": 1, "step": 0}, {"missing": [1], "timeout": True, "step": 0},
                 {"missing": [1], "timeout": 1}, {"missing": [0, 1, 1], "timeout": 1, "step": 0},
-                {"missing": [2], "timeout": 1, "step": 0}, {"missing": [-1], "timeout": 1, "step": 0}):  # not its trainers
+                {"missing": [2], "timeout": 1, "step": 0}, {"missing": [-1], "timeout": 1, "step": 0},  # not its trainers
+                {"missing": [1, 1], "timeout": 1, "step": 0}):
         d2.send_multipart([json.dumps({"v": 1, "op": "abort", "seq": 2, "tid": 0, **bad}).encode()])
         assert d2.poll(5000)
         reply = json.loads(d2.recv_multipart()[0])
