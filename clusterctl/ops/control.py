@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 
+from ..errors import ClusterctlError
 from ..host.controlproto import CLIENT_HEADER_TIMEOUT, CONTROL_FILE, CONTROL_VERSION, OK
 from ..plan import Host
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote, Result
 from .hosttools import install_on, package_dir, tool_argv
 
-__all__ = ["control_command", "ask", "NEEDS_PACKAGE"]
+__all__ = ["control_command", "ask", "agent_reply", "NEEDS_PACKAGE"]
 
 # the line exits with this when the agent is needed and this version of the host package is not on the host
 NEEDS_PACKAGE = 97
@@ -61,3 +62,13 @@ def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence
         if again:
             results.update(remote.run(command, hosts=again, check=False, timeout=timeout, what=what, on_line=on_line))
     return results
+
+
+def agent_reply(res: Result) -> dict:
+    """The agent's (or the supervisor's) JSON object in a host's output, whatever a shell's start-up printed before
+    it; where there is none, `{"ok": False, "error": ...}` with the host's stderr (else stdout) tail. Its fields
+    are the host's word: read them through HostStatus.from_json or check each one's type."""
+    try:
+        return res.reply()
+    except ClusterctlError:
+        return {"ok": False, "error": (res.stderr or res.stdout).strip()[-500:] or f"exit {res.exit_code}"}

@@ -13,7 +13,7 @@ import posixpath
 import secrets
 from collections.abc import Callable
 
-from ..errors import ClusterctlError, HostFailure, JobError, RemoteError
+from ..errors import HostFailure, JobError, RemoteError
 from ..plan import Host, JobPlan, factor_env
 from ..quoting import join, quote
 from ..remote import LineCallback
@@ -23,7 +23,7 @@ from ..host.states import JobState
 from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from ..progress import clean_progress, stragglers
 from . import Session
-from .control import NEEDS_PACKAGE, ask, control_command
+from .control import NEEDS_PACKAGE, agent_reply, ask, control_command
 from .hosttools import ensure_tools, package_dir, tool_argv
 from ..host.jobfile import elastic_entry, with_elastic  # elastic jobs (hosts[].spare, job.min_hosts)
 
@@ -119,13 +119,6 @@ def _agent_cmd(*args: str) -> str:
     return join(tool_argv("agent", list(args)))
 
 
-def _parse(res) -> dict:
-    try:
-        return res.reply()  # the agent's JSON line, whatever a shell's start-up printed before it
-    except ClusterctlError:
-        return {"ok": False, "error": (res.stderr or res.stdout).strip()[-500:] or f"exit {res.exit_code}"}
-
-
 def status(session: Session) -> JobStatus:
     """Every process's state on every host; unreachable hosts are reported, not fatal. Each host's supervisor
     answers over its control socket (no Python start on the host); where none runs, the agent reads the state
@@ -141,7 +134,7 @@ def status(session: Session) -> JobStatus:
         if not res.answered:  # not reached, or its command never answered (our deadline)
             unreachable[host.label] = res.stderr.strip()
         else:
-            replies[host.label] = _parse(res)
+            replies[host.label] = agent_reply(res)
     return fold_status(plan.job, replies, unreachable, {h.label: h.address for h in plan.hosts})
 
 
@@ -206,7 +199,7 @@ def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | No
     cmd = control_command(jobdir, "stop", {"grace": g}, ["stop", jobdir, "--grace", f"{g:g}", "--job", plan.job])
     results = ask(remote, cmd, hosts=hosts, timeout=g + 60, what="stop")
     failures = [HostFailure(h.label, r.command, r.exit_code, r.stderr) for h, r in results.items() if r.exit_code not in (0, 1)]
-    parsed = {h: _parse(r) for h, r in results.items()}
+    parsed = {h: agent_reply(r) for h, r in results.items()}
     # exit 1 (the agent) or `ok: false` (either): processes survived SIGKILL, or no reply said the stop happened
     failures += [
         HostFailure(h.label, results[h].command, 1, d.get("error") or json.dumps(d.get("left", ""))[:500])
@@ -240,7 +233,7 @@ def _up_reply(res) -> dict:
     """`agent up`'s reply, with only the fields `start` reads and each of the type the agent writes (the host
     may be compromised: a field of another type is left out, so a failure falls back to the host's stderr or
     exit code instead of a traceback)."""
-    raw = _parse(res) if res.answered else {}
+    raw = agent_reply(res) if res.answered else {}
     out = {k: raw[k] for k, kind in (("stage", str), ("error", str), ("pids", dict), ("status", dict))
            if isinstance(raw.get(k), kind)}
     if isinstance(raw.get("drift"), list):

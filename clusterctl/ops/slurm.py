@@ -32,6 +32,7 @@ from ..quoting import join, quote
 from ..remote import LineCallback, Remote, SshOptions
 from ..spec import ClusterSpec
 from . import Session
+from .control import agent_reply
 from .hosttools import _package_payload, ensure_tools, install_on, package_dir, tool_argv, tool_command
 from .job import JobStatus, fold_status, job_files
 from .top import TopAnswer, TopRequest, answer_of
@@ -220,13 +221,6 @@ def _agent_on_nodes(spec: ClusterSpec, nodes: list[tuple[str, Host]], args: Call
     return {by_host[h]: r for h, r in results.items()}
 
 
-def _parse(res) -> dict:
-    try:
-        return res.reply()
-    except ClusterctlError:
-        return {"ok": False, "error": (res.stderr or res.stdout).strip()[-500:] or f"exit {res.exit_code}"}
-
-
 def _jobdir(plan: JobPlan, sj: dict, node: str) -> str:
     return glue.jobdir_rel(plan.job, sj["id"], node)
 
@@ -235,7 +229,7 @@ def _node_replies(spec: ClusterSpec, plan: JobPlan, sj: dict, addresses: dict) -
     """Every node's `agent status` over ssh (the job has ended, so no srun step can ask): replies, unreachable."""
     results = _agent_on_nodes(spec, _nodes(spec, sj, addresses), lambda n: ["status", _jobdir(plan, sj, n)],
                               what="status")
-    replies = {n: _parse(r) for n, r in results.items() if r.answered}
+    replies = {n: agent_reply(r) for n, r in results.items() if r.answered}
     unreachable = {n: r.stderr.strip()[-300:] for n, r in results.items() if not r.answered}
     return replies, unreachable
 
@@ -435,7 +429,7 @@ def stop(spec: ClusterSpec, plan: JobPlan, *, grace: float | None = None) -> dic
     if todo:  # the job had ended (or the step did not reach them): the sweep over ssh, by the job's tag
         swept = _agent_on_nodes(spec, todo, lambda n: ["stop", _jobdir(plan, sj, n), "--grace", f"{min(g, 5.0):g}",
                                                        "--job", plan.job], what="stop", timeout=g + 60)
-        out["replies"].update({n: _parse(r) for n, r in swept.items() if r.answered})
+        out["replies"].update({n: agent_reply(r) for n, r in swept.items() if r.answered})
         lost = {n: r.stderr.strip()[-300:] or f"exit {r.exit_code}" for n, r in swept.items() if not r.answered}
         if lost:
             raise SlurmError(f"Slurm job {sj['id']} is {sj['state']}, but the sweep of its nodes by the job's tag "
