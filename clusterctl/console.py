@@ -71,6 +71,14 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in text)
 
 
+def markup_safe(text) -> str:
+    """`text` (from a host, or holding its words) for rich markup: control characters escaped as printable() does
+    (rich's own escape() leaves ESC alone), then rich's markup (`[...]`) escaped."""
+    from rich.markup import escape
+
+    return escape(printable(str(text)))
+
+
 _SGR = {"bold": "1", "dim": "2", "italic": "3", "red": "31", "green": "32", "yellow": "33"}
 
 

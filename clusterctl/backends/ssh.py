@@ -88,6 +88,6 @@ class SshBackend(Backend):
             job=self.plan.job,
             was_running=any(r.get("was_running") for r in results.values()),
             hosts=len(results),
-            killed=sum(len(r.get("killed") or []) for r in results.values()),
+            killed=sum(len(k) for r in results.values() if isinstance(k := r.get("killed"), list)),
             left={h.label: r["left"] for h, r in results.items() if r.get("left")},
         )

@@ -8,10 +8,9 @@ import sys
 import threading
 
 from rich.live import Live
-from rich.markup import escape
 from rich.table import Table
 
-from ..console import err, out
+from ..console import err, markup_safe, out
 
 __all__ = ["add_cli", "cmd_provision", "cmd_doctor"]
 
@@ -21,9 +20,9 @@ _STYLE = {"ok": "green", "changed": "yellow", "failed": "bold red", "skipped": "
 def _cell(status: str, reason: str, check: bool) -> str:
     """A table cell: the status, plus the reason for failed/skipped (changes are listed below the table)."""
     label = "would change" if (check and status == "changed") else status
-    text = f"[{_STYLE.get(status, '')}]{escape(label)}[/]"
+    text = f"[{_STYLE.get(status, '')}]{markup_safe(label)}[/]"
     if reason and status in ("failed", "skipped"):
-        text += f": {escape(reason)}"
+        text += f": {markup_safe(reason)}"
     return text
 
 
@@ -58,7 +57,7 @@ class _Progress:
             for step in self.steps:
                 status = self.state[(host, step)] or ("running" if self.current[host] == step else "")
                 cells.append(f"[{_STYLE[status]}]{status or '·'}[/]")
-            table.add_row(escape(host.label), *cells)
+            table.add_row(markup_safe(host.label), *cells)
         return table
 
     def __call__(self, host, step, kind, text) -> None:
@@ -68,7 +67,7 @@ class _Progress:
                 later = self.steps[self.steps.index(step) + 1 :]
                 self.current[host] = later[0] if later and text != "failed" else ""
             elif self.verbose and not text.startswith("CLUSTERCTL_STEP "):
-                err.print(f"\\[{escape(host.label)}] \\[{step}] {escape(text)}", highlight=False)  # rich: a literal [
+                err.print(f"\\[{markup_safe(host.label)}] \\[{step}] {markup_safe(text)}", highlight=False)  # rich: a literal [
             if self.live is not None:
                 self.live.update(self.table())
 
@@ -102,18 +101,18 @@ def cmd_provision(args: argparse.Namespace) -> int:
         for step in report.steps:
             o = report.outcomes.get((host, step))
             cells.append(_cell(o.status, o.reason, report.check) if o else "[dim]-[/]")
-        table.add_row(escape(host.label), *cells)
+        table.add_row(markup_safe(host.label), *cells)
     out.print(table)
     lines = _changes(report)
     if lines:
         out.print("would change:" if report.check else "changed:")
         for line in lines:
-            out.print(f"  {escape(line)}")
+            out.print(f"  {markup_safe(line)}")
     changed, failed = report.count("changed"), report.count("failed")
     verb = "would change" if report.check else "changed"
     out.print(
         f"{changed} {verb}, {failed} failed, {report.count('ok')} ok in {report.seconds:.1f}s; "
-        f"per-host logs: {escape(str(report.log_dir))}/<host>.log"
+        f"per-host logs: {markup_safe(str(report.log_dir))}/<host>.log"
     )
     return 0 if report.ok else 1
 
@@ -131,12 +130,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     table = Table(title=f"doctor {report.job}", title_justify="left")
     table.add_column("check")
     for host in report.hosts:
-        table.add_column(escape(host.label), overflow="fold")
+        table.add_column(markup_safe(host.label), overflow="fold")
     for row in report.rows():
-        table.add_row(*[escape(c) for c in row])
+        table.add_row(*[markup_safe(c) for c in row])
     out.print(table)
     for problem in report.problems:
-        out.print(f"[bold red]problem:[/] {escape(problem)}")
+        out.print(f"[bold red]problem:[/] {markup_safe(problem)}")
     out.print("all hosts agree" if report.ok else f"{len(report.problems)} problem(s)")
     return 0 if report.ok else 1
 

@@ -10,11 +10,10 @@ import time
 
 from rich import box
 from rich.console import Group
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ..console import out, printable
+from ..console import markup_safe, out
 from ..errors import ClusterctlError
 from ..progress import STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, metrics_text
 from .render import STATE_STYLE
@@ -54,7 +53,7 @@ def _gpu_text(gpus: list, proc_mib: float | None = None) -> str:
 def _styled(state: str) -> str:
     """A job's or process's state in rich markup, coloured as in `clusterctl status` (render.STATE_STYLE)."""
     style = STATE_STYLE.get(state, "")
-    return f"[{style}]{escape(state)}[/]" if style else escape(state)
+    return f"[{style}]{markup_safe(state)}[/]" if style else markup_safe(state)
 
 
 def _rate(r: ProcRow) -> str:
@@ -88,14 +87,14 @@ def _host_line(h: HostRow) -> str:
         bits.append(f"nvidia-smi: {h.gpu_error}")
     if h.sample_cpu_s is not None:
         bits.append(f"sampled in {h.sample_cpu_s * 1000:.0f} ms cpu")
-    return escape(printable(" · ".join(bits)))
+    return markup_safe(" · ".join(bits))
 
 
 def _title(s: Snapshot) -> str:
     procs = sum(1 for r in s.rows if r.rank is None)
     every = f" · every {s.interval:g}s" if s.interval else ""
     when = time.strftime("%H:%M:%S", time.localtime(s.taken_at))
-    return (f"job {escape(s.job)}: {_styled(s.state)} · {len(s.hosts)} host(s), {procs} process(es){every} · "
+    return (f"job {markup_safe(s.job)}: {_styled(s.state)} · {len(s.hosts)} host(s), {procs} process(es){every} · "
             f"{when}")
 
 
@@ -108,14 +107,14 @@ def render_top(s: Snapshot, *, title: str | None = None, width: int | None = Non
     alerts = []
     for st in s.stragglers:
         alerts.append(Text.from_markup(
-            f"[bold red]straggler[/]: {escape(st['process'])} on {escape(st['host'])}: {st['rate']:.3g} steps/s, "
+            f"[bold red]straggler[/]: {markup_safe(st['process'])} on {markup_safe(st['host'])}: {st['rate']:.3g} steps/s, "
             f"{st['ratio']:.0%} of the median {st['median']:.3g} (below {s.threshold:.0%} for {s.window_s:g}s)"))
     for h in s.hosts:
         if h.status in ("unreachable", "error"):
-            alerts.append(Text.from_markup(f"[bold red]{escape(h.host)}: {h.status}[/]: "
-                                           f"{escape(printable(h.error or ''))}"))
+            alerts.append(Text.from_markup(f"[bold red]{markup_safe(h.host)}: {h.status}[/]: "
+                                           f"{markup_safe(h.error or '')}"))
         elif h.age_s is not None and s.interval and h.age_s > 3 * s.interval:
-            alerts.append(Text.from_markup(f"[yellow]{escape(h.host)}: no answer for {h.age_s:.0f}s[/]"))
+            alerts.append(Text.from_markup(f"[yellow]{markup_safe(h.host)}: no answer for {h.age_s:.0f}s[/]"))
     gpu = any(r.gpus or r.gpu_mem_mib is not None for r in s.rows) or any(h.gpus for h in s.hosts)
     lines: list[tuple[dict, bool]] = []  # (cells by column, ends a host's section)
     by_host: dict[str, list[ProcRow]] = {}
@@ -123,21 +122,21 @@ def render_top(s: Snapshot, *, title: str | None = None, width: int | None = Non
         by_host.setdefault(r.host, []).append(r)
     for h in s.hosts:
         if compact:
-            lines.append(({"process": f"[bold]{escape(h.host)}[/]"}, False))
+            lines.append(({"process": f"[bold]{markup_safe(h.host)}[/]"}, False))
         if h.status != "ok":
-            lines.append(({"host": escape(h.host), "state": f"[red]{escape(h.status)}[/]",
-                           "metrics": escape(printable(h.error or ""))[:120]}, True))
+            lines.append(({"host": markup_safe(h.host), "state": f"[red]{markup_safe(h.status)}[/]",
+                           "metrics": markup_safe(h.error or "")[:120]}, True))
             continue
         for r in by_host.get(h.host, []):
             p = r.progress or {}
             lines.append(({
-                "host": escape(r.host), "process": escape(r.name), "pid": "" if r.pid is None else str(r.pid),
+                "host": markup_safe(r.host), "process": markup_safe(r.name), "pid": "" if r.pid is None else str(r.pid),
                 "state": _state(r), "cpu %": "" if r.cpu_pct is None else f"{r.cpu_pct:.0f}", "rss": _bytes(r.rss_bytes),
-                "gpu": escape(_gpu_text(r.gpus, r.gpu_mem_mib)) if gpu else "",
+                "gpu": markup_safe(_gpu_text(r.gpus, r.gpu_mem_mib)) if gpu else "",
                 "step": "" if "step" not in p else f"{p['step']:,}" + (" done" if p.get("done") else ""),
-                "steps/s": _rate(r), "metrics": escape(printable(metrics_text(p.get("metrics") or {}))),
+                "steps/s": _rate(r), "metrics": markup_safe(metrics_text(p.get("metrics") or {})),
             }, False))
-        lines.append(({"host": escape(h.host), "process": "[dim]host total[/]",
+        lines.append(({"host": markup_safe(h.host), "process": "[dim]host total[/]",
                        "cpu %": "" if h.job_cpu_pct is None else f"[dim]{h.job_cpu_pct:.0f}[/]",
                        "rss": f"[dim]{_bytes(h.job_rss_bytes)}[/]" if h.job_rss_bytes is not None else "",
                        "metrics": f"[dim]{_host_line(h)}[/]"}, True))

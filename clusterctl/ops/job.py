@@ -202,13 +202,18 @@ def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | No
     parsed = {h: agent_reply(r) for h, r in results.items()}
     # exit 1 (the agent) or `ok: false` (either): processes survived SIGKILL, or no reply said the stop happened
     failures += [
-        HostFailure(h.label, results[h].command, 1, d.get("error") or json.dumps(d.get("left", ""))[:500])
+        HostFailure(h.label, results[h].command, 1, _text(d.get("error")) or json.dumps(d.get("left", ""))[:500])
         for h, d in parsed.items()
         if results[h].exit_code in (0, 1) and (results[h].exit_code == 1 or d.get("ok") is False)
     ]
     if failures:
         raise RemoteError(failures, what="stop")
     return parsed
+
+
+def _text(value) -> str:
+    """A reply's field that should be a message: itself when it is a string, else "" (a host's word)."""
+    return value if isinstance(value, str) else ""
 
 
 def _up_command() -> str:
@@ -358,6 +363,7 @@ def logs(
 
     problems: list[str] = []
     unmatched: list[str] = []  # elastic: hosts that ran no such process (a spare, a host left out)
+    said: set[Host] = set()  # hosts whose agent said why it failed (its JSON message)
     notes: dict[Host, list[str]] = {}  # stderr: the agent's notes, or ssh's own words for a host it never reached
 
     def relay(h: Host, stream: str, line: str) -> None:
@@ -368,10 +374,12 @@ def logs(
             return
         if line.startswith("{"):  # the agent's own JSON message, not a log line
             try:
-                error = str(json.loads(line).get("error", line))
-            except (ValueError, AttributeError):
-                error = None
+                message = json.loads(line)
+            except (ValueError, RecursionError):  # a host may send anything: nested 50,000 deep, say
+                message = None
+            error = str(message.get("error", line)) if isinstance(message, dict) else None
             if error is not None:
+                said.add(h)
                 if plan.elastic is not None and error.startswith("no process matches"):
                     unmatched.append(h.label)
                 else:
@@ -386,6 +394,8 @@ def logs(
     # not reached, no host package to be had (no python3), timed out, or the agent failed (2: its JSON error above)
     unreachable = [f"{h.label}: {r.error() or r.stderr.strip() or f'exit {r.exit_code}'}" for h, r in results.items()
                    if not r.answered or r.exit_code not in (0, 2)]
+    unreachable += [f"{h.label}: exit 2 without the agent's message" for h, r in results.items()
+                    if r.answered and r.exit_code == 2 and h not in said]  # a host that failed without saying why
     for h, lines_ in notes.items():
         if results[h].answered:
             for line in lines_:

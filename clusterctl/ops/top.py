@@ -145,7 +145,8 @@ def _gpus(items) -> list:
 def rows_of(label: str, reply: dict) -> list[ProcRow]:
     """The process rows of one host's `agent top` reply (pure; every field checked)."""
     rows = []
-    for p in reply.get("processes") or []:
+    procs = reply.get("processes")
+    for p in procs if isinstance(procs, list) else []:
         if not isinstance(p, dict) or _str(p.get("role")) is None or _int(p.get("id")) is None:
             continue
         res = p.get("resources") if isinstance(p.get("resources"), dict) else {}

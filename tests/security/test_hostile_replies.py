@@ -153,3 +153,60 @@ def test_a_host_that_floods_its_reply_fails_and_the_controller_keeps_a_bounded_a
     _one_failure(info, "exit 0 but no JSON reply on stdout")
     assert "more bytes beyond 1 MiB dropped" in str(info.value)
     assert (c.workspace(0) / "train.py").read_text() == "print(1)\n"
+
+
+# stop, logs, top, provision: the other readers of host replies on the controller (an audit drove each one)
+@pytest.mark.parametrize("reply, code", [('{"ok": false, "error": {"x": 1}}', 1), ('{"ok": false, "error": 5}', 0)])
+def test_a_stop_reply_with_an_error_of_another_type_is_that_hosts_failure(tmp_path, reply, code):
+    from clusterctl.ops.job import stop
+
+    c = FakeCluster(tmp_path)
+    with c.session(transport=FaultyTransport(c.transport, hostile={"n1": (reply, code)}, only="--grace")) as s:
+        with pytest.raises(RemoteError, match=r"stop failed on 1 host\(s\): n1\n  n1: exit 1: \"\"$"):
+            stop(s)  # was an AttributeError ('dict' object has no attribute 'strip') building the message
+
+
+def test_a_stop_reply_with_killed_of_another_type_counts_nothing(tmp_path):
+    from clusterctl.backends.ssh import SshBackend
+
+    c = FakeCluster(tmp_path)
+    t = FaultyTransport(c.transport, hostile={"n1": ('{"ok": true, "killed": 5}', 0)}, only="--grace")
+    with c.session(transport=t) as s:
+        backend = SshBackend(s.spec, s.plan, transport=t)
+        try:
+            report = backend.stop()  # was a TypeError (len of an int)
+        finally:
+            backend.close()
+    assert (report.hosts, report.killed) == (2, 0)
+
+
+def test_a_logs_reply_nested_too_deep_is_that_hosts_problem(tmp_path, monkeypatch, capsys):
+    deep = '{"a": ' + "[" * 50000 + "]" * 50000 + "}"
+    c = FakeCluster(tmp_path)
+    c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, hostile={"n1": (deep, 2)}, only="--host-label"))
+    assert cli.main(["logs", str(c.spec_path)]) == 1  # was a RecursionError in the reader thread, and exit 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "clusterctl: error: n1: exit 2 without the agent's message" in err, err
+
+
+def test_top_survives_a_reply_of_another_shape_and_prints_no_control_characters(tmp_path, monkeypatch, capsys):
+    for reply in ['{"ok": true, "state": "running", "processes": 5}',
+                  '{"ok": true, "state": "running", "processes": [{"role": "tr\\u001b[2J", "id": 0, '
+                  '"state": "run\\u001b]0;x\\u0007"}]}']:
+        c = FakeCluster(tmp_path / str(len(reply)))
+        c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, hostile={"n1": (reply, 0)}, only="--slices"))
+        code = cli.main(["top", str(c.spec_path), "--once"])  # was a TypeError ('int' object is not iterable)
+        out, err = capsys.readouterr()
+        assert code in (0, 1) and "Traceback" not in err, err
+        assert "\x1b" not in out + err, (out + err)[-400:]
+
+
+@pytest.mark.parametrize("extra", [[], ["--lines"]])
+def test_provision_prints_a_hosts_step_lines_without_their_control_characters(tmp_path, monkeypatch, capsys, extra):
+    section = {"timeout": 30, "commands": [{"name": "mark", "run": "echo hi", "unless": "false"}]}
+    reply = "hello \x1b[2J\nCLUSTERCTL_STEP commands failed \x1b]0;pwned\x07\x1b[2Jgone"
+    c = FakeCluster(tmp_path, extra={"provision": section})
+    c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, hostile={"n1": (reply, 1)}, only="clusterctl-commands"))
+    assert cli.main(["provision", str(c.spec_path), *extra]) == 1
+    out, err = capsys.readouterr()
+    assert "\x1b" not in out + err and "\\x1b" in out + err, (out + err)[-600:]
