@@ -36,7 +36,7 @@ from typing import ClassVar
 
 from ..errors import ClusterctlError, JobError
 from ..host.states import ACTIVE_JOB_STATES, JobState, ProcState
-from ..host.status import JobStatus, ProcessStatus, overall_state
+from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from .base import Backend, LineCallback, Progress, StopReport
 
 __all__ = ["KubernetesBackend", "Kubectl", "KubectlError", "fold_status", "pod_facts", "LOG_LINE"]
@@ -343,7 +343,7 @@ def fold_status(job: str, expected: dict[str, int], jobs: list[dict], pods: list
     host_states: list[str] = []
     unreachable: dict[str, str] = {}
     reasons: list[str] = []
-    best = (0, 0, [], None)  # (attempt, len(attempts), attempts, the pod's data)
+    best = (0, 0, [], None)  # (attempt, attempts_total, [AttemptRecord], the pod's HostStatus)
     restarts = 0
     coordinator_reason = None
     for role in ("pserver", "trainer"):
@@ -389,33 +389,30 @@ def fold_status(job: str, expected: dict[str, int], jobs: list[dict], pods: list
                     host_states.append(S.STARTING)  # the supervisor has not written its state yet
                     procs.append(ProcessStatus(f.name, role, i, None, ProcState.PENDING, None, None, None))
                     continue
-            state = data.get("state") or S.UNKNOWN
-            if state == S.STOPPING and data.get("restart_pending"):
-                state = S.RESTARTING
+            # only the well-typed fields of a reply or termination message (a pod may be compromised), as the
+            # SSH path reads its hosts' replies (clusterctl/ops/job.py)
+            reply = HostStatus.from_json(data)
+            state = reply.folded_state  # a failed attempt being stopped reads `restarting` when another follows
             host_states.append(state)
-            restarts = max(restarts, data.get("restarts") or 0)
-            attempts = data.get("attempts") or []
-            if ((data.get("attempt") or 0), len(attempts)) > best[:2]:
-                best = (data.get("attempt") or 0, len(attempts), attempts, data)
-            if data.get("reason") and state not in (S.RUNNING, S.SUCCEEDED):
-                reasons.append(f"{f.name}: {data['reason']}")
+            restarts = max(restarts, reply.restarts)
+            if (reply.attempt, reply.attempts_total) > best[:2]:
+                best = (reply.attempt, reply.attempts_total, reply.attempts, reply)
+            if reply.reason and state not in (S.RUNNING, S.SUCCEEDED):
+                reasons.append(f"{f.name}: {reply.reason}")
                 if (role, i) == ("trainer", 0):
-                    coordinator_reason = f"{f.name}: {data['reason']}"
-            rows = [p for p in data.get("processes") or [] if isinstance(p, dict)]
-            for p in rows:
-                procs.append(ProcessStatus(f.name, p.get("role", role), p.get("id", i), p.get("pid"), p.get("state"),
-                                           p.get("exit_code"), p.get("uptime_s"), p.get("error")))
+                    coordinator_reason = f"{f.name}: {reply.reason}"
+            rows = reply.process_status(f.name)
+            procs.extend(rows)
             if not rows:
                 done = ProcState.EXITED if state == S.SUCCEEDED else ProcState.FAILED
-                procs.append(ProcessStatus(f.name, role, i, None, done, None, None, data.get("reason")))
+                procs.append(ProcessStatus(f.name, role, i, None, done, None, None, reply.reason))
     procs.sort(key=lambda p: (p.role != "pserver", p.id))
     state = overall_state(host_states)
     # the coordinator's verdict names the cause; the other pods repeat it
     reason = coordinator_reason or "; ".join(dict.fromkeys(reasons)) or (
         "unreachable: " + ", ".join(unreachable) if unreachable else None) or (
         "; ".join(dict.fromkeys(gone)) if gone and state == S.SUCCEEDED else None)
-    attempts = [{k: a.get(k) for k in ("attempt", "outcome", "reason", "started_at", "ended_at")}
-                for a in best[2] if isinstance(a, dict)]
+    attempts = [a.summary() for a in best[2]]
     return JobStatus(job, state, reason, procs, unreachable, best[0], restarts, attempts, backend="kubernetes")
 
 
@@ -808,7 +805,7 @@ class KubernetesBackend(Backend):
             job=self.plan.job,
             was_running=any(d.get("was_running") for d in done.values()) or bool(running),
             hosts=len(done),
-            killed=sum(len(d.get("killed") or []) for d in done.values()),
+            killed=sum(len(k) for d in done.values() if isinstance(k := d.get("killed"), list)),
             left={pod: d["left"] for pod, d in done.items() if d.get("left")},
             detail=detail,
         )

@@ -18,9 +18,16 @@ __all__ = ["SlurmBackend"]
 _PLACED = "Slurm places the nodes; hosts: gives only the shape (gpus, slots) of node i"
 
 
+def _pid(entry) -> int | None:
+    pid = entry.get("pid") if isinstance(entry, dict) else entry
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+
+
 def _killed(reply: dict) -> int:
-    """How many processes a node's `agent stop` ended (a process sent SIGTERM and then SIGKILL counts once)."""
-    return len({e.get("pid") if isinstance(e, dict) else e for e in reply.get("killed") or []})
+    """How many processes a node's `agent stop` ended (a process sent SIGTERM and then SIGKILL counts once); only
+    a list of pids (or of {pid: ...}) counts: the node may be compromised."""
+    killed = reply.get("killed")
+    return len({_pid(e) for e in killed} - {None}) if isinstance(killed, list) else 0
 
 
 class SlurmBackend(Backend):
@@ -122,7 +129,7 @@ class SlurmBackend(Backend):
         from ..ops.slurm import stop
 
         res = stop(self.spec, self.plan, grace=grace)
-        replies = {n: r for n, r in res["replies"].items() if r}
+        replies = {n: r for n, r in res["replies"].items() if r and isinstance(r, dict)}  # a node's word: a JSON object
         sj = res["slurm"]
         detail = f"Slurm job {sj['id']} {sj['state']}" if sj else (
             f"Slurm job {res['slurm_job']}" if res["slurm_job"] else "")

@@ -39,7 +39,7 @@ NODE_RE = re.compile(r"slurm-node-(\d+)\.invalid")  # node i of the allocation, 
 HOME_MARK = "/clusterctl-slurm-home.invalid"  # the job files' home directory, as planned
 RECORD_DIR = ".clusterctl/slurm"  # on the login node, relative to the home: <job>.json
 JOBS_DIR = ".clusterctl/slurm/jobs"  # on every node, relative to the home: <job>/<slurm id>-<node>/
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # Slurm node names and job ids we accept in paths
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # Slurm node names and job ids we accept in paths
 STOP_CANCEL_WAIT = 15.0  # batch: after a user's stop, how long to wait for the scancel that follows it
 _LAYOUT_ENV = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
                "SLURM_DISTRIBUTION", "SLURM_CPUS_PER_TASK")

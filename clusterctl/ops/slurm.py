@@ -31,6 +31,7 @@ from ..plan import Host, JobPlan
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote, SshOptions
 from ..spec import ClusterSpec
+from ..spec.fields import check_address
 from . import Session
 from .control import agent_reply
 from .hosttools import _package_payload, ensure_tools, install_on, package_dir, tool_argv, tool_command
@@ -188,11 +189,61 @@ def _reply(res, login: Host, what: str) -> dict:
     return data
 
 
+def _name(value) -> bool:
+    """A Slurm node name or job id as we take one into paths and onto the screen (clusterctl/host/slurm.py's
+    jobdir_rel): letters, digits and ``._-``, not first."""
+    return isinstance(value, str) and glue.NAME_RE.fullmatch(value) is not None
+
+
+def _text(value) -> bool:
+    return isinstance(value, str) and _control(value) is None
+
+
+def _address(value) -> bool:
+    try:
+        return isinstance(value, str) and check_address(value) == value
+    except ValueError:
+        return False
+
+
+def _query_of(data: dict) -> dict:
+    """The login node's reply to `slurmctl login query|stop|top` (clusterctl/host/slurmctl.py), checked field by
+    field before anything reads it (the login node may be compromised): SlurmError names the first field of the
+    wrong shape. A node's reply that is not a JSON object is left out, as if that node had not answered."""
+
+    def check(ok: bool, what: str) -> None:
+        if not ok:
+            raise SlurmError(f"unexpected reply from the login node: {what}")
+
+    rec, sj = data.get("record"), data.get("slurm")
+    check("record" in data and (rec is None or isinstance(rec, dict) and _name(rec.get("slurm_job"))),
+          "'record' is not a job record with a Slurm job id")
+    check(sj is None or isinstance(sj, dict), "'slurm' is not Slurm's word for a job")
+    if sj is not None:
+        check(_name(sj.get("id")), "'slurm.id' is not a Slurm job id")
+        for key in ("state", "exit_code"):
+            check(_text(sj.get(key)), f"'slurm.{key}' is not one line of text")
+        check(sj.get("reason") is None or _text(sj["reason"]), "'slurm.reason' is not one line of text")
+        check(isinstance(sj.get("nodes"), list) and all(map(_name, sj["nodes"])),
+              "'slurm.nodes' is not a list of node names")
+        check(sj.get("batch_host") is None or _name(sj["batch_host"]), "'slurm.batch_host' is not a node name")
+    addresses, replies = data.get("addresses", {}), data.get("replies")
+    check(isinstance(addresses, dict) and all(_name(n) and _address(a) for n, a in addresses.items()),
+          "'addresses' is not a map of node name to address")
+    check(replies is None or isinstance(replies, dict) and all(map(_name, replies)),
+          "'replies' is not a map of node name to reply")
+    check(isinstance(data.get("was_running", False), bool), "'was_running' is not true or false")
+    check(isinstance(data.get("step_error", ""), str), "'step_error' is not text")
+    return dict(data, addresses=addresses, replies=None if replies is None else {
+        n: r for n, r in replies.items() if isinstance(r, dict)})
+
+
 def _login_tool(remote: Remote, login: Host, args: list[str], *, what: str, timeout: float | None = None) -> dict:
-    """One `slurmctl login ...` command on the login node (the host package installed there first if missing)."""
+    """One `slurmctl login query|stop ...` command on the login node (the host package installed there first if
+    missing): its reply, checked (`_query_of`)."""
     cmd, payload = tool_command("slurmctl", ["login", *args])
     res = remote.run(cmd, hosts=[login], stdin=payload, check=False, timeout=timeout, what=what)[login]
-    return _reply(res, login, what)
+    return _query_of(_reply(res, login, what))
 
 
 def _query(remote: Remote, login: Host, plan: JobPlan, *, replies: bool) -> dict:
@@ -398,10 +449,12 @@ def logs(
             return
         if line.startswith("{"):  # the agent's own JSON message, not a log line
             try:
-                problems.append(f"{h.label}: {json.loads(line).get('error', line)}")
+                obj = json.loads(line)
+            except (ValueError, RecursionError):  # not JSON after all (or nested too deep to read): a log line
+                obj = None
+            if isinstance(obj, dict):
+                problems.append(f"{h.label}: {obj.get('error', line)}")
                 return
-            except ValueError:
-                pass
         on_line(h, stream, line)
 
     results = _agent_on_nodes(spec, nodes, args, what="logs", timeout=None if follow else LOGS_TIMEOUT_S,
@@ -421,7 +474,7 @@ def stop(spec: ClusterSpec, plan: JobPlan, *, grace: float | None = None) -> dic
         res = _login_tool(remote, login, ["stop", "--job", plan.job, "--grace", f"{g:g}"], what="stop",
                           timeout=remote.control_timeout + g + STOP_EXTRA_S)
     rec, sj = res["record"], res["slurm"]
-    out = {"was_running": res["was_running"], "slurm_job": rec and rec["slurm_job"], "slurm": sj,
+    out = {"was_running": res.get("was_running", False), "slurm_job": rec and rec["slurm_job"], "slurm": sj,
            "nodes": list(sj["nodes"]) if sj else [], "replies": dict(res.get("replies") or {})}
     if sj is None:
         return out
@@ -474,7 +527,10 @@ class SlurmTop:
             q = {"ok": False, "error": (res.stderr or res.stdout).strip()[-300:] or f"exit {res.exit_code}"}
         if not q.get("ok"):
             return {login.label: TopAnswer(now, "error", error=f"slurmctl login top: {q.get('error')}")}
-        return self._answers(q, now)
+        try:
+            return self._answers(_query_of(q), now)
+        except SlurmError as e:
+            return {login.label: TopAnswer(now, "error", error=str(e))}
 
     def _answers(self, q: dict, now: float) -> dict[str, TopAnswer]:
         rec, sj, login = q.get("record"), q.get("slurm"), self.login.label

@@ -261,6 +261,9 @@ def test_step_argv_runs_one_supervisor_per_node_with_the_whole_stdin():
 def test_the_job_directory_is_created_private_and_never_reused(tmp_path):
     rel = glue.jobdir_rel("j", "42", "n1")
     assert rel == ".clusterctl/slurm/jobs/j/42-n1"
+    for node in ("../../x", "n1\n", ".n1", "n1/x"):  # a trailing newline passed `$` before (now `\Z`)
+        with pytest.raises(ValueError, match="unsafe"):
+            glue.jobdir_rel("j", "42", node)
     path = glue.create_jobdir(str(tmp_path), rel)
     assert path == str(tmp_path / rel)
     for p in (tmp_path / ".clusterctl", tmp_path / ".clusterctl/slurm", tmp_path / ".clusterctl/slurm/jobs",

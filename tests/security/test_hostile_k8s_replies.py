@@ -1,0 +1,151 @@
+"""A compromised pod under `backend: kubernetes` may say anything: its supervisor's `agent status` reply (over
+`kubectl exec`), its termination message (`{"v": 1, "state": ...}`, read once the pod has ended) and its
+`agent stop` reply are untrusted. This attacks the controller's reading of them (clusterctl/backends/kubernetes.py's
+`fold_status` and `KubernetesBackend.stop`) with replies of the wrong shape: wrongly typed restarts, attempt,
+attempts, state, and process rows whose role, id or state is not what the agent sends, and a stop reply whose
+`killed` is not a list. Each must be ignored (only the well-typed fields count, as clusterctl/host/status.py's
+`HostStatus.from_json` reads an SSH host's reply), never a TypeError/AttributeError traceback, and the status must
+render (clusterctl/commands/render.py) without a raw control character. The stop replies go through the scripted
+kubectl of tests/unit/fakekubectl.py; no cluster, no network.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterctl import backends, k8s
+from clusterctl.backends import kubernetes
+from clusterctl.backends.kubernetes import fold_status
+from clusterctl.commands.lifecycle import render_stop
+from clusterctl.commands.render import render_status
+from clusterctl.spec import parse_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+import fakekubectl  # noqa: E402
+
+ESC = "\x1b[2J\x1b]0;pwned\x07"
+P0, T0 = "fit-pserver-0-abcde", "fit-trainer-0-abcde"
+RUNNING = {"running": {"startedAt": "2026-01-01T00:00:05Z"}}
+JOBS = [{"kind": "Job", "metadata": {"name": f"fit-{r}", "labels": {k8s.LABEL_JOB: "fit", k8s.LABEL_ROLE: r}},
+         "status": {"active": 1}} for r in ("pserver", "trainer")]
+GOOD = {"ok": True, "state": "running", "attempt": 0, "restarts": 0, "attempts": [],
+        "processes": [{"role": "trainer", "id": 0, "pid": 8, "state": "running", "exit_code": None, "uptime_s": 1.0}]}
+SPEC = """\
+name: fit
+backend: kubernetes
+hosts: [{address: a}, {address: b}]
+job: {mode: pserver, pservers: 1, trainers: 1, entrypoint: [python3, train.py], grace: 3}
+kubernetes: {image: img, namespace: ml, context: prod}
+"""
+
+
+def pod(role: str, i: int, state: dict) -> dict:
+    """A pod of job fit as `kubectl get pods -o json` shows it (`state`: its main container's)."""
+    meta = {"name": f"fit-{role}-{i}-abcde", "creationTimestamp": "2026-01-01T00:00:00Z",
+            "labels": {k8s.LABEL_JOB: "fit", k8s.LABEL_ROLE: role}, "annotations": {k8s.INDEX_ANNOTATION: str(i)}}
+    return {"kind": "Pod", "metadata": meta,
+            "status": {"phase": "Running", "containerStatuses": [{"name": role, "state": state}]}}
+
+
+def rendered(st) -> str:
+    """The status as `clusterctl status` prints it, and as `--json` does (both must not raise)."""
+    json.dumps(st.to_json())
+    out = io.StringIO()
+    render_status(st, out)
+    return out.getvalue()
+
+
+def check_sane(st, hostile_pod: str) -> str:
+    """Whatever the hostile pod said: a job state, typed rows, the good pod's row intact, a clean table."""
+    assert isinstance(st.state, str) and isinstance(st.restarts, int) and isinstance(st.attempt, int)
+    for p in st.processes:
+        assert isinstance(p.role, str) and isinstance(p.id, int) and isinstance(p.state, str), p
+        assert p.pid is None or isinstance(p.pid, int)
+        assert p.exit_code is None or isinstance(p.exit_code, int)
+    for a in st.attempts:
+        assert isinstance(a["attempt"], int) and (a["outcome"] is None or isinstance(a["outcome"], str)), a
+    assert [(p.role, p.id, p.pid, p.state) for p in st.processes if p.host == T0] == [("trainer", 0, 8, "running")]
+    assert any(p.host == hostile_pod for p in st.processes)
+    text = rendered(st)
+    assert "\x1b" not in text and "\x07" not in text
+    assert all(c == "\n" or c.isprintable() for c in text)
+    return text
+
+
+HOSTILE_STATUS = {
+    "restarts-str": {"ok": True, "state": "running", "restarts": "x"},
+    "restarts-list": {"ok": True, "state": "running", "restarts": [9]},
+    "attempt-str": {"ok": True, "state": "running", "attempt": "x"},
+    "attempts-int": {"ok": True, "state": "running", "attempts": 5},
+    "attempts-outcome-list": {"ok": True, "state": "failed", "attempt": 1, "restarts": 2,
+                              "attempts": [{"attempt": 0, "outcome": [ESC], "reason": ESC}, {"attempt": "1"}]},
+    "state-list": {"ok": True, "state": [ESC]},
+    "state-dict": {"ok": True, "state": {"running": 1}},
+    "process-id-str": {"ok": True, "state": "running", "processes": [{"role": "pserver", "id": "x"}]},
+    "process-role-int": {"ok": True, "state": "running", "processes": [{"role": 5, "id": 0, "state": "running"}]},
+    "process-state-list": {"ok": True, "state": "running",
+                           "processes": [{"role": "pserver", "id": 0, "state": [ESC]}]},
+    "process-state-dict": {"ok": True, "state": "running",
+                           "processes": [{"role": "pserver", "id": 0, "state": {"x": 1}, "pid": "7"}]},
+    "process-uptime-str": {"ok": True, "state": "running",
+                           "processes": [{"role": "pserver", "id": 0, "state": "running", "uptime_s": ESC}]},
+}
+
+
+@pytest.mark.parametrize("reply", list(HOSTILE_STATUS.values()), ids=list(HOSTILE_STATUS))
+def test_a_hostile_status_reply_is_read_for_its_well_typed_fields_only(reply):
+    pods = [pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING)]
+    st = fold_status("fit", {"pserver": 1, "trainer": 1}, JOBS, pods, {P0: (reply, None), T0: (GOOD, None)})
+    check_sane(st, P0)
+
+
+HOSTILE_TERMINATION = {
+    "restarts-str": {"v": 1, "state": "failed", "reason": "boom", "restarts": "x"},
+    "attempt-list": {"v": 1, "state": "failed", "reason": "boom", "attempt": [1]},
+    "attempts-int": {"v": 1, "state": "failed", "reason": "boom", "attempts": 5},
+    "process-id-str": {"v": 1, "state": "failed", "processes": [{"role": "pserver", "id": "x", "state": "failed"}]},
+    "process-role-int": {"v": 1, "state": "failed", "processes": [{"role": 5, "id": 0, "state": "failed"}]},
+    "process-state-list": {"v": 1, "state": "failed", "processes": [{"role": "pserver", "id": 0, "state": [ESC]}]},
+    "process-exit-str": {"v": 1, "state": "failed",
+                         "processes": [{"role": "pserver", "id": 0, "state": "failed", "exit_code": ESC}]},
+}
+
+
+@pytest.mark.parametrize("message", list(HOSTILE_TERMINATION.values()), ids=list(HOSTILE_TERMINATION))
+def test_a_hostile_termination_message_is_read_for_its_well_typed_fields_only(message):
+    ended = pod("pserver", 0, {"terminated": {"exitCode": 1, "reason": "Error", "message": json.dumps(message)}})
+    st = fold_status("fit", {"pserver": 1, "trainer": 1}, JOBS, [ended, pod("trainer", 0, RUNNING)],
+                     {T0: (GOOD, None)})
+    check_sane(st, P0)
+    assert st.state in ("running", "failed", "stopping")  # the pod failed; the trainer still runs
+
+
+@pytest.fixture
+def kube(tmp_path, monkeypatch):
+    """The scripted kubectl first on PATH (tests/unit/fakekubectl.py)."""
+    fake = fakekubectl.install(tmp_path / "bin", tmp_path / "kube")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(kubernetes, "START_POLL_S", 0)
+    return fake
+
+
+@pytest.mark.parametrize("killed", [5, 2.5, True, "xyz" + ESC, {"pid": 7}], ids=["int", "float", "bool", "str", "dict"])
+def test_a_hostile_stop_reply_counts_no_killed_processes(kube, killed, capsys):
+    kube.set(objects=[JOBS[0], JOBS[1], pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING)],
+             exec={P0: {"stop": {"out": json.dumps({"ok": True, "was_running": True, "killed": killed}) + "\n"}},
+                   T0: {"stop": {"out": json.dumps({"ok": True, "was_running": True, "killed": [{"pid": 8}],
+                                                    "left": []}) + "\n"}}})
+    with backends.open_backend(parse_spec(SPEC, "k.yaml", check=backends.problems)) as b:
+        report = b.stop(grace=0.5)
+    # the hostile pod's count is not a list of processes: it counts none; the good pod's one still counts
+    assert (report.was_running, report.hosts, report.killed, report.left) == (True, 2, 1, {})
+    render_stop(report)
+    out = capsys.readouterr()
+    assert out.out == "job fit stopped on 2 host(s) (deleted Job, Pod in namespace ml), 1 process(es) killed\n"
+    assert "\x1b" not in out.out + out.err
