@@ -152,7 +152,8 @@ def _dispatch(session: Session, records: Records, apply: str, views: dict, ask: 
                 try:
                     reply = res.reply()
                     if wire.STALE not in reply:
-                        now = generation_of(reply)  # the host's generation now (`gen`, or its current one)
+                        # the host's generation now: `gen`, or its current one (none yet: an empty workspace unchanged)
+                        now = generation_of(reply, none_ok=reply.get(wire.UNCHANGED) is True)
                         done[host] = (plans[host], now)
                         succeeded[host] = res
                         if not reply.get(wire.UNCHANGED):
