@@ -202,18 +202,14 @@ def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | No
     parsed = {h: agent_reply(r) for h, r in results.items()}
     # exit 1 (the agent) or `ok: false` (either): processes survived SIGKILL, or no reply said the stop happened
     failures += [
-        HostFailure(h.label, results[h].command, 1, _text(d.get("error")) or json.dumps(d.get("left", ""))[:500])
+        HostFailure(h.label, results[h].command, 1,
+                    (d["error"] if isinstance(d.get("error"), str) else "") or json.dumps(d.get("left", ""))[:500])
         for h, d in parsed.items()
         if results[h].exit_code in (0, 1) and (results[h].exit_code == 1 or d.get("ok") is False)
     ]
     if failures:
         raise RemoteError(failures, what="stop")
     return parsed
-
-
-def _text(value) -> str:
-    """A reply's field that should be a message: itself when it is a string, else "" (a host's word)."""
-    return value if isinstance(value, str) else ""
 
 
 def _up_command() -> str:

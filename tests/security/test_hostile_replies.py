@@ -49,6 +49,12 @@ def _one_failure(info, said: str) -> str:
     return text
 
 
+def _sent_again(c: FakeCluster) -> dict[str, int]:
+    """{host: files sent} of one more dispatch through honest hosts."""
+    with c.session() as s:
+        return {r.host.label: r.files_sent for r in dispatch(s)}
+
+
 @pytest.mark.parametrize("reply, said", BAD_STATES)
 def test_a_bad_state_reply_fails_that_host_and_the_others_are_updated(tmp_path, reply, said):
     c = FakeCluster(tmp_path, files={"train.py": "print(1)\n"})
@@ -58,9 +64,7 @@ def test_a_bad_state_reply_fails_that_host_and_the_others_are_updated(tmp_path, 
     _one_failure(info, said)
     assert (c.workspace(0) / "train.py").read_text() == "print(1)\n"
     assert not c.workspace(1).exists()
-    with c.session() as s:  # n0 was recorded: nothing travels to it again; n1 gets everything now
-        again = {r.host.label: r.files_sent for r in dispatch(s)}
-    assert again == {"n0": 0, "n1": 1}
+    assert _sent_again(c) == {"n0": 0, "n1": 1}  # n0 was recorded: nothing travels to it again; n1 gets it all now
 
 
 @pytest.mark.parametrize("reply, said", [
@@ -80,9 +84,7 @@ def test_a_bad_apply_reply_fails_that_host_and_the_others_are_remembered(tmp_pat
     _one_failure(info, said)
     assert (c.workspace(0) / "train.py").read_text() == "print(2)\n"
     assert (c.workspace(1) / "train.py").read_text() == "print(1)\n"  # the real apply never ran there
-    with c.session() as s:
-        again = {r.host.label: r.files_sent for r in dispatch(s)}
-    assert again == {"n0": 0, "n1": 1}
+    assert _sent_again(c) == {"n0": 0, "n1": 1}
 
 
 @pytest.mark.parametrize("reply, said", [

@@ -63,14 +63,16 @@ def _read_states(remote, hosts: list[Host], root: str) -> dict[Host, HostView | 
     out: dict[Host, HostView | Result] = {}
     for host, res in remote.run(state_cmd, hosts=hosts, stdin=payload, check=False, timeout=remote.control_timeout,
                                 what="reading workspace state").items():
-        if not res.ok:
-            out[host] = res
-            continue
-        try:
-            out[host] = view_of(res.reply())
-        except (RemoteError, BadReply) as exc:
-            out[host] = _unexpected(res, exc)
+        out[host] = _checked(res, view_of) if res.ok else res
     return out
+
+
+def _checked(res: Result, read):
+    """read(the host's reply), or, for a reply that is no JSON object or one `read` refuses, that host's failure."""
+    try:
+        return read(res.reply())
+    except (RemoteError, BadReply) as exc:
+        return _unexpected(res, exc)
 
 
 def _unexpected(res: Result, exc: RemoteError | BadReply) -> Result:
@@ -234,12 +236,8 @@ def verify(session: Session, *, hosts=None) -> dict[Host, list[dict]]:
     cmd, payload = tool_command("hostws", ["verify", session.plan.workdir])
     results = session.remote.run(cmd, hosts=hosts, stdin=payload, timeout=10 * session.remote.control_timeout,
                                  what="verifying workspaces")
-    drift, bad = {}, {}
-    for host, res in results.items():
-        try:
-            drift[host] = drift_of(res.reply())
-        except (RemoteError, BadReply) as exc:
-            bad[host] = _unexpected(res, exc)
+    drift = {host: _checked(res, drift_of) for host, res in results.items()}
+    bad = {host: got for host, got in drift.items() if isinstance(got, Result)}
     if bad:
         raise GroupException(GroupResult((h, bad.get(h) or results[h]) for h in results), what="verifying workspaces")
     return drift
