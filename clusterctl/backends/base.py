@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import fnmatch
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..plan import JobPlan
     from ..spec import ClusterSpec
 
-__all__ = ["Backend", "StopReport", "Progress", "LineCallback", "unsupported_problems"]
+__all__ = ["Backend", "StopReport", "Progress", "LineCallback", "killed_count", "unsupported_problems"]
 
 Progress = Callable[[str], None]  # "verifying workspaces", "launching", ... (the CLI prints them dim)
 LineCallback = Callable[[object, str, str], None]  # (host, "out" | "err", line)
@@ -43,6 +43,23 @@ class StopReport:
     killed: int = 0  # processes ended by this stop, on every host
     left: dict = field(default_factory=dict)  # host label -> pids still tagged with the job (an orphan: a bug)
     detail: str = ""  # backend words, e.g. "Slurm job 42 cancelled"
+
+
+def killed_count(replies: Iterable[object]) -> int:
+    """StopReport.killed from the hosts' `agent stop` replies, the same way on every backend: each host's distinct
+    pids in its `killed` list (entries are {pid, via, ...}: a group signalled with killpg and its leader again with
+    kill count once). Only integer pids count, and only in a list: the replies come from hosts that may be
+    compromised."""
+    def pid(entry: object) -> int | None:
+        value = entry.get("pid") if isinstance(entry, dict) else entry
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    total = 0
+    for reply in replies:
+        killed = reply.get("killed") if isinstance(reply, dict) else None
+        if isinstance(killed, list):
+            total += len({pid(e) for e in killed} - {None})
+    return total
 
 
 class Backend(abc.ABC):

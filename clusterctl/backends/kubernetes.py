@@ -37,7 +37,7 @@ from typing import ClassVar
 from ..errors import ClusterctlError, JobError
 from ..host.states import ACTIVE_JOB_STATES, JobState, ProcState
 from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
-from .base import Backend, LineCallback, Progress, StopReport
+from .base import Backend, LineCallback, Progress, StopReport, killed_count
 
 __all__ = ["KubernetesBackend", "Kubectl", "KubectlError", "fold_status", "pod_facts", "LOG_LINE"]
 
@@ -805,7 +805,7 @@ class KubernetesBackend(Backend):
             job=self.plan.job,
             was_running=any(d.get("was_running") for d in done.values()) or bool(running),
             hosts=len(done),
-            killed=sum(len(k) for d in done.values() if isinstance(k := d.get("killed"), list)),
+            killed=killed_count(done.values()),
             left={pod: d["left"] for pod, d in done.items() if d.get("left")},
             detail=detail,
         )

@@ -11,23 +11,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ..host.status import JobStatus
-from .base import Backend, LineCallback, Progress, StopReport
+from .base import Backend, LineCallback, Progress, StopReport, killed_count
 
 __all__ = ["SlurmBackend"]
 
 _PLACED = "Slurm places the nodes; hosts: gives only the shape (gpus, slots) of node i"
-
-
-def _pid(entry) -> int | None:
-    pid = entry.get("pid") if isinstance(entry, dict) else entry
-    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
-
-
-def _killed(reply: dict) -> int:
-    """How many processes a node's `agent stop` ended (a process sent SIGTERM and then SIGKILL counts once); only
-    a list of pids (or of {pid: ...}) counts: the node may be compromised."""
-    killed = reply.get("killed")
-    return len({_pid(e) for e in killed} - {None}) if isinstance(killed, list) else 0
 
 
 class SlurmBackend(Backend):
@@ -138,7 +126,7 @@ class SlurmBackend(Backend):
             job=self.plan.job,
             was_running=res["was_running"] or any(r.get("was_running") for r in replies.values()),
             hosts=len(replies),
-            killed=sum(_killed(r) for r in replies.values()),
+            killed=killed_count(replies.values()),
             left=left,
             detail=detail,
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ..host.status import JobStatus
-from .base import Backend, LineCallback, Progress, StopReport
+from .base import Backend, LineCallback, Progress, StopReport, killed_count
 
 __all__ = ["SshBackend"]
 
@@ -88,6 +88,6 @@ class SshBackend(Backend):
             job=self.plan.job,
             was_running=any(r.get("was_running") for r in results.values()),
             hosts=len(results),
-            killed=sum(len(k) for r in results.values() if isinstance(k := r.get("killed"), list)),
+            killed=killed_count(results.values()),
             left={h.label: r["left"] for h, r in results.items() if r.get("left")},
         )

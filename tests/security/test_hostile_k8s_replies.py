@@ -135,17 +135,20 @@ def kube(tmp_path, monkeypatch):
     return fake
 
 
-@pytest.mark.parametrize("killed", [5, 2.5, True, "xyz" + ESC, {"pid": 7}], ids=["int", "float", "bool", "str", "dict"])
-def test_a_hostile_stop_reply_counts_no_killed_processes(kube, killed, capsys):
+@pytest.mark.parametrize("killed, counted", [
+    (5, 0), (2.5, 0), (True, 0), ("xyz" + ESC, 0), ({"pid": 7}, 0),
+    ([7, {"pid": 7, "via": "killpg"}, {"pid": 7, "via": "kill"}, {"pid": 8}, True, "9", [10], {"pid": [11]}], 2),
+], ids=["int", "float", "bool", "str", "dict", "list"])
+def test_a_hostile_stop_reply_counts_only_its_well_typed_distinct_pids(kube, killed, counted, capsys):
     kube.set(objects=[JOBS[0], JOBS[1], pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING)],
              exec={P0: {"stop": {"out": json.dumps({"ok": True, "was_running": True, "killed": killed}) + "\n"}},
                    T0: {"stop": {"out": json.dumps({"ok": True, "was_running": True, "killed": [{"pid": 8}],
                                                     "left": []}) + "\n"}}})
     with backends.open_backend(parse_spec(SPEC, "k.yaml", check=backends.problems)) as b:
         report = b.stop(grace=0.5)
-    # the hostile pod's count is not a list of processes: it counts none; the good pod's one still counts
-    assert (report.was_running, report.hosts, report.killed, report.left) == (True, 2, 1, {})
+    # the hostile pod counts only its distinct integer pids (none when `killed` is not a list); the good pod's one
+    assert (report.was_running, report.hosts, report.killed, report.left) == (True, 2, counted + 1, {})
     render_stop(report)
     out = capsys.readouterr()
-    assert out.out == "job fit stopped on 2 host(s) (deleted Job, Pod in namespace ml), 1 process(es) killed\n"
+    assert out.out == f"job fit stopped on 2 host(s) (deleted Job, Pod in namespace ml), {counted + 1} process(es) killed\n"
     assert "\x1b" not in out.out + out.err

@@ -9,6 +9,7 @@ The real host side runs on fake hosts (tests/unit/fakehosts.py); n1's command is
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -168,18 +169,26 @@ def test_a_stop_reply_with_an_error_of_another_type_is_that_hosts_failure(tmp_pa
             stop(s)  # was an AttributeError ('dict' object has no attribute 'strip') building the message
 
 
-def test_a_stop_reply_with_killed_of_another_type_counts_nothing(tmp_path):
+# the same replies as tests/security/test_hostile_slurm_replies.py's and test_hostile_k8s_replies.py's: every
+# backend counts a host's distinct integer pids (backends/base.py's killed_count)
+@pytest.mark.parametrize("killed, counted", [
+    (5, 0),
+    ([[1]], 0),
+    ([7, {"pid": 7, "via": "killpg"}, {"pid": 7, "via": "kill"}, {"pid": 8}, True, "9", [10], {"pid": [11]}], 2),
+])
+def test_a_stop_reply_counts_only_the_well_typed_distinct_pids_it_killed(tmp_path, killed, counted):
     from clusterctl.backends.ssh import SshBackend
 
     c = FakeCluster(tmp_path)
-    t = FaultyTransport(c.transport, hostile={"n1": ('{"ok": true, "killed": 5}', 0)}, only="--grace")
+    reply = json.dumps({"ok": True, "killed": killed})
+    t = FaultyTransport(c.transport, hostile={"n1": (reply, 0)}, only="--grace")
     with c.session(transport=t) as s:
         backend = SshBackend(s.spec, s.plan, transport=t)
         try:
-            report = backend.stop()  # was a TypeError (len of an int)
+            report = backend.stop()  # was a TypeError (len of an int); a list counted every entry
         finally:
             backend.close()
-    assert (report.hosts, report.killed) == (2, 0)
+    assert (report.hosts, report.killed) == (2, counted)
 
 
 def test_a_logs_reply_nested_too_deep_is_that_hosts_problem(tmp_path, monkeypatch, capsys):

@@ -90,7 +90,8 @@ def test_a_nodes_reply_that_is_not_an_object_counts_as_no_answer(tmp_path, monke
 @pytest.mark.parametrize("replies, shown", [
     ({"node1": {"killed": 5}}, "stopped on 1 host(s) (Slurm job 42)\n"),
     ({"node1": {"killed": [[1]]}}, "stopped on 1 host(s) (Slurm job 42)\n"),
-    ({"node1": {"killed": [7, {"pid": 7}, {"pid": 8}, True, "9", [10], {"pid": [11]}]}},
+    ({"node1": {"killed": [7, {"pid": 7, "via": "killpg"}, {"pid": 7, "via": "kill"}, {"pid": 8}, True, "9", [10],
+                           {"pid": [11]}]}},
      "stopped on 1 host(s) (Slurm job 42), 2 process(es) killed\n"),
     ({"node1": 7}, "stopped on 0 host(s) (Slurm job 42)\n"),
 ])
