@@ -517,7 +517,7 @@ def _local_wheel(requirement: str, dirs: Sequence[Path]) -> str | None:
     try:
         req = Requirement(requirement)
     except InvalidRequirement as exc:
-        raise DockerClusterError(f"invalid package requirement {requirement!r}: {exc}") from exc
+        raise DockerClusterError(_bad_requirement(requirement, exc)) from exc
     best: tuple[Any, Path] | None = None
     for wheel in (w for d in dirs for w in d.glob("*.whl")):
         try:
@@ -1016,9 +1016,49 @@ def _ssh_config_text(
 
 
 def _write_spec(path: Path, spec: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     header = "# Written by `clusterctl testcluster up`; workspace.local is relative to this file.\n"
-    path.write_text(header + yaml.safe_dump(spec, sort_keys=False, default_flow_style=False))
+    _write_text(path, header + yaml.safe_dump(spec, sort_keys=False, default_flow_style=False), "the spec")
+
+
+def _write_text(path: Path, text: str, what: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise DockerClusterError(f"cannot write {what} {path}: {exc.strerror or exc}") from exc
+
+
+def _checked_spec_out(spec_out: Path | None) -> Path | None:
+    """--spec-out, checked before anything is built: a file whose directory exists or can be made."""
+    if spec_out is None:
+        return None
+    path = Path(spec_out).resolve()
+    if path.is_dir():
+        raise DockerClusterError(f"--spec-out {path} is a directory: give the spec file's path "
+                                 f"(e.g. {path / 'cluster.yaml'})")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DockerClusterError(f"--spec-out {path}: cannot make its directory: {exc.strerror or exc}") from exc
+    return path
+
+
+def _checked_packages(packages: Sequence[str] | None) -> list[str]:
+    """--packages as pip requirements, each checked before anything is built (one line for a bad one)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    pkgs = [p.strip() for p in (packages or []) if p.strip()]
+    for requirement in pkgs:
+        try:
+            Requirement(requirement)
+        except InvalidRequirement as exc:
+            raise DockerClusterError(_bad_requirement(requirement, exc)) from exc
+    return pkgs
+
+
+def _bad_requirement(requirement: str, exc: Exception) -> str:
+    # packaging's message goes on with the requirement and a caret under the fault: the first line says it
+    return f"invalid package requirement {requirement!r}: {str(exc).splitlines()[0]}"
 
 
 # -------------------------------------------------------------------------------------- public API
@@ -1109,7 +1149,8 @@ def up(
     if bad:
         raise DockerClusterError(f"--sudo-password-node {bad[0]}: nodes are numbered 0..{nodes - 1}")
     shape = Shape(user=user or "root", bastion=bastion, sudo_password_nodes=password_nodes)
-    pkgs = [p.strip() for p in (packages or []) if p.strip()]
+    pkgs = _checked_packages(packages)
+    spec_out = _checked_spec_out(spec_out)
     started = time.monotonic()
     ensure_docker()
     state = state_dir(name)
@@ -1122,12 +1163,12 @@ def up(
     with _locked(f"cluster-{name}"):
         node_list, front, reused = _start_or_reuse(name, nodes, image, shape, say)
         key_path, known_hosts = _pin_and_authorize(node_list, state, shape, front)
-        spec_path = (Path(spec_out) if spec_out else state / "cluster.yaml").resolve()
+        spec_path = spec_out or (state / "cluster.yaml").resolve()
         _write_spec(spec_path, _spec_dict(name, node_list, key_path, known_hosts, user=shape.user, bastion=front))
         config_path = spec_path.parent / "ssh_config" if ssh_config else None
         if config_path is not None:
             text = _ssh_config_text(name, node_list, shape.user, key_path, known_hosts, front)
-            config_path.write_text(text)
+            _write_text(config_path, text, "the ssh config")
     done = time.monotonic()
     return ClusterInfo(
         name=name,

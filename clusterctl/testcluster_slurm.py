@@ -228,7 +228,8 @@ def up(
     tc._checked_name(name)
     if not 1 <= nodes <= 64:
         raise tc.DockerClusterError(f"--nodes must be between 1 and 64, not {nodes}")
-    pkgs = [p.strip() for p in (packages or []) if p.strip()]
+    pkgs = tc._checked_packages(packages)
+    spec_out = tc._checked_spec_out(spec_out)
     started = time.monotonic()
     tc.ensure_docker()
     state = tc.state_dir(name)
@@ -259,7 +260,7 @@ def up(
         nodes_done = time.monotonic()
         _configure(name, node_list, state, say)
         _wait_idle(name, node_list)
-        spec_path = (Path(spec_out) if spec_out else state / "cluster.yaml").resolve()
+        spec_path = spec_out or (state / "cluster.yaml").resolve()
         tc._write_spec(spec_path, _spec(name, node_list, key_path, known_hosts))
     done = time.monotonic()
     return tc.ClusterInfo(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ import paramiko
 import pytest
 import yaml
 
-from clusterctl import docker
+from clusterctl import cli, docker, testcluster_slurm
 from clusterctl import testcluster as tc
 from clusterctl.spec import load_spec
 
@@ -508,11 +507,27 @@ def test_shape_layout_keeps_the_default_and_tells_shapes_apart() -> None:
         ({"user": "Bad User"}, "invalid user name 'Bad User'"),
         ({"sudo_password_nodes": [0]}, "--sudo-password-node needs --user NAME: root does not use sudo"),
         ({"user": "ubuntu", "sudo_password_nodes": [2]}, "--sudo-password-node 2: nodes are numbered 0..1"),
+        ({"spec_out": Path("/")}, "--spec-out / is a directory: give the spec file's path (e.g. /cluster.yaml)"),
+        ({"spec_out": Path("/proc/no-such-dir/c.yaml")}, "--spec-out /proc/no-such-dir/c.yaml: cannot make its directory"),
+        ({"packages": ["numpy", ";rm -rf /"]}, "invalid package requirement ';rm -rf /': Expected package name at the start"),
     ],
 )
-def test_up_refuses_a_bad_shape_before_touching_docker(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(tc.DockerClusterError, match=re.escape(message)):
-        tc.up(2, name="never-started", **kwargs)
+def test_up_refuses_a_bad_shape_before_touching_docker(kwargs: dict[str, Any], message: str, monkeypatch) -> None:
+    def no_docker() -> None:
+        raise AssertionError("docker touched")
+
+    monkeypatch.setattr(tc, "ensure_docker", no_docker)
+    for up in (tc.up, *(() if set(kwargs) - {"spec_out", "packages"} else (testcluster_slurm.up,))):
+        with pytest.raises(tc.DockerClusterError) as info:
+            up(2, name="never-started", **kwargs)
+        assert str(info.value).startswith(message) and "\n" not in str(info.value), info.value
+
+
+def test_up_from_the_command_line_says_a_bad_spec_out_in_one_line(tmp_path: Path, capsys) -> None:
+    assert cli.main(["testcluster", "up", "--nodes", "1", "--name", "never-started", "--spec-out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"clusterctl: error: --spec-out {tmp_path} is a directory: give the spec file's path " \
+                  f"(e.g. {tmp_path / 'cluster.yaml'})\n", err  # was IsADirectoryError, after the cluster was up
 
 
 def test_spec_dict_for_a_user_behind_a_bastion() -> None:
