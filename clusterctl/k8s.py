@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import SpecError, SpecProblem
+from .errors import ClusterctlError, SpecError, SpecProblem
 from .host import pod as hostpod
 from .host.policy import DEFAULT_TIMINGS
 from .plan import JobPlan, make_plan
@@ -506,11 +506,16 @@ def cmd_render(args: argparse.Namespace) -> int:
     # `create`, not `apply`: apply copies each object into an annotation, the Secret's token included
     if args.output:
         path = Path(args.output) / f"{name}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the job's token (the Secret)
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        if path.parent.exists() and not path.parent.is_dir():
+            raise ClusterctlError(f"k8s render: -o {args.output} is not a directory")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the job's token (the Secret)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise ClusterctlError(f"k8s render: cannot write {path}: {e.strerror or e}") from e
         apply, say = f"kubectl create -f {path}", out
     else:
         sys.stdout.write(text)

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from clusterctl import k8s
+from clusterctl import cli, k8s
 from clusterctl.errors import SpecError
 from clusterctl.host import pod as hostpod
 from clusterctl.plan import make_plan
@@ -428,6 +428,19 @@ def test_gpus_per_trainer_overrides_a_mixed_plan():
     c = docs[3]["spec"]["template"]["spec"]["containers"][0]
     assert c["resources"] == {"limits": {"nvidia.com/gpu": "2"}}
     assert k8s.pod_env(docs[3], 0, secrets=secrets_of(docs))["FLAGS_selected_gpus"] == "0,1"
+
+
+def test_cli_render_to_a_place_it_cannot_write_says_so_in_one_line(tmp_path, capsys):
+    spec = tmp_path / "c.yaml"
+    spec.write_text(PSERVER)
+    (tmp_path / "file").write_text("")
+    for out, said in ((tmp_path / "file", f"-o {tmp_path / 'file'} is not a directory"),
+                      (tmp_path / "file" / "sub", f"cannot write {tmp_path / 'file' / 'sub' / 'fit-a-line.yaml'}: "),
+                      (Path("/proc/no-such-dir"), "cannot write /proc/no-such-dir/fit-a-line.yaml: No such file")):
+        assert cli.main(["k8s", "render", str(spec), "-o", str(out)]) == 1  # was a traceback
+        got = capsys.readouterr()
+        assert got.out == "" and got.err.startswith(f"clusterctl: error: k8s render: {said}") \
+            and got.err.count("\n") == 1, got
 
 
 def test_cli_render_writes_the_file_and_says_how_to_apply(tmp_path):
