@@ -280,6 +280,8 @@ class LineSplitter:
         data = self._partial + data
         *lines, self._partial = data.split(b"\n")
         for line in lines:
+            if line.endswith(b"\r"):  # CRLF (ssh's own messages, a tty, a Windows-made log) ends a line as LF does
+                line = line[:-1]
             self.on_line(self.host, self.stream, line.decode("utf-8", "replace"))
         if len(self._partial) > self.MAX_PARTIAL:
             self.on_line(self.host, self.stream, self._partial.decode("utf-8", "replace"))

@@ -60,6 +60,15 @@ def test_streamed_output_is_not_retained():
     assert 0 < len(tail) <= LineSplitter.KEEP_WITH_CALLBACK + len(chunk) and tail.startswith("x" * 99 + "\n")
 
 
+def test_a_crlf_ends_a_line_and_other_carriage_returns_stay_for_printable_to_show():
+    seen = []
+    split = LineSplitter(HOST, "err", lambda h, s, line: seen.append(line))
+    for chunk in (b"ssh: connect to host 10.0.0.7 port 22: Connection refused\r", b"\n50%\r100%\r\n\r\nlast\r"):
+        split.feed(chunk)
+    split.close()
+    assert seen == ["ssh: connect to host 10.0.0.7 port 22: Connection refused", "50%\r100%", "", "last\r"]
+
+
 def test_without_a_callback_everything_is_kept():
     split = LineSplitter(HOST, "out", None)
     for _ in range(40):
