@@ -58,12 +58,12 @@ def split_jump(hop: str) -> tuple[str | None, str, int | None]:
     if rest.startswith("["):
         host, close, tail = rest[1:].partition("]")
         if not close or (tail and not tail.startswith(":")):
-            raise ValueError(f"cannot parse jump host {hop!r}: expected [user@]host[:port]")
+            raise ValueError(f"cannot parse {hop!r}: expected [user@]host[:port]")
         port_text = tail[1:]
     elif rest.count(":") == 1:
         host, _, port_text = rest.partition(":")
     else:
         host, port_text = rest, ""
     if port_text and not (port_text.isdigit() and 1 <= int(port_text) <= 65535):
-        raise ValueError(f"bad port in jump host {hop!r}: expected 1-65535")
+        raise ValueError(f"bad port in {hop!r}: expected 1-65535")
     return (user if sep else None) or None, host, (int(port_text) if port_text else None)

@@ -142,7 +142,7 @@ def test_two_hosts_resolving_to_one_address_are_named_both(cfg, tmp_path):
     ("hosts: [{address: ']]::[['}]", "hosts[0].address: not a host name or IP address: ']]::[['"),
     ("hosts: [{address: 'a b'}]", "hosts[0].address: not a host name or IP address: 'a b'"),
     ("hosts: [{address: h, user: \"bob\\nx\"}]", "hosts[0].user: not a valid user name: 'bob\\nx'"),
-    ("hosts: [{address: h, proxy_jump: 'u@h:99999'}]", "hosts[0].proxy_jump: bad port in jump host 'u@h:99999': expected 1-65535"),
+    ("hosts: [{address: h, proxy_jump: 'u@h:99999'}]", "hosts[0].proxy_jump: bad port in 'u@h:99999': expected 1-65535"),
     ("hosts: [{address: h, proxy_jump: '-J'}]", "hosts[0].proxy_jump: not a host name or IP address: '-J'"),
     ("hosts: [{address: h, train_address: '-x'}]", "hosts[0].train_address: not a host name or IP address: '-x'"),
 ])
