@@ -104,7 +104,7 @@ class LocalProcesses:
                     popen = subprocess.Popen(
                         r.argv, cwd=r.cwd, env=env, stdin=subprocess.DEVNULL, stdout=logf,
                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, preexec_fn=preexec)
-            except (OSError, subprocess.SubprocessError) as e:
+            except (OSError, ValueError, subprocess.SubprocessError) as e:  # ValueError: a NUL in argv or env
                 err = "cannot start %s (%s in %s): %s" % (r.name, r.argv[0], r.cwd,
                                                           getattr(e, "strerror", None) or e)
                 log(err)

@@ -56,6 +56,19 @@ def one_line(value: str) -> str:
 OneLine = Annotated[str, AfterValidator(one_line)]  # an item of a list, refused at its own index
 
 
+def no_nul(value: str) -> str:
+    """An argument or an environment value: anything but NUL, which no argv or environ can hold (execve would
+    refuse it on the host, after the job had been dispatched and launched)."""
+    at = value.find("\0")
+    if at >= 0:
+        raise ValueError(f"NUL character at character {at + 1} of {value!r}: "
+                         "a process's arguments and environment cannot hold one")
+    return value
+
+
+Arg = Annotated[str, AfterValidator(no_nul)]  # an argv item, refused at its own index
+
+
 class WorkspaceSpec(_Model):
     """What to ship: a local directory, where it lands on every host, and what to leave out."""
 
@@ -115,10 +128,10 @@ class JobSpec(_Model):
     launcher: Literal["ssh", "mpi"] = "ssh"
     mpi: Literal["mpich", "openmpi"] = "mpich"
     mpiexec: str = "mpiexec"
-    mpi_args: tuple[str, ...] = ()
-    entrypoint: tuple[str, ...] = Field(min_length=1)
-    args: tuple[str, ...] = ()
-    env: dict[str, str] = {}
+    mpi_args: tuple[Arg, ...] = ()
+    entrypoint: tuple[Arg, ...] = Field(min_length=1)
+    args: tuple[Arg, ...] = ()
+    env: dict[str, Arg] = {}
     pservers: Union[int, PserversPerHost, tuple[str, ...]] = 0
     trainers: Union[int, Literal["gpu"]] = 1
     ports: PortsSpec = PortsSpec()

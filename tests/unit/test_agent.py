@@ -552,6 +552,26 @@ def test_a_coordinator_waiting_for_late_peers_gives_way_to_a_new_launch(cluster)
 
 
 @pytest.mark.timeout(120)
+def test_a_nul_in_a_job_files_argv_or_env_fails_that_process_not_the_supervisor(cluster):
+    # the spec refuses them (clusterctl/spec/job.py no_nul); a job file made otherwise must not kill the supervisor
+    # with Popen's ValueError (it died, and start waited for its report until its deadline)
+    for field in ("argv", "env"):
+        job_id = cluster.new_job_id()
+        bad = cluster.process("trainer", 0, "sleep")
+        if field == "argv":
+            bad["argv"] = [*bad["argv"], "x\0"]
+        else:
+            bad["env"] = dict(bad.get("env") or {}, A="x\0y")
+        d = cluster.host("hA", job_id, [bad])
+        rc, out = agent("launch", os.path.join(d, "job.json"))
+        assert rc == 1 and out["ok"] is False and out["error"].startswith("cannot start trainer.0 ("), out
+        assert out["error"].endswith("embedded null byte"), out
+        final = wait_for(lambda: terminal(d), GRACE + SLACK)
+        assert final["state"] == "failed" and final["failure"]["role"] == "trainer", final
+        assert tagged(job_id) == []
+
+
+@pytest.mark.timeout(120)
 def test_launch_reports_spawn_and_listen_failures(cluster):
     job_id = cluster.new_job_id()
     bad = cluster.process("trainer", 1, "sleep")

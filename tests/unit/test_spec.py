@@ -99,6 +99,17 @@ BAD = [
         ["11:3: job.env: RANK is set by clusterctl from the plan; remove it from job.env"],
         id="env-contract-clash",
     ),
+    pytest.param(  # execve cannot pass a NUL: refused here, not by the host supervisor after the launch
+        GOOD.replace("[python3, train.py]", '[python3, "tr\\0ain.py"]').replace(
+            "  pservers: 1", '  pservers: 1\n  args: [a, "\\0"]\n  env: {A: "x\\0"}'),
+        ["9:25: job.entrypoint[1]: NUL character at character 3 of 'tr\\x00ain.py': a process's arguments and "
+         "environment cannot hold one",
+         "11:13: job.args[1]: NUL character at character 1 of '\\x00': a process's arguments and environment "
+         "cannot hold one",
+         "12:9: job.env.A: NUL character at character 2 of 'x\\x00': a process's arguments and environment "
+         "cannot hold one"],
+        id="nul-in-argv-or-env",
+    ),
     pytest.param(
         GOOD.replace("  pservers: 1", "  pservers: 0"),
         ["10:3: job.pservers: pserver mode needs at least one pserver"],
