@@ -50,7 +50,7 @@ def render_dispatch(results, seconds: float, file=None) -> None:
     file = sys.stdout if file is None else file
     encoding = (getattr(file, "encoding", None) or "utf-8").lower().replace("-", "")
     rows = [[(r.host.label, ""), (str(r.files_sent), ""), (_human(r.bytes_sent), ""), (str(r.deleted), ""),
-             (r.generation, "")] for r in results]
+             (r.generation or "-", "")] for r in results]  # no generation: an empty workspace, never filled
     colour = use_colour(file)
     lines = [paint(f"dispatch ({seconds:.1f}s)", "italic", colour)]
     lines += table_lines(["host", "files sent", "bytes sent", "deleted", "generation"], rows,

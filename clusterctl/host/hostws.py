@@ -283,7 +283,7 @@ def cmd_apply(root):
         fail(f"{root} changed during dispatch (now {old}, expected {header['base']}); dispatch again")
     if header.get("check") and drift:
         return stale("drift", drift)
-    if not changes and not patches and not delete:
+    if not changes and not patches and not delete and old is not None:  # (none yet: an empty workspace is made)
         return reply({"gen": old, "previous": old, "written": 0, "deleted": 0, "unchanged": True})
     new_manifest = dict(manifest)
     new_manifest.update(changes)

@@ -143,6 +143,29 @@ def test_a_workspace_that_is_not_a_directory_is_a_clear_error(tmp_path):
         dispatch(s)
 
 
+def test_an_empty_workspace_is_a_generation_of_its_own_and_start_finds_it_dispatched(tmp_path, monkeypatch, capsys):
+    """A job whose program is already on the hosts (`python3 -c ...`, an installed package) may ship an empty
+    workspace: it was left as no generation at all, so the command line's table failed on it (AttributeError)
+    and `start` said "workspace not dispatched since the last dispatch" after every dispatch."""
+    from clusterctl import cli
+
+    c = FakeCluster(tmp_path, files={}, job={"entrypoint": ["python3", "-c", "pass"]}).everywhere(monkeypatch)
+    gens = []
+    for _ in range(2):  # the first makes an empty generation on every host; the second finds it as it was
+        assert cli.main(["dispatch", str(c.spec_path)]) == 0
+        out, err = capsys.readouterr()
+        cells = [[cell.strip() for cell in line.strip("│|").split("│" if "│" in line else "|")]
+                 for line in out.splitlines() if line.lstrip("│| ").startswith("n")]
+        assert [row[0] for row in cells] == ["n0", "n1"] and all(re.fullmatch(r"\d{8}-\d{6}-\w+", row[-1])
+                                                               for row in cells), out
+        gens.append([row[-1] for row in cells])
+    assert gens[0] == gens[1] and all(c.workspace(i).is_symlink() and tree(c.workspace(i)) == {} for i in range(2))
+    with c.session() as s:
+        assert verify(s) == {h: [] for h in s.plan.hosts}
+    assert cli.main(["start", str(c.spec_path)]) == 0, capsys.readouterr().err
+    assert cli.main(["stop", str(c.spec_path)]) == 0
+
+
 def test_dispatch_on_a_cached_plan_loads_no_spec(tmp_path, monkeypatch):
     """`clusterctl dispatch` on a plan from the cache takes the workspace, its excludes and the data shards'
     directory from the cache entry: the spec models are never loaded (issue 23 part 4), and the hosts get
@@ -243,3 +266,17 @@ def test_manifests_unused_for_a_month_are_swept_at_most_once_a_day(tmp_path, mon
         dispatch(s)
         assert not stale.exists()  # a day later: gone
         assert stamp.stat().st_mtime > day + 60 and len(list(manifests.glob("*.json"))) >= 1  # the ones in use stay
+
+
+def test_the_table_shows_a_host_that_names_no_generation_as_a_dash():
+    """A host package before the empty-generation change replies `unchanged` with no generation for an empty
+    workspace (ops/dispatch/run.py accepts it): the row says "-" rather than failing the command."""
+    import io
+
+    from clusterctl.commands.lifecycle import render_dispatch
+    from clusterctl.ops.dispatch.run import HostDispatch
+    from clusterctl.plan import Host
+
+    buf = io.StringIO()
+    render_dispatch([HostDispatch(Host("n0", 22, "u", 0), 0, 0, 0, None)], 0.1, file=buf)
+    assert [line.split("│")[-2].strip() for line in buf.getvalue().splitlines() if "n0" in line] == ["-"], buf.getvalue()

@@ -156,6 +156,7 @@ def plan_dispatch(gen: str, views: Mapping[Hashable, HostView], wanted: Mapping[
         plans[h] = memo[key]
     # a big update planned from records: confirm the host's state first rather than stream in vain
     confirm = [h for h, p in plans.items() if views[h].check and p.payload >= BULK]
-    current = [h for h, p in plans.items() if p.empty and not views[h].check]
+    # (a host with no generation yet gets its first one, also an empty one: `start` checks the workspace against it)
+    current = [h for h, p in plans.items() if p.empty and not views[h].check and views[h].gen is not None]
     skip = set(confirm) | set(current)
     return DispatchPlan({h: p for h, p in plans.items() if h not in skip}, confirm, current)

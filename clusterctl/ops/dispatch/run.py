@@ -33,7 +33,7 @@ class HostDispatch:
     files_sent: int
     bytes_sent: int
     deleted: int
-    generation: str
+    generation: str | None  # None: an empty workspace, never filled, stays as it was
 
 
 def host_files(session: Session, workspace: dict[str, LocalFile], sources: Sources | None = None) -> dict[Host, dict[str, LocalFile]]:
