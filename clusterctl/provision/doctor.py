@@ -44,6 +44,12 @@ def host_ports(plan, host: Host) -> list[int]:
     return sorted(ports)
 
 
+def _venv_cell(f: dict) -> str:
+    """The venv provision.python names and whether it is there; `-` when the spec names none."""
+    path = f["venv"]["path"]
+    return (path + ("" if f["venv"]["exists"] else " (missing)")) if path else "-"
+
+
 def host_params(plan, venv: str, host: Host) -> dict:
     """The facts script's parameters for `host`: its address, ports, venv and peers to test."""
     ports = host_ports(plan, host)
@@ -91,7 +97,7 @@ class DoctorReport:
         rows.append(row("sudo", lambda f: _SUDO_WORDS.get(f.get("login", {}).get("sudo", ""), f.get("login", {}).get("sudo", "-"))))
         rows.append(row("OS", lambda f: f["os"]))
         rows.append(row("python3", lambda f: f["python3"]))
-        rows.append(row("venv", lambda f: f["venv"]["path"] + ("" if f["venv"]["exists"] else " (missing)")))
+        rows.append(row("venv", _venv_cell))
         for name, get in COMPARED.items():
             rows.append(row(name, lambda f, get=get: get(f) or "-"))
         rows.append(row("driver", lambda f: f["gpu"].get("driver") or "-"))

@@ -184,6 +184,8 @@ def test_provision_and_doctor_from_the_command_line(tmp_path, monkeypatch, capsy
     assert code != 0 and "--only apt: the spec's provision section has no apt step" in err
     code, out, _ = cli(capsys, "doctor", c.spec_path)
     assert "ssh          │ ok" in out
+    venv = [[cell.strip() for cell in line.split("│")[2:4]] for line in out.splitlines() if line.startswith("│ venv ")]
+    assert venv == [["-", "-"]], out  # the spec names no venv (was " (missing)")
     if not any(_listening(addr, 22) for addr in ("127.0.0.1", "127.0.0.2")):  # no sshd here: each host says so
         assert code == 1
         assert out.splitlines()[-3:] == ["problem: n0 cannot reach n1 (ssh): Connection refused",
