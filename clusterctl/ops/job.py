@@ -246,14 +246,20 @@ def _up_reply(res) -> dict:
     return out
 
 
+def _drift_line(host: Host, d: dict) -> str:
+    """One line of a host's workspace drift: a path and what happened to it, or (no path) no workspace yet."""
+    if not d.get("path"):
+        return f"{host.label}: no workspace dispatched yet"
+    return f"{host.label}: workspace {d['path']} {d.get('problem')} since the last dispatch"
+
+
 def _reason(host: Host, res, reply: dict) -> str:
     stage = reply.get("stage")
     if stage == "workspace":
         items = reply.get("drift") or []
         if not items:  # a host that says so without saying what (the agent always lists the paths)
             return f"{host.label}: workspace differs from its last dispatch"
-        return "\n".join(f"{host.label}: workspace {'not dispatched' if not d.get('path') else d['path'] + ' ' + str(d.get('problem'))}"
-                         " since the last dispatch" for d in items[:20])
+        return "\n".join(_drift_line(host, d) for d in items[:20])
     if stage == "preflight":
         return "\n".join(f"{host.label}: {p['message']}" for p in reply.get("problems") or [])
     return f"{host.label}: {reply.get('error') or (res.error() if not res.answered else None) or res.stderr.strip() or f'exit {res.exit_code}'}"
@@ -275,8 +281,7 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
         say("verifying workspaces")
         drift = {h: items for h, items in verify(session, hosts=others).items() if items}
     if drift:
-        problems = [f"{h.label}: workspace {'not dispatched' if not d['path'] else d['path'] + ' ' + d['problem']} "
-                    "since the last dispatch" for h, items in drift.items() for d in items]
+        problems = [_drift_line(h, d) for h, items in drift.items() for d in items]
         raise JobError("workspace drift; run clusterctl dispatch first:\n" + "\n".join(problems))
     say("launching")
     timeout = WAIT_PSERVERS_S + 60

@@ -203,8 +203,8 @@ def test_mpi_launcher_runs_one_mpiexec_on_the_first_host_with_its_hostfile(tmp_p
 def test_start_refuses_an_undispatched_workspace_and_a_busy_port(tmp_path):
     c = FakeCluster(tmp_path, files={"train.py": TRAIN})
     with c.session() as s:
-        with pytest.raises(JobError, match=r"workspace drift; run clusterctl dispatch first:\nn0: workspace not "
-                                           r"dispatched since the last dispatch\nn1: workspace not dispatched"):
+        with pytest.raises(JobError, match=r"workspace drift; run clusterctl dispatch first:\nn0: no workspace "
+                                           r"dispatched yet\nn1: no workspace dispatched yet$"):
             start(s)
         dispatch(s)
         port = s.plan.trainers[1].port
