@@ -513,17 +513,19 @@ def test_shape_layout_keeps_the_default_and_tells_shapes_apart() -> None:
     ],
 )
 def test_up_refuses_a_bad_shape_before_touching_docker(kwargs: dict[str, Any], message: str, monkeypatch) -> None:
-    def no_docker() -> None:
-        raise AssertionError("docker touched")
-
-    monkeypatch.setattr(tc, "ensure_docker", no_docker)
+    monkeypatch.setattr(tc, "ensure_docker", _no_docker)
     for up in (tc.up, *(() if set(kwargs) - {"spec_out", "packages"} else (testcluster_slurm.up,))):
         with pytest.raises(tc.DockerClusterError) as info:
             up(2, name="never-started", **kwargs)
         assert str(info.value).startswith(message) and "\n" not in str(info.value), info.value
 
 
-def test_up_from_the_command_line_says_a_bad_spec_out_in_one_line(tmp_path: Path, capsys) -> None:
+def _no_docker() -> None:
+    raise AssertionError("docker touched")
+
+
+def test_up_from_the_command_line_says_a_bad_spec_out_in_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(tc, "ensure_docker", _no_docker)
     assert cli.main(["testcluster", "up", "--nodes", "1", "--name", "never-started", "--spec-out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert err == f"clusterctl: error: --spec-out {tmp_path} is a directory: give the spec file's path " \
