@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 from collections.abc import Sequence
@@ -19,30 +20,48 @@ from .errors import PsConfigError, PsError
 __all__ = ["main"]
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds > 0")
+    return value
+
+
+def _level(text: str) -> str:
+    """An argparse type: a logging level name (debug, info, warning, error, critical)."""
+    if not isinstance(logging.getLevelName(text.upper()), int):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a logging level (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+    return text.upper()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m clusterctl.ps", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("server", help="run a pserver configured by TRAINING_ROLE/PADDLE_* variables")
     s.add_argument("--mode", choices=("sync", "async", "geo"), help="override CLUSTERCTL_PS_MODE")
-    s.add_argument("--barrier-timeout", type=float, help="override CLUSTERCTL_PS_BARRIER_TIMEOUT (seconds)")
+    s.add_argument("--barrier-timeout", type=_seconds, help="override CLUSTERCTL_PS_BARRIER_TIMEOUT (seconds)")
     s.add_argument("--checkpoint", help="override CLUSTERCTL_PS_CHECKPOINT (resume from this directory)")
     s.add_argument("--checkpoint-every", type=int,
                    help="override CLUSTERCTL_PS_CHECKPOINT_EVERY (save to the checkpoint directory every N steps)")
-    s.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    s.add_argument("--log-level", type=_level, default="INFO", help="logging level (default INFO)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     log = logging.getLogger("clusterctl.ps")
     overrides = {}
     if args.mode:
         overrides["mode"] = args.mode
-    if args.barrier_timeout:
+    if args.barrier_timeout is not None:
         overrides["barrier_timeout"] = args.barrier_timeout
     if args.checkpoint:
         overrides["checkpoint_dir"] = args.checkpoint

@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import stat
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,8 +240,13 @@ def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int, 
             f"cannot load into pserver {server_id} of {num_servers}"
         )
     want, step = step, manifest.get("step")
-    if not isinstance(step, int):
-        raise CheckpointError(f"{sdir}/manifest.json: step is not an integer")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{sdir}/manifest.json: step is not a non-negative integer")
+    if not isinstance(manifest.get("optimizer"), (dict, type(None))):
+        raise CheckpointError(f"{sdir}/manifest.json: optimizer is not an object")
+    table = manifest.get("blocks", [])
+    if not isinstance(table, list) or not all(map(_is_entry, table)):
+        raise CheckpointError(f"{sdir}/manifest.json: the block table is malformed")
     if want is not None and step != want:
         raise CheckpointError(f"{sdir}: pserver {server_id} has no checkpoint at step {want} "
                               f"(it has {saved_steps(root, server_id)})")
@@ -249,11 +255,11 @@ def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int, 
     try:
         with np.load(io.BytesIO(tensors), allow_pickle=False) as npz:
             data = {name: npz[name] for name in npz.files}
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # truncated or not an npz at all
         raise CheckpointError(f"{sdir}/tensors.npz: unreadable: {exc}") from None
     blocks: dict[str, np.ndarray] = {}
     states: dict[str, dict[str, np.ndarray]] = {}
-    for i, entry in enumerate(manifest.get("blocks", [])):
+    for i, entry in enumerate(table):
         arr = data.get(f"p{i}")
         if arr is None or arr.dtype.name != entry["dtype"] or arr.size != entry["size"]:
             raise CheckpointError(f"{sdir}: block {entry.get('key')!r} does not match its manifest entry")
@@ -267,6 +273,13 @@ def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int, 
     log.info("loaded %d block(s) at step %d from %s", len(blocks), step, sdir)
     return ServerCheckpoint(server_id, num_servers, step, str(manifest.get("mode", "")),
                             manifest.get("optimizer"), blocks, states)
+
+
+def _is_entry(entry: Any) -> bool:
+    """Whether ``entry`` is a well-formed block table entry of a manifest (as _write_shard writes them)."""
+    return (isinstance(entry, dict) and isinstance(entry.get("key"), str) and isinstance(entry.get("dtype"), str)
+            and isinstance(entry.get("size"), int) and isinstance(entry.get("state", []), list)
+            and all(isinstance(name, str) for name in entry.get("state", [])))
 
 
 def _check_siblings(root: Path, step: int, num_servers: int) -> None:

@@ -11,6 +11,8 @@ most one wire chunk, and the updated pieces are collected while later ones are s
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -66,11 +68,26 @@ def pack_pieces(tensors: Mapping[str, np.ndarray], chunk: int) -> list[list[tupl
     return msgs
 
 
-def _as_numpy(x: Any) -> np.ndarray:
-    """A NumPy view of ``x`` (NumPy array, or a CPU torch tensor via ``detach()``)."""
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
-    return np.asarray(x)
+#: The dtypes of parameters and gradients (the wire protocol's whitelist).
+DTYPES = ("float16", "float32", "float64")
+
+
+def _as_numpy(x: Any, name: str = "") -> np.ndarray:
+    """A NumPy view of ``x`` (NumPy array, or a CPU torch tensor via ``detach()``) of a supported float dtype."""
+    try:
+        arr = np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
+    except (TypeError, ValueError) as exc:  # e.g. a torch bfloat16 tensor, a ragged list
+        raise PsConfigError(f"{name}: cannot be read as a float16/32/64 array: {exc}") from None
+    if arr.dtype.name not in DTYPES:
+        raise PsConfigError(f"{name}: dtype {arr.dtype} is not supported (float16/32/64)")
+    return arr
+
+
+def _step(step: Any) -> int:
+    """A trainer step given by the caller: a non-negative integer (the pservers refuse anything else)."""
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise PsConfigError(f"step must be a non-negative integer, got {step!r}")
+    return int(step)
 
 
 class PSClient:
@@ -94,6 +111,13 @@ class PSClient:
     ):
         if mode not in MODES:
             raise PsConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        for name, value in (("trainer_id", trainer_id), ("num_trainers", num_trainers), ("k_steps", k_steps)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise PsConfigError(f"{name} must be an integer, got {value!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout):
+            raise PsConfigError(f"timeout must be a finite number of seconds, got {timeout!r}")
+        if isinstance(endpoints, str):
+            raise PsConfigError(f"endpoints must be a list of 'ip:port' strings, got the string {endpoints!r}")
         if not 0 <= trainer_id < num_trainers:
             raise PsConfigError(f"trainer_id {trainer_id} is outside 0..{num_trainers - 1}")
         if k_steps < 1:
@@ -103,10 +127,10 @@ class PSClient:
         self.endpoints = tuple(endpoints)
         if not self.endpoints:
             raise PsConfigError("the pserver endpoint list is empty")
-        self.trainer_id = trainer_id
-        self.num_trainers = num_trainers
+        self.trainer_id = int(trainer_id)
+        self.num_trainers = int(num_trainers)
         self.mode = mode
-        self.k_steps = k_steps
+        self.k_steps = int(k_steps)
         self.optimizer = optimizer or SGD()
         self.min_block_size = min_block_size
         self.timeout = float(timeout)
@@ -120,6 +144,7 @@ class PSClient:
         self._geo_base: dict[str, np.ndarray] = {}
         self._geo_pending = 0
         self._seq = 0
+        self._done = ""  # why this client may send no more requests (close() or complete() was called)
         self._own_ctx = context is None
         self._ctx = context or zmq.Context(io_threads=auth_mod.io_threads(len(self.endpoints)))
         self._socks: list[zmq.Socket] = []
@@ -143,6 +168,7 @@ class PSClient:
 
     def close(self) -> None:
         """Close the sockets (and the context if this client created it)."""
+        self._done = "close() was called"
         self._watch.close()
         for s in self._socks:
             s.close()
@@ -211,6 +237,7 @@ class PSClient:
     def _request(self, op: str, per_server: Mapping[int, tuple[dict[str, Any], Mapping[str, np.ndarray]]],
                  timeout: float | None = None) -> dict[int, Message]:
         """Send one request to each listed pserver, wait for every reply; raise on errors or timeout."""
+        self._check_open()
         self._seq += 1
         seq = self._seq
         wait = self.timeout if timeout is None else timeout
@@ -254,6 +281,11 @@ class PSClient:
                 log.debug("trainer %d: telling the other pservers about the failed round: %s", self.trainer_id, exc)
         return err
 
+    def _check_open(self) -> None:
+        """Refuse a request after close() or complete() (the pservers would never answer it)."""
+        if self._done:
+            raise PsConfigError(f"trainer {self.trainer_id}: {self._done} on this client; no more requests")
+
     def _need_plan(self) -> ShardPlan:
         if self.plan is None:
             raise PsConfigError("call init(params) before talking to the pservers")
@@ -263,9 +295,12 @@ class PSClient:
         """Per-server ``{block key: flat view}`` of ``arrays`` (a name -> tensor mapping)."""
         plan = self._need_plan()
         out: dict[int, dict[str, np.ndarray]] = {i: {} for i in range(len(self.endpoints))}
+        known = dict(plan.shapes)
         for name, value in arrays.items():
-            shape = plan.shape(name)
-            arr = _as_numpy(value)
+            if name not in known:
+                raise PsConfigError(f"{name!r} is not a registered parameter ({', '.join(map(repr, known))})")
+            shape = known[name]
+            arr = _as_numpy(value, name)
             if arr.shape != shape:
                 raise PsConfigError(f"{name}: shape {arr.shape} differs from the registered {shape}")
             flat = np.ascontiguousarray(arr, dtype=self._dtypes[name]).reshape(-1)
@@ -280,7 +315,8 @@ class PSClient:
             target = out.get(name) if out is not None else None
             if target is None:
                 target = np.empty(shape, self._dtypes[name])
-            elif target.shape != shape or not target.flags.c_contiguous or target.dtype != self._dtypes[name]:
+            elif (not isinstance(target, np.ndarray) or target.shape != shape or not target.flags.c_contiguous
+                  or target.dtype != self._dtypes[name]):
                 raise PsConfigError(f"out[{name!r}] must be a C-contiguous {self._dtypes[name]} array of shape {shape}")
             result[name] = target
         return result
@@ -309,17 +345,25 @@ class PSClient:
 
     def init(self, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Register ``params`` (name -> initial array), first init wins; return the pservers' values."""
-        arrays = {n: _as_numpy(v) for n, v in params.items()}
-        for name, arr in arrays.items():
-            if arr.dtype.name not in ("float16", "float32", "float64"):
-                raise PsConfigError(f"{name}: dtype {arr.dtype} is not supported (float16/32/64)")
+        self._check_open()
+        if not params:
+            raise PsConfigError("init needs at least one parameter")
+        bad = [n for n in params if not isinstance(n, str) or not n]
+        if bad:
+            raise PsConfigError(f"parameter names must be non-empty strings, got {bad[0]!r}")
+        arrays = {n: _as_numpy(v, n) for n, v in params.items()}
+        registered = self.plan, self._dtypes
         self.plan = plan_shards(((n, a.shape) for n, a in arrays.items()), self.endpoints,
                                 min_block_size=self.min_block_size)
         self._dtypes = {n: a.dtype for n, a in arrays.items()}
-        parts = self._split(arrays)
-        fields = {"mode": self.mode, "optimizer": self.optimizer.to_dict(), "k_steps": self.k_steps,
-                  "plan": self.plan.fingerprint}
-        replies = self._request("init", {i: (fields, parts[i]) for i in parts})
+        try:
+            parts = self._split(arrays)
+            fields = {"mode": self.mode, "optimizer": self.optimizer.to_dict(), "k_steps": self.k_steps,
+                      "plan": self.plan.fingerprint}
+            replies = self._request("init", {i: (fields, parts[i]) for i in parts})
+        except PsError:  # refused (e.g. another trainer registered other shapes): keep what was registered
+            self.plan, self._dtypes = registered
+            raise
         loaded = {replies[i].header.get("loaded_step", 0) for i in replies}
         if len(loaded) != 1:
             # pservers that save on their own (checkpoint_every) and were stopped between two saves: settle on
@@ -361,7 +405,7 @@ class PSClient:
               out: Mapping[str, np.ndarray] | None = None) -> Any:
         if self.mode == "geo":
             raise PsConfigError("geo mode pushes parameter deltas: call geo_step(params) instead")
-        s = self.step if step is None else step
+        s = self.step if step is None else _step(step)
         plan = self._need_plan()
         if PIPELINE and pull and set(tensors) == {name for name, _ in plan.shapes}:
             result = self._push_pull_pipelined(tensors, s, out)
@@ -383,6 +427,7 @@ class PSClient:
         answers a piece once every active trainer's gradient for its range arrived and the averaged
         update of that range was applied. Replies are copied into the output arrays as they come.
         """
+        self._check_open()
         plan = self._need_plan()
         result = self._targets(out)
         flats = {name: arr.reshape(-1) for name, arr in result.items()}
@@ -440,8 +485,9 @@ class PSClient:
         """Geo mode, once per local step: every ``k_steps`` push ``params - last_synced`` and pull, in place."""
         if self.mode != "geo":
             raise PsConfigError(f"geo_step() is for geo mode; this client runs {self.mode!r}")
+        self._geo_params(params, convert=False)  # each local step: names and shapes only (a GPU tensor stays put)
+        self.step = (self.step if step is None else _step(step)) + 1
         self._geo_pending += 1
-        self.step = (self.step if step is None else step) + 1
         if self._geo_pending >= self.k_steps:
             self.geo_flush(params)
         return params
@@ -450,18 +496,39 @@ class PSClient:
         """Geo mode: send the pending local deltas now and refresh ``params`` (and the base) in place."""
         if not self._geo_pending:
             return
-        deltas = {n: _as_numpy(p) - self._geo_base[n] for n, p in params.items()}
+        arrays = self._geo_params(params)
+        deltas = {n: arr - self._geo_base[n] for n, arr in arrays.items()}
         parts = self._split(deltas)
         replies = self._request("push_pull", {i: ({"step": self.step - 1, "pull": True}, parts[i]) for i in parts})
         self._assemble(replies, self._geo_base)  # the merged values become the new base, in place
         for name, base in self._geo_base.items():
-            np.copyto(_as_numpy(params[name]), base)
+            np.copyto(arrays[name], base)
         self._geo_pending = 0
+
+    def _geo_params(self, params: Mapping[str, Any], *, convert: bool = True) -> dict[str, Any]:
+        """``params`` as arrays geo mode can update in place: every registered parameter, of its shape.
+
+        Checked before anything is sent: a missing parameter could not be refreshed, and a wrong shape would
+        broadcast against the base into a wrong delta. Without ``convert``, only what needs no copy is checked
+        (the names, and the shape of whatever has one) and ``params`` is returned as it is."""
+        plan = self._need_plan()
+        known = dict(plan.shapes)
+        if set(params) != set(known):
+            raise PsConfigError(f"geo mode needs every registered parameter ({', '.join(map(repr, known))}), "
+                                f"got {', '.join(map(repr, params))}")
+        arrays = {n: _as_numpy(params[n], n) for n in known} if convert else params
+        for name, arr in arrays.items():
+            shape = getattr(arr, "shape", None)
+            if shape is not None and tuple(shape) != known[name]:
+                raise PsConfigError(f"{name}: shape {tuple(shape)} differs from the registered {known[name]}")
+        return dict(arrays)
 
     def save(self, root: str, step: int | None = None) -> int:
         """Ask every pserver to save its shards under ``root`` at ``step``; write the commit record."""
-        s = self.step if step is None else step
-        replies = self._request("save", self._all({"dir": str(root), "step": s}))
+        if not isinstance(root, (str, os.PathLike)):
+            raise PsConfigError(f"save needs a directory path, got {root!r}")
+        s = self.step if step is None else _step(step)
+        replies = self._request("save", self._all({"dir": os.fspath(root), "step": s}))
         steps = {r.header.get("step") for r in replies.values()}
         if steps != {s}:
             raise CheckpointError(f"pservers saved inconsistent steps {sorted(map(str, steps))}, want {s}")
@@ -473,7 +540,9 @@ class PSClient:
 
     def load(self, root: str) -> int:
         """Ask every pserver to load its shards from ``root``; return the (common) step to resume at."""
-        replies = self._request("load", self._all({"dir": str(root)}))
+        if not isinstance(root, (str, os.PathLike)):
+            raise PsConfigError(f"load needs a directory path, got {root!r}")
+        replies = self._request("load", self._all({"dir": os.fspath(root)}))
         steps = {r.header.get("loaded_step") for r in replies.values()}
         if len(steps) != 1:
             raise CheckpointError(f"pservers loaded different steps {sorted(map(str, steps))} from {root}")
@@ -485,3 +554,4 @@ class PSClient:
         if self.mode == "geo" and params is not None:
             self.geo_flush(params)
         self._request("complete", self._all({}))
+        self._done = "complete() was called"

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .auth import AUTH_ENV, TOKEN_ENV
-from .endpoints import parse_endpoint_list
+from .endpoints import parse_endpoint_list, split_endpoint
 from .errors import PsConfigError
 from .optim import OptimizerConfig
 
 __all__ = ["PsEnv", "client_from_env", "from_env", "server_from_env"]
 
 _ROLES = {"TRAINER": "trainer", "PSERVER": "pserver"}
+_INT = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() would also take "1_0" and non-ASCII digits
 
 
 @dataclass(frozen=True)
@@ -42,20 +46,36 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         if default is None:
             raise PsConfigError(f"environment variable {name} is not set")
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise PsConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+    if not _INT.fullmatch(raw.strip()):
+        raise PsConfigError(f"environment variable {name}={raw!r} is not an integer")
+    return int(raw)
 
 
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """A timeout in seconds: a finite number > 0."""
     raw = env.get(name)
     if not raw:
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise PsConfigError(f"environment variable {name}={raw!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise PsConfigError(f"environment variable {name}={raw!r} must be a finite number of seconds > 0")
+    return value
+
+
+def _endpoints(raw: str) -> tuple[str, ...]:
+    """PADDLE_PSERVERS_IP_PORT_LIST: planned endpoints, each a real port, none twice."""
+    endpoints = parse_endpoint_list(raw)
+    for ep in endpoints:
+        if split_endpoint(ep)[1] == 0:
+            raise PsConfigError(f"PADDLE_PSERVERS_IP_PORT_LIST: endpoint {ep!r} has port 0 (a pserver must "
+                                "listen on its planned port)")
+    dups = sorted(ep for ep, n in Counter(endpoints).items() if n > 1)
+    if dups:
+        raise PsConfigError(f"PADDLE_PSERVERS_IP_PORT_LIST names {', '.join(dups)} more than once")
+    return endpoints
 
 
 def from_env(env: Mapping[str, str] | None = None) -> PsEnv:
@@ -67,7 +87,7 @@ def from_env(env: Mapping[str, str] | None = None) -> PsEnv:
     role = _ROLES[role_raw.upper()]
     if not e.get("PADDLE_PSERVERS_IP_PORT_LIST"):
         raise PsConfigError("environment variable PADDLE_PSERVERS_IP_PORT_LIST is not set")
-    endpoints = parse_endpoint_list(e["PADDLE_PSERVERS_IP_PORT_LIST"])
+    endpoints = _endpoints(e["PADDLE_PSERVERS_IP_PORT_LIST"])
     current = e.get("PADDLE_CURRENT_ENDPOINT", "")
     if not current and e.get("POD_IP") and e.get("PADDLE_PORT"):
         current = f"{e['POD_IP']}:{e['PADDLE_PORT']}"
@@ -93,10 +113,13 @@ def from_env(env: Mapping[str, str] | None = None) -> PsEnv:
     k_steps = _int(e, "CLUSTERCTL_PS_K_STEPS", 1)
     if k_steps < 1:
         raise PsConfigError(f"CLUSTERCTL_PS_K_STEPS must be >= 1, got {k_steps}")
-    barrier = _float(e, "CLUSTERCTL_PS_BARRIER_TIMEOUT", 300.0)
+    barrier = _seconds(e, "CLUSTERCTL_PS_BARRIER_TIMEOUT", 300.0)
+    every = _int(e, "CLUSTERCTL_PS_CHECKPOINT_EVERY", 0)
+    if every < 0:
+        raise PsConfigError(f"CLUSTERCTL_PS_CHECKPOINT_EVERY must be >= 0 (0: no periodic saves), got {every}")
     return PsEnv(role, endpoints, current, trainer_id, num_trainers, pserver_id, mode, k_steps,
-                 e.get("CLUSTERCTL_JOB", ""), barrier, _float(e, "CLUSTERCTL_PS_TIMEOUT", barrier + 60.0),
-                 e.get("CLUSTERCTL_PS_CHECKPOINT") or None, _int(e, "CLUSTERCTL_PS_CHECKPOINT_EVERY", 0))
+                 e.get("CLUSTERCTL_JOB", ""), barrier, _seconds(e, "CLUSTERCTL_PS_TIMEOUT", barrier + 60.0),
+                 e.get("CLUSTERCTL_PS_CHECKPOINT") or None, every)
 
 
 def _auth(env: Mapping[str, str] | None) -> dict[str, str]:
