@@ -17,7 +17,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     text = endpoint.strip()
     text = text.removeprefix("tcp://")
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise PsConfigError(f"endpoint {endpoint!r} is not HOST:PORT")
     host = host.strip("[]")
     if host in _WILDCARDS:

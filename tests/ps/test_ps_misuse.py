@@ -47,6 +47,9 @@ TIMEOUT = 4.0
          "PADDLE_PSERVERS_IP_PORT_LIST: endpoint '127.0.0.1:0' has port 0 (a pserver must listen on its planned port)"),
         ({"CLUSTERCTL_PS_CHECKPOINT_EVERY": "-1"},
          "CLUSTERCTL_PS_CHECKPOINT_EVERY must be >= 0 (0: no periodic saves), got -1"),
+        ({"PADDLE_PSERVERS_IP_PORT_LIST": "127.0.0.1:\u00b2"},  # str.isdigit() takes it; int() did not
+         "endpoint '127.0.0.1:\u00b2' is not HOST:PORT"),
+        ({"PADDLE_PSERVERS_IP_PORT_LIST": "127.0.0.1:\u0661\u0662"}, "endpoint '127.0.0.1:\u0661\u0662' is not HOST:PORT"),
     ],
 )
 def test_bad_env_values_are_refused_by_name(extra, message):
