@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
+import operator
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,8 +68,36 @@ def _env_float(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise CollectiveError(f"{name}={raw!r}: expected a number of seconds") from None
-    if value <= 0:
-        raise CollectiveError(f"{name}={raw!r}: must be positive")
+    if not 0 < value < math.inf:             # nan, inf: a deadline that never comes
+        raise CollectiveError(f"{name}={raw!r}: must be a positive, finite number of seconds")
+    return value
+
+
+def check_timeout(timeout) -> float:
+    """``timeout=`` as float seconds: positive and finite (every wait is bounded by it), else CollectiveError."""
+    try:
+        value = float(timeout)
+    except (TypeError, ValueError):
+        raise CollectiveError(f"timeout={timeout!r}: expected a number of seconds") from None
+    if not 0 < value < math.inf:
+        raise CollectiveError(f"timeout={timeout!r}: must be positive, finite seconds")
+    return value
+
+
+def check_threshold(name: str, value) -> int:
+    """A fusion threshold argument: a whole number of bytes (an int, or a float such as 64e6 with no fraction),
+    not negative (0: no fusion), else CollectiveError."""
+    given = value
+    if isinstance(value, float) and value.is_integer():  # finite and whole: 64e6
+        value = int(value)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise CollectiveError(f"{name}={given!r}: expected a whole number of bytes (an int)") from None
+    if value < 0:
+        raise CollectiveError(f"{name}={given!r}: must not be negative")
     return value
 
 
@@ -80,7 +110,7 @@ def _env_size(name: str, default: int) -> int:
     digits = raw[:-1] if raw[-1].lower() in units else raw
     try:
         value = int(float(digits) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise CollectiveError(f"{name}={raw!r}: expected bytes, e.g. 33554432 or 32M") from None
     if value < 0:
         raise CollectiveError(f"{name}={raw!r}: must not be negative")
@@ -105,16 +135,12 @@ class Communicator:
                  fusion_threshold: int | None = None, shm: bool | None = None):
         MPI = get_mpi(timeout)
         self.MPI = MPI
-        self.timeout = float(timeout) if timeout is not None else _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT)
-        if self.timeout <= 0:
-            raise CollectiveError(f"timeout={timeout!r}: must be positive seconds")
+        self.timeout = check_timeout(timeout) if timeout is not None else _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT)
         self.on_timeout = on_timeout or os.environ.get(ON_TIMEOUT_ENV, "abort").strip() or "abort"
         if self.on_timeout not in ("abort", "raise"):
             raise CollectiveError(f"on_timeout={self.on_timeout!r}: expected 'abort' or 'raise'")
-        self.fusion_threshold = (int(fusion_threshold) if fusion_threshold is not None
-                                 else _env_size(FUSION_ENV, DEFAULT_FUSION_THRESHOLD))
-        if self.fusion_threshold < 0:
-            raise CollectiveError(f"fusion_threshold={fusion_threshold!r}: must not be negative")
+        self.fusion_threshold = (check_threshold("fusion_threshold", fusion_threshold)
+                                 if fusion_threshold is not None else _env_size(FUSION_ENV, DEFAULT_FUSION_THRESHOLD))
         from .topology import discover
         from ._progress import RequestPoller
         self.comm = comm.Dup()
@@ -271,10 +297,12 @@ def init(*, comm=None, timeout: float | None = None, on_timeout: str | None = No
     """Initialise the collective backend (idempotent) and return the default :class:`Communicator`."""
     global _default
     with _lock:
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        if fusion_threshold is not None:
+            check_threshold("fusion_threshold", fusion_threshold)
         if _default is not None and comm is None:
             return _default
-        if timeout is not None and float(timeout) <= 0:
-            raise CollectiveError(f"timeout={timeout!r}: must be positive seconds")
         MPI = get_mpi(timeout)
         if comm is None:
             from .rendezvous import check_world

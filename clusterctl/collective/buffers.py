@@ -18,9 +18,16 @@ import numpy as np
 
 from .errors import CollectiveError
 
-__all__ = ["Prepared", "prepare", "reduce_one", "kind_of", "OPS"]
+__all__ = ["Prepared", "prepare", "reduce_one", "kind_of", "check_writable", "check_torch", "OPS",
+           "TORCH_REDUCIBLE"]
 
 OPS = ("sum", "avg")
+
+#: torch dtypes this package can reduce (by name, so torch need not be imported): what MPI/NumPy add, plus
+#: bfloat16 (reduced in float32). Float8, complex, quantized and bool tensors are refused up front.
+TORCH_REDUCIBLE = frozenset(f"torch.{n}" for n in (
+    "float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64"))
 
 
 def kind_of(x) -> str:
@@ -49,6 +56,23 @@ class Prepared:
     local: bool = False  # nothing to exchange (one rank): ``finish`` alone makes the result
 
 
+def check_writable(x, what: str = "x") -> None:
+    """Refuse a read-only NumPy/CuPy array that would be written (on every rank alike, before any MPI call)."""
+    flags = getattr(x, "flags", None)
+    if flags is not None and not getattr(flags, "writeable", True):
+        raise CollectiveError(f"{what} is a read-only array (flags.writeable is False): cannot write the result into it")
+
+
+def check_torch(t, what: str = "x") -> None:
+    """Refuse tensors that have no flat strided memory on the CPU or a CUDA device (sparse, meta, nested, ...)."""
+    import torch
+    if t.layout != torch.strided or t.is_nested or t.is_quantized:
+        kind = "nested" if t.is_nested else "quantized" if t.is_quantized else str(t.layout)
+        raise CollectiveError(f"{what} is a {kind} tensor: only dense (strided) tensors are supported")
+    if t.device.type not in ("cpu", "cuda"):
+        raise CollectiveError(f"{what} is on device {t.device}: expected a CPU or CUDA tensor")
+
+
 def _check_op(op: str) -> None:
     if op not in OPS:
         raise CollectiveError(f"op={op!r}: expected one of {', '.join(OPS)}")
@@ -71,9 +95,14 @@ def _compress_dtype(compression: str | None, dtype: np.dtype):
 def _prepare_numpy(x: np.ndarray, op: str, out, size: int, compression: str | None) -> Prepared:
     if x.dtype.kind not in "fiu":
         raise CollectiveError(f"cannot allreduce dtype {x.dtype}")
+    if not x.dtype.isnative:
+        raise CollectiveError(f"cannot allreduce dtype {x.dtype.str} (non-native byte order): "
+                              f"convert it first, e.g. x.astype({x.dtype.newbyteorder('=').str!r})")
     inplace = out is x
     if out is not None and not inplace:
         _check_out(x, out)
+    if out is not None:
+        check_writable(out, "x (reduced in place)" if inplace else "out")
     int_avg = op == "avg" and x.dtype.kind in "iu"
     if int_avg and out is not None:
         raise CollectiveError("op='avg' on an integer array gives floats: call it out-of-place (no out=)")
@@ -110,11 +139,13 @@ def _prepare_numpy(x: np.ndarray, op: str, out, size: int, compression: str | No
 
 def _prepare_torch(x, op: str, out, size: int, compression: str | None, communicator) -> Prepared:
     import torch
+    check_torch(x)
     t = x.detach()
     inplace = out is x
     if out is not None and not inplace:
+        check_torch(out, "out")
         _check_out(x, out)
-    if t.dtype in (torch.bool, torch.complex64, torch.complex128):
+    if str(t.dtype) not in TORCH_REDUCIBLE:
         raise CollectiveError(f"cannot allreduce dtype {t.dtype}")
     is_int = not (t.is_floating_point())
     if op == "avg" and is_int and out is not None:

@@ -83,6 +83,9 @@ def cuda_aware(communicator) -> bool:
     raw = os.environ.get(CUDA_AWARE_ENV, "").strip()
     if raw in ("0", "1"):
         return raw == "1"
+    if raw:
+        from .errors import CollectiveError
+        raise CollectiveError(f"{CUDA_AWARE_ENV}={raw!r}: expected 0 or 1 (unset: detect)")
     key = id(communicator)
     if key not in _answers:
         _answers[key] = detect_cuda_aware(communicator.comm, communicator.MPI)

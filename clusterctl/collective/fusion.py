@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .buffers import OPS, prepare, reduce_one
+from ._mpi import check_threshold
+from .buffers import OPS, TORCH_REDUCIBLE, check_writable, prepare, reduce_one
 from .errors import CollectiveError
 from .shm import shm_supported
 
@@ -70,13 +71,14 @@ _PLANS: dict[tuple, list[Bucket]] = {}   # same shapes every training step: plan
 def _host_view(x):
     """1-D contiguous NumPy view of a host buffer that can be fused, else None."""
     if isinstance(x, np.ndarray):
-        if x.flags.c_contiguous and x.dtype.kind in "fiu":
+        if x.flags.c_contiguous and x.dtype.kind in "fiu" and x.dtype.isnative:
             return x.reshape(-1)
         return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        if x.is_cuda or not x.is_contiguous() or x.dtype in (torch.bfloat16, torch.bool) or x.is_complex():
-            return None
+        if (x.device.type != "cpu" or x.layout != torch.strided or x.is_nested or not x.is_contiguous()
+                or str(x.dtype) not in TORCH_REDUCIBLE or x.dtype == torch.bfloat16):
+            return None       # the single-buffer path copies what it can and refuses the rest
         return x.detach().reshape(-1).numpy()
     return None
 
@@ -131,7 +133,7 @@ class FusedAllreduce:
         self.comm = comm
         self.op = op
         self.compression = compression
-        self.threshold = comm.fusion_threshold if threshold is None else int(threshold)
+        self.threshold = comm.fusion_threshold if threshold is None else check_threshold("threshold", threshold)
         if comm.arena is not None:
             self.threshold = min(max(self.threshold, 1), comm.arena.capacity)
         self.xs = xs
@@ -188,7 +190,14 @@ class FusedAllreduce:
     def start(self, *, inplace: bool = False):
         """Submit every bucket (and unfusable buffer) to the worker; returns (results, futures)."""
         c = self.comm
+        if inplace:
+            for x in self.xs:
+                check_writable(x)
         results = list(self.xs) if inplace else [None] * len(self.xs)
+        # Check and prepare the unfusable buffers first: a buffer that cannot be reduced raises here, before
+        # any bucket is submitted (not after the earlier buckets were reduced in place).
+        prepared = [(i, prepare(self.xs[i], self.op, self.xs[i] if inplace else None, c.size, self.compression, c))
+                    for i in self.single]
         futures = []
         fusable = self.fusable
         for k, b in enumerate(self.buckets):
@@ -211,11 +220,7 @@ class FusedAllreduce:
             futures.append(c.submit(self._reduce_bucket, ins, outs, buf, plan))
         for idx in self.device_buckets:
             futures.append(self._start_device_bucket(idx, results, inplace))
-        singles = []
-        for i in self.single:
-            x = self.xs[i]
-            prepared = prepare(x, self.op, x if inplace else None, c.size, self.compression, c)
-            singles.append((i, c.submit(reduce_one, c, prepared, self.op, "allreduce")))
+        singles = [(i, c.submit(reduce_one, c, p, self.op, "allreduce")) for i, p in prepared]
         return results, futures, singles
 
     def _start_device_bucket(self, idx: list[int], results: list, inplace: bool):

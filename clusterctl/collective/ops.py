@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 from concurrent.futures import Future
 
 import numpy as np
 
 from ._mpi import default
-from .buffers import kind_of, prepare, reduce_one
+from .buffers import check_torch, check_writable, kind_of, prepare, reduce_one
 from .errors import CollectiveError
 
 __all__ = ["Handle", "allreduce", "allreduce_async", "grouped_allreduce", "broadcast",
@@ -50,30 +51,46 @@ def grouped_allreduce(xs, op: str = "sum", *, inplace: bool = False, comm=None,
     return fused.run(inplace=inplace)
 
 
+def _check_root(root, c) -> int:
+    """``root`` as a rank of ``c``: an int in range on every rank (checked before any MPI call)."""
+    try:
+        if isinstance(root, bool):
+            raise TypeError
+        root = operator.index(root)
+    except TypeError:
+        raise CollectiveError(f"root={root!r}: expected an int rank") from None
+    if not 0 <= root < c.size:
+        raise CollectiveError(f"root={root} out of range for {c.size} rank(s)")
+    return root
+
+
 def broadcast(x, root: int = 0, *, comm=None):
     """Overwrite ``x`` on every rank with ``root``'s values (in place); returns ``x``."""
     c = default(comm)
-    if not 0 <= root < c.size:
-        raise CollectiveError(f"root={root} out of range for {c.size} rank(s)")
+    root = _check_root(root, c)
     kind = kind_of(x)
+    # Every rank checks what only the receivers would trip over, so all of them raise alike (a root that
+    # went on would leave the others one collective behind).
+    if kind in ("numpy", "cupy"):
+        check_writable(x)
+        if x.dtype.hasobject:
+            raise CollectiveError(f"cannot broadcast dtype {x.dtype}: it holds Python object pointers")
+    else:
+        check_torch(x)
     if kind == "numpy":
-        if x.flags.c_contiguous:
-            c.run(c.bcast_flat, x.reshape(-1), root)
-        else:
-            tmp = np.ascontiguousarray(x)
-            c.run(c.bcast_flat, tmp.reshape(-1), root)
+        # Sent as bytes: any fixed-size dtype (bool, big-endian, datetime, structured) goes through.
+        tmp = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        c.run(c.bcast_flat, tmp.reshape(-1).view(np.uint8), root)
+        if tmp is not x:
             x[...] = tmp
         return x
     if kind == "torch":
         t = x.detach()
         import torch
-        if t.dtype == torch.bfloat16:
-            tmp = t.contiguous().view(torch.int16)
-        else:
-            tmp = t.contiguous()
-        c.run(c.bcast_flat, tmp.reshape(-1).numpy(), root)
+        tmp = t.contiguous()
+        c.run(c.bcast_flat, tmp.reshape(-1).view(torch.uint8).numpy(), root)
         if tmp.data_ptr() != t.data_ptr():
-            t.copy_(tmp.view(t.dtype))
+            t.copy_(tmp)
         return x
     # device buffers: straight to a CUDA-aware MPI, else through host memory
     from .cuda import cuda_aware, note_staging
@@ -109,9 +126,18 @@ def broadcast_object(obj, root: int = 0, *, comm=None):
     """Broadcast any picklable object from ``root`` and return it on every rank."""
     import pickle
     c = default(comm)
-    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if c.rank == root else None
-    n = np.array([data.size if data is not None else 0], dtype=np.int64)
+    root = _check_root(root, c)
+    data, error = None, None
+    if c.rank == root:
+        try:
+            data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        except Exception as e:               # unpicklable: tell the other ranks (size -1) instead of leaving them waiting
+            error = e
+    n = np.array([data.size if data is not None else -1], dtype=np.int64)
     c.run(c.bcast_flat, n, root)
+    if n[0] < 0:
+        raise CollectiveError(f"broadcast_object: rank {root} could not pickle its object"
+                              + (f" ({type(error).__name__}: {error})" if error is not None else "")) from error
     buf = data.copy() if data is not None else np.empty(int(n[0]), dtype=np.uint8)
     c.run(c.bcast_flat, buf, root)
     return pickle.loads(buf.tobytes())

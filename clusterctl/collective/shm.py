@@ -57,6 +57,15 @@ class ShmArena:
         self.progress = progress
         self.MPI = MPI
         self.capacity = int(capacity) // 64 * 64
+        # Every segment is read as ``capacity`` bytes: a rank asking for another size (another fusion
+        # threshold, other gradient shapes) would fail reading the peers' segments while they wait in the
+        # barrier below for ever, so all of them refuse alike first.
+        sizes = local.allgather(self.capacity)
+        if len(set(sizes)) > 1:
+            from .errors import CollectiveError
+            raise CollectiveError(f"shared-memory window: the ranks of this node asked for different sizes (bytes by "
+                                  f"local rank: {sizes}); fusion_threshold / CLUSTERCTL_COLLECTIVE_FUSION_THRESHOLD and "
+                                  "the gradients' shapes must be the same on every rank")
         self.win = MPI.Win.Allocate_shared(_CTRL + self.capacity, 1, comm=local)
         self.segments = []
         self._flags = []

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import zlib
 from concurrent.futures import Future
 
+import numpy as np
 import torch as _torch
 
-from ._mpi import default
+from ._mpi import check_threshold, default
+from .buffers import TORCH_REDUCIBLE
 from .errors import CollectiveError
 from .fusion import plan_buckets
 
@@ -100,26 +103,42 @@ class DistributedOptimizer:
         self.overlap = _choose_overlap(overlap, self.comm)
         self.op = op
         self.compression = compression
+        optimized = [p for g in optimizer.param_groups for p in g["params"]]
         if named_parameters is None:
-            named = [(f"param.{i}", p) for i, p in
-                     enumerate(p for g in optimizer.param_groups for p in g["params"])]
+            named = [(f"param.{i}", p) for i, p in enumerate(optimized)]
         else:
             named = list(named_parameters)
+            if not all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], _torch.Tensor)
+                       for item in named):
+                raise CollectiveError("named_parameters must be (name, tensor) pairs, e.g. model.named_parameters()")
         names = [n for n, _ in named]
         if len(set(names)) != len(names):
             raise CollectiveError("named_parameters has duplicate names")
-        params = [p for _, p in named if p.requires_grad]
+        params, seen = [], set()
+        for _, p in named:          # a tensor listed twice (tied weights) is one gradient, reduced once
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        unnamed = sum(1 for p in optimized if p.requires_grad and id(p) not in seen)
+        if unnamed:
+            raise CollectiveError(f"{unnamed} parameter(s) of the optimizer are not in named_parameters: "
+                                  "their gradients would not be averaged across ranks")
         for p in params:
             if p.is_cuda or p.is_sparse:
                 raise CollectiveError("DistributedOptimizer buckets are CPU-only for now; "
                                       "use allreduce() per tensor for CUDA parameters")
-        threshold = self.comm.fusion_threshold if fusion_threshold is None else int(fusion_threshold)
+            if str(p.dtype) not in TORCH_REDUCIBLE:
+                raise CollectiveError(f"cannot allreduce gradients of dtype {p.dtype}")
+        threshold = (self.comm.fusion_threshold if fusion_threshold is None
+                     else check_threshold("fusion_threshold", fusion_threshold))
         # Gradients become ready roughly in reverse registration order: bucket in that order.
         order = list(reversed(params))
         plan = plan_buckets([p.numel() for p in order],
                             [_torch.empty(0, dtype=p.dtype).numpy().dtype
                              if p.dtype != _torch.bfloat16 else "float32" for p in order],
                             max(threshold, 1))
+        self._check_same_on_every_rank(order, plan)
+        self._known = seen
         # Buckets live in a shared-memory window of their own when same-node ranks exist (and
         # .grad are views into them, like DDP's gradient_as_bucket_view): no copies in or out.
         self._arena = None
@@ -149,6 +168,27 @@ class DistributedOptimizer:
                     v.copy_(p.grad.detach())
                 p.grad = v
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+
+    def _check_same_on_every_rank(self, order, plan) -> None:
+        """One small broadcast and one allreduce at construction: every rank must bucket the same parameters
+        (count, shapes, dtypes, order), op and threshold, else the bucket allreduces would mix unrelated
+        gradients or hang on different sizes. Every rank raises, not only the odd one out."""
+        c = self.comm
+        if c.size == 1:
+            return
+        layout = repr((self.op, self.compression, [(tuple(p.shape), str(p.dtype)) for p in order],
+                       [(b.count, b.dtype.str) for b in plan]))
+        mine = np.array([len(order), sum(p.numel() for p in order), zlib.crc32(layout.encode())], dtype=np.int64)
+        root = mine.copy()
+        c.run(c.bcast_flat, root, 0, "DistributedOptimizer parameter check")
+        odd = np.array([int(not np.array_equal(mine, root))], dtype=np.int64)
+        c.run(c.allreduce_flat, odd, odd, False, "DistributedOptimizer parameter check")
+        if odd[0]:
+            here = (f"rank {c.rank} has {mine[0]} parameter tensor(s) ({mine[1]} elements), rank 0 has {root[0]} "
+                    f"({root[1]} elements)" if not np.array_equal(mine, root) else
+                    f"{odd[0]} rank(s) differ from rank 0")
+            raise CollectiveError(f"DistributedOptimizer: the ranks' parameters differ ({here}; shapes, dtypes, "
+                                  "order, op, compression and fusion_threshold must be the same on every rank)")
 
     # optimizer facade
     @property
@@ -247,6 +287,12 @@ class DistributedOptimizer:
     def step(self, closure=None):
         """Average gradients across ranks, then take the wrapped optimizer's step."""
         self.synchronize()
+        added = sum(1 for g in self.optimizer.param_groups for p in g["params"]
+                    if p.grad is not None and id(p) not in self._known)
+        if added:
+            raise CollectiveError(f"{added} parameter(s) with a gradient were added to the optimizer (or started "
+                                  "requiring grad) after DistributedOptimizer wrapped it: their gradients are not "
+                                  "averaged across ranks; wrap the optimizer again")
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
     def remove_hooks(self) -> None:
