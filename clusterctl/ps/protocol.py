@@ -57,7 +57,9 @@ PROTOCOL_VERSION = 1
 OPS = frozenset({"ping", "init", "pull", "push", "push_pull", "save", "load", "complete", "abort"})
 #: Tensor dtypes allowed on the wire (anything else is rejected before touching the buffers).
 DTYPES = frozenset({"float16", "float32", "float64"})
-MAX_HEADER_BYTES = 64 * 1024
+#: A header frame's limit: its tensor table names every block of a request (an `init` of a model with thousands
+#: of parameter tensors: ~80 bytes each), so it is one chunk's default size, which frames may have anyway.
+MAX_HEADER_BYTES = 4 << 20
 #: Tensors larger than this go out as several frames: small enough that the receiver's allocator reuses
 #: them (no fresh mmap + page faults per message), large enough that per-frame costs stay negligible.
 #: Override with CLUSTERCTL_PS_CHUNK_BYTES (a positive multiple of 8) in every process of the job.
@@ -151,7 +153,11 @@ def encode(header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None =
             frames.extend(raw[i:i + chunk_bytes] for i in range(0, a.nbytes, chunk_bytes))
     head["t"] = table
     head["c"] = chunk_bytes
-    return [json.dumps(head, separators=(",", ":")).encode(), *frames]
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    if len(raw) > MAX_HEADER_BYTES:  # the receiver would refuse it unread, and could not even say to which request
+        raise ProtocolError(f"a {head.get('op', 'reply')!r} header of {len(table)} tensor(s) is {len(raw)} bytes "
+                            f"(limit {MAX_HEADER_BYTES}): send fewer tensors at once, or spread them over more pservers")
+    return [raw, *frames]
 
 
 def _buffer(frame: Any) -> memoryview:

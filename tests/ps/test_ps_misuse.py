@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from clusterctl.ps import CheckpointError, ParameterServer, PSClient, PsConfigError, RemoteOpError, from_env
+from clusterctl.ps import CheckpointError, ParameterServer, PSClient, PsConfigError, PsError, RemoteOpError, from_env
 from clusterctl.ps import checkpoint as ckpt
 from clusterctl.ps.__main__ import main
 
@@ -254,3 +254,31 @@ def test_geo_steps_with_missing_or_misshapen_params_send_nothing(servers):
             c.geo_step({"w": np.ones(2, np.float32), "b": params["b"]})  # would broadcast against the base
         assert g.servers[0].stats["updates"] == 0
         np.testing.assert_array_equal(c.pull()["w"], PARAMS["w"])
+
+
+# ------------------------------------------------------------------ big models
+
+
+def test_a_model_of_thousands_of_parameter_tensors_registers_and_trains_on_one_pserver(servers):
+    # 2,000 tensors with long names: a 160 KB `init` header, over the 64 KiB the pserver refused unread (the
+    # trainer then waited for its timeout: the refusal could not name the request)
+    g = servers(1)
+    params = {f"model.encoder.layer{i:04d}.attention.output.dense.weight": np.full(4, i, np.float32)
+              for i in range(2000)}
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, timeout=TIMEOUT) as c:
+        got = c.init(params)
+        assert len(got) == 2000 and got["model.encoder.layer1999.attention.output.dense.weight"][0] == 1999
+        after = c.push_pull({name: np.ones(4, np.float32) for name in params})
+        assert len(after) == 2000 and all(a.shape == (4,) for a in after.values())
+
+
+def test_a_request_over_the_header_limit_fails_at_once_naming_it(servers, monkeypatch):
+    from clusterctl.ps import protocol
+
+    monkeypatch.setattr(protocol, "MAX_HEADER_BYTES", 4096)
+    g = servers(1)
+    params = {f"p{i:03d}": np.zeros(2, np.float32) for i in range(200)}
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, timeout=TIMEOUT) as c:
+        with pytest.raises(PsError, match=r"^a 'init' header of 200 tensor\(s\) is \d+ bytes \(limit 4096\): send "
+                                          r"fewer tensors at once, or spread them over more pservers$"):
+            c.init(params)
