@@ -183,6 +183,16 @@ def decode(frames: Sequence[Any], *, request: bool = True) -> Message:
         raise ProtocolError(f"header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
+    try:
+        return _message(header, frames, request)
+    except ProtocolError as exc:  # the refusal names the request it refuses, when the header says which
+        seq = header.get("seq")
+        exc.seq = seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0
+        raise
+
+
+def _message(header: dict, frames: Sequence[Any], request: bool) -> Message:
+    """The rest of decode(): the header's fields and the buffer frames its tensor table describes."""
     if header.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {header.get('v')!r} (want {PROTOCOL_VERSION})")
     if request and header.get("op") not in OPS:

@@ -448,7 +448,7 @@ class ParameterServer:
             handler = getattr(self, f"_op_{msg.op}")
             handler(envelope, msg)
         except ProtocolError as exc:
-            self._reject(envelope, seq, "bad_request", str(exc), ident)
+            self._reject(envelope, getattr(exc, "seq", seq), "bad_request", str(exc), ident)
         except _RejectError as exc:
             self._reject(envelope, seq, exc.code, str(exc), ident, **exc.extra)
         except (PsError, OSError) as exc:

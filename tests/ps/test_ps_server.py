@@ -99,23 +99,28 @@ def test_garbage_does_not_crash_the_server(servers):
     # 2. well-framed ZeroMQ messages with bad content, from an authenticated DEALER and REQ socket
     ctx = zmq.Context.instance()
     dealer = raw_dealer(g.endpoints[0])
-    cases = [
-        ([b"\x00\x01\x02garbage"], "bad_request", "header is not UTF-8 JSON"),
-        ([json.dumps({"v": 1, "op": "drop_tables", "seq": 4}).encode()], "bad_request", "unknown op 'drop_tables'"),
+    cases = [  # (frames, code, message, the seq the refusal names: the request's, where its header says it)
+        ([b"\x00\x01\x02garbage"], "bad_request", "header is not UTF-8 JSON", 0),
+        ([json.dumps({"v": 1, "op": "drop_tables", "seq": 4}).encode()], "bad_request", "unknown op 'drop_tables'", 4),
         ([json.dumps({"v": 1, "op": "push", "seq": 5, "tid": 0, "t": [["w.block0", "float32", 100]]}).encode(),
-          b"\0" * 3], "bad_request", "tensor 'w.block0': frame has 3 bytes, header says 400"),
+          b"\0" * 3], "bad_request", "tensor 'w.block0': frame has 3 bytes, header says 400", 5),
         ([json.dumps({"v": 1, "op": "push", "seq": 6, "tid": 7, "t": []}).encode()], "bad_request",
-         "tid must be a trainer id in 0..0, got 7"),
+         "tid must be a trainer id in 0..0, got 7", 6),
         ([json.dumps({"v": 1, "op": "push", "seq": 7, "tid": 0, "t": [["nope", "float32", 1]]}).encode(),
-          b"\0" * 4], "unknown_key", "block 'nope' was never initialised on pserver 0"),
+          b"\0" * 4], "unknown_key", "block 'nope' was never initialised on pserver 0", 7),
         ([json.dumps({"v": 1, "op": "save", "seq": 8, "tid": 0}).encode()], "bad_request",
-         "save needs a non-empty 'dir'"),
+         "save needs a non-empty 'dir'", 8),
+        # refused while decoding: the reply still names seq 9, so a client is told at once, not at its timeout
+        ([json.dumps({"v": 1, "op": "push", "seq": 9, "tid": 0, "step": -1, "t": []}).encode()], "bad_request",
+         "step must be a non-negative integer, got -1", 9),
+        ([json.dumps({"v": 1, "op": "push", "seq": -3, "tid": 0, "t": []}).encode()], "bad_request",
+         "seq must be a non-negative integer, got -3", 0),
     ]
-    for frames, code, message in cases:
+    for frames, code, message, seq in cases:
         dealer.send_multipart(frames)
         assert dealer.poll(5000), f"no reply to {frames[0][:40]!r}"
         reply = json.loads(dealer.recv_multipart()[0])
-        assert (reply["ok"], reply["code"]) == (False, code)
+        assert (reply["ok"], reply["code"], reply["seq"]) == (False, code, seq), reply
         assert reply["error"].startswith(message), reply["error"]
     req = ctx.socket(zmq.REQ)
     secure_client(req, Credentials.from_token(TOKEN))
