@@ -452,15 +452,15 @@ def test_auth_none_serves_unauthenticated_and_says_so_once():
 # ---------------------------------------------------------------- bounded input (issue 12 finding 3, issue 21)
 
 
-@pytest.mark.parametrize(("field", "raw", "message"), [
-    ("seq", b"7" * 5000, "header holds an integer of 5000 digits (limit 19)"),
-    ("tid", b"-" + b"1" * 400, "header holds an integer of 400 digits (limit 19)"),
-    ("step", b"1e999999", "step must be a non-negative integer, got inf"),
-    ("step", b"NaN", "header holds NaN, which is not a number a header may carry"),
-    ("part", b"-1", "part must be a non-negative integer, got -1"),
-    ("c", b"99999999999999999999", "header holds an integer of 20 digits (limit 19)"),
+@pytest.mark.parametrize(("field", "raw", "message", "seq"), [
+    ("seq", b"7" * 5000, "header holds an integer of 5000 digits (limit 19)", 0),
+    ("tid", b"-" + b"1" * 400, "header holds an integer of 400 digits (limit 19)", 0),
+    ("step", b"1e999999", "step must be a non-negative integer, got inf", 3),
+    ("step", b"NaN", "header holds NaN, which is not a number a header may carry", 0),
+    ("part", b"-1", "part must be a non-negative integer, got -1", 3),
+    ("c", b"99999999999999999999", "header holds an integer of 20 digits (limit 19)", 0),
 ])
-def test_huge_or_odd_numbers_in_a_header_are_protocol_errors(group, field, raw, message):
+def test_huge_or_odd_numbers_in_a_header_are_protocol_errors(group, field, raw, message, seq):
     g = group(num_trainers=1, mode="async", token=TOKEN)
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
@@ -472,8 +472,9 @@ def test_huge_or_odd_numbers_in_a_header_are_protocol_errors(group, field, raw, 
     assert s.poll(10000)
     reply = json.loads(s.recv_multipart()[0])
     s.close()
-    # a header that does not decode is answered with seq 0 (its seq is not read from it)
-    assert reply == {"v": 1, "ok": False, "seq": 0, "code": "bad_request", "error": message, "t": []}
+    # a header that is not JSON a header may hold is answered with seq 0 (its seq is not read from it); one that
+    # is, with a field out of its range, with its own seq (a valid one), so the client is told at once
+    assert reply == {"v": 1, "ok": False, "seq": seq, "code": "bad_request", "error": message, "t": []}
     assert g.server.stats["rejected"] == 1
 
 
