@@ -34,21 +34,23 @@ SPEC_NAMES = ("cluster.yaml", "cluster.yml")
 class ClusterContext(Context):
     """The context of a clusterctl task: Fabric's config plus the whole `-H` host list."""
 
-    def __init__(self, config, hosts: list[str]):
+    def __init__(self, config, hosts: list[str], hosts_flag: str | None = None, spec: str | None = None):
         super().__init__(config=config)
-        self._set(cluster_hosts=list(hosts))
+        # hosts_flag: -H as given (None: no -H); spec: `clusterctl-fab --spec FILE TASK` (before the task)
+        self._set(cluster_hosts=list(hosts), cluster_hosts_flag=hosts_flag, cluster_spec=spec)
 
 
 class ClusterCall(Call):
     """A call of a clusterctl task, made once for all hosts."""
 
-    def __init__(self, *args, cluster_hosts=(), **kwargs):
+    def __init__(self, *args, cluster_hosts=(), cluster_hosts_flag=None, cluster_spec=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.cluster_hosts = list(cluster_hosts)
+        self.cluster_hosts_flag, self.cluster_spec = cluster_hosts_flag, cluster_spec
 
     def make_context(self, config) -> ClusterContext:
         """A context carrying the host list instead of one host's Connection."""
-        return ClusterContext(config, self.cluster_hosts)
+        return ClusterContext(config, self.cluster_hosts, self.cluster_hosts_flag, self.cluster_spec)
 
 
 class ClusterExecutor(Executor):
@@ -57,14 +59,17 @@ class ClusterExecutor(Executor):
 
     def expand_calls(self, calls, apply_hosts=True):
         """Per-host calls for ordinary tasks, one ClusterCall for each clusterctl task."""
-        host_str = self.core[0].args.hosts.value if apply_hosts else None
+        core = self.core[0].args
+        host_str = core.hosts.value if apply_hosts else None
         hosts = [h.strip() for h in (host_str or "").split(",") if h.strip()]
+        spec = core["spec"].value if "spec" in core else None  # clusterctl-fab's own core flag
         ours, others = [], []
         for call in calls:
             call = Call(task=call) if isinstance(call, Task) else call
             if getattr(call.task, "whole_cluster", False):
                 ours += self.expand_calls(call.pre, apply_hosts=False)
-                ours.append(call.clone(into=ClusterCall, with_={"cluster_hosts": hosts}))
+                ours.append(call.clone(into=ClusterCall, with_={"cluster_hosts": hosts, "cluster_hosts_flag": host_str,
+                                                                  "cluster_spec": spec}))
                 ours += self.expand_calls(call.post, apply_hosts=False)
             else:
                 others.append(call)
@@ -94,12 +99,15 @@ def _remembered(cwd: str) -> Path:
 def _spec(c, spec: str | None, opts: dict, *, remember: bool = False):
     """The spec a task acts on: --spec, else -H (remembered for this directory), else the directory's own
     spec (cluster.yaml, or Fabric config's clusterctl.spec), else the last -H used from this directory."""
-    from clusterctl.adhoc import AdhocOptions, adhoc_spec_text
+    from clusterctl.adhoc import AdhocOptions, adhoc_spec, adhoc_spec_text
     from clusterctl.spec import load_spec, parse_spec
 
-    if spec:
-        return load_spec(spec)
+    spec = spec or getattr(c, "cluster_spec", None)
     hosts = getattr(c, "cluster_hosts", None)
+    if spec and hosts:
+        raise ClusterctlError(f"-H {','.join(hosts)} and --spec {spec} name two clusters: give one of them")
+    if spec:
+        return load_spec(_only_for_hosts(opts, spec))
     if hosts is None:
         raise ClusterctlError(
             "this fab run did not use clusterctl's executor: keep fabric.yaml (tasks.executor_class: "
@@ -107,23 +115,42 @@ def _spec(c, spec: str | None, opts: dict, *, remember: bool = False):
         )
     cwd = os.getcwd()
     if hosts:
-        keys = (c.config.get("connect_kwargs") or {}).get("key_filename")
+        connect = c.config.get("connect_kwargs") or {}
+        keys = connect.get("key_filename")
         key = keys[0] if isinstance(keys, list) and keys else keys if isinstance(keys, str) else None
         ssh_config = getattr(c.config, "_runtime_ssh_path", None) or None  # fab -S FILE
         chosen = {k: v for k, v in opts.items() if v is not None}
-        text = adhoc_spec_text(hosts, AdhocOptions(identity_file=key, ssh_config=ssh_config, **chosen))
-        parsed = parse_spec(text, "<fab -H>")
+        options = AdhocOptions(identity_file=key, ssh_config=ssh_config, connect_timeout=connect.get("timeout"),
+                               **chosen)
+        parsed = adhoc_spec(hosts, options)
         if remember:  # `start`: later tasks run from here need no -H
-            _write_private(_remembered(cwd), text)
+            _write_private(_remembered(cwd), adhoc_spec_text(hosts, options))
         return parsed
+    if getattr(c, "cluster_hosts_flag", None) is not None:  # `-H ""`, `-H ,`: never another cluster's hosts
+        raise ClusterctlError(f"-H {c.cluster_hosts_flag!r} names no host: give -H host1,host2")
     named = (c.config.get("clusterctl") or {}).get("spec")
     for candidate in ([named] if named else []) + list(SPEC_NAMES):
         if Path(candidate).is_file():
-            return load_spec(candidate)
+            return load_spec(_only_for_hosts(opts, candidate))
     last = _remembered(cwd)
     if last.is_file():
+        _only_for_hosts(opts, "the last `fab -H ... start` from here")
         return parse_spec(last.read_text(encoding="utf-8"), "<fab -H>")
     raise ClusterctlError("no hosts: give -H host1,host2 or --spec FILE, or run where a cluster.yaml is")
+
+
+# the task options that shape the spec built from -H (keys of _opts), as a user types them
+_FOR_HOSTS = {"name": "--name", "entrypoint": "--entrypoint", "workspace": "--workspace", "remote_dir": "--remote-dir",
+              "pserver_port": "--port", "known_hosts": "--known-hosts", "host_key_policy": "--accept-new"}
+
+
+def _only_for_hosts(opts: dict, where: str) -> str:
+    """`where`, unless an option that only -H hosts take was given: a spec has its own (`kill --name j1` acted on
+    the spec's job, whichever that was), so it is refused rather than dropped."""
+    given = [flag for key, flag in _FOR_HOSTS.items() if opts.get(key) is not None]
+    if given:
+        raise ClusterctlError(f"{', '.join(given)}: for -H hosts only, not for {where}: give -H host1,host2 with it")
+    return where
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -153,6 +180,14 @@ def _whole_number(option: str, value) -> int:
         raise ClusterctlError(f"{option} must be a whole number, not {value!r}") from None
 
 
+def _seconds(option: str, value) -> float:
+    """A task's seconds option as given on fab's command line: a number (its range is the operation's to check)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ClusterctlError(f"{option} must be a number of seconds, not {value!r}") from None
+
+
 def _opts(c=None, *, entrypoint=None, workspace=None, remote_dir=None, port=None, name=None, accept_new=False,
           known_hosts=None) -> dict:
     return {
@@ -171,7 +206,7 @@ _HELP = {
     "entrypoint": "program and leading args (default: python3 dist_train_demo.py)",
     "workspace": "local directory shipped to every host (default: .)",
     "remote_dir": "where it lands, relative to the login user's home unless absolute (default: clusterctl/fabjob)",
-    "port": "pserver port (default: 6173)",
+    "port": "pserver port; trainer, master and control ports are the next three (default: 6173)",
     "name": "job name (default: fabjob)",
     "accept_new": "record unknown host keys in the known_hosts file (default: refuse them)",
     "known_hosts": "the known_hosts file host keys are checked against (default: your ssh config's)",
@@ -179,7 +214,8 @@ _HELP = {
     "follow": "keep following the logs until the job ends",
     "check": "report what would change; change nothing",
     "only": "comma-separated steps to run (wheelhouse,apt,python,gpu,mpi,ssh_mesh,commands)",
-    "cmd": "the command to run on every host",
+    "timeout": "seconds the command may run on each host; it is ended there after (default: no limit)",
+    "cmd": "the command to run on every host, split as a shell would but run without one (pipes, ~, globs: sh -c '...')",
 }
 
 
@@ -243,10 +279,22 @@ def provision(c, spec=None, name=None, check=False, only=None, accept_new=False,
     """Install what the spec's provision section asks for on every host."""
     from clusterctl.commands.provision import cmd_provision
 
-    steps = [s for s in (only or "").split(",") if s] or None
+    steps = [s.strip() for s in (only or "").split(",") if s.strip()] or None
     opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
-    _run(lambda: cmd_provision(argparse.Namespace(spec=_spec(c, spec, opts), check=check, force=False, only=steps,
-                                                  verbose_lines=False)))
+    _run(lambda: cmd_provision(argparse.Namespace(spec=_provisioned(_spec(c, spec, opts)), check=check, force=False,
+                                                  only=steps, verbose_lines=False)))
+
+
+def _provisioned(spec):
+    """`spec`, if it has a provision: section; else the CLI's one line, naming the file (not the spec's repr)."""
+    from clusterctl.errors import ProvisionError
+
+    if spec.provision is None and spec.source == "<fab -H>":
+        raise ProvisionError("a spec built from -H has no provision: section: give --spec FILE with one "
+                             "(see docs/provisioning.md)")
+    if spec.provision is None:
+        raise ProvisionError(f"{spec.source} has no provision: section (see docs/provisioning.md)")
+    return spec
 
 
 @cluster_task(help=_help(*_CONN))
@@ -258,13 +306,15 @@ def doctor(c, spec=None, name=None, accept_new=False, known_hosts=None):
     _run(lambda: cmd_doctor(argparse.Namespace(spec=_spec(c, spec, opts), json=False)))
 
 
-@cluster_task(name="exec", help=_help(*_CONN, "cmd"))
-def exec_(c, cmd, spec=None, name=None, accept_new=False, known_hosts=None):
-    """Run a shell command on every host, output prefixed [host]."""
+@cluster_task(name="exec", help=_help(*_CONN, "cmd", "timeout"))
+def exec_(c, cmd, spec=None, name=None, timeout=None, accept_new=False, known_hosts=None):
+    """Run a command on every host (no shell: wrap pipes and globs in sh -c '...'), output prefixed [host]."""
     from clusterctl.commands.core import cmd_exec
 
     opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
-    _run(lambda: cmd_exec(argparse.Namespace(spec=_spec(c, spec, opts), argv=_words(cmd), timeout=None)))
+    # a leading `--`, as the CLI's `exec SPEC -- CMD`: a `--` inside the command (`git log -- FILE`) is the command's
+    _run(lambda: cmd_exec(argparse.Namespace(spec=_spec(c, spec, opts), argv=["--", *_words(cmd)],
+                                             timeout=None if timeout is None else _seconds("--timeout", timeout))))
 
 
 def _words(cmd: str) -> list[str]:
@@ -272,6 +322,9 @@ def _words(cmd: str) -> list[str]:
     import shlex
 
     try:
-        return shlex.split(cmd)
+        words = shlex.split(cmd)
     except ValueError as exc:
         raise ClusterctlError(f"exec: cannot split the command {cmd!r}: {exc}") from None
+    if not words:  # else the CLI's own hint, `clusterctl exec cluster.yaml -- hostname`
+        raise ClusterctlError("exec needs a command: exec --cmd 'hostname'")
+    return words

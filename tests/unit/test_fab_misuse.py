@@ -1,0 +1,239 @@
+"""The fab tasks given bad or unlucky input: every refusal is one `clusterctl: error:` line per problem and a
+non-zero exit, never Fabric's or Invoke's traceback, never a cluster the user did not name. No host is asked:
+each is refused before a connection is made (the host, where one is named, is loopback all the same)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterctl.adhoc import AdhocOptions, adhoc_spec
+from clusterctl.errors import ClusterctlError
+from fakehosts import FakeCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+def _fab(*words: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Plain `fab` with the checkout's fabfile (`fab -r /path/to/clusterctl ...`)."""
+    return _run([sys.executable, "-m", "fabric", "-r", str(ROOT), *words], cwd)
+
+
+def _clusterctl_fab(*words: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`clusterctl-fab ...` (the same as `python -m clusterctl.fab ...`)."""
+    return _run([sys.executable, "-m", "clusterctl.fab", *words], cwd)
+
+
+def _one_error(res: subprocess.CompletedProcess, code: int = 1) -> str:
+    assert res.returncode == code, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("clusterctl: error: "), res.stderr
+    return lines[0].removeprefix("clusterctl: error: ")
+
+
+def test_an_unclosed_quote_in_entrypoint_is_one_line(tmp_path):
+    # was shlex's ValueError through Invoke: a 30-line traceback
+    res = _fab("-H", "127.0.0.1", "start", "--entrypoint", "python3 'train.py", cwd=tmp_path)
+    assert _one_error(res) == "--entrypoint: cannot split \"python3 'train.py\": No closing quotation"
+
+
+@pytest.mark.parametrize("hosts, opts, said", [
+    # were `<fab -H>:24:5: job.ports.pserver: ...` lines (a YAML file the user never saw), up to four for one --port
+    (["h1"], {"pserver_port": 70000}, ["--port 70000: job.ports.pserver: port out of range (1-65535): 70000"]),
+    (["h1"], {"pserver_port": 65534}, ["--port 65534: job.ports.master: port out of range (1-65535): 65536"]),
+    (["h1", "h1"], {}, ["-H h1,h1: hosts[1]: duplicate host h1 (also hosts[0])"]),
+    (["h1"], {"name": "a b", "entrypoint": ""}, [
+        "--name 'a b': name: use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit",
+        "--entrypoint '': job.entrypoint: must name a program to run"]),
+])
+def test_a_value_the_spec_refuses_names_the_option_that_gave_it(hosts, opts, said):
+    with pytest.raises(ClusterctlError) as info:
+        adhoc_spec(hosts, AdhocOptions(**opts))
+    assert str(info.value).splitlines() == said
+    assert info.value.exit_code == 1  # as every other refused fab option: --port http, --lines -3, -H 'a b'
+
+
+def test_a_refused_port_is_one_line_from_fab(tmp_path):
+    res = _fab("-H", "127.0.0.1", "start", "--port", "0", cwd=tmp_path)
+    assert _one_error(res) == "--port 0: job.ports.pserver: port out of range (1-65535): 0"
+
+
+@pytest.mark.parametrize("hosts", ["", ",", " , "])
+def test_an_empty_host_list_is_refused_not_replaced_by_this_directorys_spec(tmp_path, hosts):
+    # `fab -H "$HOSTS" kill` with HOSTS unset acted on ./cluster.yaml (or the last -H start from here):
+    # here that spec is not even valid YAML, so using it at all shows as a spec error (exit 2)
+    (tmp_path / "cluster.yaml").write_text("name: [unclosed\n")
+    res = _fab("-H", hosts, "kill", cwd=tmp_path)
+    assert _one_error(res) == f"-H {hosts!r} names no host: give -H host1,host2"
+
+
+def test_clusterctl_fab_takes_spec_before_the_task_as_documented(tmp_path):
+    # README: `clusterctl-fab --spec cluster.yaml provision`; was Invoke's "No idea what '--spec' is!"
+    res = _clusterctl_fab("--spec", "missing.yaml", "status", cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr  # as `clusterctl status missing.yaml`
+    assert res.stderr.strip() == "missing.yaml:1:1: cannot read spec: No such file or directory"
+
+
+def test_a_missing_ssh_config_is_one_line(tmp_path):
+    # was Fabric's FileNotFoundError traceback from its own -S loading, before any task ran
+    res = _clusterctl_fab("-S", str(tmp_path / "no_config"), "-H", "node0", "status", cwd=tmp_path)
+    assert _one_error(res) == f"ssh config {tmp_path / 'no_config'}: no such file"
+
+
+def test_exec_with_an_empty_command_says_how_to_give_one(tmp_path):
+    # was the CLI's hint, `clusterctl exec cluster.yaml -- hostname`, which is no fab command line
+    res = _fab("-H", "127.0.0.1", "exec", "--cmd", "", cwd=tmp_path)
+    assert _one_error(res) == "exec needs a command: exec --cmd 'hostname'"
+
+
+def test_exec_help_says_the_command_runs_without_a_shell(tmp_path):
+    # the help said "a shell command": `exec --cmd "a | b"` ran `a` with the arguments '|' and 'b'
+    res = _fab("--help", "exec", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    assert "Run a command on every host (no shell: wrap pipes and globs in sh -c '...')" in text, text
+    assert "shell command" not in text
+
+
+def test_start_help_says_which_ports_port_takes(tmp_path):
+    # `--port 65534` is refused for the master port, 65536: the help said only "pserver port"
+    res = _fab("--help", "start", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    assert "pserver port; trainer, master and control ports are the next three (default: 6173)" in text, text
+
+
+def _fab_here(*words: str) -> int:
+    """clusterctl-fab run in this process (the test's fake hosts): its exit code."""
+    from clusterctl.fab import main
+
+    try:
+        main(list(words))
+    except SystemExit as exc:
+        return exc.code or 0
+    return 0
+
+
+def test_spec_before_the_task_acts_on_that_spec(tmp_path, monkeypatch, capsys):
+    c = FakeCluster(tmp_path).everywhere(monkeypatch)
+    monkeypatch.chdir(tmp_path / "ws")  # no cluster.yaml here: only --spec names the cluster
+    assert _fab_here("--spec", str(c.spec_path), "status") == 0
+    assert capsys.readouterr().out == f"job {c.name} is not running (no state on any host)\n"
+
+
+def test_provision_of_a_spec_without_a_provision_section_names_the_file(tmp_path, monkeypatch, capsys):
+    # was `clusterctl: error: name='fk-…' backend='ssh' slurm=None ssh=SshSpec(...` : the spec object's repr
+    c = FakeCluster(tmp_path).everywhere(monkeypatch)
+    assert _fab_here("provision", "--spec", str(c.spec_path), "--check") == 1  # as `clusterctl provision`
+    assert capsys.readouterr().err.splitlines() == [
+        f"clusterctl: error: {c.spec_path} has no provision: section (see docs/provisioning.md)"]
+
+
+def test_provision_with_only_hosts_says_to_give_a_spec(tmp_path):
+    res = _fab("-H", "127.0.0.1", "provision", cwd=tmp_path)
+    assert _one_error(res) == ("a spec built from -H has no provision: section: give --spec FILE with one "
+                               "(see docs/provisioning.md)")
+
+
+def test_provision_only_takes_steps_with_spaces_after_the_commas(tmp_path, monkeypatch, capsys):
+    # `--only "commands, apt"` was refused as the unknown step ' apt'; now that step is read, and named
+    guarded = {"name": "t", "run": "true", "unless": "true"}
+    c = FakeCluster(tmp_path, extra={"provision": {"commands": [guarded]}}).everywhere(monkeypatch)
+    assert _fab_here("provision", "--spec", str(c.spec_path), "--check", "--only", "commands, apt") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "clusterctl: error: --only apt: the spec's provision section has no apt step"]
+
+
+def test_exec_runs_a_command_that_holds_a_double_dash_as_given(tmp_path, monkeypatch, capsys):
+    # `git log -- FILE`, `grep -- -x FILE`: the `--` was taken for the CLI's `exec SPEC [--timeout N] -- CMD`,
+    # and `echo -- hi` refused as "exec: unknown option echo" (exit 2)
+    c = FakeCluster(tmp_path).everywhere(monkeypatch)
+    assert _fab_here("exec", "--spec", str(c.spec_path), "--cmd", "echo -- hi") == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[n0] -- hi", "[n1] -- hi"]
+
+
+@pytest.mark.parametrize("value, code, said", [
+    ("soon", 1, "--timeout must be a number of seconds, not 'soon'"),  # as `--port http`
+    ("-1", 2, "exec: --timeout must be more than 0 and at most 604800 seconds, not -1"),  # as `clusterctl exec`
+])
+def test_exec_refuses_a_timeout_as_the_cli_does(tmp_path, value, code, said):
+    res = _fab("-H", "127.0.0.1", "exec", "--timeout", value, "--cmd", "true", cwd=tmp_path)
+    assert _one_error(res, code) == said
+
+
+def test_exec_takes_a_timeout_as_the_cli_does(tmp_path, monkeypatch, capsys):
+    # fab's exec had no --timeout: a command that hung on one host held the task forever
+    import clusterctl.ops.execute as execute
+
+    calls: list = []
+    real = execute.execute
+
+    def spy(remote, argv, on_line=None, timeout=None):
+        calls.append((list(argv), timeout))
+        return real(remote, argv, on_line=on_line, timeout=timeout)
+
+    monkeypatch.setattr(execute, "execute", spy)
+    c = FakeCluster(tmp_path).everywhere(monkeypatch)
+    assert _fab_here("exec", "--spec", str(c.spec_path), "--timeout", "0.5", "--cmd", "sleep 30") == 124
+    assert calls == [(["sleep", "30"], 0.5)]
+
+
+def test_fabs_connect_timeout_bounds_the_connections_to_h_hosts(monkeypatch):
+    # `fab --connect-timeout 2 -H ...` was ignored: a host that did not answer took the spec's default, 10 s
+    import clusterctl.commands.lifecycle as lifecycle
+
+    seen = []
+    monkeypatch.setattr(lifecycle, "run_status", lambda spec: seen.append(spec.ssh.connect_timeout) or 0)
+    assert _fab_here("--connect-timeout", "2", "-H", "127.0.0.1", "status") == 0
+    assert _fab_here("-H", "127.0.0.1", "status") == 0
+    assert seen == [2.0, 10.0]
+
+
+def test_a_word_for_a_whole_number_of_fab_itself_is_one_line(tmp_path):
+    # was Invoke's ValueError traceback from its own parsing of the number
+    res = _clusterctl_fab("--connect-timeout", "soon", "-H", "127.0.0.1", "status", cwd=tmp_path)
+    assert _one_error(res) == "a whole number was expected: invalid literal for int() with base 10: 'soon'"
+
+
+def test_an_option_for_h_hosts_is_refused_for_this_directorys_spec(tmp_path, monkeypatch, capsys):
+    # `fab kill --name j1` where ./cluster.yaml names another job stopped that other job: --name was dropped
+    c = FakeCluster(tmp_path).everywhere(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # FakeCluster's spec is ./cluster.yaml
+    assert _fab_here("kill", "--name", "j1") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"clusterctl: error: --name: for -H hosts only, not for {c.spec_path.name}: give -H host1,host2 with it"]
+    assert _fab_here("start", "--spec", str(c.spec_path), "--port", "7000", "--workspace", ".") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"clusterctl: error: --workspace, --port: for -H hosts only, not for {c.spec_path}: give -H host1,host2 with it"]
+
+
+def test_an_option_for_h_hosts_is_refused_for_the_last_start_from_here(tmp_path, monkeypatch, capsys):
+    # `fab -H a,b start --name j1; fab -H a,b start --name j2 --port 7200; fab kill --name j1` stopped j2
+    from clusterctl.fabfile import _remembered
+
+    c = FakeCluster(tmp_path).everywhere(monkeypatch)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    _remembered(str(here)).write_text(c.spec_path.read_text())  # as `fab -H ... start` leaves it
+    assert _fab_here("kill", "--name", "j1") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "clusterctl: error: --name: for -H hosts only, not for the last `fab -H ... start` from here: "
+        "give -H host1,host2 with it"]
+    assert _fab_here("kill") == 0  # without it: the remembered job
+    assert capsys.readouterr().out == f"job {c.name} is not running\n"
+
+
+def test_hosts_and_a_spec_together_are_refused(tmp_path, monkeypatch, capsys):
+    # the spec won and -H was dropped without a word
+    c = FakeCluster(tmp_path).everywhere(monkeypatch)
+    assert _fab_here("-H", "127.0.0.1", "kill", "--spec", str(c.spec_path)) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"clusterctl: error: -H 127.0.0.1 and --spec {c.spec_path} name two clusters: give one of them"]
