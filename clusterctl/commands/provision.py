@@ -146,7 +146,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("spec")
     p.add_argument("--check", action="store_true", help="report what would change; change nothing")
     p.add_argument("--force", action="store_true", help="re-run every step even where it is satisfied")
-    p.add_argument("--only", nargs="+", metavar="STEP", help="run only these steps (wheelhouse apt python gpu mpi ssh_mesh commands)")
+    p.add_argument("--only", nargs="+", action="extend", metavar="STEP", help="run only these steps (wheelhouse apt python gpu mpi ssh_mesh commands)")
     p.add_argument("--lines", dest="verbose_lines", action="store_true", help="print every host's output lines as they come")
     p.set_defaults(func=cmd_provision)
 

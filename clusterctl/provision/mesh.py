@@ -19,6 +19,13 @@ def default_key_path(job: str) -> Path:
 
 def mesh_key(path: Path, job: str) -> tuple[bytes, str]:
     """(private key bytes, public key line) of the mesh key at `path`, generated on first use (mode 0600)."""
+    try:
+        return _mesh_key(path, job)
+    except OSError as exc:  # an unreadable key, a folder named as the key, an unwritable cache
+        raise ProvisionError(f"ssh_mesh key {path}: {exc.strerror or exc}") from None
+
+
+def _mesh_key(path: Path, job: str) -> tuple[bytes, str]:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 import time
@@ -21,6 +22,8 @@ from .steps import gpu_apt_packages, needs_root, requirements, selected_steps, s
 __all__ = ["StepOutcome", "ProvisionReport", "provision", "parse_status", "log_dir", "STATUS_PREFIX"]
 
 STATUS_PREFIX = "CLUSTERCTL_STEP "
+HOST_GRACE_S = 2  # a step past provision.timeout is ended on the host this much after the controller gave up
+KILL_AFTER_S = 5  # ... with SIGTERM to its process group, then SIGKILL this much later
 EventCallback = Callable[[Host, str, str, str], None]  # (host, step, "line"|"status", text)
 
 
@@ -84,12 +87,28 @@ def parse_status(step: str, res: Result, timeout: float) -> StepOutcome:
 
 
 class _Logs:
-    """Per-host log files, appended to; every line is `[step] text`."""
+    """Per-host log files, appended to; every line is `[step] text`. Held by one run of the job at a time on
+    this controller (its `.lock`): a second run at once would race the first on the same hosts (a venv the
+    first is still creating looks made to the second)."""
 
-    def __init__(self, folder: Path, hosts, header: str):
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._files = {h: open(folder / f"{h.label}.log", "a", encoding="utf-8",
-                               opener=lambda p, f: os.open(p, f, 0o600)) for h in hosts}
+    def __init__(self, folder: Path, hosts, header: str, job: str):
+        try:
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._held = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:  # an unwritable cache (XDG_CACHE_HOME): before any host is touched
+            raise ProvisionError(f"cannot write the provisioning logs in {folder}: {exc.strerror or exc} "
+                                 f"(set XDG_CACHE_HOME to a writable directory)") from None
+        try:
+            fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._files = {h: open(folder / f"{h.label}.log", "a", encoding="utf-8",
+                                   opener=lambda p, f: os.open(p, f, 0o600)) for h in hosts}
+        except BlockingIOError:
+            os.close(self._held)
+            raise ProvisionError(f"another clusterctl provision of {job} is running on this controller; "
+                                 "run again when it has finished") from None
+        except OSError as exc:
+            os.close(self._held)
+            raise ProvisionError(f"cannot write the provisioning logs in {folder}: {exc.strerror or exc}") from None
         self._lock = threading.Lock()
         for fh in self._files.values():
             fh.write(header + "\n")
@@ -106,6 +125,7 @@ class _Logs:
         with self._lock:
             for fh in self._files.values():
                 fh.close()
+        os.close(self._held)  # the next run of the job may start
 
 
 def provision(
@@ -126,7 +146,8 @@ def provision(
     start = time.monotonic()
     report = ProvisionReport(spec.name, steps, hosts, check, log_dir(spec.name))
     mode = "check" if check else ("force" if force else "apply")
-    logs = _Logs(report.log_dir, hosts, f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} provision ({mode}) steps: {' '.join(steps)}")
+    logs = _Logs(report.log_dir, hosts, f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} provision ({mode}) steps: {' '.join(steps)}",
+                 spec.name)
     emit = on_event or (lambda *a: None)
 
     def on_line(step: str):
@@ -194,7 +215,13 @@ def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_
         why = sudo_problem(host.address, facts[host]) if as_root[host] else ""
         if why:
             out[host] = StepOutcome("failed", why)
-    argv = ["bash", "-c", script, f"clusterctl-{step}"]
+    # The host ends a step the controller gave up on (provision.timeout) HOST_GRACE_S later: coreutils `timeout`,
+    # inside sudo where the step runs as root (so that its signals reach every process), ends the step's whole
+    # process group (SIGTERM, SIGKILL KILL_AFTER_S later), so nothing it started (a hung apt-get holding dpkg's
+    # lock, a user command) is left for the next run to meet. Hosts without `timeout` run the step as before.
+    limit = join(["timeout", "-k", str(KILL_AFTER_S), f"{prov.timeout + HOST_GRACE_S:g}"])
+    bounded = f'if command -v timeout >/dev/null 2>&1; then {limit} bash -c "$1" "$0"; else bash -c "$1" "$0"; fi'
+    argv = ["bash", "-c", bounded, f"clusterctl-{step}", script]
 
     def command(host: Host) -> str:
         # What needs root runs through non-interactive sudo; relative paths stay under the login user's home.

@@ -21,6 +21,7 @@ __all__ = ["platform_args", "download", "missing_wheels", "tar_stream", "upload_
 
 _STAMP = ".clusterctl-complete"
 DOWNLOAD_TIMEOUT = 1800
+_HELP_LINK = "ERROR: ResolutionImpossible: for help visit"  # pip's last line after conflicting requirements
 
 
 def platform_args(facts: HostFacts) -> list[str]:
@@ -60,7 +61,10 @@ def download(
     stamp = folder / _STAMP
     if stamp.is_file() and not force:
         return folder
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise ProvisionError(f"cannot write the wheelhouse in {folder} (wheelhouse.local): {exc.strerror or exc}") from None
     argv = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input",
             "--only-binary=:all:", "--dest", str(folder), *plat]
     if index_url:
@@ -76,7 +80,10 @@ def download(
     for line in (proc.stdout + proc.stderr).splitlines():
         log(redact(line))
     if proc.returncode != 0:
-        tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        # pip's own cause: its last ERROR line, not the help link it ends a conflict with
+        causes = [ln for ln in lines if ln.startswith("ERROR: ") and not ln.startswith(_HELP_LINK)]
+        tail = (causes or lines)[-1:] or ["no output"]
         raise ProvisionError(f"pip download for Python {facts.python} {facts.machine} failed: {redact(tail[0])}")
     stamp.write_text(json.dumps(sorted(p.name for p in folder.glob("*.whl"))) + "\n")
     return folder

@@ -1,0 +1,162 @@
+"""`clusterctl provision` given bad or unlucky input, over fake hosts (tests/unit/fakehosts.py): each failure is
+one line naming what and where (a table cell, or one error line before any host is touched), never a
+traceback, and nothing is left running on a host for the next run to meet."""
+
+import os
+import platform
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from clusterctl.cli import main
+from clusterctl.errors import ProvisionError
+from clusterctl.provision.runner import HOST_GRACE_S, KILL_AFTER_S, provision
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from fakehosts import FakeCluster, wait_until  # noqa: E402
+
+WAIT_S = 30.0  # event waits: far above what each takes, so that they hold on a busy machine
+
+
+def cluster(tmp_path, monkeypatch, section, hosts=2):
+    return FakeCluster(tmp_path, hosts=hosts, extra={"provision": section}).everywhere(monkeypatch)
+
+
+def outcomes(report):
+    """{(host label, step): (status, reason)}."""
+    return {(h.label, step): (o.status, o.reason) for (h, step), o in report.outcomes.items()}
+
+
+def run(c, **kw):
+    with c.session() as s:
+        return provision(s, **kw)
+
+
+def cli(capsys, *argv):
+    """(exit code, stdout, stderr) of `clusterctl ARGV`."""
+    code = main([str(a) for a in argv])
+    got = capsys.readouterr()
+    return code, got.out, got.err
+
+
+def _wheel(folder, name="tinypkg", version="1.0"):
+    """A minimal pure-Python wheel (what pip download accepts from --find-links)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": b"X = 1\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+             f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    with zipfile.ZipFile(path, "w") as zf:
+        for arc, data in files.items():
+            zf.writestr(arc, data)
+        zf.writestr(f"{dist}/RECORD", "".join(f"{a},,\n" for a in files) + f"{dist}/RECORD,,\n")
+    return path
+
+
+MARK = {"name": "mark", "run": "echo made > marker", "creates": "marker"}
+
+
+def test_only_given_twice_runs_the_steps_of_both(tmp_path, monkeypatch, capsys):
+    """`--only wheelhouse --only commands` ran the commands step alone: the second --only replaced the first."""
+    section = {"python": {"requirements": []}, "wheelhouse": {"local": str(tmp_path / "wh")}, "commands": [MARK]}
+    c = cluster(tmp_path, monkeypatch, section)
+    code, out, err = cli(capsys, "provision", c.spec_path, "--only", "wheelhouse", "--only", "commands")
+    assert (code, err) == (0, "")
+    assert "wheelhouse" in out and "no pip requirements" not in out  # ok cells carry no reason
+    assert [ln for ln in out.splitlines() if " ok in " in ln][0].startswith("2 changed, 0 failed, 2 ok in ")
+
+
+def test_an_unwritable_cache_is_one_error_before_any_host_is_touched(tmp_path, monkeypatch, capsys):
+    c = cluster(tmp_path, monkeypatch, {"commands": [MARK]})
+    (tmp_path / "notadir").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "notadir"))
+    code, out, err = cli(capsys, "provision", c.spec_path)
+    folder = tmp_path / "notadir" / "clusterctl" / "provision" / c.name
+    assert (code, out) == (1, "")
+    assert err.strip() == (f"clusterctl: error: cannot write the provisioning logs in {folder}: Not a directory "
+                           "(set XDG_CACHE_HOME to a writable directory)")
+    assert not (c.home(0) / "marker").exists() and not (c.home(1) / "marker").exists()
+
+
+def test_a_mesh_key_that_cannot_be_made_is_one_error(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    c = cluster(tmp_path, monkeypatch, {"ssh_mesh": {"key": str(tmp_path / "afile" / "id_ed25519")}})
+    with pytest.raises(ProvisionError) as info:
+        run(c)
+    assert str(info.value) == f"ssh_mesh key {tmp_path / 'afile' / 'id_ed25519'}: File exists"
+
+
+def test_an_unwritable_wheelhouse_fails_its_hosts_in_the_table(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    section = {"python": {"requirements": ["tinypkg==1.0"]}, "wheelhouse": {"local": str(tmp_path / "afile" / "wh")}}
+    c = cluster(tmp_path, monkeypatch, section)
+    got = outcomes(run(c))
+    for host in ("n0", "n1"):
+        status, reason = got[(host, "wheelhouse")]
+        assert status == "failed"
+        assert reason.startswith(f"cannot write the wheelhouse in {tmp_path / 'afile' / 'wh'}/")
+        assert reason.endswith(" (wheelhouse.local): Not a directory")
+        assert got[(host, "python")] == ("skipped", "wheelhouse failed")
+
+
+def test_conflicting_requirements_name_the_conflict_not_pips_help_link(tmp_path, monkeypatch):
+    """pip ends a conflict with `ERROR: ResolutionImpossible: for help visit URL`: that was the whole reason."""
+    _wheel(tmp_path / "wheels", version="1.0")
+    _wheel(tmp_path / "wheels", version="1.1")
+    (tmp_path / "index").mkdir()
+    section = {"python": {"requirements": ["tinypkg==1.0", "tinypkg==1.1"]},
+               "wheelhouse": {"local": str(tmp_path / "wh"), "index_url": (tmp_path / "index").as_uri(),
+                              "find_links": ["wheels"]}}
+    c = cluster(tmp_path, monkeypatch, section, hosts=1)
+    got = outcomes(run(c, only=["wheelhouse"]))
+    py = "%d.%d" % sys.version_info[:2]
+    assert got == {("n0", "wheelhouse"): (
+        "failed", f"pip download for Python {py} {platform.machine()} failed: ERROR: Cannot install tinypkg==1.0 and "
+                  "tinypkg==1.1 because these package versions have conflicting dependencies.")}
+
+
+def test_a_second_run_of_the_same_job_at_once_is_refused(tmp_path, monkeypatch):
+    """Two runs at once raced on the same hosts: the second saw the venv the first was still creating as made."""
+    wait = {"name": "wait", "run": "touch started; while [ ! -e go ]; do sleep 0.05; done", "unless": "false"}
+    c = cluster(tmp_path, monkeypatch, {"timeout": 120, "commands": [wait]}, hosts=1)
+    first: list = []
+    t = threading.Thread(target=lambda: first.append(run(c)), daemon=True)
+    t.start()
+    try:
+        wait_until(lambda: (c.home(0) / "started").exists(), timeout=WAIT_S)
+        with pytest.raises(ProvisionError) as info:
+            run(c, check=True)
+        assert str(info.value) == (f"another clusterctl provision of {c.name} is running on this controller; "
+                                   "run again when it has finished")
+    finally:
+        (c.home(0) / "go").touch()
+        t.join(WAIT_S)
+    assert outcomes(first[0]) == {("n0", "commands"): ("changed", "ran wait")}
+    assert outcomes(run(c, check=True)) == {("n0", "commands"): ("changed", "ran wait")}  # the lock was let go
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended (whoever reaps it)
+
+
+def test_a_timed_out_step_leaves_nothing_running_on_the_host(tmp_path, monkeypatch):
+    """The controller gave up on the step, the step went on: a hung command (an apt-get holding dpkg's lock)
+    met the next run. The host now ends the step's processes HOST_GRACE_S later (SIGKILL KILL_AFTER_S after)."""
+    hang = {"name": "hang", "run": "echo $$ > hang.pid; exec sleep 300", "unless": "false"}
+    c = cluster(tmp_path, monkeypatch, {"timeout": 1, "commands": [hang]}, hosts=1)
+    report = run(c)
+    pid = int((c.home(0) / "hang.pid").read_text())
+    try:
+        assert outcomes(report) == {("n0", "commands"): ("failed", "timed out after 1s (provision.timeout)")}
+        wait_until(lambda: not _running(pid), timeout=HOST_GRACE_S + KILL_AFTER_S + WAIT_S)
+    finally:
+        if _running(pid):
+            os.kill(pid, 9)
