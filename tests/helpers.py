@@ -123,3 +123,20 @@ class FakeCoordinator:
         self.stop.set()
         self.thread.join(5)
         self.srv.close()
+
+
+def tiny_wheel(folder: Path, name: str = "tinypkg", version: str = "1.0") -> Path:
+    """A minimal pure-Python wheel in `folder` (what pip download accepts from --find-links)."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": b"X = 1\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+             f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    with zipfile.ZipFile(path, "w") as zf:
+        for arc, data in files.items():
+            zf.writestr(arc, data)
+        zf.writestr(f"{dist}/RECORD", "".join(f"{a},,\n" for a in files) + f"{dist}/RECORD,,\n")
+    return path

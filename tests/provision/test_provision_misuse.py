@@ -6,7 +6,6 @@ import os
 import platform
 import sys
 import threading
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from clusterctl.provision.runner import HOST_GRACE_S, KILL_AFTER_S, provision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from fakehosts import FakeCluster, wait_until  # noqa: E402
+from helpers import tiny_wheel  # noqa: E402
 
 WAIT_S = 30.0  # event waits: far above what each takes, so that they hold on a busy machine
 
@@ -40,21 +40,6 @@ def cli(capsys, *argv):
     code = main([str(a) for a in argv])
     got = capsys.readouterr()
     return code, got.out, got.err
-
-
-def _wheel(folder, name="tinypkg", version="1.0"):
-    """A minimal pure-Python wheel (what pip download accepts from --find-links)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}-{version}-py3-none-any.whl"
-    dist = f"{name}-{version}.dist-info"
-    files = {f"{name}/__init__.py": b"X = 1\n",
-             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-             f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    with zipfile.ZipFile(path, "w") as zf:
-        for arc, data in files.items():
-            zf.writestr(arc, data)
-        zf.writestr(f"{dist}/RECORD", "".join(f"{a},,\n" for a in files) + f"{dist}/RECORD,,\n")
-    return path
 
 
 MARK = {"name": "mark", "run": "echo made > marker", "creates": "marker"}
@@ -105,8 +90,8 @@ def test_an_unwritable_wheelhouse_fails_its_hosts_in_the_table(tmp_path, monkeyp
 
 def test_conflicting_requirements_name_the_conflict_not_pips_help_link(tmp_path, monkeypatch):
     """pip ends a conflict with `ERROR: ResolutionImpossible: for help visit URL`: that was the whole reason."""
-    _wheel(tmp_path / "wheels", version="1.0")
-    _wheel(tmp_path / "wheels", version="1.1")
+    tiny_wheel(tmp_path / "wheels", version="1.0")
+    tiny_wheel(tmp_path / "wheels", version="1.1")
     (tmp_path / "index").mkdir()
     section = {"python": {"requirements": ["tinypkg==1.0", "tinypkg==1.1"]},
                "wheelhouse": {"local": str(tmp_path / "wh"), "index_url": (tmp_path / "index").as_uri(),

@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import threading
-import zipfile
 
 import pytest
 
@@ -18,6 +17,7 @@ from clusterctl.provision.runner import provision
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fakehosts import FakeCluster, FaultyTransport, fake_exe, refused, wait_until  # noqa: E402
+from helpers import tiny_wheel  # noqa: E402
 
 # apt-get and dpkg-query for the fake hosts: a package counts as installed once its marker is in the host's
 # home; the host whose name is in FAIL_APT_ON cannot install anything, as apt says it.
@@ -166,23 +166,8 @@ def test_ssh_mesh_pins_every_peer_and_installs_one_key(tmp_path, monkeypatch):
     assert outcomes(run(c, only=["ssh_mesh"]))[("n1", "ssh_mesh")] == ("ok", "")
 
 
-def _wheel(folder, name="tinypkg", version="1.0"):
-    """A minimal pure-Python wheel (what pip download accepts from --find-links)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}-{version}-py3-none-any.whl"
-    dist = f"{name}-{version}.dist-info"
-    files = {f"{name}/__init__.py": b"X = 1\n",
-             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-             f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    with zipfile.ZipFile(path, "w") as zf:
-        for arc, data in files.items():
-            zf.writestr(arc, data)
-        zf.writestr(f"{dist}/RECORD", "".join(f"{a},,\n" for a in files) + f"{dist}/RECORD,,\n")
-    return path
-
-
 def test_the_wheelhouse_downloads_once_and_uploads_what_a_host_lacks(tmp_path, monkeypatch):
-    _wheel(tmp_path / "wheels")
+    tiny_wheel(tmp_path / "wheels")
     (tmp_path / "index").mkdir()
     section = {"python": {"requirements": ["tinypkg==1.0"]},
                "wheelhouse": {"local": str(tmp_path / "wh"), "index_url": (tmp_path / "index").as_uri(),
