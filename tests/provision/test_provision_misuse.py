@@ -15,7 +15,7 @@ from clusterctl.errors import ProvisionError
 from clusterctl.provision.runner import HOST_GRACE_S, KILL_AFTER_S, provision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from fakehosts import FakeCluster, wait_until  # noqa: E402
+from fakehosts import FakeCluster, fake_exe, wait_until  # noqa: E402
 from helpers import tiny_wheel  # noqa: E402
 
 WAIT_S = 30.0  # event waits: far above what each takes, so that they hold on a busy machine
@@ -73,6 +73,34 @@ def test_a_mesh_key_that_cannot_be_made_is_one_error(tmp_path, monkeypatch):
     with pytest.raises(ProvisionError) as info:
         run(c)
     assert str(info.value) == f"ssh_mesh key {tmp_path / 'afile' / 'id_ed25519'}: File exists"
+
+
+def test_a_venv_path_that_is_a_file_names_the_hosts_own_error(tmp_path, monkeypatch):
+    """It said "python3 -m venv v failed (is python3-venv installed?)" whatever the cause."""
+    c = cluster(tmp_path, monkeypatch, {"python": {"venv": "v", "requirements": []}})
+    for i in range(2):
+        c.home(i).mkdir(parents=True, exist_ok=True)
+        (c.home(i) / "v").write_text("")
+    got = outcomes(run(c, only=["python"]))
+    for i in range(2):
+        assert got[(f"n{i}", "python")] == ("failed", f"python3 -m venv {c.home(i) / 'v'} failed: "
+                                                      f"Error: Unable to create directory '{c.home(i) / 'v'}'")
+
+
+def test_a_python_without_ensurepip_says_to_install_python3_venv(tmp_path, monkeypatch):
+    c = cluster(tmp_path, monkeypatch, {"python": {"venv": "v", "requirements": [], "interpreter": "pynovenv"}})
+    fake_exe(c.bin, "pynovenv", f"""
+        if [ "$1 $2" = "-m venv" ]; then  # what Debian's python3 says without python3-venv (its last line)
+            echo "The virtual environment was not created successfully because ensurepip is not"
+            echo "available.  On Debian/Ubuntu systems, you need to install the python3-venv"
+            echo; echo "    apt install python3.11-venv"; echo; echo "Failing command: $PWD/v/bin/python3"
+            exit 1
+        fi
+        exec {c.bin / 'python3'} "$@"
+        """)
+    got = outcomes(run(c, only=["python"]))
+    assert got[("n0", "python")] == ("failed", f"pynovenv -m venv {c.home(0) / 'v'} failed: no ensurepip: install "
+                                               "python3-venv (apt.packages)")
 
 
 def test_an_unwritable_wheelhouse_fails_its_hosts_in_the_table(tmp_path, monkeypatch):
