@@ -377,6 +377,10 @@ def _lib_script(body: str) -> str:
         ("Traceback (most recent call last):\n  File \"x\", line 1\n"
          "PermissionError: [Errno 13] Permission denied: '/var/lib/dpkg/lock-frontend'\n",
          "PermissionError: [Errno 13] Permission denied: '/var/lib/dpkg/lock-frontend'"),
+        ("ERROR: Cannot install six==1.15.0 and six==1.16.0 because these package versions have conflicting "
+         "dependencies.\n\nThe conflict is caused by:\n    The user requested six==1.15.0\n\n"
+         "ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/en/latest/topics/dependency-resolution\n",
+         "Cannot install six==1.15.0 and six==1.16.0 because these package versions have conflicting dependencies."),
         ("something\nlast words\n\n", "last words"),
         ("", ""),
     ],
