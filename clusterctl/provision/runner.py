@@ -24,6 +24,7 @@ __all__ = ["StepOutcome", "ProvisionReport", "provision", "parse_status", "log_d
 STATUS_PREFIX = "CLUSTERCTL_STEP "
 HOST_GRACE_S = 2  # a step past provision.timeout is ended on the host this much after the controller gave up
 KILL_AFTER_S = 5  # ... with SIGTERM to its process group, then SIGKILL this much later
+LOG_KEEP_BYTES = 32 << 20  # a host's log past this at the start of a run is kept as <host>.log.1, and a new one begun
 EventCallback = Callable[[Host, str, str, str], None]  # (host, step, "line"|"status", text)
 
 
@@ -100,6 +101,10 @@ class _Logs:
                                  f"(set XDG_CACHE_HOME to a writable directory)") from None
         try:
             fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for h in hosts:  # a log past LOG_KEEP_BYTES becomes <host>.log.1 (the one before it goes)
+                path = folder / f"{h.label}.log"
+                if path.is_file() and path.stat().st_size > LOG_KEEP_BYTES:
+                    os.replace(path, folder / f"{h.label}.log.1")
             self._files = {h: open(folder / f"{h.label}.log", "a", encoding="utf-8",
                                    opener=lambda p, f: os.open(p, f, 0o600)) for h in hosts}
         except BlockingIOError:

@@ -173,3 +173,19 @@ def test_a_timed_out_step_leaves_nothing_running_on_the_host(tmp_path, monkeypat
     finally:
         if _running(pid):
             os.kill(pid, 9)
+
+
+def test_a_host_log_past_its_limit_is_kept_as_log_1_and_a_new_one_begun(tmp_path, monkeypatch):
+    from clusterctl.provision import runner
+
+    monkeypatch.setattr(runner, "LOG_KEEP_BYTES", 1000)
+    c = cluster(tmp_path, monkeypatch, {"commands": [{"name": "say", "run": "echo hello", "unless": "false"}]}, hosts=1)
+    folder = runner.log_dir(c.name)
+    run(c)
+    first = (folder / "n0.log").read_text()
+    (folder / "n0.log").write_text(first + "x" * 1000 + "\n")  # past the limit: kept once, then begun again
+    run(c)
+    assert (folder / "n0.log.1").read_text().startswith(first) and len((folder / "n0.log").read_text()) < 1000
+    run(c)  # under the limit again: appended to, .1 unchanged
+    assert (folder / "n0.log").read_text().count("=== ") == 2 and (folder / "n0.log.1").stat().st_size > 1000
+
