@@ -415,9 +415,10 @@ class ControlServer:
                         s.gpu_source = self.gpu
                     self.gpu.want()
             if s.host_cpu is None or now - s.host_cpu[0] > BASELINE_MAX_AGE_S:
-                # no baseline: take one now, answer a moment later (as `agent top --wait 0.25`), never sleeping
+                # no baseline: take one now, answer a moment later (as `agent top --wait 0.25`), never sleeping; the
+                # moment counts from when the baseline was taken (its scan of /proc is slow on a loaded machine)
                 self._top(args, baseline=True)
-                ready_at = now + TOP_BASELINE_WAIT
+                ready_at = time.monotonic() + TOP_BASELINE_WAIT
         self.top_waiters.append((conn, args, ready_at, now + 2 * _gpu_timeout() + 1.0))
         self._top_tick()
 

@@ -257,6 +257,28 @@ def test_stop_answers_once_the_stop_is_done_with_agent_stops_reply_and_reports_t
     assert again["killed"] == [] and again["ok"] is True
 
 
+def test_top_waits_its_baseline_interval_from_when_the_baseline_was_taken(tmp_path, monkeypatch):
+    """On a loaded machine the baseline's own scan of /proc may take most of the wait: the answer's sample then came
+    within 0.05 s of it, too close to measure, and every CPU % was None (one suite run under two CPU burners)."""
+    real, scans = metrics.scan_procs, []
+
+    def slow_first_scan(*a, **kw):
+        scans.append(time.monotonic())
+        if len(scans) == 1:
+            time.sleep(control.TOP_BASELINE_WAIT + 0.05)  # the baseline's scan
+        return real(*a, **kw)
+
+    monkeypatch.setattr(metrics, "scan_procs", slow_first_scan)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi: nothing else to wait for
+    sup = served(tmp_path)
+    try:
+        reply = json.loads(header_and_body(sup, ask(sup, b'top {"slices":6}')))
+        assert reply["processes"][0]["resources"]["cpu_pct"] is not None, reply["processes"][0]
+        assert scans[1] - scans[0] >= 2 * control.TOP_BASELINE_WAIT  # the slow scan, then the whole wait
+    finally:
+        sup.control.close()
+
+
 def test_top_waits_for_a_cpu_baseline_without_blocking_and_runs_nvidia_smi_off_the_loop(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
