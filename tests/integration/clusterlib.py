@@ -27,11 +27,14 @@ from clusterctl.testcluster import NODE_UID
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = Path(__file__).resolve().parent / "jobs"  # job.py: pservers listen, trainers print step=N
-_ports = itertools.count(7000, 20)  # each job gets its own port range, across every module of the session
+# each job gets its own port range, across every module of the session; above the fixed ranges other modules use
+# (7400-7819: fit_a_line, Slurm, MPI, elastic jobs). From 7000 the 23rd job got test_ps_cluster's 7440, and on a
+# quiet machine its pserver port was still in TIME_WAIT on the same node: the test pserver's bind failed.
+_ports = itertools.count(9000, 20)
 
 
 def port_base() -> int:
-    """The first of 20 ports no other job of this session uses (7000, 7020, ...)."""
+    """The first of 20 ports no other job of this session uses (9000, 9020, ...)."""
     return next(_ports)
 
 
