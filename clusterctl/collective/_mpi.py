@@ -84,6 +84,13 @@ def check_timeout(timeout) -> float:
     return value
 
 
+def as_index(value) -> int:
+    """``value`` as an int (ints and NumPy integers, not bools); TypeError otherwise."""
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is a bool")
+    return operator.index(value)
+
+
 def check_threshold(name: str, value) -> int:
     """A fusion threshold argument: a whole number of bytes (an int, or a float such as 64e6 with no fraction),
     not negative (0: no fusion), else CollectiveError."""
@@ -91,9 +98,7 @@ def check_threshold(name: str, value) -> int:
     if isinstance(value, float) and value.is_integer():  # finite and whole: 64e6
         value = int(value)
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
+        value = as_index(value)
     except TypeError:
         raise CollectiveError(f"{name}={given!r}: expected a whole number of bytes (an int)") from None
     if value < 0:

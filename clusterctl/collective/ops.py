@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import operator
 from concurrent.futures import Future
 
 import numpy as np
 
-from ._mpi import default
+from ._mpi import as_index, default
 from .buffers import check_torch, check_writable, kind_of, prepare, reduce_one
 from .errors import CollectiveError
 
@@ -54,9 +53,7 @@ def grouped_allreduce(xs, op: str = "sum", *, inplace: bool = False, comm=None,
 def _check_root(root, c) -> int:
     """``root`` as a rank of ``c``: an int in range on every rank (checked before any MPI call)."""
     try:
-        if isinstance(root, bool):
-            raise TypeError
-        root = operator.index(root)
+        root = as_index(root)
     except TypeError:
         raise CollectiveError(f"root={root!r}: expected an int rank") from None
     if not 0 <= root < c.size:
