@@ -232,6 +232,11 @@ def _query_of(data: dict) -> dict:
           "'addresses' is not a map of node name to address")
     check(replies is None or isinstance(replies, dict) and all(map(_name, replies)),
           "'replies' is not a map of node name to reply")
+    nodes = set(sj["nodes"]) if sj is not None else set()
+    for key, names in (("addresses", addresses), ("replies", replies or {})):
+        outside = sorted(set(names) - nodes)  # the job's nodes are all a login node may speak for
+        check(not outside, f"'{key}' names {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''}, "
+              "not a node of the job")
     check(isinstance(data.get("was_running", False), bool), "'was_running' is not true or false")
     check(isinstance(data.get("step_error", ""), str), "'step_error' is not text")
     return dict(data, addresses=addresses, replies=None if replies is None else {

@@ -80,6 +80,27 @@ def test_a_login_reply_of_the_wrong_shape_fails_in_one_line(tmp_path, monkeypatc
     assert (code, out, err) == (1, "", f"clusterctl: error: unexpected reply from the login node: {said}\n")
 
 
+OUTSIDE = [  # the login node speaks for a node the job does not have (it may be compromised)
+    ("status", {"ok": True, "record": REC, "slurm": dict(SJ, state="RUNNING"), "addresses": {},
+                "replies": {"node1": {}, "node9": {"ok": True, "state": "running"}}}, "'replies' names node9"),
+    ("status", {"ok": True, "record": REC, "slurm": None, "addresses": {}, "replies": {"node1": {}}},
+     "'replies' names node1"),
+    ("stop", {"ok": True, "record": REC, "slurm": dict(SJ, state="RUNNING"), "was_running": True,
+              "addresses": {"node1": "n1", "evil": "10.0.0.9"}, "replies": {"node1": {"killed": [7]}}},
+     "'addresses' names evil"),
+    ("logs", {"ok": True, "record": REC, "slurm": SJ, "addresses": {f"n{i}": "n1" for i in range(5)}},
+     "'addresses' names n0, n1, n2 ..."),
+]
+
+
+@pytest.mark.parametrize("command, reply, said", OUTSIDE)
+def test_a_login_reply_naming_a_node_outside_the_job_fails_in_one_line(tmp_path, monkeypatch, capsys, command,
+                                                                       reply, said):
+    code, out, err = run(tmp_path, monkeypatch, capsys, [command], reply)  # was folded in: a host it never had
+    assert (code, out, err) == (1, "", f"clusterctl: error: unexpected reply from the login node: {said}, "
+                                       "not a node of the job\n")
+
+
 @pytest.mark.parametrize("replies", [{"node1": 5}, {"node1": "x"}, {"node1": [1]}])
 def test_a_nodes_reply_that_is_not_an_object_counts_as_no_answer(tmp_path, monkeypatch, capsys, replies):
     reply = {"ok": True, "record": REC, "slurm": dict(SJ, state="RUNNING"), "addresses": {}, "replies": replies}
@@ -88,15 +109,14 @@ def test_a_nodes_reply_that_is_not_an_object_counts_as_no_answer(tmp_path, monke
 
 
 @pytest.mark.parametrize("replies, shown", [
-    ({"node1": {"killed": 5}}, "stopped on 1 host(s) (Slurm job 42)\n"),
-    ({"node1": {"killed": [[1]]}}, "stopped on 1 host(s) (Slurm job 42)\n"),
+    ({"node1": {"killed": 5}}, "stopped on 1 host(s) (Slurm job 42 CANCELLED)\n"),
+    ({"node1": {"killed": [[1]]}}, "stopped on 1 host(s) (Slurm job 42 CANCELLED)\n"),
     ({"node1": {"killed": [7, {"pid": 7, "via": "killpg"}, {"pid": 7, "via": "kill"}, {"pid": 8}, True, "9", [10],
                            {"pid": [11]}]}},
-     "stopped on 1 host(s) (Slurm job 42), 2 process(es) killed\n"),
-    ({"node1": 7}, "stopped on 0 host(s) (Slurm job 42)\n"),
+     "stopped on 1 host(s) (Slurm job 42 CANCELLED), 2 process(es) killed\n"),
 ])
 def test_a_stop_reply_of_the_wrong_shape_counts_only_what_is_well_typed(tmp_path, monkeypatch, capsys, replies, shown):
-    reply = {"ok": True, "record": REC, "slurm": None, "was_running": True, "replies": replies}
+    reply = {"ok": True, "record": REC, "slurm": dict(SJ, state="CANCELLED"), "was_running": True, "replies": replies}
     code, out, err = run(tmp_path, monkeypatch, capsys, ["stop"], reply)  # was a TypeError or AttributeError
     assert (code, err) == (0, "") and out.endswith(shown), out
 
