@@ -179,9 +179,11 @@ def doctor(session) -> DoctorReport:
         on_line=collect,
     )
     report = DoctorReport(spec.name, plan.hosts, {})
+    down = set()  # hosts whose own line says they did not answer: their peers' failures to reach them follow
     for host in plan.hosts:
         res = results[host]
         if not res.ok:
+            down.add(host.label)
             tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.exit_code}"]
             report.errors[host] = shown(tail[0], 300)
             report.facts[host] = None
@@ -208,7 +210,7 @@ def doctor(session) -> DoctorReport:
                 report.problems.append(f"{host.label}: job port {port} is {state}")
         for peer, r in f["reach"].items():
             for kind, state in r.items():
-                if state != "ok":
+                if state != "ok" and peer not in down:  # the table's peers row still shows it
                     report.problems.append(f"{host.label} cannot reach {peer} ({kind}): {state}")
     report.problems += compare(report.facts, plan.hosts)
     return report

@@ -370,3 +370,17 @@ def test_slurm_dispatch_and_a_batch_that_failed_before_any_supervisor(tmp_path, 
     (c.root / "login" / ".clusterctl" / "slurm" / f"{c.name}.json").write_text("{not json")
     code, out, err = cli(capsys, "status", c.spec_path)
     assert code != 0 and f"asking Slurm on login failed: ~/.clusterctl/slurm/{c.name}.json is not a job record; remove it" in err
+
+
+def test_doctor_says_a_down_host_once_not_again_for_every_peer_that_cannot_reach_it(tmp_path, monkeypatch, capsys):
+    c = FakeCluster(tmp_path, hosts=3)
+    c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, down={"n2"}))
+    code, out, _ = cli(capsys, "doctor", c.spec_path)
+    problems = [line for line in out.splitlines() if line.startswith("problem: ")]
+    assert code == 1 and re.search("^problem: n2: " + refused("n2"), problems[0]), out
+    assert not [p for p in problems if "reach n2" in p], problems  # were 2 lines a peer: its ssh and its job port
+    assert "n2 job_port" in " ".join(out.split()), out  # the table's peers row still shows what each peer saw
+    code, out, _ = cli(capsys, "doctor", "--json", c.spec_path)
+    data = json.loads(out)
+    assert code == 1 and [data["hosts"][h]["reach"]["n2"]["job_port"] != "ok" for h in ("n0", "n1")] == [True, True]
+    assert not [p for p in data["problems"] if "reach n2" in p], data["problems"]
