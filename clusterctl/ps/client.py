@@ -524,7 +524,11 @@ class PSClient:
         return dict(arrays)
 
     def save(self, root: str, step: int | None = None) -> int:
-        """Ask every pserver to save its shards under ``root`` at ``step``; write the commit record."""
+        """Ask every pserver to save its shards under ``root`` at ``step``; write the commit record beside them.
+
+        A relative ``root`` is one inside the pservers' checkpoint root (they resolve it there), not the
+        trainer's working directory: the record goes to the directory the pservers report they saved in.
+        """
         if not isinstance(root, (str, os.PathLike)):
             raise PsConfigError(f"save needs a directory path, got {root!r}")
         s = self.step if step is None else _step(step)
@@ -532,6 +536,12 @@ class PSClient:
         steps = {r.header.get("step") for r in replies.values()}
         if steps != {s}:
             raise CheckpointError(f"pservers saved inconsistent steps {sorted(map(str, steps))}, want {s}")
+        if not os.path.isabs(root):  # resolved by the pservers in their checkpoint root
+            dirs = {os.path.dirname(str(r.header.get("path", ""))) for r in replies.values()}
+            if len(dirs) != 1 or not os.path.isabs(next(iter(dirs))):
+                raise CheckpointError(f"pservers saved {os.fspath(root)!r} in different directories {sorted(dirs)}; "
+                                      "no commit record written (give save an absolute path)")
+            root = dirs.pop()
         try:
             ckpt.write_commit(root, s, list(self.endpoints), job=self.job)
         except OSError as exc:

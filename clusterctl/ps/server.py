@@ -176,6 +176,7 @@ class ParameterServer:
         self._log_window = [0.0, 0, 0]  # rejected-request log lines: window start, lines, suppressed
         self.step = 0  # sync: rounds applied; async/geo: highest trainer step seen + 1
         self.loaded_step = 0  # step of the checkpoint this server started from (0: fresh)
+        self.resumed = False  # blocks come from a checkpoint: every init must name exactly those blocks
         self.blocks: dict[str, np.ndarray] = {}
         self.states: dict[str, dict[str, np.ndarray]] = {}
         self.optimizer: OptimizerConfig | None = None
@@ -665,6 +666,13 @@ class ParameterServer:
             raise _RejectError("plan_mismatch", f"trainer {msg.header['tid']} placed the parameters differently "
                                f"(plan {plan}, pserver has {self.plan_id}): same names, shapes and order "
                                "on every trainer?")
+        if self.resumed and msg.tensors.keys() != self.blocks.keys():
+            diff = [f"{what} {len(keys)} block(s): {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}"
+                    for what, keys in (("lacks", sorted(self.blocks.keys() - msg.tensors.keys())),
+                                       ("adds", sorted(msg.tensors.keys() - self.blocks.keys()))) if keys]
+            raise _RejectError("checkpoint_mismatch", f"trainer {msg.header['tid']}'s parameters differ from the "
+                               f"checkpoint (step {self.loaded_step}) pserver {self.server_id} resumed from: it "
+                               + "; it ".join(diff))
         fresh = {}
         for key, t in msg.tensors.items():
             have = self.blocks.get(key)
@@ -898,6 +906,7 @@ class ParameterServer:
         self._clear_round()
         self.optimizer = opt
         self.step = self.loaded_step = loaded.step
+        self.resumed = True
 
     def _op_abort(self, envelope: list[Any], msg: Message) -> None:
         """Sync: a trainer reports that another pserver's barrier timed out; this pserver fails the same way.

@@ -51,6 +51,35 @@ def test_load_on_request_from_a_trainer(servers, tmp_path):
     np.testing.assert_array_equal(resumed[0][1]["W"], straight[0][1]["W"])
 
 
+def test_a_relative_save_path_puts_the_commit_record_beside_the_shards(servers, tmp_path, monkeypatch):
+    """The record went to the trainer's working directory, the shards under the pservers' checkpoint root."""
+    root, cwd = tmp_path / "root", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    g = servers(2, num_trainers=1, mode="sync", checkpoint_root=str(root))
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=5, min_block_size=4) as c:
+        c.init({"w": np.arange(8, dtype=np.float32)})
+        assert c.save("run", 1) == 1
+        assert c.load("run") == 1  # the pservers check their shards against the record beside them
+        c.complete()
+    assert sorted(p.name for p in (root / "run").iterdir()) == ["checkpoint.json", "pserver-0", "pserver-1"]
+    assert ckpt.read_commit(root / "run")["step"] == 1
+    assert list(cwd.iterdir()) == []  # nothing in the trainer's working directory
+
+
+def test_a_relative_save_path_resolved_apart_writes_no_commit_record(servers, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    g = servers(2, num_trainers=1, mode="sync", checkpoint_root=str(tmp_path / "a"))
+    g.servers[1].checkpoint_root = str((tmp_path / "b").resolve())  # pservers whose roots differ
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=5, min_block_size=4) as c:
+        c.init({"w": np.arange(8, dtype=np.float32)})
+        with pytest.raises(CheckpointError, match=r"^pservers saved 'run' in different directories .*; no commit "
+                                                  r"record written \(give save an absolute path\)$"):
+            c.save("run", 1)
+        c.complete()
+    assert not list(tmp_path.glob("**/checkpoint.json"))
+
+
 def _save_two(tmp_path, steps=(7, 7), commit=7):
     root = tmp_path / "c"
     for i, s in enumerate(steps):

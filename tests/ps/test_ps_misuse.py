@@ -195,6 +195,23 @@ def test_a_truncated_tensor_file_is_a_checkpoint_error(tmp_path):
         ParameterServer("127.0.0.1:0", checkpoint_dir=str(tmp_path), mode="async")
 
 
+def test_init_after_resume_must_name_the_checkpoints_parameters(servers, tmp_path):
+    """A resumed pserver refused nothing: another model's init was added beside the loaded blocks."""
+    _saved(tmp_path)  # w.block0 = ones(4), step 3
+    g = servers(1, mode="async", checkpoint_dir=str(tmp_path))
+    with _client(g) as c:
+        for params, diff in (({"v": np.zeros(4, np.float32)}, "lacks 1 block(s): w.block0; it adds 1 block(s): v.block0"),
+                             ({"w": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}, "adds 1 block(s): b.block0")):
+            with pytest.raises(RemoteOpError) as err:  # at once, not after the client's timeout
+                c.init(params)
+            assert err.value.code == "checkpoint_mismatch"
+            assert err.value.remote_message == ("trainer 0's parameters differ from the checkpoint (step 3) pserver 0 "
+                                                f"resumed from: it {diff}")
+        assert g.servers[0].blocks.keys() == {"w.block0"}  # nothing added beside the loaded blocks
+        np.testing.assert_array_equal(c.init({"w": np.zeros(4, np.float32)})["w"], np.ones(4, np.float32))
+        assert c.start_step == 3
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
