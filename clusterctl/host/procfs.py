@@ -1,6 +1,8 @@
-"""Reading /proc: a process's state, group and start time; the processes tagged with a job's id."""
+"""Reading /proc: a process's state, group and start time; the processes tagged with a job's id; the shared-memory
+segments a job's MPI leaves behind when its processes are killed."""
 
 import os
+import stat
 
 from .jobfile import JOB_ENV, JOBDIR_ENV
 
@@ -74,6 +76,66 @@ def group_members(pgids):
         if st is not None and st[1] in pgids and st[0] not in ("Z", "X", "x"):
             out.setdefault(st[1], []).append(pid)
     return out
+
+
+SHM_DIR = "/dev/shm/"
+# MPICH's named segments (MPI_Init's, in /dev/shm), unlinked only by MPI_Finalize: a killed rank leaves them, ~2 MiB
+# of tmpfs, that is of memory, a node and a stop. Other files in /dev/shm may be a user's own: only these are ours
+# to remove.
+SHM_PREFIXES = ("mpich_shm_",)
+
+
+def shm_segments(pids):
+    """The paths of SHM_PREFIXES segments in /dev/shm that any of pids maps and that still have their name."""
+    found = set()
+    for pid in pids:
+        try:
+            with open("/proc/%d/maps" % pid, "rb") as f:
+                for line in f:
+                    fields = line.rstrip(b"\n").split(None, 5)
+                    if len(fields) < 6 or not fields[5].startswith(b"/dev/shm/"):
+                        continue
+                    name = os.fsdecode(fields[5][9:])
+                    if name.startswith(SHM_PREFIXES) and "/" not in name and " " not in name:  # " (deleted)"
+                        found.add(SHM_DIR + name)
+        except OSError:
+            continue
+    return found
+
+
+def _own_segment(path, before=None):
+    """lstat of path if it is a regular file of this user (and, with `before`, last changed before then)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    ok = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and (before is None or st.st_ctime < before)
+    return st if ok else None
+
+
+def release_shm(noted, before):
+    """Unlink the MPI segments a stopped job left: those in `noted` (what its processes mapped when the stop
+    began) and any other SHM_PREFIXES segment of this user last changed before `before` (the stop's start, wall
+    clock: ranks another host's mpiexec ended before this host's stop began), each only while it is a regular file
+    of ours that no process this one can see maps. Returns the paths removed."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        names = []
+    older = set(SHM_DIR + n for n in names if before is not None and n.startswith(SHM_PREFIXES)
+                and _own_segment(SHM_DIR + n, before))
+    left = set(p for p in noted if _own_segment(p)) | older
+    if not left:
+        return []
+    left -= shm_segments(_pids())
+    removed = []
+    for path in sorted(left):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
 
 
 def _pids():

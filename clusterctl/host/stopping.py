@@ -13,14 +13,16 @@ from .common import InputError, emit, log
 from .jobdir import (LOCK_FILE, STATE_FILE, STOP_REQUEST, job_from_dir, read_state_or_none, settled_state,
                      supervisor_alive, write_json_atomic)
 from .jobfile import JOB_ID_RE
-from .procfs import group_members, pid_alive, proc_stat, tagged_processes
+from .procfs import group_members, pid_alive, proc_stat, release_shm, shm_segments, tagged_processes
 from .states import TERMINAL_JOB_STATES, JobState, ProcState
 
 STOP_WAIT_EXTRA = 15.0  # agent stop: waits grace + this for the supervisor to finish
 
 
 class Stopper:
-    """SIGTERM to each process group, SIGKILL after grace, then a sweep by environ.
+    """SIGTERM to each process group, SIGKILL after grace, then a sweep by environ; at the end, the MPI
+    shared-memory segments nothing maps any more: those the job's processes mapped when the stop began, and
+    older ones (procfs.release_shm: `removed`).
 
     groups: dicts with pid (== pgid, started with start_new_session), start_ticks,
     role, id.  `killed` has one entry per group or process signalled: {pid, via, signal
@@ -39,6 +41,7 @@ class Stopper:
         self._sent = {}  # (via, pid) -> its entry in killed
         self.phase = "new"
         self.leftover = []
+        self.segments, self.removed, self.began = set(), [], None
         self.deadline = self.kill_deadline = 0.0
 
     def _ours(self, g):
@@ -71,16 +74,20 @@ class Stopper:
         tagged = tagged_processes(self.job_id, self.jobdir) if self.sweep else {}
         grouped = set(g["pid"] for g in live)
         strays = {pid: pgid for pid, pgid in tagged.items() if pgid not in grouped}
+        self._pids = [pid for g in live for pid in members[g["pid"]]] + list(strays)
         return live, strays
 
     def start(self, now):
-        """Send SIGTERM to every live group and to tagged processes outside them."""
+        """Send SIGTERM to every live group and to tagged processes outside them (what they map first)."""
         self.phase = "term"
         self.deadline = now + self.grace
-        self._term_round()
+        self.began = time.time()
+        self._term_round(first=True)
 
-    def _term_round(self):
+    def _term_round(self, first=False):
         live, strays = self._snapshot()
+        if first:
+            self.segments = shm_segments(self._pids)
         for g in live:
             self._signal("killpg", g["pid"], signal.SIGTERM, g)
         for pid in strays:
@@ -98,7 +105,7 @@ class Stopper:
             self.kill_deadline = now + 5.0
         live, strays = self._snapshot()
         if not live and not strays:
-            self.phase = "done"
+            self._done()
             return True
         for g in live:
             self._signal("killpg", g["pid"], signal.SIGKILL, g)
@@ -107,9 +114,15 @@ class Stopper:
         if now >= self.kill_deadline:
             self.leftover = sorted(set([g["pid"] for g in live] + list(strays)))
             log("giving up on pids %s (uninterruptible?)" % self.leftover)
-            self.phase = "done"
+            self._done()
             return True
         return False
+
+    def _done(self):
+        self.phase = "done"
+        self.removed = release_shm(self.segments, self.began)
+        if self.removed:
+            log("removed the shared memory the job's MPI left: %s" % " ".join(self.removed))
 
     def run(self, poll=0.05):
         """Blocking version of start() + step()."""

@@ -79,12 +79,17 @@ def test_stop_of_an_mpi_job_leaves_no_rank_on_any_node(testcluster, tmp_path):
     counts = {n.container: len(tagged_pids(n.container, "it-mpi-stop")) for n in nodes}
     assert counts[nodes[1].container] == 2, counts  # ranks on the second node carry the job's tag too
     assert status_json(spec)["state"] == "running"
+    segments = {n.container: set(node_exec(n.container, "ls /dev/shm | grep ^mpich_shm_ || true").split())
+                for n in nodes}
+    assert all(segments.values()), segments  # MPICH's segment on each node, unlinked only by MPI_Finalize
     res = clusterctl("stop", spec, check=True)
     assert "job it-mpi-stop stopped" in res.stdout
     deadline = time.monotonic() + 15
     while any(tagged_pids(n.container, "it-mpi-stop") for n in nodes) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(tagged_pids(n.container, "it-mpi-stop") for n in nodes)
+    left = {c: names & set(node_exec(c, "ls /dev/shm").split()) for c, names in segments.items()}
+    assert not any(left.values()), left  # the stop removed them (they were left on every node for good)
 
 
 @pytest.mark.timeout(240)
