@@ -39,6 +39,7 @@ DEFAULT_FUSION_THRESHOLD = 8 * 1024 * 1024
 
 _lock = threading.Lock()
 _default: "Communicator | None" = None
+_finalized = False                   # finalize() ran: nothing but an explicit init() makes a communicator again
 _wrapped: dict[int, "Communicator"] = {}
 
 
@@ -81,6 +82,13 @@ def check_timeout(timeout) -> float:
         raise CollectiveError(f"timeout={timeout!r}: expected a number of seconds") from None
     if not 0 < value < math.inf:
         raise CollectiveError(f"timeout={timeout!r}: must be positive, finite seconds")
+    return value
+
+
+def check_on_timeout(value: str) -> str:
+    """``on_timeout=``: 'abort' or 'raise', else CollectiveError."""
+    if value not in ("abort", "raise"):
+        raise CollectiveError(f"on_timeout={value!r}: expected 'abort' or 'raise'")
     return value
 
 
@@ -141,9 +149,7 @@ class Communicator:
         MPI = get_mpi(timeout)
         self.MPI = MPI
         self.timeout = check_timeout(timeout) if timeout is not None else _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT)
-        self.on_timeout = on_timeout or os.environ.get(ON_TIMEOUT_ENV, "abort").strip() or "abort"
-        if self.on_timeout not in ("abort", "raise"):
-            raise CollectiveError(f"on_timeout={self.on_timeout!r}: expected 'abort' or 'raise'")
+        self.on_timeout = check_on_timeout(on_timeout or os.environ.get(ON_TIMEOUT_ENV, "abort").strip() or "abort")
         self.fusion_threshold = (check_threshold("fusion_threshold", fusion_threshold)
                                  if fusion_threshold is not None else _env_size(FUSION_ENV, DEFAULT_FUSION_THRESHOLD))
         from .topology import discover
@@ -153,10 +159,10 @@ class Communicator:
         self.ctl = comm.Dup()
         self.topo, self.local, self.cross = discover(self.comm, MPI)
         self.progress = RequestPoller(self.ctl, self.topo, MPI, timeout=self.timeout, on_timeout=self.on_timeout)
-        use_shm = _env_bool(SHM_ENV, True) if shm is None else bool(shm)
+        self.shm = _env_bool(SHM_ENV, True) if shm is None else bool(shm)    # asked for; uses_shm: got
         # Hierarchical slices need equal ranks per node; otherwise fall back to MPI for everything.
         self.arena = None
-        if use_shm and self.topo.local_size > 1 and self.topo.homogeneous:
+        if self.shm and self.topo.local_size > 1 and self.topo.homogeneous:
             from .shm import ShmArena
             capacity = max(self.fusion_threshold, 1 << 20)
             self.arena = ShmArena(self.local, self.cross if self.topo.node_count > 1 else None,
@@ -299,14 +305,26 @@ class Communicator:
 
 def init(*, comm=None, timeout: float | None = None, on_timeout: str | None = None,
          fusion_threshold: int | None = None, shm: bool | None = None) -> Communicator:
-    """Initialise the collective backend (idempotent) and return the default :class:`Communicator`."""
-    global _default
+    """Initialise the collective backend and return the default :class:`Communicator` (or one wrapping ``comm``).
+
+    Again, without ``comm``: the same communicator when every setting given equals its own (a setting left out
+    keeps it), else CollectiveError naming the ones that differ. After :func:`finalize` it starts afresh."""
+    global _default, _finalized
     with _lock:
         if timeout is not None:
             timeout = check_timeout(timeout)
+        if on_timeout:
+            check_on_timeout(on_timeout)
         if fusion_threshold is not None:
-            check_threshold("fusion_threshold", fusion_threshold)
+            fusion_threshold = check_threshold("fusion_threshold", fusion_threshold)
         if _default is not None and comm is None:
+            asked = {"timeout": timeout, "on_timeout": on_timeout or None, "fusion_threshold": fusion_threshold,
+                     "shm": None if shm is None else bool(shm)}
+            differ = [k for k, v in asked.items() if v is not None and v != getattr(_default, k)]
+            if differ:
+                raise CollectiveError(f"init({', '.join(f'{k}={asked[k]!r}' for k in differ)}): already initialised "
+                                      f"with {', '.join(f'{k}={getattr(_default, k)!r}' for k in differ)}; "
+                                      "call finalize() first to change it")
             return _default
         MPI = get_mpi(timeout)
         if comm is None:
@@ -316,7 +334,7 @@ def init(*, comm=None, timeout: float | None = None, on_timeout: str | None = No
         c = Communicator(base, timeout=timeout, on_timeout=on_timeout,
                          fusion_threshold=fusion_threshold, shm=shm)
         if comm is None:
-            _default = c
+            _default, _finalized = c, False
         else:
             _wrapped[id(comm)] = c
         return c
@@ -330,19 +348,32 @@ def is_initialized() -> bool:
 def default(comm=None) -> Communicator:
     """Resolve ``comm=``: None -> the default (initialised on first use), a Communicator, or an mpi4py comm."""
     if comm is None:
-        return _default if _default is not None else init()
+        if _default is not None:
+            return _default
+        _check_not_finalized()
+        return init()
     if isinstance(comm, Communicator):
         return comm
     c = _wrapped.get(id(comm))
     if c is None:
+        _check_not_finalized()
         c = init(comm=comm)
     return c
 
 
+def _check_not_finalized() -> None:
+    """After finalize() a collective must not make a new communicator silently: every rank raises, no MPI call."""
+    if _finalized:
+        raise CollectiveError("the collective backend was finalized: call init() again first if a new communicator "
+                              "is intended")
+
+
 def finalize() -> None:
-    """Release the default communicator's resources (collective); MPI itself is finalized at exit."""
-    global _default
+    """Release the default communicator's resources (collective); MPI itself is finalized at exit.
+    Collectives then raise CollectiveError until :func:`init` is called again."""
+    global _default, _finalized
     with _lock:
+        _finalized = True
         for c in list(_wrapped.values()):
             c.close()
         _wrapped.clear()

@@ -24,6 +24,7 @@ like every other wait (:meth:`Progress.wait_for`).  A barrier costs microseconds
 from __future__ import annotations
 
 import bisect
+import os
 
 import numpy as np
 
@@ -48,6 +49,15 @@ _CTRL = 64          # bytes of control line (the barrier epoch) in front of ever
 _CHUNK = 128 << 10  # bytes reduced and scaled at a time (fits in L2)
 
 
+def _shm_free() -> int | None:
+    """Free bytes of /dev/shm, where MPICH puts shared windows; None where there is none."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 class ShmArena:
     """A shared window with one ``capacity``-byte segment per local rank, and the allreduce over it."""
 
@@ -59,13 +69,22 @@ class ShmArena:
         self.capacity = int(capacity) // 64 * 64
         # Every segment is read as ``capacity`` bytes: a rank asking for another size (another fusion
         # threshold, other gradient shapes) would fail reading the peers' segments while they wait in the
-        # barrier below for ever, so all of them refuse alike first.
-        sizes = local.allgather(self.capacity)
+        # barrier below for ever, so all of them refuse alike first.  MPICH maps the window from a file in
+        # /dev/shm without reserving it: one that does not fit is an obscure MPI error, or, when the mapping
+        # succeeds, a SIGBUS on the rank that first writes past the tmpfs's end (its smallest free space on
+        # any rank of the node, so that they all refuse alike).
+        sizes, free = zip(*local.allgather((self.capacity, _shm_free())))
+        from .errors import CollectiveError
         if len(set(sizes)) > 1:
-            from .errors import CollectiveError
             raise CollectiveError(f"shared-memory window: the ranks of this node asked for different sizes (bytes by "
-                                  f"local rank: {sizes}); fusion_threshold / CLUSTERCTL_COLLECTIVE_FUSION_THRESHOLD and "
-                                  "the gradients' shapes must be the same on every rank")
+                                  f"local rank: {list(sizes)}); fusion_threshold / "
+                                  "CLUSTERCTL_COLLECTIVE_FUSION_THRESHOLD and the gradients' shapes must be the same "
+                                  "on every rank")
+        if None not in free and local.size * (_CTRL + self.capacity) > min(free):
+            raise CollectiveError(f"shared-memory window: {local.size} local ranks x {_CTRL + self.capacity} bytes do "
+                                  f"not fit in /dev/shm ({min(free)} bytes free); lower fusion_threshold / "
+                                  "CLUSTERCTL_COLLECTIVE_FUSION_THRESHOLD, give the node a larger /dev/shm (docker "
+                                  "--shm-size) or set CLUSTERCTL_COLLECTIVE_SHM=0")
         self.win = MPI.Win.Allocate_shared(_CTRL + self.capacity, 1, comm=local)
         self.segments = []
         self._flags = []

@@ -323,3 +323,63 @@ def case_different_parameters_per_rank_are_detected_at_construction(what):
         _dopt(m, named_parameters=m.named_parameters(), **kw)
     _one_line(e)
     cc.barrier()                                # every rank raised at the same point: still in step
+
+
+# -- init and finalize ----------------------------------------------------------------------------------------
+
+def case_second_init_with_other_settings_is_refused():
+    now = dict(timeout=C.timeout, on_timeout=C.on_timeout, fusion_threshold=C.fusion_threshold, shm=True)
+    assert cc.init(**{**now, "fusion_threshold": float(C.fusion_threshold)}) is C     # the same settings: a no-op
+    assert cc.init() is C                                                 # none given: a no-op
+    for name, other in [("fusion_threshold", C.fusion_threshold + 64), ("timeout", C.timeout + 1),
+                        ("on_timeout", "raise" if C.on_timeout == "abort" else "abort"), ("shm", False)]:
+        with pytest.raises(CollectiveError, match=rf"^init\({name}={other!r}\): already initialised with "
+                                                  rf"{name}={now[name]!r}; call finalize\(\) first") as e:
+            cc.init(**{**now, name: other})
+        _one_line(e)
+    with pytest.raises(CollectiveError, match=r"^on_timeout='later': expected 'abort' or 'raise'$"):
+        cc.init(on_timeout="later")
+    assert cc.allreduce(np.ones(2)).tolist() == [SIZE, SIZE]                 # still in step
+
+
+@pytest.mark.parametrize("threshold", ["free", 1e15])
+def case_a_shared_window_larger_than_dev_shm_is_refused_alike(threshold):
+    if C.arena is None:
+        pytest.skip("no shared-memory window (one rank per node)")
+    if threshold == "free":                     # MPICH maps it (sparse); the first allreduce that fills it: SIGBUS
+        st = os.statvfs("/dev/shm")
+        threshold = st.f_bavail * st.f_frsize
+    with pytest.raises(CollectiveError, match=rf"^shared-memory window: {C.topo.local_size} local ranks x "
+                                              r"\d+ bytes do not fit in /dev/shm \(\d+ bytes free\)") as e:
+        cc.init(comm=C.comm, fusion_threshold=threshold)
+    _one_line(e)
+    c = cc.init(comm=C.comm, fusion_threshold=1 << 20)                      # a reasonable size still works
+    assert c.uses_shm and cc.allreduce(np.ones(3), comm=c).tolist() == [SIZE] * 3
+
+
+def case_collectives_after_finalize_raise_until_init_is_called_again(monkeypatch):
+    """Runs last: it finalizes the module's communicator (and makes a new one)."""
+    global C
+    MPI, old = C.MPI, C
+    cc.finalize()
+
+    def no_mpi(*a, **k):
+        raise AssertionError("an MPI call after finalize()")
+    monkeypatch.setattr(_mpi, "get_mpi", no_mpi)             # init() and Communicator() start with it
+    from clusterctl.collective.torch import DistributedOptimizer
+    m = torch.nn.Linear(2, 1)
+    for call in (lambda: cc.allreduce(np.ones(2)), lambda: cc.allreduce_async(np.ones(2)),
+                 lambda: cc.grouped_allreduce([np.ones(2)]), lambda: cc.broadcast(np.ones(2)),
+                 lambda: cc.broadcast_object(1), cc.barrier, cc.rank, cc.topology,
+                 lambda: cc.allreduce(np.ones(2), comm=MPI.COMM_WORLD),
+                 lambda: DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters())):
+        with pytest.raises(CollectiveError, match=r"^the collective backend was finalized: call init\(\) again "
+                                                  r"first if a new communicator is intended$"):
+            call()
+    with pytest.raises(CollectiveError, match=r"^communicator already finalized$"):
+        cc.allreduce(np.ones(2), comm=old)
+    assert not cc.is_initialized()
+    monkeypatch.undo()
+    C = cc.init()                               # an explicit init() after finalize() starts afresh
+    assert C is not old and cc.is_initialized()
+    assert cc.allreduce(np.ones(2)).tolist() == [SIZE, SIZE]
