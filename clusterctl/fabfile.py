@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shlex
 from pathlib import Path
 
+from fabric import Task as FabricTask
 from fabric import task
 from fabric.executor import Executor
-from invoke import Call, Context, Task
+from invoke import Argument, Call, Context, Exit, Task
 
 from clusterctl.errors import ClusterctlError
 
@@ -76,15 +78,33 @@ class ClusterExecutor(Executor):
         return ours + (super().expand_calls(others, apply_hosts) if others or self.core.remainder else [])
 
 
+class _WholeNumber(Argument):
+    """A task's int option (`--lines`: INT in its help, as Invoke shows an int default): a word given for it is
+    one line, not the traceback of Invoke's own int() (raised while fab parses, before any task runs)."""
+
+    def set_value(self, value, cast=True):
+        try:
+            super().set_value(value, cast)
+        except ValueError:
+            raise Exit(f"clusterctl: error: --{self.name} must be a whole number, not {value!r}", code=1) from None
+
+
+class ClusterTask(FabricTask):
+    """A clusterctl task: run once with the whole host list (see ClusterExecutor); its int options are _WholeNumber."""
+
+    whole_cluster = True
+
+    def get_arguments(self, ignore_unknown_help=None):
+        args = super().get_arguments(ignore_unknown_help)
+        for arg in args:
+            if arg.kind is int:
+                arg.__class__ = _WholeNumber  # Invoke builds its own Argument from the default's type
+        return args
+
+
 def cluster_task(*args, **kwargs):
     """`@task` for clusterctl's tasks: run once with the whole host list (see ClusterExecutor)."""
-
-    def wrap(fn):
-        t = task(*args, **kwargs)(fn)
-        t.whole_cluster = True
-        return t
-
-    return wrap
+    return task(*args, klass=ClusterTask, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------ the spec
@@ -96,13 +116,17 @@ def _remembered(cwd: str) -> Path:
     return cache_dir("fab") / (hashlib.sha256(cwd.encode()).hexdigest()[:16] + ".yaml")
 
 
-def _spec(c, spec: str | None, opts: dict, *, remember: bool = False):
+def _spec(c, spec: str | None, *, remember: bool = False, **options):
     """The spec a task acts on: --spec, else -H (remembered for this directory), else the directory's own
-    spec (cluster.yaml, or Fabric config's clusterctl.spec), else the last -H used from this directory."""
+    spec (cluster.yaml, or Fabric config's clusterctl.spec), else the last -H used from this directory.
+    `options`: the task's options for the -H spec (see _opts)."""
     from clusterctl.adhoc import AdhocOptions, adhoc_spec, adhoc_spec_text
     from clusterctl.spec import load_spec, parse_spec
 
-    spec = spec or getattr(c, "cluster_spec", None)
+    opts = _opts(**options)
+    spec = spec if spec is not None else getattr(c, "cluster_spec", None)
+    if spec is not None and not spec.strip():  # `--spec "$SPEC"`, SPEC unset: never this directory's spec
+        raise ClusterctlError(f"--spec {spec!r} names no file: give --spec cluster.yaml")
     hosts = getattr(c, "cluster_hosts", None)
     if spec and hosts:
         raise ClusterctlError(f"-H {','.join(hosts)} and --spec {spec} name two clusters: give one of them")
@@ -190,12 +214,17 @@ def _seconds(option: str, value) -> float:
 
 def _opts(c=None, *, entrypoint=None, workspace=None, remote_dir=None, port=None, name=None, accept_new=False,
           known_hosts=None) -> dict:
+    """The task options that shape the -H spec; an empty value is refused, never taken for the option's default
+    (`--known-hosts ""` checked host keys against another file)."""
+    if known_hosts is not None and not known_hosts.strip():
+        raise ClusterctlError(f"--known-hosts {known_hosts!r} names no file: give a known_hosts file, "
+                              "or leave the option out")
     return {
         "known_hosts": known_hosts,
         "entrypoint": entrypoint,
         "workspace": workspace,
         "remote_dir": remote_dir,
-        "pserver_port": _whole_number("--port", port) if port else None,
+        "pserver_port": _whole_number("--port", port) if port is not None else None,
         "name": name,
         "host_key_policy": "accept-new" if accept_new else None,
     }
@@ -232,20 +261,27 @@ def start(c, spec=None, entrypoint=None, workspace=None, remote_dir=None, port=N
     """Dispatch the workspace and start pservers then trainers on every host (detached unless --follow)."""
     from clusterctl.commands.lifecycle import run_start
 
-    _run(lambda: run_start(_spec(c, spec, _opts(entrypoint=entrypoint, workspace=workspace, remote_dir=remote_dir,
-                                                port=port, name=name, accept_new=accept_new, known_hosts=known_hosts),
-                                 remember=True), dispatch_first=True, follow=follow))
+    def started():
+        try:
+            return run_start(_spec(c, spec, entrypoint=entrypoint, workspace=workspace, remote_dir=remote_dir, port=port,
+                                   name=name, accept_new=accept_new, known_hosts=known_hosts, remember=True),
+                             dispatch_first=True, follow=follow)
+        except ClusterctlError as exc:  # "already running; stop it first (clusterctl stop)": fab's word is kill
+            named = spec if spec is not None else getattr(c, "cluster_spec", None)
+            kill = f"fab kill --spec {shlex.quote(named)}" if named else "fab kill"
+            exc.args = tuple(a.replace("(clusterctl stop)", f"({kill})") if isinstance(a, str) else a
+                             for a in exc.args)
+            raise
+
+    _run(started)
 
 
 @cluster_task(name="tail-log", help=_help(*_CONN, "lines", "follow"))
-def tail_log(c, spec=None, name=None, lines=None, follow=False, accept_new=False, known_hosts=None):
+def tail_log(c, spec=None, name=None, lines=10, follow=False, accept_new=False, known_hosts=None):
     """Show the last lines of every process's log, prefixed [host role.id]."""
     from clusterctl.commands.lifecycle import run_logs
 
-    # `lines` defaults to None, not 10: with an int default Invoke converts the value itself and a word
-    # given for it ends in Invoke's traceback instead of one line
-    opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
-    _run(lambda: run_logs(_spec(c, spec, opts), lines=10 if lines is None else _whole_number("--lines", lines),
+    _run(lambda: run_logs(_spec(c, spec, name=name, accept_new=accept_new, known_hosts=known_hosts), lines=lines,
                           follow=follow))
 
 
@@ -254,7 +290,7 @@ def status(c, spec=None, name=None, accept_new=False, known_hosts=None):
     """Show every process's state."""
     from clusterctl.commands.lifecycle import run_status
 
-    _run(lambda: run_status(_spec(c, spec, _opts(name=name, accept_new=accept_new, known_hosts=known_hosts))))
+    _run(lambda: run_status(_spec(c, spec, name=name, accept_new=accept_new, known_hosts=known_hosts)))
 
 
 @cluster_task(aliases=["stop"], help=_help(*_CONN))
@@ -262,7 +298,7 @@ def kill(c, spec=None, name=None, accept_new=False, known_hosts=None):
     """Stop the job on every host: SIGTERM, SIGKILL after the grace period, no orphan left."""
     from clusterctl.commands.lifecycle import run_stop
 
-    _run(lambda: run_stop(_spec(c, spec, _opts(name=name, accept_new=accept_new, known_hosts=known_hosts))))
+    _run(lambda: run_stop(_spec(c, spec, name=name, accept_new=accept_new, known_hosts=known_hosts)))
 
 
 @cluster_task(help=_help(*_CONN, "workspace", "remote_dir"))
@@ -270,8 +306,8 @@ def dispatch(c, spec=None, name=None, workspace=None, remote_dir=None, accept_ne
     """Ship the workspace to every host: incremental, atomic, verified."""
     from clusterctl.commands.lifecycle import cmd_dispatch
 
-    opts = _opts(name=name, workspace=workspace, remote_dir=remote_dir, accept_new=accept_new, known_hosts=known_hosts)
-    _run(lambda: cmd_dispatch(argparse.Namespace(spec=_spec(c, spec, opts))))
+    opts = dict(name=name, workspace=workspace, remote_dir=remote_dir, accept_new=accept_new, known_hosts=known_hosts)
+    _run(lambda: cmd_dispatch(argparse.Namespace(spec=_spec(c, spec, **opts))))
 
 
 @cluster_task(help=_help(*_CONN, "check", "only"))
@@ -280,8 +316,8 @@ def provision(c, spec=None, name=None, check=False, only=None, accept_new=False,
     from clusterctl.commands.provision import cmd_provision
 
     steps = [s.strip() for s in (only or "").split(",") if s.strip()] or None
-    opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
-    _run(lambda: cmd_provision(argparse.Namespace(spec=_provisioned(_spec(c, spec, opts)), check=check, force=False,
+    opts = dict(name=name, accept_new=accept_new, known_hosts=known_hosts)
+    _run(lambda: cmd_provision(argparse.Namespace(spec=_provisioned(_spec(c, spec, **opts)), check=check, force=False,
                                                   only=steps, verbose_lines=False)))
 
 
@@ -302,8 +338,8 @@ def doctor(c, spec=None, name=None, accept_new=False, known_hosts=None):
     """Check every host (ssh, login user and sudo, Python, MPI, CUDA, ports, peers) and compare them."""
     from clusterctl.commands.provision import cmd_doctor
 
-    opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
-    _run(lambda: cmd_doctor(argparse.Namespace(spec=_spec(c, spec, opts), json=False)))
+    opts = dict(name=name, accept_new=accept_new, known_hosts=known_hosts)
+    _run(lambda: cmd_doctor(argparse.Namespace(spec=_spec(c, spec, **opts), json=False)))
 
 
 @cluster_task(name="exec", help=_help(*_CONN, "cmd", "timeout"))
@@ -311,16 +347,14 @@ def exec_(c, cmd, spec=None, name=None, timeout=None, accept_new=False, known_ho
     """Run a command on every host (no shell: wrap pipes and globs in sh -c '...'), output prefixed [host]."""
     from clusterctl.commands.core import cmd_exec
 
-    opts = _opts(name=name, accept_new=accept_new, known_hosts=known_hosts)
+    opts = dict(name=name, accept_new=accept_new, known_hosts=known_hosts)
     # a leading `--`, as the CLI's `exec SPEC -- CMD`: a `--` inside the command (`git log -- FILE`) is the command's
-    _run(lambda: cmd_exec(argparse.Namespace(spec=_spec(c, spec, opts), argv=["--", *_words(cmd)],
+    _run(lambda: cmd_exec(argparse.Namespace(spec=_spec(c, spec, **opts), argv=["--", *_words(cmd)],
                                              timeout=None if timeout is None else _seconds("--timeout", timeout))))
 
 
 def _words(cmd: str) -> list[str]:
     """`exec`'s command split as a shell would (shlex), or a one-line error (an unclosed quote)."""
-    import shlex
-
     try:
         words = shlex.split(cmd)
     except ValueError as exc:

@@ -55,15 +55,17 @@ def split_jump(hop: str) -> tuple[str | None, str, int | None]:
     """`[user@]host[:port]` (IPv6 as `[addr]:port`) -> (user, host, port), unchecked beyond its form;
     ValueError when the brackets or the port are malformed."""
     user, sep, rest = hop.rpartition("@")
+    port_text = None  # no ':' after the host; "" (`host:`) is a port left out: refused, as OpenSSH does
     if rest.startswith("["):
         host, close, tail = rest[1:].partition("]")
         if not close or (tail and not tail.startswith(":")):
             raise ValueError(f"cannot parse {hop!r}: expected [user@]host[:port]")
-        port_text = tail[1:]
+        if tail:
+            port_text = tail[1:]
     elif rest.count(":") == 1:
         host, _, port_text = rest.partition(":")
     else:
-        host, port_text = rest, ""
-    if port_text and not (port_text.isdigit() and 1 <= int(port_text) <= 65535):
+        host = rest
+    if port_text is not None and not (port_text.isascii() and port_text.isdigit() and 1 <= int(port_text) <= 65535):
         raise ValueError(f"bad port in {hop!r}: expected 1-65535")
     return (user if sep else None) or None, host, (int(port_text) if port_text else None)

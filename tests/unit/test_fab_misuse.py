@@ -237,3 +237,89 @@ def test_hosts_and_a_spec_together_are_refused(tmp_path, monkeypatch, capsys):
     assert _fab_here("-H", "127.0.0.1", "kill", "--spec", str(c.spec_path)) == 1
     assert capsys.readouterr().err.splitlines() == [
         f"clusterctl: error: -H 127.0.0.1 and --spec {c.spec_path} name two clusters: give one of them"]
+
+
+@pytest.mark.parametrize("task", [["status"], ["tail-log"], ["kill"], ["doctor"], ["dispatch"], ["exec", "--cmd", "true"]])
+def test_an_empty_known_hosts_is_refused_not_dropped(tmp_path, task):
+    # `--known-hosts "$KH"` with KH unset checked host keys against ~/.ssh/known_hosts (and with --accept-new
+    # recorded them there) without a word: the option was dropped as if not given
+    res = _fab("-H", "127.0.0.1", *task, "--known-hosts", "", cwd=tmp_path)
+    assert _one_error(res) == "--known-hosts '' names no file: give a known_hosts file, or leave the option out"
+
+
+@pytest.mark.parametrize("option, said", [
+    ("--port", "--port must be a whole number, not ''"),  # was the default port, 6173
+    ("--spec", "--spec '' names no file: give --spec cluster.yaml"),  # was ./cluster.yaml's job (not valid YAML here)
+])
+def test_another_empty_option_is_refused_not_dropped(tmp_path, option, said):
+    (tmp_path / "cluster.yaml").write_text("name: [unclosed\n")
+    res = _fab(*(["-H", "127.0.0.1"] if option == "--port" else []), "start", option, "", cwd=tmp_path)
+    assert _one_error(res) == said
+
+
+def test_tail_log_lines_is_a_whole_number_option(tmp_path):
+    # the help said `-l STRING, --lines=STRING`
+    res = _fab("--help", "tail-log", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "-l INT, --lines=INT" in res.stdout, res.stdout
+    for words in (["--lines", "x"], ["-l", "1.5"], ["--lines="]):  # Invoke's int() of them: a traceback
+        assert _one_error(_fab("-H", "127.0.0.1", "tail-log", *words, cwd=tmp_path)) == (
+            f"--lines must be a whole number, not {words[-1].removeprefix('--lines=')!r}")
+
+
+def test_tail_log_lines_takes_a_number(monkeypatch):
+    import clusterctl.commands.lifecycle as lifecycle
+
+    seen = []
+    monkeypatch.setattr(lifecycle, "run_logs", lambda spec, lines, follow: seen.append(lines) or 0)
+    assert _fab_here("-H", "127.0.0.1", "tail-log", "--lines", "3") == 0
+    assert _fab_here("-H", "127.0.0.1", "tail-log") == 0
+    assert seen == [3, 10]
+
+
+def test_starting_a_running_job_again_says_to_stop_it_with_fab_kill(tmp_path, monkeypatch, capsys):
+    # the hint was the CLI's, `(clusterctl stop)`: no fab command
+    c = FakeCluster(tmp_path, files={"train.py": "import time\ntime.sleep(60)\n"}).everywhere(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # FakeCluster's spec is ./cluster.yaml: `fab kill` stops it
+    try:
+        assert _fab_here("start") == 0
+        capsys.readouterr()
+        assert _fab_here("start") == 1
+        assert _first_error(capsys) == f"job {c.name} is already running; stop it first (fab kill):"
+        assert _fab_here("start", "--spec", str(c.spec_path)) == 1
+        assert _first_error(capsys) == f"job {c.name} is already running; stop it first (fab kill --spec {c.spec_path}):"
+    finally:
+        assert _fab_here("kill") == 0
+
+
+def _first_error(capsys) -> str:
+    """The first `clusterctl: error:` line on stderr (after the progress lines), without its prefix."""
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("clusterctl: error: ")]
+    return lines[0].removeprefix("clusterctl: error: ") if lines else ""
+
+
+@pytest.mark.parametrize("host, said", [
+    # were taken as the host alone (port 22, or the ssh config's): the ':' dropped without a word
+    ("h:", "-H h:: bad port in 'h:': expected 1-65535"),
+    ("u@h:", "-H u@h:: bad port in 'u@h:': expected 1-65535"),
+    ("[::1]:", "-H [::1]:: bad port in '[::1]:': expected 1-65535"),
+    ("h:\u00b2", "-H h:\u00b2: bad port in 'h:\u00b2': expected 1-65535"),  # was int()'s own error
+    ("h:0", "-H h:0: bad port in 'h:0': expected 1-65535"),
+    (":22", "-H :22: not a host name or IP address: ''"),
+])
+def test_a_host_with_an_empty_or_bad_port_is_refused_by_name(host, said):
+    from clusterctl.adhoc import AdhocOptions, adhoc_spec
+    from clusterctl.errors import ClusterctlError
+
+    with pytest.raises(ClusterctlError) as info:
+        adhoc_spec([host], AdhocOptions())
+    assert str(info.value) == said
+
+
+@pytest.mark.parametrize("host, address, port", [("[::1]:2222", "::1", 2222), ("[::1]", "::1", None),
+                                                 ("::1", "::1", None), ("u@h:2222", "h", 2222), ("h", "h", None)])
+def test_host_forms_that_stay(host, address, port):
+    from clusterctl.adhoc import AdhocOptions, adhoc_spec
+
+    entry = adhoc_spec([host], AdhocOptions()).hosts[0]
+    assert (entry.address, entry.port) == (address, port)
