@@ -39,6 +39,13 @@ class SshSpec(_Model):
     def _proxy_jump(cls, v: Any) -> Any:
         return _jump_chain(v)
 
+    @field_validator("config", "identity_file", "known_hosts")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():  # was taken for the key left out: another known_hosts file, say
+            raise ValueError("empty: give a path, or leave the key out")
+        return v
+
 
 class HostSpec(_Model):
     """One machine: where to reach it and what it offers."""

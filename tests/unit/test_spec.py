@@ -40,6 +40,12 @@ BAD = [
         id="password-nested",
     ),
     pytest.param(
+        GOOD.replace("ssh:\n", "ssh:\n  known_hosts: ''\n  config: ' '\n"),
+        ["3:3: ssh.known_hosts: empty: give a path, or leave the key out",
+         "4:3: ssh.config: empty: give a path, or leave the key out"],
+        id="empty-paths",  # were taken for the keys left out: host keys checked against another file
+    ),
+    pytest.param(
         GOOD.replace("ssh:\n", "ssh:\n  port: 70000\n"),
         ["3:3: ssh.port: port out of range (1-65535): 70000"],
         id="port-range",
