@@ -24,6 +24,9 @@ __all__ = ["StepOutcome", "ProvisionReport", "provision", "parse_status", "log_d
 STATUS_PREFIX = "CLUSTERCTL_STEP "
 HOST_GRACE_S = 2  # a step past provision.timeout is ended on the host this much after the controller gave up
 KILL_AFTER_S = 5  # ... with SIGTERM to its process group, then SIGKILL this much later
+HOST_LOCK = "$HOME/.cache/clusterctl/provision.lock"  # one step at a time per login on a host, whichever controller
+HOST_LOCK_WAIT = 0.8  # of provision.timeout: a step waits this long for another run's step on its host
+HOST_LOCK_BUSY = 199  # flock's exit when the wait ran out
 LOG_KEEP_BYTES = 32 << 20  # a host's log past this at the start of a run is kept as <host>.log.1, and a new one begun
 EventCallback = Callable[[Host, str, str, str], None]  # (host, step, "line"|"status", text)
 
@@ -231,14 +234,30 @@ def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_
     def command(host: Host) -> str:
         # What needs root runs through non-interactive sudo; relative paths stay under the login user's home.
         if as_root[host] and step != "commands":  # commands: per command, inside the script (`root: true`)
-            return join(["sudo", "-n", "env", f"CLUSTERCTL_USER_HOME={facts[host].home}", *argv])
-        return join(argv)
+            return _host_locked(join(["sudo", "-n", "env", f"CLUSTERCTL_USER_HOME={facts[host].home}", *argv]),
+                                step, prov.timeout)
+        return _host_locked(join(argv), step, prov.timeout)
 
     runnable = [h for h in hosts if h not in out]
     if runnable:
         results = remote.run(command, hosts=runnable, stdin=stdin, timeout=prov.timeout, on_line=on_line, check=False, what=step)
         out.update({h: parse_status(step, r, prov.timeout) for h, r in results.items()})
     return out
+
+
+def _host_locked(command: str, step: str, timeout: float) -> str:
+    """`command` run while holding the login's provision lock on its host (util-linux `flock`, taken as the login
+    user, before any sudo), so that runs from two controllers (or of two specs) take turns step by step instead of
+    racing on one venv: the second waits for the first's step, then finds it done. `-o`: what the step leaves
+    running (a service it started) does not hold the lock, flock itself does until the step ends. A wait past
+    HOST_LOCK_WAIT of the step's timeout fails the step in one line; a host without flock, or whose home cannot
+    hold the lock, runs it unlocked, as before."""
+    wait = f"{max(1.0, timeout * HOST_LOCK_WAIT):g}"
+    busy = (f"{STATUS_PREFIX}{step} failed another clusterctl provision on this host held its lock "
+            f"(~/.cache/clusterctl/provision.lock) for {wait}s; run again when it has finished")
+    return (f'if command -v flock >/dev/null 2>&1 && mkdir -p "$HOME/.cache/clusterctl" 2>/dev/null; then '
+            f'flock -o -w {wait} -E {HOST_LOCK_BUSY} "{HOST_LOCK}" {command}; rc=$?; '
+            f'if [ "$rc" = {HOST_LOCK_BUSY} ]; then echo {join([busy])}; fi; exit "$rc"; else {command}; fi')
 
 
 def _offline(prov, step: str) -> bool:

@@ -2,10 +2,12 @@
 one line naming what and where (a table cell, or one error line before any host is touched), never a
 traceback, and nothing is left running on a host for the next run to meet."""
 
+import copy
 import os
 import platform
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -189,3 +191,40 @@ def test_a_host_log_past_its_limit_is_kept_as_log_1_and_a_new_one_begun(tmp_path
     run(c)  # under the limit again: appended to, .1 unchanged
     assert (folder / "n0.log").read_text().count("=== ") == 2 and (folder / "n0.log.1").stat().st_size > 1000
 
+
+
+def test_runs_from_two_controllers_take_turns_on_a_host(tmp_path, monkeypatch):
+    """The controller's lock is one controller's: a run from another one (another XDG_CACHE_HOME, another
+    machine) raced the first on the same hosts. Each step now holds the login's lock on its host: the second
+    run's step waits for the first's, and fails in one line when the wait runs past 0.8 x provision.timeout."""
+    wait = {"name": "wait", "run": "echo in >> trace; touch started; while [ ! -e go ]; do sleep 0.05; done; "
+                                   "echo out >> trace", "unless": "false"}
+    c = cluster(tmp_path, monkeypatch, {"timeout": 120, "commands": [wait]}, hosts=1)
+    first: list = []
+    t = threading.Thread(target=lambda: first.append(run(c)), daemon=True)
+    t.start()
+    try:
+        wait_until(lambda: (c.home(0) / "started").exists(), timeout=WAIT_S)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other-controller"))
+        data = c.spec_path.read_text().replace("timeout: 120", "timeout: 2")
+        assert data != c.spec_path.read_text()
+        other = tmp_path / "other.yaml"
+        other.write_text(data)
+        elsewhere = copy.copy(c)
+        elsewhere.spec_path = other
+        with elsewhere.session() as s:
+            got = outcomes(provision(s))
+        assert got == {("n0", "commands"): (
+            "failed", "another clusterctl provision on this host held its lock (~/.cache/clusterctl/provision.lock) "
+                      "for 1.6s; run again when it has finished")}
+        second: list = []
+        t2 = threading.Thread(target=lambda: second.append(run(c)), daemon=True)
+        t2.start()
+        time.sleep(0.5)
+        assert (c.home(0) / "trace").read_text() == "in\n"  # waiting for the first's step, not running beside it
+    finally:
+        (c.home(0) / "go").touch()
+        t.join(WAIT_S)
+    t2.join(WAIT_S)
+    assert outcomes(first[0]) == outcomes(second[0]) == {("n0", "commands"): ("changed", "ran wait")}
+    assert (c.home(0) / "trace").read_text() == "in\nout\nin\nout\n"
