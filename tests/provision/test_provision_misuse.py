@@ -134,15 +134,25 @@ def test_conflicting_requirements_name_the_conflict_not_pips_help_link(tmp_path,
                   "tinypkg==1.1 because these package versions have conflicting dependencies.")}
 
 
+# a commands step that notes its start and end in the host's `trace` and waits for `go` there in between
+WAIT = {"name": "wait", "run": "echo in >> trace; touch started; while [ ! -e go ]; do sleep 0.05; done; "
+                               "echo out >> trace", "unless": "false"}
+
+
+def first_run(c) -> tuple[threading.Thread, list]:
+    """A run of `c` in a thread, once its WAIT step has started on n0: (the thread, [its report, once done])."""
+    report: list = []
+    t = threading.Thread(target=lambda: report.append(run(c)), daemon=True)
+    t.start()
+    wait_until(lambda: (c.home(0) / "started").exists(), timeout=WAIT_S)
+    return t, report
+
+
 def test_a_second_run_of_the_same_job_at_once_is_refused(tmp_path, monkeypatch):
     """Two runs at once raced on the same hosts: the second saw the venv the first was still creating as made."""
-    wait = {"name": "wait", "run": "touch started; while [ ! -e go ]; do sleep 0.05; done", "unless": "false"}
-    c = cluster(tmp_path, monkeypatch, {"timeout": 120, "commands": [wait]}, hosts=1)
-    first: list = []
-    t = threading.Thread(target=lambda: first.append(run(c)), daemon=True)
-    t.start()
+    c = cluster(tmp_path, monkeypatch, {"timeout": 120, "commands": [WAIT]}, hosts=1)
+    t, first = first_run(c)
     try:
-        wait_until(lambda: (c.home(0) / "started").exists(), timeout=WAIT_S)
         with pytest.raises(ProvisionError) as info:
             run(c, check=True)
         assert str(info.value) == (f"another clusterctl provision of {c.name} is running on this controller; "
@@ -197,14 +207,9 @@ def test_runs_from_two_controllers_take_turns_on_a_host(tmp_path, monkeypatch):
     """The controller's lock is one controller's: a run from another one (another XDG_CACHE_HOME, another
     machine) raced the first on the same hosts. Each step now holds the login's lock on its host: the second
     run's step waits for the first's, and fails in one line when the wait runs past 0.8 x provision.timeout."""
-    wait = {"name": "wait", "run": "echo in >> trace; touch started; while [ ! -e go ]; do sleep 0.05; done; "
-                                   "echo out >> trace", "unless": "false"}
-    c = cluster(tmp_path, monkeypatch, {"timeout": 120, "commands": [wait]}, hosts=1)
-    first: list = []
-    t = threading.Thread(target=lambda: first.append(run(c)), daemon=True)
-    t.start()
+    c = cluster(tmp_path, monkeypatch, {"timeout": 120, "commands": [WAIT]}, hosts=1)
+    t, first = first_run(c)
     try:
-        wait_until(lambda: (c.home(0) / "started").exists(), timeout=WAIT_S)
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other-controller"))
         data = c.spec_path.read_text().replace("timeout: 120", "timeout: 2")
         assert data != c.spec_path.read_text()
