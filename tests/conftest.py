@@ -1,6 +1,5 @@
 """Shared test helpers."""
 
-import os
 import signal
 import textwrap
 import time
@@ -15,20 +14,9 @@ def pytest_sessionfinish(session, exitstatus):
     """Remove the MPICH segments this run's tests left in /dev/shm (their ranks killed on purpose, outside any
     clusterctl stop, which removes its own: clusterctl/host/stopping.py): made since the run began, of this user,
     mapped by nothing. Each is ~2 MiB of memory until the next boot."""
-    from clusterctl.host.procfs import SHM_DIR, SHM_PREFIXES, release_shm
+    from clusterctl.host.procfs import release_shm, shm_leftovers
 
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIXES)]
-    except OSError:
-        return
-    made = []
-    for name in names:
-        try:
-            if os.lstat(SHM_DIR + name).st_ctime >= _STARTED:
-                made.append(SHM_DIR + name)
-        except OSError:
-            continue
-    release_shm(made, None)
+    release_shm(shm_leftovers(since=_STARTED), None)
 
 
 def pytest_configure(config):

@@ -103,28 +103,39 @@ def shm_segments(pids):
     return found
 
 
-def _own_segment(path, before=None):
-    """lstat of path if it is a regular file of this user (and, with `before`, last changed before then)."""
+def _own_segment(path):
+    """Whether path is a regular file of this user (lstat: a symlink is not)."""
     try:
         st = os.lstat(path)
     except OSError:
-        return None
-    ok = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and (before is None or st.st_ctime < before)
-    return st if ok else None
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def shm_leftovers(before=None, since=None):
+    """The SHM_PREFIXES segments of this user in /dev/shm last changed before `before` and since `since` (wall
+    clock; None: no bound), mapped or not."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIXES)]
+    except OSError:
+        return set()
+    found = set()
+    for name in names:
+        try:
+            changed = os.lstat(SHM_DIR + name).st_ctime
+        except OSError:
+            continue
+        if (before is None or changed < before) and (since is None or changed >= since) and _own_segment(SHM_DIR + name):
+            found.add(SHM_DIR + name)
+    return found
 
 
 def release_shm(noted, before):
     """Unlink the MPI segments a stopped job left: those in `noted` (what its processes mapped when the stop
-    began) and any other SHM_PREFIXES segment of this user last changed before `before` (the stop's start, wall
-    clock: ranks another host's mpiexec ended before this host's stop began), each only while it is a regular file
-    of ours that no process this one can see maps. Returns the paths removed."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        names = []
-    older = set(SHM_DIR + n for n in names if before is not None and n.startswith(SHM_PREFIXES)
-                and _own_segment(SHM_DIR + n, before))
-    left = set(p for p in noted if _own_segment(p)) | older
+    began) and, with `before` (the stop's start, wall clock), any other SHM_PREFIXES segment of this user last
+    changed before then (ranks another host's mpiexec ended before this host's stop began), each only while it is
+    a regular file of ours that no process this one can see maps. Returns the paths removed."""
+    left = set(p for p in noted if _own_segment(p)) | (shm_leftovers(before=before) if before is not None else set())
     if not left:
         return []
     left -= shm_segments(_pids())

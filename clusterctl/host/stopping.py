@@ -41,6 +41,7 @@ class Stopper:
         self._sent = {}  # (via, pid) -> its entry in killed
         self.phase = "new"
         self.leftover = []
+        self._pids = []  # the job's live pids at the last snapshot
         self.segments, self.removed, self.began = set(), [], None
         self.deadline = self.kill_deadline = 0.0
 

@@ -24,7 +24,8 @@ __all__ = ["StepOutcome", "ProvisionReport", "provision", "parse_status", "log_d
 STATUS_PREFIX = "CLUSTERCTL_STEP "
 HOST_GRACE_S = 2  # a step past provision.timeout is ended on the host this much after the controller gave up
 KILL_AFTER_S = 5  # ... with SIGTERM to its process group, then SIGKILL this much later
-HOST_LOCK = "$HOME/.cache/clusterctl/provision.lock"  # one step at a time per login on a host, whichever controller
+HOST_LOCK_DIR = "$HOME/.cache/clusterctl"  # where the login's provision lock is, on its host (expanded there)
+HOST_LOCK = HOST_LOCK_DIR + "/provision.lock"  # one step at a time per login on a host, whichever controller
 HOST_LOCK_WAIT = 0.8  # of provision.timeout: a step waits this long for another run's step on its host
 HOST_LOCK_BUSY = 199  # flock's exit when the wait ran out
 LOG_KEEP_BYTES = 32 << 20  # a host's log past this at the start of a run is kept as <host>.log.1, and a new one begun
@@ -254,8 +255,8 @@ def _host_locked(command: str, step: str, timeout: float) -> str:
     hold the lock, runs it unlocked, as before."""
     wait = f"{max(1.0, timeout * HOST_LOCK_WAIT):g}"
     busy = (f"{STATUS_PREFIX}{step} failed another clusterctl provision on this host held its lock "
-            f"(~/.cache/clusterctl/provision.lock) for {wait}s; run again when it has finished")
-    return (f'if command -v flock >/dev/null 2>&1 && mkdir -p "$HOME/.cache/clusterctl" 2>/dev/null; then '
+            f"({HOST_LOCK.replace('$HOME', '~')}) for {wait}s; run again when it has finished")
+    return (f'if command -v flock >/dev/null 2>&1 && mkdir -p "{HOST_LOCK_DIR}" 2>/dev/null; then '
             f'flock -o -w {wait} -E {HOST_LOCK_BUSY} "{HOST_LOCK}" {command}; rc=$?; '
             f'if [ "$rc" = {HOST_LOCK_BUSY} ]; then echo {join([busy])}; fi; exit "$rc"; else {command}; fi')
 
