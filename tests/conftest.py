@@ -11,12 +11,13 @@ _STARTED = time.time()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Remove the MPICH segments this run's tests left in /dev/shm (their ranks killed on purpose, outside any
-    clusterctl stop, which removes its own: clusterctl/host/stopping.py): made since the run began, of this user,
-    mapped by nothing. Each is ~2 MiB of memory until the next boot."""
-    from clusterctl.host.procfs import release_shm, shm_leftovers
+    """Remove the MPI runtime's files this run's tests left (MPICH's segments in /dev/shm, ~2 MiB of memory each
+    until the next boot, and hydra's topology files in /tmp: their ranks and launchers killed on purpose, outside
+    any clusterctl stop, which removes its own: clusterctl/host/stopping.py): made since the run began, of this
+    user, used by nothing."""
+    from clusterctl.host.procfs import mpi_leftovers, release_mpi_files
 
-    release_shm(shm_leftovers(since=_STARTED), None)
+    release_mpi_files(mpi_leftovers(since=_STARTED), None)
 
 
 def pytest_configure(config):

