@@ -2,7 +2,7 @@
 
 Layout of a checkpoint directory::
 
-    DIR/pserver-<id>/manifest.json   # step, server id/count, mode, optimizer, block table
+    DIR/pserver-<id>/manifest.json   # step, server id/count, mode, optimizer, block table, parameter shapes
     DIR/pserver-<id>/tensors.npz     # every block and its optimizer state
     DIR/pserver-<id>.prev/           # the checkpoint before it (kept so that pservers that crashed between
                                      # two saves can still agree on a common step: see load_server(step=))
@@ -12,6 +12,11 @@ Layout of a checkpoint directory::
 Each pserver writes its own subdirectory atomically (temporary directory, then rename). Loading checks
 the manifest against the server's identity and, where the commit record or sibling manifests are
 visible (shared or local filesystem), that they all carry the same step.
+
+Blocks are flat, so a block's size and dtype cannot tell a (3, 4) parameter from a (4, 3) one: the manifest
+also records the full shape and dtype of every parameter the shard holds blocks of (``params``), which the
+pserver compares with the trainers' (server.py). Checkpoints written before that have no ``params``; they
+load, and only their block names, sizes and dtypes are checked.
 
 Shard directories are never followed through a symlink: every ``pserver-<id>``, ``pserver-<id>.prev``
 and temporary directory is checked with ``os.lstat`` before a save or load touches it (a symlink is a
@@ -28,7 +33,7 @@ import shutil
 import stat
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +46,8 @@ __all__ = [
     "ServerCheckpoint",
     "has_server_checkpoint",
     "load_server",
+    "param_table",
+    "parse_params",
     "read_commit",
     "save_server",
     "saved_steps",
@@ -64,6 +71,27 @@ class ServerCheckpoint:
     optimizer: dict[str, Any] | None
     blocks: dict[str, np.ndarray]
     states: dict[str, dict[str, np.ndarray]]
+    #: shape and dtype of each parameter the blocks belong to; empty when loaded from an older checkpoint
+    params: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+
+
+def param_table(params: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, dict[str, Any]]:
+    """``params`` as JSON, in a manifest or an ``init`` header: ``{name: {"shape": [...], "dtype": ...}}``."""
+    return {name: {"shape": list(shape), "dtype": dtype} for name, (shape, dtype) in params.items()}
+
+
+def parse_params(table: Any) -> dict[str, tuple[tuple[int, ...], str]] | None:
+    """The inverse of :func:`param_table`; None when ``table`` is malformed."""
+    if not isinstance(table, dict):
+        return None
+    out = {}
+    for name, entry in table.items():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if (not isinstance(shape, list) or not isinstance(entry.get("dtype"), str)
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            return None
+        out[name] = (tuple(shape), entry["dtype"])
+    return out
 
 
 def server_dir(root: str | os.PathLike[str], server_id: int) -> Path:
@@ -174,6 +202,7 @@ def _write_shard(tmp: Path, ckpt: ServerCheckpoint, job: str) -> None:
         "mode": ckpt.mode,
         "optimizer": ckpt.optimizer,
         "blocks": table,
+        "params": param_table(ckpt.params),
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     _fsync_file(tmp / "manifest.json")
@@ -247,6 +276,9 @@ def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int, 
     table = manifest.get("blocks", [])
     if not isinstance(table, list) or not all(map(_is_entry, table)):
         raise CheckpointError(f"{sdir}/manifest.json: the block table is malformed")
+    params = parse_params(manifest.get("params", {}))
+    if params is None:
+        raise CheckpointError(f"{sdir}/manifest.json: the parameter table is malformed")
     if want is not None and step != want:
         raise CheckpointError(f"{sdir}: pserver {server_id} has no checkpoint at step {want} "
                               f"(it has {saved_steps(root, server_id)})")
@@ -272,7 +304,7 @@ def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int, 
         states[entry["key"]] = st
     log.info("loaded %d block(s) at step %d from %s", len(blocks), step, sdir)
     return ServerCheckpoint(server_id, num_servers, step, str(manifest.get("mode", "")),
-                            manifest.get("optimizer"), blocks, states)
+                            manifest.get("optimizer"), blocks, states, params)
 
 
 def _is_entry(entry: Any) -> bool:

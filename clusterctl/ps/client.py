@@ -360,7 +360,13 @@ class PSClient:
             parts = self._split(arrays)
             fields = {"mode": self.mode, "optimizer": self.optimizer.to_dict(), "k_steps": self.k_steps,
                       "plan": self.plan.fingerprint}
-            replies = self._request("init", {i: (fields, parts[i]) for i in parts})
+            # each pserver gets the full shape of the parameters it holds blocks of, to check against a checkpoint
+            params: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {i: {} for i in parts}
+            shapes = dict(self.plan.shapes)
+            for b in self.plan.blocks:
+                params[b.server][b.param] = (shapes[b.param], self._dtypes[b.param].name)
+            replies = self._request("init", {i: ({**fields, "params": ckpt.param_table(params[i])}, parts[i])
+                                             for i in parts})
         except PsError:  # refused (e.g. another trainer registered other shapes): keep what was registered
             self.plan, self._dtypes = registered
             raise

@@ -110,6 +110,13 @@ class _RejectError(Exception):
         self.extra = extra
 
 
+def _param_diff(saved: dict[str, tuple[tuple[int, ...], str]], given: dict[str, tuple[tuple[int, ...], str]]) -> str:
+    """Up to five same-named parameters whose shape or dtype differ between ``saved`` (the checkpoint's) and ``given``."""
+    bad = [f"{name}: checkpoint {saved[name][0]} {saved[name][1]}, trainer {given[name][0]} {given[name][1]}"
+           for name in sorted(saved.keys() & given.keys()) if saved[name] != given[name]]
+    return "; ".join(bad[:5]) + (f"; ... ({len(bad)} in all)" if len(bad) > 5 else "")
+
+
 def _nbytes(frame: Any) -> int:
     return frame.nbytes if hasattr(frame, "nbytes") else len(frame)
 
@@ -179,6 +186,8 @@ class ParameterServer:
         self.resumed = False  # blocks come from a checkpoint: every init must name exactly those blocks
         self.blocks: dict[str, np.ndarray] = {}
         self.states: dict[str, dict[str, np.ndarray]] = {}
+        # parameter -> (shape, dtype) of the blocks held: blocks are flat, their sizes cannot tell (3, 4) from (4, 3)
+        self.params: dict[str, tuple[tuple[int, ...], str]] = {}
         self.optimizer: OptimizerConfig | None = None
         self.plan_id: str | None = None  # placement fingerprint of the first trainer's init
         self.completed: set[int] = set()
@@ -666,6 +675,13 @@ class ParameterServer:
             raise _RejectError("plan_mismatch", f"trainer {msg.header['tid']} placed the parameters differently "
                                f"(plan {plan}, pserver has {self.plan_id}): same names, shapes and order "
                                "on every trainer?")
+        params = ckpt.parse_params(msg.header.get("params", {}))  # absent: a trainer that sends no shapes
+        if params is None:
+            raise ProtocolError("init's 'params' must map each parameter to its 'shape' and 'dtype'")
+        diff = _param_diff(self.params, params) if self.resumed else ""
+        if diff:
+            raise _RejectError("checkpoint_mismatch", f"trainer {msg.header['tid']}'s parameters differ from the "
+                               f"checkpoint (step {self.loaded_step}) pserver {self.server_id} resumed from: {diff}")
         if self.resumed and msg.tensors.keys() != self.blocks.keys():
             diff = [f"{what} {len(keys)} block(s): {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}"
                     for what, keys in (("lacks", sorted(self.blocks.keys() - msg.tensors.keys())),
@@ -683,6 +699,8 @@ class ParameterServer:
                               f"pserver holds {have.dtype.name}[{have.size}]")
         self.optimizer = opt
         self.plan_id = plan
+        for name, shape in params.items():  # first init wins; also fills in what an older checkpoint lacked
+            self.params.setdefault(name, shape)
         for key, arr in fresh.items():
             self.blocks[key] = arr
             self.states[key] = init_state(opt, arr)
@@ -857,7 +875,7 @@ class ParameterServer:
         self._publish_all()  # parameters and optimizer state of the same updates
         path = ckpt.save_server(root, ckpt.ServerCheckpoint(
             self.server_id, self.num_servers, step, self.mode,
-            self.optimizer.to_dict() if self.optimizer else None, dict(self.blocks), self.states,
+            self.optimizer.to_dict() if self.optimizer else None, dict(self.blocks), self.states, self.params,
         ), job=self.job)
         self._reply(envelope, msg, {"step": step, "path": str(path)})
 
@@ -869,7 +887,7 @@ class ParameterServer:
             self._publish_all()
             ckpt.save_server(self.checkpoint_dir, ckpt.ServerCheckpoint(
                 self.server_id, self.num_servers, self.step, self.mode,
-                self.optimizer.to_dict() if self.optimizer else None, dict(self.blocks), self.states,
+                self.optimizer.to_dict() if self.optimizer else None, dict(self.blocks), self.states, self.params,
             ), job=self.job)
         self._next_save = (self.step // self.checkpoint_every + 1) * self.checkpoint_every
 
@@ -889,6 +907,10 @@ class ParameterServer:
 
     def _load(self, root: str, *, step: int | None = None, siblings: bool = True) -> None:
         loaded = ckpt.load_server(root, self.server_id, self.num_servers, step=step, siblings=siblings)
+        diff = _param_diff(loaded.params, self.params)  # a load after init: no init follows to check it
+        if diff:
+            raise _RejectError("checkpoint_mismatch", f"the checkpoint (step {loaded.step}) in {root} differs from "
+                               f"the parameters registered with pserver {self.server_id}: {diff}")
         if loaded.mode and loaded.mode != self.mode:
             log.warning("checkpoint %s was saved in mode %s, pserver runs %s", root, loaded.mode, self.mode)
         opt = OptimizerConfig.from_dict(loaded.optimizer) if loaded.optimizer else None
@@ -899,6 +921,7 @@ class ParameterServer:
                     raise CheckpointError(f"{root}: block {key!r} lacks {opt.kind} optimizer state")
         self.blocks = loaded.blocks
         self.states = loaded.states
+        self.params = loaded.params
         self._pool.clear()  # recycled buffers may have other sizes than the loaded blocks
         self._builds.clear()  # deferred requests are replayed (and validated again) after this one
         self._part_t.clear()
