@@ -246,19 +246,21 @@ def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_
     return out
 
 
-def _host_locked(command: str, step: str, timeout: float) -> str:
+def _host_locked(command: str, step: str, timeout: float, *, upload: bool = False) -> str:
     """`command` run while holding the login's provision lock on its host (util-linux `flock`, taken as the login
     user, before any sudo), so that runs from two controllers (or of two specs) take turns step by step instead of
     racing on one venv: the second waits for the first's step, then finds it done. `-o`: what the step leaves
     running (a service it started) does not hold the lock, flock itself does until the step ends. A wait past
     HOST_LOCK_WAIT of the step's timeout fails the step in one line; a host without flock, or whose home cannot
-    hold the lock, runs it unlocked, as before."""
+    hold the lock, runs it unlocked, as before. `upload`: `command` unpacks files for `step` (a tar writes each in
+    place, so another run's install could read one half written); the busy line goes to stderr, not as a status."""
     wait = f"{max(1.0, timeout * HOST_LOCK_WAIT):g}"
-    busy = (f"{STATUS_PREFIX}{step} failed another clusterctl provision on this host held its lock "
-            f"({HOST_LOCK.replace('$HOME', '~')}) for {wait}s; run again when it has finished")
+    busy = (f"another clusterctl provision on this host held its lock ({HOST_LOCK.replace('$HOME', '~')}) for "
+            f"{wait}s; run again when it has finished")
+    say = f"echo {join([busy])} >&2" if upload else f"echo {join([f'{STATUS_PREFIX}{step} failed {busy}'])}"
     return (f'if command -v flock >/dev/null 2>&1 && mkdir -p "{HOST_LOCK_DIR}" 2>/dev/null; then '
             f'flock -o -w {wait} -E {HOST_LOCK_BUSY} "{HOST_LOCK}" {command}; rc=$?; '
-            f'if [ "$rc" = {HOST_LOCK_BUSY} ]; then echo {join([busy])}; fi; exit "$rc"; else {command}; fi')
+            f'if [ "$rc" = {HOST_LOCK_BUSY} ]; then {say}; fi; exit "$rc"; else {command}; fi')
 
 
 def _offline(prov, step: str) -> bool:
@@ -344,7 +346,8 @@ def _offline_apt(session, step: str, hosts, *, check: bool, force: bool, log) ->
             (index.parent / "clusterctl-manifest.json").write_bytes(aptoffline.manifest(send, state))
             uploads[host] = [*send, index, index.parent / "Release", index.parent / "clusterctl-manifest.json"]
     if uploads:
-        sent = remote.run(aptoffline.upload_command(remote_dir), hosts=list(uploads),
+        unpack = join(["sh", "-c", aptoffline.upload_command(remote_dir)])
+        sent = remote.run(_host_locked(unpack, step, spec.provision.timeout, upload=True), hosts=list(uploads),
                           stdin=lambda h: wheelhouse.tar_stream(uploads[h]), timeout=spec.provision.timeout,
                           check=False, what="apt offline upload")
         for host, res in sent.items():
@@ -388,7 +391,8 @@ def _wheelhouse(session, steps, hosts, facts, *, check: bool, force: bool, log) 
             out[host] = StepOutcome("changed", f"upload {len(files)} wheel(s)")
     if senders and not check:
         results = remote.run(
-            wheelhouse.upload_command(wh.remote), hosts=senders, stdin=lambda h: wheelhouse.tar_stream(missing[h]),
+            _host_locked(join(["sh", "-c", wheelhouse.upload_command(wh.remote)]), "wheelhouse", spec.provision.timeout,
+                         upload=True), hosts=senders, stdin=lambda h: wheelhouse.tar_stream(missing[h]),
             timeout=session.spec.provision.timeout, check=False, what="wheelhouse upload",
         )
         for host, res in results.items():

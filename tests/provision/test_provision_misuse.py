@@ -233,3 +233,28 @@ def test_runs_from_two_controllers_take_turns_on_a_host(tmp_path, monkeypatch):
     t2.join(WAIT_S)
     assert outcomes(first[0]) == outcomes(second[0]) == {("n0", "commands"): ("changed", "ran wait")}
     assert (c.home(0) / "trace").read_text() == "in\nout\nin\nout\n"
+
+
+def test_a_wheelhouse_upload_waits_for_another_runs_step_on_its_host(tmp_path, monkeypatch):
+    """The uploads ran outside the host's lock: tar writes each wheel in place, so a second controller's upload
+    could rewrite a wheel while the first run's pip step was installing from it. The upload now takes the lock too,
+    and a wait past 0.8 x provision.timeout fails it in one line, having written nothing."""
+    import fcntl
+
+    tiny_wheel(tmp_path / "wheels", version="1.0")
+    (tmp_path / "index").mkdir()
+    section = {"timeout": 2, "python": {"requirements": ["tinypkg==1.0"]},
+               "wheelhouse": {"local": str(tmp_path / "wh"), "index_url": (tmp_path / "index").as_uri(),
+                              "find_links": ["wheels"]}}
+    c = cluster(tmp_path, monkeypatch, section, hosts=1)
+    lock = c.home(0) / ".cache" / "clusterctl" / "provision.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as held:  # another run's step, holding the login's lock on the host
+        fcntl.flock(held, fcntl.LOCK_EX)
+        got = outcomes(run(c, only=["wheelhouse"]))
+    assert got == {("n0", "wheelhouse"): (
+        "failed", "upload failed: another clusterctl provision on this host held its lock "
+                  "(~/.cache/clusterctl/provision.lock) for 1.6s; run again when it has finished")}
+    assert not list(c.home(0).rglob("tinypkg-*.whl"))
+    got = outcomes(run(c, only=["wheelhouse"]))  # the lock let go: uploaded
+    assert got[("n0", "wheelhouse")][0] == "changed" and list(c.home(0).rglob("tinypkg-*.whl"))
