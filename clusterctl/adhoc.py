@@ -45,7 +45,7 @@ def split_host(text: str) -> dict:
     try:
         user, host, port = parse_jump(text)
     except ValueError as exc:
-        raise ClusterctlError(f"-H {text}: {exc}") from None
+        raise ClusterctlError(f"-H {text!r}: {exc}") from None  # quoted: `-H h:` read "-H h:: bad port"
     entry: dict = {"address": host}
     if user:
         entry["user"] = user

@@ -27,10 +27,13 @@ from fabric.executor import Executor
 from invoke import Argument, Call, Context, Exit, Task
 
 from clusterctl.errors import ClusterctlError
+from clusterctl.fab import guard_fab
 
 __all__ = ["ClusterExecutor", "start", "tail_log", "status", "kill", "provision", "doctor", "dispatch", "exec_"]
 
 SPEC_NAMES = ("cluster.yaml", "cluster.yml")
+
+guard_fab()  # plain `fab`'s refusals after this import (its task flags, -S, -f, -i) are one line (see clusterctl.fab)
 
 
 class ClusterContext(Context):
@@ -140,8 +143,7 @@ def _spec(c, spec: str | None, *, remember: bool = False, **options):
     cwd = os.getcwd()
     if hosts:
         connect = c.config.get("connect_kwargs") or {}
-        keys = connect.get("key_filename")
-        key = keys[0] if isinstance(keys, list) and keys else keys if isinstance(keys, str) else None
+        key = _one_key(connect.get("key_filename"))
         ssh_config = getattr(c.config, "_runtime_ssh_path", None) or None  # fab -S FILE
         chosen = {k: v for k, v in opts.items() if v is not None}
         options = AdhocOptions(identity_file=key, ssh_config=ssh_config, connect_timeout=connect.get("timeout"),
@@ -161,6 +163,16 @@ def _spec(c, spec: str | None, *, remember: bool = False, **options):
         _only_for_hosts(opts, "the last `fab -H ... start` from here")
         return parse_spec(last.read_text(encoding="utf-8"), "<fab -H>")
     raise ClusterctlError("no hosts: give -H host1,host2 or --spec FILE, or run where a cluster.yaml is")
+
+
+def _one_key(keys) -> str | None:
+    """The key file of `-i` (Fabric's connect_kwargs.key_filename): a spec takes one, so more are refused, not
+    all but the first dropped."""
+    keys = [keys] if isinstance(keys, str) else list(keys or [])
+    if len(keys) > 1:
+        raise ClusterctlError(f"-i: {len(keys)} key files ({', '.join(map(str, keys))}): clusterctl's tasks take one; "
+                              "put the others in your ssh-agent or ssh config")
+    return keys[0] if keys else None
 
 
 # the task options that shape the spec built from -H (keys of _opts), as a user types them

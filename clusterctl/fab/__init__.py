@@ -4,15 +4,24 @@ The fabfile is package data (`clusterctl/fab/fabfile.py`, the repository's top-l
 works from any directory without a checkout. Plain `fab` finds it too:
 `fab --search-root "$(clusterctl-fab --where)" -H ip1,ip2 start`. A `-r/--search-root` or `-c/--collection`
 given on the command line wins (your own fabfile).
+
+`guard` makes the refusals of Fabric's program one `clusterctl: error:` line and exit 1, never a traceback
+nor Invoke's own wording: clusterctl-fab's program has it from the start; plain `fab` gets it when it imports
+clusterctl's fabfile, for the steps after that import (the command line after the task names, Fabric's
+`-S`/`-f`/`-i` loading), not for its core flags, parsed before (`fab -r` with no value is Invoke's line).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import re
 import sys
 from importlib import resources
 
-__all__ = ["fabfile_dir", "main"]
+__all__ = ["fabfile_dir", "main", "guard", "guard_fab"]
 
+PREFIX = "clusterctl: error: "
 _OWN_ROOT_FLAGS = ("-r", "--search-root", "-c", "--collection")
 
 
@@ -35,26 +44,172 @@ def main(argv: list[str] | None = None) -> None:
 
 def _program():
     """Fabric's `fab` program, plus a `--spec FILE` before the task names (`clusterctl-fab --spec cluster.yaml
-    provision`, as a task's own `--spec` after its name); a missing `-S FILE`, or a word where Invoke wants a
-    number, is one line instead of a traceback."""
+    provision`, as a task's own `--spec` after its name), with guard()'s one-line refusals."""
     from fabric import Config, Executor, __version__
     from fabric.main import Fab
-    from invoke import Argument, Exit
+    from invoke import Argument
 
     class ClusterFab(Fab):
         def core_args(self):
             return [*super().core_args(), Argument(names=("spec",), help="a cluster spec (YAML) for every task")]
 
-        def parse_core(self, *args, **kwargs):
-            try:
-                super().parse_core(*args, **kwargs)
-            except ValueError as exc:  # Invoke converts --connect-timeout and -T/--command-timeout itself
-                raise Exit(f"clusterctl: error: a whole number was expected: {exc}", code=1) from None
-
-        def update_config(self):
-            try:
-                super().update_config()
-            except FileNotFoundError as exc:  # Fabric's own `-S` check, a traceback otherwise
-                raise Exit(f"clusterctl: error: ssh config {exc.filename}: no such file", code=1) from None
-
+    guard(ClusterFab)
     return ClusterFab(name="Fabric", version=__version__, executor_class=Executor, config_class=Config)
+
+
+# ------------------------------------------------------------------------- one-line refusals
+
+
+def guard_fab() -> None:
+    """guard() Fabric's own `fab` program (called when clusterctl's fabfile is imported); nothing if this
+    Fabric has no `fabric.main.Fab`."""
+    try:
+        from fabric.main import Fab
+    except ImportError:
+        return
+    guard(Fab)
+
+
+def guard(program_class) -> None:
+    """Wrap the steps of `program_class` (Fabric's Fab or a subclass) that refuse bad input so that each refusal
+    is one `clusterctl: error:` line and exit 1. Idempotent; a step the class lacks is left alone."""
+    for name, kwargs in _STEPS.items():
+        step = getattr(program_class, name, None)
+        if callable(step) and not getattr(step, "_clusterctl_guard", False):
+            setattr(program_class, name, _one_line(step, **kwargs))
+
+
+def _one_line(step, *, numbers=False, checks=False, loading=False):
+    """`step` with its refusals as one line (_refusal); `checks`: then the core flags' values are checked."""
+
+    @functools.wraps(step)
+    def guarded(self, *args, **kwargs):
+        from invoke import Exit
+
+        try:
+            result = step(self, *args, **kwargs)
+        except Exception as exc:
+            said = _refusal(self, exc, numbers=numbers, loading=loading)
+            if said is None:
+                raise
+            raise Exit(PREFIX + said, code=exc.code if isinstance(exc, Exit) else 1) from None
+        if checks:
+            _check_core(self.args)
+        return result
+
+    guarded._clusterctl_guard = True
+    return guarded
+
+
+def _refusal(program, exc, *, numbers: bool, loading: bool) -> str | None:
+    """The line for `exc`, raised by a step of `program`; None to let it through. Invoke's ParseError (a flag
+    with no value, an unknown word) and an Exit message of its own; `numbers`: a word given for a number
+    (Invoke's int(), a traceback otherwise); `loading`: an error reading the `-S` or `-f` file."""
+    from invoke import Exit, ParseError
+
+    if isinstance(exc, ParseError):
+        return _parse_error(exc)
+    if isinstance(exc, Exit):  # --help, --list (no message), or already one of ours: as it is
+        return _exit_message(program, exc) if exc.message and exc.code and not exc.message.startswith(PREFIX) \
+            else None
+    if numbers and isinstance(exc, ValueError):
+        return f"a whole number was expected: {exc}"
+    return _loading_error(program, exc) if loading else None
+
+
+# the program's steps, in Program.run's order: Fabric's core flags; the fabfile (clusterctl's is imported here);
+# the task names and their flags (a core flag may come after them); --help TASK, --list; -f, -S, -i loaded
+_STEPS = {
+    "parse_core": {"numbers": True, "checks": True},
+    "parse_collection": {},
+    "parse_tasks": {"numbers": True, "checks": True},
+    "parse_cleanup": {},
+    "update_config": {"loading": True},
+}
+
+_NEEDS_VALUE = re.compile(r"Flag <\w+: ([\w-]+)(?: \(([\w, -]+)\))?[^>]*> needed value and was not given one!")
+_UNKNOWN = re.compile(r"No idea what (.*) is!")
+_MISSING = re.compile(r"'(.+)' did not receive required positional arguments: (.+)")
+_QUOTED = re.compile(r"'([^']*)'")
+
+
+def _flags(names: list[str]) -> str:
+    """Invoke's argument names as flags, short first: ['search-root', 'r'] -> '-r/--search-root' (several
+    arguments' names, as for a task missing two, read the same way: '--a/--b')."""
+    flags = [f"-{n}" if len(n) == 1 else f"--{n.replace('_', '-')}" for n in names]
+    return "/".join(sorted(flags, key=len))
+
+
+def _parse_error(exc) -> str:
+    """Invoke's parse error in clusterctl's words (its own text for one not known here)."""
+    text = str(exc)
+    task = getattr(exc.context, "name", None)
+    if match := _NEEDS_VALUE.fullmatch(text):
+        names = [match[1], *(match[2].split(", ") if match[2] else [])]
+        return f"{_flags(names)} needs a value"
+    if match := _MISSING.fullmatch(text):
+        return f"{match[1]} needs {_flags(_QUOTED.findall(match[2]))}"
+    if match := _UNKNOWN.fullmatch(text):
+        word = match[1]
+        if word.strip("'\"").startswith("-"):
+            return f"{task} has no option {word}" if task else f"no option {word}"
+        return f"no task {word} (see --list)"
+    return text
+
+
+def _exit_message(program, exc) -> str:
+    """An Exit message of Invoke's in clusterctl's words: a fabfile not found names where it was looked for."""
+    from invoke.exceptions import CollectionNotFound
+
+    missing = exc.__context__
+    if isinstance(missing, CollectionNotFound):
+        where = program.args["search-root"].value or os.getcwd()
+        return f"no {missing.name!r} collection ({missing.name}.py) in {where} or a directory above it"
+    return exc.message
+
+
+# the core flags that name a file or directory: what an empty value is refused for
+_NAMING = {"search-root": ("-r", "a directory holding a fabfile.py"), "collection": ("-c", "a collection name"),
+           "config": ("-f", "a config file"), "ssh-config": ("-S", "an ssh config file"),
+           "identity": ("-i", "a key file")}
+
+
+def _check_core(args) -> None:
+    """Refuse a core flag's value that Fabric or Invoke would drop without a word: an empty file name (`-i ''`:
+    no key; `-r ''`: the current directory), a `-f` file that is not there (skipped), `--connect-timeout 0`
+    (no timeout)."""
+    from invoke import Exit
+
+    for name, (flag, what) in _NAMING.items():
+        value = args[name].value if name in args else None
+        for given in value if isinstance(value, list) else [value]:
+            if isinstance(given, str) and not given.strip():
+                raise Exit(f"{PREFIX}{flag} {given!r} names nothing: give {what}, or leave the option out", code=1)
+    runtime = args["config"].value if "config" in args else None
+    if runtime and not os.path.isfile(runtime):
+        said = "not a file" if os.path.exists(runtime) else "no such file"
+        raise Exit(f"{PREFIX}-f {runtime}: {said}", code=1)
+    timeout = args["connect-timeout"].value if "connect-timeout" in args else None
+    if timeout is not None and timeout <= 0:
+        raise Exit(f"{PREFIX}--connect-timeout must be more than 0 seconds, not {timeout}", code=1)
+
+
+def _loading_error(program, exc) -> str | None:
+    """The line for an error of Fabric loading the `-S` ssh config (or your own, without -S) or Invoke loading
+    the `-f` config file; None for any other error."""
+    from invoke.exceptions import UnknownFileType
+    from invoke.util import yaml  # Invoke's vendored copy, if it has one: its errors are not PyYAML's
+    from paramiko.ssh_exception import ConfigParseError
+
+    ssh = getattr(program.config, "_runtime_ssh_path", None)
+    runtime = program.args["config"].value if "config" in program.args else None
+    if isinstance(exc, OSError) and ssh is not None and exc.filename in (ssh, os.path.expanduser(ssh)):
+        return f"ssh config {ssh}: no such file" if isinstance(exc, FileNotFoundError) else \
+            f"ssh config {ssh}: {exc.strerror}"
+    if isinstance(exc, ConfigParseError):
+        return f"ssh config {ssh or '~/.ssh/config or /etc/ssh/ssh_config'}: {exc}"
+    if runtime and isinstance(exc, UnknownFileType):
+        return f"-f {runtime}: not a .yaml, .yml, .json or .py file"
+    if runtime and isinstance(exc, (OSError, ValueError, yaml.YAMLError)):
+        return f"-f {runtime}: cannot read it: {' '.join(str(exc).split())}"  # a YAML error spans lines
+    return None

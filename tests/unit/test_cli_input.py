@@ -74,10 +74,11 @@ def test_fab_tasks_refuse_bad_words_in_one_line(tmp_path, words, said):
 
 
 @pytest.mark.parametrize("text, said", [
-    ("127.0.0.1:99999", "-H 127.0.0.1:99999: bad port in '127.0.0.1:99999': expected 1-65535"),  # said "jump host"
-    ("[::1", "-H [::1: cannot parse '[::1': expected [user@]host[:port]"),
-    ("a b", "-H a b: not a host name or IP address: 'a b'"),
-    ("bad user@h", "-H bad user@h: not a valid user name: 'bad user'"),
+    ("127.0.0.1:99999", "-H '127.0.0.1:99999': bad port in '127.0.0.1:99999': expected 1-65535"),  # said "jump host"
+    ("[::1", "-H '[::1': cannot parse '[::1': expected [user@]host[:port]"),
+    ("a b", "-H 'a b': not a host name or IP address: 'a b'"),
+    ("bad user@h", "-H 'bad user@h': not a valid user name: 'bad user'"),
+    ("h:", "-H 'h:': bad port in 'h:': expected 1-65535"),  # said "-H h:: bad port"
 ])
 def test_a_bad_fab_host_is_one_line_naming_it(text, said):
     from clusterctl.adhoc import split_host

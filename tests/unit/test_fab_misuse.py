@@ -81,10 +81,116 @@ def test_clusterctl_fab_takes_spec_before_the_task_as_documented(tmp_path):
     assert res.stderr.strip() == "missing.yaml:1:1: cannot read spec: No such file or directory"
 
 
-def test_a_missing_ssh_config_is_one_line(tmp_path):
-    # was Fabric's FileNotFoundError traceback from its own -S loading, before any task ran
-    res = _clusterctl_fab("-S", str(tmp_path / "no_config"), "-H", "node0", "status", cwd=tmp_path)
+PROGRAMS = [pytest.param(_fab, id="fab"), pytest.param(_clusterctl_fab, id="clusterctl-fab")]
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_a_missing_ssh_config_is_one_line(tmp_path, program):
+    # was Fabric's FileNotFoundError traceback from its own -S loading, before any task ran (plain fab's until
+    # clusterctl's fabfile guarded Fabric's program when imported)
+    res = program("-S", str(tmp_path / "no_config"), "-H", "127.0.0.1", "status", cwd=tmp_path)
     assert _one_error(res) == f"ssh config {tmp_path / 'no_config'}: no such file"
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_an_ssh_config_paramiko_cannot_parse_is_one_line(tmp_path, program):
+    # was paramiko's ConfigParseError traceback
+    (tmp_path / "ssh_config").write_text("Host\n")
+    res = program("-S", str(tmp_path / "ssh_config"), "-H", "127.0.0.1", "status", cwd=tmp_path)
+    assert _one_error(res) == f"ssh config {tmp_path / 'ssh_config'}: Unparsable line Host"
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+@pytest.mark.parametrize("words, said", [
+    # `-i "$KEY"` with KEY unset: the task went on with no key of its own (the ssh config's, ~/.ssh's)
+    (["-i", ""], "-i '' names nothing: give a key file, or leave the option out"),
+    (["-i", "k1", "-i", " "], "-i ' ' names nothing: give a key file, or leave the option out"),
+    # `-S "$CFG"`: was Fabric's FileNotFoundError traceback (fab), `ssh config : no such file` (clusterctl-fab)
+    (["-S", ""], "-S '' names nothing: give an ssh config file, or leave the option out"),
+    # `-f "$CONF"`: Invoke's UnknownFileType traceback
+    (["-f", ""], "-f '' names nothing: give a config file, or leave the option out"),
+])
+def test_an_empty_file_for_fab_itself_is_refused_not_dropped(tmp_path, program, words, said):
+    assert _one_error(program(*words, "-H", "127.0.0.1", "status", cwd=tmp_path)) == said
+    # after the task name as well (Invoke takes fab's own flags there too)
+    assert _one_error(program("-H", "127.0.0.1", "status", *words, cwd=tmp_path)) == said
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_a_config_file_fab_cannot_use_is_one_line(tmp_path, program):
+    # a missing -f file was skipped without a word; the others were Invoke's tracebacks
+    (tmp_path / "bad.yaml").write_text("a: [\n")
+    (tmp_path / "conf.txt").write_text("a: 1\n")
+    for name, said in [("missing.yaml", "no such file"), (".", "not a file"),
+                       ("conf.txt", "not a .yaml, .yml, .json or .py file")]:
+        res = program("-f", str(tmp_path / name), "-H", "127.0.0.1", "status", cwd=tmp_path)
+        assert _one_error(res) == f"-f {tmp_path / name}: {said}"
+    res = program("-f", str(tmp_path / "bad.yaml"), "-H", "127.0.0.1", "status", cwd=tmp_path)
+    assert _one_error(res).startswith(f"-f {tmp_path / 'bad.yaml'}: cannot read it: while parsing a flow node ")
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_fabs_own_numbers_are_checked(tmp_path, program):
+    # `-t 0`: Fabric set no timeout at all (its `if timeout:`), the spec's default 10 s was used
+    res = program("-t", "0", "-H", "127.0.0.1", "status", cwd=tmp_path)
+    assert _one_error(res) == "--connect-timeout must be more than 0 seconds, not 0"
+    # a word after the task name: Invoke's int() traceback (before the task name: parsed before the fabfile
+    # is imported, so plain fab's own traceback stays; see test_a_word_for_a_whole_number_of_fab_itself_...)
+    res = program("-H", "127.0.0.1", "status", "--connect-timeout", "soon", cwd=tmp_path)
+    assert _one_error(res) == "a whole number was expected: invalid literal for int() with base 10: 'soon'"
+
+
+def test_more_than_one_key_file_is_refused_not_all_but_the_first_dropped(tmp_path):
+    # `-i k1 -i k2`: the spec took k1 and k2 was never tried
+    res = _fab("-i", "k1", "-i", "k2", "-H", "127.0.0.1", "status", cwd=tmp_path)
+    assert _one_error(res) == ("-i: 2 key files (k1, k2): clusterctl's tasks take one; "
+                               "put the others in your ssh-agent or ssh config")
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+@pytest.mark.parametrize("words, said", [
+    # were Invoke's own lines, without the prefix: `Flag <_WholeNumber: lines (l) [int]> needed value and was
+    # not given one!`, `No idea what '--lines' is!`, `'exec' did not receive required positional arguments: 'cmd'`
+    (["tail-log", "--lines"], "-l/--lines needs a value"),
+    (["status", "--spec"], "-s/--spec needs a value"),
+    (["status", "-S"], "-S/--ssh-config needs a value"),  # fab's own flag, after the task name
+    (["status", "--lines"], "status has no option '--lines'"),
+    (["stauts"], "no task 'stauts' (see --list)"),
+    (["--help", "stauts"], "no task 'stauts' (see --list)"),
+    (["exec"], "exec needs --cmd"),
+])
+def test_a_task_flag_without_its_value_is_one_line(tmp_path, program, words, said):
+    assert _one_error(program(*words, cwd=tmp_path)) == said
+
+
+@pytest.mark.parametrize("words, said", [
+    # fab's own flags, parsed before any fabfile is imported: only clusterctl-fab's program can word them
+    (["-r"], "-r/--search-root needs a value"),
+    (["-H"], "-H/--hosts needs a value"),
+    (["--spec"], "--spec needs a value"),
+    (["--bogus", "status"], "no option '--bogus'"),
+    (["-r", ""], "-r '' names nothing: give a directory holding a fabfile.py, or leave the option out"),
+    (["-c", "", "status"], "-c '' names nothing: give a collection name, or leave the option out"),
+])
+def test_a_core_flag_without_its_value_is_one_line_from_clusterctl_fab(tmp_path, words, said):
+    assert _one_error(_clusterctl_fab(*words, cwd=tmp_path)) == said
+
+
+def test_a_search_root_without_a_fabfile_is_one_line(tmp_path):
+    # Invoke's `Can't find any collection named 'fabfile'!`, without the prefix
+    missing = tmp_path / "missing"
+    for words in (["status"], []):
+        res = _clusterctl_fab("-r", str(missing), *words, cwd=tmp_path)
+        assert _one_error(res) == f"no 'fabfile' collection (fabfile.py) in {missing} or a directory above it"
+
+
+def test_plain_fab_with_a_bad_search_root_says_so_without_a_traceback(tmp_path):
+    # plain fab's core flags are parsed, and its fabfile looked for, before clusterctl's fabfile is imported:
+    # Invoke's own line stays there, but it is one line and exit 1
+    for words in (["-r"], ["-r", str(tmp_path / "missing"), "status"]):
+        res = _run([sys.executable, "-m", "fabric", *words], tmp_path)
+        assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert "Traceback" not in res.stderr, res.stderr
 
 
 def test_exec_with_an_empty_command_says_how_to_give_one(tmp_path):
@@ -299,21 +405,19 @@ def _first_error(capsys) -> str:
 
 
 @pytest.mark.parametrize("host, said", [
-    # were taken as the host alone (port 22, or the ssh config's): the ':' dropped without a word
-    ("h:", "-H h:: bad port in 'h:': expected 1-65535"),
-    ("u@h:", "-H u@h:: bad port in 'u@h:': expected 1-65535"),
-    ("[::1]:", "-H [::1]:: bad port in '[::1]:': expected 1-65535"),
-    ("h:\u00b2", "-H h:\u00b2: bad port in 'h:\u00b2': expected 1-65535"),  # was int()'s own error
-    ("h:0", "-H h:0: bad port in 'h:0': expected 1-65535"),
-    (":22", "-H :22: not a host name or IP address: ''"),
+    # were taken as the host alone (port 22, or the ssh config's): the ':' dropped without a word; then said
+    # `-H h:: bad port ...`, the colon of `h:` doubled by the one after the value
+    ("h:", "-H 'h:': bad port in 'h:': expected 1-65535"),
+    ("u@h:", "-H 'u@h:': bad port in 'u@h:': expected 1-65535"),
+    ("[::1]:", "-H '[::1]:': bad port in '[::1]:': expected 1-65535"),
+    ("h:\u00b2", "-H 'h:\u00b2': bad port in 'h:\u00b2': expected 1-65535"),  # was int()'s own error
+    ("h:0", "-H 'h:0': bad port in 'h:0': expected 1-65535"),
+    (":22", "-H ':22': not a host name or IP address: ''"),
+    ("h1,h:", "-H 'h:': bad port in 'h:': expected 1-65535"),  # the host at fault, not the whole list
 ])
-def test_a_host_with_an_empty_or_bad_port_is_refused_by_name(host, said):
-    from clusterctl.adhoc import AdhocOptions, adhoc_spec
-    from clusterctl.errors import ClusterctlError
-
-    with pytest.raises(ClusterctlError) as info:
-        adhoc_spec([host], AdhocOptions())
-    assert str(info.value) == said
+def test_a_host_with_an_empty_or_bad_port_is_refused_by_name(host, said, capsys):
+    assert _fab_here("-H", host, "status") == 1
+    assert capsys.readouterr().err.splitlines() == [f"clusterctl: error: {said}"]
 
 
 @pytest.mark.parametrize("host, address, port", [("[::1]:2222", "::1", 2222), ("[::1]", "::1", None),
