@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import math
 import operator
@@ -20,10 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from .check import CHECK_ENV, MAX_GROUPS, disagreement, encode, fingerprint
 from .errors import CollectiveError
 
 __all__ = ["Communicator", "init", "finalize", "is_initialized", "default", "get_mpi",
-           "TIMEOUT_ENV", "ON_TIMEOUT_ENV", "FUSION_ENV", "SHM_ENV", "DEFAULT_FUSION_THRESHOLD",
+           "TIMEOUT_ENV", "ON_TIMEOUT_ENV", "FUSION_ENV", "SHM_ENV", "CHECK_ENV", "DEFAULT_FUSION_THRESHOLD",
            "DEFAULT_TIMEOUT"]
 
 log = logging.getLogger("clusterctl.collective")
@@ -145,13 +147,15 @@ class Communicator:
     """An MPI intracommunicator plus everything the collectives need: topology, shm window, timeouts."""
 
     def __init__(self, comm, *, timeout: float | None = None, on_timeout: str | None = None,
-                 fusion_threshold: int | None = None, shm: bool | None = None):
+                 fusion_threshold: int | None = None, shm: bool | None = None, check: bool | None = None):
         MPI = get_mpi(timeout)
         self.MPI = MPI
         self.timeout = check_timeout(timeout) if timeout is not None else _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT)
         self.on_timeout = check_on_timeout(on_timeout or os.environ.get(ON_TIMEOUT_ENV, "abort").strip() or "abort")
         self.fusion_threshold = (check_threshold("fusion_threshold", fusion_threshold)
                                  if fusion_threshold is not None else _env_size(FUSION_ENV, DEFAULT_FUSION_THRESHOLD))
+        # The per-call argument check (check.py): off by default, when the collectives make no extra call.
+        self.check = _env_bool(CHECK_ENV, False) if check is None else bool(check)
         from .topology import discover
         from ._progress import RequestPoller
         self.comm = comm.Dup()
@@ -278,6 +282,40 @@ class Communicator:
         if self.size > 1:
             self.progress.wait(self.comm.Ibcast(buf, root=root))
 
+    def agree(self, sig: dict) -> None:
+        """With the argument check on: make sure every rank passes the same signature (check.signature) to the
+        collective about to run, else raise the same one-line CollectiveError on every rank (worker thread, or
+        the caller's via :meth:`call`). One Iallreduce of 16 bytes; the signatures travel only on a mismatch."""
+        self.progress.check()
+        if self.size == 1:
+            return
+        self.progress.seq += 1
+        self.progress.what = f"argument check of {sig['collective']}"
+        MPI = self.MPI
+        h = fingerprint(encode(sig))
+        span = np.array([h, ~h], dtype=np.int64)           # MIN of both: the smallest and (~) the largest
+        self.progress.wait(self.comm.Iallreduce(MPI.IN_PLACE, span, MPI.MIN))
+        if int(span[0]) == ~int(span[1]):
+            return
+        # They differ: every rank learns every fingerprint, then the first rank of each of the first MAX_GROUPS
+        # groups sends its signature (at most MAX_GROUPS signatures travel, however many ranks there are).
+        fps = np.empty(self.size, dtype=np.int64)
+        self.progress.wait(self.comm.Iallgather(np.array([h], dtype=np.int64), fps))
+        first: dict[int, int] = {}
+        for r, fp in enumerate(fps.tolist()):
+            first.setdefault(fp, r)
+        senders = sorted(first.values())[:MAX_GROUPS]
+        mine = (json.dumps(sig, separators=(",", ":")).encode() if self.rank in senders else b"")
+        sizes = np.zeros(self.size, dtype=np.int64)
+        self.progress.wait(self.comm.Iallgather(np.array([len(mine)], dtype=np.int64), sizes))
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        everyone = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self.progress.wait(self.comm.Iallgatherv(np.frombuffer(mine, dtype=np.uint8),
+                                                 [everyone, (sizes.tolist(), offsets.tolist()), MPI.BYTE]))
+        sent = {int(fps[r]): json.loads(everyone[offsets[r]: offsets[r] + sizes[r]].tobytes()) for r in senders}
+        sigs = [sent.get(fp) for fp in fps.tolist()]
+        raise CollectiveError(disagreement(sigs, hidden=len(first) - len(senders)))
+
     def barrier_flat(self) -> None:
         """Deadline-bounded barrier."""
         self.progress.check()
@@ -304,7 +342,7 @@ class Communicator:
 
 
 def init(*, comm=None, timeout: float | None = None, on_timeout: str | None = None,
-         fusion_threshold: int | None = None, shm: bool | None = None) -> Communicator:
+         fusion_threshold: int | None = None, shm: bool | None = None, check: bool | None = None) -> Communicator:
     """Initialise the collective backend and return the default :class:`Communicator` (or one wrapping ``comm``).
 
     Again, without ``comm``: the same communicator when every setting given equals its own (a setting left out
@@ -319,7 +357,7 @@ def init(*, comm=None, timeout: float | None = None, on_timeout: str | None = No
             fusion_threshold = check_threshold("fusion_threshold", fusion_threshold)
         if _default is not None and comm is None:
             asked = {"timeout": timeout, "on_timeout": on_timeout or None, "fusion_threshold": fusion_threshold,
-                     "shm": None if shm is None else bool(shm)}
+                     "shm": None if shm is None else bool(shm), "check": None if check is None else bool(check)}
             differ = [k for k, v in asked.items() if v is not None and v != getattr(_default, k)]
             if differ:
                 raise CollectiveError(f"init({', '.join(f'{k}={asked[k]!r}' for k in differ)}): already initialised "
@@ -332,7 +370,7 @@ def init(*, comm=None, timeout: float | None = None, on_timeout: str | None = No
             check_world(MPI)
         base = MPI.COMM_WORLD if comm is None else comm
         c = Communicator(base, timeout=timeout, on_timeout=on_timeout,
-                         fusion_threshold=fusion_threshold, shm=shm)
+                         fusion_threshold=fusion_threshold, shm=shm, check=check)
         if comm is None:
             _default, _finalized = c, False
         else:

@@ -187,17 +187,24 @@ class FusedAllreduce:
             np.copyto(o, buf[offset: offset + o.size])
             offset += o.size
 
-    def start(self, *, inplace: bool = False):
-        """Submit every bucket (and unfusable buffer) to the worker; returns (results, futures)."""
+    def prepare_singles(self, *, inplace: bool = False) -> list:
+        """This rank's checks of every buffer, and the unfusable ones prepared: (index, Prepared) pairs. No MPI call."""
         c = self.comm
         if inplace:
             for x in self.xs:
                 check_writable(x)
-        results = list(self.xs) if inplace else [None] * len(self.xs)
+        return [(i, prepare(self.xs[i], self.op, self.xs[i] if inplace else None, c.size, self.compression, c))
+                for i in self.single]
+
+    def start(self, *, inplace: bool = False, prepared: list | None = None):
+        """Submit every bucket (and unfusable buffer) to the worker; returns (results, futures).
+        ``prepared``: what :meth:`prepare_singles` returned, when the caller ran it already."""
+        c = self.comm
         # Check and prepare the unfusable buffers first: a buffer that cannot be reduced raises here, before
         # any bucket is submitted (not after the earlier buckets were reduced in place).
-        prepared = [(i, prepare(self.xs[i], self.op, self.xs[i] if inplace else None, c.size, self.compression, c))
-                    for i in self.single]
+        if prepared is None:
+            prepared = self.prepare_singles(inplace=inplace)
+        results = list(self.xs) if inplace else [None] * len(self.xs)
         futures = []
         fusable = self.fusable
         for k, b in enumerate(self.buckets):
@@ -246,9 +253,9 @@ class FusedAllreduce:
                     results[i] = piece.view(x.shape)
         return c.submit(reduce_and_split)
 
-    def run(self, *, inplace: bool = False) -> list:
+    def run(self, *, inplace: bool = False, prepared: list | None = None) -> list:
         """Reduce every buffer and return the results in input order (the inputs when ``inplace``)."""
-        results, futures, singles = self.start(inplace=inplace)
+        results, futures, singles = self.start(inplace=inplace, prepared=prepared)
         for f in futures:
             f.result()
         for i, f in singles:

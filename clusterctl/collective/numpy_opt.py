@@ -7,8 +7,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ._mpi import default
+from .check import agree_then, signature
 from .errors import CollectiveError
-from .fusion import fused_for
 
 __all__ = ["GradientBuffer", "DistributedOptimizer", "broadcast_parameters"]
 
@@ -28,6 +28,10 @@ class GradientBuffer:
             raise CollectiveError(f"op={op!r}: expected 'sum' or 'avg'")
         self.comm = default(comm)
         dtype = np.dtype(dtype)
+        if self.comm.check:          # other shapes on another rank: the message names them, not the window's sizes
+            self.comm.call(self.comm.agree, signature(
+                "GradientBuffer", [["cpu", str(dtype), str(tuple(int(d) for d in np.atleast_1d(s)))]
+                                   for s in shapes.values()], names=list(shapes), op=op))
         total = sum(int(np.prod(s)) for s in shapes.values())
         self.arena = self.comm.resident_arena(total * dtype.itemsize) if total else None
         if self.arena is not None:
@@ -57,9 +61,12 @@ class GradientBuffer:
         """Average (or sum) every gradient across ranks in place; returns ``grads``."""
         c = self.comm
         if self.arena is not None:
-            c.run(c.allreduce_resident, self.arena, self.flat, self.op == "avg", "gradient buffer allreduce")
+            job = (c.allreduce_resident, self.arena, self.flat, self.op == "avg", "gradient buffer allreduce")
         else:
-            c.run(c.allreduce_flat, self.flat, self.flat, self.op == "avg", "gradient buffer allreduce")
+            job = (c.allreduce_flat, self.flat, self.flat, self.op == "avg", "gradient buffer allreduce")
+        if c.check:                  # the agreement runs in the same job, right before the reduction
+            job = (agree_then, c, signature("GradientBuffer.allreduce", [self.flat], op=self.op), *job)
+        c.run(*job)
         return self.grads
 
 
@@ -82,9 +89,9 @@ class DistributedOptimizer:
         missing = [n for n in names if n not in grads]
         if missing:
             raise CollectiveError(f"no gradient for parameter(s): {', '.join(missing)}")
-        arrays = [grads[n] for n in names]
-        fused_for(arrays, op=self.op, comm=self.comm, threshold=self.fusion_threshold,
-                  compression=None).run(inplace=True)
+        from .ops import grouped_allreduce
+        grouped_allreduce([grads[n] for n in names], self.op, inplace=True, comm=self.comm,
+                          threshold=self.fusion_threshold)
         self.update(self.params, {n: grads[n] for n in names})
 
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from ._mpi import as_index, default
 from .buffers import check_torch, check_writable, kind_of, prepare, reduce_one
+from .check import agree_then, agreed, signature
 from .errors import CollectiveError
 
 __all__ = ["Handle", "allreduce", "allreduce_async", "grouped_allreduce", "broadcast",
@@ -32,6 +33,10 @@ class Handle:
 def allreduce_async(x, op: str = "sum", *, out=None, comm=None, compression: str | None = None) -> Handle:
     """Start an allreduce of ``x`` on the communicator's worker thread; returns a :class:`Handle`."""
     c = default(comm)
+    if c.check:    # the ranks agree on what they pass, on the worker right before the reduction
+        sig = signature("allreduce", [x], op=op, compression=compression)
+        prepared = agreed(c, sig, prepare, x, op, out, c.size, compression, c, defer=True)
+        return Handle(c.submit(agree_then, c, sig, reduce_one, c, prepared, op, "allreduce"))
     prepared = prepare(x, op, out, c.size, compression, c)
     return Handle(c.submit(reduce_one, c, prepared, op, "allreduce"))
 
@@ -46,8 +51,17 @@ def grouped_allreduce(xs, op: str = "sum", *, inplace: bool = False, comm=None,
     """Allreduce many buffers at once, fused into buckets of at most ``threshold`` bytes."""
     from .fusion import fused_for
     c = default(comm)
-    fused = fused_for(list(xs), op=op, comm=c, threshold=threshold, compression=compression)
-    return fused.run(inplace=inplace)
+    xs = list(xs)
+    if not c.check:
+        return fused_for(xs, op=op, comm=c, threshold=threshold, compression=compression).run(inplace=inplace)
+
+    def validate():
+        fused = fused_for(xs, op=op, comm=c, threshold=threshold, compression=compression)
+        return fused, fused.prepare_singles(inplace=inplace)
+    sig = signature("grouped_allreduce", xs, op=op, compression=compression,
+                    threshold=c.fusion_threshold if threshold is None else threshold)
+    fused, prepared = agreed(c, sig, validate)
+    return fused.run(inplace=inplace, prepared=prepared)
 
 
 def _check_root(root, c) -> int:
@@ -61,19 +75,27 @@ def _check_root(root, c) -> int:
     return root
 
 
-def broadcast(x, root: int = 0, *, comm=None):
-    """Overwrite ``x`` on every rank with ``root``'s values (in place); returns ``x``."""
-    c = default(comm)
+def _check_broadcast(x, root, c) -> tuple[int, str]:
+    """``root`` as a rank and ``x``'s kind, or CollectiveError. Every rank checks what only the receivers would trip
+    over, so all of them raise alike (a root that went on would leave the others one collective behind)."""
     root = _check_root(root, c)
     kind = kind_of(x)
-    # Every rank checks what only the receivers would trip over, so all of them raise alike (a root that
-    # went on would leave the others one collective behind).
     if kind in ("numpy", "cupy"):
         check_writable(x)
         if x.dtype.hasobject:
             raise CollectiveError(f"cannot broadcast dtype {x.dtype}: it holds Python object pointers")
     else:
         check_torch(x)
+    return root, kind
+
+
+def broadcast(x, root: int = 0, *, comm=None):
+    """Overwrite ``x`` on every rank with ``root``'s values (in place); returns ``x``."""
+    c = default(comm)
+    if c.check:
+        root, kind = agreed(c, signature("broadcast", [x], root=root), _check_broadcast, x, root, c)
+    else:
+        root, kind = _check_broadcast(x, root, c)
     if kind == "numpy":
         # Sent as bytes: any fixed-size dtype (bool, big-endian, datetime, structured) goes through.
         tmp = x if x.flags.c_contiguous else np.ascontiguousarray(x)
@@ -123,7 +145,10 @@ def broadcast_object(obj, root: int = 0, *, comm=None):
     """Broadcast any picklable object from ``root`` and return it on every rank."""
     import pickle
     c = default(comm)
-    root = _check_root(root, c)
+    if c.check:
+        root = agreed(c, signature("broadcast_object", root=root), _check_root, root, c)
+    else:
+        root = _check_root(root, c)
     data, error = None, None
     if c.rank == root:
         try:
@@ -143,4 +168,7 @@ def broadcast_object(obj, root: int = 0, *, comm=None):
 def barrier(*, comm=None) -> None:
     """Wait until every rank arrives (bounded by the communicator's timeout)."""
     c = default(comm)
+    if c.check:
+        c.run(agree_then, c, signature("barrier"), c.barrier_flat)
+        return
     c.run(c.barrier_flat)

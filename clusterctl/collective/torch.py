@@ -10,6 +10,7 @@ import torch as _torch
 
 from ._mpi import check_threshold, default
 from .buffers import TORCH_REDUCIBLE
+from .check import agree_then, signature
 from .errors import CollectiveError
 from .fusion import plan_buckets
 
@@ -137,6 +138,11 @@ class DistributedOptimizer:
                             [_torch.empty(0, dtype=p.dtype).numpy().dtype
                              if p.dtype != _torch.bfloat16 else "float32" for p in order],
                             max(threshold, 1))
+        if self.comm.check:          # names the first parameter that differs (the check below only says that one does)
+            names_of = {id(p): n for n, p in reversed(named)}
+            self.comm.call(self.comm.agree, signature(
+                "DistributedOptimizer", params, names=[names_of[id(p)] for p in params], op=op,
+                compression=compression, fusion_threshold=threshold))
         self._check_same_on_every_rank(order, plan)
         self._known = seen
         # Buckets live in a shared-memory window of their own when same-node ranks exist (and
@@ -241,18 +247,21 @@ class DistributedOptimizer:
     def _launch(self, b) -> None:
         from .ops import Handle, allreduce, allreduce_async
         c = self.comm
+        if b.host is not None:
+            job = (c.allreduce_resident, self._arena, b.host, self.op == "avg",
+                   f"gradient bucket ({len(b.params)} tensors)")
+            if c.check:               # agreed in the same job, right before the reduction (the other path: in allreduce)
+                job = (agree_then, c, signature("gradient bucket", [b.host], op=self.op), *job)
         if not self.overlap:              # reduce now, on this thread (no hand-off, no time-slicing)
             if b.host is not None:
-                c.call(c.allreduce_resident, self._arena, b.host, self.op == "avg",
-                       f"gradient bucket ({len(b.params)} tensors)")
+                c.call(*job)
             else:
                 allreduce(b.flat, self.op, out=b.flat, comm=c, compression=self.compression)
             done = Future()
             done.set_result(None)
             b.handle = Handle(done)
         elif b.host is not None:
-            b.handle = Handle(c.submit(c.allreduce_resident, self._arena, b.host, self.op == "avg",
-                                       f"gradient bucket ({len(b.params)} tensors)"))
+            b.handle = Handle(c.submit(*job))
         else:
             b.handle = allreduce_async(b.flat, self.op, out=b.flat, comm=c, compression=self.compression)
 

@@ -180,6 +180,175 @@ def test_grouped_allreduce_reuses_plan_for_same_buffers():
             assert np.all(x == SIZE * (SIZE + 1) / 2)
 
 
+# -- the argument check (init(check=True) / CLUSTERCTL_COLLECTIVE_CHECK=1) -----------------------------------------
+
+_CHECKED: dict = {}
+
+
+def checked(on: bool = True):
+    """A communicator over these processes with the argument check on (or off); made once (collective)."""
+    if on not in _CHECKED:
+        _CHECKED[on] = cc.init(comm=C.comm, check=on)
+    return _CHECKED[on]
+
+
+OTHERS = "rank 1" if SIZE == 2 else f"ranks 1-{SIZE - 1}"        # every rank but rank 0
+FIRST = "rank 0" if SIZE == 2 else f"ranks 0-{SIZE - 2}"         # every rank but the last
+
+
+def in_step(c):
+    """The ranks are still in step after a refused call: a matching allreduce gives the right answer."""
+    assert cc.allreduce(np.full(3, float(RANK)), comm=c).tolist() == [sum(range(SIZE))] * 3
+
+
+def raises_alike(call, message):
+    """``call()`` raises exactly ``message`` (one line) on this rank, as on every other one."""
+    with pytest.raises(cc.CollectiveError) as e:
+        call()
+    assert str(e.value) == message
+
+
+def test_argument_check_setting():
+    want = os.environ.get("CLUSTERCTL_COLLECTIVE_CHECK", "") == "1"
+    assert C.check is want and checked().check is True and checked(False).check is False
+    assert cc.init(check=want) is C
+    with pytest.raises(cc.CollectiveError) as e:
+        cc.init(check=not want)
+    assert str(e.value) == (f"init(check={not want}): already initialised with check={want}; "
+                            "call finalize() first to change it")
+
+
+def test_argument_check_costs_one_collective_when_on_and_none_when_off(monkeypatch):
+    on, off = checked(), checked(False)
+
+    def no_check(sig):
+        raise AssertionError(f"argument check with the check off: {sig}")
+    monkeypatch.setattr(off, "agree", no_check)
+    x = np.ones(300, np.float32)
+    calls = {"allreduce": lambda c: cc.allreduce(x, comm=c),
+             "allreduce_async": lambda c: cc.allreduce_async(x, "avg", comm=c).wait(),
+             "grouped_allreduce": lambda c: cc.grouped_allreduce([x, x], comm=c),
+             "broadcast": lambda c: cc.broadcast(x, 0, comm=c),
+             "broadcast_object": lambda c: cc.broadcast_object("a", 0, comm=c),
+             "barrier": lambda c: cc.barrier(comm=c)}
+    for name, call in calls.items():
+        collectives = {}                     # the collectives each communicator counted for the same call
+        for c in (off, on):
+            before = c.progress.seq
+            call(c)
+            collectives[c.check] = c.progress.seq - before
+        # one more with the check on; one rank: nothing to agree with, no MPI call
+        assert collectives[True] - collectives[False] == (1 if SIZE > 1 else 0), name
+
+
+def test_argument_check_passes_matching_calls():
+    c = checked()
+    x = data((3, 5), "float32", RANK)
+    close(cc.allreduce(x, comm=c), expected((3, 5), "float32", "sum"), "float32")
+    y = x.copy()
+    assert cc.allreduce(y, "avg", out=y, comm=c) is y
+    close(y, expected((3, 5), "float32", "avg"), "float32")
+    hs = [cc.allreduce_async(np.full(7, float(RANK + i)), comm=c) for i in range(3)]
+    assert [h.wait().tolist() for h in hs] == [[float(sum(r + i for r in range(SIZE)))] * 7 for i in range(3)]
+    xs = [data(s, dt, RANK) for s, dt in [((4,), "float32"), ((2, 3), "int32"), ((0,), "float64")]]
+    for inplace in (False, True):
+        out = cc.grouped_allreduce([a.copy() for a in xs], inplace=inplace, threshold=64e3, comm=c)
+        for a, o in zip(xs, out):
+            close(o, expected(a.shape, a.dtype, "sum"), a.dtype)
+    b = np.full(4, float(RANK))
+    assert cc.broadcast(b, SIZE - 1, comm=c) is b and b.tolist() == [SIZE - 1.0] * 4
+    assert cc.broadcast_object({"r": RANK}, np.int64(SIZE - 1), comm=c) == {"r": SIZE - 1}
+    cc.barrier(comm=c)
+    from clusterctl.collective.numpy_opt import DistributedOptimizer, GradientBuffer
+    buf = GradientBuffer({"w": (4, 3), "b": (3,)}, op="sum", comm=c)
+    buf.grads["w"][...] = RANK
+    buf.allreduce()
+    assert np.all(buf.grads["w"] == sum(range(SIZE)))
+    w = {"w": np.zeros(2)}
+    opt = DistributedOptimizer(lambda p, g: p["w"].__isub__(g["w"]), w, comm=c)
+    opt.step({"w": np.full(2, float(RANK))})
+    assert w["w"].tolist() == [-(SIZE - 1) / 2] * 2
+
+
+def test_argument_check_catches_other_shapes():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    c = checked()
+    for n in (1000, 2 * C.fusion_threshold):     # the second: more window chunks on rank 0 (off: a hang)
+        x = np.ones(n if RANK == 0 else n - 1, np.float32)
+        want = f"allreduce: ranks disagree: rank 0 float32 ({n},), {OTHERS} float32 ({n - 1},)"
+        raises_alike(lambda: cc.allreduce(x, comm=c), want)
+        h = cc.allreduce_async(x, out=x, comm=c)           # agreed on the worker, right before the reduction
+        raises_alike(h.wait, want)
+        assert np.all(x == 1.0)                             # not reduced
+        in_step(c)
+    x = np.ones((4, 6) if RANK == 0 else (6, 4))                              # same size, other shape
+    raises_alike(lambda: cc.broadcast(x, 0, comm=c),
+                 f"broadcast: ranks disagree: rank 0 float64 (4, 6), {OTHERS} float64 (6, 4)")
+    in_step(c)
+
+
+def test_argument_check_catches_other_dtypes():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    c = checked()
+    last = RANK == SIZE - 1
+    x = np.ones(1000, np.float64 if last else np.float32)
+    raises_alike(lambda: cc.allreduce(x, comm=c),
+                 f"allreduce: ranks disagree: {FIRST} float32 (1000,), rank {SIZE - 1} float64 (1000,)")
+    in_step(c)
+    # a dtype that the last rank refuses by itself (before any MPI call): the others do not wait for it
+    b = np.ones(4, bool if last else np.float32)
+    want = (f"allreduce: ranks disagree: {FIRST} float32 (4,), rank {SIZE - 1} bool (4,) "
+            "(refused: cannot allreduce dtype bool)")
+    raises_alike(lambda: cc.allreduce(b, comm=c), want)
+    in_step(c)
+    # the same behind reductions still in flight: the refusing rank agrees after them, as the others do
+    earlier = [cc.allreduce_async(np.full(50_000, float(RANK)), comm=c) for _ in range(3)]
+    if last:
+        raises_alike(lambda: cc.allreduce_async(b, comm=c), want)                 # at the call: it refused
+    else:
+        raises_alike(cc.allreduce_async(b, comm=c).wait, want)                     # at wait()
+    assert all(np.all(h.wait() == sum(range(SIZE))) for h in earlier)
+    in_step(c)
+
+
+def test_argument_check_catches_other_numbers_of_tensors():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    c = checked()
+    xs = [np.full(10, 1.0, np.float32) for _ in range(3 if RANK == 0 else 2)]
+    for inplace in (False, True):
+        raises_alike(lambda: cc.grouped_allreduce(xs, inplace=inplace, comm=c),
+                     f"grouped_allreduce: ranks disagree: rank 0 3 tensors, {OTHERS} 2 tensors")
+        assert all(np.all(a == 1.0) for a in xs)                              # nothing was reduced
+    in_step(c)
+    ys = [np.ones(11 if (i == 2 and RANK == 0) else 10, np.float32) for i in range(5)]
+    raises_alike(lambda: cc.grouped_allreduce(ys, comm=c),
+                 f"grouped_allreduce: ranks disagree on tensor 2: rank 0 float32 (11,), {OTHERS} float32 (10,)")
+    from clusterctl.collective.numpy_opt import GradientBuffer
+    shapes = {"w": (4, 3), "b": (3,) if RANK == 0 else (4,)}
+    raises_alike(lambda: GradientBuffer(shapes, comm=c),
+                 f"GradientBuffer: ranks disagree on tensor 1 (b): rank 0 float32 (3,), {OTHERS} float32 (4,)")
+    in_step(c)
+
+
+def test_argument_check_catches_other_ops_roots_and_collectives():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    c = checked()
+    x = np.ones(8, np.float32)
+    raises_alike(lambda: cc.allreduce(x, "sum" if RANK == 0 else "avg", comm=c),
+                 f"allreduce: ranks disagree: rank 0 op='sum', {OTHERS} op='avg'")
+    raises_alike(lambda: cc.grouped_allreduce([x], threshold=1024 if RANK == 0 else 1e3, comm=c),
+                 f"grouped_allreduce: ranks disagree: rank 0 threshold=1024, {OTHERS} threshold=1000")
+    raises_alike(lambda: cc.broadcast_object(RANK, root=RANK, comm=c),
+                 "broadcast_object: ranks disagree: " + ", ".join(f"rank {r} root={r}" for r in range(SIZE)))
+    raises_alike(lambda: cc.barrier(comm=c) if RANK == 0 else cc.allreduce(x, comm=c),
+                 f"ranks disagree on the collective: rank 0 barrier, {OTHERS} allreduce op='sum' float32 (8,)")
+    in_step(c)
+
+
 torch = pytest.importorskip("torch")
 
 
@@ -356,3 +525,30 @@ def test_cupy_array():
     x = cupy.full((1000,), float(RANK), dtype=cupy.float32)
     y = cc.allreduce(x)
     assert float(y[0]) == sum(range(SIZE))
+
+
+def test_argument_check_with_the_torch_optimizer():
+    """Buckets in the window are checked as "gradient bucket"; parameters that differ are named at construction."""
+    from clusterctl.collective.torch import DistributedOptimizer
+    c = checked()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    for overlap in (True, False):
+        opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), named_parameters=m.named_parameters(),
+                                   comm=c, fusion_threshold=32, overlap=overlap)
+        opt.zero_grad()
+        m(torch.full((2, 4), float(RANK + 1))).sum().backward()
+        opt.step()
+        assert torch.allclose(m[1].bias.grad, torch.full((2,), 2.0))
+        opt.remove_hooks()
+    if SIZE == 1:
+        return
+    if RANK > 0:
+        m[1].weight = torch.nn.Parameter(torch.zeros(3, 2))                # same size, another shape
+    raises_alike(lambda: DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), m.named_parameters(), comm=c),
+                 f"DistributedOptimizer: ranks disagree on tensor 2 (1.weight): rank 0 float32 (2, 3), "
+                 f"{OTHERS} float32 (3, 2)")
+    t = torch.ones(5, dtype=torch.float32 if RANK == 0 else torch.bfloat16)
+    raises_alike(lambda: cc.allreduce(t, comm=c),
+                 f"allreduce: ranks disagree: rank 0 float32 (5,), {OTHERS} bfloat16 (5,)")
+    in_step(c)
