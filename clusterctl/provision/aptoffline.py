@@ -39,14 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ProvisionError
-from ..quoting import join, redact
+from ..quoting import redact
 from .aptstate import HOST_STATE_SCRIPT, HostAptState, StateReader, allowed_kind, parse_sources, parse_state
 from .schema import AptSource
 from .steps import source_line
 
 __all__ = ["HOST_STATE_SCRIPT", "HostAptState", "StateReader", "Deb", "Deadline", "parse_state", "missing_packages",
            "prepare_root", "resolve", "download", "check_file_sources", "packages_index", "release_file",
-           "upload_plan", "manifest", "upload_command", "local_root", "HOOK_LISTS", "DOWNLOAD_BASE_S"]
+           "upload_plan", "manifest", "local_root", "HOOK_LISTS", "DOWNLOAD_BASE_S"]
 
 LAYOUT = "2"  # part of every apt root's name: a root made by an older layout is never reused
 DOWNLOAD_BASE_S = 60.0  # each .deb: this many seconds, plus one per MiB of its size (and never past the deadline)
@@ -513,11 +513,6 @@ def manifest(paths: list[Path], state: HostAptState) -> bytes:
     out = {name: list(entry) for name, entry in state.files.items()}
     out.update({p.name: [p.stat().st_size, _sha256(p)] for p in paths})
     return json.dumps(dict(sorted(out.items()))).encode()
-
-
-def upload_command(remote_dir: str) -> str:
-    """Unpack a tar from stdin into the host's local repository (relative: under the login user's home)."""
-    return f"mkdir -p -- {join([remote_dir])} && tar -x -f - -C {join([remote_dir])} --no-same-owner"
 
 
 def resolve_all(cache: Path, states: dict, packages: dict, sources: list[tuple[AptSource, bytes]], *,

@@ -263,6 +263,12 @@ def _host_locked(command: str, step: str, timeout: float, *, upload: bool = Fals
             f'if [ "$rc" = {HOST_LOCK_BUSY} ]; then {say}; fi; exit "$rc"; else {command}; fi')
 
 
+def _locked_upload(remote_dir: str, step: str, timeout: float) -> str:
+    """The host command unpacking `step`'s tar stream (wheelhouse.tar_stream) into `remote_dir`, under the host's
+    provision lock."""
+    return _host_locked(join(["sh", "-c", wheelhouse.upload_command(remote_dir)]), step, timeout, upload=True)
+
+
 def _offline(prov, step: str) -> bool:
     """Whether `step` installs apt packages through offline apt (apt.offline: the apt step, the gpu step's apt part)."""
     if not (prov.apt and prov.apt.offline and prov.apt.offline.enabled):
@@ -346,8 +352,7 @@ def _offline_apt(session, step: str, hosts, *, check: bool, force: bool, log) ->
             (index.parent / "clusterctl-manifest.json").write_bytes(aptoffline.manifest(send, state))
             uploads[host] = [*send, index, index.parent / "Release", index.parent / "clusterctl-manifest.json"]
     if uploads:
-        unpack = join(["sh", "-c", aptoffline.upload_command(remote_dir)])
-        sent = remote.run(_host_locked(unpack, step, spec.provision.timeout, upload=True), hosts=list(uploads),
+        sent = remote.run(_locked_upload(remote_dir, step, spec.provision.timeout), hosts=list(uploads),
                           stdin=lambda h: wheelhouse.tar_stream(uploads[h]), timeout=spec.provision.timeout,
                           check=False, what="apt offline upload")
         for host, res in sent.items():
@@ -391,8 +396,8 @@ def _wheelhouse(session, steps, hosts, facts, *, check: bool, force: bool, log) 
             out[host] = StepOutcome("changed", f"upload {len(files)} wheel(s)")
     if senders and not check:
         results = remote.run(
-            _host_locked(join(["sh", "-c", wheelhouse.upload_command(wh.remote)]), "wheelhouse", spec.provision.timeout,
-                         upload=True), hosts=senders, stdin=lambda h: wheelhouse.tar_stream(missing[h]),
+            _locked_upload(wh.remote, "wheelhouse", spec.provision.timeout), hosts=senders,
+            stdin=lambda h: wheelhouse.tar_stream(missing[h]),
             timeout=session.spec.provision.timeout, check=False, what="wheelhouse upload",
         )
         for host, res in results.items():
