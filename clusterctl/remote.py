@@ -137,6 +137,13 @@ class Remote:
         for host in self.hosts if hosts is None else hosts:
             self.channels.connect_soon(host)
 
+    def kept_control(self, host: Host) -> str | None:
+        """The control socket of `host`'s kept OpenSSH connection, when this session's commands to `host` go
+        through it (clusterctl.transport.muxfwd asks services on the host through it); None otherwise."""
+        transport = self._for((host,))
+        kept = getattr(transport, "kept", None)
+        return kept(host) if transport is self._ssh and callable(kept) else None
+
     def is_open(self, host: Host) -> bool:
         """Whether a paramiko connection to `host` is open now (commands over it start without a handshake)."""
         return self._paramiko is not None and self._paramiko.is_open(host)

@@ -22,6 +22,7 @@ import os
 import sys
 
 from .common import InputError, emit, write_private
+from .controlproto import read_control
 from .jobdir import JOB_FILE, describe, read_state_or_none, settled_state, supervisor_alive
 from .jobfile import validate_job
 
@@ -118,6 +119,9 @@ def up(doc, home):
     state = settled_state(jobdir, read_state_or_none(jobdir))
     if state is not None:
         reply["status"] = describe(state)
+    ctl = read_control(jobdir) if code == 0 else None
+    if ctl is not None:  # for the controller that started the job: it asks this supervisor directly from now on
+        reply["control"] = {"port": ctl[1], "client": ctl[2], "server": ctl[3]}
     return code, reply
 
 

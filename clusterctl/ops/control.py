@@ -15,7 +15,11 @@ having run nothing: the caller installs the package (`hosttools.install_on`) and
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ..errors import ClusterctlError
 from ..host.controlproto import CLIENT_HEADER_TIMEOUT, CONTROL_FILE, CONTROL_VERSION, OK
@@ -24,17 +28,27 @@ from ..quoting import join, quote
 from ..remote import LineCallback, Remote, Result
 from .hosttools import install_on, package_dir, tool_argv
 
-__all__ = ["control_command", "ask", "agent_reply", "NEEDS_PACKAGE"]
+__all__ = ["control_command", "ask", "agent_reply", "NEEDS_PACKAGE", "Direct", "remember", "recall", "forget"]
 
 # the line exits with this when the agent is needed and this version of the host package is not on the host
 NEEDS_PACKAGE = 97
 
 
+def _request(command: str, args: dict | None) -> str:
+    return command if not args else f"{command} {json.dumps(args, sort_keys=True, separators=(',', ':'))}"
+
+
+def agent_command(fallback: list[str]) -> str:
+    """The shell line that runs `agent FALLBACK...` (exit NEEDS_PACKAGE where this version's host package is not
+    on the host)."""
+    return f"test -d {quote(package_dir())} || exit {NEEDS_PACKAGE}; exec {join(tool_argv('agent', fallback))}"
+
+
 def control_command(jobdir: str, command: str, args: dict | None, fallback: list[str]) -> str:
     """The shell line that asks the supervisor of the job in `jobdir` (relative to the login's home) `command`
     with `args` over its control socket, or runs `agent FALLBACK...` where the supervisor cannot answer."""
-    request = command if not args else f"{command} {json.dumps(args, sort_keys=True, separators=(',', ':'))}"
-    agent = f"test -d {quote(package_dir())} || exit {NEEDS_PACKAGE}; exec {join(tool_argv('agent', fallback))}"
+    request = _request(command, args)
+    agent = agent_command(fallback)
     script = (
         f"f={quote(jobdir + '/' + CONTROL_FILE)}; "
         f"if read -r v i p c s <\"$f\" && [ \"$v\" = {CONTROL_VERSION} ] && [ -d \"/proc/$i\" ]; then "
@@ -48,11 +62,198 @@ def control_command(jobdir: str, command: str, args: dict | None, fallback: list
             f"elif command -v bash >/dev/null 2>&1; then exec bash -c \"$ctl\"; fi; {agent}")
 
 
+# --------------------------------------------------------------------------------------------- direct
+
+# Where `start` keeps each host's control endpoint (the port and both secrets of the control file, as `agent up`
+# reported them), so that later commands on this controller can ask the supervisors straight through the kept
+# connections (clusterctl.transport.muxfwd): no shell, no `cat`, no fork on the host. One 0600 file per job in a
+# private directory of the cache; a controller without it (another machine, a wiped cache) asks with the line.
+CONTROL_CACHE = "control"
+_MAX_CACHE = 4 << 20
+STALE_DAYS = 30
+_CACHE_LOCK = threading.Lock()  # `top` asks each host from a thread of its own
+
+
+@dataclass(frozen=True)
+class Direct:
+    """Ask the supervisors of `job` `command` with `args` through the kept connections where this controller
+    knows their control endpoints; `fallback` is the agent's argv for a host whose supervisor took longer than
+    CLIENT_HEADER_TIMEOUT to answer (the line would wait for it again)."""
+
+    job: str
+    command: str
+    args: dict | None
+    fallback: list[str]
+
+
+def _key(host: Host) -> str:
+    return f"{host.user}@{host.connect_name}:{host.port}"
+
+
+def _cache_file(job: str) -> str | None:
+    if not job or len(job) > 200 or not all(c.isalnum() or c in "._-" for c in job) or job[0] == ".":
+        return None
+    from ..cache import private_dir
+
+    folder = private_dir(CONTROL_CACHE)
+    return None if folder is None else os.path.join(folder, f"{job}.json")
+
+
+def _valid(entry) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("port"), int) and not isinstance(entry["port"], bool)
+            and 0 < entry["port"] < 65536 and all(_secret(entry.get(k)) for k in ("client", "server")))
+
+
+def _secret(value) -> bool:
+    return isinstance(value, str) and 16 <= len(value) <= 256 and all(c in "0123456789abcdef" for c in value)
+
+
+def recall(job: str) -> dict[str, dict]:
+    """{host key: {port, client, server}} that `start` kept for `job` on this controller ({} when none)."""
+    from ..cache import read_private
+
+    path = _cache_file(job)
+    data = read_private(path, _MAX_CACHE) if path else None
+    try:
+        doc = json.loads(data) if data else {}
+    except ValueError:
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and _valid(v)} if isinstance(doc, dict) else {}
+
+
+def remember(job: str, endpoints: dict[Host, dict]) -> None:
+    """Keep the control endpoints a `start` of `job` reported (hosts without a valid one are left out); the files
+    of jobs started more than STALE_DAYS ago go (their next `status` asks with the line)."""
+    from ..cache import write_private
+
+    path = _cache_file(job)
+    if path is None:
+        return
+    with _CACHE_LOCK:
+        kept = {_key(h): {k: e[k] for k in ("port", "client", "server")} for h, e in endpoints.items() if _valid(e)}
+        write_private(path, json.dumps(kept).encode())
+        folder, old = os.path.dirname(path), time.time() - STALE_DAYS * 86400
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.name.endswith(".json") and entry.stat(follow_symlinks=False).st_mtime < old:
+                        os.unlink(entry.path)
+        except OSError:
+            pass
+
+
+def forget(job: str, hosts: Sequence[Host] | None = None) -> None:
+    """Drop the kept control endpoints of `hosts` (all of the job's: None): their supervisors are gone, or did
+    not answer as theirs would."""
+    from ..cache import write_private
+
+    path = _cache_file(job)
+    if path is None or not os.path.exists(path):
+        return
+    drop = None if hosts is None else {_key(h) for h in hosts}
+    with _CACHE_LOCK:
+        left = {} if drop is None else {k: v for k, v in recall(job).items() if k not in drop}
+        if left:
+            write_private(path, json.dumps(left).encode())
+            return
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _forwards(remote: Remote, hosts: Sequence[Host], direct: Direct) -> dict:
+    """{host: Forward} for the hosts this controller can ask directly: a control endpoint kept from their `start`
+    and a kept connection open now."""
+    known = recall(direct.job)
+    if not known:
+        return {}
+    from ..transport.muxfwd import Forward
+
+    request = _request(direct.command, direct.args)
+    forwards = {}
+    for host in hosts:
+        entry = known.get(_key(host))
+        control = remote.kept_control(host) if entry else None
+        if control is not None:
+            forwards[host] = Forward(control, entry["port"], f"{entry['client']} {request}\n".encode(),
+                                     f"{OK} {entry['server']}".encode())
+    return forwards
+
+
 def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence[Host] | None = None,
-        timeout: float | None, what: str, on_line: LineCallback | None = None) -> dict[Host, Result]:
+        timeout: float | None, what: str, on_line: LineCallback | None = None,
+        direct: Direct | None = None) -> dict[Host, Result]:
     """Run a control_command line on `hosts` (default: all); the hosts that need this version's host package for
     the fallback get it (one more round trip, those hosts only) and are asked again. Each host's Result (an
-    install that failed: its Result)."""
+    install that failed: its Result).
+
+    With `direct` (and a deadline, and no line callback), the supervisors whose control endpoints this controller
+    kept from their `start` are asked straight through the kept connections (clusterctl.transport.muxfwd: nothing
+    started on the host), the other hosts with the line at the same time. A host that refused (no supervisor
+    listening there any more, forwarding off in its sshd) or answered as no supervisor of ours would is forgotten
+    and asked with the line, as is (not forgotten) one whose kept connection went away; one whose supervisor did
+    not answer within CLIENT_HEADER_TIMEOUT, with the agent alone (the line would wait for it again); all of them
+    in the time left."""
+    targets = list(remote.hosts if hosts is None else hosts)
+    forwards = _forwards(remote, targets, direct) if direct is not None and on_line is None and timeout else {}
+    if not forwards:
+        return _ask_line(remote, command, targets, timeout, what, on_line)
+    from ..transport.muxfwd import ask_many
+
+    t0 = time.monotonic()
+    results: dict[Host, Result] = {}
+    rest = [h for h in targets if h not in forwards]
+    beside = _Beside(lambda: _ask_line(remote, command, rest, timeout, what, None)) if rest else None
+    outcomes = ask_many(forwards, header_timeout=CLIENT_HEADER_TIMEOUT, timeout=timeout)
+    seconds = time.monotonic() - t0
+    results.update({h: Result(h, f"<control {direct.command}>", 0, o.body.decode("utf-8", "replace"), "", seconds)
+                    for h, o in outcomes.items() if o.kind == "ok"})
+    gone = [h for h, o in outcomes.items() if o.kind in ("refused", "bad")]
+    slow = {h for h, o in outcomes.items() if o.kind == "timeout"}
+    other = [h for h, o in outcomes.items() if o.kind == "unreachable"]  # the master's trouble, not the host's word
+    if gone:
+        forget(direct.job, gone)
+    gone += other
+    if gone or slow:
+        agent = agent_command(direct.fallback)
+
+        def again(h: Host) -> str:
+            return agent if h in slow else command(h) if callable(command) else command
+
+        left = max(timeout - (time.monotonic() - t0), 0.1)  # the caller's deadline holds for every host
+        results.update(_ask_line(remote, again, [*gone, *slow], left, what, None))
+    if beside is not None:
+        results.update(beside.result())
+    return {h: results[h] for h in targets}
+
+
+class _Beside:
+    """A call run on a thread of its own while the caller does something else; result() joins it (and raises
+    what it raised)."""
+
+    def __init__(self, call: Callable[[], dict]):
+        self._value: dict = {}
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller by result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def result(self) -> dict:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _ask_line(remote: Remote, command: str | Callable[[Host], str], hosts: Sequence[Host], timeout: float | None,
+              what: str, on_line: LineCallback | None) -> dict[Host, Result]:
     results = remote.run(command, hosts=hosts, check=False, timeout=timeout, what=what, on_line=on_line)
     missing = [h for h, r in results.items() if r.exit_code == NEEDS_PACKAGE]
     if missing:

@@ -23,7 +23,7 @@ from ..host.states import JobState
 from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from ..progress import clean_progress, stragglers
 from . import Session
-from .control import NEEDS_PACKAGE, agent_reply, ask, control_command
+from .control import NEEDS_PACKAGE, Direct, agent_reply, ask, control_command, forget, remember
 from .hosttools import ensure_tools, package_dir, tool_argv
 from ..host.jobfile import elastic_entry, with_elastic  # elastic jobs (hosts[].spare, job.min_hosts)
 
@@ -126,8 +126,9 @@ def status(session: Session) -> JobStatus:
     plan, remote = session.plan, session.remote
     jobdir = _jobdir(plan)
     # `agent top --progress-only`: `agent status`'s reply plus each process's progress from its log (no sampling)
-    cmd = control_command(jobdir, "top", {"progress_only": True}, ["top", jobdir, "--progress-only"])
-    results = ask(remote, cmd, timeout=remote.control_timeout, what="status")
+    args, agent = {"progress_only": True}, ["top", jobdir, "--progress-only"]
+    results = ask(remote, control_command(jobdir, "top", args, agent), timeout=remote.control_timeout,
+                  what="status", direct=Direct(plan.job, "top", args, agent))
     replies: dict[str, dict] = {}
     unreachable: dict[str, str] = {}
     for host, res in results.items():
@@ -196,8 +197,9 @@ def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | No
     plan, remote = session.plan, session.remote
     g = plan.grace if grace is None else grace
     jobdir = _jobdir(plan)
-    cmd = control_command(jobdir, "stop", {"grace": g}, ["stop", jobdir, "--grace", f"{g:g}", "--job", plan.job])
-    results = ask(remote, cmd, hosts=hosts, timeout=g + 60, what="stop")
+    args, agent = {"grace": g}, ["stop", jobdir, "--grace", f"{g:g}", "--job", plan.job]
+    results = ask(remote, control_command(jobdir, "stop", args, agent), hosts=hosts, timeout=g + 60, what="stop",
+                  direct=Direct(plan.job, "stop", args, agent))
     failures = [HostFailure(h.label, r.command, r.exit_code, r.stderr) for h, r in results.items() if r.exit_code not in (0, 1)]
     parsed = {h: agent_reply(r) for h, r in results.items()}
     # exit 1 (the agent) or `ok: false` (either): processes survived SIGKILL, or no reply said the stop happened
@@ -209,6 +211,7 @@ def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | No
     ]
     if failures:
         raise RemoteError(failures, what="stop")
+    forget(plan.job, hosts)  # their supervisors have ended
     return parsed
 
 
@@ -235,8 +238,8 @@ def _up_reply(res) -> dict:
     may be compromised: a field of another type is left out, so a failure falls back to the host's stderr or
     exit code instead of a traceback)."""
     raw = agent_reply(res) if res.answered else {}
-    out = {k: raw[k] for k, kind in (("stage", str), ("error", str), ("pids", dict), ("status", dict))
-           if isinstance(raw.get(k), kind)}
+    out = {k: raw[k] for k, kind in (("stage", str), ("error", str), ("pids", dict), ("status", dict),
+                                      ("control", dict)) if isinstance(raw.get(k), kind)}
     if isinstance(raw.get("drift"), list):
         out["drift"] = [{"path": d["path"], "problem": str(d.get("problem"))} for d in raw["drift"]
                         if isinstance(d, dict) and isinstance(d.get("path"), str)]
@@ -294,6 +297,7 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
         results.update(remote.run(_up_command(), hosts=missing, stdin=lambda h: [docs[h]], check=False,
                                   timeout=timeout, what="start"))
     replies = {h: _up_reply(r) for h, r in results.items()}
+    endpoints = {h: replies[h].pop("control") for h in hosts if "control" in replies[h]}
     failed = {h: r for h, r in results.items() if r.exit_code != 0}
     if failed:
         reasons = [_reason(h, r, replies[h]) for h, r in failed.items()]
@@ -317,6 +321,9 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
             what = "preflight failed" if stages == {"preflight"} else "start failed"
             what += "; everything started was stopped, logs kept" if started else ", nothing started"
         raise JobError(what + ":\n" + "\n".join(reasons))
+    # each supervisor's control endpoint (checked by control.remember): later commands on this controller ask the
+    # supervisors straight through the kept connections
+    remember(plan.job, endpoints)
     return fold_status(plan.job, {h.label: replies[h].get("status") or {} for h in hosts}, {})
 
 

@@ -30,7 +30,7 @@ from ..host.status import overall_state
 from ..plan import Host
 from ..progress import (STRAGGLER_SLICES, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, clean_progress, stragglers)
 from . import Session
-from .control import ask, control_command
+from .control import Direct, ask, control_command
 from .job import STATE_ROOT
 
 __all__ = ["ProcRow", "HostRow", "Snapshot", "Top", "TopRequest", "TopAnswer", "TopAsk", "answer_of", "ssh_asks",
@@ -264,8 +264,9 @@ def _ask_ssh_host(session: Session, host: Host, request: TopRequest) -> dict[str
     remote = session.remote
     jobdir = f"{STATE_ROOT}/{session.plan.job}"
     timeout = request.deadline(remote.control_timeout)
-    command = control_command(jobdir, "top", request.control_args(), request.agent_args(jobdir))
-    res = ask(remote, command, hosts=[host], timeout=timeout, what="top")[host]
+    args, agent = request.control_args(), request.agent_args(jobdir)
+    res = ask(remote, control_command(jobdir, "top", args, agent), hosts=[host], timeout=timeout, what="top",
+              direct=Direct(session.plan.job, "top", args, agent))[host]
     if not res.answered:
         if res.timed_out:
             why = f"did not answer within {timeout:g}s" + (

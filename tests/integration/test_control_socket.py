@@ -7,11 +7,15 @@ supervisor was killed is answered by the agent from its state files."""
 from __future__ import annotations
 
 import json
+import stat
 import time
+from pathlib import Path
 
 import pytest
 from clusterlib import assert_no_orphans, clusterctl, node_exec, status_json
 from test_fleet import fleet_spec
+
+from clusterctl.cache import cache_root_path
 
 NODES = (0, 1)
 GRACE = 2  # the job's grace: a stop waits at most this plus the agent's SIGKILL phase (5 s)
@@ -37,7 +41,7 @@ def _unwrap_python(info):
 
 
 def _starts(info, i) -> list[str]:
-    return node_exec(info.nodes[i].container, f"cat {STARTS}").splitlines()
+    return node_exec(info.nodes[i].container, f"/usr/bin/cat {STARTS}").splitlines()  # not a wrapped cat
 
 
 def _clear(info):
@@ -114,3 +118,96 @@ def test_a_stop_through_the_supervisors_counts_every_process_once(fleet, tmp_pat
     finally:
         clusterctl("stop", spec, timeout=120)
         _unwrap_python(fleet)
+
+
+CAT = "/tmp/clusterctl-cat-starts"
+CAT_WRAPPER = f"""#!/bin/sh
+echo "$*" >> {CAT}
+exec /usr/bin/cat "$@"
+"""
+
+
+def _wrap_cat(info):
+    for i in NODES:
+        node_exec(info.nodes[i].container, f"/usr/bin/cat > /usr/local/bin/cat <<'EOF'\n{CAT_WRAPPER}EOF\n"
+                  f"chmod 755 /usr/local/bin/cat && rm -f {CAT} && touch {CAT} && chmod 666 {CAT}")
+
+
+def _cats(info, i) -> list[str]:
+    return node_exec(info.nodes[i].container, f"/usr/bin/cat {CAT}").splitlines()
+
+
+def _kept(name: str) -> Path:
+    return Path(cache_root_path()) / "control" / f"{name}.json"
+
+
+@pytest.mark.timeout(300)
+def test_the_controller_that_started_a_job_asks_its_supervisors_with_nothing_started_on_the_hosts(fleet, tmp_path):
+    """Through the kept connections (stdio forwarding to the supervisors' control ports): no shell, no `cat`, no
+    Python on the hosts. An endpoint that no longer answers as the supervisor's would is forgotten, and that host
+    is asked with the line as before."""
+    name = "fleet-ctl-direct"
+    spec = fleet_spec(fleet, tmp_path / "d.yaml", name=name, workspace={"local": str(tmp_path)},
+                      job={"mode": "collective", "trainers": 1, "grace": GRACE, "entrypoint": ["/bin/sleep", "300"]})
+    clusterctl("stop", spec)
+    _wrap_python(fleet)
+    _wrap_cat(fleet)
+    try:
+        res = clusterctl("start", spec, "--dispatch", timeout=180)
+        assert res.returncode == 0, res.stdout + res.stderr
+        kept = _kept(name)
+        assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+        endpoints = json.loads(kept.read_text())
+        assert sorted(endpoints) == sorted(f"ubuntu@{fleet.nodes[i].ip}:22" for i in NODES)
+        _clear(fleet)
+        for i in NODES:
+            node_exec(fleet.nodes[i].container, f": > {CAT}")
+        st = status_json(spec)
+        assert [(p["host"], p["state"]) for p in st["processes"]] == [("node0", "running"), ("node1", "running")]
+        top = json.loads(clusterctl("top", spec, "--once", "--json", "--no-gpu", check=True).stdout)
+        assert [(h["host"], h["status"]) for h in top["hosts"]] == [("node0", "ok"), ("node1", "ok")]
+        assert [_starts(fleet, i) + _cats(fleet, i) for i in NODES] == [[], []]  # nothing ran on either host
+        # node1's endpoint turned stale (a port nothing listens on), node0's supervisor answers with another secret
+        # than the one kept: both are asked with the line (`cat` runs there), answer right, and are forgotten
+        key0, key1 = (f"ubuntu@{fleet.nodes[i].ip}:22" for i in NODES)
+        endpoints[key1]["port"] = 1
+        endpoints[key0]["server"] = "ab" * 32
+        kept.write_text(json.dumps(endpoints))
+        st = status_json(spec)
+        assert [(p["host"], p["state"]) for p in st["processes"]] == [("node0", "running"), ("node1", "running")]
+        assert all(_cats(fleet, i) for i in NODES), [_cats(fleet, i) for i in NODES]
+        assert not kept.exists()
+    finally:
+        stopped = clusterctl("stop", spec, timeout=120)
+        _unwrap_python(fleet)
+        for i in NODES:
+            node_exec(fleet.nodes[i].container, f"rm -f /usr/local/bin/cat {CAT}", check=False)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert_no_orphans(fleet, name, hosts=[fleet.nodes[i] for i in NODES], within=GRACE + 5 + SLACK)
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_through_the_kept_connections_forgets_the_endpoints(fleet, tmp_path):
+    name = "fleet-ctl-direct-stop"
+    spec = fleet_spec(fleet, tmp_path / "e.yaml", name=name, workspace={"local": str(tmp_path)},
+                      job={"mode": "collective", "trainers": 1, "grace": GRACE, "entrypoint": ["/bin/sleep", "300"]})
+    clusterctl("stop", spec)
+    _wrap_cat(fleet)
+    try:
+        res = clusterctl("start", spec, "--dispatch", timeout=180)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert _kept(name).exists()
+        for i in NODES:
+            node_exec(fleet.nodes[i].container, f": > {CAT}")
+        res = clusterctl("stop", spec, timeout=120)
+        assert res.returncode == 0 and res.stdout.strip() == f"job {name} stopped on 2 host(s), 2 process(es) killed", (
+            res.stdout + res.stderr)
+        assert not _kept(name).exists()
+        # the first host to get the stop ends the job everywhere through the coordinator; the other's supervisor
+        # may be gone before its own request reaches it, and that host is asked with the line
+        assert any(not _cats(fleet, i) for i in NODES), [_cats(fleet, i) for i in NODES]
+        assert_no_orphans(fleet, name, hosts=[fleet.nodes[i] for i in NODES], within=GRACE + 5 + SLACK)
+    finally:
+        clusterctl("stop", spec, timeout=120)
+        for i in NODES:
+            node_exec(fleet.nodes[i].container, f"rm -f /usr/local/bin/cat {CAT}", check=False)
