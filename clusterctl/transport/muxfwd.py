@@ -33,6 +33,7 @@ from .mux import MAX_PACKET, MUX_MSG_HELLO, MUX_S_SESSION_OPENED, PROTOCOL_VERSI
 __all__ = ["Forward", "Outcome", "ask_many", "MUX_C_NEW_STDIO_FWD"]
 
 MUX_C_NEW_STDIO_FWD = 0x10000008
+CONNECT_TIMEOUT = 1.0  # to a master's control socket: a local one, which a live master accepts at once
 _CHUNK = 1 << 16
 
 
@@ -67,7 +68,6 @@ class _Ask:
         self.opened = False  # the master said the channel is open
         self.answer = bytearray()
         self.header_ok = False
-        self.outcome: Outcome | None = None
 
     def close(self) -> None:
         for sock in (self.ctl, self.data):
@@ -115,7 +115,8 @@ def ask_many(forwards: dict, *, header_timeout: float, timeout: float, max_body:
         a = _Ask(fwd)
         try:
             a.ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            a.ctl.connect(fwd.control)  # a local socket: no wait beyond the master's backlog
+            a.ctl.settimeout(min(CONNECT_TIMEOUT, timeout))  # a hung master's full backlog would block a connect
+            a.ctl.connect(fwd.control)
             a.ctl.setblocking(False)
             a.ctl.send(_string(struct.pack(">II", MUX_MSG_HELLO, PROTOCOL_VERSION)))
         except OSError:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from clusterctl.transport import mux
+from clusterctl.transport import mux, muxfwd
 from clusterctl.transport.muxfwd import MUX_C_NEW_STDIO_FWD, Forward, ask_many
 
 SERVER = "5e" * 32
@@ -189,3 +189,16 @@ def test_many_hosts_are_asked_at_once_and_a_silent_one_holds_up_no_other(masters
     took = time.monotonic() - t0
     assert {k: o.body for k, o in out.items() if o.kind == "ok"} == {f"h{i}": b"%d\n" % i for i in range(24)}
     assert out["quiet"].kind == "timeout" and took < 3  # one header timeout for all, not one per host
+
+
+def test_a_master_that_accepts_nothing_is_given_up_after_the_connect_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr(muxfwd, "CONNECT_TIMEOUT", 0.3)
+    path = str(tmp_path / "hung")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as filler:
+        server.bind(path)
+        server.listen(0)  # a hung master: it accepts nothing, and its backlog is full
+        filler.connect(path)
+        t0 = time.monotonic()
+        out = ask_many({"h": Forward(path, 1, b"r\n", b"ok s")}, header_timeout=5, timeout=10)
+        assert out["h"].kind == "unreachable" and time.monotonic() - t0 < 2
