@@ -23,16 +23,23 @@ GRACE = 2  # the job's grace: a stop waits at most this plus the agent's SIGKILL
 # supervisor's death read from /proc): scheduling only; the waits poll and end as soon as the state is there
 SLACK = 30.0
 STARTS = "/tmp/clusterctl-python-starts"
-WRAPPER = f"""#!/bin/sh
-echo "$*" >> {STARTS}
-exec /usr/bin/python3 "$@"
-"""
+CAT = "/tmp/clusterctl-cat-starts"
+
+
+def _wrap(info, program: str, log: str):
+    """Put a wrapper of /usr/bin/PROGRAM first on the nodes' PATH (/usr/local/bin) that records each start in `log`."""
+    wrapper = f'#!/bin/sh\necho "$*" >> {log}\nexec /usr/bin/{program} "$@"\n'
+    for i in NODES:
+        node_exec(info.nodes[i].container, f"/usr/bin/cat > /usr/local/bin/{program} <<'EOF'\n{wrapper}EOF\n"
+                  f"chmod 755 /usr/local/bin/{program} && rm -f {log} && touch {log} && chmod 666 {log}")
 
 
 def _wrap_python(info):
-    for i in NODES:
-        node_exec(info.nodes[i].container, f"cat > /usr/local/bin/python3 <<'EOF'\n{WRAPPER}EOF\n"
-                  f"chmod 755 /usr/local/bin/python3 && rm -f {STARTS} && touch {STARTS} && chmod 666 {STARTS}")
+    _wrap(info, "python3", STARTS)
+
+
+def _wrap_cat(info):
+    _wrap(info, "cat", CAT)
 
 
 def _unwrap_python(info):
@@ -118,19 +125,6 @@ def test_a_stop_through_the_supervisors_counts_every_process_once(fleet, tmp_pat
     finally:
         clusterctl("stop", spec, timeout=120)
         _unwrap_python(fleet)
-
-
-CAT = "/tmp/clusterctl-cat-starts"
-CAT_WRAPPER = f"""#!/bin/sh
-echo "$*" >> {CAT}
-exec /usr/bin/cat "$@"
-"""
-
-
-def _wrap_cat(info):
-    for i in NODES:
-        node_exec(info.nodes[i].container, f"/usr/bin/cat > /usr/local/bin/cat <<'EOF'\n{CAT_WRAPPER}EOF\n"
-                  f"chmod 755 /usr/local/bin/cat && rm -f {CAT} && touch {CAT} && chmod 666 {CAT}")
 
 
 def _cats(info, i) -> list[str]:
