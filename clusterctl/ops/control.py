@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import ClusterctlError
@@ -204,7 +205,8 @@ def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence
     t0 = time.monotonic()
     results: dict[Host, Result] = {}
     rest = [h for h in targets if h not in forwards]
-    beside = _Beside(lambda: _ask_line(remote, command, rest, timeout, what, None)) if rest else None
+    beside = ThreadPoolExecutor(max_workers=1) if rest else None  # the line for them while the others are asked
+    line = beside.submit(_ask_line, remote, command, rest, timeout, what, None) if beside else None
     outcomes = ask_many(forwards, header_timeout=CLIENT_HEADER_TIMEOUT, timeout=timeout)
     seconds = time.monotonic() - t0
     results.update({h: Result(h, f"<control {direct.command}>", 0, o.body.decode("utf-8", "replace"), "", seconds)
@@ -223,33 +225,10 @@ def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence
 
         left = max(timeout - (time.monotonic() - t0), 0.1)  # the caller's deadline holds for every host
         results.update(_ask_line(remote, again, [*gone, *slow], left, what, None))
-    if beside is not None:
-        results.update(beside.result())
+    if line is not None:
+        results.update(line.result())
+        beside.shutdown()
     return {h: results[h] for h in targets}
-
-
-class _Beside:
-    """A call run on a thread of its own while the caller does something else; result() joins it (and raises
-    what it raised)."""
-
-    def __init__(self, call: Callable[[], dict]):
-        self._value: dict = {}
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self._value = call()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller by result()
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-
-    def result(self) -> dict:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 def _ask_line(remote: Remote, command: str | Callable[[Host], str], hosts: Sequence[Host], timeout: float | None,

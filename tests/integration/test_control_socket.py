@@ -22,38 +22,39 @@ GRACE = 2  # the job's grace: a stop waits at most this plus the agent's SIGKILL
 # what a busy machine may add to a wait for a state that follows at once (a process that prints at its start, a
 # supervisor's death read from /proc): scheduling only; the waits poll and end as soon as the state is there
 SLACK = 30.0
-STARTS = "/tmp/clusterctl-python-starts"
-CAT = "/tmp/clusterctl-cat-starts"
+LOGS = {"python3": "/tmp/clusterctl-python-starts", "cat": "/tmp/clusterctl-cat-starts"}  # program: its starts
 
 
-def _wrap(info, program: str, log: str):
-    """Put a wrapper of /usr/bin/PROGRAM first on the nodes' PATH (/usr/local/bin) that records each start in `log`."""
+def _wrap(info, program: str):
+    """Put a wrapper of /usr/bin/PROGRAM first on the nodes' PATH (/usr/local/bin) that records each start."""
+    log = LOGS[program]
     wrapper = f'#!/bin/sh\necho "$*" >> {log}\nexec /usr/bin/{program} "$@"\n'
     for i in NODES:
         node_exec(info.nodes[i].container, f"/usr/bin/cat > /usr/local/bin/{program} <<'EOF'\n{wrapper}EOF\n"
                   f"chmod 755 /usr/local/bin/{program} && rm -f {log} && touch {log} && chmod 666 {log}")
 
 
-def _wrap_python(info):
-    _wrap(info, "python3", STARTS)
-
-
-def _wrap_cat(info):
-    _wrap(info, "cat", CAT)
-
-
-def _unwrap_python(info):
+def _unwrap(info, program: str):
     for i in NODES:
-        node_exec(info.nodes[i].container, f"rm -f /usr/local/bin/python3 {STARTS}", check=False)
+        node_exec(info.nodes[i].container, f"rm -f /usr/local/bin/{program} {LOGS[program]}", check=False)
 
 
-def _starts(info, i) -> list[str]:
-    return node_exec(info.nodes[i].container, f"/usr/bin/cat {STARTS}").splitlines()  # not a wrapped cat
+def _starts(info, i, program: str = "python3") -> list[str]:
+    return node_exec(info.nodes[i].container, f"/usr/bin/cat {LOGS[program]}").splitlines()  # not a wrapped cat
 
 
-def _clear(info):
+def _clear(info, program: str = "python3"):
     for i in NODES:
-        node_exec(info.nodes[i].container, f": > {STARTS}")
+        node_exec(info.nodes[i].container, f": > {LOGS[program]}")
+
+
+def _sleep_job(info, path: Path, name: str, trainers: int) -> Path:
+    """A spec of `trainers` sleeping processes per node, and no job of its name running."""
+    spec = fleet_spec(info, path, name=name, workspace={"local": str(path.parent)},
+                      job={"mode": "collective", "trainers": trainers, "grace": GRACE,
+                           "entrypoint": ["/bin/sleep", "300"]})
+    clusterctl("stop", spec)
+    return spec
 
 
 @pytest.mark.timeout(300)
@@ -63,7 +64,7 @@ def test_a_running_job_is_asked_through_its_supervisors_with_no_python_on_the_ho
                       job={"mode": "collective", "trainers": 2, "grace": GRACE,
                            "entrypoint": ["/bin/sh", "-c", "echo hello from $RANK; exec sleep 300"]})
     clusterctl("stop", spec)
-    _wrap_python(fleet)
+    _wrap(fleet, "python3")
     try:
         res = clusterctl("start", spec, "--dispatch", timeout=180)
         assert res.returncode == 0, res.stdout + res.stderr
@@ -93,7 +94,7 @@ def test_a_running_job_is_asked_through_its_supervisors_with_no_python_on_the_ho
         assert any(" agent top " in f" {line} " for line in _starts(fleet, 1)), _starts(fleet, 1)
     finally:
         stopped = clusterctl("stop", spec, timeout=120)
-        _unwrap_python(fleet)
+        _unwrap(fleet, "python3")
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert_no_orphans(fleet, name, hosts=[fleet.nodes[i] for i in NODES], within=GRACE + 5 + SLACK)
     assert status_json(spec)["state"] in ("failed", "stopped")
@@ -102,10 +103,8 @@ def test_a_running_job_is_asked_through_its_supervisors_with_no_python_on_the_ho
 @pytest.mark.timeout(300)
 def test_a_stop_through_the_supervisors_counts_every_process_once(fleet, tmp_path):
     name = "fleet-ctl-stop"
-    spec = fleet_spec(fleet, tmp_path / "s.yaml", name=name, workspace={"local": str(tmp_path)},
-                      job={"mode": "collective", "trainers": 2, "grace": GRACE, "entrypoint": ["/bin/sleep", "300"]})
-    clusterctl("stop", spec)
-    _wrap_python(fleet)
+    spec = _sleep_job(fleet, tmp_path / "s.yaml", name, trainers=2)
+    _wrap(fleet, "python3")
     try:
         res = clusterctl("start", spec, "--dispatch", timeout=180)
         assert res.returncode == 0, res.stdout + res.stderr
@@ -124,11 +123,7 @@ def test_a_stop_through_the_supervisors_counts_every_process_once(fleet, tmp_pat
         assert again.stdout.strip() == f"job {name} is not running"
     finally:
         clusterctl("stop", spec, timeout=120)
-        _unwrap_python(fleet)
-
-
-def _cats(info, i) -> list[str]:
-    return node_exec(info.nodes[i].container, f"/usr/bin/cat {CAT}").splitlines()
+        _unwrap(fleet, "python3")
 
 
 def _kept(name: str) -> Path:
@@ -141,11 +136,9 @@ def test_the_controller_that_started_a_job_asks_its_supervisors_with_nothing_sta
     Python on the hosts. An endpoint that no longer answers as the supervisor's would is forgotten, and that host
     is asked with the line as before."""
     name = "fleet-ctl-direct"
-    spec = fleet_spec(fleet, tmp_path / "d.yaml", name=name, workspace={"local": str(tmp_path)},
-                      job={"mode": "collective", "trainers": 1, "grace": GRACE, "entrypoint": ["/bin/sleep", "300"]})
-    clusterctl("stop", spec)
-    _wrap_python(fleet)
-    _wrap_cat(fleet)
+    spec = _sleep_job(fleet, tmp_path / "d.yaml", name, trainers=1)
+    _wrap(fleet, "python3")
+    _wrap(fleet, "cat")
     try:
         res = clusterctl("start", spec, "--dispatch", timeout=180)
         assert res.returncode == 0, res.stdout + res.stderr
@@ -154,13 +147,12 @@ def test_the_controller_that_started_a_job_asks_its_supervisors_with_nothing_sta
         endpoints = json.loads(kept.read_text())
         assert sorted(endpoints) == sorted(f"ubuntu@{fleet.nodes[i].ip}:22" for i in NODES)
         _clear(fleet)
-        for i in NODES:
-            node_exec(fleet.nodes[i].container, f": > {CAT}")
+        _clear(fleet, "cat")
         st = status_json(spec)
         assert [(p["host"], p["state"]) for p in st["processes"]] == [("node0", "running"), ("node1", "running")]
         top = json.loads(clusterctl("top", spec, "--once", "--json", "--no-gpu", check=True).stdout)
         assert [(h["host"], h["status"]) for h in top["hosts"]] == [("node0", "ok"), ("node1", "ok")]
-        assert [_starts(fleet, i) + _cats(fleet, i) for i in NODES] == [[], []]  # nothing ran on either host
+        assert [_starts(fleet, i) + _starts(fleet, i, "cat") for i in NODES] == [[], []]  # nothing ran on either host
         # node1's endpoint turned stale (a port nothing listens on), node0's supervisor answers with another secret
         # than the one kept: both are asked with the line (`cat` runs there), answer right, and are forgotten
         key0, key1 = (f"ubuntu@{fleet.nodes[i].ip}:22" for i in NODES)
@@ -169,13 +161,12 @@ def test_the_controller_that_started_a_job_asks_its_supervisors_with_nothing_sta
         kept.write_text(json.dumps(endpoints))
         st = status_json(spec)
         assert [(p["host"], p["state"]) for p in st["processes"]] == [("node0", "running"), ("node1", "running")]
-        assert all(_cats(fleet, i) for i in NODES), [_cats(fleet, i) for i in NODES]
+        assert all(_starts(fleet, i, "cat") for i in NODES), [_starts(fleet, i, "cat") for i in NODES]
         assert not kept.exists()
     finally:
         stopped = clusterctl("stop", spec, timeout=120)
-        _unwrap_python(fleet)
-        for i in NODES:
-            node_exec(fleet.nodes[i].container, f"rm -f /usr/local/bin/cat {CAT}", check=False)
+        _unwrap(fleet, "python3")
+        _unwrap(fleet, "cat")
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert_no_orphans(fleet, name, hosts=[fleet.nodes[i] for i in NODES], within=GRACE + 5 + SLACK)
 
@@ -183,25 +174,21 @@ def test_the_controller_that_started_a_job_asks_its_supervisors_with_nothing_sta
 @pytest.mark.timeout(300)
 def test_a_stop_through_the_kept_connections_forgets_the_endpoints(fleet, tmp_path):
     name = "fleet-ctl-direct-stop"
-    spec = fleet_spec(fleet, tmp_path / "e.yaml", name=name, workspace={"local": str(tmp_path)},
-                      job={"mode": "collective", "trainers": 1, "grace": GRACE, "entrypoint": ["/bin/sleep", "300"]})
-    clusterctl("stop", spec)
-    _wrap_cat(fleet)
+    spec = _sleep_job(fleet, tmp_path / "e.yaml", name, trainers=1)
+    _wrap(fleet, "cat")
     try:
         res = clusterctl("start", spec, "--dispatch", timeout=180)
         assert res.returncode == 0, res.stdout + res.stderr
         assert _kept(name).exists()
-        for i in NODES:
-            node_exec(fleet.nodes[i].container, f": > {CAT}")
+        _clear(fleet, "cat")
         res = clusterctl("stop", spec, timeout=120)
         assert res.returncode == 0 and res.stdout.strip() == f"job {name} stopped on 2 host(s), 2 process(es) killed", (
             res.stdout + res.stderr)
         assert not _kept(name).exists()
         # the first host to get the stop ends the job everywhere through the coordinator; the other's supervisor
         # may be gone before its own request reaches it, and that host is asked with the line
-        assert any(not _cats(fleet, i) for i in NODES), [_cats(fleet, i) for i in NODES]
+        assert any(not _starts(fleet, i, "cat") for i in NODES), [_starts(fleet, i, "cat") for i in NODES]
         assert_no_orphans(fleet, name, hosts=[fleet.nodes[i] for i in NODES], within=GRACE + 5 + SLACK)
     finally:
         clusterctl("stop", spec, timeout=120)
-        for i in NODES:
-            node_exec(fleet.nodes[i].container, f"rm -f /usr/local/bin/cat {CAT}", check=False)
+        _unwrap(fleet, "cat")

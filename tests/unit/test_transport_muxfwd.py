@@ -12,31 +12,13 @@ import threading
 import time
 
 import pytest
+from test_transport_mux import _packet, _send
 
 from clusterctl.transport import mux, muxfwd
 from clusterctl.transport.muxfwd import MUX_C_NEW_STDIO_FWD, Forward, ask_many
 
 SERVER = "5e" * 32
 CLIENT = "c1" * 32
-
-
-def _recv(sock, n) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise EOFError
-        data += chunk
-    return data
-
-
-def _packet(sock) -> bytes:
-    return _recv(sock, struct.unpack(">I", _recv(sock, 4))[0])
-
-
-def _send(sock, *words: int, tail: bytes = b"") -> None:
-    payload = b"".join(struct.pack(">I", w) for w in words) + tail
-    sock.sendall(struct.pack(">I", len(payload)) + payload)
 
 
 def _string(at: int, data: bytes) -> tuple[bytes, int]:
