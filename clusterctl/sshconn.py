@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import paramiko
 from fabric import Config, Connection
@@ -24,6 +25,9 @@ from .transport.base import (LineSplitter, Result, Running, SshOptions, Stdin, T
                              timed_out_result, unreachable_result)
 from .transport.gate import HandshakeGate, gate_key
 from .transport.host import Host, split_jump
+
+if TYPE_CHECKING:
+    from .sshconfig import Resolved
 
 log = logging.getLogger("clusterctl.remote")
 
@@ -98,33 +102,48 @@ class _OffPolicy(paramiko.MissingHostKeyPolicy):
         pass  # explicitly requested with host_key_policy: off (warned about on every run)
 
 
-def _client(options: SshOptions) -> paramiko.SSHClient:
+def _known_hosts(options: SshOptions, resolved: Resolved | None) -> list[str]:
+    """The known_hosts files host keys are checked against, the one new keys go to first: the spec's, else the
+    ssh config's UserKnownHostsFile for this host (as ssh reads them), else ~/.ssh/known_hosts."""
+    files = [options.known_hosts] if options.known_hosts else list(resolved.known_hosts if resolved else ())
+    return [os.path.expanduser(f) for f in files or ["~/.ssh/known_hosts"]]
+
+
+def _client(options: SshOptions, resolved: Resolved | None = None) -> paramiko.SSHClient:
     client = paramiko.SSHClient()  # our own: Fabric's default would AutoAdd unknown keys
-    known = os.path.expanduser(options.known_hosts or "~/.ssh/known_hosts")
+    known = _known_hosts(options, resolved)
     policy = options.host_key_policy
-    if policy != "off" and os.path.exists(known):
-        client.load_host_keys(known)
+    for path in known if policy != "off" else ():
+        if os.path.exists(path):
+            client.load_host_keys(path)  # every file's keys (load_host_keys adds to those loaded before)
     if policy == "strict":
-        client.set_missing_host_key_policy(_StrictPolicy(known))
+        client.set_missing_host_key_policy(_StrictPolicy(known[0]))
     elif policy == "accept-new":
-        client.set_missing_host_key_policy(_AcceptNewPolicy(known))
+        client.set_missing_host_key_policy(_AcceptNewPolicy(known[0]))
     else:
         client.set_missing_host_key_policy(_OffPolicy())
     return client
 
 
-def _connection(hostname: str, user: str, port: int, opts: SshOptions, gateway: Connection | None) -> Connection:
+def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None) -> Connection:
+    """A Fabric connection to `r` (what the ssh config resolves a host or a bastion to), with the spec's key and
+    known_hosts, else the ssh config's IdentityFile and UserKnownHostsFile for it (ssh's own default key files
+    that are not there are left out, as ssh skips them)."""
     timeout = opts.connect_timeout
+    if opts.identity_file:
+        keys = [os.path.expanduser(opts.identity_file)]
+    else:
+        keys = [k for k in map(os.path.expanduser, r.identity_files) if os.path.isfile(k)]
     conn = Connection(
-        hostname,
-        user=user,
-        port=port,
+        r.hostname,
+        user=r.user,
+        port=r.port,
         config=Config(overrides={"load_ssh_configs": False}),  # resolved already, by `ssh -G` (sshconfig)
         connect_timeout=timeout,
         forward_agent=opts.forward_agent,
         gateway=gateway,
         connect_kwargs={
-            "key_filename": [os.path.expanduser(opts.identity_file)] if opts.identity_file else None,
+            **({"key_filename": keys} if keys else {}),  # never None: Fabric's Connection cannot take it
             "look_for_keys": opts.identity_file is None,
             "allow_agent": True,
             "banner_timeout": timeout,
@@ -132,7 +151,7 @@ def _connection(hostname: str, user: str, port: int, opts: SshOptions, gateway: 
             "channel_timeout": timeout,
         },
     )
-    conn.client = _client(opts)  # ours: Fabric's default would AutoAdd unknown keys (bastions included)
+    conn.client = _client(opts, r)  # ours: Fabric's default would AutoAdd unknown keys (bastions included)
     return conn
 
 
@@ -145,7 +164,7 @@ def _gateway(chain: tuple[str, ...], opts: SshOptions) -> Connection | None:
     for hop in chain:
         user, name, port = split_jump(hop)
         (r,) = resolve([Target(name, user, port)], opts.config)
-        gateway = _connection(r.hostname, r.user, r.port, opts, gateway)
+        gateway = _connection(r, opts, gateway)
     return gateway
 
 
@@ -169,7 +188,7 @@ def _key_refused(exc: Exception, opts: SshOptions) -> tuple[str, str] | None:
     if isinstance(exc, paramiko.BadHostKeyException):
         name = getattr(exc, "hostname", None) or "?"
         return name, (f"host key for {name} CHANGED: server offers {fingerprint(exc.key)}, "
-                      f"{opts.known_hosts or '~/.ssh/known_hosts'} has {fingerprint(exc.expected_key)}. "
+                      f"{opts.known_hosts or 'your known_hosts'} has {fingerprint(exc.expected_key)}. "
                       "Possible man-in-the-middle; if the host was reinstalled, remove the old key")
     if isinstance(exc, _HostKeyError):
         return exc.hostname, str(exc)
@@ -183,7 +202,11 @@ def _bare(name: str) -> str:
 
 def _open_connection(host: Host, opts: SshOptions) -> Connection:
     timeout = opts.connect_timeout
-    conn = _connection(host.connect_name, host.user, host.port, opts, _gateway(host.jump, opts))
+    from .sshconfig import Resolved, Target, resolve
+
+    (r,) = resolve([Target(host.address, host.user, host.port)], opts.config)  # its keys and known_hosts
+    r = Resolved(host.connect_name, host.user, host.port, known_hosts=r.known_hosts, identity_files=r.identity_files)
+    conn = _connection(r, opts, _gateway(host.jump, opts))
     via = _via(host)
     t0 = time.monotonic()
     try:

@@ -39,3 +39,32 @@ def test_a_different_key_recorded_meanwhile_is_refused(tmp_path):
     with pytest.raises(_HostKeyError, match="changed while connecting"):
         _AcceptNewPolicy(str(known)).missing_host_key(paramiko.SSHClient(), "bastion.example", second)
     assert known.read_text().count("bastion.example") == 1
+
+
+def test_paramiko_connections_take_the_ssh_configs_keys_and_known_hosts(tmp_path):
+    # they took neither: `IdentityFile` of a fleet's ssh config was never offered ("No authentication methods
+    # available" on every node under accept-new) and keys were checked and recorded in ~/.ssh/known_hosts, not its
+    # `UserKnownHostsFile` (the fleet test: tests/integration/test_fleet.py, accept-new through an ssh config)
+    from clusterctl.sshconfig import Resolved
+    from clusterctl.sshconn import _connection
+    from clusterctl.transport.base import SshOptions
+
+    key, first, second = tmp_path / "id_ed25519", tmp_path / "known_hosts", tmp_path / "known_hosts2"
+    key.write_text("")
+    host_key = paramiko.ECDSAKey.generate()
+    first.write_text(f"10.9.0.5 {host_key.get_name()} {host_key.get_base64()}\n")
+    second.write_text(f"10.9.0.6 {host_key.get_name()} {host_key.get_base64()}\n")
+    r = Resolved("10.9.0.5", "ubuntu", 22, known_hosts=(str(first), str(second)),
+                 identity_files=(str(key), str(tmp_path / "id_rsa")))  # ssh -G lists ssh's defaults, there or not
+    for policy, kind in (("strict", "_StrictPolicy"), ("accept-new", "_AcceptNewPolicy")):
+        conn = _connection(r, SshOptions(host_key_policy=policy), None)
+        assert conn.connect_kwargs["key_filename"] == [str(key)] and conn.connect_kwargs["look_for_keys"]
+        assert {h for h in conn.client.get_host_keys()} == {"10.9.0.5", "10.9.0.6"}  # every file's keys
+        assert type(conn.client._policy).__name__ == kind and conn.client._policy.known_hosts == str(first)
+    spec_key, spec_known = tmp_path / "spec_key", tmp_path / "spec_known_hosts"
+    spec_known.write_text("")
+    conn = _connection(r, SshOptions(identity_file=str(spec_key), known_hosts=str(spec_known)), None)  # the spec's win
+    assert conn.connect_kwargs["key_filename"] == [str(spec_key)] and not conn.connect_kwargs["look_for_keys"]
+    assert not list(conn.client.get_host_keys()) and conn.client._policy.known_hosts == str(spec_known)
+    bare = _connection(Resolved("10.9.0.5", "ubuntu", 22), SshOptions(), None)  # `ssh.config: none`: no key given
+    assert "key_filename" not in bare.connect_kwargs and bare.client._policy.known_hosts.endswith("/.ssh/known_hosts")
