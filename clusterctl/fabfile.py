@@ -59,26 +59,46 @@ class ClusterCall(Call):
 
 
 class ClusterExecutor(Executor):
-    """Fabric's executor, except that clusterctl's tasks run once with every `-H` host (other tasks, and a
-    `-- command` remainder, are expanded per host as Fabric does)."""
+    """Fabric's executor, except that clusterctl's tasks run once with every `-H` host, and so does a `-- command`
+    remainder (`fab -H a,b -- uname -a`: clusterctl's `exec` of `sh -c COMMAND`; Fabric's would connect with
+    paramiko and add any host key it had not seen); other tasks are expanded per host as Fabric does."""
 
     def expand_calls(self, calls, apply_hosts=True):
-        """Per-host calls for ordinary tasks, one ClusterCall for each clusterctl task."""
+        """Per-host calls for ordinary tasks, one ClusterCall for each clusterctl task and for the remainder."""
         core = self.core[0].args
         host_str = core.hosts.value if apply_hosts else None
         hosts = [h.strip() for h in (host_str or "").split(",") if h.strip()]
-        spec = core["spec"].value if "spec" in core else None  # clusterctl-fab's own core flag
+        where = {"cluster_hosts": hosts, "cluster_hosts_flag": host_str,
+                 "cluster_spec": core["spec"].value if "spec" in core else None}  # clusterctl-fab's own --spec
         ours, others = [], []
         for call in calls:
             call = Call(task=call) if isinstance(call, Task) else call
             if getattr(call.task, "whole_cluster", False):
                 ours += self.expand_calls(call.pre, apply_hosts=False)
-                ours.append(call.clone(into=ClusterCall, with_={"cluster_hosts": hosts, "cluster_hosts_flag": host_str,
-                                                                  "cluster_spec": spec}))
+                ours.append(call.clone(into=ClusterCall, with_=where))
                 ours += self.expand_calls(call.post, apply_hosts=False)
             else:
                 others.append(call)
-        return ours + (super().expand_calls(others, apply_hosts) if others or self.core.remainder else [])
+        remainder, self.core.remainder = self.core.remainder, ""  # Fabric's own expansion never sees it
+        try:
+            ours += super().expand_calls(others, apply_hosts) if others else []
+        finally:
+            self.core.remainder = remainder
+        if remainder and apply_hosts:
+            ours.append(ClusterCall(ClusterTask(_remainder_body(remainder)), **where))
+        return ours
+
+
+def _remainder_body(command: str):
+    def remainder(c):
+        """`fab -H HOSTS -- COMMAND`: the command through `sh -c` on every host at once, as `exec` runs one."""
+        from clusterctl.commands.core import cmd_exec
+
+        timeout = c.config.timeouts.command  # fab's own -T/--command-timeout
+        _run(lambda: cmd_exec(argparse.Namespace(spec=_spec(c, None), argv=["--", "sh", "-c", command],
+                                                 timeout=None if timeout is None else _seconds("-T", timeout))))
+
+    return remainder
 
 
 class _WholeNumber(Argument):
@@ -134,7 +154,7 @@ def _spec(c, spec: str | None, *, remember: bool = False, **options):
     if spec and hosts:
         raise ClusterctlError(f"-H {','.join(hosts)} and --spec {spec} name two clusters: give one of them")
     if spec:
-        return load_spec(_only_for_hosts(opts, spec))
+        return _as_given(c, load_spec(_only_for_hosts(opts, spec)), spec)
     if hosts is None:
         raise ClusterctlError(
             "this fab run did not use clusterctl's executor: keep fabric.yaml (tasks.executor_class: "
@@ -157,11 +177,11 @@ def _spec(c, spec: str | None, *, remember: bool = False, **options):
     named = (c.config.get("clusterctl") or {}).get("spec")
     for candidate in ([named] if named else []) + list(SPEC_NAMES):
         if Path(candidate).is_file():
-            return load_spec(_only_for_hosts(opts, candidate))
+            return _as_given(c, load_spec(_only_for_hosts(opts, candidate)), candidate)
     last = _remembered(cwd)
     if last.is_file():
-        _only_for_hosts(opts, "the last `fab -H ... start` from here")
-        return parse_spec(last.read_text(encoding="utf-8"), "<fab -H>")
+        where = _only_for_hosts(opts, "the last `fab -H ... start` from here")
+        return _as_given(c, parse_spec(last.read_text(encoding="utf-8"), "<fab -H>"), where)
     raise ClusterctlError("no hosts: give -H host1,host2 or --spec FILE, or run where a cluster.yaml is")
 
 
@@ -187,6 +207,31 @@ def _only_for_hosts(opts: dict, where: str) -> str:
     if given:
         raise ClusterctlError(f"{', '.join(given)}: for -H hosts only, not for {where}: give -H host1,host2 with it")
     return where
+
+
+def _as_given(c, spec, where: str):
+    """`spec`, unless fab's own -i, -S or --connect-timeout, as given on its command line (Fabric keeps those as
+    its config's overrides; its config files' are not counted), says otherwise than the spec: they shape a -H
+    spec only, so one that differs is refused rather than dropped (`fab -i KEY --spec F` connected with F's key)."""
+    connect = (getattr(c.config, "_overrides", None) or {}).get("connect_kwargs") or {}
+    key, config, timeout = connect.get("key_filename"), getattr(c.config, "_runtime_ssh_path", None), connect.get("timeout")
+    differ = []
+    if key and not _same_file(spec, spec.ssh.identity_file, _one_key(key)):
+        differ.append(("-i", "ssh.identity_file"))
+    if config and not _same_file(spec, spec.ssh.config, config):
+        differ.append(("-S", "ssh.config"))
+    if timeout and float(timeout) != spec.ssh.connect_timeout:
+        differ.append(("--connect-timeout", "ssh.connect_timeout"))
+    if differ:
+        flags, fields = ", ".join(f for f, _ in differ), ", ".join(f for _, f in differ)
+        raise ClusterctlError(f"{flags}: {where} has its own {fields}: give -H host1,host2 with {flags}, or leave "
+                              f"{'it' if len(differ) == 1 else 'them'} out")
+    return spec
+
+
+def _same_file(spec, mine: str | None, given: str) -> bool:
+    """Whether the spec's path `mine` (relative to the spec) names the file `given` on the command line names."""
+    return mine is not None and os.path.realpath(spec.local_path(mine)) == os.path.realpath(os.path.expanduser(given))
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -47,11 +47,16 @@ def _program():
     provision`, as a task's own `--spec` after its name), with guard()'s one-line refusals."""
     from fabric import Config, Executor, __version__
     from fabric.main import Fab
-    from invoke import Argument
+    from invoke import Argument, Program
 
     class ClusterFab(Fab):
         def core_args(self):
             return [*super().core_args(), Argument(names=("spec",), help="a cluster spec (YAML) for every task")]
+
+        def load_collection(self):
+            """The fabfile and its fabric.yaml also for a lone `-- command` (Fabric skips both then), so that
+            clusterctl's executor runs it over clusterctl's connections, host keys checked."""
+            Program.load_collection(self)
 
     guard(ClusterFab)
     return ClusterFab(name="Fabric", version=__version__, executor_class=Executor, config_class=Config)
@@ -94,7 +99,7 @@ def _one_line(step, *, numbers=False, checks=False, loading=False):
                 raise
             raise Exit(PREFIX + said, code=exc.code if isinstance(exc, Exit) else 1) from None
         if checks:
-            _check_core(self.args)
+            _check_core(self)
         return result
 
     guarded._clusterctl_guard = True
@@ -174,17 +179,27 @@ _NAMING = {"search-root": ("-r", "a directory holding a fabfile.py"), "collectio
            "identity": ("-i", "a key file")}
 
 
-def _check_core(args) -> None:
+def _check_core(program) -> None:
     """Refuse a core flag's value that Fabric or Invoke would drop without a word: an empty file name (`-i ''`:
-    no key; `-r ''`: the current directory), a `-f` file that is not there (skipped), `--connect-timeout 0`
-    (no timeout)."""
+    no key; `-r ''`: the current directory), `-i` with no value at the end (no key), a `-f` file that is not there
+    (skipped), `--connect-timeout 0` (no timeout); and Fabric's password prompts (a prompt, then a password no
+    clusterctl task uses: they never take one)."""
     from invoke import Exit
 
+    args = program.args
     for name, (flag, what) in _NAMING.items():
         value = args[name].value if name in args else None
         for given in value if isinstance(value, list) else [value]:
             if isinstance(given, str) and not given.strip():
                 raise Exit(f"{PREFIX}{flag} {given!r} names nothing: give {what}, or leave the option out", code=1)
+    argv = list(getattr(program, "argv", None) or [])
+    words = argv[:argv.index("--")] if "--" in argv else argv
+    if words[-1:] in (["-i"], ["--identity"]) and "identity" in args and not args["identity"].value:
+        raise Exit(f"{PREFIX}{words[-1]} needs a value: give a key file, or leave the option out", code=1)
+    for name in _PROMPTS:
+        if name in args and args[name].value:
+            raise Exit(f"{PREFIX}--{name}: clusterctl never takes a password: use a key (-i, your ssh config or the "
+                       "ssh-agent), and passwordless (NOPASSWD) sudo on the hosts", code=1)
     runtime = args["config"].value if "config" in args else None
     if runtime and not os.path.isfile(runtime):
         said = "not a file" if os.path.exists(runtime) else "no such file"
@@ -192,6 +207,10 @@ def _check_core(args) -> None:
     timeout = args["connect-timeout"].value if "connect-timeout" in args else None
     if timeout is not None and timeout <= 0:
         raise Exit(f"{PREFIX}--connect-timeout must be more than 0 seconds, not {timeout}", code=1)
+
+
+# Fabric's flags that ask for a password on the terminal before any task runs
+_PROMPTS = ("prompt-for-login-password", "prompt-for-passphrase", "prompt-for-sudo-password")
 
 
 def _loading_error(program, exc) -> str | None:

@@ -85,6 +85,61 @@ def test_pserver_job_lifecycle_behind_the_bastion(fleet, tmp_path):
     assert_no_orphans(fleet, name, [6170, 6180, 6168], hosts=fleet.nodes[:2])
 
 
+@pytest.mark.timeout(90)
+def test_a_fab_double_dash_command_runs_on_every_node_with_host_keys_checked(fleet, tmp_path):
+    """`clusterctl-fab -S CONFIG -H node0,node1 -- 'CMD'`: through a shell on both nodes at once, as the login user
+    through the bastion. It was Fabric's own run: paramiko, one host after another, any host key it had not seen
+    added (AutoAddPolicy); with a known_hosts that knows no key it is now refused, and nothing is written to it."""
+    def fab(config: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "clusterctl.fab", "-S", str(config), "-H", ",".join(ALIASES),
+                               "--", "id -un | tr a-z A-Z; test -d /proc/self"], capture_output=True, text=True,
+                              timeout=60, stdin=subprocess.DEVNULL, cwd=tmp_path)
+
+    res = fab(fleet.ssh_config_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[node0] UBUNTU", "[node1] UBUNTU"], res.stdout + res.stderr
+    empty = tmp_path / "known_hosts"
+    res = fab(_config_knowing_no_key(fleet, tmp_path / "ssh_config", empty))
+    assert res.returncode == 255 and "UBUNTU" not in res.stdout, res.stdout + res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("clusterctl: error: ")]
+    assert len(errors) == 2 and all(f"bastion {fleet.bastion.ip}: unknown host key for {fleet.bastion.ip} " in line
+                                    and f"not in {empty}." in line for line in errors), res.stderr
+    assert empty.read_text() == ""
+
+
+def _config_knowing_no_key(fleet, path: Path, known_hosts: Path) -> Path:
+    """The fleet's ssh config with every UserKnownHostsFile an empty file (`known_hosts`)."""
+    known_hosts.write_text("")
+    path.write_text("\n".join(f"    UserKnownHostsFile {known_hosts}" if line.strip().startswith("UserKnownHostsFile")
+                              else line for line in fleet.ssh_config_path.read_text().splitlines()) + "\n")
+    return path
+
+
+@pytest.mark.timeout(90)
+def test_accept_new_through_an_ssh_config_uses_its_keys_and_known_hosts(fleet, tmp_path):
+    """`host_key_policy: accept-new` goes over paramiko, which read neither the ssh config's IdentityFile (every
+    node: "No authentication methods available") nor its UserKnownHostsFile (the bastion's key was recorded in
+    ~/.ssh/known_hosts, and checked there). Now both are the config's, as ssh's own are; strict then verifies
+    every key that accept-new recorded."""
+    known = tmp_path / "known_hosts"
+    config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+    spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-accept-new", job={"entrypoint": ["true"]})
+    data = yaml.safe_load(spec.read_text())
+    data["ssh"].update(config=str(config), host_key_policy="accept-new")
+    spec.write_text(yaml.safe_dump(data))
+    home = Path("~/.ssh/known_hosts").expanduser()
+    before = home.read_bytes() if home.exists() else None
+    res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+    recorded = {line.split()[0] for line in known.read_text().splitlines()}
+    assert recorded == {fleet.bastion.ip, fleet.nodes[0].ip, fleet.nodes[1].ip}, known.read_text()
+    assert (home.read_bytes() if home.exists() else None) == before
+    data["ssh"]["host_key_policy"] = "strict"
+    spec.write_text(yaml.safe_dump(data))
+    assert clusterctl("exec", spec, "--", "id", "-un", timeout=60).returncode == 0  # the OpenSSH client, those keys
+
+
 @pytest.mark.timeout(240)
 def test_fab_workflow_through_ssh_config_aliases(fleet, tmp_path):
     """`fab -S CONFIG -H node0,node1 start | tail-log | status | kill` with the seed's positional script;

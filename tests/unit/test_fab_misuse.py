@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from clusterctl.adhoc import AdhocOptions, adhoc_spec
 from clusterctl.errors import ClusterctlError
@@ -427,3 +428,98 @@ def test_host_forms_that_stay(host, address, port):
 
     entry = adhoc_spec([host], AdhocOptions()).hosts[0]
     assert (entry.address, entry.port) == (address, port)
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+@pytest.mark.parametrize("where", [[], ["status"]])
+def test_an_identity_flag_with_no_value_is_refused_not_dropped(tmp_path, program, where):
+    # `fab -H h status -i` (a key file meant to follow): the task went on with no key; `clusterctl-fab -i`: help, exit 0
+    res = program("-H", "127.0.0.1", *where, "-i", cwd=tmp_path)
+    assert _one_error(res) == "-i needs a value: give a key file, or leave the option out"
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+@pytest.mark.parametrize("flag", ["--prompt-for-login-password", "--prompt-for-passphrase",
+                                  "--prompt-for-sudo-password"])
+def test_fabs_password_prompts_are_refused_before_they_ask(tmp_path, program, flag):
+    # was getpass's prompt (EOFError's traceback without a terminal), then a password no task used
+    res = program("-H", "127.0.0.1", "status", flag, cwd=tmp_path)
+    assert _one_error(res) == (f"{flag}: clusterctl never takes a password: use a key (-i, your ssh config or the "
+                               "ssh-agent), and passwordless (NOPASSWD) sudo on the hosts")
+    assert "assword" not in res.stdout
+
+
+@pytest.mark.parametrize("words, said", [
+    (["-i", "k1"], "-i: {where} has its own ssh.identity_file: give -H host1,host2 with -i, or leave it out"),
+    (["-S", "ssh_config"], "-S: {where} has its own ssh.config: give -H host1,host2 with -S, or leave it out"),
+    (["-t", "3"], "--connect-timeout: {where} has its own ssh.connect_timeout: give -H host1,host2 with "
+                  "--connect-timeout, or leave it out"),
+    (["-i", "k1", "-t", "3"], "-i, --connect-timeout: {where} has its own ssh.identity_file, ssh.connect_timeout: "
+                              "give -H host1,host2 with -i, --connect-timeout, or leave them out"),
+])
+def test_fabs_connection_flags_that_differ_from_the_spec_are_refused_not_dropped(tmp_path, monkeypatch, capsys,
+                                                                                words, said):
+    # `fab -i ~/.ssh/other --spec cluster.yaml status` connected with the spec's key: -i was dropped without a word
+    c = FakeCluster(tmp_path).everywhere(monkeypatch)
+    (tmp_path / "ssh_config").write_text("Host *\n")
+    monkeypatch.chdir(tmp_path)
+    assert _fab_here(*words, "--spec", str(c.spec_path), "status") == 1
+    assert capsys.readouterr().err.splitlines() == ["clusterctl: error: " + said.format(where=c.spec_path)]
+    assert _fab_here(*words, "status") == 1  # ./cluster.yaml
+    assert capsys.readouterr().err.splitlines() == ["clusterctl: error: " + said.format(where=c.spec_path.name)]
+
+
+def test_fabs_connection_flags_that_say_what_the_spec_says_are_taken(tmp_path, monkeypatch, capsys):
+    # `fab -S cfg -H a,b start` then `fab -S cfg status` from the same directory: the remembered spec has -S's config
+    from clusterctl.fabfile import _remembered
+
+    c = FakeCluster(tmp_path).everywhere(monkeypatch)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    (here / "ssh_config").write_text("Host *\n")
+    (here / "key").write_text("")
+    spec = yaml.safe_load(c.spec_path.read_text())
+    spec["ssh"].update(config="ssh_config", identity_file="key", connect_timeout=3)
+    _remembered(str(here)).write_text(yaml.safe_dump(spec))
+    assert _fab_here("-S", "ssh_config", "-i", str(here / "key"), "-t", "3", "status") == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == f"job {c.name} is not running (no state on any host)\n"
+    assert _fab_here("-S", "ssh_config", "-t", "4", "status") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "clusterctl: error: --connect-timeout: the last `fab -H ... start` from here has its own ssh.connect_timeout: "
+        "give -H host1,host2 with --connect-timeout, or leave it out"]
+
+
+def test_a_command_after_a_double_dash_runs_on_every_host_through_a_shell(tmp_path, monkeypatch, capsys):
+    # `fab -H a,b -- CMD` was Fabric's: one paramiko connection per host, one host after another, adding any host
+    # key it had not seen (AutoAddPolicy), and a traceback for a host it could not reach
+    import clusterctl.ops.execute as execute
+
+    calls: list = []
+    real = execute.execute
+
+    def spy(remote, argv, on_line=None, timeout=None):
+        calls.append((list(argv), timeout))
+        return real(remote, argv, on_line=on_line, timeout=timeout)
+
+    monkeypatch.setattr(execute, "execute", spy)
+    c = FakeCluster(tmp_path).everywhere(monkeypatch)
+    assert _fab_here("--spec", str(c.spec_path), "--", "echo hi there | tr a-z A-Z") == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[n0] HI THERE", "[n1] HI THERE"]
+    assert _fab_here("--spec", str(c.spec_path), "-T", "1", "--", "sleep 30") == 124  # fab's -T: exec's --timeout
+    assert calls == [(["sh", "-c", "echo hi there | tr a-z A-Z"], None), (["sh", "-c", "sleep 30"], 1.0)]
+    assert _fab_here("--spec", str(c.spec_path), "--", "exit 3") == 3
+
+
+def test_a_command_after_a_double_dash_with_no_hosts_is_one_line(tmp_path):
+    # was Fabric's NothingToDo traceback (plain fab's still is: it skips every fabfile, clusterctl's executor with
+    # it, for a lone `-- command`; docs/lifecycle.md says to use clusterctl-fab or `fab exec` there)
+    res = _clusterctl_fab("--", "true", cwd=tmp_path)
+    assert _one_error(res) == "no hosts: give -H host1,host2 or --spec FILE, or run where a cluster.yaml is"
+
+
+def test_a_command_after_a_double_dash_to_an_unreachable_host_is_one_line(tmp_path):
+    res = _clusterctl_fab("-H", "127.0.0.1:1", "--", "true", cwd=tmp_path)
+    assert res.returncode == 255, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == "clusterctl: error: cannot connect to 127.0.0.1:1: Connection refused"
+    assert "Traceback" not in res.stderr
