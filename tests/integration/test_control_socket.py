@@ -192,3 +192,38 @@ def test_a_stop_through_the_kept_connections_forgets_the_endpoints(fleet, tmp_pa
     finally:
         clusterctl("stop", spec, timeout=120)
         _unwrap(fleet, "cat")
+
+
+@pytest.mark.timeout(300)
+def test_a_host_whose_sshd_forwards_nothing_is_asked_with_the_line(fleet, tmp_path):
+    """node1's sshd set to `AllowTcpForwarding no` (as some fleets have it): the forwarding to its supervisor is
+    refused there, so node1 is asked with the line (`cat` runs there) and its endpoint forgotten, while node0 is
+    still asked directly; status, and then stop, are right on both."""
+    name = "fleet-ctl-noforward"
+    node1 = fleet.nodes[1].container
+    config = tmp_path / "ssh_config"  # a config of the test's own: new kept connections, made after sshd's change
+    config.write_text(fleet.ssh_config_path.read_text())
+    spec = _sleep_job(fleet, tmp_path / "f.yaml", name, trainers=1)
+    spec.write_text(spec.read_text().replace(str(fleet.ssh_config_path), str(config)))
+    sshd = "kill -HUP $(pgrep -o -x sshd)"  # the listener re-reads its config; open connections keep theirs
+    node_exec(node1, f"echo 'AllowTcpForwarding no' >> /etc/ssh/sshd_config && {sshd}")
+    _wrap(fleet, "cat")
+    try:
+        res = clusterctl("start", spec, "--dispatch", timeout=180)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert sorted(json.loads(_kept(name).read_text())) == sorted(f"ubuntu@{fleet.nodes[i].ip}:22" for i in NODES)
+        _clear(fleet, "cat")
+        st = status_json(spec)
+        assert [(p["host"], p["state"]) for p in st["processes"]] == [("node0", "running"), ("node1", "running")]
+        assert [bool(_starts(fleet, i, "cat")) for i in NODES] == [False, True]
+        assert sorted(json.loads(_kept(name).read_text())) == [f"ubuntu@{fleet.nodes[0].ip}:22"]
+        _clear(fleet, "cat")
+        st = status_json(spec)  # node1 now goes by the line at once, with no refused channel first
+        assert [(p["host"], p["state"]) for p in st["processes"]] == [("node0", "running"), ("node1", "running")]
+        assert [bool(_starts(fleet, i, "cat")) for i in NODES] == [False, True]
+    finally:
+        stopped = clusterctl("stop", spec, timeout=120)
+        _unwrap(fleet, "cat")
+        node_exec(node1, f"sed -i '/^AllowTcpForwarding no$/d' /etc/ssh/sshd_config && {sshd}", check=False)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert_no_orphans(fleet, name, hosts=[fleet.nodes[i] for i in NODES], within=GRACE + 5 + SLACK)
