@@ -73,18 +73,26 @@ CONTROL_CACHE = "control"
 _MAX_CACHE = 4 << 20
 STALE_DAYS = 30
 _CACHE_LOCK = threading.Lock()  # `top` asks each host from a thread of its own
+DIRECT_MAX_BODY = 16 << 20  # a direct answer kept in memory; a longer one is asked for again by the line
 
 
 @dataclass(frozen=True)
 class Direct:
     """Ask the supervisors of `job` `command` with `args` through the kept connections where this controller
     knows their control endpoints; `fallback` is the agent's argv for a host whose supervisor took longer than
-    CLIENT_HEADER_TIMEOUT to answer (the line would wait for it again)."""
+    CLIENT_HEADER_TIMEOUT to answer (the line would wait for it again). `args` and `fallback` may be functions of
+    the host, for a request that names it (`logs`: its label)."""
 
     job: str
     command: str
-    args: dict | None
-    fallback: list[str]
+    args: dict | None | Callable[[Host], dict | None]
+    fallback: list[str] | Callable[[Host], list[str]]
+
+    def request(self, host: Host) -> str:
+        return _request(self.command, self.args(host) if callable(self.args) else self.args)
+
+    def agent(self, host: Host) -> str:
+        return agent_command(self.fallback(host) if callable(self.fallback) else self.fallback)
 
 
 def _key(host: Host) -> str:
@@ -171,13 +179,12 @@ def _forwards(remote: Remote, hosts: Sequence[Host], direct: Direct) -> dict:
         return {}
     from ..transport.muxfwd import Forward
 
-    request = _request(direct.command, direct.args)
     forwards = {}
     for host in hosts:
         entry = known.get(_key(host))
         control = remote.kept_control(host) if entry else None
         if control is not None:
-            forwards[host] = Forward(control, entry["port"], f"{entry['client']} {request}\n".encode(),
+            forwards[host] = Forward(control, entry["port"], f"{entry['client']} {direct.request(host)}\n".encode(),
                                      f"{OK} {entry['server']}".encode())
     return forwards
 
@@ -189,15 +196,15 @@ def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence
     the fallback get it (one more round trip, those hosts only) and are asked again. Each host's Result (an
     install that failed: its Result).
 
-    With `direct` (and a deadline, and no line callback), the supervisors whose control endpoints this controller
-    kept from their `start` are asked straight through the kept connections (clusterctl.transport.muxfwd: nothing
-    started on the host), the other hosts with the line at the same time. A host that refused (no supervisor
-    listening there any more, forwarding off in its sshd) or answered as no supervisor of ours would is forgotten
-    and asked with the line, as is (not forgotten) one whose kept connection went away; one whose supervisor did
-    not answer within CLIENT_HEADER_TIMEOUT, with the agent alone (the line would wait for it again); all of them
-    in the time left."""
+    With `direct` (and a deadline), the supervisors whose control endpoints this controller kept from their `start`
+    are asked straight through the kept connections (clusterctl.transport.muxfwd: nothing started on the host), the
+    other hosts with the line at the same time; `on_line` gets a direct answer's lines once it is whole. A host that
+    refused (no supervisor listening there any more, forwarding off in its sshd) or answered as no supervisor of
+    ours would is forgotten and asked with the line, as is (not forgotten) one whose kept connection went away or
+    whose answer was over muxfwd's limit; one whose supervisor did not answer within CLIENT_HEADER_TIMEOUT, with the
+    agent alone (the line would wait for it again); all of them in the time left."""
     targets = list(remote.hosts if hosts is None else hosts)
-    forwards = _forwards(remote, targets, direct) if direct is not None and on_line is None and timeout else {}
+    forwards = _forwards(remote, targets, direct) if direct is not None and timeout else {}
     if not forwards:
         return _ask_line(remote, command, targets, timeout, what, on_line)
     from ..transport.muxfwd import ask_many
@@ -206,25 +213,29 @@ def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence
     results: dict[Host, Result] = {}
     rest = [h for h in targets if h not in forwards]
     beside = ThreadPoolExecutor(max_workers=1) if rest else None  # the line for them while the others are asked
-    line = beside.submit(_ask_line, remote, command, rest, timeout, what, None) if beside else None
-    outcomes = ask_many(forwards, header_timeout=CLIENT_HEADER_TIMEOUT, timeout=timeout)
+    line = beside.submit(_ask_line, remote, command, rest, timeout, what, on_line) if beside else None
+    outcomes = ask_many(forwards, header_timeout=CLIENT_HEADER_TIMEOUT, timeout=timeout, max_body=DIRECT_MAX_BODY)
     seconds = time.monotonic() - t0
-    results.update({h: Result(h, f"<control {direct.command}>", 0, o.body.decode("utf-8", "replace"), "", seconds)
-                    for h, o in outcomes.items() if o.kind == "ok"})
+    for h, o in outcomes.items():
+        if o.kind == "ok":
+            body = o.body.decode("utf-8", "replace")
+            if on_line is not None:  # as the line would have streamed it; its Result's stdout was not kept either
+                for text in body.splitlines():
+                    on_line(h, "out", text)
+                body = ""
+            results[h] = Result(h, f"<control {direct.command}>", 0, body, "", seconds)
     gone = [h for h, o in outcomes.items() if o.kind in ("refused", "bad")]
     slow = {h for h, o in outcomes.items() if o.kind == "timeout"}
-    other = [h for h, o in outcomes.items() if o.kind == "unreachable"]  # the master's trouble, not the host's word
+    other = [h for h, o in outcomes.items() if o.kind in ("unreachable", "big")]  # not the host's word against it
     if gone:
         forget(direct.job, gone)
     gone += other
     if gone or slow:
-        agent = agent_command(direct.fallback)
-
         def again(h: Host) -> str:
-            return agent if h in slow else command(h) if callable(command) else command
+            return direct.agent(h) if h in slow else command(h) if callable(command) else command
 
         left = max(timeout - (time.monotonic() - t0), 0.1)  # the caller's deadline holds for every host
-        results.update(_ask_line(remote, again, [*gone, *slow], left, what, None))
+        results.update(_ask_line(remote, again, [*gone, *slow], left, what, on_line))
     if line is not None:
         results.update(line.result())
         beside.shutdown()

@@ -352,7 +352,8 @@ def logs(
         what = " ".join(f"{k}={v}" for k, v in (("host", host), ("role", role), ("id", id)) if v is not None)
         raise JobError(f"no process of job {plan.job} matches {what}")
 
-    def cmd(h: Host) -> str:
+    def asked(h: Host) -> tuple[dict, list[str]]:
+        """The supervisor's request for host `h`, and the agent's argv where no supervisor answers."""
         args: dict = {"host_label": h.label}
         agent = ["logs", _jobdir(plan), "--host-label", h.label]
         if follow:
@@ -367,7 +368,15 @@ def logs(
         if lines is not None:
             args["lines"] = lines
             agent += ["-n", str(lines)]
-        return control_command(_jobdir(plan), "logs", args, agent)
+        return args, agent
+
+    def cmd(h: Host) -> str:
+        return control_command(_jobdir(plan), "logs", *asked(h))
+
+    # the last lines, a bounded answer, straight from the supervisors this controller started (whole logs and a
+    # follow are streams: by the line, which passes each line on as it comes)
+    direct = Direct(plan.job, "logs", lambda h: asked(h)[0], lambda h: asked(h)[1]) \
+        if lines is not None and not follow else None
 
     problems: list[str] = []
     unmatched: list[str] = []  # elastic: hosts that ran no such process (a spare, a host left out)
@@ -398,7 +407,7 @@ def logs(
     # a running supervisor streams them over its control socket, elsewhere the agent reads the files; a follow
     # ends with the job, a plain read of (possibly large) logs gets a generous deadline
     results = ask(remote, cmd, hosts=targets, on_line=relay, timeout=None if follow else 10 * remote.control_timeout,
-                  what="logs")
+                  what="logs", direct=direct)
     # not reached, no host package to be had (no python3), timed out, or the agent failed (2: its JSON error above)
     unreachable = [f"{h.label}: {r.error() or r.stderr.strip() or f'exit {r.exit_code}'}" for h, r in results.items()
                    if not r.answered or r.exit_code not in (0, 2)]

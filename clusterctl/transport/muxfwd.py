@@ -12,7 +12,8 @@ expects (the service proving who it is); then the service closes and the master 
 - `ok`: the body;
 - `refused`: the host said no: sshd refused the channel (nothing listens on that port, or forwarding is off),
   or the service closed it without a word;
-- `bad`: another first line, a body over the limit, an answer cut short;
+- `bad`: another first line, an answer cut short;
+- `big`: the right first line, then a body over the limit (the service is the one asked: ask it another way);
 - `unreachable`: no master, another protocol, or the master went away before the channel opened (the host's
   word is not known);
 - `timeout`: no first line within `header_timeout`, or no end by the deadline.
@@ -50,7 +51,7 @@ class Forward:
 
 @dataclass(frozen=True)
 class Outcome:
-    """`kind`: ok / refused / bad / unreachable / timeout; `body`: what followed the first line (ok only)."""
+    """`kind`: ok / refused / bad / big / unreachable / timeout; `body`: what followed the first line (ok only)."""
 
     kind: str
     body: bytes = b""
@@ -234,7 +235,7 @@ def _on_data(key, a: _Ask, sel, finish, max_body: int) -> None:
         a.header_ok = True
         a.answer = bytearray(rest)
     if len(a.answer) > max_body:
-        finish(key, a, "bad")
+        finish(key, a, "big")
 
 
 def _same(a: bytes, b: bytes) -> bool:

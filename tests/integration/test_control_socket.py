@@ -48,11 +48,12 @@ def _clear(info, program: str = "python3"):
         node_exec(info.nodes[i].container, f": > {LOGS[program]}")
 
 
-def _sleep_job(info, path: Path, name: str, trainers: int) -> Path:
-    """A spec of `trainers` sleeping processes per node, and no job of its name running."""
+def _sleep_job(info, path: Path, name: str, trainers: int, say: str | None = None) -> Path:
+    """A spec of `trainers` sleeping processes per node (each printing `say` first), and no job of its name
+    running."""
+    sleep = ["/bin/sleep", "300"] if say is None else ["/bin/sh", "-c", f"echo {say}; exec /bin/sleep 300"]
     spec = fleet_spec(info, path, name=name, workspace={"local": str(path.parent)},
-                      job={"mode": "collective", "trainers": trainers, "grace": GRACE,
-                           "entrypoint": ["/bin/sleep", "300"]})
+                      job={"mode": "collective", "trainers": trainers, "grace": GRACE, "entrypoint": sleep})
     clusterctl("stop", spec)
     return spec
 
@@ -136,7 +137,7 @@ def test_the_controller_that_started_a_job_asks_its_supervisors_with_nothing_sta
     Python on the hosts. An endpoint that no longer answers as the supervisor's would is forgotten, and that host
     is asked with the line as before."""
     name = "fleet-ctl-direct"
-    spec = _sleep_job(fleet, tmp_path / "d.yaml", name, trainers=1)
+    spec = _sleep_job(fleet, tmp_path / "d.yaml", name, trainers=1, say="up")
     _wrap(fleet, "python3")
     _wrap(fleet, "cat")
     try:
@@ -152,7 +153,12 @@ def test_the_controller_that_started_a_job_asks_its_supervisors_with_nothing_sta
         assert [(p["host"], p["state"]) for p in st["processes"]] == [("node0", "running"), ("node1", "running")]
         top = json.loads(clusterctl("top", spec, "--once", "--json", "--no-gpu", check=True).stdout)
         assert [(h["host"], h["status"]) for h in top["hosts"]] == [("node0", "ok"), ("node1", "ok")]
+        logs = clusterctl("logs", spec, "-n", "5", check=True).stdout  # the last lines: a bounded answer
+        assert sorted(logs.splitlines()) == ["[node0 trainer.0] up", "[node1 trainer.1] up"], logs
         assert [_starts(fleet, i) + _starts(fleet, i, "cat") for i in NODES] == [[], []]  # nothing ran on either host
+        assert "[node0 trainer.0] up" in clusterctl("logs", spec, check=True).stdout  # the whole logs: by the line
+        assert all(_starts(fleet, i, "cat") for i in NODES), [_starts(fleet, i, "cat") for i in NODES]
+        _clear(fleet, "cat")
         # node1's endpoint turned stale (a port nothing listens on), node0's supervisor answers with another secret
         # than the one kept: both are asked with the line (`cat` runs there), answer right, and are forgotten
         key0, key1 = (f"ubuntu@{fleet.nodes[i].ip}:22" for i in NODES)

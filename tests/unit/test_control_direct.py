@@ -127,7 +127,30 @@ def test_without_kept_connections_or_entries_or_a_deadline_everything_goes_by_th
     ask(remote, "LINE", timeout=10, what="status", direct=d)  # no kept connection
     remote.kept = {h: str(tmp_path / "nothing") for h in hosts}
     ask(remote, "LINE", timeout=None, what="logs", direct=d)  # no deadline (a follow)
-    ask(remote, "LINE", timeout=10, what="logs", direct=d, on_line=lambda *a: None)  # a line callback
     forget(JOB)
     ask(remote, "LINE", timeout=10, what="status", direct=d)  # no entries
-    assert [list(r[0].values()) for r in remote.runs] == [["LINE", "LINE"]] * 4
+    assert [list(r[0].values()) for r in remote.runs] == [["LINE", "LINE"]] * 3
+
+
+def test_a_callers_line_callback_gets_a_direct_answers_lines_and_an_answer_too_long_goes_by_the_line(tmp_path,
+                                                                                                 monkeypatch):
+    # `logs -n N`: a request that names its host; the lines passed on as the line would have streamed them
+    monkeypatch.setattr(control, "DIRECT_MAX_BODY", 1 << 20)
+    hosts = [host(0), host(1)]
+    masters = [FwdMaster(str(tmp_path / "m0"), body=b"[a trainer.0] one\n[a trainer.0] two\n"),
+               FwdMaster(str(tmp_path / "m1"), "huge")]
+    seen: list = []
+    try:
+        remember(JOB, {h: ENTRY for h in hosts})
+        remote = StubRemote(hosts, {h: m.path for h, m in zip(hosts, masters)})
+        direct = Direct(JOB, "logs", lambda h: {"host_label": h.address, "lines": 2}, lambda h: ["logs", h.address])
+        out = ask(remote, lambda h: f"LINE {h.address}", timeout=30, what="logs", direct=direct,
+                  on_line=lambda h, stream, text: seen.append((h.address, stream, text)))
+    finally:
+        for m in masters:
+            m.close()
+    assert masters[0].seen["request"] == f'{CLIENT} logs {{"host_label":"10.9.0.0","lines":2}}\n'.encode()
+    assert seen == [("10.9.0.0", "out", "[a trainer.0] one"), ("10.9.0.0", "out", "[a trainer.0] two")]
+    assert out[hosts[0]].exit_code == 0 and out[hosts[0]].stdout == ""  # passed on, not kept (as the line's)
+    assert [r[0] for r in remote.runs] == [{"10.9.0.1": "LINE 10.9.0.1"}]  # over the limit: asked again by the line
+    assert sorted(recall(JOB)) == ["u@10.9.0.0:22", "u@10.9.0.1:22"]  # the supervisor that said too much is kept

@@ -140,7 +140,7 @@ def test_a_host_is_asked_through_its_master_and_its_body_kept_after_the_first_li
 
 
 @pytest.mark.parametrize("mode, kind", [("refuse", "refused"), ("reset", "refused"), ("mute", "refused"), ("version", "unreachable"),
-                                        ("gone", "unreachable"), ("wrong", "bad"), ("huge", "bad"), ("early", "bad")])
+                                        ("gone", "unreachable"), ("wrong", "bad"), ("huge", "big"), ("early", "bad")])
 def test_a_host_that_does_not_answer_as_the_service_would_is_not_ok(masters, mode, kind):
     m = masters("m", mode)
     out = ask_many({"m": _fwd(m)}, header_timeout=5, timeout=10, max_body=1 << 20)
