@@ -206,10 +206,12 @@ def main() -> int:
             cmds = {"exec true": cli + ["exec", str(spec), "--", "true"],
                     "status": cli + ["status", str(spec)],
                     "status --json": cli + ["status", str(spec), "--json"],
-                    "top --once --json": cli + ["top", str(spec), "--once", "--json", "--no-gpu"]}
+                    "top --once --json": cli + ["top", str(spec), "--once", "--json", "--no-gpu"],
+                    "logs -n 10": cli + ["logs", str(spec), "-n", "10"]}
             env = with_before(cmds, before, {"status, before": ["status", str(spec)],
                                              "top --once --json, before": ["top", str(spec), "--once", "--json",
-                                                                           "--no-gpu"]})
+                                                                           "--no-gpu"],
+                                             "logs -n 10, before": ["logs", str(spec), "-n", "10"]})
             print(f"load average before the rounds: {load()}", flush=True)
             med = rounds(cmds, args.rounds, hosts=hosts, env=env)
             print(f"load average after the rounds: {load()}")
