@@ -275,8 +275,9 @@ def test_exec_refuses_a_timeout_as_the_cli_does(tmp_path, value, code, said):
     assert _one_error(res, code) == said
 
 
-def test_exec_takes_a_timeout_as_the_cli_does(tmp_path, monkeypatch, capsys):
-    # fab's exec had no --timeout: a command that hung on one host held the task forever
+@pytest.fixture
+def exec_calls(monkeypatch) -> list:
+    """What clusterctl's exec ran on the hosts: (argv, timeout) per call."""
     import clusterctl.ops.execute as execute
 
     calls: list = []
@@ -287,9 +288,14 @@ def test_exec_takes_a_timeout_as_the_cli_does(tmp_path, monkeypatch, capsys):
         return real(remote, argv, on_line=on_line, timeout=timeout)
 
     monkeypatch.setattr(execute, "execute", spy)
+    return calls
+
+
+def test_exec_takes_a_timeout_as_the_cli_does(tmp_path, monkeypatch, capsys, exec_calls):
+    # fab's exec had no --timeout: a command that hung on one host held the task forever
     c = FakeCluster(tmp_path).everywhere(monkeypatch)
     assert _fab_here("exec", "--spec", str(c.spec_path), "--timeout", "0.5", "--cmd", "sleep 30") == 124
-    assert calls == [(["sleep", "30"], 0.5)]
+    assert exec_calls == [(["sleep", "30"], 0.5)]
 
 
 def test_fabs_connect_timeout_bounds_the_connections_to_h_hosts(monkeypatch):
@@ -490,24 +496,15 @@ def test_fabs_connection_flags_that_say_what_the_spec_says_are_taken(tmp_path, m
         "give -H host1,host2 with --connect-timeout, or leave it out"]
 
 
-def test_a_command_after_a_double_dash_runs_on_every_host_through_a_shell(tmp_path, monkeypatch, capsys):
+def test_a_command_after_a_double_dash_runs_on_every_host_through_a_shell(tmp_path, monkeypatch, capsys,
+                                                                          exec_calls):
     # `fab -H a,b -- CMD` was Fabric's: one paramiko connection per host, one host after another, adding any host
     # key it had not seen (AutoAddPolicy), and a traceback for a host it could not reach
-    import clusterctl.ops.execute as execute
-
-    calls: list = []
-    real = execute.execute
-
-    def spy(remote, argv, on_line=None, timeout=None):
-        calls.append((list(argv), timeout))
-        return real(remote, argv, on_line=on_line, timeout=timeout)
-
-    monkeypatch.setattr(execute, "execute", spy)
     c = FakeCluster(tmp_path).everywhere(monkeypatch)
     assert _fab_here("--spec", str(c.spec_path), "--", "echo hi there | tr a-z A-Z") == 0
     assert sorted(capsys.readouterr().out.splitlines()) == ["[n0] HI THERE", "[n1] HI THERE"]
     assert _fab_here("--spec", str(c.spec_path), "-T", "1", "--", "sleep 30") == 124  # fab's -T: exec's --timeout
-    assert calls == [(["sh", "-c", "echo hi there | tr a-z A-Z"], None), (["sh", "-c", "sleep 30"], 1.0)]
+    assert exec_calls == [(["sh", "-c", "echo hi there | tr a-z A-Z"], None), (["sh", "-c", "sleep 30"], 1.0)]
     assert _fab_here("--spec", str(c.spec_path), "--", "exit 3") == 3
 
 
