@@ -201,35 +201,72 @@ def _bare(name: str) -> str:
 
 
 def _open_connection(host: Host, opts: SshOptions) -> Connection:
-    timeout = opts.connect_timeout
     from .sshconfig import Resolved, Target, resolve
 
-    (r,) = resolve([Target(host.address, host.user, host.port)], opts.config)  # its keys and known_hosts
-    r = Resolved(host.connect_name, host.user, host.port, known_hosts=r.known_hosts, identity_files=r.identity_files)
+    (found,) = resolve([Target(host.address, host.user, host.port)], opts.config)  # its keys and known_hosts
+    r = Resolved(host.connect_name, host.user, host.port, known_hosts=found.known_hosts,
+                 identity_files=found.identity_files)
     conn = _connection(r, opts, _gateway(host.jump, opts))
-    via = _via(host)
+    if found.proxy_command and not host.jump:  # the ssh config's ProxyCommand, run as ssh runs it
+        conn.connect_kwargs["sock"] = paramiko.ProxyCommand(proxy_command_line(found.proxy_command, host))
     t0 = time.monotonic()
     try:
         conn.open()
-    except (paramiko.BadHostKeyException, _HostKeyError) as exc:
+    except BaseException as exc:
+        if "sock" in conn.connect_kwargs:
+            conn.connect_kwargs["sock"].close()  # its process goes with the connection that did not open
+        _refused(exc, host, opts, time.monotonic() - t0)
+        raise
+    if opts.keepalive:
+        conn.transport.set_keepalive(opts.keepalive)
+    return conn
+
+
+def _refused(exc: BaseException, host: Host, opts: SshOptions, took: float) -> None:
+    """Raise the one-line ClusterctlError for a connection to `host` that did not open; return for an error that
+    is not the connection's (the caller raises it as it is)."""
+    timeout, via = opts.connect_timeout, _via(host)
+    if isinstance(exc, (paramiko.BadHostKeyException, _HostKeyError)):
         name, line = _key_refused(exc, opts)
         if host.jump and _bare(name) != host.connect_name:  # a bastion's key: named as such
             raise ClusterctlError(f"cannot connect to {host.label}{via}: bastion {_bare(name)}: {line}") from None
         raise ClusterctlError(f"cannot connect to {host.label}{via}: {line}" if host.jump else line) from None
-    except paramiko.AuthenticationException as exc:
+    if isinstance(exc, paramiko.AuthenticationException):
         raise ClusterctlError(
             f"authentication failed as {host.user}@{host.label} ({exc}); check ssh.identity_file or your ssh-agent"
         ) from None
-    except (socket.timeout, TimeoutError):
+    if isinstance(exc, (socket.timeout, TimeoutError)):
         raise ClusterctlError(f"cannot connect to {host.label}{via}: timed out after {timeout:g}s") from None
-    except (OSError, paramiko.SSHException, EOFError) as exc:
-        if time.monotonic() - t0 >= timeout * 0.9:  # e.g. a frozen host: TCP accepted, no SSH banner
+    if isinstance(exc, (OSError, paramiko.SSHException, EOFError)):
+        if took >= timeout * 0.9:  # e.g. a frozen host: TCP accepted, no SSH banner
             raise ClusterctlError(f"cannot connect to {host.label}{via}: timed out after {timeout:g}s") from None
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         raise ClusterctlError(f"cannot connect to {host.label}{via}: {reason}") from None
-    if opts.keepalive:
-        conn.transport.set_keepalive(opts.keepalive)
-    return conn
+
+
+def proxy_command_line(command: str, host: Host) -> str:
+    """The ssh config's ProxyCommand for `host` as paramiko.ProxyCommand runs it: the tokens ssh expands in it
+    (ssh_config(5): %%, %h, %p, %r, %n, %u, %d) expanded, run by `/bin/sh -c 'exec ...'` as ssh runs it; a
+    ClusterctlError for a token this does not know (ssh's others: %C, %L, %l, %i, %k, %j...)."""
+    import pwd
+    import shlex
+
+    tokens = {"%": "%", "h": host.connect_name, "p": str(host.port), "r": host.user, "n": host.address,
+              "u": pwd.getpwuid(os.getuid()).pw_name, "d": os.path.expanduser("~")}
+    out, i = [], 0
+    while i < len(command):
+        ch = command[i]
+        if ch != "%":
+            out.append(ch)
+            i += 1
+            continue
+        token = command[i + 1:i + 2]
+        if token not in tokens:
+            raise ClusterctlError(f"{host.label}: ProxyCommand token %{token} is not supported with host_key_policy "
+                                  "accept-new or off (ssh's own path, policy strict, runs it as ssh does)")
+        out.append(tokens[token])
+        i += 2
+    return "/bin/sh -c " + shlex.quote("exec " + "".join(out))
 
 
 def bastion_refusal(chain: tuple[str, ...], opts: SshOptions) -> str | None:

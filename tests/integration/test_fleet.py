@@ -116,13 +116,21 @@ def _config_knowing_no_key(fleet, path: Path, known_hosts: Path) -> Path:
 
 
 @pytest.mark.timeout(90)
-def test_accept_new_through_an_ssh_config_uses_its_keys_and_known_hosts(fleet, tmp_path):
+@pytest.mark.parametrize("hop", ["ProxyJump", "ProxyCommand"])
+def test_accept_new_through_an_ssh_config_uses_its_keys_and_known_hosts(fleet, tmp_path, hop):
     """`host_key_policy: accept-new` goes over paramiko, which read neither the ssh config's IdentityFile (every
     node: "No authentication methods available") nor its UserKnownHostsFile (the bastion's key was recorded in
-    ~/.ssh/known_hosts, and checked there). Now both are the config's, as ssh's own are; strict then verifies
-    every key that accept-new recorded."""
+    ~/.ssh/known_hosts, and checked there), nor ran its ProxyCommand (it connected to the nodes' address
+    directly: "Unable to connect to port 22"). Now all three are the config's, as ssh's own are; strict then
+    verifies every key that accept-new recorded."""
     known = tmp_path / "known_hosts"
     config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+    if hop == "ProxyCommand":  # the bastion by a command of the config's own, with ssh's tokens: that ssh checks
+        config.write_text(config.read_text().replace(  # the bastion's key itself, so that one is known beforehand
+            "    ProxyJump bastion", f"    ProxyCommand ssh -F {config} -W %h:%p -l %r bastion"))
+        known.write_text("".join(line + "\n" for line in fleet.known_hosts_path.read_text().splitlines()
+                                 if line.split()[:1] == [fleet.bastion.ip]))
+        assert known.read_text()
     spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-accept-new", job={"entrypoint": ["true"]})
     data = yaml.safe_load(spec.read_text())
     data["ssh"].update(config=str(config), host_key_policy="accept-new")
