@@ -12,9 +12,10 @@ _STARTED = time.time()
 
 def pytest_sessionfinish(session, exitstatus):
     """Remove the MPI runtime's files this run's tests left (MPICH's segments in /dev/shm, ~2 MiB of memory each
-    until the next boot, and hydra's topology files in /tmp: their ranks and launchers killed on purpose, outside
-    any clusterctl stop, which removes its own: clusterctl/host/stopping.py): made since the run began, of this
-    user, used by nothing."""
+    until the next boot, hydra's topology files in /tmp, and Open MPI's launchers' session directories in /tmp and
+    TMPDIR: their ranks and launchers killed on purpose, outside any clusterctl stop, which removes its own:
+    clusterctl/host/stopping.py): made since the run began, of this user, used by nothing (a session directory:
+    its launcher gone)."""
     from clusterctl.host.procfs import mpi_leftovers, release_mpi_files
 
     release_mpi_files(mpi_leftovers(since=_STARTED), None)

