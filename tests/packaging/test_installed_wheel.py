@@ -117,6 +117,9 @@ def test_the_installed_wheel_works_from_another_directory(installed, tmp_path):
         assert "PADDLE_TRAINER_ENDPOINTS" in plan and json.loads(plan), plan
         hosts = _run([cli, "exec", spec, "--", "hostname"], cwd=cwd, env=env).stdout
         assert f"{CLUSTER}-node0" in hosts and f"{CLUSTER}-node1" in hosts, hosts
+        # fab's `-- command`: through a shell, on both hosts, over clusterctl's connections (host keys checked)
+        shouted = _run([bin_ / "clusterctl-fab", "--spec", spec, "--", "hostname | tr a-z A-Z"], cwd=cwd, env=env).stdout
+        assert f"{CLUSTER}-NODE0".upper() in shouted and f"{CLUSTER}-NODE1".upper() in shouted, shouted
 
         cache = {**env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
         res = _run([cli, "provision", spec], cwd=cwd, env=cache, timeout=300)
