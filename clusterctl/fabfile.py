@@ -10,7 +10,9 @@ run from this directory. These are thin wrappers over clusterctl's operations.
 
 Fabric calls a task once per `-H` host; a job needs the whole host list at once (ids, endpoints, the
 coordinator). `ClusterExecutor`, named in the `fabric.yaml` beside this file (Invoke's
-`tasks.executor_class` setting), calls each task once with every host instead.
+`tasks.executor_class` setting), calls each task once with every host instead, and runs a `-- command`
+(`clusterctl-fab -H ip1,ip2 -- 'uptime'`) as clusterctl's `exec` of `sh -c COMMAND` on every host at once,
+host keys checked, where Fabric's own would add any key it had not seen.
 """
 
 from __future__ import annotations
