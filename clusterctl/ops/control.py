@@ -27,6 +27,7 @@ from ..host.controlproto import CLIENT_HEADER_TIMEOUT, CONTROL_FILE, CONTROL_VER
 from ..plan import Host
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote, Result
+from ..transport.base import LineSplitter
 from .hosttools import install_on, package_dir, tool_argv
 
 __all__ = ["control_command", "ask", "agent_reply", "NEEDS_PACKAGE", "Direct", "remember", "recall", "forget"]
@@ -217,13 +218,10 @@ def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence
     outcomes = ask_many(forwards, header_timeout=CLIENT_HEADER_TIMEOUT, timeout=timeout, max_body=DIRECT_MAX_BODY)
     seconds = time.monotonic() - t0
     for h, o in outcomes.items():
-        if o.kind == "ok":
-            body = o.body.decode("utf-8", "replace")
-            if on_line is not None:  # as the line would have streamed it; its Result's stdout was not kept either
-                for text in body.splitlines():
-                    on_line(h, "out", text)
-                body = ""
-            results[h] = Result(h, f"<control {direct.command}>", 0, body, "", seconds)
+        if o.kind == "ok":  # split, passed on and kept as the line's output is
+            out = LineSplitter(h, "out", on_line)
+            out.feed(o.body)
+            results[h] = Result(h, f"<control {direct.command}>", 0, out.close(), "", seconds)
     gone = [h for h, o in outcomes.items() if o.kind in ("refused", "bad")]
     slow = {h for h, o in outcomes.items() if o.kind == "timeout"}
     other = [h for h, o in outcomes.items() if o.kind in ("unreachable", "big")]  # not the host's word against it

@@ -137,7 +137,7 @@ def test_a_callers_line_callback_gets_a_direct_answers_lines_and_an_answer_too_l
     # `logs -n N`: a request that names its host; the lines passed on as the line would have streamed them
     monkeypatch.setattr(control, "DIRECT_MAX_BODY", 1 << 20)
     hosts = [host(0), host(1)]
-    masters = [FwdMaster(str(tmp_path / "m0"), body=b"[a trainer.0] one\n[a trainer.0] two\n"),
+    masters = [FwdMaster(str(tmp_path / "m0"), body=b"[a trainer.0] one\r\n[a trainer.0] tw\ro\n"),
                FwdMaster(str(tmp_path / "m1"), "huge")]
     seen: list = []
     try:
@@ -150,7 +150,8 @@ def test_a_callers_line_callback_gets_a_direct_answers_lines_and_an_answer_too_l
         for m in masters:
             m.close()
     assert masters[0].seen["request"] == f'{CLIENT} logs {{"host_label":"10.9.0.0","lines":2}}\n'.encode()
-    assert seen == [("10.9.0.0", "out", "[a trainer.0] one"), ("10.9.0.0", "out", "[a trainer.0] two")]
-    assert out[hosts[0]].exit_code == 0 and out[hosts[0]].stdout == ""  # passed on, not kept (as the line's)
+    # split as the line's output is (LineSplitter: at each LF, one CR before it dropped, a lone CR kept)
+    assert seen == [("10.9.0.0", "out", "[a trainer.0] one"), ("10.9.0.0", "out", "[a trainer.0] tw\ro")]
+    assert out[hosts[0]].exit_code == 0
     assert [r[0] for r in remote.runs] == [{"10.9.0.1": "LINE 10.9.0.1"}]  # over the limit: asked again by the line
     assert sorted(recall(JOB)) == ["u@10.9.0.0:22", "u@10.9.0.1:22"]  # the supervisor that said too much is kept
