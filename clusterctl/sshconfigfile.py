@@ -27,7 +27,7 @@ import pwd
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["ConfigModel", "read_config", "NameClass"]
+__all__ = ["ConfigModel", "read_config", "NameClass", "expand_tokens"]
 
 MAX_INCLUDE_DEPTH = 16  # readconf.c's READCONF_MAX_DEPTH
 # options whose first obtained value decides what `ssh -G` prints for a name (or whether we can know it)
@@ -262,22 +262,10 @@ class _State:
         value = self.opts.get("hostname")
         if value is None:
             return self.name.lower()
-        out, i = [], 0
-        while i < len(value):
-            c = value[i]
-            if c == "%":
-                nxt = value[i + 1:i + 2]
-                if nxt == "h":
-                    out.append(self.name)
-                elif nxt == "%":
-                    out.append("%")
-                else:
-                    raise Dynamic("HostName with a token other than %h")
-                i += 2
-                continue
-            out.append(c)
-            i += 1
-        return "".join(out).lower()
+        try:
+            return expand_tokens(value, {"h": self.name}).lower()
+        except KeyError:
+            raise Dynamic("HostName with a token other than %h") from None
 
     def evaluate(self, cond: _Cond) -> bool:
         """A Host line: a pattern matched and no negated one; a Match line: every criterion, left to right."""
@@ -320,6 +308,22 @@ class _State:
                 return False
             i += 2
         return True
+
+
+def expand_tokens(value: str, tokens: dict[str, str]) -> str:
+    """`value` with ssh_config(5)'s `%X` tokens replaced by tokens[X] and `%%` by `%`; KeyError(X) for a token not
+    in `tokens` (a lone `%` at the end: KeyError(''))."""
+    out, i = [], 0
+    while i < len(value):
+        c = value[i]
+        if c != "%":
+            out.append(c)
+            i += 1
+            continue
+        token = value[i + 1:i + 2]
+        out.append("%" if token == "%" else tokens[token])
+        i += 2
+    return "".join(out)
 
 
 def read_config(config: str | None) -> ConfigModel:

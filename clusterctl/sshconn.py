@@ -251,22 +251,17 @@ def proxy_command_line(command: str, host: Host) -> str:
     import pwd
     import shlex
 
-    tokens = {"%": "%", "h": host.connect_name, "p": str(host.port), "r": host.user, "n": host.address,
+    from .sshconfigfile import expand_tokens
+
+    tokens = {"h": host.connect_name, "p": str(host.port), "r": host.user, "n": host.address,
               "u": pwd.getpwuid(os.getuid()).pw_name, "d": os.path.expanduser("~")}
-    out, i = [], 0
-    while i < len(command):
-        ch = command[i]
-        if ch != "%":
-            out.append(ch)
-            i += 1
-            continue
-        token = command[i + 1:i + 2]
-        if token not in tokens:
-            raise ClusterctlError(f"{host.label}: ProxyCommand token %{token} is not supported with host_key_policy "
-                                  "accept-new or off (ssh's own path, policy strict, runs it as ssh does)")
-        out.append(tokens[token])
-        i += 2
-    return "/bin/sh -c " + shlex.quote("exec " + "".join(out))
+    try:
+        expanded = expand_tokens(command, tokens)
+    except KeyError as exc:
+        raise ClusterctlError(f"{host.label}: ProxyCommand token %{exc.args[0]} is not supported with "
+                              "host_key_policy accept-new or off (ssh's own path, policy strict, runs it as ssh does)"
+                              ) from None
+    return "/bin/sh -c " + shlex.quote("exec " + expanded)
 
 
 def bastion_refusal(chain: tuple[str, ...], opts: SshOptions) -> str | None:
