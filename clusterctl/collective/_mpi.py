@@ -17,6 +17,7 @@ import math
 import operator
 import os
 import threading
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -42,7 +43,10 @@ DEFAULT_FUSION_THRESHOLD = 8 * 1024 * 1024
 _lock = threading.Lock()
 _default: "Communicator | None" = None
 _finalized = False                   # finalize() ran: nothing but an explicit init() makes a communicator again
-_wrapped: dict[int, "Communicator"] = {}
+# init(comm=X): the communicators made over each user communicator, by their settings, the last one used last.
+# The entry holds X itself, so that its id() is not reused while the entry lives.
+_wrapped: dict[int, tuple[object, dict[tuple, "Communicator"]]] = {}
+_retired: list["Communicator"] = []
 
 
 def get_mpi(timeout: float | None = None):
@@ -143,6 +147,18 @@ def _env_bool(name: str, default: bool) -> bool:
     raise CollectiveError(f"{name}={raw!r}: expected 0 or 1")
 
 
+def _settings(timeout, on_timeout, fusion_threshold, shm, check) -> tuple:
+    """A communicator's settings, each given one checked and each one left out from its variable or default:
+    (timeout, on_timeout, fusion_threshold, shm, check)."""
+    return (check_timeout(timeout) if timeout is not None else _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT),
+            check_on_timeout(on_timeout or os.environ.get(ON_TIMEOUT_ENV, "abort").strip() or "abort"),
+            (check_threshold("fusion_threshold", fusion_threshold)
+             if fusion_threshold is not None else _env_size(FUSION_ENV, DEFAULT_FUSION_THRESHOLD)),
+            _env_bool(SHM_ENV, True) if shm is None else bool(shm),
+            # the per-call argument check (check.py): off by default, when the collectives make no extra call
+            _env_bool(CHECK_ENV, False) if check is None else bool(check))
+
+
 class Communicator:
     """An MPI intracommunicator plus everything the collectives need: topology, shm window, timeouts."""
 
@@ -150,12 +166,8 @@ class Communicator:
                  fusion_threshold: int | None = None, shm: bool | None = None, check: bool | None = None):
         MPI = get_mpi(timeout)
         self.MPI = MPI
-        self.timeout = check_timeout(timeout) if timeout is not None else _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT)
-        self.on_timeout = check_on_timeout(on_timeout or os.environ.get(ON_TIMEOUT_ENV, "abort").strip() or "abort")
-        self.fusion_threshold = (check_threshold("fusion_threshold", fusion_threshold)
-                                 if fusion_threshold is not None else _env_size(FUSION_ENV, DEFAULT_FUSION_THRESHOLD))
-        # The per-call argument check (check.py): off by default, when the collectives make no extra call.
-        self.check = _env_bool(CHECK_ENV, False) if check is None else bool(check)
+        self.timeout, self.on_timeout, self.fusion_threshold, shm, self.check = _settings(
+            timeout, on_timeout, fusion_threshold, shm, check)
         from .topology import discover
         from ._progress import RequestPoller
         self.comm = comm.Dup()
@@ -163,7 +175,7 @@ class Communicator:
         self.ctl = comm.Dup()
         self.topo, self.local, self.cross = discover(self.comm, MPI)
         self.progress = RequestPoller(self.ctl, self.topo, MPI, timeout=self.timeout, on_timeout=self.on_timeout)
-        self.shm = _env_bool(SHM_ENV, True) if shm is None else bool(shm)    # asked for; uses_shm: got
+        self.shm = shm                                                       # asked for; uses_shm: got
         # Hierarchical slices need equal ranks per node; otherwise fall back to MPI for everything.
         self.arena = None
         if self.shm and self.topo.local_size > 1 and self.topo.homogeneous:
@@ -346,7 +358,9 @@ def init(*, comm=None, timeout: float | None = None, on_timeout: str | None = No
     """Initialise the collective backend and return the default :class:`Communicator` (or one wrapping ``comm``).
 
     Again, without ``comm``: the same communicator when every setting given equals its own (a setting left out
-    keeps it), else CollectiveError naming the ones that differ. After :func:`finalize` it starts afresh."""
+    keeps it), else CollectiveError naming the ones that differ. After :func:`finalize` it starts afresh.
+    With ``comm``: one communicator per settings over it, made on the first call and returned again by the next
+    ones; the ranks agree on that first (collective, as making one is)."""
     global _default, _finalized
     with _lock:
         if timeout is not None:
@@ -368,13 +382,32 @@ def init(*, comm=None, timeout: float | None = None, on_timeout: str | None = No
         if comm is None:
             from .rendezvous import check_world
             check_world(MPI)
-        base = MPI.COMM_WORLD if comm is None else comm
-        c = Communicator(base, timeout=timeout, on_timeout=on_timeout,
-                         fusion_threshold=fusion_threshold, shm=shm, check=check)
-        if comm is None:
-            _default, _finalized = c, False
-        else:
-            _wrapped[id(comm)] = c
+            _default = Communicator(MPI.COMM_WORLD, timeout=timeout, on_timeout=on_timeout,
+                                    fusion_threshold=fusion_threshold, shm=shm, check=check)
+            _finalized = False
+            return _default
+        # Over a communicator of the user's: one Communicator per settings, made once (each holds duplicates of
+        # the communicator, a worker thread and maybe a shared window: a new one per call would leak them all).
+        key = _settings(timeout, on_timeout, fusion_threshold, shm, check)
+        entry = _wrapped.get(id(comm))
+        if entry is None or entry[0] is not comm:
+            entry = _wrapped[id(comm)] = (comm, {})
+        made = entry[1]
+        c = made.pop(key, None)
+        reuse = c is not None and not c._closed
+        if comm.Get_size() > 1:
+            # Only when every rank can: a rank that asked for other settings (or closed its own) makes a new one,
+            # and so must the ranks that could reuse theirs, or it would wait in MPI_Comm_dup for ever.
+            mine = np.array([zlib.crc32(repr(key).encode()), reuse], dtype=np.int64)
+            everyone = np.empty((comm.Get_size(), 2), dtype=np.int64)
+            comm.Allgather(mine, everyone)
+            reuse = reuse and bool((everyone == mine).all())
+        if not reuse:
+            if c is not None and not c._closed:
+                _retired.append(c)            # this rank's, not reused this time: finalize() still frees it
+            c = Communicator(comm, timeout=timeout, on_timeout=on_timeout,
+                             fusion_threshold=fusion_threshold, shm=shm, check=check)
+        made[key] = c                         # last: the one a collective's comm=X means
         return c
 
 
@@ -392,11 +425,13 @@ def default(comm=None) -> Communicator:
         return init()
     if isinstance(comm, Communicator):
         return comm
-    c = _wrapped.get(id(comm))
-    if c is None:
-        _check_not_finalized()
-        c = init(comm=comm)
-    return c
+    entry = _wrapped.get(id(comm))
+    if entry is not None and entry[0] is comm:
+        c = next(reversed(entry[1].values()), None)
+        if c is not None and not c._closed:
+            return c
+    _check_not_finalized()
+    return init(comm=comm)
 
 
 def _check_not_finalized() -> None:
@@ -412,9 +447,10 @@ def finalize() -> None:
     global _default, _finalized
     with _lock:
         _finalized = True
-        for c in list(_wrapped.values()):
+        for c in [c for _comm, made in _wrapped.values() for c in made.values()] + _retired:
             c.close()
         _wrapped.clear()
+        _retired.clear()
         if _default is not None:
             _default.close()
             _default = None

@@ -218,6 +218,46 @@ def test_argument_check_setting():
                             "call finalize() first to change it")
 
 
+def test_init_over_a_communicator_makes_one_per_settings_and_no_more():
+    """init(comm=X) again returns the communicator it made (it used to make a new one on every call and leak the
+    others: their duplicates of X, a worker thread and maybe a shared window each); other settings, another one."""
+    import threading
+
+    def workers():
+        return sum(t.name.startswith("clusterctl-collective") for t in threading.enumerate())
+    sub = C.comm.Dup()
+    try:
+        first = cc.init(comm=sub, fusion_threshold=1 << 20)
+        for _ in range(20):
+            cc.allreduce(np.ones(3), comm=first)
+        threads = workers()
+        again = [cc.init(comm=sub, fusion_threshold=1 << 20) for _ in range(20)]
+        assert all(c is first for c in again) and workers() == threads
+        other = cc.init(comm=sub, fusion_threshold=2 << 20)
+        assert other is not first and other.fusion_threshold == 2 << 20
+        assert cc.init(comm=sub, fusion_threshold=1 << 20) is first
+        assert cc.allreduce(np.ones(3), comm=sub).tolist() == [SIZE] * 3        # comm=X: the last one asked for
+        if SIZE > 1:         # ranks asking for other settings, some of which they have: new ones, and no hang
+            try:
+                mixed = cc.init(comm=sub, fusion_threshold=(1 << 20) if RANK == 0 else (2 << 20))
+            except cc.CollectiveError as e:                                      # the shared window's sizes differ
+                assert "asked for different sizes" in str(e)
+            else:
+                assert mixed is not first and mixed is not other
+                mixed.close()
+            old, first = first, cc.init(comm=sub, fusion_threshold=1 << 20)     # one rank had none left: new ones
+            assert first is not old and cc.init(comm=sub, fusion_threshold=1 << 20) is first
+            assert cc.allreduce(np.ones(3), comm=first).tolist() == [SIZE] * 3
+            old.close()
+        first.close()                                                            # closed: the next call makes one
+        renewed = cc.init(comm=sub, fusion_threshold=1 << 20)
+        assert renewed is not first and cc.allreduce(np.ones(3), comm=renewed).tolist() == [SIZE] * 3
+        other.close()
+        renewed.close()
+    finally:
+        sub.Free()
+
+
 def test_argument_check_costs_one_collective_when_on_and_none_when_off(monkeypatch):
     on, off = checked(), checked(False)
 
