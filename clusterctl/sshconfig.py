@@ -34,7 +34,7 @@ __all__ = ["Target", "Resolved", "resolve", "resolve_each", "stamp_paths", "conf
 SYSTEM_CONFIG = "/etc/ssh/ssh_config"
 USER_CONFIG = "~/.ssh/config"
 _TIMEOUT = 10.0  # `ssh -G` reads files and, for `Match exec`, runs the user's commands: bounded
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class Resolved:
     proxy_command: str | None = None  # the config's ProxyCommand, left to ssh
     known_hosts: tuple[str, ...] = ()  # UserKnownHostsFile entries (for the paramiko paths)
     identity_files: tuple[str, ...] = ()  # IdentityFile entries (for the paramiko paths)
+    identities_only: bool = False  # IdentitiesOnly yes: those files' keys only, the agent's only where they match
 
 
 def config_path(spec) -> str | None:
@@ -105,6 +106,7 @@ def parse_ssh_g(text: str, target: Target) -> Resolved:
         proxy_command=None if command.lower() == "none" else command,
         known_hosts=tuple(known),
         identity_files=tuple(multi.get("identityfile", [])),
+        identities_only=single.get("identitiesonly", "no").lower() == "yes",
     )
 
 
@@ -240,6 +242,7 @@ def _resolve_paramiko(targets: Sequence[Target], config: str | None, files: list
                 proxy_command=found.get("proxycommand"),
                 known_hosts=tuple(str(found.get("userknownhostsfile", "~/.ssh/known_hosts")).split()),
                 identity_files=tuple(found.get("identityfile", ())),
+                identities_only=str(found.get("identitiesonly", "no")).lower() == "yes",
             )
         )
     return out
@@ -314,5 +317,7 @@ def _entry(entry) -> Resolved | None:
         return None
     if not all(isinstance(entry[k], list) and all(isinstance(x, str) for x in entry[k]) for k in _STRS):
         return None
+    if type(entry["identities_only"]) is not bool:
+        return None
     return Resolved(entry["hostname"], entry["user"], port, tuple(entry["proxy_jump"]), command,
-                    tuple(entry["known_hosts"]), tuple(entry["identity_files"]))
+                    tuple(entry["known_hosts"]), tuple(entry["identity_files"]), entry["identities_only"])

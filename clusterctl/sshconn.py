@@ -130,10 +130,14 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None) -> Co
     known_hosts, else the ssh config's IdentityFile and UserKnownHostsFile for it (ssh's own default key files
     that are not there are left out, as ssh skips them)."""
     timeout = opts.connect_timeout
-    if opts.identity_file:
-        keys = [os.path.expanduser(opts.identity_file)]
-    else:
-        keys = [k for k in map(os.path.expanduser, r.identity_files) if os.path.isfile(k)]
+    named = [os.path.expanduser(f) for f in ([opts.identity_file] if opts.identity_file else r.identity_files)]
+    keys = named if opts.identity_file else [k for k in named if os.path.isfile(k)]
+    # The spec's key goes with IdentitiesOnly=yes, as on the OpenSSH path; the config may say it too. Then the agent
+    # offers only the keys of those files, not every key it holds (sshd's MaxAuthTries counts each one), and ssh's
+    # default key files are not looked for.
+    only = bool(opts.identity_file) or r.identities_only
+    # As ssh, the agent's keys of those files first (a file may be there as its .pub only, its key in the agent)
+    agent_key = _agent_key_for(named)
     conn = Connection(
         r.hostname,
         user=r.user,
@@ -144,8 +148,9 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None) -> Co
         gateway=gateway,
         connect_kwargs={
             **({"key_filename": keys} if keys else {}),  # never None: Fabric's Connection cannot take it
-            "look_for_keys": opts.identity_file is None,
-            "allow_agent": True,
+            **({"pkey": agent_key} if agent_key is not None else {}),
+            "look_for_keys": not only,
+            "allow_agent": not only,
             "banner_timeout": timeout,
             "auth_timeout": timeout,
             "channel_timeout": timeout,
@@ -153,6 +158,52 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None) -> Co
     )
     conn.client = _client(opts, r)  # ours: Fabric's default would AutoAdd unknown keys (bastions included)
     return conn
+
+
+def _public_blob(path: str) -> bytes | None:
+    """The public key of the key file `path` as ssh finds it: `path`.pub, else the unencrypted public half of an
+    OpenSSH-format private key (there even when the key has a passphrase); None when neither is readable."""
+    import base64
+    import struct
+
+    try:
+        with open(path + ".pub", encoding="utf-8") as fh:
+            fields = fh.read().split()
+        if len(fields) >= 2:
+            return base64.b64decode(fields[1], validate=True)
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read(1 << 16).strip().splitlines()
+        if lines[:1] != ["-----BEGIN OPENSSH PRIVATE KEY-----"]:
+            return None
+        raw = base64.b64decode("".join(lines[1:-1]))
+        magic = b"openssh-key-v1\0"
+        at = len(magic)
+        if not raw.startswith(magic):
+            return None
+        for _ in range(3):  # cipher name, kdf name, kdf options
+            (n,) = struct.unpack_from(">I", raw, at)
+            at += 4 + n
+        (count, size) = struct.unpack_from(">II", raw, at)
+        blob = raw[at + 8: at + 8 + size]
+        return blob if count >= 1 and len(blob) == size else None
+    except (OSError, UnicodeDecodeError, ValueError, struct.error):
+        return None
+
+
+def _agent_key_for(files: list[str]):
+    """The ssh-agent's key for one of `files` (matched, as ssh matches it, by the file's public key), or None: no
+    agent, or none of its keys is one of theirs."""
+    wanted = {blob for blob in map(_public_blob, files) if blob}
+    if not wanted or not os.environ.get("SSH_AUTH_SOCK"):
+        return None
+    try:
+        held = paramiko.Agent().get_keys()  # the agent's connection stays open while its key is used
+    except (paramiko.SSHException, OSError):
+        return None
+    return next((k for k in held if k.asbytes() in wanted), None)
 
 
 def _gateway(chain: tuple[str, ...], opts: SshOptions) -> Connection | None:
@@ -201,11 +252,13 @@ def _bare(name: str) -> str:
 
 
 def _open_connection(host: Host, opts: SshOptions) -> Connection:
-    from .sshconfig import Resolved, Target, resolve
+    from dataclasses import replace
+
+    from .sshconfig import Target, resolve
 
     (found,) = resolve([Target(host.address, host.user, host.port)], opts.config)  # its keys and known_hosts
-    r = Resolved(host.connect_name, host.user, host.port, known_hosts=found.known_hosts,
-                 identity_files=found.identity_files)
+    r = replace(found, hostname=host.connect_name, user=host.user, port=host.port, proxy_jump=(),
+                proxy_command=None)  # the host's own name, user and port; its hops are the gateway's
     conn = _connection(r, opts, _gateway(host.jump, opts))
     if found.proxy_command and not host.jump:  # the ssh config's ProxyCommand, run as ssh runs it
         conn.connect_kwargs["sock"] = paramiko.ProxyCommand(proxy_command_line(found.proxy_command, host))
@@ -235,6 +288,11 @@ def _refused(exc: BaseException, host: Host, opts: SshOptions, took: float) -> N
         raise ClusterctlError(
             f"authentication failed as {host.user}@{host.label} ({exc}); check ssh.identity_file or your ssh-agent"
         ) from None
+    if isinstance(exc, paramiko.SSHException) and str(exc) == "No existing session":  # closed while logging in
+        raise ClusterctlError(
+            f"authentication failed as {host.user}@{host.label}{via}: the server closed the connection (sshd's "
+            "MaxAuthTries? the ssh-agent may offer too many keys: set ssh.identity_file, or IdentitiesOnly yes "
+            "in your ssh config)") from None
     if isinstance(exc, (socket.timeout, TimeoutError)):
         raise ClusterctlError(f"cannot connect to {host.label}{via}: timed out after {timeout:g}s") from None
     if isinstance(exc, (OSError, paramiko.SSHException, EOFError)):

@@ -140,3 +140,48 @@ def tiny_wheel(folder: Path, name: str = "tinypkg", version: str = "1.0") -> Pat
             zf.writestr(arc, data)
         zf.writestr(f"{dist}/RECORD", "".join(f"{a},,\n" for a in files) + f"{dist}/RECORD,,\n")
     return path
+
+
+class SshAgent:
+    """A real ssh-agent of a test's own, its socket in `folder`; add() loads a key (one with a passphrase through
+    an SSH_ASKPASS script, as a desktop gives it); stop() ends it."""
+
+    def __init__(self, folder: Path):
+        import subprocess
+
+        if not shutil.which("ssh-agent"):
+            import pytest
+
+            pytest.skip("no ssh-agent")
+        self.folder, self.sock = folder, folder / "agent.sock"
+        self.proc = subprocess.Popen(["ssh-agent", "-D", "-a", str(self.sock)], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not self.sock.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError("ssh-agent did not start")
+            time.sleep(0.01)
+
+    def add(self, key: Path, passphrase: str = "") -> None:
+        import subprocess
+
+        askpass = self.folder / "askpass"
+        askpass.write_text(f"#!/bin/sh\necho '{passphrase}'\n")
+        askpass.chmod(0o700)
+        res = subprocess.run(["ssh-add", "-q", str(key)], capture_output=True, stdin=subprocess.DEVNULL,
+                             env={"SSH_AUTH_SOCK": str(self.sock), "PATH": os.environ["PATH"], "DISPLAY": "none",
+                                  "SSH_ASKPASS": str(askpass), "SSH_ASKPASS_REQUIRE": "force"})
+        assert res.returncode == 0, res.stderr
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def ssh_keygen(path: Path, passphrase: str = "") -> Path:
+    """A new ed25519 key pair at `path` (and `path`.pub)."""
+    import subprocess
+
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", passphrase, "-f", str(path)], check=True,
+                   capture_output=True, stdin=subprocess.DEVNULL)
+    return path

@@ -148,6 +148,54 @@ def test_accept_new_through_an_ssh_config_uses_its_keys_and_known_hosts(fleet, t
     assert clusterctl("exec", spec, "--", "id", "-un", timeout=60).returncode == 0  # the OpenSSH client, those keys
 
 
+@pytest.mark.timeout(90)
+def test_identities_only_of_the_ssh_config_is_honoured_under_accept_new(fleet, tmp_path, monkeypatch):
+    """The config's `IdentitiesOnly yes` with its key in the agent (the file there as its .pub only): paramiko offered
+    every key the agent held, and sshd (MaxAuthTries 6) ended the connection after six wrong ones ("Too many
+    authentication failures"), where ssh offers the named key only."""
+    from helpers import SshAgent, ssh_keygen
+
+    agent = SshAgent(tmp_path)
+    try:
+        for i in range(6):
+            agent.add(ssh_keygen(tmp_path / f"wrong{i}"))
+        agent.add(fleet.key_path)  # the right key last, as a user's agent holds many
+        pub_only = tmp_path / "fleet_key"
+        (tmp_path / "fleet_key.pub").write_text(Path(f"{fleet.key_path}.pub").read_text())
+        known = tmp_path / "known_hosts"
+        config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+        text = config.read_text()
+        assert text.count("IdentitiesOnly yes") == len(fleet.nodes) + 1  # every node's entry and the bastion's
+        config.write_text("\n".join(f"    IdentityFile {pub_only}" if line.strip().startswith("IdentityFile")
+                                    else line for line in text.splitlines()) + "\n")
+        known.write_text(fleet.known_hosts_path.read_text())
+        spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-ids-only", job={"entrypoint": ["true"]})
+        data = yaml.safe_load(spec.read_text())
+        data["ssh"].update(config=str(config), host_key_policy="accept-new")
+        spec.write_text(yaml.safe_dump(data))
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(agent.sock))
+        res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+        # without IdentitiesOnly ssh still offers the agent's key of the IdentityFile first, and so do we
+        with_agent = config.read_text().replace("    IdentitiesOnly yes\n", "")
+        config.write_text(with_agent)
+        res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+        assert res.returncode == 0 and len(res.stdout.splitlines()) == 2, res.stdout + res.stderr
+        # a key the agent does not hold: its six others are offered, and sshd closes the connection (as for ssh)
+        config.write_text(with_agent.replace(f"IdentityFile {pub_only}", f"IdentityFile {tmp_path / 'absent'}"))
+        res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+        errors = res.stderr.splitlines()
+        assert res.returncode == 255 and len(errors) == 2 and all(
+            line.startswith("clusterctl: error: authentication failed as ubuntu@node") and "sshd's MaxAuthTries?" in line
+            for line in errors), res.stderr
+        ssh = subprocess.run(["ssh", "-F", str(config), "-o", "BatchMode=yes", "node0", "true"], capture_output=True,
+                             text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert ssh.returncode == 255 and "Too many authentication failures" in ssh.stderr, ssh.stderr
+    finally:
+        agent.stop()
+
+
 @pytest.mark.timeout(240)
 def test_fab_workflow_through_ssh_config_aliases(fleet, tmp_path):
     """`fab -S CONFIG -H node0,node1 start | tail-log | status | kill` with the seed's positional script;

@@ -9,6 +9,7 @@ import paramiko
 import pytest
 
 from clusterctl.sshconn import _AcceptNewPolicy, _HostKeyError
+from helpers import SshAgent, ssh_keygen
 
 
 def test_a_key_met_by_many_connections_at_once_is_recorded_once(tmp_path):
@@ -87,3 +88,58 @@ def test_an_ssh_configs_proxy_command_is_run_as_ssh_runs_it(monkeypatch):
         proxy_command_line("nc -X connect %C", h)
     with pytest.raises(ClusterctlError, match="token % is not"):  # a lone % at the end
         proxy_command_line("nc %", h)
+
+
+
+@pytest.fixture
+def agent(tmp_path, monkeypatch):
+    """A real ssh-agent of this test's own; agent(path[, passphrase]) loads a key."""
+    a = SshAgent(tmp_path)
+    monkeypatch.setenv("SSH_AUTH_SOCK", str(a.sock))
+    yield a.add
+    a.stop()
+
+
+def test_the_agents_key_of_the_named_file_goes_first_and_alone_under_identities_only(tmp_path, agent):
+    # IdentitiesOnly (the config's, or the spec's key, which the OpenSSH path passes with IdentitiesOnly=yes) was
+    # not honoured here: paramiko offered every key the agent held, and sshd's MaxAuthTries (6) ended the
+    # connection before the right one (the fleet test: tests/integration/test_fleet.py, IdentitiesOnly)
+    from clusterctl.sshconfig import Resolved, Target, parse_ssh_g
+    from clusterctl.sshconn import _connection
+    from clusterctl.transport.base import SshOptions
+
+    wrong = [ssh_keygen(tmp_path / f"wrong{i}") for i in range(3)]
+    right = ssh_keygen(tmp_path / "right")
+    for k in (*wrong, right):
+        agent(k)
+    pub_only = tmp_path / "pub_only"  # the named file as its .pub only: the private key is in the agent alone
+    (tmp_path / "pub_only.pub").write_text((tmp_path / "right.pub").read_text())
+    r = parse_ssh_g(f"hostname 10.9.0.5\nuser ubuntu\nport 22\nidentityfile {pub_only}\nidentitiesonly yes\n",
+                    Target("n"))
+    assert r.identities_only
+    conn = _connection(r, SshOptions(), None)
+    kw = conn.connect_kwargs
+    assert not kw["allow_agent"] and not kw["look_for_keys"] and "key_filename" not in kw
+    assert kw["pkey"].asbytes() == paramiko.Ed25519Key.from_private_key_file(str(right)).asbytes()
+
+    locked = ssh_keygen(tmp_path / "locked", passphrase="not-a-secret-test-passphrase")  # no .pub: the file's own half
+    (tmp_path / "locked.pub").unlink()
+    with pytest.raises(paramiko.PasswordRequiredException):
+        paramiko.Ed25519Key.from_private_key_file(str(locked))
+    agent(locked, "not-a-secret-test-passphrase")
+    spec_key = _connection(Resolved("10.9.0.5", "ubuntu", 22), SshOptions(identity_file=str(locked)), None)
+    kw = spec_key.connect_kwargs
+    assert kw["key_filename"] == [str(locked)] and not kw["allow_agent"] and not kw["look_for_keys"]
+    blob = paramiko.Ed25519Key.from_private_key_file(str(locked), password="not-a-secret-test-passphrase").asbytes()
+    assert kw["pkey"].asbytes() == blob
+
+    # without IdentitiesOnly, as ssh: the agent's key of the file first, then its others and ssh's default files
+    kw = _connection(Resolved("10.9.0.5", "ubuntu", 22, identity_files=(str(right),)), SshOptions(),
+                     None).connect_kwargs
+    assert kw["allow_agent"] and kw["look_for_keys"] and kw["key_filename"] == [str(right)]
+    assert kw["pkey"].asbytes() == paramiko.Ed25519Key.from_private_key_file(str(right)).asbytes()
+    other = ssh_keygen(tmp_path / "other")  # not in the agent: nothing picked out
+    kw = _connection(Resolved("10.9.0.5", "ubuntu", 22, identity_files=(str(other),)), SshOptions(),
+                     None).connect_kwargs
+    assert kw["allow_agent"] and "pkey" not in kw and kw["key_filename"] == [str(other)]
+
