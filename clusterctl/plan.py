@@ -230,6 +230,7 @@ def make_hosts(spec: ClusterSpec, resolved: Sequence[Resolved] | None = None) ->
         hosts.append(Host(
             address=h.address, port=r.port, user=r.user, index=i, hostname=r.hostname, jump=tuple(jump),
             train_address=h.train_address or "", jump_none=explicit == () and bool(r.proxy_jump),
+            hop_command=(r.hop_command or "") if jump else "",
         ))
     return tuple(hosts)
 

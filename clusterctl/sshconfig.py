@@ -35,6 +35,7 @@ SYSTEM_CONFIG = "/etc/ssh/ssh_config"
 USER_CONFIG = "~/.ssh/config"
 _TIMEOUT = 10.0  # `ssh -G` reads files and, for `Match exec`, runs the user's commands: bounded
 _CACHE_VERSION = 3
+_MODELS: dict = {}  # config -> (its files' stats, the ConfigModel last read for it in this process)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Resolved:
     known_hosts: tuple[str, ...] = ()  # UserKnownHostsFile entries (for the paramiko paths)
     identity_files: tuple[str, ...] = ()  # IdentityFile entries (for the paramiko paths)
     identities_only: bool = False  # IdentitiesOnly yes: those files' keys only, the agent's only where they match
+    hop_command: str | None = None  # the first bastion's own ProxyCommand (set by the planner, not by `ssh -G`)
 
 
 def config_path(spec) -> str | None:
@@ -139,7 +141,9 @@ def resolve(targets: Sequence[Target], config: str | None) -> list[Resolved]:
     from .sshconfigfile import ConfigModel
 
     model = ConfigModel(config)
-    cache = _Cache(config, stamp_paths(config, model))
+    paths = stamp_paths(config, model)
+    _MODELS[config] = (_stats(paths), model)
+    cache = _Cache(config, paths)
     found = {t: cache.get(t) for t in targets}
     missing = [t for t, r in found.items() if r is None]
     if missing:
@@ -147,6 +151,20 @@ def resolve(targets: Sequence[Target], config: str | None) -> list[Resolved]:
         found.update(got)
         cache.put(got)
     return [found[t] for t in targets]  # type: ignore[misc]
+
+
+def may_set(config: str | None, keyword: str) -> bool:
+    """Whether the ssh config `config` (None: ssh's default files) may set `keyword` (lower-case) for some host:
+    False only when none of its files uses it (the reading of resolve()'s last call for `config` if any)."""
+    if config is not None and config.lower() == "none":
+        return False
+    stats, model = _MODELS.get(config, (None, None))
+    if model is None or stats != _stats(stamp_paths(config, model)):  # none yet, or a file changed since
+        from .sshconfigfile import ConfigModel
+
+        model = ConfigModel(config)
+        _MODELS[config] = (_stats(stamp_paths(config, model)), model)
+    return model.dynamic is not None or keyword in model.keywords
 
 
 def resolve_each(targets: Sequence[Target], config: str | None) -> list[Resolved]:
@@ -255,6 +273,18 @@ def _local_user() -> str:
         return str(os.getuid())
 
 
+def _stats(paths: list[str]) -> list:
+    """Each path with its size and mtime, or None when it cannot be read: what stands for a config's files."""
+    out: list = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append((p, st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append((p, None))
+    return out
+
+
 class _Cache:
     """`ssh -G` answers on disk, valid while no file the config can come from has changed: in a private
     directory (clusterctl.cache.private_dir), 0600, every entry checked field by field (anything else, and
@@ -265,13 +295,7 @@ class _Cache:
     def __init__(self, config: str | None, paths: list[str]):
         from .cache import private_dir, read_private
 
-        stamp = [_CACHE_VERSION, config, os.environ.get("USER"), os.getuid()]
-        for p in paths:
-            try:
-                st = os.stat(p)
-                stamp.append((p, st.st_size, st.st_mtime_ns))
-            except OSError:
-                stamp.append((p, None))
+        stamp = [_CACHE_VERSION, config, os.environ.get("USER"), os.getuid(), *_stats(paths)]
         key = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:24]
         folder = private_dir("sshg")
         self.path = None if folder is None else os.path.join(folder, f"{key}.json")
@@ -317,7 +341,7 @@ def _entry(entry) -> Resolved | None:
         return None
     if not all(isinstance(entry[k], list) and all(isinstance(x, str) for x in entry[k]) for k in _STRS):
         return None
-    if type(entry["identities_only"]) is not bool:
+    if type(entry["identities_only"]) is not bool or entry["hop_command"] is not None:
         return None
     return Resolved(entry["hostname"], entry["user"], port, tuple(entry["proxy_jump"]), command,
                     tuple(entry["known_hosts"]), tuple(entry["identity_files"]), entry["identities_only"])

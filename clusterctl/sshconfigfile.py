@@ -137,6 +137,7 @@ class ConfigModel:
         self.dynamic: str | None = None
         self.roots: list[_Block] = []
         self.conditions = 0
+        self.keywords: set[str] = set()  # every keyword the files use (lower-case)
         try:
             if config is not None:
                 self.roots.append(self._read(os.path.expanduser(config), user=True, depth=0))
@@ -166,6 +167,7 @@ class ConfigModel:
             if m is None:
                 raise Dynamic(f"{path}:{number}: cannot read the line")
             keyword, rest = m.group(1).lower(), m.group(2)
+            self.keywords.add(keyword)
             where = f"{path}:{number}"
             if keyword in ("host", "match"):
                 args = _split(rest)

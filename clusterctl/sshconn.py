@@ -215,8 +215,21 @@ def _gateway(chain: tuple[str, ...], opts: SshOptions) -> Connection | None:
     for hop in chain:
         user, name, port = split_jump(hop)
         (r,) = resolve([Target(name, user, port)], opts.config)
+        first = gateway is None
         gateway = _connection(r, opts, gateway)
+        if first and r.proxy_command:  # the first bastion's own ProxyCommand, as ssh runs it (later hops: -W)
+            hop_host = Host(address=name, port=r.port, user=r.user, index=0, hostname=r.hostname)
+            gateway.connect_kwargs["sock"] = paramiko.ProxyCommand(proxy_command_line(r.proxy_command, hop_host))
     return gateway
+
+
+def _close_socks(conn: Connection | None) -> None:
+    """End the ProxyCommand processes of a connection that did not open and of its bastions."""
+    while conn is not None:
+        sock = conn.connect_kwargs.get("sock")
+        if isinstance(sock, paramiko.ProxyCommand):
+            sock.close()
+        conn = conn.gateway if isinstance(conn.gateway, Connection) else None
 
 
 def open_connection(host: Host, opts: SshOptions) -> Connection:
@@ -266,8 +279,7 @@ def _open_connection(host: Host, opts: SshOptions) -> Connection:
     try:
         conn.open()
     except BaseException as exc:
-        if "sock" in conn.connect_kwargs:
-            conn.connect_kwargs["sock"].close()  # its process goes with the connection that did not open
+        _close_socks(conn)  # their processes go with the connection that did not open
         _refused(exc, host, opts, time.monotonic() - t0)
         raise
     if opts.keepalive:

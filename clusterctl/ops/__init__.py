@@ -46,11 +46,39 @@ def _plan_for(spec: ClusterSpec, data_files: list[str] | None, *, resolve: bool 
     from ..sshconfig import resolve as ssh_resolve
 
     resolved = ssh_resolve(ssh_targets(spec), config_path(spec)) if resolve else None
+    if resolved is not None:
+        resolved = _with_hop_commands(spec, resolved, config_path(spec))
     try:
         return make_plan(spec, data_files=data_files, resolved=resolved)
     except PlanError as exc:
         line, col = spec_position(spec, exc.path)
         raise SpecError([SpecProblem(spec.source, line, col, _dotted(exc.path), exc.message)]) from None
+
+
+def _with_hop_commands(spec: ClusterSpec, resolved: list, config: str | None) -> list:
+    """`resolved` with each host's first bastion's own ProxyCommand from the ssh config (hop_command), as ssh runs
+    it to reach that bastion: the bastions are resolved too, once each."""
+    from dataclasses import replace
+
+    from ..plan import make_hosts
+    from ..sshconfig import Target, may_set
+    from ..sshconfig import resolve as ssh_resolve
+    from ..transport.host import split_jump
+
+    if not may_set(config, "proxycommand"):  # most configs: no `ssh -G` for the bastions
+        return resolved
+    firsts = sorted({h.jump[0] for h in make_hosts(spec, resolved) if h.jump})
+    if not firsts:
+        return resolved
+    hops = dict(zip(firsts, ssh_resolve([Target(*_named(split_jump(f))) for f in firsts], config), strict=True))
+    return [replace(r, hop_command=hops[h.jump[0]].proxy_command) if h.jump and hops[h.jump[0]].proxy_command
+            else r for h, r in zip(make_hosts(spec, resolved), resolved, strict=True)]
+
+
+def _named(hop: tuple) -> tuple:
+    """split_jump's (user, name, port) as Target's (name, user, port)."""
+    user, name, port = hop
+    return name, user, port
 
 
 def spec_position(spec: ClusterSpec, path: tuple) -> tuple[int, int]:

@@ -29,6 +29,7 @@ class Host:
     jump: tuple[str, ...] = ()
     train_address: str = ""  # "" = hostname
     jump_none: bool = False  # the spec said `proxy_jump: none` over a ProxyJump in the ssh config
+    hop_command: str = ""  # the first bastion's own ProxyCommand in the ssh config: ssh runs it to reach that bastion
 
     @property
     def label(self) -> str:

@@ -67,17 +67,23 @@ def common_options(opts: SshOptions) -> list[str]:
     return argv
 
 
-def jump_command(chain: tuple[str, ...], opts: SshOptions, login_flag: str | None = None) -> str:
+def jump_command(chain: tuple[str, ...], opts: SshOptions, login_flag: str | None = None, first: str = "") -> str:
     """The ProxyCommand that reaches %h:%p through `chain` (first hop first): an ssh of ours to the last
     bastion, itself reached through the ones before it. Tokens of inner levels are escaped (%%) once
     per level, since each ssh expands the ProxyCommand it runs. login_flag: a file the ssh to the first
-    bastion touches once logged in there (from then on the connection no longer counts in its MaxStartups)."""
+    bastion touches once logged in there (from then on the connection no longer counts in its MaxStartups);
+    first: the first bastion's own ProxyCommand in the ssh config, run to reach it as ssh runs it."""
     command = ""
     for level, hop in enumerate(chain):
         user, name, port = split_jump(hop)  # checked when it entered the plan; `--` below keeps it a name
         argv = ["ssh", *common_options(opts), "-o", "ServerAliveInterval=5", "-o", "ForwardAgent=no",
                 "-o", "ClearAllForwardings=yes"]
-        argv += ["-o", f"ProxyCommand={command}"] if command else ["-o", "ProxyJump=none"]
+        if command:
+            argv += ["-o", f"ProxyCommand={command}"]
+        elif first:  # its tokens are this bastion's: escaped from the ssh that runs this one
+            argv += ["-o", "ProxyCommand=" + first.replace("%", "%%")]
+        else:
+            argv += ["-o", "ProxyJump=none"]
         if level == 0 and login_flag is not None:
             argv += _login_signal(login_flag)
         argv += [*(["-l", user] if user else []), *(["-p", str(port)] if port else []), "-W", "%h:%p", "--", name]
@@ -108,7 +114,7 @@ def ssh_argv(host: Host, opts: SshOptions, command: str, control: str | None, lo
     if host.jump:
         # Each bastion is reached by an ssh of ours (ProxyCommand), not by ssh's own ProxyJump, whose
         # hops would not get these options: host keys are checked on every hop, the same way.
-        argv += ["-o", f"ProxyCommand={jump_command(host.jump, opts, login_flag)}"]
+        argv += ["-o", f"ProxyCommand={jump_command(host.jump, opts, login_flag, host.hop_command)}"]
     elif host.jump_none:
         argv += ["-o", "ProxyJump=none"]  # the spec says direct, over the ssh config's ProxyJump
     if control is not None:

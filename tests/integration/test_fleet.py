@@ -196,6 +196,53 @@ def test_identities_only_of_the_ssh_config_is_honoured_under_accept_new(fleet, t
         agent.stop()
 
 
+# A ProxyCommand that relays stdin/stdout to HOST PORT and notes each connection in LOG.
+RELAY = """
+import socket, sys, threading
+host, port, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+with open(log, "a") as f:
+    f.write(f"{host}:{port}\\n")
+s = socket.create_connection((host, port), timeout=10)
+s.settimeout(None)
+def up():
+    while data := sys.stdin.buffer.read1(65536):
+        s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+threading.Thread(target=up, daemon=True).start()
+while data := s.recv(65536):
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_bastions_own_proxy_command_is_run_under_accept_new(fleet, tmp_path):
+    """The bastion's entry in the ssh config has a ProxyCommand of its own (a relay that notes each connection):
+    ssh runs it for the first hop; paramiko's path connected to the bastion's address directly."""
+    relay, log, known = tmp_path / "relay.py", tmp_path / "relay.log", tmp_path / "known_hosts"
+    relay.write_text(RELAY)
+    config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+    known.write_text(fleet.known_hosts_path.read_text())
+    lines = config.read_text().splitlines()
+    at = lines.index("Host bastion") + 1
+    config.write_text("\n".join(lines[:at] + [f"    ProxyCommand {sys.executable} {relay} %h %p {log}"] + lines[at:])
+                      + "\n")
+    spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-bastion-pc", job={"entrypoint": ["true"]})
+    data = yaml.safe_load(spec.read_text())
+    data["ssh"].update(config=str(config), host_key_policy="accept-new")
+    spec.write_text(yaml.safe_dump(data))
+    res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+    noted = log.read_text().splitlines() if log.exists() else []
+    assert noted and set(noted) == {f"{fleet.bastion.ip}:22"}, noted
+    relayed = len(noted)
+    data["ssh"]["host_key_policy"] = "strict"  # the OpenSSH path runs it too, as ssh does
+    spec.write_text(yaml.safe_dump(data))
+    assert clusterctl("exec", spec, "--", "true", timeout=60).returncode == 0
+    assert len(log.read_text().splitlines()) > relayed
+
+
 @pytest.mark.timeout(240)
 def test_fab_workflow_through_ssh_config_aliases(fleet, tmp_path):
     """`fab -S CONFIG -H node0,node1 start | tail-log | status | kill` with the seed's positional script;

@@ -82,6 +82,33 @@ def test_bastions_are_reached_by_our_own_ssh_with_the_same_checks(tmp_path):
     assert _options(shlex.split(inner.replace("%%", "%")))["ProxyJump"] == "none"
 
 
+@pytest.mark.parametrize("chain", [("b1",), ("b1", "b2")])
+def test_the_first_bastions_own_proxy_command_is_run_with_its_own_tokens(chain):
+    """The first bastion's ProxyCommand from the ssh config (hop_command) is run to reach it, as ssh runs it (it
+    was overridden by ProxyJump=none): each ssh on the way expands only its own tokens, and the bastion's ssh gets
+    the command as the config wrote it (the fleet test runs one: tests/integration/test_fleet.py)."""
+    import shlex
+
+    from clusterctl.sshconfigfile import expand_tokens
+
+    first = "relay --to %h:%p --as %r %%literal"
+    host = Host("node0", 22, "ubuntu", 0, hostname="10.9.0.2", jump=chain, hop_command=first)
+    with Remote([host], SshOptions()) as remote:
+        command = _options(remote._ssh_argv(host, "true"))["ProxyCommand"]
+    for target in (*reversed(chain[1:]), chain[0]):  # each ssh expands the ProxyCommand it runs, then runs it
+        words = shlex.split(expand_tokens(command, {"h": "H", "p": "P", "r": "R"}))
+        assert words[-1] == target
+        command = _options(words)["ProxyCommand"]
+    assert command == first and "ProxyJump" not in _options(words)
+    plain = Host("node0", 22, "ubuntu", 0, jump=chain)
+    with Remote([plain], SshOptions()) as remote:
+        words = shlex.split(expand_tokens(_options(remote._ssh_argv(plain, "true"))["ProxyCommand"],
+                                          {"h": "H", "p": "P", "r": "R"}))
+    while "ProxyCommand" in _options(words):
+        words = shlex.split(expand_tokens(_options(words)["ProxyCommand"], {"h": "H", "p": "P", "r": "R"}))
+    assert _options(words)["ProxyJump"] == "none"  # no command of its own: straight to it, as before
+
+
 def test_spec_direct_over_a_config_proxyjump_says_so():
     host = Host("node0", 22, "u", 0, jump_none=True)
     with Remote([host], SshOptions()) as remote:

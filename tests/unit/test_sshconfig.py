@@ -119,6 +119,32 @@ def test_the_spec_jump_wins_over_the_config_and_none_means_direct(cfg, tmp_path)
 
 
 @needs_ssh
+def test_the_first_bastions_own_proxy_command_goes_with_the_hosts_behind_it(cfg, tmp_path):
+    """ssh reaches a bastion through the ProxyCommand the config gives it; the plan carries it with each host whose
+    first hop it is (the argv: test_remote_argv.py; for real: tests/integration/test_fleet.py)."""
+    from clusterctl.sshconfig import may_set
+
+    text = """\
+        name: t
+        ssh: {config: ssh_config}
+        hosts:
+          - {address: gpu0}
+          - {address: other}
+          - {address: gpu1, proxy_jump: "relay-b"}
+        job: {entrypoint: [x]}
+        """
+    assert not may_set(str(cfg), "proxycommand")  # no ProxyCommand anywhere: the bastions are not asked of ssh
+    assert all(h.hop_command == "" for h in plan_for(_spec(tmp_path, text)).hosts)
+    cfg.write_text("Host bastion.example\n    ProxyCommand corp-relay %h %p\n"
+                   "Host relay-b\n    ProxyCommand other-relay --host %h\n" + CONFIG)
+    assert may_set(str(cfg), "proxycommand")
+    h0, other, h1 = plan_for(_spec(tmp_path, text)).hosts
+    assert h0.jump == ("ops@bastion.example:2200",) and h0.hop_command == "corp-relay %h %p"
+    assert other.jump == () and other.hop_command == ""
+    assert h1.jump == ("relay-b",) and h1.hop_command == "other-relay --host %h"
+
+
+@needs_ssh
 def test_two_hosts_resolving_to_one_address_are_named_both(cfg, tmp_path):
     spec = _spec(tmp_path, """\
         name: t
