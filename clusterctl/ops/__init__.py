@@ -61,24 +61,28 @@ def _with_hop_commands(spec: ClusterSpec, resolved: list, config: str | None) ->
     from dataclasses import replace
 
     from ..plan import make_hosts
+    from ..sshconfig import may_set
+
+    if not may_set(config, "proxycommand"):  # most configs: no `ssh -G` for the bastions
+        return resolved
+    hosts = make_hosts(spec, resolved)
+    hops = hop_commands([h.jump[0] for h in hosts if h.jump], config)
+    return [replace(r, hop_command=hops[h.jump[0]]) if h.jump and hops[h.jump[0]] else r
+            for h, r in zip(hosts, resolved, strict=True)]
+
+
+def hop_commands(firsts: list[str], config: str | None) -> dict[str, str | None]:
+    """Each first bastion (a ProxyJump hop: [user@]name[:port]) with its own ProxyCommand in the ssh config `config`,
+    or None: resolved together, once each, and only when a file of the config uses the keyword."""
     from ..sshconfig import Target, may_set
     from ..sshconfig import resolve as ssh_resolve
     from ..transport.host import split_jump
 
-    if not may_set(config, "proxycommand"):  # most configs: no `ssh -G` for the bastions
-        return resolved
-    firsts = sorted({h.jump[0] for h in make_hosts(spec, resolved) if h.jump})
-    if not firsts:
-        return resolved
-    hops = dict(zip(firsts, ssh_resolve([Target(*_named(split_jump(f))) for f in firsts], config), strict=True))
-    return [replace(r, hop_command=hops[h.jump[0]].proxy_command) if h.jump and hops[h.jump[0]].proxy_command
-            else r for h, r in zip(make_hosts(spec, resolved), resolved, strict=True)]
-
-
-def _named(hop: tuple) -> tuple:
-    """split_jump's (user, name, port) as Target's (name, user, port)."""
-    user, name, port = hop
-    return name, user, port
+    names = sorted(set(firsts))
+    if not names or not may_set(config, "proxycommand"):
+        return dict.fromkeys(names)
+    targets = [Target(name, user, port) for user, name, port in map(split_jump, names)]
+    return {n: r.proxy_command for n, r in zip(names, ssh_resolve(targets, config), strict=True)}
 
 
 def spec_position(spec: ClusterSpec, path: tuple) -> tuple[int, int]:

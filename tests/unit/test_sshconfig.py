@@ -142,6 +142,9 @@ def test_the_first_bastions_own_proxy_command_goes_with_the_hosts_behind_it(cfg,
     assert h0.jump == ("ops@bastion.example:2200",) and h0.hop_command == "corp-relay %h %p"
     assert other.jump == () and other.hop_command == ""
     assert h1.jump == ("relay-b",) and h1.hop_command == "other-relay --host %h"
+    from clusterctl.ops.slurm import _host  # the Slurm backend's login node and nodes: the same
+    login = _host(_spec(tmp_path, text), "gpu0", 0)
+    assert login.jump == ("ops@bastion.example:2200",) and login.hop_command == "corp-relay %h %p"
 
 
 @needs_ssh
