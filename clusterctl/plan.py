@@ -227,6 +227,7 @@ def make_hosts(spec: ClusterSpec, resolved: Sequence[Resolved] | None = None) ->
     for i, (h, r) in enumerate(zip(spec.hosts, found, strict=True)):
         explicit = h.proxy_jump if h.proxy_jump is not None else (spec.ssh.proxy_jump or None)
         jump = explicit if explicit is not None else r.proxy_jump
+        jump = (*r.hop_jump, *jump) if jump else ()  # the first bastion's own ProxyJump too, as ssh follows it
         hosts.append(Host(
             address=h.address, port=r.port, user=r.user, index=i, hostname=r.hostname, jump=tuple(jump),
             train_address=h.train_address or "", jump_none=explicit == () and bool(r.proxy_jump),

@@ -34,7 +34,7 @@ from .remote import SshOptions
 
 __all__ = ["CachedPlan", "load", "store", "inputs_of", "inputs_for", "entry_path", "spec_facts", "facts"]
 
-_VERSION = 6
+_VERSION = 7
 _MAX_ENTRY_BYTES = 256 << 20
 _CLASSES = {c.__name__: c for c in (Host, Process, MpiLaunch, JobPlan, SshOptions)}
 _PACKAGE = os.path.dirname(os.path.realpath(__file__))

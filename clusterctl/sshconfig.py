@@ -34,7 +34,7 @@ __all__ = ["Target", "Resolved", "resolve", "resolve_each", "stamp_paths", "conf
 SYSTEM_CONFIG = "/etc/ssh/ssh_config"
 USER_CONFIG = "~/.ssh/config"
 _TIMEOUT = 10.0  # `ssh -G` reads files and, for `Match exec`, runs the user's commands: bounded
-_CACHE_VERSION = 3
+_CACHE_VERSION = 4
 _MODELS: dict = {}  # config -> (its files' stats, the ConfigModel last read for it in this process)
 
 
@@ -59,7 +59,9 @@ class Resolved:
     known_hosts: tuple[str, ...] = ()  # UserKnownHostsFile entries (for the paramiko paths)
     identity_files: tuple[str, ...] = ()  # IdentityFile entries (for the paramiko paths)
     identities_only: bool = False  # IdentitiesOnly yes: those files' keys only, the agent's only where they match
-    hop_command: str | None = None  # the first bastion's own ProxyCommand (set by the planner, not by `ssh -G`)
+    host_key_alias: str | None = None  # HostKeyAlias: the name its host key is looked up and recorded under
+    hop_jump: tuple[str, ...] = ()  # the bastions before the first one, by its own ProxyJump (set by the planner)
+    hop_command: str | None = None  # the outermost bastion's own ProxyCommand (set by the planner, not by `ssh -G`)
 
 
 def config_path(spec) -> str | None:
@@ -109,6 +111,7 @@ def parse_ssh_g(text: str, target: Target) -> Resolved:
         known_hosts=tuple(known),
         identity_files=tuple(multi.get("identityfile", [])),
         identities_only=single.get("identitiesonly", "no").lower() == "yes",
+        host_key_alias=single.get("hostkeyalias") or None,
     )
 
 
@@ -261,6 +264,7 @@ def _resolve_paramiko(targets: Sequence[Target], config: str | None, files: list
                 known_hosts=tuple(str(found.get("userknownhostsfile", "~/.ssh/known_hosts")).split()),
                 identity_files=tuple(found.get("identityfile", ())),
                 identities_only=str(found.get("identitiesonly", "no")).lower() == "yes",
+                host_key_alias=found.get("hostkeyalias") or None,
             )
         )
     return out
@@ -335,13 +339,14 @@ def _entry(entry) -> Resolved | None:
     """A Resolved from a cache entry whose every field has the type and form we store; else None."""
     if not isinstance(entry, dict) or set(entry) != {f for f in Resolved.__dataclass_fields__}:
         return None
-    port, command = entry["port"], entry["proxy_command"]
+    port, command, alias = entry["port"], entry["proxy_command"], entry["host_key_alias"]
     if not (isinstance(entry["hostname"], str) and entry["hostname"] and isinstance(entry["user"], str)
-            and type(port) is int and 1 <= port <= 65535 and (command is None or isinstance(command, str))):
+            and type(port) is int and 1 <= port <= 65535 and (command is None or isinstance(command, str))
+            and (alias is None or (isinstance(alias, str) and alias))):
         return None
     if not all(isinstance(entry[k], list) and all(isinstance(x, str) for x in entry[k]) for k in _STRS):
         return None
-    if type(entry["identities_only"]) is not bool or entry["hop_command"] is not None:
+    if type(entry["identities_only"]) is not bool or entry["hop_command"] is not None or entry["hop_jump"] != []:
         return None
     return Resolved(entry["hostname"], entry["user"], port, tuple(entry["proxy_jump"]), command,
-                    tuple(entry["known_hosts"]), tuple(entry["identity_files"]), entry["identities_only"])
+                    tuple(entry["known_hosts"]), tuple(entry["identity_files"]), entry["identities_only"], alias)

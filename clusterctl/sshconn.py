@@ -49,12 +49,13 @@ class _HostKeyError(paramiko.SSHException):
 
 
 class _StrictPolicy(paramiko.MissingHostKeyPolicy):
-    def __init__(self, known_hosts: str):
-        self.known_hosts = known_hosts
+    def __init__(self, known_hosts: str, alias: str | None = None):
+        self.known_hosts, self.alias = known_hosts, alias
 
     def missing_host_key(self, client, hostname, key):
+        name = self.alias or hostname
         raise _HostKeyError(
-            f"unknown host key for {hostname} ({key.get_name()} {fingerprint(key)}); "
+            f"unknown host key for {name} ({key.get_name()} {fingerprint(key)}); "
             f"not in {self.known_hosts}. Verify it and add it (ssh-keyscan), or use host_key_policy: accept-new",
             hostname,
         )
@@ -63,10 +64,12 @@ class _StrictPolicy(paramiko.MissingHostKeyPolicy):
 class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
     _lock = threading.Lock()
 
-    def __init__(self, known_hosts: str):
-        self.known_hosts = known_hosts
+    def __init__(self, known_hosts: str, alias: str | None = None):
+        self.known_hosts, self.alias = known_hosts, alias
 
     def missing_host_key(self, client, hostname, key):
+        named = hostname  # paramiko's name for the host, under which the client looks its key up
+        hostname = self.alias or hostname  # the name the key is recorded under: the HostKeyAlias, as ssh does
         line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
         path = Path(self.known_hosts)
         with self._lock:
@@ -88,11 +91,11 @@ class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
                 seen = (recorded.lookup(hostname) or {}).get(key.get_name())
                 if seen is not None and seen != key:
                     raise _HostKeyError(f"host key for {hostname} changed while connecting: {self.known_hosts} now "
-                                        f"has {fingerprint(seen)}, the host sent {fingerprint(key)}", hostname)
+                                        f"has {fingerprint(seen)}, the host sent {fingerprint(key)}", named)
                 if seen is None:
                     fh.seek(0, os.SEEK_END)
                     fh.write(line)
-        client.get_host_keys().add(hostname, key.get_name(), key)
+        client.get_host_keys().add(named, key.get_name(), key)
         if seen is None:
             log.warning("recorded new host key for %s (%s) in %s", hostname, fingerprint(key), self.known_hosts)
 
@@ -110,18 +113,31 @@ def _known_hosts(options: SshOptions, resolved: Resolved | None) -> list[str]:
 
 
 def _client(options: SshOptions, resolved: Resolved | None = None) -> paramiko.SSHClient:
+    """A client that checks the host key of `resolved` (what a host or a bastion resolves to) as ssh would: against
+    every known_hosts file, under the host's name (`[name]:port` off port 22), or only under the ssh config's
+    HostKeyAlias where it has one (ssh then looks up and records the alias alone)."""
     client = paramiko.SSHClient()  # our own: Fabric's default would AutoAdd unknown keys
     known = _known_hosts(options, resolved)
     policy = options.host_key_policy
-    for path in known if policy != "off" else ():
+    alias = resolved.host_key_alias if resolved is not None else None
+    if alias and policy != "off":  # the alias's keys, under the name paramiko will look up: no other entry counts
+        keys, port = paramiko.HostKeys(), resolved.port
+        named = resolved.hostname if port == 22 else f"[{resolved.hostname}]:{port}"  # as paramiko's connect names it
+        for path in known:
+            if os.path.exists(path):
+                keys.load(path)
+        for kind, key in (keys.lookup(alias) or {}).items():
+            client.get_host_keys().add(named, kind, key)
+    for path in known if policy != "off" and not alias else ():
         if os.path.exists(path):
             client.load_host_keys(path)  # every file's keys (load_host_keys adds to those loaded before)
     if policy == "strict":
-        client.set_missing_host_key_policy(_StrictPolicy(known[0]))
+        client.set_missing_host_key_policy(_StrictPolicy(known[0], alias))
     elif policy == "accept-new":
-        client.set_missing_host_key_policy(_AcceptNewPolicy(known[0]))
+        client.set_missing_host_key_policy(_AcceptNewPolicy(known[0], alias))
     else:
         client.set_missing_host_key_policy(_OffPolicy())
+    client.host_key_alias = alias  # type: ignore[attr-defined]  # ours: names the key in a refusal (_key_refused)
     return client
 
 
@@ -247,15 +263,27 @@ def _via(host: Host) -> str:
     return f" (through {', '.join(host.jump)})" if host.jump else ""
 
 
-def _key_refused(exc: Exception, opts: SshOptions) -> tuple[str, str] | None:
-    """(the name paramiko gave the host, one line) for a host key paramiko refused; None for other errors."""
+def _key_refused(exc: Exception, opts: SshOptions, conn: Connection | None = None) -> tuple[str, str] | None:
+    """(the name paramiko gave the host, one line) for a host key paramiko refused; None for other errors. conn:
+    the connection (with its bastions) that met it, whose HostKeyAlias, if any, names the key."""
     if isinstance(exc, paramiko.BadHostKeyException):
         name = getattr(exc, "hostname", None) or "?"
-        return name, (f"host key for {name} CHANGED: server offers {fingerprint(exc.key)}, "
+        alias = _alias_of(name, conn)
+        shown = f"{alias} (HostKeyAlias of {_bare(name)})" if alias else name
+        return name, (f"host key for {shown} CHANGED: server offers {fingerprint(exc.key)}, "
                       f"{opts.known_hosts or 'your known_hosts'} has {fingerprint(exc.expected_key)}. "
                       "Possible man-in-the-middle; if the host was reinstalled, remove the old key")
     if isinstance(exc, _HostKeyError):
         return exc.hostname, str(exc)
+    return None
+
+
+def _alias_of(name: str, conn: Connection | None) -> str | None:
+    """The HostKeyAlias the client of `conn`, or of one of its bastions, looked the key of `name` up under."""
+    while conn is not None:
+        if conn.host == _bare(name):
+            return getattr(conn.client, "host_key_alias", None)
+        conn = conn.gateway if isinstance(conn.gateway, Connection) else None
     return None
 
 
@@ -280,19 +308,19 @@ def _open_connection(host: Host, opts: SshOptions) -> Connection:
         conn.open()
     except BaseException as exc:
         _close_socks(conn)  # their processes go with the connection that did not open
-        _refused(exc, host, opts, time.monotonic() - t0)
+        _refused(exc, host, opts, time.monotonic() - t0, conn)
         raise
     if opts.keepalive:
         conn.transport.set_keepalive(opts.keepalive)
     return conn
 
 
-def _refused(exc: BaseException, host: Host, opts: SshOptions, took: float) -> None:
-    """Raise the one-line ClusterctlError for a connection to `host` that did not open; return for an error that
-    is not the connection's (the caller raises it as it is)."""
+def _refused(exc: BaseException, host: Host, opts: SshOptions, took: float, conn: Connection | None = None) -> None:
+    """Raise the one-line ClusterctlError for a connection to `host` (conn) that did not open; return for an error
+    that is not the connection's (the caller raises it as it is)."""
     timeout, via = opts.connect_timeout, _via(host)
     if isinstance(exc, (paramiko.BadHostKeyException, _HostKeyError)):
-        name, line = _key_refused(exc, opts)
+        name, line = _key_refused(exc, opts, conn)
         if host.jump and _bare(name) != host.connect_name:  # a bastion's key: named as such
             raise ClusterctlError(f"cannot connect to {host.label}{via}: bastion {_bare(name)}: {line}") from None
         raise ClusterctlError(f"cannot connect to {host.label}{via}: {line}" if host.jump else line) from None
@@ -344,7 +372,7 @@ def bastion_refusal(chain: tuple[str, ...], opts: SshOptions) -> str | None:
     try:
         gateway.open()
     except (paramiko.BadHostKeyException, _HostKeyError) as exc:
-        name, line = _key_refused(exc, opts)
+        name, line = _key_refused(exc, opts, gateway)
         return f"bastion {_bare(name)}: {line}"
     except paramiko.AuthenticationException as exc:
         return f"bastion {gateway.host}: authentication failed as {gateway.user}@{gateway.host} ({exc})"

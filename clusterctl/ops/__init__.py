@@ -47,7 +47,7 @@ def _plan_for(spec: ClusterSpec, data_files: list[str] | None, *, resolve: bool 
 
     resolved = ssh_resolve(ssh_targets(spec), config_path(spec)) if resolve else None
     if resolved is not None:
-        resolved = _with_hop_commands(spec, resolved, config_path(spec))
+        resolved = _with_bastion_routes(spec, resolved, config_path(spec))
     try:
         return make_plan(spec, data_files=data_files, resolved=resolved)
     except PlanError as exc:
@@ -55,34 +55,92 @@ def _plan_for(spec: ClusterSpec, data_files: list[str] | None, *, resolve: bool 
         raise SpecError([SpecProblem(spec.source, line, col, _dotted(exc.path), exc.message)]) from None
 
 
-def _with_hop_commands(spec: ClusterSpec, resolved: list, config: str | None) -> list:
-    """`resolved` with each host's first bastion's own ProxyCommand from the ssh config (hop_command), as ssh runs
-    it to reach that bastion: the bastions are resolved too, once each."""
+def _with_bastion_routes(spec: ClusterSpec, resolved: list, config: str | None) -> list:
+    """`resolved` with how ssh reaches each host's first bastion under the ssh config (bastion_routes): the
+    bastions before it (hop_jump) and the outermost one's own ProxyCommand (hop_command); each bastion once."""
     from dataclasses import replace
 
     from ..plan import make_hosts
-    from ..sshconfig import may_set
 
-    if not may_set(config, "proxycommand"):  # most configs: no `ssh -G` for the bastions
+    if not routes_may_differ(config):  # most configs: no `ssh -G` for the bastions
         return resolved
     hosts = make_hosts(spec, resolved)
-    hops = hop_commands([h.jump[0] for h in hosts if h.jump], config)
-    return [replace(r, hop_command=hops[h.jump[0]]) if h.jump and hops[h.jump[0]] else r
+    routes = bastion_routes([h.jump[0] for h in hosts if h.jump], config)
+    return [replace(r, hop_jump=routes[h.jump[0]][0], hop_command=routes[h.jump[0]][1])
+            if h.jump and routes[h.jump[0]] != ((), None) else r
             for h, r in zip(hosts, resolved, strict=True)]
 
 
-def hop_commands(firsts: list[str], config: str | None) -> dict[str, str | None]:
-    """Each first bastion (a ProxyJump hop: [user@]name[:port]) with its own ProxyCommand in the ssh config `config`,
-    or None: resolved together, once each, and only when a file of the config uses the keyword."""
-    from ..sshconfig import Target, may_set
-    from ..sshconfig import resolve as ssh_resolve
+def routes_may_differ(config: str | None) -> bool:
+    """Whether the ssh config `config` may give a bastion a ProxyJump or ProxyCommand of its own."""
+    from ..sshconfig import may_set
+
+    return may_set(config, "proxycommand") or may_set(config, "proxyjump")
+
+
+MAX_BASTIONS = 16  # bastions before a first one, its own ProxyJump followed: more is a loop or a mistake
+
+
+def bastion_routes(firsts: list[str], config: str | None) -> dict[str, tuple[tuple[str, ...], str | None]]:
+    """How ssh reaches each first bastion (a ProxyJump hop: [user@]name[:port]) under the ssh config `config`:
+    (the bastions before it, first hop first; the outermost one's own ProxyCommand or None). ssh follows a first
+    hop's own ProxyJump (its config entry's; a later hop's is overridden by the -W before it), and that chain's
+    first hop's, and so on; a loop, or more than MAX_BASTIONS, is a ClusterctlError. A bastion whose own ProxyJump
+    is itself (a `Host *` that meets it too; ssh: "jumphost loop") is reached directly, as clusterctl always has.
+    Resolved level by level, each name once, and only when a file of the config uses either keyword."""
+    from ..errors import ClusterctlError
     from ..transport.host import split_jump
 
     names = sorted(set(firsts))
-    if not names or not may_set(config, "proxycommand"):
-        return dict.fromkeys(names)
-    targets = [Target(name, user, port) for user, name, port in map(split_jump, names)]
-    return {n: r.proxy_command for n, r in zip(names, ssh_resolve(targets, config), strict=True)}
+    routes: dict[str, tuple[tuple[str, ...], str | None]] = dict.fromkeys(names, ((), None))
+    if not names or not routes_may_differ(config):
+        return routes
+    tips = {n: n for n in names}  # the hop whose own entry is read next, for each first bastion
+    while tips:
+        found = _own_entries(sorted(set(tips.values())), config)
+        for name, tip in list(tips.items()):
+            r, before = found[tip], routes[name][0]
+            del tips[name]
+            if r is None:
+                continue
+            if r.proxy_command:
+                routes[name] = (before, r.proxy_command)
+            elif r.proxy_jump and split_jump(r.proxy_jump[-1])[1] != split_jump(tip)[1]:
+                chain = (*r.proxy_jump, *before)
+                seen = [split_jump(h)[1] for h in (*chain, name)]
+                if len(set(seen)) < len(seen) or len(chain) > MAX_BASTIONS:
+                    why = "loop" if len(set(seen)) < len(seen) else f"go past {MAX_BASTIONS} bastions"
+                    raise ClusterctlError(f"ssh config {config or '~/.ssh/config'}: the bastions' own ProxyJump "
+                                          f"entries {why}: {' -> '.join((*chain, name))}")
+                routes[name] = (chain, None)
+                tips[name] = r.proxy_jump[0]
+    return routes
+
+
+def _own_entries(hops: list[str], config: str | None) -> dict:
+    """Each bastion's own entry in the ssh config (a Resolved), or None for one ssh refuses as its own jump host."""
+    from ..errors import ClusterctlError
+    from ..sshconfig import Target
+    from ..sshconfig import resolve as ssh_resolve
+    from ..transport.host import split_jump
+
+    def ask(some: list[str]) -> list:
+        return ssh_resolve([Target(n, u, p) for u, n, p in map(split_jump, some)], config)
+
+    try:
+        return dict(zip(hops, ask(hops), strict=True))
+    except ClusterctlError as exc:
+        if "jumphost loop" not in str(exc):
+            raise
+    out = {}
+    for hop in hops:  # which one: the others are still followed
+        try:
+            (out[hop],) = ask([hop])
+        except ClusterctlError as exc:
+            if "jumphost loop" not in str(exc):
+                raise
+            out[hop] = None
+    return out
 
 
 def spec_position(spec: ClusterSpec, path: tuple) -> tuple[int, int]:

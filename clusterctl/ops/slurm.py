@@ -57,14 +57,14 @@ class SlurmError(ClusterctlError):
 def _host(spec: ClusterSpec, address: str, index: int) -> Host:
     """A host (the login node, or a node of the allocation) as `ssh` resolves it under the spec's ssh config."""
     from ..sshconfig import Target, config_path, resolve
-    from . import hop_commands
+    from . import bastion_routes
 
     config = config_path(spec)
     (r,) = resolve([Target(address, spec.ssh.user, spec.ssh.port)], config)
     jump = tuple(spec.ssh.proxy_jump or r.proxy_jump)
-    hop = hop_commands([jump[0]], config)[jump[0]] if jump else None  # the first bastion's own ProxyCommand
-    return Host(address=address, port=r.port, user=r.user, index=index, hostname=r.hostname, jump=jump,
-                hop_command=hop or "")
+    before, hop = bastion_routes([jump[0]], config)[jump[0]] if jump else ((), None)  # as the planner's hosts
+    return Host(address=address, port=r.port, user=r.user, index=index, hostname=r.hostname,
+                jump=(*before, *jump), hop_command=hop or "")
 
 
 def _node_plan(plan: JobPlan, hosts: tuple[Host, ...]) -> JobPlan:

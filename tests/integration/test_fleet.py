@@ -243,6 +243,86 @@ def test_a_bastions_own_proxy_command_is_run_under_accept_new(fleet, tmp_path):
     assert len(log.read_text().splitlines()) > relayed
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("policy", ["strict", "accept-new"])  # the OpenSSH path, the paramiko path
+def test_a_bastion_behind_another_by_its_own_proxy_jump(fleet, tmp_path, policy):
+    """The bastion's entry in the ssh config has a ProxyJump of its own, to `outer` (the same machine by another
+    name, whose own entry relays through a command that notes each connection), as ssh follows it: the chain is
+    outer -> bastion -> node, both paths. Before, the bastion was reached directly (ProxyJump=none)."""
+    relay, log, known = tmp_path / "relay.py", tmp_path / "relay.log", tmp_path / "known_hosts"
+    relay.write_text(RELAY)
+    config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+    known.write_text(fleet.known_hosts_path.read_text())
+    text = config.read_text()
+    at = text.index("Host bastion\n")
+    entry = text[at:].split("\n\n")[0].rstrip("\n")
+    outer = entry.replace("Host bastion", "Host outer") + f"\n    ProxyCommand {sys.executable} {relay} %h %p {log}\n"
+    config.write_text(text[:at] + entry + "\n    ProxyJump outer\n" + text[at + len(entry):] + "\n" + outer)
+    spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-bastion-pj", job={"entrypoint": ["true"]})
+    data = yaml.safe_load(spec.read_text())
+    data["ssh"].update(config=str(config), host_key_policy=policy)
+    spec.write_text(yaml.safe_dump(data))
+    plan = yaml.safe_load(clusterctl("plan", spec, "--json", check=True).stdout)
+    assert [h["jump"] for h in plan["hosts"]] == [["outer", "bastion"]] * 2
+    res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+    noted = log.read_text().splitlines() if log.exists() else []
+    assert noted and set(noted) == {f"{fleet.bastion.ip}:22"}, noted  # outer, through the relay
+
+
+@pytest.mark.timeout(120)
+def test_a_host_key_alias_is_where_both_paths_look_the_key_up(fleet, tmp_path):
+    """The nodes' entries in the ssh config have a HostKeyAlias; known_hosts has their keys under the aliases only,
+    as ssh records them. ssh (strict) and paramiko (accept-new) look the keys up there and nowhere else: a wrong key
+    under an alias is refused by both, and a key accept-new records goes under the alias. Before, paramiko looked
+    the node's address up, found nothing and recorded whatever key the node sent: a changed key accepted."""
+    known = tmp_path / "known_hosts"
+    config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+    text = config.read_text()
+    for i in (0, 1):
+        text = text.replace(f"Host node{i}\n", f"Host node{i}\n    HostKeyAlias fleet-alias-{i}\n")
+    config.write_text(text)
+    pins = fleet.known_hosts_path.read_text().splitlines()
+    by_ip = {n.ip: [line.split(None, 1)[1] for line in pins if line.split()[0] == n.ip] for n in fleet.nodes[:2]}
+    bastion = [line for line in pins if line.split()[0] == fleet.bastion.ip]
+    assert bastion and all(by_ip.values())
+
+    def pin(keys_of: dict[int, str]) -> str:  # alias i -> the keys of the node at that address
+        known.write_text("".join(f"{line}\n" for line in bastion)
+                         + "".join(f"fleet-alias-{i} {key}\n" for i, ip in keys_of.items() for key in by_ip[ip]))
+        return known.read_text()
+
+    spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-alias", job={"entrypoint": ["true"]})
+    data = yaml.safe_load(spec.read_text())
+
+    def run(policy: str):
+        data["ssh"].update(config=str(config), host_key_policy=policy, persist=0)  # each run a new connection
+        spec.write_text(yaml.safe_dump(data))
+        return clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+
+    ip0, ip1 = fleet.nodes[0].ip, fleet.nodes[1].ip
+    pinned = pin({0: ip0, 1: ip1})
+    for policy in ("strict", "accept-new"):
+        res = run(policy)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+        assert known.read_text() == pinned  # found under the aliases: nothing recorded
+    pinned = pin({0: ip1, 1: ip1})  # node1's key under node0's alias: both paths refuse node0
+    for policy in ("strict", "accept-new"):
+        res = run(policy)
+        assert res.returncode != 0 and "[node1] ubuntu" in res.stdout, res.stdout + res.stderr
+        assert "[node0] ubuntu" not in res.stdout and "node0" in res.stderr, res.stdout + res.stderr
+        assert known.read_text() == pinned
+    assert f"host key for fleet-alias-0 (HostKeyAlias of {ip0}) CHANGED" in res.stderr, res.stderr
+    pin({1: ip1})  # no key under node0's alias: accept-new records the one it meets there, as ssh would
+    assert run("accept-new").returncode == 0
+    recorded = [line for line in known.read_text().splitlines() if line.startswith("fleet-alias-0 ")]
+    assert sorted(line.split(None, 1)[1] for line in recorded) == sorted(by_ip[ip0][:1] or by_ip[ip0]), recorded
+    assert ip0 not in known.read_text()
+    assert run("strict").returncode == 0  # and ssh finds it there
+
+
 @pytest.mark.timeout(240)
 def test_fab_workflow_through_ssh_config_aliases(fleet, tmp_path):
     """`fab -S CONFIG -H node0,node1 start | tail-log | status | kill` with the seed's positional script;

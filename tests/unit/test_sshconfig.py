@@ -148,6 +148,46 @@ def test_the_first_bastions_own_proxy_command_goes_with_the_hosts_behind_it(cfg,
 
 
 @needs_ssh
+def test_the_first_bastions_own_proxy_jump_is_followed_to_the_outermost_ones_proxy_command(cfg, tmp_path):
+    """ssh reaches a first bastion through its own entry's ProxyJump (and that chain's first hop through its own,
+    and so on; a later hop's entry is not read: the -W before it decides); the plan's chain holds them all, first
+    hop first, with the outermost one's own ProxyCommand (for real: tests/integration/test_fleet.py)."""
+    from clusterctl.errors import ClusterctlError
+    from clusterctl.ops.slurm import _host
+
+    text = """\
+        name: t
+        ssh: {config: ssh_config}
+        hosts:
+          - {address: gpu0}
+          - {address: other}
+          - {address: gpu1, proxy_jump: "relay-b"}
+        job: {entrypoint: [x]}
+        """
+    cfg.write_text("Host bastion.example\n    ProxyJump inner1,inner2\n"
+                   "Host inner1\n    ProxyJump gate@outer:2022\n"
+                   "Host inner2\n    ProxyJump not-read\n"  # a later hop: its own entry is not ssh's route
+                   "Host outer\n    ProxyCommand corp-relay %h %p\n" + CONFIG)
+    h0, other, h1 = plan_for(_spec(tmp_path, text)).hosts
+    assert h0.jump == ("gate@outer:2022", "inner1", "inner2", "ops@bastion.example:2200")
+    assert h0.hop_command == "corp-relay %h %p"
+    assert (other.jump, other.hop_command) == ((), "")
+    assert (h1.jump, h1.hop_command) == (("relay-b",), "")  # no entry of its own: reached directly
+    login = _host(_spec(tmp_path, text), "gpu0", 0)  # the Slurm backend's login node and nodes: the same
+    assert (login.jump, login.hop_command) == (h0.jump, h0.hop_command)
+    # a loop is refused in one line, before any connection
+    cfg.write_text("Host bastion.example\n    ProxyJump inner1\nHost inner1\n    ProxyJump bastion.example\n" + CONFIG)
+    with pytest.raises(ClusterctlError, match=r"ProxyJump entries loop: bastion.example -> inner1 -> "
+                                              r"ops@bastion.example:2200"):
+        plan_for(_spec(tmp_path, text))
+    # `Host *` that meets the bastions too: bastion.example's own route is relay-b, relay-b's would be itself (ssh:
+    # "jumphost loop"), so relay-b is reached directly, as clusterctl always reached a first bastion
+    cfg.write_text(CONFIG + "Host *\n    ProxyJump relay-b\n")
+    h0, other, h1 = plan_for(_spec(tmp_path, text)).hosts
+    assert (h0.jump, other.jump, h1.jump) == (("relay-b", "ops@bastion.example:2200"), ("relay-b",), ("relay-b",))
+
+
+@needs_ssh
 def test_two_hosts_resolving_to_one_address_are_named_both(cfg, tmp_path):
     spec = _spec(tmp_path, """\
         name: t
@@ -197,7 +237,7 @@ def test_ipv6_addresses_and_bracketed_jumps_are_fine(tmp_path):
 
 VARIED = """\
 # a varied config: wildcards, negations, Include (glob), Match host/originalhost/user/localuser/exec,
-# HostName with %h, ProxyJump, Port/User per pattern, CanonicalizeHostname
+# HostName with %h, ProxyJump, Port/User per pattern, HostKeyAlias, CanonicalizeHostname
 Include {d}/conf.d/*.conf
 Host bastion
     HostName 10.9.0.1
@@ -211,6 +251,7 @@ Host gpu13
 Host db? web-*
     Port 2222
     IdentityFile ~/.ssh/id_%h
+    HostKeyAlias shared-db-key
 Match host *.cluster.example user root
     Port 2201
 Match originalhost special-* exec "test %n = special-exec"
