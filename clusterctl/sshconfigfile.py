@@ -27,7 +27,7 @@ import pwd
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["ConfigModel", "read_config", "NameClass", "expand_tokens"]
+__all__ = ["ConfigModel", "read_config", "NameClass", "expand_tokens", "expand_path", "local_tokens"]
 
 MAX_INCLUDE_DEPTH = 16  # readconf.c's READCONF_MAX_DEPTH
 # options whose first obtained value decides what `ssh -G` prints for a name (or whether we can know it)
@@ -326,6 +326,33 @@ def expand_tokens(value: str, tokens: dict[str, str]) -> str:
         out.append("%" if token == "%" else tokens[token])
         i += 2
     return "".join(out)
+
+
+def local_tokens() -> dict[str, str]:
+    """The tokens ssh_config(5) takes from this machine: %d (home, the password database's), %i (uid), %u (user),
+    %l (host name) and %L (up to its first dot)."""
+    import socket
+
+    here = socket.gethostname()
+    return {"d": _home(), "i": str(os.getuid()), "u": _local_user(), "l": here, "L": here.split(".", 1)[0]}
+
+
+def expand_path(value: str, tokens: dict[str, str]) -> str:
+    """A file name of the ssh config (IdentityFile, CertificateFile) as ssh opens it: a leading `~` or `~user`
+    first, then `${VAR}` and the %-tokens in one pass (percent_dollar_expand). KeyError(X) for a token not in
+    `tokens`, LookupError for `${VAR}` unset or unclosed: ssh refuses both."""
+    if value == "~" or value.startswith("~/"):
+        value = _home() + value[1:]
+    elif value.startswith("~"):
+        value = os.path.expanduser(value)  # ~user: the password database's home
+    out, at = [], 0
+    while (i := value.find("${", at)) >= 0:
+        close = value.find("}", i)
+        if close < 0 or value[i + 2:close] not in os.environ:
+            raise LookupError(value[i:close + 1] if close >= 0 else value[i:])
+        out += [expand_tokens(value[at:i], tokens), os.environ[value[i + 2:close]]]
+        at = close + 1
+    return "".join([*out, expand_tokens(value[at:], tokens)])
 
 
 def read_config(config: str | None) -> ConfigModel:

@@ -141,12 +141,12 @@ def _client(options: SshOptions, resolved: Resolved | None = None) -> paramiko.S
     return client
 
 
-def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None) -> Connection:
-    """A Fabric connection to `r` (what the ssh config resolves a host or a bastion to), with the spec's key and
-    known_hosts, else the ssh config's IdentityFile and UserKnownHostsFile for it (ssh's own default key files
-    that are not there are left out, as ssh skips them)."""
+def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None, name: str | None = None) -> Connection:
+    """A Fabric connection to `r` (what the ssh config resolves a host or a bastion, named `name`, to), with the
+    spec's key and known_hosts, else the ssh config's IdentityFile (its tokens expanded as ssh expands them) and
+    UserKnownHostsFile for it (ssh's own default key files that are not there are left out, as ssh skips them)."""
     timeout = opts.connect_timeout
-    named = [os.path.expanduser(f) for f in ([opts.identity_file] if opts.identity_file else r.identity_files)]
+    named = [os.path.expanduser(opts.identity_file)] if opts.identity_file else _key_files(r, name or r.hostname)
     keys = named if opts.identity_file else [k for k in named if os.path.isfile(k)]
     # The spec's key goes with IdentitiesOnly=yes, as on the OpenSSH path; the config may say it too. Then the agent
     # offers only the keys of those files, not every key it holds (sshd's MaxAuthTries counts each one), and ssh's
@@ -174,6 +174,32 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None) -> Co
     )
     conn.client = _client(opts, r)  # ours: Fabric's default would AutoAdd unknown keys (bastions included)
     return conn
+
+
+def _key_files(r: Resolved, name: str) -> list[str]:
+    """The ssh config's IdentityFiles for `r` (the host or bastion it calls `name`) as ssh opens them: `~`,
+    `${VAR}` and the tokens of ssh_config(5) expanded (OpenSSH 9.2's: %%, %C, %d, %h, %i, %k, %L, %l, %n, %p, %r,
+    %u); ClusterctlError for one ssh would refuse. `ssh -G` prints them as written."""
+    import hashlib
+
+    from .sshconfigfile import expand_path, local_tokens
+
+    if not any("%" in f or "$" in f or f.startswith("~") for f in r.identity_files):
+        return list(r.identity_files)
+    tokens = local_tokens()
+    tokens.update(h=r.hostname, p=str(r.port), r=r.user, n=name, k=r.host_key_alias or name)
+    tokens["C"] = hashlib.sha1(f"{tokens['l']}{r.hostname}{r.port}{r.user}".encode()).hexdigest()
+    out = []
+    for value in r.identity_files:
+        try:
+            out.append(expand_path(value, tokens))
+        except KeyError as exc:
+            raise ClusterctlError(f"{name}: IdentityFile {value}: token %{exc.args[0]} is not one ssh expands "
+                                  "there") from None
+        except LookupError as exc:
+            raise ClusterctlError(f"{name}: IdentityFile {value}: environment variable {exc.args[0]} is not "
+                                  "set") from None
+    return out
 
 
 def _public_blob(path: str) -> bytes | None:
@@ -232,7 +258,7 @@ def _gateway(chain: tuple[str, ...], opts: SshOptions) -> Connection | None:
         user, name, port = split_jump(hop)
         (r,) = resolve([Target(name, user, port)], opts.config)
         first = gateway is None
-        gateway = _connection(r, opts, gateway)
+        gateway = _connection(r, opts, gateway, name)
         if first and r.proxy_command:  # the first bastion's own ProxyCommand, as ssh runs it (later hops: -W)
             hop_host = Host(address=name, port=r.port, user=r.user, index=0, hostname=r.hostname)
             gateway.connect_kwargs["sock"] = paramiko.ProxyCommand(proxy_command_line(r.proxy_command, hop_host))
@@ -300,7 +326,7 @@ def _open_connection(host: Host, opts: SshOptions) -> Connection:
     (found,) = resolve([Target(host.address, host.user, host.port)], opts.config)  # its keys and known_hosts
     r = replace(found, hostname=host.connect_name, user=host.user, port=host.port, proxy_jump=(),
                 proxy_command=None)  # the host's own name, user and port; its hops are the gateway's
-    conn = _connection(r, opts, _gateway(host.jump, opts))
+    conn = _connection(r, opts, _gateway(host.jump, opts), host.address)
     if found.proxy_command and not host.jump:  # the ssh config's ProxyCommand, run as ssh runs it
         conn.connect_kwargs["sock"] = paramiko.ProxyCommand(proxy_command_line(found.proxy_command, host))
     t0 = time.monotonic()

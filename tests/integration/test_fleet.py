@@ -323,6 +323,40 @@ def test_a_host_key_alias_is_where_both_paths_look_the_key_up(fleet, tmp_path):
     assert run("strict").returncode == 0  # and ssh finds it there
 
 
+@pytest.mark.timeout(90)
+def test_identity_file_tokens_name_each_hosts_key_on_both_paths(fleet, tmp_path, monkeypatch):
+    """`IdentityFile ${VAR}/%n-%r-%p.key` (a key per host and login, a common fleet layout): ssh expands it when it
+    opens the file, `ssh -G` prints it as written. Before, paramiko's path looked for that literal name, found no
+    file and had no key to offer ("No authentication methods available"), where ssh logs in."""
+    keys = tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    for name in ("bastion", "node0", "node1"):  # the cluster's key under each host's own name
+        (keys / f"{name}-ubuntu-22.key").write_bytes(fleet.key_path.read_bytes())
+        (keys / f"{name}-ubuntu-22.key").chmod(0o600)
+    monkeypatch.setenv("CLUSTERCTL_FLEET_KEYS", str(keys))
+    known = tmp_path / "known_hosts"
+    config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+    known.write_text(fleet.known_hosts_path.read_text())
+    lines = config.read_text().splitlines()
+    assert any(line.strip().startswith("IdentityFile ") for line in lines)
+    config.write_text("\n".join("    IdentityFile ${CLUSTERCTL_FLEET_KEYS}/%n-%r-%p.key"
+                                if line.strip().startswith("IdentityFile ") else line for line in lines) + "\n")
+    spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-idtokens", job={"entrypoint": ["true"]})
+    data = yaml.safe_load(spec.read_text())
+    for policy in ("strict", "accept-new"):
+        data["ssh"].update(config=str(config), host_key_policy=policy, persist=0)
+        spec.write_text(yaml.safe_dump(data))
+        res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+        assert res.returncode == 0, policy + res.stdout + res.stderr
+        assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+    (keys / "node1-ubuntu-22.key").unlink()  # and the file really is the one of that host: both fail without it
+    for policy in ("strict", "accept-new"):
+        data["ssh"].update(host_key_policy=policy)
+        spec.write_text(yaml.safe_dump(data))
+        res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+        assert res.returncode != 0 and "[node0] ubuntu" in res.stdout and "[node1]" not in res.stdout, res.stdout
+
+
 @pytest.mark.timeout(240)
 def test_fab_workflow_through_ssh_config_aliases(fleet, tmp_path):
     """`fab -S CONFIG -H node0,node1 start | tail-log | status | kill` with the seed's positional script;

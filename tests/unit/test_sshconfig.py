@@ -378,3 +378,33 @@ def test_the_reader_follows_includes_nested_and_under_inactive_blocks(tmp_path):
     assert gpu.dynamic is other.dynamic is None
     assert gpu.key != other.key and (gpu.hostname, other.hostname) == ("gpu1.x", "cpu1.x")
     assert str(tmp_path / "inner.conf") in model.files
+
+
+# ------------------------------------------------------------------ IdentityFile as ssh opens it (the paramiko path)
+
+
+@needs_ssh
+@pytest.mark.parametrize("alias", [None, "the-alias"])
+def test_identity_file_tokens_are_expanded_as_ssh_expands_them(tmp_path, monkeypatch, alias):
+    """`ssh -G` prints IdentityFile as written but expands UserKnownHostsFile, which takes the same tokens (and `~`,
+    `${VAR}`): the same text in both, ours must give what ssh gave (for real: tests/integration/test_fleet.py)."""
+    from clusterctl.errors import ClusterctlError
+    from clusterctl.sshconn import _key_files
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CLUSTERCTL_T", "from-env")
+    text = "~/k/%%-%C-%d-%h-%i-%k-%L-%l-%n-%p-%r-%u-${CLUSTERCTL_T}.key"
+    cfg = tmp_path / "config"
+    head = "Host x\n    HostName 10.0.0.9\n    User bob\n    Port 2201\n    ProxyJump a@j1:2022,j2\n"
+    cfg.write_text(head + (f"    HostKeyAlias {alias}\n" if alias else "")
+                   + f"    UserKnownHostsFile {text}\n    IdentityFile {text}\n    IdentityFile /plain/key\n")
+    (r,) = resolve([Target("x")], str(cfg))
+    assert r.identity_files[0] == text  # as written
+    got = _key_files(r, "x")
+    assert got == [*r.known_hosts, "/plain/key"], (got, r.known_hosts)
+    assert f"-{alias or 'x'}-" in got[0] and "-10.0.0.9-" in got[0] and got[0].endswith("-from-env.key")
+    for bad, why in (("/k/%j", "token %j"), ("/k/${CLUSTERCTL_UNSET_VAR}", "CLUSTERCTL_UNSET_VAR} is not set")):
+        cfg.write_text(head + f"    IdentityFile {bad}\n")
+        (r,) = resolve([Target("x")], str(cfg))
+        with pytest.raises(ClusterctlError, match=why.replace("$", r"\$").replace("{", r"\{")):
+            _key_files(r, "x")
