@@ -118,21 +118,24 @@ def test_the_spec_jump_wins_over_the_config_and_none_means_direct(cfg, tmp_path)
     assert h1.jump == () and h1.jump_none  # over the config's ProxyJump: ssh is told ProxyJump=none
 
 
+BEHIND_BASTIONS = """\
+    name: t
+    ssh: {config: ssh_config}
+    hosts:
+      - {address: gpu0}
+      - {address: other}
+      - {address: gpu1, proxy_jump: "relay-b"}
+    job: {entrypoint: [x]}
+    """
+
+
 @needs_ssh
 def test_the_first_bastions_own_proxy_command_goes_with_the_hosts_behind_it(cfg, tmp_path):
     """ssh reaches a bastion through the ProxyCommand the config gives it; the plan carries it with each host whose
     first hop it is (the argv: test_remote_argv.py; for real: tests/integration/test_fleet.py)."""
     from clusterctl.sshconfig import may_set
 
-    text = """\
-        name: t
-        ssh: {config: ssh_config}
-        hosts:
-          - {address: gpu0}
-          - {address: other}
-          - {address: gpu1, proxy_jump: "relay-b"}
-        job: {entrypoint: [x]}
-        """
+    text = BEHIND_BASTIONS
     assert not may_set(str(cfg), "proxycommand")  # no ProxyCommand anywhere: the bastions are not asked of ssh
     assert all(h.hop_command == "" for h in plan_for(_spec(tmp_path, text)).hosts)
     cfg.write_text("Host bastion.example\n    ProxyCommand corp-relay %h %p\n"
@@ -155,15 +158,7 @@ def test_the_first_bastions_own_proxy_jump_is_followed_to_the_outermost_ones_pro
     from clusterctl.errors import ClusterctlError
     from clusterctl.ops.slurm import _host
 
-    text = """\
-        name: t
-        ssh: {config: ssh_config}
-        hosts:
-          - {address: gpu0}
-          - {address: other}
-          - {address: gpu1, proxy_jump: "relay-b"}
-        job: {entrypoint: [x]}
-        """
+    text = BEHIND_BASTIONS
     cfg.write_text("Host bastion.example\n    ProxyJump inner1,inner2\n"
                    "Host inner1\n    ProxyJump gate@outer:2022\n"
                    "Host inner2\n    ProxyJump not-read\n"  # a later hop: its own entry is not ssh's route
