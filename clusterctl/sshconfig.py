@@ -228,6 +228,15 @@ def _by_class(targets: list[Target], config: str | None, model) -> dict[Target, 
 LAST: dict[str, int] = {}
 
 
+def ssh_g_refusal(stderr: str, config: str | None, target: Target) -> str:
+    """One line for an `ssh -G` that refused the config: what ssh said about each bad line (its closing
+    "terminating, N bad configuration options" only where it said nothing else)."""
+    said = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    problems = [ln for ln in said if not (": terminating, " in ln and "bad configuration option" in ln)]
+    where = f"ssh config {config}" if config else "your ssh config"
+    return f"{where}: {'; '.join(problems or said) or f'ssh -G {target.address} failed'}"
+
+
 def _ssh_g(config: str | None, target: Target) -> Resolved:
     argv = ssh_g_argv(config, target)
     try:
@@ -235,9 +244,7 @@ def _ssh_g(config: str | None, target: Target) -> Resolved:
     except subprocess.TimeoutExpired:
         raise ClusterctlError(f"resolving {target.address} with `ssh -G` took over {_TIMEOUT:g}s (a Match exec in the ssh config?)") from None
     if proc.returncode != 0:
-        said = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
-        where = f"ssh config {config}" if config else "your ssh config"
-        raise ClusterctlError(f"{where}: {said[-1] if said else f'ssh -G {target.address} failed'}")
+        raise ClusterctlError(ssh_g_refusal(proc.stderr, config, target))
     return parse_ssh_g(proc.stdout, target)
 
 

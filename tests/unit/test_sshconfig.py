@@ -403,3 +403,19 @@ def test_identity_file_tokens_are_expanded_as_ssh_expands_them(tmp_path, monkeyp
         (r,) = resolve([Target("x")], str(cfg))
         with pytest.raises(ClusterctlError, match=why.replace("$", r"\$").replace("{", r"\{")):
             _key_files(r, "x")
+
+
+@needs_ssh
+def test_a_config_ssh_refuses_is_one_line_naming_each_bad_line(tmp_path, monkeypatch):
+    """What ssh said about each bad line, not only its closing "terminating, N bad configuration options"."""
+    from clusterctl.errors import ClusterctlError
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = tmp_path / "config"
+    cfg.write_text("Host *\n    Bogus yes\n    Port 99999\n")
+    with pytest.raises(ClusterctlError) as info:
+        resolve([Target("a")], str(cfg))
+    line = str(info.value)
+    assert "\n" not in line and line.startswith(f"ssh config {cfg}: ")
+    assert "line 2: Bad configuration option: bogus" in line and "line 3: Bad port '99999'" in line, line
+    assert "terminating" not in line
