@@ -89,7 +89,6 @@ def bastion_routes(firsts: list[str], config: str | None) -> dict[str, tuple[tup
     is itself (a `Host *` that meets it too; ssh: "jumphost loop") is reached directly, as clusterctl always has.
     Resolved level by level, each name once, and only when a file of the config uses either keyword."""
     from ..errors import ClusterctlError
-    from ..transport.host import split_jump
 
     names = sorted(set(firsts))
     routes: dict[str, tuple[tuple[str, ...], str | None]] = dict.fromkeys(names, ((), None))
@@ -105,9 +104,9 @@ def bastion_routes(firsts: list[str], config: str | None) -> dict[str, tuple[tup
                 continue
             if r.proxy_command:
                 routes[name] = (before, r.proxy_command)
-            elif r.proxy_jump and split_jump(r.proxy_jump[-1])[1] != split_jump(tip)[1]:
+            elif r.proxy_jump and _hop(r.proxy_jump[-1], config)[1] != _hop(tip, config)[1]:
                 chain = (*r.proxy_jump, *before)
-                seen = [split_jump(h)[1] for h in (*chain, name)]
+                seen = [_hop(h, config)[1] for h in (*chain, name)]
                 if len(set(seen)) < len(seen) or len(chain) > MAX_BASTIONS:
                     why = "loop" if len(set(seen)) < len(seen) else f"go past {MAX_BASTIONS} bastions"
                     raise ClusterctlError(f"ssh config {config or '~/.ssh/config'}: the bastions' own ProxyJump "
@@ -122,10 +121,9 @@ def _own_entries(hops: list[str], config: str | None) -> dict:
     from ..errors import ClusterctlError
     from ..sshconfig import Target
     from ..sshconfig import resolve as ssh_resolve
-    from ..transport.host import split_jump
 
     def ask(some: list[str]) -> list:
-        return ssh_resolve([Target(n, u, p) for u, n, p in map(split_jump, some)], config)
+        return ssh_resolve([Target(n, u, p) for u, n, p in (_hop(h, config) for h in some)], config)
 
     try:
         return dict(zip(hops, ask(hops), strict=True))
@@ -141,6 +139,18 @@ def _own_entries(hops: list[str], config: str | None) -> dict:
                 raise
             out[hop] = None
     return out
+
+
+def _hop(hop: str, config: str | None) -> tuple[str | None, str, int | None]:
+    """A ProxyJump hop of the ssh config as (user, host, port); a ClusterctlError for one of another form (`ssh`
+    refuses those itself; paramiko's reader, used where there is no `ssh`, does not)."""
+    from ..errors import ClusterctlError
+    from ..transport.host import split_jump
+
+    try:
+        return split_jump(hop)
+    except ValueError as exc:
+        raise ClusterctlError(f"ssh config {config or '~/.ssh/config'}: ProxyJump: {exc}") from None
 
 
 def spec_position(spec: ClusterSpec, path: tuple) -> tuple[int, int]:

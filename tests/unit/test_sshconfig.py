@@ -182,6 +182,17 @@ def test_the_first_bastions_own_proxy_jump_is_followed_to_the_outermost_ones_pro
     assert (h0.jump, other.jump, h1.jump) == (("relay-b", "ops@bastion.example:2200"), ("relay-b",), ("relay-b",))
 
 
+def test_a_malformed_bastion_hop_from_paramikos_reader_is_one_line(cfg, tmp_path, monkeypatch):
+    """Without an `ssh` binary the config is read by paramiko, which does not check a ProxyJump's form as ssh does."""
+    from clusterctl import sshconfig
+    from clusterctl.errors import ClusterctlError
+
+    monkeypatch.setattr(sshconfig.shutil, "which", lambda name: None)
+    cfg.write_text("Host bastion.example\n    ProxyJump ops@[inner:22\n" + CONFIG)
+    with pytest.raises(ClusterctlError, match=r"ProxyJump: cannot parse 'ops@\[inner:22'"):
+        plan_for(_spec(tmp_path, BEHIND_BASTIONS))
+
+
 @needs_ssh
 def test_two_hosts_resolving_to_one_address_are_named_both(cfg, tmp_path):
     spec = _spec(tmp_path, """\
