@@ -33,8 +33,9 @@ __all__ = ["Target", "Resolved", "resolve", "resolve_each", "stamp_paths", "conf
 
 SYSTEM_CONFIG = "/etc/ssh/ssh_config"
 USER_CONFIG = "~/.ssh/config"
+GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")  # ssh's own, with no config
 _TIMEOUT = 10.0  # `ssh -G` reads files and, for `Match exec`, runs the user's commands: bounded
-_CACHE_VERSION = 4
+_CACHE_VERSION = 5
 _MODELS: dict = {}  # config -> (its files' stats, the ConfigModel last read for it in this process)
 
 
@@ -57,6 +58,7 @@ class Resolved:
     proxy_jump: tuple[str, ...] = ()  # from the config's ProxyJump (first hop first); () when none
     proxy_command: str | None = None  # the config's ProxyCommand, left to ssh
     known_hosts: tuple[str, ...] = ()  # UserKnownHostsFile entries (for the paramiko paths)
+    global_known_hosts: tuple[str, ...] = ()  # GlobalKnownHostsFile entries: checked too, never written
     identity_files: tuple[str, ...] = ()  # IdentityFile entries (for the paramiko paths)
     identities_only: bool = False  # IdentitiesOnly yes: those files' keys only, the agent's only where they match
     host_key_alias: str | None = None  # HostKeyAlias: the name its host key is looked up and recorded under
@@ -98,6 +100,7 @@ def parse_ssh_g(text: str, target: Target) -> Resolved:
     jump = single.get("proxyjump", "none")
     command = single.get("proxycommand", "none")
     known = [p for line in multi.get("userknownhostsfile", []) for p in line.split()]
+    known_global = [p for line in multi.get("globalknownhostsfile", []) for p in line.split()]
     try:
         port = int(single.get("port", "22"))
     except ValueError:
@@ -109,6 +112,7 @@ def parse_ssh_g(text: str, target: Target) -> Resolved:
         proxy_jump=() if jump.lower() == "none" else tuple(h.strip() for h in jump.split(",") if h.strip()),
         proxy_command=None if command.lower() == "none" else command,
         known_hosts=tuple(known),
+        global_known_hosts=tuple(known_global),
         identity_files=tuple(multi.get("identityfile", [])),
         identities_only=single.get("identitiesonly", "no").lower() == "yes",
         host_key_alias=single.get("hostkeyalias") or None,
@@ -122,6 +126,7 @@ def unresolved(target: Target) -> Resolved:
         user=target.user or _local_user(),
         port=target.port or 22,
         known_hosts=(os.path.expanduser("~/.ssh/known_hosts"),),
+        global_known_hosts=GLOBAL_KNOWN_HOSTS,
     )
 
 
@@ -269,6 +274,7 @@ def _resolve_paramiko(targets: Sequence[Target], config: str | None, files: list
                 proxy_jump=() if jump.lower() == "none" else tuple(h.strip() for h in jump.split(",")),
                 proxy_command=found.get("proxycommand"),
                 known_hosts=tuple(str(found.get("userknownhostsfile", "~/.ssh/known_hosts")).split()),
+                global_known_hosts=tuple(str(found.get("globalknownhostsfile", " ".join(GLOBAL_KNOWN_HOSTS))).split()),
                 identity_files=tuple(found.get("identityfile", ())),
                 identities_only=str(found.get("identitiesonly", "no")).lower() == "yes",
                 host_key_alias=found.get("hostkeyalias") or None,
@@ -339,7 +345,7 @@ class _Cache:
         write_private(self.path, json.dumps(self.data).encode())
 
 
-_STRS = ("proxy_jump", "known_hosts", "identity_files")
+_STRS = ("proxy_jump", "known_hosts", "global_known_hosts", "identity_files")
 
 
 def _entry(entry) -> Resolved | None:
@@ -356,4 +362,5 @@ def _entry(entry) -> Resolved | None:
     if type(entry["identities_only"]) is not bool or entry["hop_command"] is not None or entry["hop_jump"] != []:
         return None
     return Resolved(entry["hostname"], entry["user"], port, tuple(entry["proxy_jump"]), command,
-                    tuple(entry["known_hosts"]), tuple(entry["identity_files"]), entry["identities_only"], alias)
+                    tuple(entry["known_hosts"]), tuple(entry["global_known_hosts"]), tuple(entry["identity_files"]),
+                    entry["identities_only"], alias)

@@ -1,5 +1,5 @@
-"""paramiko/Fabric connections as a transport (ParamikoTransport): opening them (host-key policies, one-line
-errors) and running one command over a channel. Used where the OpenSSH client cannot go alone
+"""paramiko/Fabric connections as a transport (ParamikoTransport): opening them (with the keys of clusterctl.sshkeys,
+one-line errors) and running one command over a channel. Used where the OpenSSH client cannot go alone
 (host_key_policy accept-new, which records first-seen keys, or off) and to word the client's connection
 failures. Imported on first use only: paramiko, Fabric and invoke are a tenth of a second of start-up that
 most commands never pay. Builds on clusterctl.transport.base only (never on clusterctl.remote).
@@ -7,20 +7,19 @@ most commands never pay. Builds on clusterctl.transport.base only (never on clus
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import paramiko
 from fabric import Config, Connection
 
 from .errors import CannotConnect, ClusterctlError
+from .sshkeys import HostKeyError, agent_key_for, host_key_client, key_files
 from .transport.base import (LineSplitter, Result, Running, SshOptions, Stdin, Transport, fingerprint,
                              timed_out_result, unreachable_result)
 from .transport.gate import HandshakeGate, gate_key
@@ -39,121 +38,19 @@ class Timeout(Exception):
     """The command outlived its timeout."""
 
 
-class _HostKeyError(paramiko.SSHException):
-    """Raised inside paramiko's connect when a host key is not acceptable (`hostname` as paramiko names the
-    host: `name`, or `[name]:port` off port 22)."""
-
-    def __init__(self, message: str, hostname: str):
-        super().__init__(message)
-        self.hostname = hostname
-
-
-class _StrictPolicy(paramiko.MissingHostKeyPolicy):
-    def __init__(self, known_hosts: str, alias: str | None = None):
-        self.known_hosts, self.alias = known_hosts, alias
-
-    def missing_host_key(self, client, hostname, key):
-        name = self.alias or hostname
-        raise _HostKeyError(
-            f"unknown host key for {name} ({key.get_name()} {fingerprint(key)}); "
-            f"not in {self.known_hosts}. Verify it and add it (ssh-keyscan), or use host_key_policy: accept-new",
-            hostname,
-        )
-
-
-class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
-    _lock = threading.Lock()
-
-    def __init__(self, known_hosts: str, alias: str | None = None):
-        self.known_hosts, self.alias = known_hosts, alias
-
-    def missing_host_key(self, client, hostname, key):
-        named = hostname  # paramiko's name for the host, under which the client looks its key up
-        hostname = self.alias or hostname  # the name the key is recorded under: the HostKeyAlias, as ssh does
-        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
-        path = Path(self.known_hosts)
-        with self._lock:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a+", encoding="utf-8") as fh:
-                fcntl.flock(fh, fcntl.LOCK_EX)
-                # another connection (a bastion shared by many hosts, another clusterctl) may have recorded
-                # it since this client loaded the file: record each key once, and never a second one
-                fh.seek(0)
-                recorded = paramiko.HostKeys()
-                for known in fh.read().splitlines():
-                    try:
-                        entry = paramiko.hostkeys.HostKeyEntry.from_line(known) if known.strip() else None
-                    except (paramiko.hostkeys.InvalidHostKey, ValueError):
-                        continue  # a line paramiko cannot read (ssh may): not ours to judge here
-                    if entry is not None and entry.key is not None:
-                        for name in entry.hostnames:
-                            recorded.add(name, entry.key.get_name(), entry.key)
-                seen = (recorded.lookup(hostname) or {}).get(key.get_name())
-                if seen is not None and seen != key:
-                    raise _HostKeyError(f"host key for {hostname} changed while connecting: {self.known_hosts} now "
-                                        f"has {fingerprint(seen)}, the host sent {fingerprint(key)}", named)
-                if seen is None:
-                    fh.seek(0, os.SEEK_END)
-                    fh.write(line)
-        client.get_host_keys().add(named, key.get_name(), key)
-        if seen is None:
-            log.warning("recorded new host key for %s (%s) in %s", hostname, fingerprint(key), self.known_hosts)
-
-
-class _OffPolicy(paramiko.MissingHostKeyPolicy):
-    def missing_host_key(self, client, hostname, key):
-        pass  # explicitly requested with host_key_policy: off (warned about on every run)
-
-
-def _known_hosts(options: SshOptions, resolved: Resolved | None) -> list[str]:
-    """The known_hosts files host keys are checked against, the one new keys go to first: the spec's, else the
-    ssh config's UserKnownHostsFile for this host (as ssh reads them), else ~/.ssh/known_hosts."""
-    files = [options.known_hosts] if options.known_hosts else list(resolved.known_hosts if resolved else ())
-    return [os.path.expanduser(f) for f in files or ["~/.ssh/known_hosts"]]
-
-
-def _client(options: SshOptions, resolved: Resolved | None = None) -> paramiko.SSHClient:
-    """A client that checks the host key of `resolved` (what a host or a bastion resolves to) as ssh would: against
-    every known_hosts file, under the host's name (`[name]:port` off port 22), or only under the ssh config's
-    HostKeyAlias where it has one (ssh then looks up and records the alias alone)."""
-    client = paramiko.SSHClient()  # our own: Fabric's default would AutoAdd unknown keys
-    known = _known_hosts(options, resolved)
-    policy = options.host_key_policy
-    alias = resolved.host_key_alias if resolved is not None else None
-    if alias and policy != "off":  # the alias's keys, under the name paramiko will look up: no other entry counts
-        keys, port = paramiko.HostKeys(), resolved.port
-        named = resolved.hostname if port == 22 else f"[{resolved.hostname}]:{port}"  # as paramiko's connect names it
-        for path in known:
-            if os.path.exists(path):
-                keys.load(path)
-        for kind, key in (keys.lookup(alias) or {}).items():
-            client.get_host_keys().add(named, kind, key)
-    for path in known if policy != "off" and not alias else ():
-        if os.path.exists(path):
-            client.load_host_keys(path)  # every file's keys (load_host_keys adds to those loaded before)
-    if policy == "strict":
-        client.set_missing_host_key_policy(_StrictPolicy(known[0], alias))
-    elif policy == "accept-new":
-        client.set_missing_host_key_policy(_AcceptNewPolicy(known[0], alias))
-    else:
-        client.set_missing_host_key_policy(_OffPolicy())
-    client.host_key_alias = alias  # type: ignore[attr-defined]  # ours: names the key in a refusal (_key_refused)
-    return client
-
-
 def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None, name: str | None = None) -> Connection:
     """A Fabric connection to `r` (what the ssh config resolves a host or a bastion, named `name`, to), with the
     spec's key and known_hosts, else the ssh config's IdentityFile (its tokens expanded as ssh expands them) and
     UserKnownHostsFile for it (ssh's own default key files that are not there are left out, as ssh skips them)."""
     timeout = opts.connect_timeout
-    named = [os.path.expanduser(opts.identity_file)] if opts.identity_file else _key_files(r, name or r.hostname)
+    named = [os.path.expanduser(opts.identity_file)] if opts.identity_file else key_files(r, name or r.hostname)
     keys = named if opts.identity_file else [k for k in named if os.path.isfile(k)]
     # The spec's key goes with IdentitiesOnly=yes, as on the OpenSSH path; the config may say it too. Then the agent
     # offers only the keys of those files, not every key it holds (sshd's MaxAuthTries counts each one), and ssh's
     # default key files are not looked for.
     only = bool(opts.identity_file) or r.identities_only
     # As ssh, the agent's keys of those files first (a file may be there as its .pub only, its key in the agent)
-    agent_key = _agent_key_for(named)
+    agent_key = agent_key_for(named)
     conn = Connection(
         r.hostname,
         user=r.user,
@@ -172,80 +69,8 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None, name:
             "channel_timeout": timeout,
         },
     )
-    conn.client = _client(opts, r)  # ours: Fabric's default would AutoAdd unknown keys (bastions included)
+    conn.client = host_key_client(opts, r)  # ours: Fabric's default would AutoAdd unknown keys (bastions included)
     return conn
-
-
-def _key_files(r: Resolved, name: str) -> list[str]:
-    """The ssh config's IdentityFiles for `r` (the host or bastion it calls `name`) as ssh opens them: `~`,
-    `${VAR}` and the tokens of ssh_config(5) expanded (OpenSSH 9.2's: %%, %C, %d, %h, %i, %k, %L, %l, %n, %p, %r,
-    %u); ClusterctlError for one ssh would refuse. `ssh -G` prints them as written."""
-    import hashlib
-
-    from .sshconfigfile import expand_path, local_tokens
-
-    if not any("%" in f or "$" in f or f.startswith("~") for f in r.identity_files):
-        return list(r.identity_files)
-    tokens = local_tokens()
-    tokens.update(h=r.hostname, p=str(r.port), r=r.user, n=name, k=r.host_key_alias or name)
-    tokens["C"] = hashlib.sha1(f"{tokens['l']}{r.hostname}{r.port}{r.user}".encode()).hexdigest()
-    out = []
-    for value in r.identity_files:
-        try:
-            out.append(expand_path(value, tokens))
-        except KeyError as exc:
-            raise ClusterctlError(f"{name}: IdentityFile {value}: token %{exc.args[0]} is not one ssh expands "
-                                  "there") from None
-        except LookupError as exc:
-            raise ClusterctlError(f"{name}: IdentityFile {value}: environment variable {exc.args[0]} is not "
-                                  "set") from None
-    return out
-
-
-def _public_blob(path: str) -> bytes | None:
-    """The public key of the key file `path` as ssh finds it: `path`.pub, else the unencrypted public half of an
-    OpenSSH-format private key (there even when the key has a passphrase); None when neither is readable."""
-    import base64
-    import struct
-
-    try:
-        with open(path + ".pub", encoding="utf-8") as fh:
-            fields = fh.read().split()
-        if len(fields) >= 2:
-            return base64.b64decode(fields[1], validate=True)
-    except (OSError, UnicodeDecodeError, ValueError):
-        pass
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.read(1 << 16).strip().splitlines()
-        if lines[:1] != ["-----BEGIN OPENSSH PRIVATE KEY-----"]:
-            return None
-        raw = base64.b64decode("".join(lines[1:-1]))
-        magic = b"openssh-key-v1\0"
-        at = len(magic)
-        if not raw.startswith(magic):
-            return None
-        for _ in range(3):  # cipher name, kdf name, kdf options
-            (n,) = struct.unpack_from(">I", raw, at)
-            at += 4 + n
-        (count, size) = struct.unpack_from(">II", raw, at)
-        blob = raw[at + 8: at + 8 + size]
-        return blob if count >= 1 and len(blob) == size else None
-    except (OSError, UnicodeDecodeError, ValueError, struct.error):
-        return None
-
-
-def _agent_key_for(files: list[str]):
-    """The ssh-agent's key for one of `files` (matched, as ssh matches it, by the file's public key), or None: no
-    agent, or none of its keys is one of theirs."""
-    wanted = {blob for blob in map(_public_blob, files) if blob}
-    if not wanted or not os.environ.get("SSH_AUTH_SOCK"):
-        return None
-    try:
-        held = paramiko.Agent().get_keys()  # the agent's connection stays open while its key is used
-    except (paramiko.SSHException, OSError):
-        return None
-    return next((k for k in held if k.asbytes() in wanted), None)
 
 
 def _gateway(chain: tuple[str, ...], opts: SshOptions) -> Connection | None:
@@ -299,7 +124,7 @@ def _key_refused(exc: Exception, opts: SshOptions, conn: Connection | None = Non
         return name, (f"host key for {shown} CHANGED: server offers {fingerprint(exc.key)}, "
                       f"{opts.known_hosts or 'your known_hosts'} has {fingerprint(exc.expected_key)}. "
                       "Possible man-in-the-middle; if the host was reinstalled, remove the old key")
-    if isinstance(exc, _HostKeyError):
+    if isinstance(exc, HostKeyError):
         return exc.hostname, str(exc)
     return None
 
@@ -345,7 +170,7 @@ def _refused(exc: BaseException, host: Host, opts: SshOptions, took: float, conn
     """Raise the one-line ClusterctlError for a connection to `host` (conn) that did not open; return for an error
     that is not the connection's (the caller raises it as it is)."""
     timeout, via = opts.connect_timeout, _via(host)
-    if isinstance(exc, (paramiko.BadHostKeyException, _HostKeyError)):
+    if isinstance(exc, (paramiko.BadHostKeyException, HostKeyError)):
         name, line = _key_refused(exc, opts, conn)
         if host.jump and _bare(name) != host.connect_name:  # a bastion's key: named as such
             raise ClusterctlError(f"cannot connect to {host.label}{via}: bastion {_bare(name)}: {line}") from None
@@ -397,7 +222,7 @@ def bastion_refusal(chain: tuple[str, ...], opts: SshOptions) -> str | None:
         return None
     try:
         gateway.open()
-    except (paramiko.BadHostKeyException, _HostKeyError) as exc:
+    except (paramiko.BadHostKeyException, HostKeyError) as exc:
         name, line = _key_refused(exc, opts, gateway)
         return f"bastion {_bare(name)}: {line}"
     except paramiko.AuthenticationException as exc:

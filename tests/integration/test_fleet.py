@@ -357,6 +357,50 @@ def test_identity_file_tokens_name_each_hosts_key_on_both_paths(fleet, tmp_path,
         assert res.returncode != 0 and "[node0] ubuntu" in res.stdout and "[node1]" not in res.stdout, res.stdout
 
 
+@pytest.mark.timeout(120)
+def test_keys_pinned_in_a_global_known_hosts_file_count_on_both_paths(fleet, tmp_path):
+    """A fleet's configuration management pins its hosts' keys in a system-wide file (GlobalKnownHostsFile, here
+    with a `@cert-authority` line beside them) and the user's own known_hosts starts empty. ssh checks both files;
+    paramiko's path read only the user's: under accept-new it met every key as new, recorded it, and would have
+    taken whatever key a host sent (and a `@cert-authority` line in a file it read stopped it altogether)."""
+    known, system = tmp_path / "known_hosts", tmp_path / "ssh_known_hosts"
+    config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+    config.write_text(config.read_text().replace(
+        "    UserKnownHostsFile", f"    GlobalKnownHostsFile {system}\n    UserKnownHostsFile"))
+    pins = fleet.known_hosts_path.read_text().splitlines()
+    key_of = {line.split()[0]: line.split(None, 1)[1] for line in pins}
+    ip0, ip1 = fleet.nodes[0].ip, fleet.nodes[1].ip
+    ca = f"@cert-authority *.fleet.invalid {key_of[fleet.bastion.ip]}\n"
+    spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-global-kh", job={"entrypoint": ["true"]})
+    data = yaml.safe_load(spec.read_text())
+
+    def run(policy: str):
+        data["ssh"].update(config=str(config), host_key_policy=policy, persist=0)  # each run a new connection
+        spec.write_text(yaml.safe_dump(data))
+        return clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+
+    system.write_text(ca + "".join(f"{line}\n" for line in pins))
+    for policy in ("strict", "accept-new"):
+        res = run(policy)
+        assert res.returncode == 0, policy + res.stdout + res.stderr
+        assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+        assert known.read_text() == ""  # found in the system's file: nothing recorded
+    system.write_text(ca + "".join(f"{line}\n" for line in pins if not line.startswith(f"{ip0} "))
+                      + f"{ip0} {key_of[ip1]}\n")  # node1's key pinned for node0: both paths refuse node0
+    for policy in ("strict", "accept-new"):
+        res = run(policy)
+        assert res.returncode != 0 and res.stdout.splitlines() == ["[node1] ubuntu"], policy + res.stdout + res.stderr
+        assert known.read_text() == ""
+    assert "CHANGED" in res.stderr, res.stderr
+    system.write_text(ca + "".join(f"{line}\n" for line in pins if not line.startswith(f"{ip1} "))
+                      + f"@revoked * {key_of[ip1]}\n")  # node1's key revoked: refused, never recorded
+    for policy in ("strict", "accept-new"):
+        res = run(policy)
+        assert res.returncode != 0 and res.stdout.splitlines() == ["[node0] ubuntu"], policy + res.stdout + res.stderr
+        assert known.read_text() == ""
+    assert "marked @revoked" in res.stderr, res.stderr
+
+
 @pytest.mark.timeout(240)
 def test_fab_workflow_through_ssh_config_aliases(fleet, tmp_path):
     """`fab -S CONFIG -H node0,node1 start | tail-log | status | kill` with the seed's positional script;

@@ -8,7 +8,7 @@ import threading
 import paramiko
 import pytest
 
-from clusterctl.sshconn import _AcceptNewPolicy, _HostKeyError
+from clusterctl.sshkeys import AcceptNewPolicy, HostKeyError
 from helpers import SshAgent, ssh_keygen
 
 
@@ -21,7 +21,7 @@ def test_a_key_met_by_many_connections_at_once_is_recorded_once(tmp_path):
 
     def meet():
         barrier.wait()
-        _AcceptNewPolicy(str(known)).missing_host_key(paramiko.SSHClient(), "[10.9.0.2]:22", key)
+        AcceptNewPolicy(str(known)).missing_host_key(paramiko.SSHClient(), "[10.9.0.2]:22", key)
 
     threads = [threading.Thread(target=meet) for _ in range(8)]
     for t in threads:
@@ -37,8 +37,8 @@ def test_a_different_key_recorded_meanwhile_is_refused(tmp_path):
     known = tmp_path / "known_hosts"
     first, second = paramiko.ECDSAKey.generate(), paramiko.ECDSAKey.generate()
     known.write_text(f"bastion.example {first.get_name()} {first.get_base64()}\n")
-    with pytest.raises(_HostKeyError, match="changed while connecting"):
-        _AcceptNewPolicy(str(known)).missing_host_key(paramiko.SSHClient(), "bastion.example", second)
+    with pytest.raises(HostKeyError, match="changed while connecting"):
+        AcceptNewPolicy(str(known)).missing_host_key(paramiko.SSHClient(), "bastion.example", second)
     assert known.read_text().count("bastion.example") == 1
 
 
@@ -57,7 +57,7 @@ def test_paramiko_connections_take_the_ssh_configs_keys_and_known_hosts(tmp_path
     second.write_text(f"10.9.0.6 {host_key.get_name()} {host_key.get_base64()}\n")
     r = Resolved("10.9.0.5", "ubuntu", 22, known_hosts=(str(first), str(second)),
                  identity_files=(str(key), str(tmp_path / "id_rsa")))  # ssh -G lists ssh's defaults, there or not
-    for policy, kind in (("strict", "_StrictPolicy"), ("accept-new", "_AcceptNewPolicy")):
+    for policy, kind in (("strict", "StrictPolicy"), ("accept-new", "AcceptNewPolicy")):
         conn = _connection(r, SshOptions(host_key_policy=policy), None)
         assert conn.connect_kwargs["key_filename"] == [str(key)] and conn.connect_kwargs["look_for_keys"]
         assert {h for h in conn.client.get_host_keys()} == {"10.9.0.5", "10.9.0.6"}  # every file's keys
@@ -143,3 +143,35 @@ def test_the_agents_key_of_the_named_file_goes_first_and_alone_under_identities_
                      None).connect_kwargs
     assert kw["allow_agent"] and "pkey" not in kw and kw["key_filename"] == [str(other)]
 
+
+
+def test_known_hosts_are_read_as_ssh_reads_them_global_files_markers_and_all(tmp_path):
+    """The system-wide files (GlobalKnownHostsFile) count too, as for ssh; a `@cert-authority` line no longer stops
+    the reading (paramiko's own reader raised InvalidHostKey on it: no paramiko connection at all), a `@revoked`
+    key is refused under strict and accept-new alike, and the user's file wins a host's key type."""
+    from clusterctl.sshconfig import Resolved
+    from clusterctl.sshconn import _connection
+    from clusterctl.transport.base import SshOptions
+
+    user, system = tmp_path / "known_hosts", tmp_path / "ssh_known_hosts"
+    mine, pinned, theirs, bad = (paramiko.ECDSAKey.generate() for _ in range(4))
+    line = lambda name, k: f"{name} {k.get_name()} {k.get_base64()}\n"  # noqa: E731
+    user.write_text(line("10.9.0.5", mine) + "not a key line\n")
+    system.write_text("# managed by the fleet's configuration management\n"
+                      f"@cert-authority *.example {pinned.get_name()} {pinned.get_base64()}\n"
+                      + line("10.9.0.5", theirs) + line("10.9.0.6", pinned) + line("10.9.0.7", bad)
+                      + f"@revoked * {bad.get_name()} {bad.get_base64()}\n")
+    r = Resolved("10.9.0.5", "ubuntu", 22, known_hosts=(str(user),), global_known_hosts=(str(system),))
+    for policy in ("strict", "accept-new"):
+        client = _connection(r, SshOptions(host_key_policy=policy), None).client
+        keys = client.get_host_keys()
+        assert keys.lookup("10.9.0.5")[mine.get_name()] == mine  # the user's first, as ssh
+        assert keys.lookup("10.9.0.6")[pinned.get_name()] == pinned  # from the system's file
+        assert keys.lookup("10.9.0.7") is None  # revoked: no entry offers it
+        with pytest.raises(HostKeyError, match="marked @revoked"):
+            client._policy.missing_host_key(client, "10.9.0.7", bad)
+    assert user.read_text() == line("10.9.0.5", mine) + "not a key line\n"  # nothing recorded
+    spec_known = tmp_path / "spec_known_hosts"
+    spec_known.write_text("")
+    client = _connection(r, SshOptions(known_hosts=str(spec_known)), None).client  # the spec's file alone
+    assert not list(client.get_host_keys())

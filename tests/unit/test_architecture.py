@@ -20,7 +20,7 @@ WHY = "Why one module"  # the paragraph a module over MAX_LINES starts its docst
 # A prefix matches a module and its submodules.
 FORBIDDEN = [
     ("clusterctl.spec", ("clusterctl.backends", "clusterctl.ops", "clusterctl.remote", "clusterctl.transport",
-                         "clusterctl.sshconn", "clusterctl.cli", "clusterctl.commands")),
+                         "clusterctl.sshconn", "clusterctl.sshkeys", "clusterctl.cli", "clusterctl.commands")),
     ("clusterctl.plan", ("clusterctl.backends", "clusterctl.ops", "clusterctl.remote", "clusterctl.transport",
                          "clusterctl.spec", "clusterctl.commands")),
     ("clusterctl.ops", ("clusterctl.backends", "clusterctl.cli", "clusterctl.commands")),

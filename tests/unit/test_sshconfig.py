@@ -395,7 +395,7 @@ def test_identity_file_tokens_are_expanded_as_ssh_expands_them(tmp_path, monkeyp
     """`ssh -G` prints IdentityFile as written but expands UserKnownHostsFile, which takes the same tokens (and `~`,
     `${VAR}`): the same text in both, ours must give what ssh gave (for real: tests/integration/test_fleet.py)."""
     from clusterctl.errors import ClusterctlError
-    from clusterctl.sshconn import _key_files
+    from clusterctl.sshkeys import key_files
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("CLUSTERCTL_T", "from-env")
@@ -406,14 +406,14 @@ def test_identity_file_tokens_are_expanded_as_ssh_expands_them(tmp_path, monkeyp
                    + f"    UserKnownHostsFile {text}\n    IdentityFile {text}\n    IdentityFile /plain/key\n")
     (r,) = resolve([Target("x")], str(cfg))
     assert r.identity_files[0] == text  # as written
-    got = _key_files(r, "x")
+    got = key_files(r, "x")
     assert got == [*r.known_hosts, "/plain/key"], (got, r.known_hosts)
     assert f"-{alias or 'x'}-" in got[0] and "-10.0.0.9-" in got[0] and got[0].endswith("-from-env.key")
     for bad, why in (("/k/%j", "token %j"), ("/k/${CLUSTERCTL_UNSET_VAR}", "CLUSTERCTL_UNSET_VAR} is not set")):
         cfg.write_text(head + f"    IdentityFile {bad}\n")
         (r,) = resolve([Target("x")], str(cfg))
         with pytest.raises(ClusterctlError, match=why.replace("$", r"\$").replace("{", r"\{")):
-            _key_files(r, "x")
+            key_files(r, "x")
 
 
 @needs_ssh

@@ -1,0 +1,258 @@
+"""What paramiko's connections (clusterctl.sshconn) know of keys, as ssh knows it: the host keys they accept (the
+known_hosts files, user's and system-wide, read as ssh reads them; HostKeyAlias; `@revoked`; the strict and
+accept-new policies) and the user's keys they offer (IdentityFile as ssh opens it; the agent's key of a file).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import paramiko
+
+from .errors import ClusterctlError
+from .transport.base import SshOptions, fingerprint
+
+if TYPE_CHECKING:
+    from .sshconfig import Resolved
+
+__all__ = ["HostKeyError", "host_key_client", "key_files", "agent_key_for", "AcceptNewPolicy", "StrictPolicy"]
+
+log = logging.getLogger("clusterctl.remote")
+
+
+class HostKeyError(paramiko.SSHException):
+    """Raised inside paramiko's connect when a host key is not acceptable (`hostname` as paramiko names the
+    host: `name`, or `[name]:port` off port 22)."""
+
+    def __init__(self, message: str, hostname: str):
+        super().__init__(message)
+        self.hostname = hostname
+
+
+def _refuse_revoked(hostname: str, name: str, key, revoked: frozenset[bytes]) -> None:
+    """Raise HostKeyError for a key a known_hosts file marks `@revoked` (ssh refuses it under every policy)."""
+    if key.asbytes() in revoked:
+        raise HostKeyError(f"host key for {name} ({key.get_name()} {fingerprint(key)}) is marked @revoked in a "
+                            "known_hosts file: refused", hostname)
+
+
+class StrictPolicy(paramiko.MissingHostKeyPolicy):
+    def __init__(self, known_hosts: str, alias: str | None = None, revoked: frozenset[bytes] = frozenset()):
+        self.known_hosts, self.alias, self.revoked = known_hosts, alias, revoked
+
+    def missing_host_key(self, client, hostname, key):
+        name = self.alias or hostname
+        _refuse_revoked(hostname, name, key, self.revoked)
+        raise HostKeyError(
+            f"unknown host key for {name} ({key.get_name()} {fingerprint(key)}); "
+            f"not in {self.known_hosts}. Verify it and add it (ssh-keyscan), or use host_key_policy: accept-new",
+            hostname,
+        )
+
+
+class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
+    _lock = threading.Lock()
+
+    def __init__(self, known_hosts: str, alias: str | None = None, revoked: frozenset[bytes] = frozenset()):
+        self.known_hosts, self.alias, self.revoked = known_hosts, alias, revoked
+
+    def missing_host_key(self, client, hostname, key):
+        named = hostname  # paramiko's name for the host, under which the client looks its key up
+        hostname = self.alias or hostname  # the name the key is recorded under: the HostKeyAlias, as ssh does
+        _refuse_revoked(named, hostname, key, self.revoked)
+        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+        path = Path(self.known_hosts)
+        with self._lock:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a+", encoding="utf-8") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)
+                # another connection (a bastion shared by many hosts, another clusterctl) may have recorded
+                # it since this client loaded the file: record each key once, and never a second one
+                fh.seek(0)
+                recorded = paramiko.HostKeys()
+                recorded._entries = _parse_known(fh.read().splitlines())[0]  # a line it cannot read: not ours to judge
+                seen = (recorded.lookup(hostname) or {}).get(key.get_name())
+                if seen is not None and seen != key:
+                    raise HostKeyError(f"host key for {hostname} changed while connecting: {self.known_hosts} now "
+                                        f"has {fingerprint(seen)}, the host sent {fingerprint(key)}", named)
+                if seen is None:
+                    fh.seek(0, os.SEEK_END)
+                    fh.write(line)
+        client.get_host_keys().add(named, key.get_name(), key)
+        if seen is None:
+            log.warning("recorded new host key for %s (%s) in %s", hostname, fingerprint(key), self.known_hosts)
+
+
+class _OffPolicy(paramiko.MissingHostKeyPolicy):
+    def missing_host_key(self, client, hostname, key):
+        pass  # explicitly requested with host_key_policy: off (warned about on every run)
+
+
+def _known_hosts(options: SshOptions, resolved: Resolved | None) -> list[str]:
+    """The known_hosts files host keys are checked against, the one new keys go to first: the spec's, else the
+    ssh config's UserKnownHostsFile for this host (as ssh reads them), else ~/.ssh/known_hosts."""
+    files = [options.known_hosts] if options.known_hosts else list(resolved.known_hosts if resolved else ())
+    return [os.path.expanduser(f) for f in files or ["~/.ssh/known_hosts"]]
+
+
+_PARSED: dict[str, tuple[tuple, tuple[list, frozenset[bytes]]]] = {}  # path -> ((size, mtime), _parse_known's answer)
+
+
+def _known_entries(paths: list[str]) -> tuple[list, frozenset[bytes]]:
+    """The host key entries of the known_hosts files `paths` (those that are there), the earlier file's first for a
+    host and key type, and the keys any of them marks `@revoked`, which no entry offers. Each file is parsed once
+    per process while it is unchanged (a fleet's system-wide file can hold thousands of hosts)."""
+    entries, revoked, seen = [], set(), set()
+    for path in paths:
+        try:
+            st = os.stat(path)
+            stamp = (st.st_size, st.st_mtime_ns)
+            if _PARSED.get(path, (None,))[0] != stamp:
+                with open(path, encoding="utf-8", errors="replace") as fh:
+                    _PARSED[path] = (stamp, _parse_known(fh))
+        except OSError:
+            continue
+        found, marked = _PARSED[path][1]
+        revoked |= marked
+        for e in found:
+            names = [n for n in e.hostnames if (n, e.key.get_name()) not in seen]
+            seen.update((n, e.key.get_name()) for n in names)
+            if names:
+                entries.append(paramiko.hostkeys.HostKeyEntry(names, e.key))
+    return [e for e in entries if e.key.asbytes() not in revoked], frozenset(revoked)
+
+
+def _parse_known(lines) -> tuple[list, frozenset[bytes]]:
+    """known_hosts lines as ssh reads them, where paramiko's own reader stops at the first line it cannot parse:
+    plain entries, and the keys of `@revoked` lines; `@cert-authority` lines are left out (paramiko checks no host
+    certificate: such a host's plain key is unknown here) and so is a line that is not a key."""
+    entries, revoked = [], set()
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        marker = ""
+        if line.startswith("@"):
+            marker, line = (line.split(None, 1) + [""])[:2]
+            if marker != "@revoked":
+                continue
+        try:
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(" ".join(line.split()))
+        except (paramiko.hostkeys.InvalidHostKey, paramiko.SSHException, ValueError):
+            continue
+        if entry is not None and entry.key is not None:
+            (revoked.add(entry.key.asbytes()) if marker else entries.append(entry))
+    return entries, frozenset(revoked)
+
+
+def _global_known_hosts(options: SshOptions, resolved: Resolved | None) -> list[str]:
+    """The system-wide known_hosts files ssh also checks keys against (GlobalKnownHostsFile; where a fleet's
+    configuration management pins its hosts' keys), never written: none beside the spec's known_hosts, which the
+    OpenSSH path passes with GlobalKnownHostsFile=/dev/null."""
+    if options.known_hosts or resolved is None:
+        return []
+    return [os.path.expanduser(f) for f in resolved.global_known_hosts]
+
+
+def host_key_client(options: SshOptions, resolved: Resolved | None = None) -> paramiko.SSHClient:
+    """A client that checks the host key of `resolved` (what a host or a bastion resolves to) as ssh would: against
+    every known_hosts file, the user's and then the system's, under the host's name (`[name]:port` off port 22), or
+    only under the ssh config's HostKeyAlias where it has one (ssh then looks up and records the alias alone)."""
+    client = paramiko.SSHClient()  # our own: Fabric's default would AutoAdd unknown keys
+    known = _known_hosts(options, resolved)
+    policy = options.host_key_policy
+    alias = resolved.host_key_alias if resolved is not None else None
+    revoked: frozenset[bytes] = frozenset()
+    if policy != "off":
+        entries, revoked = _known_entries([*known, *_global_known_hosts(options, resolved)])
+        if alias:  # the alias's keys, under the name paramiko will look up: no other entry counts
+            found, port = paramiko.HostKeys(), resolved.port
+            found._entries = [e for e in entries if any(n == alias or n.startswith("|1|") for n in e.hostnames)]
+            named = resolved.hostname if port == 22 else f"[{resolved.hostname}]:{port}"  # as paramiko's connect names it
+            entries = [paramiko.hostkeys.HostKeyEntry([named], key) for key in (found.lookup(alias) or {}).values()]
+        client.get_host_keys()._entries.extend(entries)  # parsed once per file (paramiko's load: quadratic)
+    if policy == "strict":
+        client.set_missing_host_key_policy(StrictPolicy(known[0], alias, revoked))
+    elif policy == "accept-new":
+        client.set_missing_host_key_policy(AcceptNewPolicy(known[0], alias, revoked))
+    else:
+        client.set_missing_host_key_policy(_OffPolicy())
+    client.host_key_alias = alias  # type: ignore[attr-defined]  # ours: names the key in a refusal (_key_refused)
+    return client
+
+
+def key_files(r: Resolved, name: str) -> list[str]:
+    """The ssh config's IdentityFiles for `r` (the host or bastion it calls `name`) as ssh opens them: `~`,
+    `${VAR}` and the tokens of ssh_config(5) expanded (OpenSSH 9.2's: %%, %C, %d, %h, %i, %k, %L, %l, %n, %p, %r,
+    %u); ClusterctlError for one ssh would refuse. `ssh -G` prints them as written."""
+    import hashlib
+
+    from .sshconfigfile import expand_path, local_tokens
+
+    if not any("%" in f or "$" in f or f.startswith("~") for f in r.identity_files):
+        return list(r.identity_files)
+    tokens = local_tokens()
+    tokens.update(h=r.hostname, p=str(r.port), r=r.user, n=name, k=r.host_key_alias or name)
+    tokens["C"] = hashlib.sha1(f"{tokens['l']}{r.hostname}{r.port}{r.user}".encode()).hexdigest()
+    out = []
+    for value in r.identity_files:
+        try:
+            out.append(expand_path(value, tokens))
+        except KeyError as exc:
+            raise ClusterctlError(f"{name}: IdentityFile {value}: token %{exc.args[0]} is not one ssh expands "
+                                  "there") from None
+        except LookupError as exc:
+            raise ClusterctlError(f"{name}: IdentityFile {value}: environment variable {exc.args[0]} is not "
+                                  "set") from None
+    return out
+
+
+def _public_blob(path: str) -> bytes | None:
+    """The public key of the key file `path` as ssh finds it: `path`.pub, else the unencrypted public half of an
+    OpenSSH-format private key (there even when the key has a passphrase); None when neither is readable."""
+    import base64
+    import struct
+
+    try:
+        with open(path + ".pub", encoding="utf-8") as fh:
+            fields = fh.read().split()
+        if len(fields) >= 2:
+            return base64.b64decode(fields[1], validate=True)
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read(1 << 16).strip().splitlines()
+        if lines[:1] != ["-----BEGIN OPENSSH PRIVATE KEY-----"]:
+            return None
+        raw = base64.b64decode("".join(lines[1:-1]))
+        magic = b"openssh-key-v1\0"
+        at = len(magic)
+        if not raw.startswith(magic):
+            return None
+        for _ in range(3):  # cipher name, kdf name, kdf options
+            (n,) = struct.unpack_from(">I", raw, at)
+            at += 4 + n
+        (count, size) = struct.unpack_from(">II", raw, at)
+        blob = raw[at + 8: at + 8 + size]
+        return blob if count >= 1 and len(blob) == size else None
+    except (OSError, UnicodeDecodeError, ValueError, struct.error):
+        return None
+
+
+def agent_key_for(files: list[str]):
+    """The ssh-agent's key for one of `files` (matched, as ssh matches it, by the file's public key), or None: no
+    agent, or none of its keys is one of theirs."""
+    wanted = {blob for blob in map(_public_blob, files) if blob}
+    if not wanted or not os.environ.get("SSH_AUTH_SOCK"):
+        return None
+    try:
+        held = paramiko.Agent().get_keys()  # the agent's connection stays open while its key is used
+    except (paramiko.SSHException, OSError):
+        return None
+    return next((k for k in held if k.asbytes() in wanted), None)
