@@ -101,17 +101,34 @@ def _known_hosts(options: SshOptions, resolved: Resolved | None) -> list[str]:
 
 
 _PARSED: dict[str, tuple[tuple, tuple[list, frozenset[bytes]]]] = {}  # path -> ((size, mtime), _parse_known's answer)
+_UNIONS: dict[tuple, tuple[list, frozenset[bytes]]] = {}  # ((path, (size, mtime)), ...) -> _union's answer
 
 
 def _known_entries(paths: list[str]) -> tuple[list, frozenset[bytes]]:
     """The host key entries of the known_hosts files `paths` (those that are there), the earlier file's first for a
     host and key type, and the keys any of them marks `@revoked`, which no entry offers. Each file is parsed once
-    per process while it is unchanged (a fleet's system-wide file can hold thousands of hosts)."""
-    entries, revoked, seen = [], set(), set()
+    per process while it is unchanged, and so is their union (a fleet's system-wide file can hold thousands of
+    hosts, and every connection of a command reads the same files). The entries are shared: read them only."""
+    stamps = []
     for path in paths:
         try:
             st = os.stat(path)
-            stamp = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            continue
+        stamps.append((path, (st.st_size, st.st_mtime_ns)))
+    key = tuple(stamps)
+    if key not in _UNIONS:
+        if len(_UNIONS) >= 16:
+            _UNIONS.clear()
+        _UNIONS[key] = _union(stamps)
+    entries, revoked = _UNIONS[key]
+    return list(entries), revoked
+
+
+def _union(stamps: list[tuple[str, tuple]]) -> tuple[list, frozenset[bytes]]:
+    entries, revoked, seen = [], set(), set()
+    for path, stamp in stamps:
+        try:
             if _PARSED.get(path, (None,))[0] != stamp:
                 with open(path, encoding="utf-8", errors="replace") as fh:
                     _PARSED[path] = (stamp, _parse_known(fh))
