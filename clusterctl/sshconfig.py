@@ -35,7 +35,7 @@ SYSTEM_CONFIG = "/etc/ssh/ssh_config"
 USER_CONFIG = "~/.ssh/config"
 GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")  # ssh's own, with no config
 _TIMEOUT = 10.0  # `ssh -G` reads files and, for `Match exec`, runs the user's commands: bounded
-_CACHE_VERSION = 5
+_CACHE_VERSION = 6
 _MODELS: dict = {}  # config -> (its files' stats, the ConfigModel last read for it in this process)
 
 
@@ -60,6 +60,7 @@ class Resolved:
     known_hosts: tuple[str, ...] = ()  # UserKnownHostsFile entries (for the paramiko paths)
     global_known_hosts: tuple[str, ...] = ()  # GlobalKnownHostsFile entries: checked too, never written
     identity_files: tuple[str, ...] = ()  # IdentityFile entries (for the paramiko paths)
+    certificate_files: tuple[str, ...] = ()  # CertificateFile entries (for the paramiko paths)
     identities_only: bool = False  # IdentitiesOnly yes: those files' keys only, the agent's only where they match
     host_key_alias: str | None = None  # HostKeyAlias: the name its host key is looked up and recorded under
     hop_jump: tuple[str, ...] = ()  # the bastions before the first one, by its own ProxyJump (set by the planner)
@@ -114,6 +115,7 @@ def parse_ssh_g(text: str, target: Target) -> Resolved:
         known_hosts=tuple(known),
         global_known_hosts=tuple(known_global),
         identity_files=tuple(multi.get("identityfile", [])),
+        certificate_files=tuple(multi.get("certificatefile", [])),
         identities_only=single.get("identitiesonly", "no").lower() == "yes",
         host_key_alias=single.get("hostkeyalias") or None,
     )
@@ -276,6 +278,7 @@ def _resolve_paramiko(targets: Sequence[Target], config: str | None, files: list
                 known_hosts=tuple(str(found.get("userknownhostsfile", "~/.ssh/known_hosts")).split()),
                 global_known_hosts=tuple(str(found.get("globalknownhostsfile", " ".join(GLOBAL_KNOWN_HOSTS))).split()),
                 identity_files=tuple(found.get("identityfile", ())),
+                certificate_files=tuple(found.get("certificatefile", "").split()),
                 identities_only=str(found.get("identitiesonly", "no")).lower() == "yes",
                 host_key_alias=found.get("hostkeyalias") or None,
             )
@@ -345,7 +348,7 @@ class _Cache:
         write_private(self.path, json.dumps(self.data).encode())
 
 
-_STRS = ("proxy_jump", "known_hosts", "global_known_hosts", "identity_files")
+_STRS = ("proxy_jump", "known_hosts", "global_known_hosts", "identity_files", "certificate_files")
 
 
 def _entry(entry) -> Resolved | None:
@@ -363,4 +366,4 @@ def _entry(entry) -> Resolved | None:
         return None
     return Resolved(entry["hostname"], entry["user"], port, tuple(entry["proxy_jump"]), command,
                     tuple(entry["known_hosts"]), tuple(entry["global_known_hosts"]), tuple(entry["identity_files"]),
-                    entry["identities_only"], alias)
+                    tuple(entry["certificate_files"]), entry["identities_only"], alias)

@@ -19,7 +19,7 @@ import paramiko
 from fabric import Config, Connection
 
 from .errors import CannotConnect, ClusterctlError
-from .sshkeys import HostKeyError, agent_key_for, host_key_client, key_files
+from .sshkeys import HostKeyError, agent_key_for, certified_key, host_key_client, key_files
 from .transport.base import (LineSplitter, Result, Running, SshOptions, Stdin, Transport, fingerprint,
                              timed_out_result, unreachable_result)
 from .transport.gate import HandshakeGate, gate_key
@@ -49,8 +49,9 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None, name:
     # offers only the keys of those files, not every key it holds (sshd's MaxAuthTries counts each one), and ssh's
     # default key files are not looked for.
     only = bool(opts.identity_file) or r.identities_only
-    # As ssh, the agent's keys of those files first (a file may be there as its .pub only, its key in the agent)
-    agent_key = agent_key_for(named)
+    # As ssh, a user certificate first, with the key it certifies; else the agent's key of one of those files (a
+    # file may be there as its .pub only, its key in the agent)
+    first = certified_key(r, name or r.hostname, named) or agent_key_for(named)
     conn = Connection(
         r.hostname,
         user=r.user,
@@ -61,7 +62,7 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None, name:
         gateway=gateway,
         connect_kwargs={
             **({"key_filename": keys} if keys else {}),  # never None: Fabric's Connection cannot take it
-            **({"pkey": agent_key} if agent_key is not None else {}),
+            **({"pkey": first} if first is not None else {}),
             "look_for_keys": not only,
             "allow_agent": not only,
             "banner_timeout": timeout,

@@ -20,7 +20,8 @@ from .transport.base import SshOptions, fingerprint
 if TYPE_CHECKING:
     from .sshconfig import Resolved
 
-__all__ = ["HostKeyError", "host_key_client", "key_files", "agent_key_for", "AcceptNewPolicy", "StrictPolicy"]
+__all__ = ["HostKeyError", "host_key_client", "key_files", "certified_key", "agent_key_for", "AcceptNewPolicy",
+           "StrictPolicy"]
 
 log = logging.getLogger("clusterctl.remote")
 
@@ -207,26 +208,78 @@ def key_files(r: Resolved, name: str) -> list[str]:
     """The ssh config's IdentityFiles for `r` (the host or bastion it calls `name`) as ssh opens them: `~`,
     `${VAR}` and the tokens of ssh_config(5) expanded (OpenSSH 9.2's: %%, %C, %d, %h, %i, %k, %L, %l, %n, %p, %r,
     %u); ClusterctlError for one ssh would refuse. `ssh -G` prints them as written."""
+    return _config_files(r.identity_files, "IdentityFile", r, name)
+
+
+def _config_files(values: tuple[str, ...], keyword: str, r: Resolved, name: str) -> list[str]:
     import hashlib
 
     from .sshconfigfile import expand_path, local_tokens
 
-    if not any("%" in f or "$" in f or f.startswith("~") for f in r.identity_files):
-        return list(r.identity_files)
+    if not any("%" in f or "$" in f or f.startswith("~") for f in values):
+        return list(values)
     tokens = local_tokens()
     tokens.update(h=r.hostname, p=str(r.port), r=r.user, n=name, k=r.host_key_alias or name)
     tokens["C"] = hashlib.sha1(f"{tokens['l']}{r.hostname}{r.port}{r.user}".encode()).hexdigest()
     out = []
-    for value in r.identity_files:
+    for value in values:
         try:
             out.append(expand_path(value, tokens))
         except KeyError as exc:
-            raise ClusterctlError(f"{name}: IdentityFile {value}: token %{exc.args[0]} is not one ssh expands "
+            raise ClusterctlError(f"{name}: {keyword} {value}: token %{exc.args[0]} is not one ssh expands "
                                   "there") from None
         except LookupError as exc:
-            raise ClusterctlError(f"{name}: IdentityFile {value}: environment variable {exc.args[0]} is not "
+            raise ClusterctlError(f"{name}: {keyword} {value}: environment variable {exc.args[0]} is not "
                                   "set") from None
     return out
+
+
+def certified_key(r: Resolved, name: str, files: list[str]):
+    """A user certificate with the private key it certifies, as ssh pairs them, or None. The certificates: the ssh
+    config's CertificateFiles (expanded as IdentityFile is), then each key file's `FILE-cert.pub`. The key: one of
+    `files` (the key files, not under a passphrase: none is ever asked), else the agent's. paramiko offers it first,
+    as ssh offers certificates first."""
+    certs = [*_config_files(r.certificate_files, "CertificateFile", r, name), *(f + "-cert.pub" for f in files)]
+    held = None
+    for cert in certs:
+        try:
+            blob = paramiko.pkey.PublicBlob.from_file(cert)
+        except (OSError, ValueError, UnicodeDecodeError, paramiko.SSHException):
+            continue  # not there, or not a key (ssh skips it too)
+        if not blob.key_type.endswith("-cert-v01@openssh.com"):
+            continue
+        for path in files:
+            public = _public_blob(path)
+            if public is None or not _certifies(blob.key_blob, public):
+                continue
+            try:
+                key = paramiko.PKey.from_path(path)
+            except (OSError, ValueError, TypeError, paramiko.SSHException):
+                continue  # under a passphrase (paramiko 5: TypeError): the agent may hold it
+            key.load_certificate(cert)
+            return key
+        if held is None:
+            held = _agent_keys()
+        for key in held:
+            if _certifies(blob.key_blob, key.asbytes()):
+                key.load_certificate(cert)
+                return key
+    return None
+
+
+def _certifies(cert_blob: bytes, public_blob: bytes) -> bool:
+    """Whether the OpenSSH certificate `cert_blob` certifies the public key `public_blob`: the key's fields (its blob
+    after the type) come right after the certificate's nonce (PROTOCOL.certkeys), for every key type."""
+    try:
+        cert, plain = paramiko.Message(cert_blob), paramiko.Message(public_blob)
+        kind = plain.get_text()
+        if cert.get_text() != f"{kind}-cert-v01@openssh.com":
+            return False
+        cert.get_binary()  # the nonce
+        fields = plain.get_remainder()
+        return bool(fields) and cert.get_remainder().startswith(fields)
+    except (paramiko.SSHException, ValueError, IndexError, UnicodeDecodeError):
+        return False
 
 
 def _public_blob(path: str) -> bytes | None:
@@ -266,10 +319,14 @@ def agent_key_for(files: list[str]):
     """The ssh-agent's key for one of `files` (matched, as ssh matches it, by the file's public key), or None: no
     agent, or none of its keys is one of theirs."""
     wanted = {blob for blob in map(_public_blob, files) if blob}
-    if not wanted or not os.environ.get("SSH_AUTH_SOCK"):
-        return None
+    return next((k for k in _agent_keys() if k.asbytes() in wanted), None) if wanted else None
+
+
+def _agent_keys() -> list:
+    """The keys the ssh-agent holds ([] with none): its connection stays open while one of them is used."""
+    if not os.environ.get("SSH_AUTH_SOCK"):
+        return []
     try:
-        held = paramiko.Agent().get_keys()  # the agent's connection stays open while its key is used
+        return list(paramiko.Agent().get_keys())
     except (paramiko.SSHException, OSError):
-        return None
-    return next((k for k in held if k.asbytes() in wanted), None)
+        return []

@@ -401,6 +401,47 @@ def test_keys_pinned_in_a_global_known_hosts_file_count_on_both_paths(fleet, tmp
     assert "marked @revoked" in res.stderr, res.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_user_certificate_logs_in_on_both_paths(fleet, tmp_path):
+    """The fleet trusts a user CA (`cert-authority` in authorized_keys) and the user's key is authorized nowhere:
+    only its certificate, named by the ssh config's CertificateFile, logs in. Before, paramiko's path used no
+    CertificateFile and offered the bare key, which every host refused, where ssh logs in."""
+    import subprocess
+
+    from helpers import ssh_keygen
+
+    ca, key = ssh_keygen(tmp_path / "user_ca"), ssh_keygen(tmp_path / "id_fleet")
+    subprocess.run(["ssh-keygen", "-q", "-s", str(ca), "-I", "fleet-user", "-n", "ubuntu", f"{key}.pub"], check=True,
+                   capture_output=True, stdin=subprocess.DEVNULL)
+    cert = tmp_path / "certs" / "fleet-user.cert"
+    cert.parent.mkdir()
+    Path(f"{key}-cert.pub").rename(cert)  # away from the key: only CertificateFile names it
+    trust = f'cert-authority,principals="ubuntu" {Path(f"{ca}.pub").read_text().strip()}'
+    hosts = [fleet.bastion.container, fleet.nodes[0].container, fleet.nodes[1].container]
+    known = tmp_path / "known_hosts"
+    config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+    known.write_text(fleet.known_hosts_path.read_text())
+    config.write_text("\n".join(f"    IdentityFile {key}\n    CertificateFile {cert}"
+                                if line.strip().startswith("IdentityFile ") else line
+                                for line in config.read_text().splitlines()) + "\n")
+    spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-cert", job={"entrypoint": ["true"]})
+    data = yaml.safe_load(spec.read_text())
+    try:
+        for container in hosts:
+            node_exec(container, f"printf '%s\\n' '{trust}' >> /home/ubuntu/.ssh/authorized_keys")
+        for policy in ("strict", "accept-new"):
+            data["ssh"].update(config=str(config), host_key_policy=policy, persist=0)
+            spec.write_text(yaml.safe_dump(data))
+            res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+            assert res.returncode == 0, policy + res.stdout + res.stderr
+            assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+    finally:
+        for container in hosts:
+            node_exec(container, "sed -i '/^cert-authority,/d' /home/ubuntu/.ssh/authorized_keys")
+    res = clusterctl("exec", spec, "--", "true", timeout=60)  # the CA no longer trusted: the certificate alone fails
+    assert res.returncode != 0, res.stdout + res.stderr
+
+
 @pytest.mark.timeout(240)
 def test_fab_workflow_through_ssh_config_aliases(fleet, tmp_path):
     """`fab -S CONFIG -H node0,node1 start | tail-log | status | kill` with the seed's positional script;

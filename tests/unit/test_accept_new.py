@@ -4,6 +4,7 @@ in front of many hosts), and a different key recorded meanwhile is refused, not 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import paramiko
 import pytest
@@ -175,3 +176,52 @@ def test_known_hosts_are_read_as_ssh_reads_them_global_files_markers_and_all(tmp
     spec_known.write_text("")
     client = _connection(r, SshOptions(known_hosts=str(spec_known)), None).client  # the spec's file alone
     assert not list(client.get_host_keys())
+
+
+def _sign(ca: Path, key: Path, out: Path, kind: str = "ed25519") -> Path:
+    """A user certificate of `key` (its .pub) for principal ubuntu, signed by the CA key `ca`, moved to `out`."""
+    import subprocess
+
+    subprocess.run(["ssh-keygen", "-q", "-s", str(ca), "-I", "test", "-n", "ubuntu", str(key) + ".pub"], check=True,
+                   capture_output=True, stdin=subprocess.DEVNULL)
+    Path(str(key) + "-cert.pub").rename(out)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ed25519", "ecdsa", "rsa"])
+def test_a_certificate_file_is_paired_with_the_key_it_certifies(tmp_path, kind):
+    """CertificateFile (anywhere, as the config names it) with the key file it certifies, offered first: paramiko's
+    path used no CertificateFile, where ssh logs in with the certificate alone (a CA-trusting fleet)."""
+    import subprocess
+
+    from clusterctl.sshconfig import Resolved
+    from clusterctl.sshkeys import _certifies, certified_key
+
+    ca, key, other = tmp_path / "ca", tmp_path / "id_user", tmp_path / "id_other"
+    ssh_keygen(ca)
+    for k in (key, other):
+        subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(k)], check=True, capture_output=True)
+    cert = _sign(ca, key, tmp_path / "certs-user.cert")
+    r = Resolved("10.9.0.5", "ubuntu", 22, identity_files=(str(other), str(key)), certificate_files=(str(cert),))
+    got = certified_key(r, "node0", [str(other), str(key)])
+    assert got is not None and got.public_blob.key_type.endswith("-cert-v01@openssh.com")
+    assert got.asbytes() == paramiko.PKey.from_path(str(key)).asbytes()  # the certified key, not the other one
+    assert not _certifies(got.public_blob.key_blob, paramiko.PKey.from_path(str(other)).asbytes())
+    assert certified_key(r, "node0", [str(other)]) is None  # its key is not there: left out, as ssh leaves it
+    beside = _sign(ca, other, Path(str(other) + "-cert.pub"))  # ssh's own pairing: FILE-cert.pub
+    got = certified_key(Resolved("10.9.0.5", "ubuntu", 22), "node0", [str(other)])
+    assert got is not None and got.public_blob.key_blob == paramiko.pkey.PublicBlob.from_file(str(beside)).key_blob
+
+
+def test_a_certificate_of_a_key_under_a_passphrase_goes_with_the_agents_key(tmp_path, agent):
+    from clusterctl.sshconfig import Resolved
+    from clusterctl.sshkeys import certified_key
+
+    ca, key = tmp_path / "ca", ssh_keygen(tmp_path / "id_locked", passphrase="s3cret-phrase")
+    ssh_keygen(ca)
+    cert = _sign(ca, key, tmp_path / "locked.cert")
+    r = Resolved("10.9.0.5", "ubuntu", 22, identity_files=(str(key),), certificate_files=(str(cert),))
+    assert certified_key(r, "node0", [str(key)]) is None  # no agent key yet, and no passphrase is ever asked
+    agent(key, "s3cret-phrase")
+    got = certified_key(r, "node0", [str(key)])
+    assert isinstance(got, paramiko.AgentKey) and got.public_blob.key_type == "ssh-ed25519-cert-v01@openssh.com"
