@@ -115,6 +115,25 @@ def _config_knowing_no_key(fleet, path: Path, known_hosts: Path) -> Path:
     return path
 
 
+def _exec_through(fleet, tmp_path: Path, name: str, config: Path):
+    """run(policy, *command): `clusterctl exec` on node0 and node1 through the ssh config `config` under that
+    host_key_policy (command: `id -un`), each run over new connections (a kept one would skip what is tested)."""
+    spec = fleet_spec(fleet, tmp_path / "a.yaml", name=name, job={"entrypoint": ["true"]})
+    data = yaml.safe_load(spec.read_text())
+
+    def run(policy: str, *command: str) -> subprocess.CompletedProcess:
+        data["ssh"].update(config=str(config), host_key_policy=policy, persist=0)
+        spec.write_text(yaml.safe_dump(data))
+        return clusterctl("exec", spec, "--", *(command or ("id", "-un")), timeout=60)
+
+    return run
+
+
+def _both_logged_in(res: subprocess.CompletedProcess, policy: str) -> None:
+    assert res.returncode == 0, policy + res.stdout + res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], policy + res.stdout + res.stderr
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("hop", ["ProxyJump", "ProxyCommand"])
 def test_accept_new_through_an_ssh_config_uses_its_keys_and_known_hosts(fleet, tmp_path, hop):
@@ -293,20 +312,11 @@ def test_a_host_key_alias_is_where_both_paths_look_the_key_up(fleet, tmp_path):
                          + "".join(f"fleet-alias-{i} {key}\n" for i, ip in keys_of.items() for key in by_ip[ip]))
         return known.read_text()
 
-    spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-alias", job={"entrypoint": ["true"]})
-    data = yaml.safe_load(spec.read_text())
-
-    def run(policy: str):
-        data["ssh"].update(config=str(config), host_key_policy=policy, persist=0)  # each run a new connection
-        spec.write_text(yaml.safe_dump(data))
-        return clusterctl("exec", spec, "--", "id", "-un", timeout=60)
-
+    run = _exec_through(fleet, tmp_path, "fleet-alias", config)
     ip0, ip1 = fleet.nodes[0].ip, fleet.nodes[1].ip
     pinned = pin({0: ip0, 1: ip1})
     for policy in ("strict", "accept-new"):
-        res = run(policy)
-        assert res.returncode == 0, res.stdout + res.stderr
-        assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+        _both_logged_in(run(policy), policy)
         assert known.read_text() == pinned  # found under the aliases: nothing recorded
     pinned = pin({0: ip1, 1: ip1})  # node1's key under node0's alias: both paths refuse node0
     for policy in ("strict", "accept-new"):
@@ -341,19 +351,12 @@ def test_identity_file_tokens_name_each_hosts_key_on_both_paths(fleet, tmp_path,
     assert any(line.strip().startswith("IdentityFile ") for line in lines)
     config.write_text("\n".join("    IdentityFile ${CLUSTERCTL_FLEET_KEYS}/%n-%r-%p.key"
                                 if line.strip().startswith("IdentityFile ") else line for line in lines) + "\n")
-    spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-idtokens", job={"entrypoint": ["true"]})
-    data = yaml.safe_load(spec.read_text())
+    run = _exec_through(fleet, tmp_path, "fleet-idtokens", config)
     for policy in ("strict", "accept-new"):
-        data["ssh"].update(config=str(config), host_key_policy=policy, persist=0)
-        spec.write_text(yaml.safe_dump(data))
-        res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
-        assert res.returncode == 0, policy + res.stdout + res.stderr
-        assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+        _both_logged_in(run(policy), policy)
     (keys / "node1-ubuntu-22.key").unlink()  # and the file really is the one of that host: both fail without it
     for policy in ("strict", "accept-new"):
-        data["ssh"].update(host_key_policy=policy)
-        spec.write_text(yaml.safe_dump(data))
-        res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
+        res = run(policy)
         assert res.returncode != 0 and "[node0] ubuntu" in res.stdout and "[node1]" not in res.stdout, res.stdout
 
 
@@ -371,19 +374,10 @@ def test_keys_pinned_in_a_global_known_hosts_file_count_on_both_paths(fleet, tmp
     key_of = {line.split()[0]: line.split(None, 1)[1] for line in pins}
     ip0, ip1 = fleet.nodes[0].ip, fleet.nodes[1].ip
     ca = f"@cert-authority *.fleet.invalid {key_of[fleet.bastion.ip]}\n"
-    spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-global-kh", job={"entrypoint": ["true"]})
-    data = yaml.safe_load(spec.read_text())
-
-    def run(policy: str):
-        data["ssh"].update(config=str(config), host_key_policy=policy, persist=0)  # each run a new connection
-        spec.write_text(yaml.safe_dump(data))
-        return clusterctl("exec", spec, "--", "id", "-un", timeout=60)
-
+    run = _exec_through(fleet, tmp_path, "fleet-global-kh", config)
     system.write_text(ca + "".join(f"{line}\n" for line in pins))
     for policy in ("strict", "accept-new"):
-        res = run(policy)
-        assert res.returncode == 0, policy + res.stdout + res.stderr
-        assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+        _both_logged_in(run(policy), policy)
         assert known.read_text() == ""  # found in the system's file: nothing recorded
     system.write_text(ca + "".join(f"{line}\n" for line in pins if not line.startswith(f"{ip0} "))
                       + f"{ip0} {key_of[ip1]}\n")  # node1's key pinned for node0: both paths refuse node0
@@ -424,22 +418,17 @@ def test_a_user_certificate_logs_in_on_both_paths(fleet, tmp_path):
     config.write_text("\n".join(f"    IdentityFile {key}\n    CertificateFile {cert}"
                                 if line.strip().startswith("IdentityFile ") else line
                                 for line in config.read_text().splitlines()) + "\n")
-    spec = fleet_spec(fleet, tmp_path / "a.yaml", name="fleet-cert", job={"entrypoint": ["true"]})
-    data = yaml.safe_load(spec.read_text())
+    run = _exec_through(fleet, tmp_path, "fleet-cert", config)
     try:
         for container in hosts:
             node_exec(container, f"printf '%s\\n' '{trust}' >> /home/ubuntu/.ssh/authorized_keys")
         for policy in ("strict", "accept-new"):
-            data["ssh"].update(config=str(config), host_key_policy=policy, persist=0)
-            spec.write_text(yaml.safe_dump(data))
-            res = clusterctl("exec", spec, "--", "id", "-un", timeout=60)
-            assert res.returncode == 0, policy + res.stdout + res.stderr
-            assert sorted(res.stdout.splitlines()) == ["[node0] ubuntu", "[node1] ubuntu"], res.stdout + res.stderr
+            _both_logged_in(run(policy), policy)
     finally:
         for container in hosts:
             node_exec(container, "sed -i '/^cert-authority,/d' /home/ubuntu/.ssh/authorized_keys")
-    res = clusterctl("exec", spec, "--", "true", timeout=60)  # the CA no longer trusted: the certificate alone fails
-    assert res.returncode != 0, res.stdout + res.stderr
+    for policy in ("strict", "accept-new"):  # the CA no longer trusted: the certificate alone fails
+        assert run(policy, "true").returncode != 0
 
 
 @pytest.mark.timeout(240)
