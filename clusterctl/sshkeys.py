@@ -1,6 +1,7 @@
 """What paramiko's connections (clusterctl.sshconn) know of keys, as ssh knows it: the host keys they accept (the
 known_hosts files, user's and system-wide, read as ssh reads them; HostKeyAlias; `@revoked`; the strict and
-accept-new policies) and the user's keys they offer (IdentityFile as ssh opens it; the agent's key of a file).
+accept-new policies) and the user's keys they offer (IdentityFile as ssh opens it; a user certificate with the key
+it certifies; the agent's key of a file). Imported with clusterctl.sshconn, on first use only (paramiko).
 """
 
 from __future__ import annotations
