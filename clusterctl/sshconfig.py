@@ -35,7 +35,7 @@ SYSTEM_CONFIG = "/etc/ssh/ssh_config"
 USER_CONFIG = "~/.ssh/config"
 GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")  # ssh's own, with no config
 _TIMEOUT = 10.0  # `ssh -G` reads files and, for `Match exec`, runs the user's commands: bounded
-_CACHE_VERSION = 6
+_CACHE_VERSION = 7
 _MODELS: dict = {}  # config -> (its files' stats, the ConfigModel last read for it in this process)
 
 
@@ -62,6 +62,7 @@ class Resolved:
     identity_files: tuple[str, ...] = ()  # IdentityFile entries (for the paramiko paths)
     certificate_files: tuple[str, ...] = ()  # CertificateFile entries (for the paramiko paths)
     identities_only: bool = False  # IdentitiesOnly yes: those files' keys only, the agent's only where they match
+    identity_agent: str | None = None  # IdentityAgent: the agent's socket (`none`, `SSH_AUTH_SOCK`, `$VAR`, a path)
     host_key_alias: str | None = None  # HostKeyAlias: the name its host key is looked up and recorded under
     hop_jump: tuple[str, ...] = ()  # the bastions before the first one, by its own ProxyJump (set by the planner)
     hop_command: str | None = None  # the outermost bastion's own ProxyCommand (set by the planner, not by `ssh -G`)
@@ -117,6 +118,7 @@ def parse_ssh_g(text: str, target: Target) -> Resolved:
         identity_files=tuple(multi.get("identityfile", [])),
         certificate_files=tuple(multi.get("certificatefile", [])),
         identities_only=single.get("identitiesonly", "no").lower() == "yes",
+        identity_agent=single.get("identityagent") or None,
         host_key_alias=single.get("hostkeyalias") or None,
     )
 
@@ -280,6 +282,7 @@ def _resolve_paramiko(targets: Sequence[Target], config: str | None, files: list
                 identity_files=tuple(found.get("identityfile", ())),
                 certificate_files=tuple(found.get("certificatefile", "").split()),
                 identities_only=str(found.get("identitiesonly", "no")).lower() == "yes",
+                identity_agent=found.get("identityagent") or None,
                 host_key_alias=found.get("hostkeyalias") or None,
             )
         )
@@ -355,10 +358,10 @@ def _entry(entry) -> Resolved | None:
     """A Resolved from a cache entry whose every field has the type and form we store; else None."""
     if not isinstance(entry, dict) or set(entry) != {f for f in Resolved.__dataclass_fields__}:
         return None
-    port, command, alias = entry["port"], entry["proxy_command"], entry["host_key_alias"]
+    port, command, alias, agent = entry["port"], entry["proxy_command"], entry["host_key_alias"], entry["identity_agent"]
     if not (isinstance(entry["hostname"], str) and entry["hostname"] and isinstance(entry["user"], str)
             and type(port) is int and 1 <= port <= 65535 and (command is None or isinstance(command, str))
-            and (alias is None or (isinstance(alias, str) and alias))):
+            and all(v is None or (isinstance(v, str) and v) for v in (alias, agent))):
         return None
     if not all(isinstance(entry[k], list) and all(isinstance(x, str) for x in entry[k]) for k in _STRS):
         return None
@@ -366,4 +369,4 @@ def _entry(entry) -> Resolved | None:
         return None
     return Resolved(entry["hostname"], entry["user"], port, tuple(entry["proxy_jump"]), command,
                     tuple(entry["known_hosts"]), tuple(entry["global_known_hosts"]), tuple(entry["identity_files"]),
-                    tuple(entry["certificate_files"]), entry["identities_only"], alias)
+                    tuple(entry["certificate_files"]), entry["identities_only"], agent, alias)

@@ -19,7 +19,8 @@ import paramiko
 from fabric import Config, Connection
 
 from .errors import CannotConnect, ClusterctlError
-from .sshkeys import HostKeyError, agent_key_for, certified_key, host_key_client, key_files
+from .sshkeys import (HostKeyError, SocketAgent, agent_key_for, agent_socket, certified_key, host_key_client,
+                      key_files)
 from .transport.base import (LineSplitter, Result, Running, SshOptions, Stdin, Transport, fingerprint,
                              timed_out_result, unreachable_result)
 from .transport.gate import HandshakeGate, gate_key
@@ -50,8 +51,9 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None, name:
     # default key files are not looked for.
     only = bool(opts.identity_file) or r.identities_only
     # As ssh, a user certificate first, with the key it certifies; else the agent's key of one of those files (a
-    # file may be there as its .pub only, its key in the agent)
-    first = certified_key(r, name or r.hostname, named) or agent_key_for(named)
+    # file may be there as its .pub only, its key in the agent). The agent is the config's IdentityAgent, if any.
+    sock = agent_socket(r)
+    first = certified_key(r, name or r.hostname, named, sock) or agent_key_for(named, sock)
     conn = Connection(
         r.hostname,
         user=r.user,
@@ -64,13 +66,15 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None, name:
             **({"key_filename": keys} if keys else {}),  # never None: Fabric's Connection cannot take it
             **({"pkey": first} if first is not None else {}),
             "look_for_keys": not only,
-            "allow_agent": not only,
+            "allow_agent": not only and sock is not None,
             "banner_timeout": timeout,
             "auth_timeout": timeout,
             "channel_timeout": timeout,
         },
     )
     conn.client = host_key_client(opts, r)  # ours: Fabric's default would AutoAdd unknown keys (bastions included)
+    if sock is not None and sock != os.environ.get("SSH_AUTH_SOCK"):
+        conn.client._agent = SocketAgent(sock)  # the agent paramiko's own loop asks (it would open SSH_AUTH_SOCK's)
     return conn
 
 

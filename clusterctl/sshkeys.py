@@ -21,8 +21,8 @@ from .transport.base import SshOptions, fingerprint
 if TYPE_CHECKING:
     from .sshconfig import Resolved
 
-__all__ = ["HostKeyError", "host_key_client", "key_files", "certified_key", "agent_key_for", "AcceptNewPolicy",
-           "StrictPolicy"]
+__all__ = ["HostKeyError", "host_key_client", "key_files", "certified_key", "agent_key_for", "agent_socket",
+           "SocketAgent", "AcceptNewPolicy", "StrictPolicy"]
 
 log = logging.getLogger("clusterctl.remote")
 
@@ -235,11 +235,11 @@ def _config_files(values: tuple[str, ...], keyword: str, r: Resolved, name: str)
     return out
 
 
-def certified_key(r: Resolved, name: str, files: list[str]):
+def certified_key(r: Resolved, name: str, files: list[str], sock: str | None):
     """A user certificate with the private key it certifies, as ssh pairs them, or None. The certificates: the ssh
     config's CertificateFiles (expanded as IdentityFile is), then each key file's `FILE-cert.pub`. The key: one of
-    `files` (the key files, not under a passphrase: none is ever asked), else the agent's. paramiko offers it first,
-    as ssh offers certificates first."""
+    `files` (the key files, not under a passphrase: none is ever asked), else the agent's at `sock`. paramiko offers
+    it first, as ssh offers certificates first."""
     certs = [*_config_files(r.certificate_files, "CertificateFile", r, name), *(f + "-cert.pub" for f in files)]
     held = None
     for cert in certs:
@@ -260,7 +260,7 @@ def certified_key(r: Resolved, name: str, files: list[str]):
             key.load_certificate(cert)
             return key
         if held is None:
-            held = _agent_keys()
+            held = _agent_keys(sock)
         for key in held:
             if _certifies(blob.key_blob, key.asbytes()):
                 key.load_certificate(cert)
@@ -316,18 +316,50 @@ def _public_blob(path: str) -> bytes | None:
         return None
 
 
-def agent_key_for(files: list[str]):
-    """The ssh-agent's key for one of `files` (matched, as ssh matches it, by the file's public key), or None: no
-    agent, or none of its keys is one of theirs."""
+def agent_key_for(files: list[str], sock: str | None):
+    """The key of the ssh-agent at `sock` (agent_socket) for one of `files` (matched, as ssh matches it, by the file's
+    public key), or None: no agent, or none of its keys is one of theirs."""
     wanted = {blob for blob in map(_public_blob, files) if blob}
-    return next((k for k in _agent_keys() if k.asbytes() in wanted), None) if wanted else None
+    return next((k for k in _agent_keys(sock) if k.asbytes() in wanted), None) if wanted else None
 
 
-def _agent_keys() -> list:
-    """The keys the ssh-agent holds ([] with none): its connection stays open while one of them is used."""
-    if not os.environ.get("SSH_AUTH_SOCK"):
+def agent_socket(r: Resolved) -> str | None:
+    """The ssh-agent socket ssh uses for `r`: the config's IdentityAgent (`none`: no agent; `SSH_AUTH_SOCK` or
+    `$VAR`: that environment variable's), else SSH_AUTH_SOCK's; None for no agent."""
+    value = r.identity_agent
+    if value is None or value == "SSH_AUTH_SOCK":
+        return os.environ.get("SSH_AUTH_SOCK") or None
+    if value.lower() == "none":
+        return None
+    if value.startswith("$"):
+        return os.environ.get(value[1:]) or None
+    return os.path.expanduser(value)  # `ssh -G` gives it with its tokens and ~ expanded
+
+
+class SocketAgent(paramiko.Agent):
+    """The ssh-agent at `path` (IdentityAgent), where paramiko.Agent() only knows SSH_AUTH_SOCK's; no keys when it
+    cannot be reached, as Agent()."""
+
+    def __init__(self, path: str):
+        import socket
+
+        paramiko.agent.AgentSSH.__init__(self)
+        conn = socket.socket(socket.AF_UNIX)
+        try:
+            conn.settimeout(5)
+            conn.connect(path)
+            conn.settimeout(None)
+        except OSError:
+            conn.close()
+            return
+        self._connect(conn)
+
+
+def _agent_keys(sock: str | None) -> list:
+    """The keys the ssh-agent at `sock` holds ([] with none): its connection stays open while one of them is used."""
+    if sock is None:
         return []
     try:
-        return list(paramiko.Agent().get_keys())
+        return list(SocketAgent(sock).get_keys())
     except (paramiko.SSHException, OSError):
         return []

@@ -431,6 +431,41 @@ def test_a_user_certificate_logs_in_on_both_paths(fleet, tmp_path):
         assert run(policy, "true").returncode != 0
 
 
+@pytest.mark.timeout(90)
+def test_a_key_held_by_the_configs_identity_agent_logs_in_on_both_paths(fleet, tmp_path, monkeypatch):
+    """The key is only in an agent whose socket the ssh config names (IdentityAgent; a password manager's, say), its
+    file there as `.pub` only, and SSH_AUTH_SOCK unset. ssh asks that agent; paramiko's path only ever asked
+    SSH_AUTH_SOCK's, so it had no key to offer."""
+    from helpers import SshAgent
+
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    home = tmp_path / "agent"
+    home.mkdir(mode=0o700)
+    agent = SshAgent(home)
+    try:
+        key = tmp_path / "keys" / "id_fleet"
+        key.parent.mkdir(mode=0o700)
+        key.write_bytes(fleet.key_path.read_bytes())
+        key.chmod(0o600)
+        agent.add(key)
+        Path(f"{key}.pub").write_text(Path(f"{fleet.key_path}.pub").read_text())
+        key.unlink()  # the private key in the agent alone
+        known = tmp_path / "known_hosts"
+        config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+        known.write_text(fleet.known_hosts_path.read_text())
+        config.write_text("\n".join(f"    IdentityFile {key}\n    IdentityAgent {agent.sock}"
+                                    if line.strip().startswith("IdentityFile ") else line
+                                    for line in config.read_text().splitlines()) + "\n")
+        run = _exec_through(fleet, tmp_path, "fleet-identity-agent", config)
+        for policy in ("strict", "accept-new"):
+            _both_logged_in(run(policy), policy)
+        config.write_text(config.read_text().replace(f"IdentityAgent {agent.sock}", "IdentityAgent none"))
+        for policy in ("strict", "accept-new"):  # no agent: the .pub alone logs in nowhere
+            assert run(policy, "true").returncode != 0
+    finally:
+        agent.stop()
+
+
 @pytest.mark.timeout(240)
 def test_fab_workflow_through_ssh_config_aliases(fleet, tmp_path):
     """`fab -S CONFIG -H node0,node1 start | tail-log | status | kill` with the seed's positional script;

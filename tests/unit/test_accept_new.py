@@ -203,25 +203,41 @@ def test_a_certificate_file_is_paired_with_the_key_it_certifies(tmp_path, kind):
         subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(k)], check=True, capture_output=True)
     cert = _sign(ca, key, tmp_path / "certs-user.cert")
     r = Resolved("10.9.0.5", "ubuntu", 22, identity_files=(str(other), str(key)), certificate_files=(str(cert),))
-    got = certified_key(r, "node0", [str(other), str(key)])
+    got = certified_key(r, "node0", [str(other), str(key)], None)
     assert got is not None and got.public_blob.key_type.endswith("-cert-v01@openssh.com")
     assert got.asbytes() == paramiko.PKey.from_path(str(key)).asbytes()  # the certified key, not the other one
     assert not _certifies(got.public_blob.key_blob, paramiko.PKey.from_path(str(other)).asbytes())
-    assert certified_key(r, "node0", [str(other)]) is None  # its key is not there: left out, as ssh leaves it
+    assert certified_key(r, "node0", [str(other)], None) is None  # its key is not there: left out, as ssh leaves it
     beside = _sign(ca, other, Path(str(other) + "-cert.pub"))  # ssh's own pairing: FILE-cert.pub
-    got = certified_key(Resolved("10.9.0.5", "ubuntu", 22), "node0", [str(other)])
+    got = certified_key(Resolved("10.9.0.5", "ubuntu", 22), "node0", [str(other)], None)
     assert got is not None and got.public_blob.key_blob == paramiko.pkey.PublicBlob.from_file(str(beside)).key_blob
 
 
 def test_a_certificate_of_a_key_under_a_passphrase_goes_with_the_agents_key(tmp_path, agent):
     from clusterctl.sshconfig import Resolved
-    from clusterctl.sshkeys import certified_key
+    from clusterctl.sshkeys import agent_socket, certified_key
 
     ca, key = tmp_path / "ca", ssh_keygen(tmp_path / "id_locked", passphrase="s3cret-phrase")
     ssh_keygen(ca)
     cert = _sign(ca, key, tmp_path / "locked.cert")
     r = Resolved("10.9.0.5", "ubuntu", 22, identity_files=(str(key),), certificate_files=(str(cert),))
-    assert certified_key(r, "node0", [str(key)]) is None  # no agent key yet, and no passphrase is ever asked
+    assert certified_key(r, "node0", [str(key)], agent_socket(r)) is None  # no agent key yet; no passphrase asked
     agent(key, "s3cret-phrase")
-    got = certified_key(r, "node0", [str(key)])
+    got = certified_key(r, "node0", [str(key)], agent_socket(r))
     assert isinstance(got, paramiko.AgentKey) and got.public_blob.key_type == "ssh-ed25519-cert-v01@openssh.com"
+
+
+def test_the_agent_is_the_configs_identity_agent(tmp_path, monkeypatch):
+    """IdentityAgent as ssh reads it (`ssh -G` gives a path with its tokens expanded): paramiko's path only ever
+    asked SSH_AUTH_SOCK's agent (the fleet test: a key held only by the config's agent)."""
+    from clusterctl.sshconfig import Resolved
+    from clusterctl.sshkeys import agent_socket
+
+    monkeypatch.setenv("SSH_AUTH_SOCK", "/run/env-agent.sock")
+    monkeypatch.setenv("OTHER_AGENT", "/run/other.sock")
+    at = lambda v: agent_socket(Resolved("10.9.0.5", "ubuntu", 22, identity_agent=v))  # noqa: E731
+    assert (at(None), at("SSH_AUTH_SOCK"), at("none"), at("NONE")) == ("/run/env-agent.sock",) * 2 + (None, None)
+    assert (at("$OTHER_AGENT"), at("$UNSET_AGENT_VAR"), at("/run/user/1000/1p.sock")) == (
+        "/run/other.sock", None, "/run/user/1000/1p.sock")
+    monkeypatch.delenv("SSH_AUTH_SOCK")
+    assert at(None) is None
