@@ -243,7 +243,10 @@ def test_a_failing_trainer_fails_the_job_fast_and_every_pod_ends(kube, image, tm
         "env": {"STEPS": "600", "STEP_S": "0.1", "FAIL_TRAINER": "1", "FAIL_AFTER": "3", "FAIL_CODE": "3"}})
     res = h.clusterctl(kube, "start", spec)
     assert res.returncode == 0, res.stdout + res.stderr
-    final = _wait(kube, spec, lambda s: s["state"] not in ("running", "stopping"), 60, "the job's end")
+    # the end is every process's end: while the pserver's pod winds down, its supervisor may answer no exec for a
+    # poll (unreachable, its row still `running`), and a failed pod beside an unreachable one already reads failed
+    final = _wait(kube, spec, lambda s: s["state"] not in ("running", "stopping")
+                  and not any(p["state"] == "running" for p in s["processes"]), 60, "the job's end")
     assert final["state"] == "failed", final
     t1 = next(p for p in final["processes"] if (p["role"], p["id"]) == ("trainer", 1))
     assert final["reason"] == f"{_pods(kube, 'k8s-fail')['trainer', 0]['metadata']['name']}: trainer.1 on " \
