@@ -115,6 +115,18 @@ def _config_knowing_no_key(fleet, path: Path, known_hosts: Path) -> Path:
     return path
 
 
+def _config_with_keys(fleet, tmp_path: Path, identity: str) -> Path:
+    """The fleet's ssh config with its pins (in a known_hosts of the test's own) and each `IdentityFile` line
+    replaced by `identity` (lines of the host block, indented)."""
+    known = tmp_path / "known_hosts"
+    config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+    known.write_text(fleet.known_hosts_path.read_text())
+    lines = config.read_text().splitlines()
+    assert any(line.strip().startswith("IdentityFile ") for line in lines)
+    config.write_text("\n".join(identity if line.strip().startswith("IdentityFile ") else line for line in lines) + "\n")
+    return config
+
+
 def _exec_through(fleet, tmp_path: Path, name: str, config: Path):
     """run(policy, *command): `clusterctl exec` on node0 and node1 through the ssh config `config` under that
     host_key_policy (command: `id -un`), each run over new connections (a kept one would skip what is tested)."""
@@ -344,13 +356,7 @@ def test_identity_file_tokens_name_each_hosts_key_on_both_paths(fleet, tmp_path,
         (keys / f"{name}-ubuntu-22.key").write_bytes(fleet.key_path.read_bytes())
         (keys / f"{name}-ubuntu-22.key").chmod(0o600)
     monkeypatch.setenv("CLUSTERCTL_FLEET_KEYS", str(keys))
-    known = tmp_path / "known_hosts"
-    config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
-    known.write_text(fleet.known_hosts_path.read_text())
-    lines = config.read_text().splitlines()
-    assert any(line.strip().startswith("IdentityFile ") for line in lines)
-    config.write_text("\n".join("    IdentityFile ${CLUSTERCTL_FLEET_KEYS}/%n-%r-%p.key"
-                                if line.strip().startswith("IdentityFile ") else line for line in lines) + "\n")
+    config = _config_with_keys(fleet, tmp_path, "    IdentityFile ${CLUSTERCTL_FLEET_KEYS}/%n-%r-%p.key")
     run = _exec_through(fleet, tmp_path, "fleet-idtokens", config)
     for policy in ("strict", "accept-new"):
         _both_logged_in(run(policy), policy)
@@ -412,12 +418,7 @@ def test_a_user_certificate_logs_in_on_both_paths(fleet, tmp_path):
     Path(f"{key}-cert.pub").rename(cert)  # away from the key: only CertificateFile names it
     trust = f'cert-authority,principals="ubuntu" {Path(f"{ca}.pub").read_text().strip()}'
     hosts = [fleet.bastion.container, fleet.nodes[0].container, fleet.nodes[1].container]
-    known = tmp_path / "known_hosts"
-    config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
-    known.write_text(fleet.known_hosts_path.read_text())
-    config.write_text("\n".join(f"    IdentityFile {key}\n    CertificateFile {cert}"
-                                if line.strip().startswith("IdentityFile ") else line
-                                for line in config.read_text().splitlines()) + "\n")
+    config = _config_with_keys(fleet, tmp_path, f"    IdentityFile {key}\n    CertificateFile {cert}")
     run = _exec_through(fleet, tmp_path, "fleet-cert", config)
     try:
         for container in hosts:
@@ -450,12 +451,7 @@ def test_a_key_held_by_the_configs_identity_agent_logs_in_on_both_paths(fleet, t
         agent.add(key)
         Path(f"{key}.pub").write_text(Path(f"{fleet.key_path}.pub").read_text())
         key.unlink()  # the private key in the agent alone
-        known = tmp_path / "known_hosts"
-        config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
-        known.write_text(fleet.known_hosts_path.read_text())
-        config.write_text("\n".join(f"    IdentityFile {key}\n    IdentityAgent {agent.sock}"
-                                    if line.strip().startswith("IdentityFile ") else line
-                                    for line in config.read_text().splitlines()) + "\n")
+        config = _config_with_keys(fleet, tmp_path, f"    IdentityFile {key}\n    IdentityAgent {agent.sock}")
         run = _exec_through(fleet, tmp_path, "fleet-identity-agent", config)
         for policy in ("strict", "accept-new"):
             _both_logged_in(run(policy), policy)
