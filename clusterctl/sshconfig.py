@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from .errors import ClusterctlError
 
-__all__ = ["Target", "Resolved", "resolve", "resolve_each", "stamp_paths", "config_path", "ssh_g_argv", "parse_ssh_g",
+__all__ = ["Target", "Resolved", "JumphostLoop", "resolve", "resolve_each", "stamp_paths", "config_path", "ssh_g_argv", "parse_ssh_g",
            "SYSTEM_CONFIG", "USER_CONFIG"]
 
 SYSTEM_CONFIG = "/etc/ssh/ssh_config"
@@ -37,6 +37,15 @@ GLOBAL_KNOWN_HOSTS = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")  
 _TIMEOUT = 10.0  # `ssh -G` reads files and, for `Match exec`, runs the user's commands: bounded
 _CACHE_VERSION = 7
 _MODELS: dict = {}  # config -> (its files' stats, the ConfigModel last read for it in this process)
+
+
+class JumphostLoop(ClusterctlError):
+    """`ssh -G` refused a host as its own jump host ("jumphost loop via NAME": a `Host *` ProxyJump that meets the
+    bastion too); `address` is the name asked."""
+
+    def __init__(self, message: str, address: str):
+        super().__init__(message)
+        self.address = address
 
 
 @dataclass(frozen=True)
@@ -253,7 +262,10 @@ def _ssh_g(config: str | None, target: Target) -> Resolved:
     except subprocess.TimeoutExpired:
         raise ClusterctlError(f"resolving {target.address} with `ssh -G` took over {_TIMEOUT:g}s (a Match exec in the ssh config?)") from None
     if proc.returncode != 0:
-        raise ClusterctlError(ssh_g_refusal(proc.stderr, config, target))
+        why = ssh_g_refusal(proc.stderr, config, target)
+        if "jumphost loop" in proc.stderr:
+            raise JumphostLoop(why, target.address)
+        raise ClusterctlError(why)
     return parse_ssh_g(proc.stdout, target)
 
 

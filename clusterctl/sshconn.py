@@ -43,8 +43,8 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None, name:
     """A Fabric connection to `r` (what the ssh config resolves a host or a bastion, named `name`, to), with the
     spec's key and known_hosts, else the ssh config's IdentityFile (its tokens expanded as ssh expands them) and
     UserKnownHostsFile for it (ssh's own default key files that are not there are left out, as ssh skips them)."""
-    timeout = opts.connect_timeout
-    named = [os.path.expanduser(opts.identity_file)] if opts.identity_file else key_files(r, name or r.hostname)
+    timeout, name = opts.connect_timeout, name or r.hostname
+    named = [os.path.expanduser(opts.identity_file)] if opts.identity_file else key_files(r, name)
     keys = named if opts.identity_file else [k for k in named if os.path.isfile(k)]
     # The spec's key goes with IdentitiesOnly=yes, as on the OpenSSH path; the config may say it too. Then the agent
     # offers only the keys of those files, not every key it holds (sshd's MaxAuthTries counts each one), and ssh's
@@ -53,7 +53,7 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None, name:
     # As ssh, a user certificate first, with the key it certifies; else the agent's key of one of those files (a
     # file may be there as its .pub only, its key in the agent). The agent is the config's IdentityAgent, if any.
     sock = agent_socket(r)
-    first = certified_key(r, name or r.hostname, named, sock) or agent_key_for(named, sock)
+    first = certified_key(r, name, named, sock) or agent_key_for(named, sock)
     conn = Connection(
         r.hostname,
         user=r.user,

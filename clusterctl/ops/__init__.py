@@ -118,26 +118,23 @@ def bastion_routes(firsts: list[str], config: str | None) -> dict[str, tuple[tup
 
 def _own_entries(hops: list[str], config: str | None) -> dict:
     """Each bastion's own entry in the ssh config (a Resolved), or None for one ssh refuses as its own jump host."""
-    from ..errors import ClusterctlError
-    from ..sshconfig import Target
+    from ..sshconfig import JumphostLoop, Target
     from ..sshconfig import resolve as ssh_resolve
 
-    def ask(some: list[str]) -> list:
-        return ssh_resolve([Target(n, u, p) for u, n, p in (_hop(h, config) for h in some)], config)
-
-    try:
-        return dict(zip(hops, ask(hops), strict=True))
-    except ClusterctlError as exc:
-        if "jumphost loop" not in str(exc):
-            raise
-    out = {}
-    for hop in hops:  # which one: the others are still followed
+    out: dict = {}
+    rest = list(hops)
+    while rest:
         try:
-            (out[hop],) = ask([hop])
-        except ClusterctlError as exc:
-            if "jumphost loop" not in str(exc):
+            found = ssh_resolve([Target(n, u, p) for u, n, p in (_hop(h, config) for h in rest)], config)
+        except JumphostLoop as exc:  # that one is reached directly; the others are still followed
+            looped = [h for h in rest if _hop(h, config)[1] == exc.address]
+            if not looped:
                 raise
-            out[hop] = None
+            out.update(dict.fromkeys(looped))
+            rest = [h for h in rest if h not in out]
+            continue
+        out.update(zip(rest, found, strict=True))
+        break
     return out
 
 
