@@ -126,8 +126,9 @@ def _key_refused(exc: Exception, opts: SshOptions, conn: Connection | None = Non
         name = getattr(exc, "hostname", None) or "?"
         alias = _alias_of(name, conn)
         shown = f"{alias} (HostKeyAlias of {_bare(name)})" if alias else name
+        known = " or ".join(fingerprint(k) for k in getattr(exc.expected_key, "known", [exc.expected_key]))
         return name, (f"host key for {shown} CHANGED: server offers {fingerprint(exc.key)}, "
-                      f"{opts.known_hosts or 'your known_hosts'} has {fingerprint(exc.expected_key)}. "
+                      f"{opts.known_hosts or 'your known_hosts'} has {known}. "
                       "Possible man-in-the-middle; if the host was reinstalled, remove the old key")
     if isinstance(exc, HostKeyError):
         return exc.hostname, str(exc)

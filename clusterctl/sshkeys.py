@@ -1,14 +1,17 @@
 """What paramiko's connections (clusterctl.sshconn) know of keys, as ssh knows it: the host keys they accept (the
-known_hosts files, user's and system-wide, read as ssh reads them; HostKeyAlias; `@revoked`; the strict and
-accept-new policies) and the user's keys they offer (IdentityFile as ssh opens it; a user certificate with the key
+known_hosts files, user's and system-wide, read and matched as ssh reads and matches them; HostKeyAlias; `@revoked`;
+the strict and accept-new policies) and the user's keys they offer (IdentityFile as ssh opens it; a user certificate with the key
 it certifies; the agent's key of a file). Imported with clusterctl.sshconn, on first use only (paramiko).
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
+import hmac
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -76,17 +79,16 @@ class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
                 # another connection (a bastion shared by many hosts, another clusterctl) may have recorded
                 # it since this client loaded the file: record each key once, and never a second one
                 fh.seek(0)
-                recorded = paramiko.HostKeys()
-                recorded._entries = _parse_known(fh.read().splitlines())[0]  # a line it cannot read: not ours to judge
-                seen = (recorded.lookup(hostname) or {}).get(key.get_name())
-                if seen is not None and seen != key:
+                entries = _parse_known(fh.read().splitlines())[0]  # a line it cannot read: not ours to judge
+                seen = [e.key for e in entries if e.key.get_name() == key.get_name() and _for_host(hostname, e)]
+                if seen and key not in seen:
                     raise HostKeyError(f"host key for {hostname} changed while connecting: {self.known_hosts} now "
-                                        f"has {fingerprint(seen)}, the host sent {fingerprint(key)}", named)
-                if seen is None:
+                                        f"has {fingerprint(seen[0])}, the host sent {fingerprint(key)}", named)
+                if not seen:
                     fh.seek(0, os.SEEK_END)
                     fh.write(line)
         client.get_host_keys().add(named, key.get_name(), key)
-        if seen is None:
+        if not seen:
             log.warning("recorded new host key for %s (%s) in %s", hostname, fingerprint(key), self.known_hosts)
 
 
@@ -107,10 +109,10 @@ _UNIONS: dict[tuple, tuple[list, frozenset[bytes]]] = {}  # ((path, (size, mtime
 
 
 def _known_entries(paths: list[str]) -> tuple[list, frozenset[bytes]]:
-    """The host key entries of the known_hosts files `paths` (those that are there), the earlier file's first for a
-    host and key type, and the keys any of them marks `@revoked`, which no entry offers. Each file is parsed once
-    per process while it is unchanged, and so is their union (a fleet's system-wide file can hold thousands of
-    hosts, and every connection of a command reads the same files). The entries are shared: read them only."""
+    """The host key entries of the known_hosts files `paths` (those that are there), in their order, and the keys
+    any of them marks `@revoked`, which no entry offers. Each file is parsed once per process while it is unchanged,
+    and so is their union (a fleet's system-wide file can hold thousands of hosts, and every connection of a command
+    reads the same files). The entries are shared: read them only."""
     stamps = []
     for path in paths:
         try:
@@ -128,7 +130,7 @@ def _known_entries(paths: list[str]) -> tuple[list, frozenset[bytes]]:
 
 
 def _union(stamps: list[tuple[str, tuple]]) -> tuple[list, frozenset[bytes]]:
-    entries, revoked, seen = [], set(), set()
+    entries, revoked = [], set()
     for path, stamp in stamps:
         try:
             if _PARSED.get(path, (None,))[0] != stamp:
@@ -138,11 +140,7 @@ def _union(stamps: list[tuple[str, tuple]]) -> tuple[list, frozenset[bytes]]:
             continue
         found, marked = _PARSED[path][1]
         revoked |= marked
-        for e in found:
-            names = [n for n in e.hostnames if (n, e.key.get_name()) not in seen]
-            seen.update((n, e.key.get_name()) for n in names)
-            if names:
-                entries.append(paramiko.hostkeys.HostKeyEntry(names, e.key))
+        entries.extend(found)
     return [e for e in entries if e.key.asbytes() not in revoked], frozenset(revoked)
 
 
@@ -169,6 +167,70 @@ def _parse_known(lines) -> tuple[list, frozenset[bytes]]:
     return entries, frozenset(revoked)
 
 
+def _for_host(name: str, entry) -> bool:
+    """Whether the known_hosts `entry` is one of `name`'s (`host`, or `[host]:port` off port 22, or a HostKeyAlias),
+    as ssh matches it (match_hostname): a hashed name, or a list of patterns (`*`, `?`), any case, of which a
+    matching negated one (`!pattern`) excludes the host whatever else matches. paramiko compares exact names only:
+    a fleet's `10.1.*` or `node*,!node9` pin was met as no key at all."""
+    lowered, hit = name.lower(), False
+    for h in entry.hostnames:
+        if h.startswith("|1|"):
+            hit = hit or hmac.compare_digest(paramiko.HostKeys.hash_host(name, h), h)
+            continue
+        negated = h.startswith("!")
+        pattern = h[1:].lower() if negated else h.lower()
+        if pattern == lowered or ("*" in pattern or "?" in pattern) and _glob(pattern).fullmatch(lowered):
+            if negated:
+                return False
+            hit = True
+    return hit
+
+
+@functools.lru_cache(maxsize=1024)
+def _glob(pattern: str) -> re.Pattern:
+    """ssh's wildcards, `*` (any run) and `?` (one character); everything else literal, brackets included."""
+    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern), re.S)
+
+
+class _AnyOf:
+    """Several keys of one type known for a host (its user's file and the system's disagree, a key being rotated):
+    ssh accepts the host presenting any of them, where paramiko's client compares the first alone. Compares equal
+    to each of them; reads as the first elsewhere (paramiko's messages)."""
+
+    def __init__(self, keys: list):
+        self.known = keys
+
+    def __eq__(self, other):
+        return any(k == other for k in self.known)
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __getattr__(self, name):
+        return getattr(self.known[0], name)
+
+
+class _KnownKeys(paramiko.HostKeys):
+    """paramiko's HostKeys whose lookup gives, for a key type with several keys, all of them (_AnyOf)."""
+
+    def lookup(self, hostname):
+        by_type: dict[str, list] = {}
+        for e in self._entries:
+            if e.key is not None and self._hostname_matches(hostname, e):
+                by_type.setdefault(e.key.get_name(), []).append(e.key)
+        return _ByType({kind: keys[0] if len(keys) == 1 else _AnyOf(keys) for kind, keys in by_type.items()}) or None
+
+
+class _ByType(dict):
+    """A host's keys by type, as paramiko's connect reads them: `keys()` a list (it takes the first as the type to
+    ask the host for)."""
+
+    def keys(self):  # type: ignore[override]
+        return list(super().keys())
+
+
 def _global_known_hosts(options: SshOptions, resolved: Resolved | None) -> list[str]:
     """The system-wide known_hosts files ssh also checks keys against (GlobalKnownHostsFile; where a fleet's
     configuration management pins its hosts' keys), never written: none beside the spec's known_hosts, which the
@@ -181,19 +243,24 @@ def _global_known_hosts(options: SshOptions, resolved: Resolved | None) -> list[
 def host_key_client(options: SshOptions, resolved: Resolved | None = None) -> paramiko.SSHClient:
     """A client that checks the host key of `resolved` (what a host or a bastion resolves to) as ssh would: against
     every known_hosts file, the user's and then the system's, under the host's name (`[name]:port` off port 22), or
-    only under the ssh config's HostKeyAlias where it has one (ssh then looks up and records the alias alone)."""
+    only under the ssh config's HostKeyAlias where it has one (ssh then looks up and records the alias alone); the
+    names matched as ssh matches them (_for_host), any key listed for the host accepted (_KnownKeys)."""
     client = paramiko.SSHClient()  # our own: Fabric's default would AutoAdd unknown keys
+    client._host_keys = _KnownKeys()
     known = _known_hosts(options, resolved)
     policy = options.host_key_policy
     alias = resolved.host_key_alias if resolved is not None else None
     revoked: frozenset[bytes] = frozenset()
     if policy != "off":
         entries, revoked = _known_entries([*known, *_global_known_hosts(options, resolved)])
-        if alias:  # the alias's keys, under the name paramiko will look up: no other entry counts
-            found, port = paramiko.HostKeys(), resolved.port
-            found._entries = [e for e in entries if any(n == alias or n.startswith("|1|") for n in e.hostnames)]
+        if resolved is not None:  # the host's keys (or its alias's alone), under the name paramiko will look up
+            port = resolved.port
             named = resolved.hostname if port == 22 else f"[{resolved.hostname}]:{port}"  # as paramiko's connect names it
-            entries = [paramiko.hostkeys.HostKeyEntry([named], key) for key in (found.lookup(alias) or {}).values()]
+            keys: dict[bytes, paramiko.PKey] = {}
+            for e in entries:
+                if _for_host(alias or named, e):
+                    keys.setdefault(e.key.asbytes(), e.key)
+            entries = [paramiko.hostkeys.HostKeyEntry([named], key) for key in keys.values()]
         client.get_host_keys()._entries.extend(entries)  # parsed once per file (paramiko's load: quadratic)
     if policy == "strict":
         client.set_missing_host_key_policy(StrictPolicy(known[0], alias, revoked))

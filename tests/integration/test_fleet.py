@@ -401,6 +401,51 @@ def test_keys_pinned_in_a_global_known_hosts_file_count_on_both_paths(fleet, tmp
     assert "marked @revoked" in res.stderr, res.stderr
 
 
+@pytest.mark.timeout(150)
+def test_keys_pinned_by_pattern_count_on_both_paths(fleet, tmp_path):
+    """A fleet pins its hosts' keys by pattern in its system-wide file (`10.1.*,!10.1.0.9`). paramiko compared
+    exact names only: under accept-new such a host's key was met as new, and whatever key the host sent was
+    recorded; and a host listed with two keys of a type (a stale entry in the user's file beside the system's
+    pin) was refused, where ssh accepts any key listed for it. Both paths now agree with ssh."""
+    known, system = tmp_path / "known_hosts", tmp_path / "ssh_known_hosts"
+    config = _config_knowing_no_key(fleet, tmp_path / "ssh_config", known)
+    config.write_text(config.read_text().replace(
+        "    UserKnownHostsFile", f"    GlobalKnownHostsFile {system}\n    UserKnownHostsFile"))
+    pins = fleet.known_hosts_path.read_text().splitlines()
+    keys_of = {ip: [line.split(None, 1)[1] for line in pins if line.split()[0] == ip]
+               for ip in (fleet.bastion.ip, fleet.nodes[0].ip, fleet.nodes[1].ip)}
+    bastion, ip0, ip1 = keys_of
+    assert all(keys_of.values())
+    prefix = ip0.rsplit(".", 1)[0] + ".*"  # the nodes' network: node0, node1 and the bastion's other address
+
+    def pin(node0: str, node1: str, excluded: str = "") -> None:  # node i's pattern line carries node `nodei`'s keys
+        lines = [f"{bastion} {k}" for k in keys_of[bastion]]
+        for me, other, keys in ((ip0, ip1, keys_of[node0]), (ip1, ip0, keys_of[node1])):
+            lines += [f"{prefix},!{other},!{bastion}{excluded} {k}" for k in keys]
+        system.write_text("".join(f"{line}\n" for line in lines))
+
+    run = _exec_through(fleet, tmp_path, "fleet-pattern-kh", config)
+    pin(ip0, ip1)
+    for policy in ("strict", "accept-new"):
+        _both_logged_in(run(policy), policy)
+        assert known.read_text() == ""  # matched by pattern: nothing recorded
+    known.write_text("".join(f"{ip0} {k}\n" for k in keys_of[ip1]))  # a stale key of node0's beside its pin
+    for policy in ("strict", "accept-new"):
+        _both_logged_in(run(policy), policy)
+    known.write_text("")
+    pin(ip1, ip1)  # node1's keys under node0's pattern: both paths refuse node0, nothing recorded
+    for policy in ("strict", "accept-new"):
+        res = run(policy)
+        assert res.returncode != 0 and res.stdout.splitlines() == ["[node1] ubuntu"], policy + res.stdout + res.stderr
+        assert known.read_text() == ""
+    assert "CHANGED" in res.stderr, res.stderr
+    pin(ip0, ip1, excluded=f",!{ip0}")  # node0 negated out of every line: unknown to both paths
+    res = run("strict")
+    assert res.returncode != 0 and res.stdout.splitlines() == ["[node1] ubuntu"], res.stdout + res.stderr
+    _both_logged_in(run("accept-new"), "accept-new")
+    assert [line.split()[0] for line in known.read_text().splitlines()] == [ip0]  # the key it met, once
+
+
 @pytest.mark.timeout(120)
 def test_a_user_certificate_logs_in_on_both_paths(fleet, tmp_path):
     """The fleet trusts a user CA (`cert-authority` in authorized_keys) and the user's key is authorized nowhere:

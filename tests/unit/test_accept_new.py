@@ -3,6 +3,8 @@ in front of many hosts), and a different key recorded meanwhile is refused, not 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -53,15 +55,16 @@ def test_paramiko_connections_take_the_ssh_configs_keys_and_known_hosts(tmp_path
 
     key, first, second = tmp_path / "id_ed25519", tmp_path / "known_hosts", tmp_path / "known_hosts2"
     key.write_text("")
-    host_key = paramiko.ECDSAKey.generate()
+    host_key, rotated = paramiko.ECDSAKey.generate(), paramiko.ECDSAKey.generate()
     first.write_text(f"10.9.0.5 {host_key.get_name()} {host_key.get_base64()}\n")
-    second.write_text(f"10.9.0.6 {host_key.get_name()} {host_key.get_base64()}\n")
+    second.write_text(f"10.9.0.5 {rotated.get_name()} {rotated.get_base64()}\n")
     r = Resolved("10.9.0.5", "ubuntu", 22, known_hosts=(str(first), str(second)),
                  identity_files=(str(key), str(tmp_path / "id_rsa")))  # ssh -G lists ssh's defaults, there or not
     for policy, kind in (("strict", "StrictPolicy"), ("accept-new", "AcceptNewPolicy")):
         conn = _connection(r, SshOptions(host_key_policy=policy), None)
         assert conn.connect_kwargs["key_filename"] == [str(key)] and conn.connect_kwargs["look_for_keys"]
-        assert {h for h in conn.client.get_host_keys()} == {"10.9.0.5", "10.9.0.6"}  # every file's keys
+        known = conn.client.get_host_keys().lookup("10.9.0.5")[host_key.get_name()]
+        assert known == host_key and known == rotated and known != paramiko.ECDSAKey.generate()  # every file's keys
         assert type(conn.client._policy).__name__ == kind and conn.client._policy.known_hosts == str(first)
     spec_key, spec_known = tmp_path / "spec_key", tmp_path / "spec_known_hosts"
     spec_known.write_text("")
@@ -149,7 +152,8 @@ def test_the_agents_key_of_the_named_file_goes_first_and_alone_under_identities_
 def test_known_hosts_are_read_as_ssh_reads_them_global_files_markers_and_all(tmp_path):
     """The system-wide files (GlobalKnownHostsFile) count too, as for ssh; a `@cert-authority` line no longer stops
     the reading (paramiko's own reader raised InvalidHostKey on it: no paramiko connection at all), a `@revoked`
-    key is refused under strict and accept-new alike, and the user's file wins a host's key type."""
+    key is refused under strict and accept-new alike, and a host whose files list two keys of a type (the user's
+    and the system's disagree) may present either, as ssh accepts any key listed for it."""
     from clusterctl.sshconfig import Resolved
     from clusterctl.sshconn import _connection
     from clusterctl.transport.base import SshOptions
@@ -162,26 +166,68 @@ def test_known_hosts_are_read_as_ssh_reads_them_global_files_markers_and_all(tmp
                       f"@cert-authority *.example {pinned.get_name()} {pinned.get_base64()}\n"
                       + line("10.9.0.5", theirs) + line("10.9.0.6", pinned) + line("10.9.0.7", bad)
                       + f"@revoked * {bad.get_name()} {bad.get_base64()}\n")
-    r = Resolved("10.9.0.5", "ubuntu", 22, known_hosts=(str(user),), global_known_hosts=(str(system),))
+
+    def client(address: str, policy: str):
+        r = Resolved(address, "ubuntu", 22, known_hosts=(str(user),), global_known_hosts=(str(system),))
+        return _connection(r, SshOptions(host_key_policy=policy), None).client
+
     for policy in ("strict", "accept-new"):
-        client = _connection(r, SshOptions(host_key_policy=policy), None).client
-        keys = client.get_host_keys()
-        assert keys.lookup("10.9.0.5")[mine.get_name()] == mine  # the user's first, as ssh
-        assert keys.lookup("10.9.0.6")[pinned.get_name()] == pinned  # from the system's file
-        assert keys.lookup("10.9.0.7") is None  # revoked: no entry offers it
+        known = client("10.9.0.5", policy).get_host_keys().lookup("10.9.0.5")[mine.get_name()]
+        assert known == mine and known == theirs and known != pinned  # either file's key, no other
+        assert client("10.9.0.6", policy).get_host_keys().lookup("10.9.0.6")[pinned.get_name()] == pinned
+        revoked = client("10.9.0.7", policy)
+        assert revoked.get_host_keys().lookup("10.9.0.7") is None  # revoked: no entry offers it
         with pytest.raises(HostKeyError, match="marked @revoked"):
-            client._policy.missing_host_key(client, "10.9.0.7", bad)
+            revoked._policy.missing_host_key(revoked, "10.9.0.7", bad)
     assert user.read_text() == line("10.9.0.5", mine) + "not a key line\n"  # nothing recorded
     spec_known = tmp_path / "spec_known_hosts"
     spec_known.write_text("")
-    client = _connection(r, SshOptions(known_hosts=str(spec_known)), None).client  # the spec's file alone
-    assert not list(client.get_host_keys())
+    r = Resolved("10.9.0.5", "ubuntu", 22, known_hosts=(str(user),), global_known_hosts=(str(system),))
+    only = _connection(r, SshOptions(known_hosts=str(spec_known)), None).client  # the spec's file alone
+    assert not list(only.get_host_keys())
+
+
+@pytest.mark.parametrize("names, host, port, matched", [
+    ("10.9.*", "10.9.0.5", 22, True),
+    ("10.9.*,!10.9.0.5", "10.9.0.5", 22, False),  # a negation that matches excludes the host
+    ("!10.9.0.5,10.9.*", "10.9.0.6", 22, True),
+    ("10.9.0.?", "10.9.0.5", 22, True),
+    ("10.9.0.?", "10.9.0.55", 22, False),
+    ("NODE*", "node3", 22, True),  # ssh matches without regard to case
+    ("node*", "node3", 2222, False),  # off port 22 the name is [node3]:2222
+    ("[node*]:2222", "node3", 2222, True),
+    ("[node3]:2222", "node3", 2222, True),
+    ("node3", "node3", 2222, False),
+    ("a.b,node3", "node3", 22, True),
+    ("node3.*", "node3", 22, False),
+    ("HASHED", "node3", 22, True),
+    ("HASHED", "node4", 22, False),
+])
+def test_known_hosts_patterns_match_as_ssh_matches_them(tmp_path, names, host, port, matched):
+    """A fleet pins its hosts' keys by pattern (`10.1.*`, `node*,!node9`, `[node*]:2222`); paramiko compares exact
+    names only, so such a pin was no key at all: accept-new recorded whatever key the host sent, and strict refused
+    a host ssh accepts. The client holds the keys of the patterns that match the host as ssh matches them."""
+    from clusterctl.sshconfig import Resolved
+    from clusterctl.sshconn import _connection
+    from clusterctl.transport.base import SshOptions
+
+    key, known = paramiko.ECDSAKey.generate(), tmp_path / "known_hosts"
+    named = host if port == 22 else f"[{host}]:{port}"
+    if names == "HASHED":
+        names = paramiko.HostKeys.hash_host("node3" if port == 22 else f"[node3]:{port}")
+    known.write_text(f"{names} {key.get_name()} {key.get_base64()}\n")
+    r = Resolved(host, "ubuntu", port, known_hosts=(str(known),))
+    for policy in ("strict", "accept-new"):
+        found = _connection(r, SshOptions(host_key_policy=policy), None).client.get_host_keys().lookup(named)
+        assert (found is not None and found[key.get_name()] == key) is matched, (names, named, policy)
+    if shutil.which("ssh-keygen"):  # and the table is OpenSSH's own answer (`ssh-keygen -F` matches as ssh does)
+        asked = subprocess.run(["ssh-keygen", "-F", named, "-f", str(known)], capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL)
+        assert ("found: line 1" in asked.stdout) is matched, asked.stdout + asked.stderr
 
 
 def _sign(ca: Path, key: Path, out: Path, kind: str = "ed25519") -> Path:
     """A user certificate of `key` (its .pub) for principal ubuntu, signed by the CA key `ca`, moved to `out`."""
-    import subprocess
-
     subprocess.run(["ssh-keygen", "-q", "-s", str(ca), "-I", "test", "-n", "ubuntu", str(key) + ".pub"], check=True,
                    capture_output=True, stdin=subprocess.DEVNULL)
     Path(str(key) + "-cert.pub").rename(out)
@@ -192,8 +238,6 @@ def _sign(ca: Path, key: Path, out: Path, kind: str = "ed25519") -> Path:
 def test_a_certificate_file_is_paired_with_the_key_it_certifies(tmp_path, kind):
     """CertificateFile (anywhere, as the config names it) with the key file it certifies, offered first: paramiko's
     path used no CertificateFile, where ssh logs in with the certificate alone (a CA-trusting fleet)."""
-    import subprocess
-
     from clusterctl.sshconfig import Resolved
     from clusterctl.sshkeys import _certifies, certified_key
 
