@@ -19,8 +19,8 @@ import paramiko
 from fabric import Config, Connection
 
 from .errors import CannotConnect, ClusterctlError
-from .sshkeys import (HostKeyError, SocketAgent, agent_key_for, agent_socket, certified_key, host_key_client,
-                      key_files)
+from .sshkeys import (HostKeyError, SocketAgent, agent_key_for, agent_socket, certified_key, forward_agent,
+                      host_key_client, key_files)
 from .transport.base import (LineSplitter, Result, Running, SshOptions, Stdin, Transport, fingerprint,
                              timed_out_result, unreachable_result)
 from .transport.gate import HandshakeGate, gate_key
@@ -73,6 +73,7 @@ def _connection(r: Resolved, opts: SshOptions, gateway: Connection | None, name:
         },
     )
     conn.client = host_key_client(opts, r)  # ours: Fabric's default would AutoAdd unknown keys (bastions included)
+    conn.client.agent_sock = sock  # type: ignore[attr-defined]  # ours: the agent run_on forwards (forward_agent)
     if sock is not None and sock != os.environ.get("SSH_AUTH_SOCK"):
         conn.client._agent = SocketAgent(sock)  # the agent paramiko's own loop asks (it would open SSH_AUTH_SOCK's)
     return conn
@@ -264,6 +265,8 @@ def run_on(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float 
     try:
         if opened is not None:
             opened(chan)
+        if conn.forward_agent:  # the spec's ssh.forward_agent, as -o ForwardAgent=yes on ssh's own path
+            forward_agent(chan, getattr(conn.client, "agent_sock", None))
         chan.exec_command(cmd)
         out = LineSplitter(host, "out", on_line)
         err = LineSplitter(host, "err", on_line)

@@ -12,6 +12,8 @@ import hmac
 import logging
 import os
 import re
+import select
+import socket
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from .sshconfig import Resolved
 
 __all__ = ["HostKeyError", "host_key_client", "key_files", "certified_key", "agent_key_for", "agent_socket",
-           "SocketAgent", "AcceptNewPolicy", "StrictPolicy"]
+           "SocketAgent", "forward_agent", "AcceptNewPolicy", "StrictPolicy"]
 
 log = logging.getLogger("clusterctl.remote")
 
@@ -408,8 +410,6 @@ class SocketAgent(paramiko.Agent):
     cannot be reached, as Agent()."""
 
     def __init__(self, path: str):
-        import socket
-
         paramiko.agent.AgentSSH.__init__(self)
         conn = socket.socket(socket.AF_UNIX)
         try:
@@ -421,6 +421,45 @@ class SocketAgent(paramiko.Agent):
             return
         self._connect(conn)
 
+
+def forward_agent(chan: paramiko.Channel, sock: str | None) -> None:
+    """ssh's ForwardAgent on the session `chan`: each agent connection the host opens is relayed to the agent at
+    `sock` (agent_socket: the config's IdentityAgent, else SSH_AUTH_SOCK's, the agent ssh forwards), or closed at
+    once when there is none. paramiko's own handler opens SSH_AUTH_SOCK's, polls, and raises in its thread."""
+
+    def relay(remote: paramiko.Channel) -> None:  # on paramiko's transport thread: connect, hand over, return
+        local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            if sock is None:
+                raise OSError("no agent")
+            local.settimeout(5)
+            local.connect(sock)
+            local.settimeout(None)
+        except OSError:
+            local.close()
+            remote.close()
+            return
+        threading.Thread(target=_pump, args=(remote, local), daemon=True, name="clusterctl-agent").start()
+
+    chan.request_forward_agent(relay)
+
+
+def _pump(remote: paramiko.Channel, local: socket.socket) -> None:
+    """Bytes both ways between a forwarded agent channel and the local agent, until either side closes."""
+    try:
+        while True:
+            ready = select.select([remote, local], [], [])[0]
+            for src, dst in ((remote, local), (local, remote)):
+                if src in ready:
+                    data = src.recv(65536)
+                    if not data:
+                        return
+                    dst.sendall(data)
+    except (OSError, EOFError, paramiko.SSHException):
+        pass
+    finally:
+        local.close()
+        remote.close()
 
 def _agent_keys(sock: str | None) -> list:
     """The keys the ssh-agent at `sock` holds ([] with none): its connection stays open while one of them is used."""

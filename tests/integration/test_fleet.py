@@ -5,6 +5,7 @@ an ssh config. Real sshd, real sudo, real OpenSSH client; host keys checked on e
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from clusterlib import (
-    ROOT, assert_no_orphans, clusterctl, clusterctl_while_paused, docker, dump_spec, node_exec, status_json,
+    ROOT, assert_no_orphans, clusterctl, clusterctl_while_paused, docker, dump_spec, node_exec, status_json, wait_until,
 )
 
 from clusterctl import testcluster as tc
@@ -128,17 +129,40 @@ def _config_with_keys(fleet, tmp_path: Path, identity: str) -> Path:
 
 
 def _exec_through(fleet, tmp_path: Path, name: str, config: Path):
-    """run(policy, *command): `clusterctl exec` on node0 and node1 through the ssh config `config` under that
-    host_key_policy (command: `id -un`), each run over new connections (a kept one would skip what is tested)."""
+    """run(policy, *command, **ssh): `clusterctl exec` on node0 and node1 through the ssh config `config` under that
+    host_key_policy (command: `id -un`; ssh: more of the spec's `ssh:` keys), each run over new connections (a kept
+    one would skip what is tested)."""
     spec = fleet_spec(fleet, tmp_path / "a.yaml", name=name, job={"entrypoint": ["true"]})
     data = yaml.safe_load(spec.read_text())
 
-    def run(policy: str, *command: str) -> subprocess.CompletedProcess:
-        data["ssh"].update(config=str(config), host_key_policy=policy, persist=0)
+    def run(policy: str, *command: str, **ssh) -> subprocess.CompletedProcess:
+        data["ssh"].update({"config": str(config), "host_key_policy": policy, "persist": 0, "forward_agent": False,
+                            **ssh})
         spec.write_text(yaml.safe_dump(data))
         return clusterctl("exec", spec, "--", *(command or ("id", "-un")), timeout=60)
 
     return run
+
+
+@contextlib.contextmanager
+def _agent_forwarding_allowed(fleet):
+    """Nodes 0 and 1's sshd with `AllowAgentForwarding yes` (the test cluster's, like many fleets', says no), put
+    back after: the listener re-reads its config on SIGHUP, and is waited for until it answers again."""
+    nodes = [n.container for n in fleet.nodes[:2]]
+
+    def allow(value: str) -> None:
+        for container in nodes:
+            node_exec(container, f"sed -i 's/^AllowAgentForwarding .*/AllowAgentForwarding {value}/' "
+                                 "/etc/ssh/sshd_config && kill -HUP $(cat /run/sshd.pid)")
+        for container in nodes:
+            assert wait_until(lambda c=container: "ssh-" in node_exec(
+                c, "ssh-keyscan -T 1 127.0.0.1 2>/dev/null", check=False), timeout=20, interval=0.1), container
+
+    allow("yes")
+    try:
+        yield
+    finally:
+        allow("no")
 
 
 def _both_logged_in(res: subprocess.CompletedProcess, policy: str) -> None:
@@ -481,7 +505,8 @@ def test_a_user_certificate_logs_in_on_both_paths(fleet, tmp_path):
 def test_a_key_held_by_the_configs_identity_agent_logs_in_on_both_paths(fleet, tmp_path, monkeypatch):
     """The key is only in an agent whose socket the ssh config names (IdentityAgent; a password manager's, say), its
     file there as `.pub` only, and SSH_AUTH_SOCK unset. ssh asks that agent; paramiko's path only ever asked
-    SSH_AUTH_SOCK's, so it had no key to offer."""
+    SSH_AUTH_SOCK's, so it had no key to offer. With `ssh.forward_agent`, that agent is the one the nodes see, on
+    both paths (paramiko's forwarded no agent at all)."""
     from helpers import SshAgent
 
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
@@ -498,8 +523,17 @@ def test_a_key_held_by_the_configs_identity_agent_logs_in_on_both_paths(fleet, t
         key.unlink()  # the private key in the agent alone
         config = _config_with_keys(fleet, tmp_path, f"    IdentityFile {key}\n    IdentityAgent {agent.sock}")
         run = _exec_through(fleet, tmp_path, "fleet-identity-agent", config)
+        pub = Path(f"{key}.pub").read_text().split()[:2]
         for policy in ("strict", "accept-new"):
             _both_logged_in(run(policy), policy)
+        with _agent_forwarding_allowed(fleet):
+            for policy in ("strict", "accept-new"):
+                res = run(policy, "ssh-add", "-L")  # not forwarded: the nodes have no agent
+                assert res.returncode != 0 and pub[1] not in res.stdout, policy + res.stdout + res.stderr
+                # forwarded: that agent, as ssh forwards it (paramiko's path forwarded none, SSH_AUTH_SOCK's at best)
+                res = run(policy, "ssh-add", "-L", forward_agent=True)
+                assert res.returncode == 0, policy + res.stdout + res.stderr
+                assert sorted(line.split()[1:3] for line in res.stdout.splitlines()) == [pub, pub], policy + res.stdout
         config.write_text(config.read_text().replace(f"IdentityAgent {agent.sock}", "IdentityAgent none"))
         for policy in ("strict", "accept-new"):  # no agent: the .pub alone logs in nowhere
             assert run(policy, "true").returncode != 0

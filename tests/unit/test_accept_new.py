@@ -3,6 +3,7 @@ in front of many hosts), and a different key recorded meanwhile is refused, not 
 
 from __future__ import annotations
 
+import base64
 import shutil
 import subprocess
 import threading
@@ -285,3 +286,44 @@ def test_the_agent_is_the_configs_identity_agent(tmp_path, monkeypatch):
         "/run/other.sock", None, "/run/user/1000/1p.sock")
     monkeypatch.delenv("SSH_AUTH_SOCK")
     assert at(None) is None
+
+
+def test_a_forwarded_agent_request_is_relayed_to_the_agent_given(tmp_path, agent):
+    """ssh.forward_agent on paramiko's path: it forwarded no agent at all (the fleet test: `ssh-add -L` on the nodes,
+    with the config's IdentityAgent). Each agent connection the host opens is relayed to the socket given: here a
+    real ssh-agent asked for its identities through the relay; with no agent, the host's connection is closed."""
+    import socket
+    import struct
+
+    from clusterctl.sshkeys import forward_agent
+
+    key = tmp_path / "id_fwd"
+    ssh_keygen(key)
+    agent(key)
+
+    class Session:  # what forward_agent asks of paramiko's session channel
+        def request_forward_agent(self, handler):
+            self.handler = handler
+
+    def ask(sock: str | None) -> bytes:
+        session, (host_end, relay_end) = Session(), socket.socketpair()  # relay_end: the host's agent channel
+        forward_agent(session, sock)
+        session.handler(relay_end)
+        with host_end:
+            host_end.settimeout(10)
+            try:
+                host_end.sendall(struct.pack(">IB", 1, 11))  # SSH_AGENTC_REQUEST_IDENTITIES
+            except BrokenPipeError:  # closed already
+                return b""
+            head = host_end.recv(4)
+            if not head:
+                return b""
+            body = b""
+            while len(body) < struct.unpack(">I", head)[0]:
+                body += host_end.recv(65536)
+            return body
+
+    public = base64.b64decode(Path(f"{key}.pub").read_text().split()[1])
+    answer = ask(str(tmp_path / "agent.sock"))
+    assert answer[0] == 12 and struct.unpack(">I", answer[1:5])[0] == 1 and public in answer  # IDENTITIES_ANSWER
+    assert ask(None) == b""  # no agent: closed at once
