@@ -202,21 +202,18 @@ def _refused(exc: BaseException, host: Host, opts: SshOptions, took: float, conn
 
 def proxy_command_line(command: str, host: Host) -> str:
     """The ssh config's ProxyCommand for `host` as paramiko.ProxyCommand runs it: the tokens ssh expands in it
-    (ssh_config(5): %%, %h, %p, %r, %n, %u, %d) expanded, run by `/bin/sh -c 'exec ...'` as ssh runs it; a
-    ClusterctlError for a token this does not know (ssh's others: %C, %L, %l, %i, %k, %j...)."""
-    import pwd
+    (ssh_config(5): %%, %h, %n, %p, %r) expanded, run by `/bin/sh -c 'exec ...'` as ssh runs it; a ClusterctlError
+    for another token, which ssh refuses too ("unknown key")."""
     import shlex
 
     from .sshconfigfile import expand_tokens
 
-    tokens = {"h": host.connect_name, "p": str(host.port), "r": host.user, "n": host.address,
-              "u": pwd.getpwuid(os.getuid()).pw_name, "d": os.path.expanduser("~")}
+    tokens = {"h": host.connect_name, "p": str(host.port), "r": host.user, "n": host.address}
     try:
         expanded = expand_tokens(command, tokens)
     except KeyError as exc:
-        raise ClusterctlError(f"{host.label}: ProxyCommand token %{exc.args[0]} is not supported with "
-                              "host_key_policy accept-new or off (ssh's own path, policy strict, runs it as ssh does)"
-                              ) from None
+        raise ClusterctlError(f"{host.label}: ProxyCommand token %{exc.args[0]} is not one ssh expands there "
+                              "(%%, %h, %n, %p, %r)") from None
     return "/bin/sh -c " + shlex.quote("exec " + expanded)
 
 
