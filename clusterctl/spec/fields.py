@@ -84,9 +84,19 @@ def _scalar_str(v: Any) -> Any:
 
 
 def _placeholder_names(arg: str) -> list[str]:
-    """Names inside single braces; `{{` and `}}` are literal braces."""
-    stripped = arg.replace("{{", "").replace("}}", "")
-    return re.findall(r"\{([^{}]*)\}", stripped)
+    """The placeholders of `arg` as `str.format` reads them (`{{` and `}}` are literal braces); ValueError for a
+    lone brace, and for a format spec or conversion (`{id:>9}`, `{id!r}`: a placeholder is its value, as is)."""
+    import string
+
+    try:
+        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(arg) if f is not None]
+    except ValueError as exc:  # "Single '}' encountered in format string", "expected '}' before end of string"
+        what = f"a lone {str(exc).split()[1]}" if str(exc).startswith("Single ") else "an unclosed '{'"
+        raise ValueError(f"{what} in {arg!r}: write {{{{ and }}}} for literal braces") from None
+    for name, spec, conversion in fields:
+        if spec or conversion:
+            raise ValueError(f"placeholder {{{name}}} in {arg!r} takes no format spec or conversion")
+    return [name for name, _, _ in fields]
 
 
 def _did_you_mean(word: str, choices) -> str:

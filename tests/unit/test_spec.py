@@ -95,6 +95,22 @@ BAD = [
         ["11:3: job.args: unknown placeholder {trainer_idx} in '{trainer_idx}' (did you mean 'trainer_id'?)"],
         id="bad-placeholder",
     ),
+    pytest.param(  # str.format raised in the plan (a traceback), or built a 111 MB argument from a nested spec
+        GOOD.replace("  pservers: 1", "  pservers: 1\n  args: ['{']"),
+        ["11:3: job.args: a lone '{' in '{': write {{ and }} for literal braces"],
+        id="lone-brace",
+    ),
+    pytest.param(
+        GOOD.replace("  pservers: 1", "  pservers: 1\n  args: ['--x={trainer_id}}']"),
+        ["11:3: job.args: a lone '}' in '--x={trainer_id}}': write {{ and }} for literal braces"],
+        id="lone-closing-brace",
+    ),
+    pytest.param(
+        GOOD.replace("  pservers: 1", "  pservers: 1\n  args: ['{trainer_id:{trainers}{trainers}}']"),
+        ["11:3: job.args: placeholder {trainer_id} in '{trainer_id:{trainers}{trainers}}' takes no format spec or "
+         "conversion"],
+        id="placeholder-format-spec",
+    ),
     pytest.param(
         GOOD.replace("  pservers: 1", "  pservers: [10.0.0.9]"),
         ["10:14: job.pservers[0]: 10.0.0.9 is not in hosts (did you mean '10.0.0.2'?)"],
