@@ -255,13 +255,13 @@ def _decode(value, memo: _Memo):
 def load(spec_path: str) -> CachedPlan | None:
     """The cached plan of the spec file at `spec_path`, or None (a miss) unless every input is unchanged."""
     from .cache import read_private
+    from .files import read_spec_bytes
 
     path = entry_path(spec_path)
     if path is None:
         return None
     try:
-        with open(spec_path, "rb") as fh:
-            spec_bytes = fh.read()
+        spec_bytes = read_spec_bytes(spec_path)  # bounded; a pipe read once, its bytes kept for the loader
     except OSError:
         return None
     raw = read_private(path, _MAX_ENTRY_BYTES)

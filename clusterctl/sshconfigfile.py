@@ -27,9 +27,13 @@ import pwd
 import re
 from dataclasses import dataclass, field
 
+from .errors import ClusterctlError
+from .files import NotAFile, TooLarge, read_limited
+
 __all__ = ["ConfigModel", "read_config", "NameClass", "expand_tokens", "expand_path", "local_tokens"]
 
 MAX_INCLUDE_DEPTH = 16  # readconf.c's READCONF_MAX_DEPTH
+CONFIG_LIMIT = 16 << 20  # an ssh config file (or one it includes) larger than 16 MiB is refused
 # options whose first obtained value decides what `ssh -G` prints for a name (or whether we can know it)
 _TRACKED = {"hostname", "user", "proxyjump", "userknownhostsfile", "canonicalizehostname"}
 _SAFE_NAME = re.compile(r"[a-z0-9_.:-]+")  # names whose matching and lower-casing we reproduce exactly
@@ -153,10 +157,11 @@ class ConfigModel:
         block = _Block()
         self.files.append(path)
         try:
-            with open(path, encoding="utf-8", errors="surrogateescape") as fh:
-                text = fh.read()
+            text = read_limited(path, CONFIG_LIMIT).decode("utf-8", errors="surrogateescape")
         except FileNotFoundError:
             return block
+        except (TooLarge, NotAFile) as exc:  # `ssh -G` would wait on it, or read it forever
+            raise ClusterctlError(f"ssh config {path}: {exc.strerror}") from None
         except OSError as exc:
             raise Dynamic(f"{path}: {exc.strerror}") from None
         for number, raw in enumerate(text.splitlines(), 1):

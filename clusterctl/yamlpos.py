@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from .files import SPEC_LIMIT
+
 __all__ = ["Located", "load_located", "YamlSyntaxError", "MAX_BYTES", "MAX_DEPTH", "MAX_NODES"]
 
 Path = tuple  # a tuple of str keys / int indices
 
-MAX_BYTES = 1 << 20  # a spec larger than 1 MiB is refused before parsing
+MAX_BYTES = SPEC_LIMIT  # a spec larger than 1 MiB is refused before parsing
 MAX_DEPTH = 64  # nesting of mappings / lists
 MAX_NODES = 100_000  # nodes after aliases are expanded (what validation walks)
 

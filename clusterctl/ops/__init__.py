@@ -176,6 +176,7 @@ def load_plan(path: str, *, check=None, resolve=None) -> "tuple[ClusterSpec | No
     is kept: a plan in the cache passed it. `resolve(spec)`: whether its hosts are resolved through the ssh
     config (default: yes)."""
     from .. import plancache
+    from ..files import read_spec_bytes
 
     cached = plancache.load(path)
     if cached is not None:
@@ -184,8 +185,7 @@ def load_plan(path: str, *, check=None, resolve=None) -> "tuple[ClusterSpec | No
 
     started = time.time_ns()
     try:
-        with open(path, "rb") as fh:
-            spec_bytes: bytes | None = fh.read()
+        spec_bytes: bytes | None = read_spec_bytes(path)  # what load_spec parses (a pipe is read once)
     except OSError:
         spec_bytes = None  # load_spec reports it
     spec = load_spec(path, layout=False, check=check)  # laid out once, just below (PlanErrors at their keys there)

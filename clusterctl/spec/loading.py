@@ -10,6 +10,7 @@ from typing import Any
 import pydantic
 
 from ..errors import SpecError, SpecProblem
+from ..files import TooLarge, read_limited, read_spec_bytes
 from ..yamlpos import MAX_BYTES as MAX_SPEC_BYTES
 from ..yamlpos import Located, YamlSyntaxError, load_located
 from .checks import semantic_problems
@@ -34,11 +35,9 @@ def load_spec(path: str | Path, *, layout: bool = True, check=None) -> ClusterSp
     reported before the semantic checks, which they may explain."""
     path = Path(path)
     try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_SPEC_BYTES + 1)
-        if len(raw) > MAX_SPEC_BYTES:
-            raise SpecError([SpecProblem(str(path), 1, 1, "", f"spec is larger than {MAX_SPEC_BYTES // 1024} KiB")])
-        text = raw.decode("utf-8")
+        text = read_spec_bytes(path).decode("utf-8")  # a spec given as a pipe: read once per process
+    except TooLarge:
+        raise SpecError([SpecProblem(str(path), 1, 1, "", f"spec is larger than {MAX_SPEC_BYTES // 1024} KiB")]) from None
     except OSError as exc:
         raise SpecError([SpecProblem(str(path), 1, 1, "", f"cannot read spec: {exc.strerror or exc}")]) from None
     except UnicodeDecodeError:
@@ -123,19 +122,19 @@ def _load_hostfile(loc: Located, source: str, data: dict) -> list[SpecProblem]:
     path = Path(hostfile).expanduser()
     path = path if path.is_absolute() else base / path
     try:
-        raw = path.read_bytes()
-        if len(raw) > MAX_HOSTFILE_BYTES:
-            return [problem(loc, source, ("hostfile",), f"{path} is larger than {MAX_HOSTFILE_BYTES // 1024} KiB")]
-        text = raw.decode("utf-8")
+        text = read_limited(path, MAX_HOSTFILE_BYTES).decode("utf-8")  # no FIFO waited on, no device read forever
+    except TooLarge:
+        return [problem(loc, source, ("hostfile",), f"{path} is larger than {MAX_HOSTFILE_BYTES // 1024} KiB")]
+    except OSError as exc:
+        return [problem(loc, source, ("hostfile",), f"cannot read {path}: {exc.strerror or exc}")]
+    except UnicodeDecodeError:
+        return [problem(loc, source, ("hostfile",), f"{path} is not UTF-8 text")]
+    try:
         bad = next((c for c in text if not c.isprintable() and c not in "\n\t\r"), None)
         if bad is not None:
             lineno = text[:text.index(bad)].count("\n") + 1
             return [SpecProblem(str(path), lineno, 1, "hostfile", f"not a text hostfile (control character {bad!r})")]
         data["hosts"] = parse_hostfile(text)
-    except OSError as exc:
-        return [problem(loc, source, ("hostfile",), f"cannot read {path}: {exc.strerror or exc}")]
-    except UnicodeDecodeError:
-        return [problem(loc, source, ("hostfile",), f"{path} is not UTF-8 text")]
     except ValueError as exc:
         lineno, msg = exc.args
         return [SpecProblem(str(path), lineno, 1, "hostfile", msg)]

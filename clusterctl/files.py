@@ -1,0 +1,71 @@
+"""Reading the user's own files (a spec, its hostfile, an ssh config and what it includes): bounded, read once where
+they can be read only once, and never stuck on what is not a file (`/dev/zero` never ends, a FIFO with no writer
+never answers)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+__all__ = ["SPEC_LIMIT", "TooLarge", "NotAFile", "read_limited", "read_spec_bytes"]
+
+SPEC_LIMIT = 1 << 20  # a spec larger than 1 MiB is refused before parsing
+
+_ONCE: dict[str, bytes] = {}  # a spec that is not a regular file (`/dev/stdin`, `<(...)`): its bytes, read once
+
+
+class TooLarge(OSError):
+    """A file over the limit it was read with."""
+
+    def __init__(self, path: str, limit: int):
+        super().__init__(errno.EFBIG, f"larger than {limit // 1024} KiB", path)
+        self.limit = limit
+
+
+class NotAFile(OSError):
+    """A FIFO or a socket where a file is read: it may never answer."""
+
+    def __init__(self, path: str):
+        super().__init__(errno.EINVAL, "not a file (a FIFO or a socket)", path)
+
+
+def read_limited(path: str | os.PathLike, limit: int, *, wait: bool = False) -> bytes:
+    """The bytes of `path`, at most `limit` of them: OSError (strerror set) when it cannot be read or is a
+    directory, TooLarge when it holds more than `limit` bytes (then no more than `limit` + 1 were read). Without
+    `wait`, a FIFO or a socket is refused (NotAFile), not waited on; a device is read as a file (`/dev/null`: empty,
+    `/dev/zero`: too large). With `wait`, a pipe is read to its end (a spec given as `/dev/stdin`)."""
+    name = os.fspath(path)
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | (0 if wait else os.O_NONBLOCK))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", name)
+        if not wait and (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+            raise NotAFile(name)
+        chunks, left = [], limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            raise TooLarge(name, limit)
+        return data
+    finally:
+        os.close(fd)
+
+
+def read_spec_bytes(path: str | os.PathLike) -> bytes:
+    """The spec file's bytes (read_limited, SPEC_LIMIT). A spec given as a pipe is read once per process and its
+    bytes kept, so that every reader of the spec (the plan cache, the loader, a backend) sees them; a regular file
+    is read each time (it may change between two commands of one process)."""
+    name = os.fspath(path)
+    if name in _ONCE:
+        return _ONCE[name]
+    data = read_limited(name, SPEC_LIMIT, wait=True)
+    try:
+        if not stat.S_ISREG(os.stat(name).st_mode):
+            _ONCE[name] = data
+    except OSError:
+        _ONCE[name] = data  # gone after reading (a process substitution's fd): as a pipe
+    return data
