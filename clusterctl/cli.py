@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from . import __version__
@@ -108,6 +109,24 @@ def guarded(fn) -> int:
     except KeyboardInterrupt:
         error("interrupted")
         return 130
+    except OSError as exc:  # an output that cannot be written (`> /dev/full`), or a local file system's error
+        _drop_stdout()
+        error(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
+        return 1
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null when it cannot take what is left in its buffer, so that the interpreter's exit
+    does not fail on it again ("Exception ignored ... OSError")."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError, AttributeError):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 if __name__ == "__main__":

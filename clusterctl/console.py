@@ -28,7 +28,10 @@ def _console(name: str):
     if name not in _consoles:
         from rich.console import Console
 
-        _consoles[name] = Console(stderr=name == "err", highlight=False, soft_wrap=True)
+        columns = os.environ.get("COLUMNS", "")
+        # rich takes COLUMNS=0 (or garbage read as 0) for a width of nothing, and then prints nothing at all
+        width = {} if not columns or columns.isdigit() and int(columns) > 0 else {"width": 80}
+        _consoles[name] = Console(stderr=name == "err", highlight=False, soft_wrap=True, **width)
     return _consoles[name]
 
 

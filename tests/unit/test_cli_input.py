@@ -4,6 +4,7 @@ code and one `clusterctl: error:` line, never a traceback (fab's own parser incl
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,32 @@ def test_a_bad_fab_host_is_one_line_naming_it(text, said):
     with pytest.raises(ClusterctlError) as info:
         split_host(text)
     assert str(info.value) == said
+
+
+SPEC = "name: t\nssh: {config: none}\nhosts:\n  - address: 10.0.0.1\njob:\n  entrypoint: [python3, train.py]\n"
+
+
+@pytest.mark.parametrize("argv", [["validate"], ["plan"], ["plan", "--json"]])
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path, argv):
+    # `> /dev/full`: a 16-26 line traceback ending in OSError, and the interpreter's exit failing on it once more
+    spec = tmp_path / "a.yaml"
+    spec.write_text(SPEC)
+    with open("/dev/full", "w") as full:
+        res = subprocess.run([sys.executable, "-m", "clusterctl.cli", *argv, str(spec)], stdout=full,
+                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert (res.returncode, res.stderr) == (1, "clusterctl: error: No space left on device\n")
+
+
+@pytest.mark.parametrize("columns", ["0", "-3", "wide"])
+def test_a_terminal_width_of_nothing_still_prints(tmp_path, columns):
+    # rich read COLUMNS=0 as a width of nothing: no output and no error message at all
+    spec = tmp_path / "a.yaml"
+    spec.write_text(SPEC)
+    env = {**os.environ, "COLUMNS": columns}
+    ok = subprocess.run([sys.executable, "-m", "clusterctl.cli", "validate", str(spec)], capture_output=True,
+                        text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
+    assert ok.returncode == 0 and "valid: job t" in ok.stdout, ok.stdout + ok.stderr
+    spec.write_text(SPEC + "name: u\n")
+    bad = subprocess.run([sys.executable, "-m", "clusterctl.cli", "validate", str(spec)], capture_output=True,
+                         text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("7:1: name: key given twice"), bad.stderr
