@@ -43,6 +43,7 @@ class Stopper:
         self.phase = "new"
         self.leftover = []
         self._pids = []  # the job's live pids at the last snapshot
+        self._strays_seen = {}  # pid -> start ticks of each stray the sweep has found
         self.segments, self.removed, self.began = set(), [], None
         self.deadline = self.kill_deadline = 0.0
 
@@ -76,6 +77,19 @@ class Stopper:
         tagged = tagged_processes(self.job_id, self.jobdir) if self.sweep else {}
         grouped = set(g["pid"] for g in live)
         strays = {pid: pgid for pid, pgid in tagged.items() if pgid not in grouped}
+        # A stray found before stays one until it is gone: a process on its way out has no environ left to be
+        # found by, while it still holds its files and its MPI segment (which the end of the stop removes).
+        for pid, start in list(self._strays_seen.items()):
+            st = None if pid in strays else proc_stat(pid)
+            if st is not None and st[0] not in ("Z", "X", "x") and st[2] == start and st[1] not in grouped:
+                strays[pid] = st[1]
+            elif pid not in strays:
+                del self._strays_seen[pid]
+        for pid in strays:
+            if pid not in self._strays_seen:
+                st = proc_stat(pid)
+                if st is not None:
+                    self._strays_seen[pid] = st[2]
         self._pids = [pid for g in live for pid in members[g["pid"]]] + list(strays)
         return live, strays
 
