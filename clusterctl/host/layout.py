@@ -111,6 +111,18 @@ def _env(base, endpoint):
     return env
 
 
+MAX_EXEC_STRING = 131072  # Linux's MAX_ARG_STRLEN: the longest argument or environment string execve takes, NUL included
+
+
+def _exec_string(text, path, what):
+    """LayoutError at `path` when `text` (an argument, or an environment entry NAME=value) is longer than execve
+    takes: every process would fail to start (E2BIG, "Argument list too long")."""
+    size = len(text.encode("utf-8", "surrogateescape")) + 1
+    if size > MAX_EXEC_STRING:
+        raise LayoutError(path, "%s would be %d bytes: Linux starts no process with an argument or environment "
+                                "string over %d KiB (E2BIG)" % (what, size - 1, MAX_EXEC_STRING // 1024))
+
+
 def layout(hosts, job):
     """Every process of `job` on `hosts` (see the module docs): {"control": endpoint, "master": address,
     "processes": [{"host", "role", "id", "rank", "local_rank", "endpoint", "gpus", "env", "argv"}]}, with
@@ -186,6 +198,19 @@ def layout(hosts, job):
         return {"role": role, "id": str(pid), "trainer_id": str(pid), "trainers": str(len(trainers)),
                 "pserver_endpoints": pserver_eps, "trainer_endpoints": trainer_eps, "current_endpoint": ep,
                 "host": host["endpoint"], "local_rank": str(local), "job": job["name"]}
+
+    # What the user's spec puts in a process's argv and environment must pass execve: checked here, once, on the
+    # longest forms (the endpoints of every process differ in a few characters), not on every host at the launch.
+    for name, value in user_env.items():
+        _exec_string("%s=%s" % (name, value), ("job", "env", name), "%s=..." % name)
+    if args:
+        host, local, ep, _ = trainers[-1]
+        for arg in render_args(args, values("trainer", len(trainers) - 1, ep, host, local)):
+            _exec_string(arg, ("job", "args"), "an argument (after its placeholders)")
+    if data is not None:
+        longest = max(shards, key=lambda names: sum(len(n) + len(data["remote"]) + 2 for n in names))
+        _exec_string(DATA_ENV + "=" + ":".join(posixpath.join(data["remote"].strip("/"), n) for n in longest),
+                     ("data",), DATA_ENV + " (one trainer's data files)")
 
     processes = []
     pserver_base, trainer_base = _role_env(user_env, common, "pserver"), _role_env(user_env, common, "trainer")

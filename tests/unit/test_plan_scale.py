@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -185,3 +186,30 @@ def test_plan_table_summarises_large_plans(tmp_path):
             "--all lists every one") in " ".join(short.split())
     assert "66 more" in short and "10.0.12.1:6187" in short and "10.0.5.1:6180" not in short
     assert "showing" not in full and all(f"10.0.{i}.1:6187" in full for i in range(13))
+
+
+def test_what_no_process_could_be_started_with_is_refused_when_planned():
+    """Linux starts no process with an argument or environment string over 128 KiB (E2BIG). `{trainer_endpoints}`
+    in job.args at 10,000 trainers was a 160 KB argument: the plan built it once per process (gigabytes), and every
+    host's launch would have failed; a too long job.env value or data file list the same. Refused at its key, once."""
+    from clusterctl.plan import PlanError
+
+    spec = scale_spec(1250).replace("  entrypoint: python train.py", "  entrypoint: python train.py\n"
+                                                                     "  args: ['--endpoints={trainer_endpoints}']")
+    t0 = time.process_time()
+    with pytest.raises(PlanError) as err:
+        make_plan(parse_spec(spec, layout=False))  # (validate lays it out too: the same problem, at its line)
+    assert time.process_time() - t0 < 5.0
+    assert err.value.path == ("job", "args") and re.search(r"an argument \(after its placeholders\) would be 1\d{5} "
+                                                           "bytes", str(err.value))
+    assert "(E2BIG)" in str(err.value)
+    small = "name: e\nhosts: [{address: h1}]\njob:\n  entrypoint: [x]\n  env: {BIG: '%s'}\n"
+    make_plan(parse_spec(small % ("x" * (131072 - len("BIG=") - 1)), layout=False))  # the longest execve takes
+    with pytest.raises(PlanError) as err:
+        make_plan(parse_spec(small % ("x" * (131072 - len("BIG="))), layout=False))
+    assert err.value.path == ("job", "env", "BIG") and "BIG=... would be 131072 bytes" in str(err.value)
+    shards = "name: d\nhosts: [{address: h1}]\ndata: {local: shards}\njob: {entrypoint: [x]}\n"
+    make_plan(parse_spec(shards, layout=False), data_files=[f"part-{i:05d}.rec" for i in range(1000)])
+    with pytest.raises(PlanError) as err:
+        make_plan(parse_spec(shards, layout=False), data_files=[f"part-{i:05d}.rec" for i in range(10000)])
+    assert err.value.path == ("data",) and "CLUSTERCTL_DATA_FILES (one trainer's data files) would be" in str(err.value)
