@@ -22,7 +22,6 @@ from importlib import resources
 __all__ = ["fabfile_dir", "main", "guard", "guard_fab"]
 
 PREFIX = "clusterctl: error: "
-_OWN_ROOT_FLAGS = ("-r", "--search-root", "-c", "--collection")
 
 
 def fabfile_dir() -> str:
@@ -36,9 +35,6 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["--where"]:
         print(fabfile_dir())
         return
-    chosen = any(a in _OWN_ROOT_FLAGS or a.split("=", 1)[0] in _OWN_ROOT_FLAGS for a in args)
-    if not chosen:
-        args = ["--search-root", fabfile_dir(), *args]
     _program().run(["fab", *args])
 
 
@@ -52,6 +48,13 @@ def _program():
     class ClusterFab(Fab):
         def core_args(self):
             return [*super().core_args(), Argument(names=("spec",), help="a cluster spec (YAML) for every task")]
+
+        def parse_core_args(self):
+            """clusterctl's fabfile unless the core options name another (`-r`/`--search-root`, `-c`/`--collection`),
+            as Fabric's own parser reads them: a task's `-c` or `-r`, or one after `--`, is the task's."""
+            super().parse_core_args()
+            if self.args["search-root"].value is None and self.args["collection"].value is None:
+                self.args["search-root"].value = fabfile_dir()
 
         def load_collection(self):
             """The fabfile and its fabric.yaml also for a lone `-- command` (Fabric skips both then), so that

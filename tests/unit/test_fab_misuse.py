@@ -520,3 +520,14 @@ def test_a_command_after_a_double_dash_to_an_unreachable_host_is_one_line(tmp_pa
     assert res.returncode == 255, res.stderr
     assert res.stderr.strip().splitlines()[-1] == "clusterctl: error: cannot connect to 127.0.0.1:1: Connection refused"
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("words, said", [
+    (["start", "-r", "x", "--entrypoint", "python3 'train.py"],
+     "--entrypoint: cannot split \"python3 'train.py\": No closing quotation"),
+    (["exec", "-c", "echo 'x"], "exec: cannot split the command \"echo 'x\": No closing quotation"),
+])
+def test_a_tasks_own_short_options_are_the_tasks(tmp_path, words, said):
+    # `start -r DIR` and `exec -c CMD` (the tasks' own short options, as their help shows them) were taken for
+    # Fabric's -r (search root) and -c (collection): "no 'fabfile' collection (fabfile.py) in <cwd>"
+    assert _one_error(_clusterctl_fab("-H", "127.0.0.1", *words, cwd=tmp_path)) == said
