@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import difflib
 import re
+import types
+import typing
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..transport.host import split_jump
 
@@ -20,6 +22,24 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_truth_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        """`port: true` read as port 1 (pydantic takes a bool for an int): a number's key refuses true/false."""
+        if isinstance(v, bool) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(v).lower()}")
+        return v
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type takes a number (int or float, alone, Annotated, or in a union) and not a bool."""
+    if annotation in (int, float):
+        return True
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _numeric(args[0])
+    return origin in (typing.Union, types.UnionType) and bool not in args and any(_numeric(a) for a in args)
 
 
 _HOSTNAME_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,252})")

@@ -95,6 +95,11 @@ BAD = [
         ["11:3: job.args: unknown placeholder {trainer_idx} in '{trainer_idx}' (did you mean 'trainer_id'?)"],
         id="bad-placeholder",
     ),
+    pytest.param(  # pydantic takes a bool for an int: `port: true` was port 1, `connect_timeout: yes` one second
+        GOOD.replace("  identity_file: id_ed25519", "  identity_file: id_ed25519\n  port: true\n  connect_timeout: yes"),
+        ["4:3: ssh.port: expected a number, got true", "5:3: ssh.connect_timeout: expected a number, got true"],
+        id="truth-for-a-number",
+    ),
     pytest.param(  # str.format raised in the plan (a traceback), or built a 111 MB argument from a nested spec
         GOOD.replace("  pservers: 1", "  pservers: 1\n  args: ['{']"),
         ["11:3: job.args: a lone '{' in '{': write {{ and }} for literal braces"],
