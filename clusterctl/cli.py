@@ -98,10 +98,10 @@ def guarded(fn) -> int:
     except SpecError as exc:
         from rich.markup import escape
 
-        from .console import err
+        from .console import err, printable
 
-        for problem in exc.problems:
-            err.print(escape(str(problem)))
+        for problem in exc.problems:  # one line each, whatever the file's name holds (a newline, an escape)
+            err.print(escape(printable(str(problem))))
         return exc.exit_code
     except ClusterctlError as exc:
         error(str(exc))

@@ -117,3 +117,13 @@ def test_a_terminal_width_of_nothing_still_prints(tmp_path, columns):
     bad = subprocess.run([sys.executable, "-m", "clusterctl.cli", "validate", str(spec)], capture_output=True,
                          text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("7:1: name: key given twice"), bad.stderr
+
+
+def test_a_spec_named_with_control_characters_is_still_one_line_per_problem(tmp_path):
+    # the name went to the terminal as it was: a newline split the line, an escape sequence drove the terminal
+    spec = tmp_path / "a\nb\x1b[31m.yaml"
+    spec.write_text(SPEC + "name: u\n")
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "validate", str(spec)], capture_output=True,
+                         text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "\x1b" not in res.stderr, repr(res.stderr)
+    assert res.stderr.endswith("a\\nb\\x1b[31m.yaml:7:1: name: key given twice\n"), repr(res.stderr)
