@@ -82,6 +82,16 @@ def pydantic_problem(loc: Located, source: str, err: dict) -> SpecProblem:
     return problem(loc, source, path, message)
 
 
+def telling(errors: list[dict]) -> list[dict]:
+    """pydantic's errors less those that only echo a deeper one: the type errors of a union's other members
+    (`pservers: {per_host: -1}` is not "an integer" nor "a list": its mapping has a bad value), and a list found
+    too short once its bad items were refused (`entrypoint: [[a]]`)."""
+    paths = [_spec_path(err["loc"]) for err in errors]
+    deeper = {p[:i] for p in paths for i in range(len(p))}  # every path that has an error below it
+    return [err for err, path in zip(errors, paths)
+            if not (path in deeper and (err["type"].endswith("_type") or err["type"] == "too_short"))]
+
+
 def _spec_path(err_loc: tuple) -> tuple:
     """The spec path of a pydantic error location: its parts walked against the models' annotations.
 

@@ -14,7 +14,7 @@ from ..files import TooLarge, read_limited, read_spec_bytes
 from ..yamlpos import MAX_BYTES as MAX_SPEC_BYTES
 from ..yamlpos import Located, YamlSyntaxError, load_located
 from .checks import semantic_problems
-from .errors import dedupe, problem, pydantic_problem
+from .errors import dedupe, problem, pydantic_problem, telling
 from .models import ClusterSpec
 
 __all__ = ["load_spec", "parse_spec", "parse_hostfile", "MAX_HOSTFILE_BYTES", "MAX_SPEC_BYTES"]
@@ -78,7 +78,7 @@ def parse_spec(text: str, source: str = "<spec>", *, layout: bool = True, check=
         except pydantic.ValidationError as exc:
             found += [{**err, "loc": ("provision", *err["loc"])} for err in exc.errors()]
     if found:
-        problems += [pydantic_problem(loc, source, err) for err in found]
+        problems += [pydantic_problem(loc, source, err) for err in telling(found)]
         raise SpecError(sorted(dedupe(problems), key=lambda p: (p.file != source, p.line, p.column))) from None
     if provision is not None:
         object.__setattr__(spec, "provision", provision)  # frozen model: set once, here

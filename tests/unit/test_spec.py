@@ -95,6 +95,16 @@ BAD = [
         ["11:3: job.args: unknown placeholder {trainer_idx} in '{trainer_idx}' (did you mean 'trainer_id'?)"],
         id="bad-placeholder",
     ),
+    pytest.param(  # and "expected an integer", "expected a list": the union's other members, wrongly
+        GOOD.replace("  pservers: 1", "  pservers: {per_host: -1}"),
+        ["10:14: job.pservers.per_host: input should be greater than or equal to 0"],
+        id="union-member-errors-left-out",
+    ),
+    pytest.param(  # and "job.entrypoint: must name a program to run", once its only item was refused
+        GOOD.replace("[python3, train.py]", "[[python3]]"),
+        ["9:16: job.entrypoint[0]: expected a string"],
+        id="too-short-after-a-bad-item-left-out",
+    ),
     pytest.param(  # pydantic takes a bool for an int: `port: true` was port 1, `connect_timeout: yes` one second
         GOOD.replace("  identity_file: id_ed25519", "  identity_file: id_ed25519\n  port: true\n  connect_timeout: yes"),
         ["4:3: ssh.port: expected a number, got true", "5:3: ssh.connect_timeout: expected a number, got true"],
