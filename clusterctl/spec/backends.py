@@ -14,6 +14,23 @@ __all__ = ["KubernetesSpec", "KubernetesVolumeSpec", "SlurmSpec"]
 
 
 K8S_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")  # an RFC 1123 label (object names, namespaces)
+# What the API server itself refuses, checked here so that `validate` and `k8s render` say it at the key, not kubectl:
+_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a DNS-1123 subdomain
+_QUALIFIED_RE = re.compile(r"(%s/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?" % _SUBDOMAIN_RE.pattern)  # a label key
+_LABEL_VALUE_RE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+_QUANTITY_RE = re.compile(r"(\d+(\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?\d+)?")  # not negative
+
+
+def _subdomain(v: str | None) -> str | None:
+    if v is not None and not (len(v) <= 253 and _SUBDOMAIN_RE.fullmatch(v)):
+        raise ValueError(f"{v!r} is not a Kubernetes object name (lowercase letters, digits, '-' and '.')")
+    return v
+
+
+def _qualified(v: str, what: str) -> str:
+    if not (len(v) <= 316 and _QUALIFIED_RE.fullmatch(v) and len(v.rpartition("/")[2]) <= 63):
+        raise ValueError(f"{v!r} is not a Kubernetes {what} ([prefix/]name: letters, digits, '-', '_', '.')")
+    return v
 
 
 class KubernetesVolumeSpec(_Model):
@@ -23,6 +40,25 @@ class KubernetesVolumeSpec(_Model):
     host_path: str | None = None
     mount_path: str = "/workspace"
     sub_path: str | None = None
+
+    @field_validator("pvc")
+    @classmethod
+    def _pvc(cls, v: str | None) -> str | None:
+        return _subdomain(v)
+
+    @field_validator("host_path", "mount_path")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not (v.startswith("/") and one_line(v) == v):
+            raise ValueError(f"expected an absolute path, got {v!r}")
+        return v
+
+    @field_validator("sub_path")
+    @classmethod
+    def _relative(cls, v: str | None) -> str | None:
+        if v is not None and (v.startswith("/") or ".." in v.split("/") or one_line(v) != v):
+            raise ValueError(f"expected a relative path inside the volume (no '..'), got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> "KubernetesVolumeSpec":
@@ -72,6 +108,52 @@ class KubernetesSpec(_Model):
         if isinstance(v, dict):
             return {r: {k: {n: _scalar_str(q) for n, q in qs.items()} if isinstance(qs, dict) else qs
                         for k, qs in kinds.items()} if isinstance(kinds, dict) else kinds for r, kinds in v.items()}
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, v: dict) -> dict:
+        for kinds in v.values():
+            for quantities in kinds.values():
+                for name, quantity in quantities.items():
+                    _qualified(name, "resource name")
+                    if not _QUANTITY_RE.fullmatch(quantity):
+                        raise ValueError(f"{name}: {quantity!r} is not a Kubernetes quantity (a number of 0 or more, "
+                                         "with a suffix such as m, Mi or Gi)")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        if any(c.isspace() or not c.isprintable() for c in v):
+            raise ValueError(f"an image reference has no spaces or control characters: {v!r}")
+        return v
+
+    @field_validator("gpu_resource")
+    @classmethod
+    def _gpu_resource(cls, v: str) -> str:
+        return _qualified(v, "resource name")
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            _qualified(key, "label key")
+            if not (len(value) <= 63 and _LABEL_VALUE_RE.fullmatch(value)):
+                raise ValueError(f"{key}: {value!r} is not a Kubernetes label value (at most 63 letters, digits, "
+                                 "'-', '_', '.')")
+        return v
+
+    @field_validator("service_account")
+    @classmethod
+    def _account(cls, v: str | None) -> str | None:
+        return _subdomain(v)
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _secrets(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            _subdomain(name)
+        return v
 
 
 def _sbatch_arg(arg: str) -> str:

@@ -414,11 +414,35 @@ def test_render_errors_name_the_key(tmp_path, patch, where, message):
     ("{namespace: a}", "kubernetes.image: required key is missing"),
     ("{image: x, gpu: 2}", "kubernetes.gpu: unknown key"),
     ("{image: x, resources: {worker: {requests: {cpu: 1}}}}", "kubernetes.resources.worker"),
+    # what the API server refuses, said at the key by validate and `k8s render` rather than by kubectl apply
+    ("{image: 'a b'}", "kubernetes.image: an image reference has no spaces or control characters"),
+    ("{image: x, resources: {trainer: {requests: {cpu: -4}}}}", "cpu: '-4' is not a Kubernetes quantity"),
+    ("{image: x, resources: {trainer: {limits: {memory: lots}}}}", "memory: 'lots' is not a Kubernetes quantity"),
+    ("{image: x, resources: {trainer: {limits: {'gpu!': 1}}}}", "'gpu!' is not a Kubernetes resource name"),
+    ("{image: x, gpu_resource: 'not a resource!'}", "kubernetes.gpu_resource: 'not a resource!' is not a Kub"),
+    ("{image: x, workspace: {host_path: rel/dir}}", "kubernetes.workspace.host_path: expected an absolute path"),
+    ("{image: x, workspace: {pvc: c, sub_path: ../../etc}}", "kubernetes.workspace.sub_path: expected a relative"),
+    ("{image: x, workspace: {pvc: c, sub_path: /etc}}", "kubernetes.workspace.sub_path: expected a relative"),
+    ("{image: x, workspace: {pvc: Claim_1}}", "kubernetes.workspace.pvc: 'Claim_1' is not a Kubernetes object"),
+    ("{image: x, node_selector: {'bad key!': a}}", "'bad key!' is not a Kubernetes label key"),
+    ("{image: x, node_selector: {gpu: 'a b'}}", "gpu: 'a b' is not a Kubernetes label value"),
+    ("{image: x, service_account: 'Ops Team'}", "kubernetes.service_account: 'Ops Team' is not a Kubernetes"),
+    ("{image: x, image_pull_secrets: [Regcred]}", "kubernetes.image_pull_secrets: 'Regcred' is not a Kubernetes"),
 ])
 def test_kubernetes_section_is_validated_with_the_spec(kube, message):
     with pytest.raises(SpecError) as info:
         parse_spec(COLLECTIVE.split("kubernetes:")[0] + f"kubernetes: {kube}\n")
     assert any(message in str(p) for p in info.value.problems), [str(p) for p in info.value.problems]
+
+
+def test_what_kubernetes_takes_is_taken():
+    spec = parse_spec(COLLECTIVE.split("kubernetes:")[0] + "kubernetes: {image: 'registry.example:5000/ml/train:v1@sha256:"
+                      + "ab" * 32 + "', resources: {trainer: {requests: {cpu: 500m, memory: 8Gi, nvidia.com/gpu: 1},"
+                      " limits: {memory: 1.5e9, ephemeral-storage: 10G}}}, gpu_resource: amd.com/gpu,"
+                      " node_selector: {kubernetes.io/arch: amd64, gpu: 'true', pool: ''},"
+                      " workspace: {pvc: data.claim-1, sub_path: runs/a, mount_path: /ws}, service_account: trainer,"
+                      " image_pull_secrets: [regcred]}\n")
+    assert spec.kubernetes.resources["trainer"]["limits"]["memory"] == "1.5e9"
 
 
 def test_gpus_per_trainer_overrides_a_mixed_plan():
