@@ -73,11 +73,11 @@ def check_user(value: str) -> str:
 
 
 def parse_jump(hop: str) -> tuple[str | None, str, int | None]:
-    """`[user@]host[:port]` (IPv6 as `[addr]:port`) -> (user, host, port); ValueError when malformed."""
-    user, sep, _ = hop.rpartition("@")
-    if sep:
-        check_user(user)
+    """`[user@]host[:port]` (IPv6 as `[addr]:port`, or an `ssh://` URI) -> (user, host, port); ValueError when
+    malformed."""
     user, host, port = split_jump(hop)  # the form, parsed once for the spec and the transports
+    if user is not None or "@" in hop:
+        check_user(user or "")
     return user, check_address(host), port
 
 

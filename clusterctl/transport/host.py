@@ -53,8 +53,10 @@ class Host:
 
 
 def split_jump(hop: str) -> tuple[str | None, str, int | None]:
-    """`[user@]host[:port]` (IPv6 as `[addr]:port`) -> (user, host, port), unchecked beyond its form;
-    ValueError when the brackets or the port are malformed."""
+    """`[user@]host[:port]` (IPv6 as `[addr]:port`), or the same as an `ssh://` URI as `ssh -J` and ProxyJump take
+    it, -> (user, host, port), unchecked beyond its form; ValueError when the brackets or the port are malformed."""
+    if hop[:6].lower() == "ssh://":
+        hop = hop[6:].removesuffix("/")
     user, sep, rest = hop.rpartition("@")
     port_text = None  # no ':' after the host; "" (`host:`) is a port left out: refused, as OpenSSH does
     if rest.startswith("["):

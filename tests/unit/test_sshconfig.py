@@ -239,6 +239,26 @@ def test_ipv6_addresses_and_bracketed_jumps_are_fine(tmp_path):
     assert plan.hosts[0].jump == ("ops@[fd00::1]:2222",)
 
 
+def test_a_jump_host_as_an_ssh_uri_is_taken_as_ssh_takes_it(tmp_path):
+    # `ssh -J ssh://ops@gw:2222` and ProxyJump take the URI form; the spec refused it ("not a valid user name:
+    # 'ssh://ops'") and the paramiko path would have dialled a host named "ssh"
+    from clusterctl.transport.host import split_jump
+
+    assert split_jump("ssh://ops@gw:2222") == ("ops", "gw", 2222)
+    assert split_jump("SSH://gw/") == (None, "gw", None)
+    assert split_jump("ssh://[fd00::1]:22") == (None, "fd00::1", 22)
+    spec = _spec(tmp_path, """\
+        name: t
+        ssh: {config: none, proxy_jump: "ssh://ops@gw.example:2222"}
+        hosts: [{address: h1}]
+        job: {entrypoint: [x]}
+        """)
+    assert plan_for(spec).hosts[0].jump == ("ssh://ops@gw.example:2222",)
+    with pytest.raises(SpecError, match="not a valid user name"):
+        _spec(tmp_path, "name: t\nssh: {config: none, proxy_jump: 'ssh://a b@gw'}\nhosts: [{address: h}]\n"
+                        "job: {entrypoint: [x]}\n")
+
+
 # ------------------------------------------------------------------ one `ssh -G` per class of names, not per name
 
 VARIED = """\
