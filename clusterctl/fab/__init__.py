@@ -121,8 +121,24 @@ def _refusal(program, exc, *, numbers: bool, loading: bool) -> str | None:
         return _exit_message(program, exc) if exc.message and exc.code and not exc.message.startswith(PREFIX) \
             else None
     if numbers and isinstance(exc, ValueError):
-        return f"a whole number was expected: {exc}"
+        return _not_a_number(getattr(program, "argv", None) or [], exc)
     return _loading_error(program, exc) if loading else None
+
+
+def _not_a_number(argv: list[str], exc: ValueError) -> str:
+    """The line for a word Invoke's int() refused, naming the flag it was given to (Invoke's error does not)."""
+    found = re.fullmatch(r"invalid literal for int\(\) with base \d+: '(.*)'", str(exc), re.S)
+    if found is None:
+        return f"a whole number was expected: {exc}"
+    word = found.group(1)
+    for before, arg in zip(argv, argv[1:]):
+        if arg == word and before.startswith("-"):
+            return f"{before}: a whole number was expected, got {word!r}"
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        if eq and value == word and flag.startswith("-"):
+            return f"{flag}: a whole number was expected, got {word!r}"
+    return f"a whole number was expected, got {word!r}"
 
 
 # the program's steps, in Program.run's order: Fabric's core flags; the fabfile (clusterctl's is imported here);
