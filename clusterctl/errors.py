@@ -26,6 +26,12 @@ class ClusterctlError(Exception):
     exit_code = 1
 
 
+class UsageError(ClusterctlError):
+    """A command line argparse would have refused (a value out of its range): exit 2, as argparse does."""
+
+    exit_code = 2
+
+
 @dataclass(frozen=True)
 class SpecProblem:
     """One problem in a spec file, located as precisely as the YAML allows."""

@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..console import LinePrinter, error
-from ..errors import ClusterctlError
+from ..errors import ClusterctlError, UsageError
 
 __all__ = ["cmd_validate", "cmd_plan", "cmd_exec", "dumps_plan", "PLAN_ROWS"]
 
@@ -107,12 +107,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 MAX_EXEC_TIMEOUT_S = 7 * 24 * 3600
 
 
-class _UsageError(ClusterctlError):
-    """A command line argparse would have refused: exit 2, as argparse does."""
-
-    exit_code = 2
-
-
 def cmd_exec(args: argparse.Namespace) -> int:
     """Run a command on every host; exit with the worst host's exit code."""
     from ..backends import ssh_session
@@ -127,9 +121,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
             try:
                 mine, unknown = own.parse_known_args(argv[:cut])
             except argparse.ArgumentError as exc:
-                raise _UsageError(f"exec: {exc}") from None
+                raise UsageError(f"exec: {exc}") from None
             if unknown:
-                raise _UsageError(f"exec: unknown option {' '.join(unknown)} (exec's options go before --, "
+                raise UsageError(f"exec: unknown option {' '.join(unknown)} (exec's options go before --, "
                                       "the command after it)")
             args.timeout = mine.timeout
         argv = argv[cut + 1:]
@@ -137,7 +131,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
         raise ClusterctlError("exec needs a command after --, e.g. clusterctl exec cluster.yaml -- hostname")
     if args.timeout is not None and not 0 < args.timeout <= MAX_EXEC_TIMEOUT_S:  # also NaN: no comparison holds
         # coreutils `timeout 0` runs without a limit, a negative one is an option to it, inf overflows the clock
-        raise _UsageError(f"exec: --timeout must be more than 0 and at most {MAX_EXEC_TIMEOUT_S} seconds, "
+        raise UsageError(f"exec: --timeout must be more than 0 and at most {MAX_EXEC_TIMEOUT_S} seconds, "
                           f"not {args.timeout:g}")
     with ssh_session(args.spec) as session:
         width = max(len(h.label) for h in session.plan.hosts)

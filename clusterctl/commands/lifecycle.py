@@ -10,7 +10,7 @@ import threading
 import time
 
 from ..console import paint, printable, use_colour, write_line, write_text
-from ..errors import ClusterctlError
+from ..errors import UsageError
 from ..host.states import ACTIVE_JOB_STATES, JobState
 
 
@@ -109,7 +109,7 @@ def run_stop(spec) -> int:
 def run_logs(spec, *, follow=False, role=None, id=None, host=None, lines=None) -> int:
     """Print `[host role.id] line` for every selected log, optionally following."""
     if lines is not None and lines < 0:  # refused here once, not by every host's agent
-        raise ClusterctlError(f"logs: the number of lines must be 0 or more, not {lines}")
+        raise UsageError(f"logs: the number of lines must be 0 or more, not {lines}")
     with _open(spec) as backend:
         return backend.logs(on_line=_raw_line, follow=follow, role=role, id=id, host=host, lines=lines)
 

@@ -52,7 +52,7 @@ def test_exec_takes_a_timeout_within_bounds(ran, capsys):
 
 def test_logs_refuses_a_negative_line_count_once(tmp_path, capsys):
     # refused before the spec is even read: every host's agent would refuse it too, once per host
-    assert cli.main(["logs", str(tmp_path / "never-read.yaml"), "-n", "-5"]) == 1
+    assert cli.main(["logs", str(tmp_path / "never-read.yaml"), "-n", "-5"]) == 2  # a usage error, as exec's
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["clusterctl: error: logs: the number of lines must be 0 or more, not -5"]
 
