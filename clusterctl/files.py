@@ -12,7 +12,7 @@ __all__ = ["SPEC_LIMIT", "TooLarge", "NotAFile", "read_limited", "read_spec_byte
 
 SPEC_LIMIT = 1 << 20  # a spec larger than 1 MiB is refused before parsing
 
-_ONCE: dict[str, bytes] = {}  # a spec that is not a regular file (`/dev/stdin`, `<(...)`): its bytes, read once
+_ONCE: dict[tuple, bytes] = {}  # a spec that is not a regular file (`/dev/stdin`, `<(...)`): its bytes, read once
 
 
 class TooLarge(OSError):
@@ -60,12 +60,15 @@ def read_spec_bytes(path: str | os.PathLike) -> bytes:
     bytes kept, so that every reader of the spec (the plan cache, the loader, a backend) sees them; a regular file
     is read each time (it may change between two commands of one process)."""
     name = os.fspath(path)
-    if name in _ONCE:
-        return _ONCE[name]
-    data = read_limited(name, SPEC_LIMIT, wait=True)
     try:
-        if not stat.S_ISREG(os.stat(name).st_mode):
-            _ONCE[name] = data
+        st = os.stat(name)
+        key = (name, st.st_dev, st.st_ino)  # another pipe under the same name (`/dev/fd/5` again) is another spec
+        once = not stat.S_ISREG(st.st_mode)
     except OSError:
-        _ONCE[name] = data  # gone after reading (a process substitution's fd): as a pipe
+        key, once = (name, None, None), False  # read_limited says why
+    if key in _ONCE:
+        return _ONCE[key]
+    data = read_limited(name, SPEC_LIMIT, wait=True)
+    if once:
+        _ONCE[key] = data
     return data

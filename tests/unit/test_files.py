@@ -89,3 +89,22 @@ def test_a_spec_given_as_a_pipe_is_read_once_by_every_command(tmp_path, monkeypa
         os.close(read)
     assert spec is not None and spec.name == "piped"
     assert [h.address for h in plan.hosts] == ["10.0.0.1", "10.0.0.2"]
+
+
+@pytest.mark.timeout(30)
+def test_another_pipe_under_the_same_name_is_another_spec():
+    # `/dev/fd/N` names whichever pipe fd N is now: kept bytes are the pipe's, not the name's
+    from clusterctl.files import read_spec_bytes
+
+    spare = os.dup(0)
+    try:
+        for text in (b"name: first\n", b"name: second\n"):
+            read, write = os.pipe()
+            os.write(write, text)
+            os.close(write)
+            os.dup2(read, spare)
+            os.close(read)
+            assert read_spec_bytes(f"/dev/fd/{spare}") == text
+            assert read_spec_bytes(f"/dev/fd/{spare}") == text  # and again: kept, the pipe is empty now
+    finally:
+        os.close(spare)
