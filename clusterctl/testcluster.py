@@ -72,7 +72,7 @@ ROLE_LABEL = "clusterctl.testcluster.role"  # "bastion" on the bastion; nodes ca
 # connect from here fails at once ("No route to host") instead of leaving through the default route.
 ROUTE_METRIC = 4242
 HIDE_OPTION = "com.docker.network.bridge.inhibit_ipv4"  # a bridge on which the host takes no IPv4 address
-USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}\Z")
 NODE_UID = 1000
 NODE_IMAGE_REPO = "clusterctl/testcluster-node"
 LOCAL_BASE_REPO = "clusterctl/bookworm-base"
@@ -106,7 +106,7 @@ SSH_WAIT_TIMEOUT = 60.0  # per node, for sshd to generate host keys and answer
 INTERNAL_PROBE_TIMEOUT = 15.0  # how long an --internal network gets to prove the host reaches nodes
 BUILD_TIMEOUT = 1800.0
 DEBOOTSTRAP_TIMEOUT = 1800.0
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,40}$")
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,40}\Z")
 
 Progress = Callable[[str], None]
 T = TypeVar("T")

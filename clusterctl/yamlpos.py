@@ -15,7 +15,7 @@ import yaml
 
 from .files import SPEC_LIMIT
 
-__all__ = ["Located", "load_located", "YamlSyntaxError", "MAX_BYTES", "MAX_DEPTH", "MAX_NODES"]
+__all__ = ["Located", "load_located", "YamlSyntaxError", "WrittenFloat", "MAX_BYTES", "MAX_DEPTH", "MAX_NODES"]
 
 Path = tuple  # a tuple of str keys / int indices
 
@@ -67,6 +67,13 @@ def _one_line(text: object) -> str:
     """A message from PyYAML or Python on one line, control characters escaped."""
     s = " ".join(str(text).split())
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)[:300]
+
+
+class WrittenFloat(float):
+    """A number of the spec's `provision:` section with the text it was written as (`text`): a version such as
+    `cuda: 12.10` or `mpi4py: 4.10` is that text, which the float (12.1, 4.1) has lost."""
+
+    text: str
 
 
 def load_located(text: str) -> Located:
@@ -222,7 +229,11 @@ class _Builder:
             if node.tag != "tag:yaml.org,2002:seq":
                 raise YamlSyntaxError(f"unsupported tag {_one_line(node.tag)} on a list", *_mark(node))
             return [self.build(item, path + (i,), depth + 1) for i, item in enumerate(node.value)]
-        return self._scalar(node)
+        value = self._scalar(node)
+        if path[:1] == ("provision",) and type(value) is float:  # versions there: `cuda: 12.10` is not 12.1
+            value = WrittenFloat(value)
+            value.text = node.value
+        return value
 
     def _scalar(self, node: yaml.Node) -> object:
         if node.tag == _STR_TAG and isinstance(node, yaml.ScalarNode):

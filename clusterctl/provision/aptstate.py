@@ -58,9 +58,9 @@ _ALLOWED = [
     (re.compile(rf"usr/share/keyrings/{_NAME}"), "keyring"),
     (re.compile(r"var/lib/dpkg/status"), "status"),
 ]
-_ARCH_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
-_DEB_RE = re.compile(r"^[A-Za-z0-9+][A-Za-z0-9._+~%-]{0,254}\.deb$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_ARCH_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}\Z")
+_DEB_RE = re.compile(r"^[A-Za-z0-9+][A-Za-z0-9._+~%-]{0,254}\.deb\Z")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def allowed_kind(path: str) -> str | None:
@@ -77,7 +77,7 @@ import base64, hashlib, json, os, re, subprocess, sys
 repo = sys.argv[1]
 if not repo.startswith("/"):
     repo = os.path.join(os.path.expanduser("~"), repo)
-NAME = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9_.+:-]{0,127}$")
+NAME = re.compile(r"^[A-Za-z0-9_+-][A-Za-z0-9_.+:-]{0,127}\Z")
 print("HEADER")
 def emit(obj):
     sys.stdout.write(json.dumps(obj) + "\n")
@@ -279,13 +279,13 @@ SOURCE_OPTIONS = {
 }
 _ONE_LINE = {v: k for k, v in SOURCE_OPTIONS.items()}
 _FIELD_CANON = {k.lower(): k for k in (*SOURCE_OPTIONS, "Types", "URIs", "Suites", "Components", "Enabled")}
-_VALUE_RE = re.compile(r"^[A-Za-z0-9_.,:+-]{1,128}$")
-_SUITE_RE = re.compile(r"^[A-Za-z0-9_.~+/$()-]{1,128}$")
-_COMPONENT_RE = re.compile(r"^[A-Za-z0-9_.~+/-]{1,64}$")
-_URI_RE = re.compile(r"^https?://[A-Za-z0-9._~:/?#@!$&'()*+,;=%\[\]-]{1,1024}$")
-_KEYPATH_RE = re.compile(r"^/[A-Za-z0-9_.+/-]{1,255}$")
-_FINGERPRINT_RE = re.compile(r"^[0-9A-Fa-f]{16,40}!?$")
-_ARMOR_LINE_RE = re.compile(r"^[A-Za-z0-9+/=:. ,()@<>_-]{0,128}$")
+_VALUE_RE = re.compile(r"^[A-Za-z0-9_.,:+-]{1,128}\Z")
+_SUITE_RE = re.compile(r"^[A-Za-z0-9_.~+/$()-]{1,128}\Z")
+_COMPONENT_RE = re.compile(r"^[A-Za-z0-9_.~+/-]{1,64}\Z")
+_URI_RE = re.compile(r"^https?://[A-Za-z0-9._~:/?#@!$&'()*+,;=%\[\]-]{1,1024}\Z")
+_KEYPATH_RE = re.compile(r"^/[A-Za-z0-9_.+/-]{1,255}\Z")
+_FINGERPRINT_RE = re.compile(r"^[0-9A-Fa-f]{16,40}!?\Z")
+_ARMOR_LINE_RE = re.compile(r"^[A-Za-z0-9+/=:. ,()@<>_-]{0,128}\Z")
 
 
 @dataclass(frozen=True)
@@ -411,7 +411,7 @@ def _one_line(name: str, text: str, keyrings: set[str], notes: list[str]) -> lis
         if not line:
             continue
         where = f"/{name}:{lineno}"
-        m = re.match(r"^(deb|deb-src)\s+(?:\[([^\]]*)\]\s*)?(\S+)\s+(\S+)((?:\s+\S+)*)\s*$", line)
+        m = re.match(r"^(deb|deb-src)\s+(?:\[([^\]]*)\]\s*)?(\S+)\s+(\S+)((?:\s+\S+)*)\s*\Z", line)
         if not m:
             notes.append(f"{where}: not a source line: {_shown(line)}")
             continue

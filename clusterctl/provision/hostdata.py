@@ -76,13 +76,13 @@ def last_object(lines: list[str]) -> dict:
     raise BadReply(f"no JSON reply (last line: {shown(tail) or 'nothing'})")
 
 
-_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
-_HOST_KEY_RE = re.compile(r"^(ssh-ed25519 [A-Za-z0-9+/]{16,200}={0,2})?$")
-_PYTHON_RE = re.compile(r"^\d{1,2}\.\d{1,3}$")
-_IMPL_RE = re.compile(r"^[a-z]{1,16}$")
-_MACHINE_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
-_GLIBC_RE = re.compile(r"^(\d{1,3}\.\d{1,4})?$")
-_SUDO_RE = re.compile(r"^(|root|ok|password|missing|error: .{0,500})$", re.S)
+_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}\Z")
+_HOST_KEY_RE = re.compile(r"^(ssh-ed25519 [A-Za-z0-9+/]{16,200}={0,2})?\Z")
+_PYTHON_RE = re.compile(r"^\d{1,2}\.\d{1,3}\Z")
+_IMPL_RE = re.compile(r"^[a-z]{1,16}\Z")
+_MACHINE_RE = re.compile(r"^[A-Za-z0-9_]{1,32}\Z")
+_GLIBC_RE = re.compile(r"^(\d{1,3}\.\d{1,4})?\Z")
+_SUDO_RE = re.compile(r"^(|root|ok|password|missing|error: .{0,500})\Z", re.S)
 
 
 def _string(data: dict, key: str, pattern: re.Pattern | None = None, *, limit: int = 4096, default: str | None = None) -> str:

@@ -25,9 +25,9 @@ __all__ = [
     "CommandSpec",
 ]
 
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]*$")  # Debian package names
-_APT_VERSION_RE = re.compile(r"^[A-Za-z0-9.+~:-]+$")
-_STEP_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]*\Z")  # Debian package names
+_APT_VERSION_RE = re.compile(r"^[A-Za-z0-9.+~:-]+\Z")
+_STEP_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 
 
 class _Model(BaseModel):
@@ -82,7 +82,7 @@ class AptSource(_Model):
     @field_validator("uri")
     @classmethod
     def _uri(cls, v: str) -> str:
-        if not re.match(r"^(https?|file|ftp):[^\s\]\[]+$", v):
+        if not re.match(r"^(https?|file|ftp):[^\s\]\[]+\Z", v):
             raise ValueError(f"expected an http(s)://, ftp:// or file: URI, not {v!r}")
         return v
 
@@ -91,6 +91,14 @@ class AptSource(_Model):
     def _suite(cls, v: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9./_-]+", v):
             raise ValueError(f"not an apt suite: {v!r}")
+        return v
+
+    @field_validator("components")
+    @classmethod
+    def _components(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for component in v:  # a word of the source's one line: a newline in it would add a source of its own
+            if not re.fullmatch(r"[A-Za-z0-9._/-]+", component):
+                raise ValueError(f"not an apt component: {component!r}")
         return v
 
     @model_validator(mode="after")
@@ -163,6 +171,11 @@ class AptSpec(_Model):
         return self
 
 
+def _as_written(v: int | float) -> str:
+    """A version the spec wrote as a number, as it was written (`12.10`, not the float's `12.1`)."""
+    return getattr(v, "text", None) or str(v)
+
+
 class GpuComponent(_Model):
     """cuda / cudnn / nccl: a version and how to install it (apt repository or pip wheels)."""
 
@@ -173,7 +186,7 @@ class GpuComponent(_Model):
     @classmethod
     def _shorthand(cls, v: Any) -> Any:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return {"version": str(v)}
+            return {"version": _as_written(v)}
         return {"version": v} if isinstance(v, str) else v
 
 
@@ -203,6 +216,14 @@ class PythonSpec(_Model):
     def _venv(cls, v: str) -> str:
         return _remote_path(v, "venv path", tilde=True)
 
+    @field_validator("requirements")
+    @classmethod
+    def _requirements(cls, v: tuple[str, ...] | str) -> tuple[str, ...] | str:
+        for item in (v,) if isinstance(v, str) else v:
+            if item.startswith("-") or any(c in item for c in "\r\n\0"):  # pip's options: refused as in the file
+                raise ValueError(f"one requirement per item, not a pip option or a line of its own: {item!r}")
+        return v
+
     @field_validator("interpreter")
     @classmethod
     def _interpreter(cls, v: str) -> str:
@@ -227,7 +248,7 @@ class MpiSpec(_Model):
     @classmethod
     def _ver(cls, v: Any) -> Any:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            v = str(v)
+            v = _as_written(v)
         if isinstance(v, str) and not re.fullmatch(r"[0-9][0-9A-Za-z.*+!-]*", v):
             raise ValueError(f"not a version: {v!r}")
         return v
@@ -245,6 +266,13 @@ class WheelhouseSpec(_Switch):
     @classmethod
     def _remote(cls, v: str) -> str:
         return _remote_path(v, tilde=True)
+
+    @field_validator("index_url")
+    @classmethod
+    def _index(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"(https?|file)://[^\s]+", v):
+            raise ValueError(f"expected an http(s):// or file:// URL, not {v!r}")
+        return v
 
 
 class SshMeshSpec(_Switch):

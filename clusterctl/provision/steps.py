@@ -93,10 +93,14 @@ def sudo_problem(host_label: str, facts: HostFacts) -> str:
 
 def read_requirements(path: Path) -> list[str]:
     """Requirement lines of a requirements file (comments and blank lines dropped); options are refused."""
-    try:
-        text = path.read_text(encoding="utf-8")
+    from ..files import read_limited
+
+    try:  # bounded, and a FIFO refused rather than waited on
+        text = read_limited(path, 4 << 20).decode("utf-8")
     except OSError as exc:
         raise ProvisionError(f"cannot read python.requirements file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ProvisionError(f"python.requirements file {path} is not UTF-8 text") from None
     reqs = []
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = re.sub(r"(^|\s)#.*$", "", raw).strip()
@@ -187,8 +191,10 @@ def _source_ctx(spec, src: AptSource) -> dict:
     key = ""
     if src.signed_by:
         path = spec.local_path(src.signed_by)
-        try:
-            key = base64.b64encode(path.read_bytes()).decode()
+        from ..files import read_limited
+
+        try:  # a keyring is kilobytes: bounded, and a FIFO refused rather than waited on
+            key = base64.b64encode(read_limited(path, 1 << 20)).decode()
         except OSError as exc:
             raise ProvisionError(f"cannot read apt keyring {path}: {exc.strerror or exc}") from None
     return {"name": src.name, "line": source_line(src), "key_b64": key}

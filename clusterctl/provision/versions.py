@@ -45,7 +45,7 @@ CUDA_MIN_DRIVER: dict[str, str] = {
 # cuDNN major -> CUDA majors it is built for.
 _CUDNN_CUDA_MAJORS = {8: (10, 11, 12), 9: (11, 12, 13)}
 
-_CUDA_RE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?$")
+_CUDA_RE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?\Z")
 _CUDA_BUILD_RE = re.compile(r"\+cuda(\d+)\.(\d+)$")
 
 
@@ -113,7 +113,7 @@ def cudnn_apt_packages(cudnn_version: str, cuda_version: str) -> list[tuple[str,
 
 
 def _cudnn_major(cudnn_version: str, cuda_major: int) -> int:
-    m = re.match(r"^(\d+)\.\d+", cudnn_version)
+    m = re.fullmatch(r"(\d+)\.\d+(?:\.\d+)*(?:-\d+)?(?:\+cuda\d+\.\d+)?", cudnn_version)
     if not m:
         raise ValueError(f"cuDNN version must look like 9.1.0.70, not {cudnn_version!r}")
     major = int(m.group(1))
@@ -128,7 +128,7 @@ def _cudnn_major(cudnn_version: str, cuda_major: int) -> int:
 def nccl_apt_version(nccl_version: str, cuda_version: str) -> str:
     """The libnccl2/libnccl-dev version: '2.21.5' with CUDA 12.4 → '2.21.5-1+cuda12.4'; checks the major."""
     cuda_major, cuda_minor = parse_cuda(cuda_version)
-    if not re.match(r"^2\.\d+\.\d+", nccl_version):
+    if not re.fullmatch(r"2\.\d+\.\d+(?:-\d+)?(?:\+cuda\d+\.\d+)?", nccl_version):
         raise ValueError(f"NCCL version must look like 2.21.5 or 2.21.5-1+cuda12.4, not {nccl_version!r}")
     _build_suffix_major(nccl_version, "nccl", cuda_major)
     version = nccl_version if "-" in nccl_version else f"{nccl_version}-1"

@@ -104,6 +104,40 @@ BAD = [
         id="source-trust",
     ),
     pytest.param("  apt: {lock_timeout: -1}\n", "cluster.yaml:8:9: provision.apt.lock_timeout: input should be greater than or equal to 0", id="lock-timeout"),
+    # a newline in a word of the source's line wrote a second source (trusted, here) into the host's list file
+    pytest.param(
+        "  apt: {sources: [{name: a, uri: 'http://x/', suite: bookworm, components: [\"main\\ndeb [trusted=yes] http://evil.example/ ./\"]}]}\n",
+        "cluster.yaml:8:64: provision.apt.sources[0].components: not an apt component: 'main\\ndeb [trusted=yes] http://evil.example/ ./'",
+        id="component-newline",
+    ),
+    pytest.param(  # `$` matched before a final newline: the URI, names and packages took one
+        "  apt: {sources: [{name: a, uri: \"http://x/\\n\"}]}\n",
+        "cluster.yaml:8:29: provision.apt.sources[0].uri: expected an http(s)://, ftp:// or file: URI, not 'http://x/\\n'",
+        id="uri-newline",
+    ),
+    pytest.param("  apt: [\"jq\\n\"]\n", "cluster.yaml:8:3: provision.apt.packages: not a Debian package name: 'jq\\n'", id="pkg-newline"),
+    # a version written as a number is the text written: 12.10 was CUDA 12.1, and 4.10 mpi4py 4.1
+    pytest.param("  cuda: 12.10\n", "cluster.yaml:8:3: provision.cuda.version: unknown CUDA release 12.10 (known: 11.0, 11.1, 11.2, 11.3, 11.4, 11.5, 11.6, 11.7, 11.8, 12.0, 12.1, 12.2, 12.3, 12.4, 12.5, 12.6, 12.8, 12.9, 13.0)", id="cuda-as-written"),
+    pytest.param(  # only the version's start was checked: the rest went into the apt pin or the pip requirement
+        "  cuda: '12.4'\n  cudnn: '9.1.0.70; python_version<\"3\"'\n",
+        "cluster.yaml:9:3: provision.cudnn: cuDNN version must look like 9.1.0.70, not '9.1.0.70; python_version<\"3\"'",
+        id="cudnn-whole-version",
+    ),
+    pytest.param(
+        "  cuda: '12.4'\n  nccl: '2.21.5garbage'\n",
+        "cluster.yaml:9:3: provision.nccl: NCCL version must look like 2.21.5 or 2.21.5-1+cuda12.4, not '2.21.5garbage'",
+        id="nccl-whole-version",
+    ),
+    pytest.param(  # the file form refused pip's options; the list form passed them to pip download and install
+        "  python: {requirements: ['--index-url=http://evil.example/simple', numpy]}\n",
+        "cluster.yaml:8:12: provision.python.requirements: one requirement per item, not a pip option or a line of its own: '--index-url=http://evil.example/simple'",
+        id="requirement-option",
+    ),
+    pytest.param(
+        "  wheelhouse: {index_url: ''}\n  python: {requirements: [numpy]}\n",
+        "cluster.yaml:8:16: provision.wheelhouse.index_url: expected an http(s):// or file:// URL, not ''",
+        id="index-url",
+    ),
 ]
 
 
@@ -133,6 +167,10 @@ def test_requirements_file_is_read_from_the_workspace(tmp_path):
     assert requirements(load_spec(path)) == ["numpy==2.1.0", "mpi4py"]
     (tmp_path / "ws" / "req.txt").write_text("--index-url http://x\nnumpy\n")
     with pytest.raises(ProvisionError, match=r"req.txt:1: option lines \(--index-url\) are not supported"):
+        requirements(load_spec(path))
+    (tmp_path / "ws" / "req.txt").unlink()
+    os.mkfifo(tmp_path / "ws" / "req.txt")  # was waited on for ever (and /dev/zero read until memory ran out)
+    with pytest.raises(ProvisionError, match=r"req.txt: not a file \(a FIFO or a socket\)"):
         requirements(load_spec(path))
 
 
