@@ -43,6 +43,11 @@ CONTRACT_ENV = frozenset(
 )
 
 
+# ... and the names each host's supervisor gives its processes: the job's token (the pservers and the PMI server
+# authenticate with it), whether it is used, the job's directory (its stop finds the processes by them).
+SUPERVISOR_ENV = frozenset({"CLUSTERCTL_AUTH", "CLUSTERCTL_JOB_TOKEN", "CLUSTERCTL_JOBDIR"})
+
+
 def one_line(value: str) -> str:
     """A path (or an #SBATCH value) as one line of printable characters: a control or line-separator character
     would end a line of the sbatch script, of a shell command or of a log, so it is refused (ValueError)."""
@@ -196,6 +201,9 @@ class JobSpec(_Model):
                 raise ValueError(f"{k!r} is not a valid environment variable name")
             if k in CONTRACT_ENV or k in RESTART_ENV:
                 raise ValueError(f"{k} is set by clusterctl from the plan; remove it from job.env")
+            if k in SUPERVISOR_ENV:
+                raise ValueError(f"{k} is clusterctl's, set by each host's supervisor; remove it from job.env"
+                                 + (" (job.auth: none turns the job token off)" if k == "CLUSTERCTL_AUTH" else ""))
             out[k] = _scalar_str(x)
         return out
 

@@ -136,6 +136,12 @@ BAD = [
         ["11:3: job.env: RANK is set by clusterctl from the plan; remove it from job.env"],
         id="env-contract-clash",
     ),
+    pytest.param(  # CLUSTERCTL_AUTH: none reached the processes while job.auth said token: pservers served anyone
+        GOOD.replace("  pservers: 1", "  pservers: 1\n  env: {CLUSTERCTL_AUTH: none}"),
+        ["11:3: job.env: CLUSTERCTL_AUTH is clusterctl's, set by each host's supervisor; remove it from job.env "
+         "(job.auth: none turns the job token off)"],
+        id="env-supervisor-clash",
+    ),
     pytest.param(  # execve cannot pass a NUL: refused here, not by the host supervisor after the launch
         GOOD.replace("[python3, train.py]", '[python3, "tr\\0ain.py"]').replace(
             "  pservers: 1", '  pservers: 1\n  args: [a, "\\0"]\n  env: {A: "x\\0"}'),
