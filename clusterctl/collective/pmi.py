@@ -935,7 +935,15 @@ class PMIServer:
 
     # -- deadlines -------------------------------------------------------------------------------
     def _missing(self, present, size: int) -> str:
-        return ", ".join(str(r) for r in range(size) if r not in present)
+        """The ranks of 0..size-1 not in `present`: the first 16, and how many in all (one line, whatever the size)."""
+        shown = []
+        for r in range(size):
+            if r not in present:
+                shown.append(str(r))
+                if len(shown) == 16:
+                    break
+        count = size - sum(1 for r in present if isinstance(r, int) and 0 <= r < size)
+        return ", ".join(shown) + (f", ... ({count:,} in all)" if count > len(shown) else "")
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()

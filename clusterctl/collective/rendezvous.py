@@ -63,6 +63,9 @@ def _int_env(name: str) -> int:
         raise CollectiveError(f"{name}={raw!r}: expected an integer") from None
 
 
+MAX_WORLD = 1 << 20  # ranks in one world: far beyond any plan (16,384 processes), far below a typo's 10**8
+
+
 def prepare_environment(*, timeout: float) -> None:
     """Before MPI_Init: under clusterctl's ssh launcher, set up PMI so all ranks join one MPI world."""
     global _server, _joined, _control
@@ -74,6 +77,9 @@ def prepare_environment(*, timeout: float) -> None:
     size = _int_env("WORLD_SIZE")
     if size <= 1:
         return
+    if size > MAX_WORLD:
+        raise CollectiveError(f"WORLD_SIZE={size} is more ranks than a world of clusterctl's can hold "
+                              f"(at most {MAX_WORLD:,})")
     missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v, "").strip()]
     if missing:
         raise CollectiveError(f"WORLD_SIZE={size} but {', '.join(missing)} not set: cannot join the MPI world "

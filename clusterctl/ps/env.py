@@ -40,7 +40,10 @@ class PsEnv:
     checkpoint_every: int = 0
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+MAX_TRAINERS = 1 << 16  # trainers of one job: beyond any plan (16,384 processes); their ids fit in one reply
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None, most: int = 10**9) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         if default is None:
@@ -48,6 +51,8 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         return default
     if not _INT.fullmatch(raw.strip()):
         raise PsConfigError(f"environment variable {name}={raw!r} is not an integer")
+    if int(raw) > most:  # what the wire carries, and what a job can be: a typo's 10**18 is refused here
+        raise PsConfigError(f"environment variable {name}={raw.strip()} is more than {most:,}")
     return int(raw)
 
 
@@ -91,7 +96,7 @@ def from_env(env: Mapping[str, str] | None = None) -> PsEnv:
     current = e.get("PADDLE_CURRENT_ENDPOINT", "")
     if not current and e.get("POD_IP") and e.get("PADDLE_PORT"):
         current = f"{e['POD_IP']}:{e['PADDLE_PORT']}"
-    num_trainers = _int(e, "PADDLE_TRAINERS_NUM")
+    num_trainers = _int(e, "PADDLE_TRAINERS_NUM", most=MAX_TRAINERS)
     if num_trainers < 1:
         raise PsConfigError(f"PADDLE_TRAINERS_NUM must be >= 1, got {num_trainers}")
     # A trainer of a multi-trainer job must know its id: defaulting to 0 would alias trainer 0.
@@ -113,6 +118,9 @@ def from_env(env: Mapping[str, str] | None = None) -> PsEnv:
     k_steps = _int(e, "CLUSTERCTL_PS_K_STEPS", 1)
     if k_steps < 1:
         raise PsConfigError(f"CLUSTERCTL_PS_K_STEPS must be >= 1, got {k_steps}")
+    chunk = _int(e, "CLUSTERCTL_PS_CHUNK_BYTES", 4 << 20, most=1 << 30)
+    if chunk < 8 or chunk % 8:  # read (leniently) at import by ps.protocol: refused here, where it is the job's
+        raise PsConfigError(f"CLUSTERCTL_PS_CHUNK_BYTES must be a positive multiple of 8, got {chunk}")
     barrier = _seconds(e, "CLUSTERCTL_PS_BARRIER_TIMEOUT", 300.0)
     every = _int(e, "CLUSTERCTL_PS_CHECKPOINT_EVERY", 0)
     if every < 0:

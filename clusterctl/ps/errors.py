@@ -65,10 +65,9 @@ class BarrierTimeoutError(PsError):
         self.missing = tuple(sorted(missing))
         self.timeout = timeout
         self.step = step
-        super().__init__(
-            f"sync barrier for step {step} timed out after {timeout:g}s; "
-            f"missing trainer id(s): {', '.join(map(str, self.missing))}"
-        )
+        shown = ", ".join(map(str, self.missing[:16])) + (
+            f", ... ({len(self.missing):,} in all)" if len(self.missing) > 16 else "")
+        super().__init__(f"sync barrier for step {step} timed out after {timeout:g}s; missing trainer id(s): {shown}")
 
 
 class CheckpointError(PsError):

@@ -63,7 +63,17 @@ MAX_HEADER_BYTES = 4 << 20
 #: Tensors larger than this go out as several frames: small enough that the receiver's allocator reuses
 #: them (no fresh mmap + page faults per message), large enough that per-frame costs stay negligible.
 #: Override with CLUSTERCTL_PS_CHUNK_BYTES (a positive multiple of 8) in every process of the job.
-CHUNK_BYTES = int(os.environ.get("CLUSTERCTL_PS_CHUNK_BYTES") or 4 << 20)
+def _chunk_bytes(raw: str | None) -> int:
+    """CLUSTERCTL_PS_CHUNK_BYTES, or the default where it is not a sane one (ps.env refuses such a value, in one
+    line, where a pserver or a trainer reads its environment: never a traceback at this import)."""
+    try:
+        value = int(raw or 4 << 20)
+    except ValueError:
+        return 4 << 20
+    return value if 8 <= value <= 1 << 30 and value % 8 == 0 else 4 << 20
+
+
+CHUNK_BYTES = _chunk_bytes(os.environ.get("CLUSTERCTL_PS_CHUNK_BYTES"))
 #: Largest single frame a pserver or client accepts: one chunk, or a header.
 MAX_FRAME_BYTES = max(CHUNK_BYTES, MAX_HEADER_BYTES)
 #: ZMQ_MAXMSGSIZE: a frame on the wire may carry CURVE's 33 bytes (command name, nonce, flags, MAC) more;

@@ -49,6 +49,29 @@ def test_fusion_threshold_env_overflow_is_a_collective_error(monkeypatch, raw):
         _mpi._env_size(_mpi.FUSION_ENV, 1)
 
 
+def test_a_world_size_no_world_can_have_is_refused_before_any_server_starts(monkeypatch):
+    # WORLD_SIZE=100000000: rank 0 started a PMI server that outlived it and then wrote a 988 MB line of the
+    # ranks that never connected
+    from clusterctl.collective import rendezvous
+
+    for name, value in {"WORLD_SIZE": str(10**8), "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(rendezvous, "_mpi_already_initialized", lambda: False)
+    monkeypatch.setattr(rendezvous, "under_mpi_launcher", lambda: False)
+    with pytest.raises(CollectiveError, match=r"^WORLD_SIZE=100000000 is more ranks than a world of clusterctl's "
+                                              r"can hold \(at most 1,048,576\)$"):
+        rendezvous.prepare_environment(timeout=1.0)
+    assert rendezvous._server is None
+
+
+def test_the_ranks_that_never_connected_are_listed_up_to_a_point():
+    from clusterctl.collective.pmi import PMIServer
+
+    assert PMIServer._missing(None, {0: 1, 3: 1}, 10**6) == ("1, 2, " + ", ".join(map(str, range(4, 18)))
+                                                            + ", ... (999,998 in all)")
+    assert PMIServer._missing(None, {0: 1}, 3) == "1, 2"
+
+
 @pytest.mark.parametrize("raw", ["true", "2", "auto"])
 def test_cuda_aware_env_garbage_is_refused(monkeypatch, raw):
     from clusterctl.collective import cuda

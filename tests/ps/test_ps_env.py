@@ -88,3 +88,31 @@ def test_trainers_and_pservers_from_an_env_take_its_token_or_auth_none():
     for auth in ({"CLUSTERCTL_JOB_TOKEN": "t"}, {"CLUSTERCTL_AUTH": "none"}):
         client_from_env(env={**env, **auth}).close()
         server_from_env(env={**env, **auth, "TRAINING_ROLE": "PSERVER", "PADDLE_CURRENT_ENDPOINT": "10.0.0.3:6170"})
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    # 10**18 trainers: a set of every id rebuilt at each barrier check (MemoryError), a missing list too large to
+    # send; a geo k_steps of 23 digits: the pserver refused the header and the trainer saw only a timeout
+    ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINERS_NUM": str(10**18)},
+     "environment variable PADDLE_TRAINERS_NUM=1000000000000000000 is more than 65,536"),
+    ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "1", "CLUSTERCTL_PS_K_STEPS": "9" * 23},
+     f"environment variable CLUSTERCTL_PS_K_STEPS={'9' * 23} is more than 1,000,000,000"),
+    # read with a bare int() when the protocol was imported: a traceback; 0 or 7 failed at the first send
+    ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "1", "CLUSTERCTL_PS_CHUNK_BYTES": "garbage"},
+     "environment variable CLUSTERCTL_PS_CHUNK_BYTES='garbage' is not an integer"),
+    ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "1", "CLUSTERCTL_PS_CHUNK_BYTES": "7"},
+     "CLUSTERCTL_PS_CHUNK_BYTES must be a positive multiple of 8, got 7"),
+])
+def test_counts_and_sizes_out_of_bounds_are_one_line(extra, message):
+    with pytest.raises(PsConfigError) as err:
+        from_env({**BASE, **extra})
+    assert str(err.value) == message
+
+
+def test_a_barriers_missing_trainers_are_listed_up_to_a_point():
+    from clusterctl.ps.errors import BarrierTimeoutError
+
+    err = BarrierTimeoutError(range(5, 65536), 8.0, 3)
+    assert str(err) == ("sync barrier for step 3 timed out after 8s; missing trainer id(s): "
+                        + ", ".join(map(str, range(5, 21))) + ", ... (65,531 in all)")
+    assert len(err.missing) == 65531  # the reply still names every one (the ids of a job fit in one header)
