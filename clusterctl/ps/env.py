@@ -12,6 +12,7 @@ from typing import Any
 
 from .auth import AUTH_ENV, TOKEN_ENV
 from .endpoints import parse_endpoint_list, split_endpoint
+from .protocol import CHUNK_ENV, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, chunk_bytes_ok
 from .errors import PsConfigError
 from .optim import OptimizerConfig
 
@@ -118,9 +119,9 @@ def from_env(env: Mapping[str, str] | None = None) -> PsEnv:
     k_steps = _int(e, "CLUSTERCTL_PS_K_STEPS", 1)
     if k_steps < 1:
         raise PsConfigError(f"CLUSTERCTL_PS_K_STEPS must be >= 1, got {k_steps}")
-    chunk = _int(e, "CLUSTERCTL_PS_CHUNK_BYTES", 4 << 20, most=1 << 30)
-    if chunk < 8 or chunk % 8:  # read (leniently) at import by ps.protocol: refused here, where it is the job's
-        raise PsConfigError(f"CLUSTERCTL_PS_CHUNK_BYTES must be a positive multiple of 8, got {chunk}")
+    chunk = _int(e, CHUNK_ENV, DEFAULT_CHUNK_BYTES, most=MAX_CHUNK_BYTES)
+    if not chunk_bytes_ok(chunk):  # read (leniently) at import by ps.protocol: refused here, where it is the job's
+        raise PsConfigError(f"{CHUNK_ENV} must be a positive multiple of 8, got {chunk}")
     barrier = _seconds(e, "CLUSTERCTL_PS_BARRIER_TIMEOUT", 300.0)
     every = _int(e, "CLUSTERCTL_PS_CHECKPOINT_EVERY", 0)
     if every < 0:

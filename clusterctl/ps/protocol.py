@@ -60,20 +60,30 @@ DTYPES = frozenset({"float16", "float32", "float64"})
 #: A header frame's limit: its tensor table names every block of a request (an `init` of a model with thousands
 #: of parameter tensors: ~80 bytes each), so it is one chunk's default size, which frames may have anyway.
 MAX_HEADER_BYTES = 4 << 20
+CHUNK_ENV = "CLUSTERCTL_PS_CHUNK_BYTES"
+DEFAULT_CHUNK_BYTES = 4 << 20
+MAX_CHUNK_BYTES = 1 << 30
+
+
+def chunk_bytes_ok(value: int) -> bool:
+    """Whether `value` is a chunk size the job may set: a positive multiple of 8, at most MAX_CHUNK_BYTES."""
+    return 8 <= value <= MAX_CHUNK_BYTES and value % 8 == 0
+
+
+def _chunk_bytes(raw: str | None) -> int:
+    """CHUNK_ENV's value, or the default where it is not a sane one: ps.env refuses such a value in one line, where
+    a pserver or a trainer reads its environment (never a traceback at this import)."""
+    try:
+        value = int(raw or DEFAULT_CHUNK_BYTES)
+    except ValueError:
+        return DEFAULT_CHUNK_BYTES
+    return value if chunk_bytes_ok(value) else DEFAULT_CHUNK_BYTES
+
+
 #: Tensors larger than this go out as several frames: small enough that the receiver's allocator reuses
 #: them (no fresh mmap + page faults per message), large enough that per-frame costs stay negligible.
 #: Override with CLUSTERCTL_PS_CHUNK_BYTES (a positive multiple of 8) in every process of the job.
-def _chunk_bytes(raw: str | None) -> int:
-    """CLUSTERCTL_PS_CHUNK_BYTES, or the default where it is not a sane one (ps.env refuses such a value, in one
-    line, where a pserver or a trainer reads its environment: never a traceback at this import)."""
-    try:
-        value = int(raw or 4 << 20)
-    except ValueError:
-        return 4 << 20
-    return value if 8 <= value <= 1 << 30 and value % 8 == 0 else 4 << 20
-
-
-CHUNK_BYTES = _chunk_bytes(os.environ.get("CLUSTERCTL_PS_CHUNK_BYTES"))
+CHUNK_BYTES = _chunk_bytes(os.environ.get(CHUNK_ENV))
 #: Largest single frame a pserver or client accepts: one chunk, or a header.
 MAX_FRAME_BYTES = max(CHUNK_BYTES, MAX_HEADER_BYTES)
 #: ZMQ_MAXMSGSIZE: a frame on the wire may carry CURVE's 33 bytes (command name, nonce, flags, MAC) more;
