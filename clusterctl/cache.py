@@ -16,6 +16,8 @@ import os
 import stat
 from typing import TYPE_CHECKING
 
+from .files import read_fd
+
 if TYPE_CHECKING:  # pathlib (and the urllib.parse it imports) only where a Path is asked for: not for `exec`
     from pathlib import Path
 
@@ -85,11 +87,7 @@ def read_private(path: "str | os.PathLike", limit: int) -> bytes | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077 or st.st_size > limit:
             return None
-        chunks, left = [], limit + 1
-        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
+        data = read_fd(fd, limit)
         return data if len(data) <= limit else None
     except OSError:
         return None

@@ -8,7 +8,7 @@ import errno
 import os
 import stat
 
-__all__ = ["SPEC_LIMIT", "TooLarge", "NotAFile", "read_limited", "read_spec_bytes"]
+__all__ = ["SPEC_LIMIT", "TooLarge", "NotAFile", "read_limited", "read_fd", "read_spec_bytes"]
 
 SPEC_LIMIT = 1 << 20  # a spec larger than 1 MiB is refused before parsing
 
@@ -43,16 +43,21 @@ def read_limited(path: str | os.PathLike, limit: int, *, wait: bool = False) -> 
             raise IsADirectoryError(errno.EISDIR, "is a directory", name)
         if not wait and (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
             raise NotAFile(name)
-        chunks, left = [], limit + 1
-        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
+        data = read_fd(fd, limit)
         if len(data) > limit:
             raise TooLarge(name, limit)
         return data
     finally:
         os.close(fd)
+
+
+def read_fd(fd: int, limit: int) -> bytes:
+    """What `fd` holds, up to `limit` + 1 bytes (one more than `limit` says it holds more)."""
+    chunks, left = [], limit + 1
+    while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def read_spec_bytes(path: str | os.PathLike) -> bytes:
