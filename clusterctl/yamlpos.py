@@ -15,7 +15,7 @@ import yaml
 
 from .files import SPEC_LIMIT
 
-__all__ = ["Located", "load_located", "YamlSyntaxError", "WrittenFloat", "MAX_BYTES", "MAX_DEPTH", "MAX_NODES"]
+__all__ = ["Located", "load_located", "YamlSyntaxError", "MAX_BYTES", "MAX_DEPTH", "MAX_NODES"]
 
 Path = tuple  # a tuple of str keys / int indices
 
@@ -40,6 +40,7 @@ class Located:
     values: dict = field(default_factory=dict)  # path -> (line, col) of the value
     keys: dict = field(default_factory=dict)  # path -> (line, col) of the key naming it
     duplicates: list = field(default_factory=list)  # paths given twice in one mapping
+    float_texts: dict = field(default_factory=dict)  # path -> the text a float value was written as
 
     def position(self, path: Path) -> tuple[int, int]:
         """Best position for `path`: its key, else its value, else the nearest located parent."""
@@ -67,13 +68,6 @@ def _one_line(text: object) -> str:
     """A message from PyYAML or Python on one line, control characters escaped."""
     s = " ".join(str(text).split())
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)[:300]
-
-
-class WrittenFloat(float):
-    """A number of the spec's `provision:` section with the text it was written as (`text`): a version such as
-    `cuda: 12.10` or `mpi4py: 4.10` is that text, which the float (12.1, 4.1) has lost."""
-
-    text: str
 
 
 def load_located(text: str) -> Located:
@@ -230,9 +224,8 @@ class _Builder:
                 raise YamlSyntaxError(f"unsupported tag {_one_line(node.tag)} on a list", *_mark(node))
             return [self.build(item, path + (i,), depth + 1) for i, item in enumerate(node.value)]
         value = self._scalar(node)
-        if path[:1] == ("provision",) and type(value) is float:  # versions there: `cuda: 12.10` is not 12.1
-            value = WrittenFloat(value)
-            value.text = node.value
+        if type(value) is float:  # `12.10` reads as 12.1: where the text is what counts (a version), it is here
+            self.out.float_texts[path] = node.value
         return value
 
     def _scalar(self, node: yaml.Node) -> object:

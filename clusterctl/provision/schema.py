@@ -171,6 +171,26 @@ class AptSpec(_Model):
         return self
 
 
+class WrittenFloat(float):
+    """A number of the `provision:` section with the text it was written as: a version such as `cuda: 12.10` or
+    `mpi4py: 4.10` is that text, which the float (12.1, 4.1) has lost."""
+
+    text: str
+
+    @classmethod
+    def within(cls, value: Any, loc: Any, path: tuple) -> Any:
+        """`value` (the data at `path` of the Located spec `loc`) with each float written as a WrittenFloat."""
+        if isinstance(value, dict):
+            return {k: cls.within(v, loc, path + (k,)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [cls.within(v, loc, path + (i,)) for i, v in enumerate(value)]
+        if type(value) is float and path in loc.float_texts:
+            written = cls(value)
+            written.text = loc.float_texts[path]
+            return written
+        return value
+
+
 def _as_written(v: int | float) -> str:
     """A version the spec wrote as a number, as it was written (`12.10`, not the float's `12.1`)."""
     return getattr(v, "text", None) or str(v)

@@ -71,10 +71,10 @@ def parse_spec(text: str, source: str = "<spec>", *, layout: bool = True, check=
     except pydantic.ValidationError as exc:
         found += exc.errors()
     if provision is not None:
-        from ..provision.schema import ProvisionSpec
+        from ..provision.schema import ProvisionSpec, WrittenFloat
 
         try:
-            provision = ProvisionSpec.model_validate(provision)
+            provision = ProvisionSpec.model_validate(WrittenFloat.within(provision, loc, ("provision",)))
         except pydantic.ValidationError as exc:
             found += [{**err, "loc": ("provision", *err["loc"])} for err in exc.errors()]
     if found:
