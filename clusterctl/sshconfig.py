@@ -152,12 +152,12 @@ def resolve(targets: Sequence[Target], config: str | None) -> list[Resolved]:
     cannot judge; the other names' answers are their class's, with their own host name."""
     if config is not None and config.lower() == "none":
         return [unresolved(t) for t in targets]
-    if config is not None and not os.path.isfile(os.path.expanduser(config)):  # a device is read as a file (/dev/null)
-        if os.path.isdir(os.path.expanduser(config)):
-            raise ClusterctlError(f"ssh config {config}: is a directory")
-        if not os.path.exists(os.path.expanduser(config)):
-            raise ClusterctlError(f"ssh config {config}: no such file")
-    files = [os.path.expanduser(config)] if config is not None else [SYSTEM_CONFIG, os.path.expanduser(USER_CONFIG)]
+    given = os.path.expanduser(config) if config is not None else None
+    if given is not None and os.path.isdir(given):
+        raise ClusterctlError(f"ssh config {config}: is a directory")
+    if given is not None and not os.path.exists(given):  # a device is read as a file (/dev/null)
+        raise ClusterctlError(f"ssh config {config}: no such file")
+    files = [given] if given is not None else [SYSTEM_CONFIG, os.path.expanduser(USER_CONFIG)]
     if not any(os.path.exists(f) for f in files):
         return [unresolved(t) for t in targets]
     if shutil.which("ssh") is None:
