@@ -207,10 +207,12 @@ def layout(hosts, job):
         host, local, ep, _ = trainers[-1]
         for arg in render_args(args, values("trainer", len(trainers) - 1, ep, host, local)):
             _exec_string(arg, ("job", "args"), "an argument (after its placeholders)")
+    def data_files(names):  # DATA_ENV's value for one trainer's shards
+        return ":".join(posixpath.join(data["remote"].strip("/"), n) for n in names)
+
     if data is not None:
-        longest = max(shards, key=lambda names: sum(len(n) + len(data["remote"]) + 2 for n in names))
-        _exec_string(DATA_ENV + "=" + ":".join(posixpath.join(data["remote"].strip("/"), n) for n in longest),
-                     ("data",), DATA_ENV + " (one trainer's data files)")
+        longest = max((data_files(names) for names in shards), key=len)
+        _exec_string(DATA_ENV + "=" + longest, ("data",), DATA_ENV + " (one trainer's data files)")
 
     processes = []
     pserver_base, trainer_base = _role_env(user_env, common, "pserver"), _role_env(user_env, common, "trainer")
@@ -227,7 +229,7 @@ def layout(hosts, job):
                    LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(host["trainers"]), MASTER_ADDR=master_addr,
                    MASTER_PORT=str(ports["master"]))
         if data is not None:
-            env[DATA_ENV] = ":".join(posixpath.join(data["remote"].strip("/"), n) for n in shards[tid])
+            env[DATA_ENV] = data_files(shards[tid])
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
             # Inside the process the visible GPUs are renumbered from 0.
