@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from .errors import ClusterctlError
 from .files import NotAFile, TooLarge, read_limited
 
-__all__ = ["ConfigModel", "read_config", "NameClass", "expand_tokens", "expand_path", "local_tokens"]
+__all__ = ["ConfigModel", "read_config", "NameClass", "expand_tokens", "expand_path", "local_tokens", "match_pattern",
+           "match_pattern_list"]
 
 MAX_INCLUDE_DEPTH = 16  # readconf.c's READCONF_MAX_DEPTH
 CONFIG_LIMIT = 16 << 20  # an ssh config file (or one it includes) larger than 16 MiB is refused
@@ -54,19 +55,22 @@ def _pattern(pat: str) -> re.Pattern:
     return found
 
 
-def _match(name: str, pat: str) -> bool:
+def match_pattern(name: str, pat: str) -> bool:
+    """Whether `name` matches the one pattern `pat` as OpenSSH's match_pattern has it (case as given)."""
+    if "*" not in pat and "?" not in pat:  # a plain name (most of a known_hosts file): no expression to build
+        return name == pat
     return _pattern(pat).fullmatch(name) is not None
 
 
-def _match_list(name: str, patterns: str) -> int:
+def match_pattern_list(name: str, patterns: str) -> int:
     """OpenSSH's match_pattern_list over a comma-separated list: -1 a negated pattern matched, 1 a
     positive one did, 0 none."""
     got = 0
     for sub in patterns.split(","):
         if sub.startswith("!"):
-            if _match(name, sub[1:]):
+            if match_pattern(name, sub[1:]):
                 return -1
-        elif _match(name, sub):
+        elif match_pattern(name, sub):
             got = 1
     return got
 
@@ -280,9 +284,9 @@ class _State:
             matched = False
             for pat in cond.args:
                 if pat.startswith("!"):
-                    if _match(self.name, pat[1:]):
+                    if match_pattern(self.name, pat[1:]):
                         return False
-                elif _match(self.name, pat):
+                elif match_pattern(self.name, pat):
                     matched = True
             return matched
         args, i = cond.args, 0
@@ -310,7 +314,7 @@ class _State:
                     raise Dynamic("User with a %-token before a Match user")
             else:
                 subject = self.local_user
-            if (_match_list(subject, value) == 1) == negate:
+            if (match_pattern_list(subject, value) == 1) == negate:
                 # false: nothing after it can make the line true, and readconf.c runs no exec after it
                 return False
             i += 2

@@ -7,11 +7,9 @@ it certifies; the agent's key of a file). Imported with clusterctl.sshconn, on f
 from __future__ import annotations
 
 import fcntl
-import functools
 import hmac
 import logging
 import os
-import re
 import select
 import socket
 import threading
@@ -21,6 +19,7 @@ from typing import TYPE_CHECKING
 import paramiko
 
 from .errors import ClusterctlError
+from .sshconfigfile import match_pattern
 from .transport.base import SshOptions, fingerprint
 
 if TYPE_CHECKING:
@@ -172,26 +171,19 @@ def _parse_known(lines) -> tuple[list, frozenset[bytes]]:
 def _for_host(name: str, entry) -> bool:
     """Whether the known_hosts `entry` is one of `name`'s (`host`, or `[host]:port` off port 22, or a HostKeyAlias),
     as ssh matches it (match_hostname): a hashed name, or a list of patterns (`*`, `?`), any case, of which a
-    matching negated one (`!pattern`) excludes the host whatever else matches. paramiko compares exact names only:
-    a fleet's `10.1.*` or `node*,!node9` pin was met as no key at all."""
+    matching negated one (`!pattern`) excludes the host whatever else matches (match_pattern_list, on the list
+    paramiko has split). paramiko compares exact names only: a fleet's `10.1.*` or `node*,!node9` pin was met as
+    no key at all."""
     lowered, hit = name.lower(), False
     for h in entry.hostnames:
         if h.startswith("|1|"):
             hit = hit or hmac.compare_digest(paramiko.HostKeys.hash_host(name, h), h)
-            continue
-        negated = h.startswith("!")
-        pattern = h[1:].lower() if negated else h.lower()
-        if pattern == lowered or ("*" in pattern or "?" in pattern) and _glob(pattern).fullmatch(lowered):
-            if negated:
+        elif h.startswith("!"):
+            if match_pattern(lowered, h[1:].lower()):
                 return False
+        elif match_pattern(lowered, h.lower()):
             hit = True
     return hit
-
-
-@functools.lru_cache(maxsize=1024)
-def _glob(pattern: str) -> re.Pattern:
-    """ssh's wildcards, `*` (any run) and `?` (one character); everything else literal, brackets included."""
-    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern), re.S)
 
 
 class _AnyOf:
