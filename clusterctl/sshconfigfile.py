@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from .errors import ClusterctlError
 from .files import NotAFile, TooLarge, read_limited
 
-__all__ = ["ConfigModel", "read_config", "NameClass", "expand_tokens", "expand_path", "local_tokens", "match_pattern",
-           "match_pattern_list"]
+__all__ = ["ConfigModel", "read_config", "NameClass", "expand_tokens", "expand_path", "local_tokens", "match_pattern"]
 
 MAX_INCLUDE_DEPTH = 16  # readconf.c's READCONF_MAX_DEPTH
 CONFIG_LIMIT = 16 << 20  # an ssh config file (or one it includes) larger than 16 MiB is refused
@@ -62,7 +61,7 @@ def match_pattern(name: str, pat: str) -> bool:
     return _pattern(pat).fullmatch(name) is not None
 
 
-def match_pattern_list(name: str, patterns: str) -> int:
+def _match_list(name: str, patterns: str) -> int:
     """OpenSSH's match_pattern_list over a comma-separated list: -1 a negated pattern matched, 1 a
     positive one did, 0 none."""
     got = 0
@@ -314,7 +313,7 @@ class _State:
                     raise Dynamic("User with a %-token before a Match user")
             else:
                 subject = self.local_user
-            if (match_pattern_list(subject, value) == 1) == negate:
+            if (_match_list(subject, value) == 1) == negate:
                 # false: nothing after it can make the line true, and readconf.c runs no exec after it
                 return False
             i += 2
