@@ -38,6 +38,8 @@ _VERSION = 7
 _MAX_ENTRY_BYTES = 256 << 20
 _CLASSES = {c.__name__: c for c in (Host, Process, MpiLaunch, JobPlan, SshOptions)}
 _PACKAGE = os.path.dirname(os.path.realpath(__file__))
+# clusterctl's subpackages whose code plans (host: the layout, the elastic section, the failure policy)
+_PLANNING_PACKAGES = ("host", "ops", "spec")
 
 
 class CachedPlan:
@@ -112,7 +114,7 @@ def _listing_digest(root: str) -> str | None:
 def _code_stamp() -> list:
     """Size and mtime of clusterctl's modules: any change to the code that plans is a miss."""
     stamp = []
-    for d in (_PACKAGE, os.path.join(_PACKAGE, "ops"), os.path.join(_PACKAGE, "spec")):
+    for d in (_PACKAGE, *(os.path.join(_PACKAGE, sub) for sub in _PLANNING_PACKAGES)):
         try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError:

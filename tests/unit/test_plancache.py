@@ -232,3 +232,10 @@ def test_long_strings_are_stored_once_and_huge_plans_not_at_all(project, monkeyp
     monkeypatch.setattr(plancache, "_MAX_PROCESSES", len(plan.processes) - 1)
     assert load_plan("cluster.yaml")[0] is not None
     assert not Path(plancache.entry_path("cluster.yaml")).exists()
+
+
+def test_the_code_stamp_covers_every_module_that_plans():
+    """The layout (host/layout.py) and the elastic section (host/elastic.py) plan as much as plan.py does: an edit
+    to either in a checkout must miss the cache, not serve a plan that the code would no longer make."""
+    stamped = {name for name, _size, _mtime in plancache._code_stamp()}
+    assert {"plan.py", "host/layout.py", "host/elastic.py", "host/policy.py", "spec/loading.py"} <= stamped
