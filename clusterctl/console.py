@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     out: Console  # module attributes made on first access by __getattr__ below
     err: Console
 
-__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "write_line", "write_text", "printable", "use_colour",
-           "paint"]
+__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "note", "write_line", "write_text", "printable",
+           "use_colour", "paint"]
 
 # `out` and `err` (rich Consoles) are made on first use: rich costs ~0.1 s to import, and a command that
 # only streams lines (`exec`) or fails early never needs it (module __getattr__, PEP 562).
@@ -111,6 +111,11 @@ def error(message: str) -> None:
 
     for line in str(message).splitlines() or [""]:
         _console("err").print(f"[bold red]clusterctl: error:[/] {escape(printable(line))}")
+
+
+def note(message: str) -> None:
+    """Tell the user something they should know before going on: one `clusterctl: note:` line on stderr (no rich)."""
+    write_text(sys.stderr, paint("clusterctl: note:", "yellow", use_colour(sys.stderr)) + " " + printable(message) + "\n")
 
 
 class LinePrinter:

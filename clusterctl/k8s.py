@@ -32,6 +32,7 @@ import yaml
 
 from .errors import ClusterctlError, SpecError, SpecProblem
 from .host import pod as hostpod
+from .host.layout import endpoints_left_out, exec_string_fits
 from .host.policy import DEFAULT_TIMINGS
 from .plan import JobPlan, make_plan
 from .spec import ClusterSpec
@@ -138,13 +139,15 @@ def render(spec: ClusterSpec, *, token: str | None = None) -> list[dict]:
                        f"pod host names like {longest!r} must be 1-63 characters; set a shorter kubernetes.name")
     gpus = _gpus_per_trainer(spec, plan)
     ports = job.ports
-    trainer_eps = ",".join(f"{name}-trainer-{i}.{name}:{ports.trainer}" for i in range(trainers))
-    pserver_eps = ",".join(f"{name}-pserver-{i}.{name}:{ports.pserver}" for i in range(pservers))
-    common = [  # literal values, the same for every pod
-        ("PADDLE_TRAINERS_NUM", str(trainers)),
-        ("PADDLE_TRAINER_ENDPOINTS", trainer_eps),
-    ]
+    trainer_eps = _endpoints(name, "trainer", trainers, ports.trainer)
+    pserver_eps = _endpoints(name, "pserver", pservers, ports.pserver)
+    common = [("PADDLE_TRAINERS_NUM", str(trainers))]  # literal values, the same for every pod
+    if exec_string_fits("PADDLE_TRAINER_ENDPOINTS=" + trainer_eps):  # else left out, as over SSH (notes() says so)
+        common.append(("PADDLE_TRAINER_ENDPOINTS", trainer_eps))
     if job.mode == "pserver":
+        if not exec_string_fits("PADDLE_PSERVERS_IP_PORT_LIST=" + pserver_eps):
+            raise _problem(spec, ("job", "pservers"), f"PADDLE_PSERVERS_IP_PORT_LIST would be {len(pserver_eps) + 29} "
+                           f"bytes: Linux starts no process with an environment string over 128 KiB (E2BIG)")
         common += [("PADDLE_PSERVERS_IP_PORT_LIST", pserver_eps), ("CLUSTERCTL_PS_MODE", job.sync),
                    ("CLUSTERCTL_PS_K_STEPS", str(job.k_steps))]
     values = {"trainers": str(trainers), "pserver_endpoints": pserver_eps, "trainer_endpoints": trainer_eps,
@@ -168,6 +171,19 @@ def render(spec: ClusterSpec, *, token: str | None = None) -> list[dict]:
     template = _template(spec, plan, name, pserver_eps, jobs)
     configmap = _configmap(spec, name, template)
     return [_secret(spec, name, token or secrets.token_hex(16)), configmap, _service(spec, name, pservers > 0), *jobs]
+
+
+def _endpoints(name: str, role: str, count: int, port: int) -> str:
+    """The pods' endpoint list of one role, as every pod's environment states it: `NAME-ROLE-I.NAME:PORT,...`."""
+    return ",".join(f"{name}-{role}-{i}.{name}:{port}" for i in range(count))
+
+
+def notes(spec: ClusterSpec, trainers: int) -> tuple[str, ...]:
+    """What the user should know about the manifests `render` makes for `trainers` trainers, one line each."""
+    trainer_eps = _endpoints(object_name(spec), "trainer", trainers, spec.job.ports.trainer)
+    if exec_string_fits("PADDLE_TRAINER_ENDPOINTS=" + trainer_eps):
+        return ()
+    return (endpoints_left_out(trainers, len(trainer_eps)),)
 
 
 def _labels(name: str) -> dict:
@@ -534,6 +550,10 @@ def cmd_render(args: argparse.Namespace) -> int:
         ("delete", f"kubectl delete -n {ns} job,service,configmap,secret -l {sel}"),
     ):
         say.print(escape(f"  {what + ':':<8}{cmd}"))
+    trainers = sum(d["spec"]["completions"] for d in docs
+                   if d["kind"] == "Job" and d["metadata"]["labels"].get(LABEL_ROLE) == "trainer")
+    for line in notes(spec, trainers):
+        say.print(escape(f"  note: {line}"))
     if spec.data is not None:
         say.print("  note: data: is not dealt on Kubernetes (no CLUSTERCTL_DATA_FILES); put the shards on the "
                   "workspace volume and pick them by PADDLE_TRAINER_ID")

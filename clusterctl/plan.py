@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from .errors import ClusterctlError
 from .host.elastic import HOST_CHANGE_WINDOW
-from .host.layout import DATA_ENV, LayoutError, deal_shards, layout, pserver_placement, render_args
+from .host.layout import (DATA_ENV, LayoutError, deal_shards, endpoints_left_out, layout, pserver_placement,
+                          render_args)
 from .host.policy import DEFAULT_POLICY, Policy
 from .sshconfig import Resolved, Target, unresolved
 from .transport.host import Host  # defined below the plan, for the transports; re-exported here
@@ -144,6 +145,14 @@ class JobPlan:
     def pservers(self) -> tuple[Process, ...]:
         """Pserver processes in id order."""
         return tuple(p for p in self.processes if p.role == "pserver")
+
+    @functools.cached_property
+    def notes(self) -> tuple[str, ...]:
+        """What the user should know before the job starts, one line each: what the layout had to leave out."""
+        trainers = self.trainers
+        if not trainers or "PADDLE_TRAINER_ENDPOINTS" in trainers[0].env:
+            return ()
+        return (endpoints_left_out(len(trainers), sum(len(p.endpoint) + 1 for p in trainers) - 1),)
 
     def on_host(self, host: Host) -> tuple[Process, ...]:
         """The processes planned on `host`."""

@@ -115,6 +115,10 @@ class Backend(abc.ABC):
 
     # -- operations -------------------------------------------------------------------------------
 
+    def notes(self) -> tuple[str, ...]:
+        """What the user should know before the job starts, one line each (`start` prints them): the plan's."""
+        return self.plan.notes
+
     @abc.abstractmethod
     def dispatch(self, *, on_progress: Progress | None = None) -> list:
         """Ship the workspace (and data shards) where the job's processes will run; per-host results."""

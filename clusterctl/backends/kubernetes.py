@@ -541,6 +541,12 @@ class KubernetesBackend(Backend):
             jobs, pods = self._snapshot()
         return fold_status(self.plan.job, self._expected(), jobs, pods, replies)
 
+    def notes(self) -> tuple[str, ...]:
+        """The manifests' notes (the pods' names are longer than the SSH plan's addresses)."""
+        from .. import k8s
+
+        return k8s.notes(self.spec, len(self.plan.trainers))
+
     def start(self, *, on_progress: Progress | None = None) -> JobStatus:
         """Create the job's objects; wait (at most kubernetes.wait_timeout) until every pod's supervisor runs."""
         from .. import k8s

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..console import LinePrinter, error
+from ..console import LinePrinter, error, note
 from ..errors import ClusterctlError, UsageError
 
 __all__ = ["cmd_validate", "cmd_plan", "cmd_exec", "dumps_plan", "PLAN_ROWS"]
@@ -26,6 +26,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         f"{escape(args.spec)}: valid: job {spec.name} ({spec.job.mode}), {len(plan.hosts)} host(s), "
         f"{len(plan.pservers)} pserver(s), {len(plan.trainers)} trainer(s)"
     )
+    for line in plan.notes:
+        note(line)
     return 0
 
 
@@ -52,6 +54,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ..ops import plan_for
 
     plan = plan_for(load_spec(args.spec, layout=False))
+    for line in plan.notes:
+        note(line)
     if args.json:
         sys.stdout.write(dumps_plan(plan.to_json(expand=args.expand)))
         return 0

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from ..console import paint, printable, use_colour, write_line, write_text
+from ..console import note, paint, printable, use_colour, write_line, write_text
 from ..errors import UsageError
 from ..host.states import ACTIVE_JOB_STATES, JobState
 
@@ -165,6 +165,8 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
             sent = backend.dispatch(on_progress=_say)
             write_text(sys.stdout, f"dispatched: {sum(d.files_sent for d in sent)} file(s), "
                                    f"{_human(sum(d.bytes_sent for d in sent))}\n")
+        for line in backend.notes():
+            note(line)
         sigterm = _SigtermAsInterrupt()
         t0 = time.monotonic()
         try:

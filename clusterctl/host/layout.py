@@ -26,7 +26,7 @@ Stdlib only, Python 3.9 (it runs on the hosts).
 import posixpath
 
 __all__ = ["LayoutError", "layout", "render_args", "deal_shards", "hostport", "pserver_placement", "DATA_ENV",
-           "PLACEHOLDERS"]
+           "PLACEHOLDERS", "exec_string_fits", "endpoints_left_out"]
 
 DATA_ENV = "CLUSTERCTL_DATA_FILES"
 PLACEHOLDERS = ("role", "id", "trainer_id", "trainers", "pserver_endpoints", "trainer_endpoints",
@@ -114,13 +114,25 @@ def _env(base, endpoint):
 MAX_EXEC_STRING = 131072  # Linux's MAX_ARG_STRLEN: the longest argument or environment string execve takes, NUL included
 
 
+def exec_string_fits(text):
+    """Whether execve takes `text` (an argument, or an environment entry NAME=value) as one string."""
+    return len(text.encode("utf-8", "surrogateescape")) + 1 <= MAX_EXEC_STRING
+
+
 def _exec_string(text, path, what):
     """LayoutError at `path` when `text` (an argument, or an environment entry NAME=value) is longer than execve
     takes: every process would fail to start (E2BIG, "Argument list too long")."""
-    size = len(text.encode("utf-8", "surrogateescape")) + 1
-    if size > MAX_EXEC_STRING:
+    if not exec_string_fits(text):
         raise LayoutError(path, "%s would be %d bytes: Linux starts no process with an argument or environment "
-                                "string over %d KiB (E2BIG)" % (what, size - 1, MAX_EXEC_STRING // 1024))
+                                "string over %d KiB (E2BIG)"
+                          % (what, len(text.encode("utf-8", "surrogateescape")), MAX_EXEC_STRING // 1024))
+
+
+def endpoints_left_out(trainers, size):
+    """What to tell the user when PADDLE_TRAINER_ENDPOINTS (`size` bytes for `trainers` trainers) is left out."""
+    return ("PADDLE_TRAINER_ENDPOINTS is left out of every process's environment: its %d endpoints take %d bytes, "
+            "over the %d KiB Linux passes in one environment string (PaddlePaddle's collective mode reads it; "
+            "PyTorch and mpi4py do not)" % (trainers, size, MAX_EXEC_STRING // 1024))
 
 
 def layout(hosts, job):
@@ -184,9 +196,15 @@ def layout(hosts, job):
 
     pserver_eps = ",".join(ep for _, _, ep in pservers)
     trainer_eps = ",".join(ep for _, _, ep, _ in trainers)
-    common = {"CLUSTERCTL_JOB": job["name"], "PADDLE_TRAINERS_NUM": str(len(trainers)),
-              "PADDLE_TRAINER_ENDPOINTS": trainer_eps}
+    common = {"CLUSTERCTL_JOB": job["name"], "PADDLE_TRAINERS_NUM": str(len(trainers))}
+    # Past ~8,000 trainers the list is longer than execve takes: left out rather than refused, since only
+    # PaddlePaddle's collective mode reads it, and a PyTorch or mpi4py job of that size must start (the
+    # controller says so: JobPlan.notes). The pservers' list is read by every pserver-mode process: refused.
+    if exec_string_fits("PADDLE_TRAINER_ENDPOINTS=" + trainer_eps):
+        common["PADDLE_TRAINER_ENDPOINTS"] = trainer_eps
     if job["mode"] == "pserver":
+        _exec_string("PADDLE_PSERVERS_IP_PORT_LIST=" + pserver_eps, ("job", "pservers"),
+                     "PADDLE_PSERVERS_IP_PORT_LIST (every pserver's endpoint)")
         common["PADDLE_PSERVERS_IP_PORT_LIST"] = pserver_eps
         common["CLUSTERCTL_PS_MODE"] = job["sync"]
         common["CLUSTERCTL_PS_K_STEPS"] = str(job["k_steps"])

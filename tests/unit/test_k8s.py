@@ -521,4 +521,30 @@ def test_ten_thousand_trainers_render_quickly():
     sizes = {d["kind"] + " " + d["metadata"]["name"]: len(k8s.dump([d])) for d in docs}
     assert len(text) < 1_400_000 and sizes["ConfigMap scale-host"] < k8s.CONFIGMAP_LIMIT, sizes
     assert all(n < 400_000 for name, n in sizes.items() if not name.startswith("ConfigMap")), sizes
-    assert k8s.pod_env(docs[4], 9999, secrets=secrets_of(docs))["PADDLE_CURRENT_ENDPOINT"] == "scale-trainer-9999.scale:6180"
+    env = k8s.pod_env(docs[4], 9999, secrets=secrets_of(docs))
+    assert env["PADDLE_CURRENT_ENDPOINT"] == "scale-trainer-9999.scale:6180"
+    # 10,000 pod names (298,889 bytes) are over the 128 KiB one environment string may take: left out, and said
+    assert "PADDLE_TRAINER_ENDPOINTS" not in env and env["PADDLE_TRAINERS_NUM"] == "10000"
+    assert k8s.notes(parse_spec("\n".join(lines) + "\n"), 10000) == (
+        "PADDLE_TRAINER_ENDPOINTS is left out of every process's environment: its 10000 endpoints take 298889 bytes, "
+        "over the 128 KiB Linux passes in one environment string (PaddlePaddle's collective mode reads it; PyTorch "
+        "and mpi4py do not)",)
+
+
+def test_a_trainer_list_over_what_execve_takes_is_left_out_of_the_pods_and_render_says_so(tmp_path):
+    def spec_of(hosts):  # 8 trainers a host, pods named `scale-trainer-I.scale`: 30 bytes an endpoint
+        lines = ["name: scale", "hosts:"] + [f"  - {{address: 10.{i >> 8}.{i & 255}.1, gpus: 8}}" for i in range(hosts)]
+        lines += ["job: {trainers: gpu, entrypoint: [python3, train.py]}", "kubernetes: {image: x}"]
+        return "\n".join(lines) + "\n"
+
+    fits = k8s.render(parse_spec(spec_of(500)))  # 4,000 trainers: 118,889 bytes
+    assert k8s.pod_env(fits[-1], 0, secrets=secrets_of(fits))["PADDLE_TRAINER_ENDPOINTS"].count(",") == 3999
+    assert k8s.notes(parse_spec(spec_of(500)), 4000) == ()
+    spec = tmp_path / "big.yaml"
+    spec.write_text(spec_of(560))  # 4,480 trainers: 133,289 bytes
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "k8s", "render", str(spec)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "name: PADDLE_TRAINER_ENDPOINTS\n" not in res.stdout and "name: PADDLE_TRAINERS_NUM\n" in res.stdout
+    assert (" note: PADDLE_TRAINER_ENDPOINTS is left out of every process's environment: its 4480 endpoints take "
+            "133289 bytes, over the 128 KiB") in " ".join(res.stderr.split()), res.stderr  # however rich wraps it

@@ -289,6 +289,19 @@ def test_a_spec_it_can_run_passes_and_dispatch_says_where_the_code_is():
     assert said == ["nothing to dispatch with backend: kubernetes: the pods run the code in the image img"]
 
 
+def test_start_notes_are_the_manifests_not_the_ssh_plans():
+    """4,800 trainers: their SSH endpoints (`10.0.I.1:6180+L`) fit one environment string, their pods' names do
+    not; `start` prints what the backend will leave out (commands/lifecycle.py), so the backend answers it."""
+    hosts = "".join(f"  - {{address: 10.{i >> 8}.{i & 255}.1, gpus: 8}}\n" for i in range(600))
+    spec = parse_spec(SPEC.replace("hosts: [{address: a}]\n", "hosts:\n" + hosts)
+                      .replace("job: {", "job: {trainers: gpu, "), "k.yaml", check=backends.problems)
+    with backends.open_backend(spec) as backend:
+        assert backend.plan.notes == () and "PADDLE_TRAINER_ENDPOINTS" in backend.plan.trainers[0].env
+        assert backend.notes() == k8s.notes(spec, 4800) and len(backend.notes()) == 1
+        assert backend.notes()[0].startswith("PADDLE_TRAINER_ENDPOINTS is left out of every process's environment: "
+                                             "its 4800 endpoints take 133289 bytes")
+
+
 # ------------------------------------------------------------------------------------------ status
 
 

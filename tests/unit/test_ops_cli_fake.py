@@ -384,3 +384,18 @@ def test_doctor_says_a_down_host_once_not_again_for_every_peer_that_cannot_reach
     data = json.loads(out)
     assert code == 1 and [data["hosts"][h]["reach"]["n2"]["job_port"] != "ok" for h in ("n0", "n1")] == [True, True]
     assert not [p for p in data["problems"] if "reach n2" in p], data["problems"]
+
+
+def test_start_prints_the_plans_notes_before_it_starts(tmp_path, monkeypatch, capsys):
+    """What the plan had to leave out (JobPlan.notes: a trainer list over what execve takes, at ~8,000 trainers)
+    is said before the job starts, once, on stderr; the job starts."""
+    from clusterctl.plan import JobPlan
+
+    monkeypatch.setattr(JobPlan, "notes", property(lambda plan: (f"{plan.job}: something left out",)))
+    c = FakeCluster(tmp_path, files={"train.py": TRAIN}).everywhere(monkeypatch)
+    assert cli(capsys, "dispatch", c.spec_path)[0] == 0
+    code, out, err = cli(capsys, "start", c.spec_path)
+    assert code == 0 and "started in" in out, err
+    assert err.count("clusterctl: note:") == 1
+    assert err.index(f"clusterctl: note: {c.name}: something left out\n") < err.index("launching…")
+    assert cli(capsys, "stop", c.spec_path)[0] == 0

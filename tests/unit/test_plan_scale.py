@@ -1,5 +1,6 @@
 """Plans for many processes: the factored plan JSON, job files that state shared env once, a 10,000-process plan."""
 
+import errno
 import json
 import os
 import re
@@ -164,10 +165,51 @@ def test_ten_thousand_processes_plan_quickly_and_compactly():
     cpu = time.process_time() - t0
     assert (len(plan.trainers), len(plan.pservers)) == (10000, 16)
     assert cpu < 5.0, f"{cpu:.1f} s of CPU for a 10,000-process plan"
-    trainer_list = plan.trainers[0].env["PADDLE_TRAINER_ENDPOINTS"]
-    assert len(trainer_list) > 140_000
-    assert doc.count(trainer_list) == 1 and len(doc) < 8_000_000, len(doc)  # 1.57 GB when every process repeated it
+    assert len(doc) < 8_000_000 and len(one_file) < 20_000, (len(doc), len(one_file))  # 1.57 GB, 160 kB before
+
+
+def test_a_trainer_list_longer_than_execve_takes_is_left_out_and_the_processes_start():
+    """10,000 trainers' endpoints (~150 kB) are over Linux's 128 KiB for one environment string: a process given
+    them fails to start (E2BIG). The list is left out, the plan says so, and the largest process's environment is
+    one execve takes; 4,800 trainers keep theirs (and a host's job file states it once)."""
+    plan = make_plan(parse_spec(scale_spec(1250)))
+    assert all("PADDLE_TRAINER_ENDPOINTS" not in p.env for p in plan.processes)
+    size = len(",".join(t.endpoint for t in plan.trainers))
+    assert size > 131072 and plan.notes == (
+        f"PADDLE_TRAINER_ENDPOINTS is left out of every process's environment: its 10000 endpoints take {size} "
+        "bytes, over the 128 KiB Linux passes in one environment string (PaddlePaddle's collective mode reads it; "
+        "PyTorch and mpi4py do not)",)
+    last = plan.trainers[-1]
+    env = {**last.env, "PATH": os.environ["PATH"]}
+    res = subprocess.run([sys.executable, "-S", "-c", "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'])"],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert (res.returncode, res.stdout) == (0, "9999 10000\n"), res.stderr
+    with pytest.raises(OSError) as raised:  # what the trainers met before: execve refused the list
+        subprocess.run([sys.executable, "-S", "-c", "pass"], timeout=30,
+                       env={**env, "PADDLE_TRAINER_ENDPOINTS": ",".join(t.endpoint for t in plan.trainers)})
+    assert raised.value.errno == errno.E2BIG
+
+    smaller = make_plan(parse_spec(scale_spec(600)))
+    trainer_list = smaller.trainers[0].env["PADDLE_TRAINER_ENDPOINTS"]
+    assert smaller.notes == () and trainer_list.count(",") == 4799
+    files = job_files(smaller, {h: "/home/u" for h in smaller.hosts}, "t" * 32)
+    one_file = json.dumps(files[smaller.hosts[-1]])
     assert one_file.count(trainer_list) == 1 and len(one_file) < 2 * len(trainer_list)
+
+
+def test_validate_and_plan_say_when_the_trainer_list_is_left_out(tmp_path):
+    spec = tmp_path / "c.yaml"
+    spec.write_text(scale_spec(1250))
+    for command in (["validate", str(spec)], ["plan", str(spec), "--json"]):
+        res = subprocess.run([sys.executable, "-m", "clusterctl.cli", *command], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+        assert res.returncode == 0, res.stderr
+        assert res.stderr.startswith("clusterctl: note: PADDLE_TRAINER_ENDPOINTS is left out of every process's "
+                                     "environment: its 10000 endpoints take ") and res.stderr.count("\n") == 1, res.stderr
+    spec.write_text(scale_spec(4))
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "validate", str(spec)], capture_output=True,
+                         text=True, timeout=60)
+    assert (res.returncode, res.stderr) == (0, "")
 
 
 def test_plan_table_summarises_large_plans(tmp_path):
