@@ -12,6 +12,7 @@ a miss: the caller works without its cache.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from typing import TYPE_CHECKING
@@ -21,14 +22,29 @@ from .files import read_fd
 if TYPE_CHECKING:  # pathlib (and the urllib.parse it imports) only where a Path is asked for: not for `exec`
     from pathlib import Path
 
-__all__ = ["cache_root", "cache_root_path", "cache_dir", "private_dir", "read_private", "write_private",
+__all__ = ["cache_root", "cache_root_path", "cache_dir", "makedirs", "private_dir", "read_private", "write_private",
            "trusted_dir"]
 
 
 def cache_root_path() -> str:
-    """$XDG_CACHE_HOME/clusterctl (an unset or empty XDG_CACHE_HOME means ~/.cache), as a string."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    """$XDG_CACHE_HOME/clusterctl, as a string; ~/.cache/clusterctl where XDG_CACHE_HOME is unset, empty or
+    relative (the XDG base directory spec: a relative path is invalid and ignored)."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base or not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "clusterctl")
+
+
+def makedirs(path: "str | os.PathLike") -> None:
+    """os.makedirs(path, 0o700, exist_ok=True) for a directory of the cache, but never the home directory itself:
+    FileNotFoundError when `path` is under a home directory that does not exist (a service account's
+    HOME=/nonexistent says it has none; as root, making one would make /nonexistent)."""
+    home = os.path.expanduser("~")
+    name = os.fspath(path)
+    if not os.path.isdir(home) and os.path.commonpath([os.path.abspath(name), os.path.abspath(home)]) == \
+            os.path.abspath(home):
+        raise FileNotFoundError(errno.ENOENT, f"the home directory {home} does not exist", home)
+    os.makedirs(name, mode=0o700, exist_ok=True)
 
 
 def cache_root() -> "Path":
@@ -41,7 +57,7 @@ def cache_root() -> "Path":
 def cache_dir(*parts: str) -> "Path":
     """A directory under cache_root(), created private (0700) when missing."""
     path = cache_root().joinpath(*parts)
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    makedirs(path)
     return path
 
 
@@ -66,7 +82,7 @@ def private_dir(*parts: str) -> str | None:
     root = cache_root_path()
     path = os.path.join(root, *parts)
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        makedirs(path)
     except OSError:
         return None
     if not trusted_dir(os.path.dirname(root), parent=True):

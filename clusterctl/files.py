@@ -1,6 +1,6 @@
 """Reading the user's own files (a spec, its hostfile, an ssh config and what it includes): bounded, read once where
 they can be read only once, and never stuck on what is not a file (`/dev/zero` never ends, a FIFO with no writer
-never answers)."""
+never answers); appending to the controller's own logs, never stuck on a FIFO with no reader."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import errno
 import os
 import stat
 
-__all__ = ["SPEC_LIMIT", "TooLarge", "NotAFile", "read_limited", "read_fd", "read_spec_bytes"]
+__all__ = ["SPEC_LIMIT", "TooLarge", "NotAFile", "read_limited", "read_fd", "read_spec_bytes", "open_append"]
 
 SPEC_LIMIT = 1 << 20  # a spec larger than 1 MiB is refused before parsing
 
@@ -26,8 +26,8 @@ class TooLarge(OSError):
 class NotAFile(OSError):
     """A FIFO or a socket where a file is read: it may never answer."""
 
-    def __init__(self, path: str):
-        super().__init__(errno.EINVAL, "not a file (a FIFO or a socket)", path)
+    def __init__(self, path: str, what: str = "not a file (a FIFO or a socket)"):
+        super().__init__(errno.EINVAL, what, path)
 
 
 def read_limited(path: str | os.PathLike, limit: int, *, wait: bool = False) -> bytes:
@@ -77,3 +77,20 @@ def read_spec_bytes(path: str | os.PathLike) -> bytes:
     if once:
         _ONCE[key] = data
     return data
+
+
+def open_append(path: str | os.PathLike, flags: int = 0, mode: int = 0o600) -> int:
+    """A blocking fd that appends to the regular file `path` (made with `mode` if missing): NotAFile for a FIFO (with
+    no reader, an open for writing waits for one forever), a socket or a device. `flags` are open()'s (an `opener`)."""
+    name = os.fspath(path)
+    try:
+        fd = os.open(name, flags | os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO that no process reads
+            raise NotAFile(name, "not a regular file") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotAFile(name, "not a regular file")
+    os.set_blocking(fd, True)
+    return fd

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import paramiko
 
+from .cache import makedirs
 from .errors import ClusterctlError
 from .sshconfigfile import match_pattern
 from .transport.base import SshOptions, fingerprint
@@ -74,7 +75,7 @@ class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
         line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
         path = Path(self.known_hosts)
         with self._lock:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            makedirs(path.parent)  # ~/.ssh as ssh makes it (0700), but never a home directory that does not exist
             with open(path, "a+", encoding="utf-8") as fh:
                 fcntl.flock(fh, fcntl.LOCK_EX)
                 # another connection (a bastion shared by many hosts, another clusterctl) may have recorded

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..cache import cache_root
+from ..cache import cache_root, makedirs
 from ..errors import ProvisionError
 from .steps import HostFacts
 
@@ -42,7 +42,7 @@ def _mesh_key(path: Path, job: str) -> tuple[bytes, str]:
     private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     line = f"{public.decode()} clusterctl-mesh-{job}"
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    makedirs(path.parent)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(private)

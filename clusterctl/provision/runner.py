@@ -10,7 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..cache import makedirs
 from ..errors import ProvisionError
+from ..files import open_append
 from ..plan import Host
 from ..quoting import join, redact
 from ..remote import Result
@@ -98,26 +100,31 @@ class _Logs:
 
     def __init__(self, folder: Path, hosts, header: str, job: str):
         try:
-            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            makedirs(folder)
             self._held = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:  # an unwritable cache (XDG_CACHE_HOME): before any host is touched
             raise ProvisionError(f"cannot write the provisioning logs in {folder}: {exc.strerror or exc} "
                                  f"(set XDG_CACHE_HOME to a writable directory)") from None
+        self._files: dict = {}
         try:
             fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
             for h in hosts:  # a log past LOG_KEEP_BYTES becomes <host>.log.1 (the one before it goes)
                 path = folder / f"{h.label}.log"
                 if path.is_file() and path.stat().st_size > LOG_KEEP_BYTES:
                     os.replace(path, folder / f"{h.label}.log.1")
-            self._files = {h: open(folder / f"{h.label}.log", "a", encoding="utf-8",
-                                   opener=lambda p, f: os.open(p, f, 0o600)) for h in hosts}
+            for h in hosts:  # never a FIFO, which would wait for a reader forever, a socket or a device
+                self._files[h] = open(folder / f"{h.label}.log", "a", encoding="utf-8", opener=open_append)
         except BlockingIOError:
             os.close(self._held)
             raise ProvisionError(f"another clusterctl provision of {job} is running on this controller; "
                                  "run again when it has finished") from None
         except OSError as exc:
             os.close(self._held)
-            raise ProvisionError(f"cannot write the provisioning logs in {folder}: {exc.strerror or exc}") from None
+            for fh in self._files.values():
+                fh.close()
+            raise ProvisionError(f"cannot write the provisioning logs in {folder}: "
+                                 f"{os.path.basename(exc.filename or '') + ': ' if exc.filename else ''}"
+                                 f"{exc.strerror or exc}") from None
         self._lock = threading.Lock()
         for fh in self._files.values():
             fh.write(header + "\n")

@@ -158,7 +158,7 @@ _CONTROL_FALLBACK = "/tmp/clusterctl-ssh-{uid}"  # where the cache directory's p
 def control_dir() -> str | None:
     """Where reusable connections' sockets live: a 0700 directory of ours, its path short enough for a
     socket (108 bytes); None (no reuse) where there is none."""
-    from ..cache import cache_root_path
+    from ..cache import cache_root_path, makedirs
 
     base = os.path.join(cache_root_path(), "ssh")
     if base not in _CONTROL_DIRS:
@@ -167,7 +167,7 @@ def control_dir() -> str | None:
             if len(d) > 36:  # + "/" + 12 + "-" + 40 (%C) + ssh's 17-byte temporary suffix < 108
                 continue
             try:
-                os.makedirs(d, mode=0o700, exist_ok=True)
+                makedirs(d)
                 st = os.lstat(d)
                 if st.st_uid == os.getuid() and stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o077:
                     found = d

@@ -69,6 +69,30 @@ def test_an_unwritable_cache_is_one_error_before_any_host_is_touched(tmp_path, m
     assert not (c.home(0) / "marker").exists() and not (c.home(1) / "marker").exists()
 
 
+@pytest.mark.parametrize("kind", ["fifo", "socket", "symlink to /dev/null"])
+def test_a_log_path_that_is_not_a_file_is_one_error_not_a_hang(tmp_path, monkeypatch, capsys, kind):
+    """A FIFO at a host's log path waited for a reader forever (the open for writing blocks); a socket or a device
+    is no log either. One line, exit 1, no host touched, in well under the test's timeout."""
+    import socket
+
+    c = cluster(tmp_path, monkeypatch, {"commands": [MARK]})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "clusterctl" / "provision" / c.name
+    folder.mkdir(parents=True)
+    where = folder / "n1.log"
+    if kind == "fifo":
+        os.mkfifo(where)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(where))
+    else:
+        where.symlink_to("/dev/null")
+    code, out, err = cli(capsys, "provision", c.spec_path)
+    assert (code, out) == (1, "")
+    assert err.strip() == f"clusterctl: error: cannot write the provisioning logs in {folder}: n1.log: not a regular file"
+    assert not (c.home(0) / "marker").exists() and not (c.home(1) / "marker").exists()
+
+
 def test_a_mesh_key_that_cannot_be_made_is_one_error(tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("")
     c = cluster(tmp_path, monkeypatch, {"ssh_mesh": {"key": str(tmp_path / "afile" / "id_ed25519")}})

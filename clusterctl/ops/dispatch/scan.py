@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...cache import cache_root, read_private, trusted_dir, write_private
+from ...cache import cache_root, makedirs, read_private, trusted_dir, write_private
 from ...errors import JobError
 from ...host import wire
 from .delta import hash_file
@@ -32,7 +32,7 @@ def private_dir(path: Path) -> bool:
     (clusterctl.cache.trusted_dir): the caches name every file of the user's workspace, and what is read
     back from them decides what is sent. A directory anyone else can write to is not used."""
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        makedirs(path)
     except OSError:
         return False
     return trusted_dir(path) and trusted_dir(path.parent)
