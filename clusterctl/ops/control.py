@@ -75,6 +75,7 @@ _MAX_CACHE = 4 << 20
 STALE_DAYS = 30
 _CACHE_LOCK = threading.Lock()  # `top` asks each host from a thread of its own
 DIRECT_MAX_BODY = 16 << 20  # a direct answer kept in memory; a longer one is asked for again by the line
+MAX_CONTROL_REPLY = 16 << 20  # a host's status, top, stop or start reply parsed (a few kB a process)
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,9 @@ def agent_reply(res: Result) -> dict:
     """The agent's (or the supervisor's) JSON object in a host's output, whatever a shell's start-up printed before
     it; where there is none, `{"ok": False, "error": ...}` with the host's stderr (else stdout) tail. Its fields
     are the host's word: read them through HostStatus.from_json or check each one's type."""
+    if len(res.stdout) > MAX_CONTROL_REPLY:  # not parsed: 256 MiB of `{}` would take ~6 GiB as objects
+        return {"ok": False, "error": f"a reply of {len(res.stdout) >> 20} MiB, over the {MAX_CONTROL_REPLY >> 20} MiB "
+                                      "a host's control reply may be"}
     try:
         return res.reply()
     except ClusterctlError:

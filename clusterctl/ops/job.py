@@ -133,25 +133,34 @@ def status(session: Session) -> JobStatus:
     unreachable: dict[str, str] = {}
     for host, res in results.items():
         if not res.answered:  # not reached, or its command never answered (our deadline)
-            unreachable[host.label] = res.stderr.strip()
+            unreachable[host.label] = res.stderr.strip()[-300:]  # ssh's words (or a host's flood: the end of it)
         else:
             replies[host.label] = agent_reply(res)
-    return fold_status(plan.job, replies, unreachable, {h.label: h.address for h in plan.hosts})
+    return fold_status(plan.job, replies, unreachable, {h.label: h.address for h in plan.hosts},
+                       elastic_job=plan.min_hosts is not None)
 
 
 def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
-                addresses: dict[str, str] | None = None) -> JobStatus:
+                addresses: dict[str, str] | None = None, *, elastic_job: bool = False) -> JobStatus:
     """The job's status from every host's `agent status` reply (host label -> reply) and the hosts that did
     not answer (label -> why), whatever started the supervisors (pure). Only well-typed fields of a reply are
     read (HostStatus.from_json); progress in the replies (`agent top --progress-only`) is kept per process,
     and the job's stragglers found from it. An elastic job's state is its current attempt's hosts' (the view
     of the latest attempt, the coordinator's first: `addresses` maps labels to the addresses it names): a host
-    lost and replaced, or one that waits idle, neither decides it nor gives its reason; its rows are shown."""
+    lost and replaced, or one that waits idle, neither decides it nor gives its reason; its rows are shown.
+
+    A view is a host's word about the others, so it is read only where the plan is elastic (`elastic_job`), and
+    only one that names the plan's hosts alone and its sender among them: a host (possibly compromised) cannot
+    take another host's failure out of a job's state by sending a view that leaves that host out."""
     parsed = {label: HostStatus.from_json(data) for label, data in replies.items()}
+    known = set((addresses or {}).values()) if addresses else set(parsed) | set(unreachable)
     elastic, elastic_rank = None, None
-    for reply in parsed.values():
+    for label, reply in parsed.items() if elastic_job else ():
         # an elastic job's view: the coordinator's of the latest attempt knows who runs it and who waits idle
         view = reply.elastic
+        sender = reply.host or (addresses or {}).get(label, label)
+        if view is not None and view["members"] and not (set(view["members"]) <= known and sender in view["members"]):
+            continue
         if view is not None and (elastic_rank is None or (view["attempt"], reply.is_coordinator is True) > elastic_rank):
             elastic, elastic_rank = view, (view["attempt"], reply.is_coordinator is True)
     members = set(elastic["members"]) if elastic is not None and elastic["members"] else None
@@ -324,7 +333,15 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
     # each supervisor's control endpoint (checked by control.remember): later commands on this controller ask the
     # supervisors straight through the kept connections
     remember(plan.job, endpoints)
-    return fold_status(plan.job, {h.label: replies[h].get("status") or {} for h in hosts}, {})
+    return fold_status(plan.job, {h.label: replies[h].get("status") or {} for h in hosts}, {},
+                       {h.label: h.address for h in plan.hosts}, elastic_job=plan.min_hosts is not None)
+
+
+def own_log_line(label: str, line: str) -> str:
+    """A log line from the host labelled `label`, as shown: the host side starts each one `[LABEL role.id] `
+    (clusterctl/host/logtail.py); any other line is shown under `[LABEL] `, so that a host (possibly compromised)
+    cannot pass its lines off as another host's."""
+    return line if line.startswith(f"[{label} ") else f"[{label}] {line}"
 
 
 def logs(
@@ -402,7 +419,7 @@ def logs(
                 else:
                     problems.append(f"{h.label}: {error}")
                 return
-        on_line(h, stream, line)
+        on_line(h, stream, own_log_line(h.label, line))
 
     # a running supervisor streams them over its control socket, elsewhere the agent reads the files; a follow
     # ends with the job, a plain read of (possibly large) logs gets a generous deadline

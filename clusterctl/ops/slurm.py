@@ -35,7 +35,7 @@ from ..spec.fields import check_address
 from . import Session
 from .control import agent_reply
 from .hosttools import _package_payload, ensure_tools, install_on, package_dir, tool_argv, tool_command
-from .job import JobStatus, fold_status, job_files
+from .job import JobStatus, fold_status, job_files, own_log_line
 from .top import TopAnswer, TopRequest, answer_of
 
 __all__ = ["job_templates", "batch_script", "sbatch_options", "slurm_state", "slurm_status",
@@ -452,6 +452,7 @@ def logs(
         return out + (["-n", str(lines)] if lines is not None else [])
 
     problems: list[str] = []
+    node_of = {h: n for n, h in nodes}
 
     def relay(h: Host, stream: str, line: str) -> None:
         if stream == "out" and not line:  # a follower's keepalive (clusterctl/host/logtail.py)
@@ -464,11 +465,11 @@ def logs(
             if isinstance(obj, dict):
                 problems.append(f"{h.label}: {obj.get('error', line)}")
                 return
-        on_line(h, stream, line)
+        on_line(h, stream, own_log_line(node_of[h], line) if stream == "out" else line)
 
     results = _agent_on_nodes(spec, nodes, args, what="logs", timeout=None if follow else LOGS_TIMEOUT_S,
                               on_line=relay)
-    unreachable = [f"{n}: {r.stderr.strip()}" for n, r in results.items() if r.unreachable]
+    unreachable = [f"{n}: {r.stderr.strip()[-300:]}" for n, r in results.items() if r.unreachable]
     if problems or unreachable or missing:
         raise JobError("logs incomplete:\n" + "\n".join(problems + unreachable + missing))
     return max((r.exit_code for r in results.values()), default=0)

@@ -30,7 +30,7 @@ from ..host.status import overall_state
 from ..plan import Host
 from ..progress import (STRAGGLER_SLICES, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, clean_progress, stragglers)
 from . import Session
-from .control import Direct, ask, control_command
+from .control import MAX_CONTROL_REPLY, Direct, ask, control_command
 from .job import STATE_ROOT
 
 __all__ = ["ProcRow", "HostRow", "Snapshot", "Top", "TopRequest", "TopAnswer", "TopAsk", "answer_of", "ssh_asks",
@@ -274,8 +274,8 @@ def _ask_ssh_host(session: Session, host: Host, request: TopRequest) -> dict[str
         else:
             why = res.stderr.strip()[-300:] or "no answer"
         return {host.label: TopAnswer(time.monotonic(), "unreachable", error=why)}
-    try:
-        data = res.reply()
+    try:  # a reply over MAX_CONTROL_REPLY is not parsed (control.agent_reply)
+        data = res.reply() if len(res.stdout) <= MAX_CONTROL_REPLY else None
     except ClusterctlError:
         data = None
     return {host.label: answer_of(data, exit_code=res.exit_code, output=res.stderr or res.stdout)}

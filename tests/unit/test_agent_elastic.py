@@ -326,7 +326,8 @@ def test_status_folds_an_elastic_job_from_its_current_attempts_hosts():
         "C": reply("c", "lost", 0, False, ["a", "b", "c"], ["old"], [(2, "lost")]),
         "D": reply("d", "succeeded", 1, False, ["a", "b", "d"], [7, "\x1b[31mspoof"], [(2, "exited")]),
     }
-    st = fold_status("el", replies, {"E": "No route to host"}, {"A": "a", "B": "b", "C": "c", "D": "d", "E": "e"})
+    addresses = {"A": "a", "B": "b", "C": "c", "D": "d", "E": "e"}
+    st = fold_status("el", replies, {"E": "No route to host"}, addresses, elastic_job=True)
     # c was lost and replaced, e is a spare that does not answer: neither decides the job's state or reason
     assert (st.state, st.reason, st.attempt) == ("succeeded", None, 1)
     assert st.elastic["lines"] == lines and st.elastic["members"] == ["a", "b", "d"]
@@ -335,7 +336,7 @@ def test_status_folds_an_elastic_job_from_its_current_attempts_hosts():
     assert st.to_json()["elastic"]["lines"] == lines
     # a member that does not answer still makes the job `lost`; a host's control characters never reach the screen
     st = fold_status("el", {k: v for k, v in replies.items() if k != "B"}, {"B": "No route to host"},
-                     {"A": "a", "B": "b", "C": "c", "D": "d"})
+                     {"A": "a", "B": "b", "C": "c", "D": "d"}, elastic_job=True)
     assert (st.state, st.reason) == ("lost", "unreachable: B")
-    only_d = fold_status("el", {"D": replies["D"]}, {})
+    only_d = fold_status("el", {"D": replies["D"]}, {}, addresses, elastic_job=True)
     assert only_d.elastic["lines"] == ["?[31mspoof"]
