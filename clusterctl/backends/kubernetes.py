@@ -306,7 +306,7 @@ def _parse_reply(text: bytes | str) -> dict | None:
         if line.startswith("{"):
             try:
                 data = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # a pod's message may be anything: 2,000 brackets deep in 4 KiB
                 return None
             return data if isinstance(data, dict) else None
     return None

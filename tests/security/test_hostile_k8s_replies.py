@@ -126,6 +126,17 @@ def test_a_hostile_termination_message_is_read_for_its_well_typed_fields_only(me
     assert st.state in ("running", "failed", "stopping")  # the pod failed; the trainer still runs
 
 
+def test_a_termination_message_nested_too_deep_to_read_is_the_pods_exit_code():
+    """4,014 bytes (under the 4 KiB Kubernetes keeps), 1,990 brackets deep: json's RecursionError, not a traceback."""
+    deep = '{"v": 1, "state": "failed", "x": ' + "[" * 1990 + "]" * 1990 + "}"
+    assert len(deep) < 4096
+    ended = pod("pserver", 0, {"terminated": {"exitCode": 1, "reason": "Error", "message": deep}})
+    st = fold_status("fit", {"pserver": 1, "trainer": 1}, JOBS, [ended, pod("trainer", 0, RUNNING)],
+                     {T0: (GOOD, None)})
+    check_sane(st, P0)
+    assert st.state in ("running", "failed", "stopping")
+
+
 @pytest.fixture
 def kube(tmp_path, monkeypatch):
     """The scripted kubectl first on PATH (tests/unit/fakekubectl.py)."""
