@@ -9,7 +9,7 @@ import sys
 
 from . import __version__
 from .commands.core import PLAN_ROWS, cmd_exec, cmd_plan, cmd_validate, dumps_plan  # noqa: F401 (dumps_plan: API)
-from .console import error, setup_logging
+from .console import error, output_error, setup_logging
 from .errors import ClusterctlError, SpecError
 
 __all__ = ["main", "build_parser", "guarded"]
@@ -93,8 +93,18 @@ def main(argv: list[str] | None = None) -> int:
 def guarded(fn) -> int:
     """Run `fn` (an operation's front end returning an exit code) and turn clusterctl's errors into their
     message on stderr and their exit code: the one place where errors meet the terminal (CLI and fab)."""
+    if sys.stdout is None or sys.stderr is None:  # started with `>&-` (or `2>&-`): nothing it says could be read
+        if sys.stderr is not None:
+            error("standard output is closed")
+        return 1
     try:
-        return int(fn() or 0)
+        code = int(fn() or 0)
+        failed = output_error()
+        if failed is not None:  # a line the command printed from another thread (`logs > /dev/full`)
+            _drop_stdout()
+            error(f"cannot write the output: {failed.strerror or failed}")
+            return code or 1
+        return code
     except SpecError as exc:
         from rich.markup import escape
 

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     out: Console  # module attributes made on first access by __getattr__ below
     err: Console
 
-__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "note", "write_line", "write_text", "printable",
-           "use_colour", "paint"]
+__all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "note", "write_line", "write_text", "output_error",
+           "printable", "use_colour", "paint"]
 
 # `out` and `err` (rich Consoles) are made on first use: rich costs ~0.1 s to import, and a command that
 # only streams lines (`exec`) or fails early never needs it (module __getattr__, PEP 562).
@@ -138,12 +138,28 @@ def write_line(target, text: str) -> None:
     write_text(target, printable(text) + "\n")
 
 
+_output_errors: list[OSError] = []  # writes that failed other than by EPIPE (`> /dev/full`): the command fails
+
+
+def output_error() -> OSError | None:
+    """The first write of output that failed, other than because our reader went away (see write_text)."""
+    return _output_errors[0] if _output_errors else None
+
+
 def write_text(target, text: str) -> None:
-    """Write `text` as it is (already printable) and flush; when our reader went away, drop output (write_line)."""
+    """Write `text` as it is (already printable) and flush. When our reader went away (`| head`), drop output
+    (write_line); when the output cannot take it (`> /dev/full`), drop output too and remember why (output_error:
+    the command then fails, clusterctl.cli.guarded). Never raises: the writer may be the thread that reads a
+    remote command's output, and a reader that dies leaves that command blocked on a full pipe forever."""
     try:
         target.write(text)
         target.flush()
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)  # Python's documented recipe for EPIPE on stdout
-        os.dup2(devnull, target.fileno())
-        os.close(devnull)
+    except OSError as exc:
+        if not isinstance(exc, BrokenPipeError):
+            _output_errors.append(exc)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)  # Python's documented recipe for EPIPE on stdout
+            os.dup2(devnull, target.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass

@@ -145,12 +145,18 @@ def collect_once(host: Host, proc: subprocess.Popen, chunks: Iterable[bytes], ti
                  on_line: LineCallback | None) -> tuple[int | None, str, str]:
     """One process to its end: (exit code, stdout, stderr); exit code None when it timed out."""
     outputs: dict[str, str] = {}
+    callback_failed: list[Exception] = []
 
     def drain(name: str, stream) -> None:
         lines = LineSplitter(host, name, on_line)
-        while chunk := stream.read1(65536):
-            lines.feed(chunk)
-        outputs[name] = lines.close()
+        try:
+            while chunk := stream.read1(65536):
+                lines.feed(chunk)
+            outputs[name] = lines.close()
+        except Exception as exc:  # the line callback failed: read on (a command whose output is not read never
+            callback_failed.append(exc)  # ends: it waits on a full pipe), and say it in the caller's thread
+            while stream.read1(65536):
+                pass
 
     readers = [threading.Thread(target=drain, args=(n, s), daemon=True) for n, s in (("out", proc.stdout), ("err", proc.stderr))]
     for t in readers:
@@ -180,6 +186,8 @@ def collect_once(host: Host, proc: subprocess.Popen, chunks: Iterable[bytes], ti
         # a killed session of a kept connection: its master holds our pipes' other ends until the host's side of
         # the session is gone, which a quiet command (a followed log) notices only at its next write; not waited for
         t.join(KILLED_DRAIN_S if getattr(proc, "killed", False) else None)
+    if callback_failed:
+        raise callback_failed[0]
     return code, outputs.get("out", ""), outputs.get("err", "")
 
 

@@ -146,3 +146,33 @@ def test_exec_and_provision_say_they_need_ssh_hosts(home, tmp_path, capsys):
     spec, _ = local_spec(tmp_path, "torch_gloo", {"trainers": 1})
     code, _, err = run(capsys, "exec", spec, "--", "true")
     assert code == 1 and "this command works on SSH hosts; with backend: local use dispatch, start" in err, err
+
+
+def test_logs_to_an_output_that_cannot_take_them_is_one_line_not_a_hang(home, tmp_path, capsys):
+    """`logs > /dev/full`: the thread that read the log stream died on ENOSPC, the stream's writer then blocked on
+    a full pipe, and `logs` never returned; with `-n 1` it exited 0 having written nothing. Now: one line, exit 1."""
+    import os
+    import subprocess
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "train.py").write_text("import time\nfor i in range(3000):\n    print('line', i, 'x' * 100)\n"
+                                        "time.sleep(60)\n")
+    spec, name = local_spec(tmp_path, "torch_gloo", {"trainers": 1})
+    spec.write_text(spec.read_text().replace(str(ROOT / "examples" / "torch_gloo"), str(workspace)))
+    assert run(capsys, "start", "--dispatch", spec)[0] == 0
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        for lines in (["-n", "5"], ["-n", "1"], []):
+            with open("/dev/full", "w") as full:
+                res = subprocess.run([PY, "-m", "clusterctl.cli", "logs", str(spec), *lines], stdout=full,
+                                     stderr=subprocess.PIPE, text=True, env=env, timeout=60, cwd=tmp_path)
+            assert (res.returncode, res.stderr) == (1, "clusterctl: error: cannot write the output: No space left on "
+                                                       "device\n"), lines
+        for argv in (["status", str(spec)], ["logs", str(spec), "-n", "1"]):  # `>&-`: a traceback, or a hang
+            res = subprocess.run([PY, "-m", "clusterctl.cli", *argv], stderr=subprocess.PIPE, text=True, env=env,
+                                 timeout=60, cwd=tmp_path, preexec_fn=lambda: os.close(1))
+            assert (res.returncode, res.stderr) == (1, "clusterctl: error: standard output is closed\n"), argv
+    finally:
+        assert run(capsys, "stop", spec)[0] == 0
+    assert job_pids(name) == []

@@ -100,3 +100,20 @@ def test_ctrl_c_while_waiting_ends_the_hosts_commands_not_only_the_wait(tmp_path
     while any(map(running, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in pids if running(p)], "the hosts' commands outlived the interrupt"
+
+
+def test_a_line_callback_that_fails_does_not_leave_the_command_blocked(tmp_path):
+    """The thread reading a command's output died with its line callback: the command, its pipe full, never ended.
+    Now the output is read to its end and the callback's error is raised in the caller's thread."""
+    import time
+
+    import pytest
+
+    def fails(host, stream, line):
+        raise ValueError("the callback's own bug")
+
+    remote, hosts = _remote(tmp_path, 1)
+    t0 = time.monotonic()
+    with remote, pytest.raises(ValueError, match="the callback's own bug"):
+        remote.run("head -c 4000000 /dev/zero | tr '\\0' 'x' | fold -w 100", on_line=fails, timeout=60, check=False)
+    assert time.monotonic() - t0 < 30
