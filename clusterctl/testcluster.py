@@ -39,11 +39,12 @@ from typing import Any, NamedTuple, TypeVar
 import yaml
 
 from . import docker
-from .errors import ClusterctlError
+from .errors import ClusterctlError, UsageError
 
 __all__ = [
     "ClusterInfo",
     "DockerClusterError",
+    "DockerClusterUsageError",
     "Shape",
     "Node",
     "NodeStatus",
@@ -117,6 +118,11 @@ class DockerClusterError(ClusterctlError):
     """The test cluster could not be built, started, inspected or removed as asked."""
 
 
+class DockerClusterUsageError(DockerClusterError, UsageError):
+    """An argument of up/status/down that no cluster can have (a bad name, node count, user, ...): refused
+    before docker is touched; exit 2, as argparse's own argument errors."""
+
+
 class Node(NamedTuple):
     """One node: its container name, its address on the cluster network, and its hostname."""
 
@@ -135,12 +141,12 @@ class Shape:
 
     def __post_init__(self) -> None:
         if not USER_RE.match(self.user):
-            raise DockerClusterError(
+            raise DockerClusterUsageError(
                 f"invalid user name {self.user!r}: use lowercase letters, digits, '_' or '-' (at most 32, "
                 "not starting with a digit or '-')"
             )
         if self.sudo_password_nodes and self.user == "root":
-            raise DockerClusterError("--sudo-password-node needs --user NAME: root does not use sudo")
+            raise DockerClusterUsageError("--sudo-password-node needs --user NAME: root does not use sudo")
 
     @property
     def home(self) -> str:
@@ -235,7 +241,7 @@ def state_dir(name: str) -> Path:
 
 def _checked_name(name: str) -> str:
     if not NAME_RE.match(name):
-        raise DockerClusterError(
+        raise DockerClusterUsageError(
             f"invalid test cluster name {name!r}: use lowercase letters, digits, '.', '_' or '-' "
             "(at most 41 characters, starting with a letter or digit)"
         )
@@ -1034,8 +1040,8 @@ def _checked_spec_out(spec_out: Path | None) -> Path | None:
         return None
     path = Path(spec_out).resolve()
     if path.is_dir():
-        raise DockerClusterError(f"--spec-out {path} is a directory: give the spec file's path "
-                                 f"(e.g. {path / 'cluster.yaml'})")
+        raise DockerClusterUsageError(f"--spec-out {path} is a directory: give the spec file's path "
+                                      f"(e.g. {path / 'cluster.yaml'})")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -1052,8 +1058,15 @@ def _checked_packages(packages: Sequence[str] | None) -> list[str]:
         try:
             Requirement(requirement)
         except InvalidRequirement as exc:
-            raise DockerClusterError(_bad_requirement(requirement, exc)) from exc
+            raise DockerClusterUsageError(_bad_requirement(requirement, exc)) from exc
     return pkgs
+
+
+def _checked_nodes(nodes: int) -> int:
+    """--nodes, checked before anything is built: 1..64."""
+    if not 1 <= nodes <= 64:
+        raise DockerClusterUsageError(f"--nodes must be between 1 and 64, not {nodes}")
+    return nodes
 
 
 def _bad_requirement(requirement: str, exc: Exception) -> str:
@@ -1142,13 +1155,13 @@ def up(
     """
     say = progress or _noop
     _checked_name(name)
-    if not 1 <= nodes <= 64:
-        raise DockerClusterError(f"--nodes must be between 1 and 64, not {nodes}")
+    _checked_nodes(nodes)
     password_nodes = tuple(sorted(set(sudo_password_nodes)))
     bad = [i for i in password_nodes if not 0 <= i < nodes]
     if bad:
-        raise DockerClusterError(f"--sudo-password-node {bad[0]}: nodes are numbered 0..{nodes - 1}")
-    shape = Shape(user=user or "root", bastion=bastion, sudo_password_nodes=password_nodes)
+        raise DockerClusterUsageError(f"--sudo-password-node {bad[0]}: nodes are numbered 0..{nodes - 1}")
+    # None: root; "" is a user name like any other, and refused by Shape (it used to be taken as root)
+    shape = Shape(user="root" if user is None else user, bastion=bastion, sudo_password_nodes=password_nodes)
     pkgs = _checked_packages(packages)
     spec_out = _checked_spec_out(spec_out)
     started = time.monotonic()

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import ClusterctlError
+from .errors import ClusterctlError, UsageError
 from .testcluster import DEFAULT_NAME, add_down_parser, add_up_arguments, down, status, up
 
 __all__ = ["add_cli", "cmd_up", "cmd_status", "cmd_down", "main"]
@@ -22,14 +22,34 @@ def _console() -> Any:
     return Console(log_path=False)
 
 
+# The fleet options of `up` that the Slurm cluster does not take (testcluster_slurm.up has no such parameter:
+# its nodes log in as root, on one network, and it writes no ssh config): the flag, its dest in args.
+_NOT_WITH_SLURM = (("--user", "user"), ("--sudo-password-node", "sudo_password_node"), ("--bastion", "bastion"),
+                   ("--ssh-config", "ssh_config"))
+
+
+def _refuse_with_slurm(args: argparse.Namespace) -> None:
+    """Raise UsageError naming every option given that `up --slurm` would drop (their defaults: None, False)."""
+    given = [flag for flag, dest in _NOT_WITH_SLURM if getattr(args, dest, None) not in (None, False)]
+    if given:
+        raise UsageError(f"testcluster up --slurm does not take {', '.join(given)}: a Slurm test cluster logs in "
+                         "as root, on one network, with no ssh config")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """`testcluster up`: bring the cluster up and print its nodes and spec path."""
     from rich.table import Table
 
     if getattr(args, "slurm", False):  # a Slurm cluster on these nodes: clusterctl/testcluster_slurm.py
+        _refuse_with_slurm(args)
+        from .testcluster_slurm import DEFAULT_NAME as SLURM_NAME
         from .testcluster_slurm import cmd_up as slurm_up  # imports testcluster, never this module
 
+        if args.name is None:  # the Slurm cluster's own default: never the plain cluster's, which it would replace
+            args.name = SLURM_NAME
         return slurm_up(args)
+    if args.name is None:
+        args.name = DEFAULT_NAME
     console = _console()
     packages = [p for p in (args.packages or "").split(",") if p.strip()]
     info = up(
@@ -96,6 +116,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
 
     p_up = sub.add_parser("up", help="create or reuse the cluster and write its spec")
     add_up_arguments(p_up, DEFAULT_NAME)
+    p_up.set_defaults(name=None)  # DEFAULT_NAME, or with --slurm the Slurm cluster's (cmd_up)
     p_up.add_argument("--user", help="a non-root login user with passwordless sudo; root login disabled")
     p_up.add_argument(
         "--bastion", action="store_true", help="nodes only behind <name>-bastion, on a network this machine is not on"
@@ -129,8 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(words)
     try:
         return int(args.func(args))
-    except ClusterctlError as exc:
-        console = _console()
+    except ClusterctlError as exc:  # on stderr, not wrapped: a one-line error stays one line
+        from rich.console import Console
+
+        console = Console(stderr=True, soft_wrap=True)
         console.print("error:", style="bold red", end=" ")
         console.print(str(exc), markup=False, highlight=False)
         return exc.exit_code

@@ -226,8 +226,7 @@ def up(
     """Bring up (or reuse) an N-node Slurm cluster named name and write its spec; see module docs."""
     say = progress or _noop
     tc._checked_name(name)
-    if not 1 <= nodes <= 64:
-        raise tc.DockerClusterError(f"--nodes must be between 1 and 64, not {nodes}")
+    tc._checked_nodes(nodes)
     pkgs = tc._checked_packages(packages)
     spec_out = tc._checked_spec_out(spec_out)
     started = time.monotonic()

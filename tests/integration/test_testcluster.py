@@ -526,7 +526,7 @@ def _no_docker() -> None:
 
 def test_up_from_the_command_line_says_a_bad_spec_out_in_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(tc, "ensure_docker", _no_docker)
-    assert cli.main(["testcluster", "up", "--nodes", "1", "--name", "never-started", "--spec-out", str(tmp_path)]) == 1
+    assert cli.main(["testcluster", "up", "--nodes", "1", "--name", "never-started", "--spec-out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err == f"clusterctl: error: --spec-out {tmp_path} is a directory: give the spec file's path " \
                   f"(e.g. {tmp_path / 'cluster.yaml'})\n", err  # was IsADirectoryError, after the cluster was up
