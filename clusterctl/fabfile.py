@@ -141,10 +141,12 @@ def _remembered(cwd: str) -> Path:
     return cache_dir("fab") / (hashlib.sha256(cwd.encode()).hexdigest()[:16] + ".yaml")
 
 
-def _spec(c, spec: str | None, *, remember: bool = False, **options):
+def _spec(c, spec: str | None, *, remember: list | None = None, **options):
     """The spec a task acts on: --spec, else -H (remembered for this directory), else the directory's own
     spec (cluster.yaml, or Fabric config's clusterctl.spec), else the last -H used from this directory.
-    `options`: the task's options for the -H spec (see _opts)."""
+    `options`: the task's options for the -H spec (see _opts). `remember`: where to put what remembers a -H
+    spec for this directory, for the caller to call once the job has started (a failed start remembers nothing:
+    the hosts of a running job stay the ones later tasks reach)."""
     from clusterctl.adhoc import AdhocOptions, adhoc_spec, adhoc_spec_text
     from clusterctl.spec import load_spec, parse_spec
 
@@ -171,8 +173,9 @@ def _spec(c, spec: str | None, *, remember: bool = False, **options):
         options = AdhocOptions(identity_file=key, ssh_config=ssh_config, connect_timeout=connect.get("timeout"),
                                **chosen)
         parsed = adhoc_spec(hosts, options)
-        if remember:  # `start`: later tasks run from here need no -H
-            _write_private(_remembered(cwd), adhoc_spec_text(hosts, options))
+        if remember is not None:  # `start`: later tasks run from here need no -H
+            text = adhoc_spec_text(hosts, options)
+            remember.append(lambda: _write_private(_remembered(cwd), text))
         return parsed
     if getattr(c, "cluster_hosts_flag", None) is not None:  # `-H ""`, `-H ,`: never another cluster's hosts
         raise ClusterctlError(f"-H {c.cluster_hosts_flag!r} names no host: give -H host1,host2")
@@ -321,10 +324,11 @@ def start(c, spec=None, entrypoint=None, workspace=None, remote_dir=None, port=N
     from clusterctl.commands.lifecycle import run_start
 
     def started():
+        remember: list = []
         try:
             return run_start(_spec(c, spec, entrypoint=entrypoint, workspace=workspace, remote_dir=remote_dir, port=port,
-                                   name=name, accept_new=accept_new, known_hosts=known_hosts, remember=True),
-                             dispatch_first=True, follow=follow)
+                                   name=name, accept_new=accept_new, known_hosts=known_hosts, remember=remember),
+                             dispatch_first=True, follow=follow, on_started=lambda: [r() for r in remember])
         except ClusterctlError as exc:  # "already running; stop it first (clusterctl stop)": fab's word is kill
             named = spec if spec is not None else getattr(c, "cluster_spec", None)
             kill = f"fab kill --spec {shlex.quote(named)}" if named else "fab kill"

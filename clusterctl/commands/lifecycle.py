@@ -158,8 +158,9 @@ def _stop_after_interrupt(backend, terminated: bool = False) -> int:
 VERDICT_WAIT_S = 30.0
 
 
-def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> int:
-    """(Dispatch,) start, print the status; with follow, stream logs until the end and exit with the job's state."""
+def run_start(spec, *, dispatch_first: bool = False, follow: bool = False, on_started=None) -> int:
+    """(Dispatch,) start, print the status; with follow, stream logs until the end and exit with the job's state.
+    `on_started`: called once the job has started (before following it)."""
     with _open(spec) as backend:
         if dispatch_first:
             sent = backend.dispatch(on_progress=_say)
@@ -171,6 +172,8 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False) -> in
         t0 = time.monotonic()
         try:
             st = backend.start(on_progress=_say)
+            if on_started is not None:
+                on_started()
             write_text(sys.stdout, f"started in {time.monotonic() - t0:.1f}s\n")
             render_status(st)
             if not follow:

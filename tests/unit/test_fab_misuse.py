@@ -531,3 +531,40 @@ def test_a_tasks_own_short_options_are_the_tasks(tmp_path, words, said):
     # `start -r DIR` and `exec -c CMD` (the tasks' own short options, as their help shows them) were taken for
     # Fabric's -r (search root) and -c (collection): "no 'fabfile' collection (fabfile.py) in <cwd>"
     assert _one_error(_clusterctl_fab("-H", "127.0.0.1", *words, cwd=tmp_path)) == said
+
+
+def test_a_start_that_fails_does_not_replace_the_hosts_remembered_here(tmp_path, monkeypatch, capsys):
+    """`fab -H a,b start` (running), then `fab -H c,d start` that fails: later tasks from here reached c,d, whose start
+    had failed, instead of the running job on a,b. A -H spec is remembered once its job has started."""
+    from clusterctl.fabfile import _remembered
+    from fakehosts import FaultyTransport, free_port_base
+
+    port = str(free_port_base(16))
+
+    c = FakeCluster(tmp_path)
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "train.py").write_text(  # a -H job runs pservers (seed 000's shape): they listen on their port
+        "import os, socket, time\n"
+        "if os.environ['TRAINING_ROLE'] == 'PSERVER':\n"
+        "    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "    s.bind(('127.0.0.1', int(os.environ['PADDLE_PORT']))); s.listen()\n"
+        "time.sleep(30)\n")
+    monkeypatch.chdir(here)
+    c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, down=("n1",)))
+    assert _fab_here("-H", "127.0.0.1,n1", "start", "--entrypoint", "python3 train.py", "--name", "j2",
+                     "--port", port) == 1
+    assert not _remembered(str(here)).exists()
+    c.everywhere(monkeypatch)
+    assert _fab_here("-H", "127.0.0.1", "start", "--entrypoint", "python3 train.py", "--name", "j1",
+                     "--port", port) == 0
+    before = _remembered(str(here)).read_text()
+    assert "j1" in before
+    c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, down=("n1",)))
+    assert _fab_here("-H", "127.0.0.1,n1", "start", "--entrypoint", "python3 train.py", "--name", "j2",
+                     "--port", port) == 1
+    assert _remembered(str(here)).read_text() == before
+    c.everywhere(monkeypatch)
+    capsys.readouterr()
+    assert _fab_here("kill") == 0  # the running job, from what was remembered
+    assert capsys.readouterr().out.startswith("job j1 stopped on 1 host(s)")
