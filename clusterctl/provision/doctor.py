@@ -29,6 +29,7 @@ COMPARED = {
 
 
 def _short(value: str) -> str:
+    # "12.4 (apt cuda-toolkit-12-4)" -> "12.4"; always a string: doctor_facts turns a host's null into ""
     return value.split(" (")[0]
 
 

@@ -167,6 +167,8 @@ def doctor_facts(data: dict) -> dict:
     for key in ("toolkit", "cudnn", "nccl", "driver"):
         if not isinstance(f["gpu"].get(key, ""), (str, type(None))):
             raise BadReply(f"gpu.{key}: not a string")
+        if f["gpu"].get(key) is None:
+            f["gpu"][key] = ""  # null is "not found", which the facts script writes as "": the report reads strings
     for gpu in f["gpu"]["gpus"]:
         if not (isinstance(gpu, dict) and isinstance(gpu.get("index"), (int, str)) and isinstance(gpu.get("name"), str)):
             raise BadReply(f"gpu.gpus: not an {{index, name}}: {shown(gpu)}")

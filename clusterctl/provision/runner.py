@@ -31,6 +31,7 @@ HOST_LOCK = HOST_LOCK_DIR + "/provision.lock"  # one step at a time per login on
 HOST_LOCK_WAIT = 0.8  # of provision.timeout: a step waits this long for another run's step on its host
 HOST_LOCK_BUSY = 199  # flock's exit when the wait ran out
 LOG_KEEP_BYTES = 32 << 20  # a host's log past this at the start of a run is kept as <host>.log.1, and a new one begun
+LOG_RUN_BYTES = LOG_KEEP_BYTES  # what one run writes to a host log; past it, one line says the rest is left out
 EventCallback = Callable[[Host, str, str, str], None]  # (host, step, "line"|"status", text)
 
 
@@ -94,9 +95,9 @@ def parse_status(step: str, res: Result, timeout: float) -> StepOutcome:
 
 
 class _Logs:
-    """Per-host log files, appended to; every line is `[step] text`. Held by one run of the job at a time on
-    this controller (its `.lock`): a second run at once would race the first on the same hosts (a venv the
-    first is still creating looks made to the second)."""
+    """Per-host log files, appended to; every line is `[step] text`, at most LOG_RUN_BYTES a host per run. Held by
+    one run of the job at a time on this controller (its `.lock`): a second run at once would race the first on
+    the same hosts (a venv the first is still creating looks made to the second)."""
 
     def __init__(self, folder: Path, hosts, header: str, job: str):
         try:
@@ -106,6 +107,8 @@ class _Logs:
             raise ProvisionError(f"cannot write the provisioning logs in {folder}: {exc.strerror or exc} "
                                  f"(set XDG_CACHE_HOME to a writable directory)") from None
         self._files: dict = {}
+        self._written: dict = {}  # bytes this run wrote to each host's log
+        self._full: set = set()  # hosts whose log reached LOG_RUN_BYTES in this run
         try:
             fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
             for h in hosts:  # a log past LOG_KEEP_BYTES becomes <host>.log.1 (the one before it goes)
@@ -129,12 +132,23 @@ class _Logs:
         for fh in self._files.values():
             fh.write(header + "\n")
 
-    def write(self, host: Host, step: str, text: str) -> None:
+    def write(self, host: Host, step: str, text: str, *, own: bool = False) -> None:
+        """Log a line of `host`'s output in `step`; `own`: the controller's own line (a step's outcome), written past
+        the cap too."""
         with self._lock:
             fh = self._files[host]
             if fh.closed:  # a line that came after the run ended (a timed-out step's leftover child): not logged
                 return
-            fh.write(f"[{step}] {redact(text)}\n")
+            if host in self._full and not own:  # its output past LOG_RUN_BYTES: the one line saying so is written
+                return
+            line = f"[{step}] {redact(text)}\n"
+            size = self._written.get(host, 0) + len(line.encode())
+            if size > LOG_RUN_BYTES and not own:  # a host may print without end: rotation is only between runs
+                self._full.add(host)
+                line = (f"[{step}] clusterctl: the rest of this host's output in this run is left out of its log "
+                        f"(more than {LOG_RUN_BYTES >> 20} MiB); `clusterctl provision --lines` prints all of it\n")
+            self._written[host] = size
+            fh.write(line)
             fh.flush()
 
     def close(self) -> None:
@@ -197,7 +211,8 @@ def provision(
                 outcomes = _run_step(session, step, alive, facts, check=check, force=force, on_line=on_line(step))
             for host, outcome in outcomes.items():
                 report.outcomes[(host, step)] = outcome
-                logs.write(host, step, f"=> {outcome.status} {outcome.reason}".rstrip() + f" ({outcome.seconds:.1f}s)")
+                logs.write(host, step, f"=> {outcome.status} {outcome.reason}".rstrip() + f" ({outcome.seconds:.1f}s)",
+                           own=True)
                 emit(host, step, "status", outcome.status)
                 if outcome.status == "failed":
                     dead[host] = f"{step} failed"

@@ -84,7 +84,8 @@ def test_a_log_path_that_is_not_a_file_is_one_error_not_a_hang(tmp_path, monkeyp
         os.mkfifo(where)
     elif kind == "socket":
         sock = socket.socket(socket.AF_UNIX)
-        sock.bind(str(where))
+        monkeypatch.chdir(folder)  # a socket's path is at most 107 bytes: bound by its relative name
+        sock.bind(where.name)
     else:
         where.symlink_to("/dev/null")
     code, out, err = cli(capsys, "provision", c.spec_path)
@@ -224,6 +225,30 @@ def test_a_host_log_past_its_limit_is_kept_as_log_1_and_a_new_one_begun(tmp_path
     assert (folder / "n0.log.1").read_text().startswith(first) and len((folder / "n0.log").read_text()) < 1000
     run(c)  # under the limit again: appended to, .1 unchanged
     assert (folder / "n0.log").read_text().count("=== ") == 2 and (folder / "n0.log.1").stat().st_size > 1000
+
+
+
+def test_what_one_run_writes_to_a_host_log_is_capped_with_one_line_saying_so(tmp_path, monkeypatch):
+    """A host step that printed without end (200 MB) grew its log without bound within the run: the rotation at
+    LOG_KEEP_BYTES happens only when a run starts. Past LOG_RUN_BYTES one line says so; the outcome is the same."""
+    from clusterctl.provision import runner
+
+    monkeypatch.setattr(runner, "LOG_RUN_BYTES", 1 << 20)
+    # n1 prints 6 MB, n0 nothing
+    flood = {"name": "flood", "run": 'if [ "$(basename "$HOME")" = n1 ]; then yes hostile output | head -n 400000; fi',
+             "unless": "false"}
+    c = cluster(tmp_path, monkeypatch, {"commands": [flood]})
+    folder = runner.log_dir(c.name)
+    notice = ("[commands] clusterctl: the rest of this host's output in this run is left out of its log "
+              "(more than 1 MiB); `clusterctl provision --lines` prints all of it")
+    for n in (1, 2):  # each run has its own allowance
+        report = run(c)
+        assert outcomes(report) == {("n0", "commands"): ("changed", "ran flood"), ("n1", "commands"): ("changed", "ran flood")}
+        lines = (folder / "n1.log").read_text().splitlines()
+        assert lines[-2] == notice and lines.count(notice) == n and lines.count("[commands] hostile output") > 30000 * n
+        assert lines[-1].startswith("[commands] => changed ran flood (")  # the controller's own line still is
+        assert (folder / "n1.log").stat().st_size < n * ((1 << 20) + 1000)
+        assert (folder / "n0.log").read_text().splitlines()[-1].startswith("[commands] => changed ran flood (")
 
 
 

@@ -319,6 +319,39 @@ def test_host_sources_are_rewritten_from_an_allow_list():
     ]
 
 
+def test_deb822_continuation_lines_are_read_as_before():
+    deb822 = (
+        "# a comment\nTypes: deb\nURIs: https://m.example/a\n https://m.example/b\n"
+        "suites: bookworm\n\tbookworm-updates\nComponents: main\n contrib  \n"
+        "Languages: none\n en\nSigned-By: /etc/apt/keyrings/k.gpg\n  /etc/apt/keyrings/j.gpg\n"
+        "Components: non-free\n non-free-firmware\n\n"  # a field given twice: the last one, with its own lines
+        "Types: deb\n deb-src\nURIs:\n https://m.example/c\nSuites: s\n"
+    )
+    state = HostAptState("amd64", {"etc/apt/keyrings/k.gpg": b"k", "etc/apt/keyrings/j.gpg": b"j",
+                                   "etc/apt/sources.list.d/a.sources": deb822.encode()}, b"")
+    entries, notes = parse_sources(state)
+    assert [e.deb822("/ROOT") for e in entries] == [
+        "Types: deb\nURIs: https://m.example/a https://m.example/b\nSuites: bookworm bookworm-updates\n"
+        "Components: non-free non-free-firmware\nSigned-By: /ROOT/etc/apt/keyrings/k.gpg /ROOT/etc/apt/keyrings/j.gpg\n",
+        "Types: deb\nURIs: https://m.example/c\nSuites: s\n",
+    ]
+    assert notes == ["/etc/apt/sources.list.d/a.sources:2: option Languages ignored: value none\\nen is not a plain word list"]
+
+
+@pytest.mark.timeout(120)
+def test_a_4_mib_stanza_of_continuation_lines_parses_in_linear_time():
+    # Each continuation line was added to its field's string, copying it: this file took ~36 s of CPU.
+    head = "Types: deb\nURIs: http://mirror.example/ubuntu\nSuites: jammy\nX-Note: a\n"
+    text = head + " x\n" * ((LIMITS["file"] - len(head)) // 3)
+    assert len(text) <= LIMITS["file"]
+    state = HostAptState("amd64", {"etc/apt/sources.list.d/a.sources": text.encode()}, b"")
+    start = time.process_time()
+    entries, notes = parse_sources(state)
+    assert time.process_time() - start < 2.0  # ~0.4 s here: room for a slow, busy machine
+    assert [e.deb822("/ROOT") for e in entries] == ["Types: deb\nURIs: http://mirror.example/ubuntu\nSuites: jammy\n"]
+    assert notes == ["/etc/apt/sources.list.d/a.sources:1: option X-Note ignored (not one offline apt takes from a host)"]
+
+
 # ------------------------------------------------------------------------------------------- file: roots
 
 def _flat_index(folder: Path, filename: str, data: bytes, package: str = "ctl-evil") -> None:

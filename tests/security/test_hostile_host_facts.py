@@ -131,3 +131,28 @@ def test_doctor_replies_are_checked_and_made_printable():
     with pytest.raises(BadReply, match="nested too deep"):
         doctor_facts({**good, "extra": json.loads("[" * 20 + "]" * 20)})
     assert probe_facts({"python": "3.11", "machine": "x86_64", "hostname": "box"})["wheels"] == ()
+
+
+@pytest.mark.timeout(120)
+def test_null_gpu_versions_in_a_doctor_reply_show_as_absent(tmp_path, monkeypatch):
+    c = _cluster(tmp_path, monkeypatch)
+    real = Path(c.bin / "python3").resolve()
+    (c.bin / "python3").unlink()  # n1 runs the real facts script, then reports every GPU version as null
+    fake_exe(c.bin, "python3", f"""\
+        if [ "$(basename "$HOME")" = n1 ] && [ "$1" = - ]; then
+            {real} "$@" | {real} -c 'import json, sys
+        d = json.loads(sys.stdin.read().splitlines()[-1])
+        d["gpu"].update(toolkit=None, cudnn=None, nccl=None, driver=None)
+        print(json.dumps(d))'
+            exit 0
+        fi
+        exec {real} "$@"
+        """)
+    with c.session() as s:
+        report = doctor(s)  # comparing the hosts' CUDA versions raised AttributeError on None
+    n0, n1 = report.hosts
+    assert report.facts[n1]["gpu"] | {"gpus": []} == {"gpus": [], "toolkit": "", "cudnn": "", "nccl": "", "driver": ""}
+    rows = {r[0]: r[1:] for r in report.rows()}
+    for name in ("CUDA toolkit", "cuDNN", "NCCL", "driver"):
+        assert rows[name][1] == "-", (name, rows[name])
+    assert not [p for p in report.problems if "unexpected reply" in p], report.problems  # n1's facts were taken
