@@ -25,6 +25,7 @@ from . import auth as auth_mod
 from . import checkpoint as ckpt
 from . import protocol
 from .endpoints import zmq_address
+from .env import PIPELINE_ENV, env_flag
 from .errors import (BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError, PsTimeoutError,
                      RemoteOpError)
 from .optim import SGD, OptimizerConfig
@@ -41,8 +42,6 @@ log = logging.getLogger(__name__)
 WINDOW = 32
 #: Seconds a trainer waits for the other pservers to take a failed sync round's ``abort`` (best effort).
 ABORT_WAIT = 3.0
-#: Sync/async push_pull pipelined in pieces (default); CLUSTERCTL_PS_PIPELINE=0 sends one message per pserver.
-PIPELINE = os.environ.get("CLUSTERCTL_PS_PIPELINE", "1") != "0"
 
 
 def pack_pieces(tensors: Mapping[str, np.ndarray], chunk: int) -> list[list[tuple[str, int, np.ndarray]]]:
@@ -108,6 +107,7 @@ class PSClient:
         context: zmq.Context | None = None,
         token: str | None = None,
         auth: str | None = None,
+        pipeline: bool | None = None,
     ):
         if mode not in MODES:
             raise PsConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -118,6 +118,8 @@ class PSClient:
             raise PsConfigError(f"timeout must be a finite number of seconds, got {timeout!r}")
         if isinstance(endpoints, str):
             raise PsConfigError(f"endpoints must be a list of 'ip:port' strings, got the string {endpoints!r}")
+        if pipeline is not None and not isinstance(pipeline, bool):
+            raise PsConfigError(f"pipeline must be True, False or None (from {PIPELINE_ENV}), got {pipeline!r}")
         if not 0 <= trainer_id < num_trainers:
             raise PsConfigError(f"trainer_id {trainer_id} is outside 0..{num_trainers - 1}")
         if k_steps < 1:
@@ -135,6 +137,9 @@ class PSClient:
         self.min_block_size = min_block_size
         self.timeout = float(timeout)
         self.job = job
+        # sync/async push_pull in pieces of one wire chunk (None: CLUSTERCTL_PS_PIPELINE, default on); False: one
+        # message per pserver
+        self.pipeline = env_flag(os.environ, PIPELINE_ENV, True) if pipeline is None else pipeline
         # CURVE keys from the job token (token/auth None: CLUSTERCTL_JOB_TOKEN/CLUSTERCTL_AUTH); neither: refuse
         creds = auth_mod.resolve(token, auth, f"trainer {trainer_id}")
         self.plan: ShardPlan | None = None
@@ -413,7 +418,7 @@ class PSClient:
             raise PsConfigError("geo mode pushes parameter deltas: call geo_step(params) instead")
         s = self.step if step is None else _step(step)
         plan = self._need_plan()
-        if PIPELINE and pull and set(tensors) == {name for name, _ in plan.shapes}:
+        if self.pipeline and pull and set(tensors) == {name for name, _ in plan.shapes}:
             result = self._push_pull_pipelined(tensors, s, out)
             self.step = s + 1
             return result

@@ -16,10 +16,14 @@ from .protocol import CHUNK_ENV, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, chunk_byt
 from .errors import PsConfigError
 from .optim import OptimizerConfig
 
-__all__ = ["PsEnv", "client_from_env", "from_env", "server_from_env"]
+__all__ = ["PIPELINE_ENV", "PsEnv", "client_from_env", "env_flag", "from_env", "server_from_env"]
 
 _ROLES = {"TRAINER": "trainer", "PSERVER": "pserver"}
 _INT = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() would also take "1_0" and non-ASCII digits
+#: A switch's values, any case: those the collective's switches (CLUSTERCTL_COLLECTIVE_SHM, ...) take.
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+#: Trainers: sync and async push_pull go out pipelined, in pieces of one wire chunk (client.py); default on.
+PIPELINE_ENV = "CLUSTERCTL_PS_PIPELINE"
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class PsEnv:
     timeout: float
     checkpoint_dir: str | None
     checkpoint_every: int = 0
+    pipeline: bool = True
 
 
 MAX_TRAINERS = 1 << 16  # trainers of one job: beyond any plan (16,384 processes); their ids fit in one reply
@@ -55,6 +60,18 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None, most: in
     if int(raw) > most:  # what the wire carries, and what a job can be: a typo's 10**18 is refused here
         raise PsConfigError(f"environment variable {name}={raw.strip()} is more than {most:,}")
     return int(raw)
+
+
+def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A switch: 1/true/yes/on or 0/false/no/off, any case (unset or blank: ``default``); PsConfigError otherwise."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = _FLAGS.get(raw.strip().lower())
+    if value is None:  # "flase" or "2" must not leave the default on without a word
+        raise PsConfigError(f"environment variable {name}={raw!r} is not a switch "
+                            "(1, true, yes, on or 0, false, no, off)")
+    return value
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
@@ -126,9 +143,10 @@ def from_env(env: Mapping[str, str] | None = None) -> PsEnv:
     every = _int(e, "CLUSTERCTL_PS_CHECKPOINT_EVERY", 0)
     if every < 0:
         raise PsConfigError(f"CLUSTERCTL_PS_CHECKPOINT_EVERY must be >= 0 (0: no periodic saves), got {every}")
+    pipeline = env_flag(e, PIPELINE_ENV, True)  # a trainer's; refused in a pserver too: one job, one environment
     return PsEnv(role, endpoints, current, trainer_id, num_trainers, pserver_id, mode, k_steps,
                  e.get("CLUSTERCTL_JOB", ""), barrier, _seconds(e, "CLUSTERCTL_PS_TIMEOUT", barrier + 60.0),
-                 e.get("CLUSTERCTL_PS_CHECKPOINT") or None, every)
+                 e.get("CLUSTERCTL_PS_CHECKPOINT") or None, every, pipeline)
 
 
 def _auth(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -143,7 +161,8 @@ def client_from_env(*, optimizer: OptimizerConfig | None = None, env: Mapping[st
 
     pe = from_env(env)
     kw: dict[str, Any] = dict(trainer_id=pe.trainer_id, num_trainers=pe.num_trainers, mode=pe.mode,
-                              k_steps=pe.k_steps, timeout=pe.timeout, job=pe.job, optimizer=optimizer)
+                              k_steps=pe.k_steps, timeout=pe.timeout, job=pe.job, optimizer=optimizer,
+                              pipeline=pe.pipeline)
     kw.update(_auth(env))
     kw.update(overrides)
     return PSClient(pe.endpoints, **kw)

@@ -181,9 +181,14 @@ def encode(header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None =
 
 
 def _buffer(frame: Any) -> memoryview:
-    """A memoryview over a received frame (``zmq.Frame`` or bytes-like)."""
+    """A memoryview over a received frame (``zmq.Frame`` or bytes-like); ProtocolError for anything else."""
     buf = getattr(frame, "buffer", None)
-    return buf if buf is not None else memoryview(frame)
+    if buf is not None:
+        return buf
+    try:
+        return memoryview(frame)
+    except TypeError:
+        raise ProtocolError(f"a frame is a {type(frame).__name__}, not bytes") from None
 
 
 def decode(frames: Sequence[Any], *, request: bool = True) -> Message:
@@ -214,9 +219,10 @@ def decode(frames: Sequence[Any], *, request: bool = True) -> Message:
 def _message(header: dict, frames: Sequence[Any], request: bool) -> Message:
     """The rest of decode(): the header's fields and the buffer frames its tensor table describes."""
     if header.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {header.get('v')!r} (want {PROTOCOL_VERSION})")
-    if request and header.get("op") not in OPS:
-        raise ProtocolError(f"unknown op {header.get('op')!r}")
+        raise ProtocolError(f"unsupported protocol version {_short(header.get('v'))} (want {PROTOCOL_VERSION})")
+    op = header.get("op")
+    if request and (not isinstance(op, str) or op not in OPS):  # type first: a list is not hashable (TypeError)
+        raise ProtocolError(f"unknown op {_short(op)}")
     for name in _COUNTS:
         value = header.get(name, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -232,8 +238,8 @@ def _message(header: dict, frames: Sequence[Any], request: bool) -> Message:
     pos = 0
     for entry in table:
         if (not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str)
-                or entry[1] not in DTYPES or isinstance(entry[2], bool) or not isinstance(entry[2], int)
-                or entry[2] < 0):
+                or not isinstance(entry[1], str) or entry[1] not in DTYPES  # type first, as for op
+                or isinstance(entry[2], bool) or not isinstance(entry[2], int) or entry[2] < 0):
             raise ProtocolError(f"bad tensor table entry {_short(entry)}")
         key, dtype_name, size = entry
         if key in tensors:

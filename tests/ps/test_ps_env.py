@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clusterctl.ps import PsConfigError, PsEnv, client_from_env, from_env, server_from_env
+from clusterctl.ps import PsConfigError, PsEnv, PSClient, client_from_env, from_env, server_from_env
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -116,3 +116,42 @@ def test_a_barriers_missing_trainers_are_listed_up_to_a_point():
     assert str(err) == ("sync barrier for step 3 timed out after 8s; missing trainer id(s): "
                         + ", ".join(map(str, range(5, 21))) + ", ... (65,531 in all)")
     assert len(err.missing) == 65531  # the reply still names every one (the ids of a job fit in one header)
+
+
+PIPELINE_WORDS = "(1, true, yes, on or 0, false, no, off)"
+
+
+@pytest.mark.parametrize(("raw", "pipeline"), [
+    (None, True), ("", True), ("1", True), ("true", True), ("Yes", True), ("ON", True),
+    ("0", False), ("false", False), ("FALSE", False), ("no", False), ("Off", False), (" off\n", False),
+])
+def test_the_pipeline_switch_takes_the_collectives_words(raw, pipeline, monkeypatch):
+    """CLUSTERCTL_PS_PIPELINE=false, off or no left pipelining on (only 0 turned it off)."""
+    env = {**BASE, "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "1"}
+    if raw is not None:
+        env["CLUSTERCTL_PS_PIPELINE"] = raw
+    assert from_env(env).pipeline is pipeline
+    with client_from_env(env={**env, "CLUSTERCTL_JOB_TOKEN": "t"}) as c:  # the mapping's value, not os.environ's
+        assert c.pipeline is pipeline
+    monkeypatch.delenv("CLUSTERCTL_PS_PIPELINE", raising=False)
+    if raw is not None:
+        monkeypatch.setenv("CLUSTERCTL_PS_PIPELINE", raw)
+    with PSClient(["127.0.0.1:1"], trainer_id=0, num_trainers=1) as c:  # a client made without from_env
+        assert c.pipeline is pipeline
+
+
+@pytest.mark.parametrize("raw", ["2", "-1", "maybe", "flase", "enabled", "o n"])
+def test_a_pipeline_switch_that_is_no_switch_is_refused_by_name(raw, monkeypatch):
+    message = f"environment variable CLUSTERCTL_PS_PIPELINE={raw!r} is not a switch {PIPELINE_WORDS}"
+    for role in ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "1"},
+                 {"TRAINING_ROLE": "PSERVER", "PADDLE_CURRENT_ENDPOINT": "10.0.0.3:6170"}):
+        with pytest.raises(PsConfigError) as err:
+            from_env({**BASE, **role, "CLUSTERCTL_PS_PIPELINE": raw})
+        assert str(err.value) == message
+    monkeypatch.setenv("CLUSTERCTL_PS_PIPELINE", raw)
+    with pytest.raises(PsConfigError) as err:
+        PSClient(["127.0.0.1:1"], trainer_id=0, num_trainers=1)
+    assert str(err.value) == message
+    with pytest.raises(PsConfigError) as err:
+        PSClient(["127.0.0.1:1"], trainer_id=0, num_trainers=1, pipeline="off")  # the argument is a bool
+    assert str(err.value) == "pipeline must be True, False or None (from CLUSTERCTL_PS_PIPELINE), got 'off'"

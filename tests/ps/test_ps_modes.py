@@ -7,7 +7,6 @@ import pytest
 from ps_jobs import in_threads, pulls_during_pushes
 
 from clusterctl.ps import SGD, Adam, Momentum, PSClient, RemoteOpError, protocol
-from clusterctl.ps import client as ps_client
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -119,9 +118,8 @@ def test_sync_pipelined_equals_one_message_bit_for_bit(servers, monkeypatch, opt
     monkeypatch.setattr(protocol, "CHUNK_BYTES", 1024)  # many pieces per block
     runs = []
     for pipeline in (False, True):
-        monkeypatch.setattr(ps_client, "PIPELINE", pipeline)
         g = servers(2, num_trainers=T, mode="sync", barrier_timeout=20)
-        runs.append(_run_trainers(g.endpoints, "sync", opt, steps=4))
+        runs.append(_run_trainers(g.endpoints, "sync", opt, steps=4, pipeline=pipeline))
         assert g.join(5) and not g.errors
         assert [s.step for s in g.servers] == [4, 4]
         assert [s.stats["updates"] for s in g.servers] == [4 * 2, 4 * 1]  # once per block and round

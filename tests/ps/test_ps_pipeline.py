@@ -205,3 +205,24 @@ def test_sync_pipelined_parts_apply_their_blocks_and_refuse_repeats(servers):
         np.testing.assert_array_equal(got["b"], np.zeros(5, np.float32))  # no part carried b
         c.complete()
     assert g.servers[0].stats["updates"] == 1
+
+
+@pytest.mark.parametrize(("raw", "requests"), [
+    ("0", 1), ("false", 1), ("OFF", 1), ("no", 1),  # false, off and no pipelined all the same (only 0 did not)
+    (None, 20), ("1", 20), ("true", 20), ("on", 20), ("Yes", 20),
+])
+def test_the_pipeline_switch_decides_how_a_push_pull_goes_out(servers, monkeypatch, raw, requests):
+    """A trainer's CLUSTERCTL_PS_PIPELINE: one message per pserver, or one per piece (w: 20 KB in 1 KB chunks is
+    20 pieces, b packed with the last one)."""
+    monkeypatch.setattr(protocol, "CHUNK_BYTES", 1024)
+    monkeypatch.delenv("CLUSTERCTL_PS_PIPELINE", raising=False)
+    if raw is not None:
+        monkeypatch.setenv("CLUSTERCTL_PS_PIPELINE", raw)
+    g = servers(1, num_trainers=1, mode="async")
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="async", optimizer=SGD(0.1), timeout=10) as c:
+        params = c.init(_params())
+        before = g.servers[0].stats["requests"]
+        c.push_pull(_grad(0, params))
+        assert g.servers[0].stats["requests"] - before == requests  # counted as received, before the replies
+        c.complete()
+    assert g.join(5) and not g.errors

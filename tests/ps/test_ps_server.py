@@ -24,7 +24,6 @@ from clusterctl.ps import (
     PsError,
     PsTimeoutError,
 )
-from clusterctl.ps import client as client_mod
 from clusterctl.ps.auth import Credentials, secure_client
 
 pytestmark = pytest.mark.timeout(30)
@@ -157,18 +156,17 @@ def test_barrier_timeout_names_the_missing_trainers(servers):
 
 
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "whole"])
-def test_a_pserver_whose_round_completed_fails_too_when_the_other_times_out(servers, monkeypatch, pipelined):
+def test_a_pserver_whose_round_completed_fails_too_when_the_other_times_out(servers, pipelined):
     """Trainer 1's push reaches pserver 0 and never pserver 1 (it was killed in between): pserver 0's round
     completes and pserver 1's times out. The trainers that pserver 1 failed tell pserver 0 (``abort``), which
     fails the same way instead of waiting for ever for a round nobody will push (seen in CI under load)."""
-    monkeypatch.setattr(client_mod, "PIPELINE", pipelined)
     g = servers(2, num_trainers=3, mode="sync", barrier_timeout=1.0)
     grads = {"w": np.ones((3, 2), np.float32), "b": np.ones(1, np.float32)}
     failed: dict[int, BaseException] = {}
 
     def trainer(tid: int) -> None:
         with PSClient(g.endpoints, trainer_id=tid, num_trainers=3, mode="sync", optimizer=SGD(0.1),
-                      timeout=4) as c:
+                      timeout=4, pipeline=pipelined) as c:
             c.init(_params())
             assert all(c._split(grads).values())  # both pservers hold a block
             if tid == 1:  # everything it sends to pserver 1 from now on is lost

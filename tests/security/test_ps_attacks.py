@@ -8,6 +8,7 @@ on 127.0.0.1 that records and rewrites what the trainer sends), or beside it wit
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
@@ -476,6 +477,40 @@ def test_huge_or_odd_numbers_in_a_header_are_protocol_errors(group, field, raw, 
     # is, with a field out of its range, with its own seq (a valid one), so the client is told at once
     assert reply == {"v": 1, "ok": False, "seq": seq, "code": "bad_request", "error": message, "t": []}
     assert g.server.stats["rejected"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_malformed_reply_is_dropped_and_the_trainer_carries_on(caplog):
+    """A pserver of the job (it holds the token: compromised, or a broken build) answers with a tensor table whose
+    dtype is a list: decode raised TypeError, which the trainer's reply loop does not catch (a traceback that ended
+    the trainer). It is dropped with a warning, and the well-formed reply after it is taken."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.CURVE_SERVER, 1)  # the job's CURVE keys, no ZAP handler: any client holding them gets in
+    router.setsockopt(zmq.CURVE_SECRETKEY, Credentials.from_token(TOKEN).server_secret)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    good = {"v": 1, "ok": True, "seq": 1, "t": [], "mode": "async"}
+
+    def pserver():
+        if router.poll(20000):
+            ident, head = router.recv_multipart()
+            assert json.loads(head)["seq"] == 1
+            router.send_multipart([ident, json.dumps({**good, "t": [["a", [1], 4]]}).encode(), bytes(16)])
+            router.send_multipart([ident, json.dumps(good).encode()])
+
+    thread = threading.Thread(target=pserver, daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="clusterctl.ps.client"), \
+                PSClient([f"127.0.0.1:{port}"], trainer_id=0, num_trainers=1, timeout=10, token=TOKEN) as c:
+            assert c.ping() == [good]
+    finally:
+        thread.join(25)
+        router.close()
+        ctx.term()
+    assert (f"dropping a malformed reply from 127.0.0.1:{port}: bad tensor table entry ['a', [1], 4]"
+            in caplog.messages)
 
 
 def _hwm_mb(pid):
