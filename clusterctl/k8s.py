@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import ClusterctlError, SpecError, SpecProblem
+from .errors import ClusterctlError, SpecError, SpecProblem, UsageError
 from .host import pod as hostpod
 from .host.layout import endpoints_left_out, exec_string_fits
 from .host.policy import DEFAULT_TIMINGS
@@ -506,6 +506,24 @@ def process_argv(job: dict, index: int, *, secrets: dict | None = None) -> list[
 # ------------------------------------------------------------------------------------------- CLI
 
 
+def _write_private(path: Path, data: bytes) -> None:
+    """Write `path` 0600 (it holds the job's token: the Secret) through a new temporary file and a rename: a
+    symlink (or any file) already at `path` is replaced, never followed and written through."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # 0600, O_EXCL
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     """clusterctl k8s render: write (or print) the manifests, then say how to apply and follow them."""
     import sys
@@ -520,16 +538,15 @@ def cmd_render(args: argparse.Namespace) -> int:
     text = dump(docs)
     name, ns = object_name(spec), spec.kubernetes.namespace
     # `create`, not `apply`: apply copies each object into an annotation, the Secret's token included
-    if args.output:
+    if args.output is not None:
+        if not args.output.strip():  # `-o "$DIR"` with DIR unset: never the token on stdout instead
+            raise UsageError(f"k8s render: -o {args.output!r} names no directory: give -o DIR")
         path = Path(args.output) / f"{name}.yaml"
         if path.parent.exists() and not path.parent.is_dir():
             raise ClusterctlError(f"k8s render: -o {args.output} is not a directory")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the job's token (the Secret)
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
+            _write_private(path, text.encode("utf-8"))
         except OSError as e:
             raise ClusterctlError(f"k8s render: cannot write {path}: {e.strerror or e}") from e
         apply, say = f"kubectl create -f {path}", out

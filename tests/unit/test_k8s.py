@@ -467,6 +467,33 @@ def test_cli_render_to_a_place_it_cannot_write_says_so_in_one_line(tmp_path, cap
             and got.err.count("\n") == 1, got
 
 
+def test_cli_render_o_nothing_is_a_usage_error_not_the_token_on_stdout(tmp_path, capsys):
+    spec = tmp_path / "c.yaml"
+    spec.write_text(PSERVER)
+    for given in ("", " "):  # `-o "$DIR"`, DIR unset: printed every manifest, the Secret's token with them
+        assert cli.main(["k8s", "render", str(spec), "-o", given]) == 2
+        got = capsys.readouterr()
+        assert (got.out, got.err) == ("", f"clusterctl: error: k8s render: -o {given!r} names no directory: give -o DIR\n")
+
+
+def test_cli_render_replaces_a_symlink_at_its_file_and_never_writes_through_it(tmp_path, capsys):
+    """-o DIR where DIR/<name>.yaml is a symlink to another file: that file was overwritten with the manifests
+    (the token in them) and made 0600. The link itself is replaced now; what it pointed at is untouched."""
+    spec = tmp_path / "c.yaml"
+    spec.write_text(PSERVER)
+    victim, out_dir = tmp_path / "victim.txt", tmp_path / "out"
+    victim.write_text("keep me\n")
+    victim.chmod(0o644)
+    out_dir.mkdir()
+    (out_dir / "fit-a-line.yaml").symlink_to(victim)
+    assert cli.main(["k8s", "render", str(spec), "-o", str(out_dir)]) == 0
+    capsys.readouterr()
+    assert victim.read_text() == "keep me\n" and oct(victim.stat().st_mode & 0o777) == "0o644"
+    written = out_dir / "fit-a-line.yaml"
+    assert not written.is_symlink() and "kind: Secret" in written.read_text()
+    assert oct(written.stat().st_mode & 0o777) == "0o600" and sorted(p.name for p in out_dir.iterdir()) == [written.name]
+
+
 def test_cli_render_writes_the_file_and_says_how_to_apply(tmp_path):
     spec = tmp_path / "c.yaml"
     spec.write_text(PSERVER)
