@@ -93,17 +93,17 @@ def ssh_session(spec_or_path: "str | os.PathLike | ClusterSpec", **kwargs):
     """An ops Session over SSH to the spec's hosts, for the commands that need machines `ssh` reaches (exec,
     provision, doctor): refused in one line when the spec's backend has none (Slurm's nodes are Slurm's choice
     until the job runs; Kubernetes' are pods)."""
-    from ..errors import ClusterctlError
+    from ..errors import UsageError
     from ..ops import open_session
 
-    def check_ssh(spec):
+    def check_ssh(spec):  # a command this backend has not: exit 2, as a command argparse does not know
         if not backend_class(spec.backend).ssh_hosts:
-            raise ClusterctlError(f"{spec.source}: this command works on SSH hosts; with backend: {spec.backend} "
+            raise UsageError(f"{spec.source}: this command works on SSH hosts; with backend: {spec.backend} "
                                   "use dispatch, start, status, logs or stop")
         return problems(spec)
 
     with open_session(spec_or_path, check=check_ssh, **kwargs) as session:
         if not backend_class(session.plan.backend).ssh_hosts:  # a cached plan (checked when it was made)
-            raise ClusterctlError(f"{spec_or_path}: this command works on SSH hosts; with backend: "
+            raise UsageError(f"{spec_or_path}: this command works on SSH hosts; with backend: "
                                   f"{session.plan.backend} use dispatch, start, status, logs or stop")
         yield session

@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..console import LinePrinter, error, note
-from ..errors import ClusterctlError, UsageError
+from ..errors import UsageError
 
 __all__ = ["cmd_validate", "cmd_plan", "cmd_exec", "dumps_plan", "PLAN_ROWS"]
 
@@ -131,8 +131,8 @@ def cmd_exec(args: argparse.Namespace) -> int:
                                       "the command after it)")
             args.timeout = mine.timeout
         argv = argv[cut + 1:]
-    if not argv:
-        raise ClusterctlError("exec needs a command after --, e.g. clusterctl exec cluster.yaml -- hostname")
+    if not argv or not argv[0].strip():  # `exec SPEC -- "$CMD"`, CMD unset: no program to run
+        raise UsageError("exec needs a command after --, e.g. clusterctl exec cluster.yaml -- hostname")
     if args.timeout is not None and not 0 < args.timeout <= MAX_EXEC_TIMEOUT_S:  # also NaN: no comparison holds
         # coreutils `timeout 0` runs without a limit, a negative one is an option to it, inf overflows the clock
         raise UsageError(f"exec: --timeout must be more than 0 and at most {MAX_EXEC_TIMEOUT_S} seconds, "

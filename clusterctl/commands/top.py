@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..console import markup_safe, out
-from ..errors import ClusterctlError
+from ..errors import UsageError
 from ..progress import STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, metrics_text
 from .render import STATE_STYLE
 from ..ops.top import DEFAULT_INTERVAL, MIN_INTERVAL, HostRow, ProcRow, Snapshot, Top
@@ -165,7 +165,7 @@ def run_top(spec, *, once: bool = False, as_json: bool = False, interval: float 
     from ..backends import open_backend
 
     if not MIN_INTERVAL <= interval <= 3600:
-        raise ClusterctlError(f"top: --interval must be {MIN_INTERVAL:g} to 3600 seconds, not {interval:g}")
+        raise UsageError(f"top: --interval must be {MIN_INTERVAL:g} to 3600 seconds, not {interval:g}")
     with open_backend(spec) as backend:
         # the live view gives up on a host's request after 5 refreshes (at least 10 s), so that a frozen host is
         # named soon and Ctrl+C does not wait long for its request; --once waits the backend's own deadline

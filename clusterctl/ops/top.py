@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
-from ..errors import ClusterctlError
+from ..errors import ClusterctlError, UsageError
 from ..host.states import JobState
 from ..host.status import overall_state
 from ..plan import Host
@@ -297,9 +297,9 @@ class Top:
     def __init__(self, source, *, threshold: float = STRAGGLER_THRESHOLD, window_s: float = STRAGGLER_WINDOW_S,
                  slices: int = STRAGGLER_SLICES, gpu: bool = True, request_timeout: float | None = None):
         if not 0 < threshold <= 1:
-            raise ClusterctlError(f"top: the straggler threshold must be in (0, 1], not {threshold:g}")
+            raise UsageError(f"top: the straggler threshold must be in (0, 1], not {threshold:g}")
         if not 6 <= window_s <= 180:
-            raise ClusterctlError(f"top: the straggler window must be 6 to 180 seconds, not {window_s:g}")
+            raise UsageError(f"top: the straggler window must be 6 to 180 seconds, not {window_s:g}")
         self.threshold, self.window_s, self.slices, self.gpu = threshold, window_s, slices, gpu
         self.job: str = source.plan.job
         # a host's request ends (unreachable) after the backend's deadline (ssh.command_timeout, ...), or this

@@ -145,7 +145,7 @@ def test_what_the_local_backend_cannot_honour_is_refused_at_its_key(home, tmp_pa
 def test_exec_and_provision_say_they_need_ssh_hosts(home, tmp_path, capsys):
     spec, _ = local_spec(tmp_path, "torch_gloo", {"trainers": 1})
     code, _, err = run(capsys, "exec", spec, "--", "true")
-    assert code == 1 and "this command works on SSH hosts; with backend: local use dispatch, start" in err, err
+    assert code == 2 and "this command works on SSH hosts; with backend: local use dispatch, start" in err, err
 
 
 def test_logs_to_an_output_that_cannot_take_them_is_one_line_not_a_hang(home, tmp_path, capsys):

@@ -132,7 +132,9 @@ def test_exec_runs_one_argv_everywhere_and_exits_with_the_worst_code(tmp_path, m
     code, out, err = cli(capsys, "exec", "--timeout", "0.5", c.spec_path, "--", "sleep", "20")
     assert code == 124 and "[n0] exit 124" in err
     code, out, err = cli(capsys, "exec", c.spec_path)
-    assert code != 0 and "exec needs a command after --" in err
+    assert code == 2 and "exec needs a command after --" in err
+    code, out, err = cli(capsys, "exec", c.spec_path, "--", "")  # `-- "$CMD"`, CMD unset: was sent to every host
+    assert (code, out) == (2, "") and "exec needs a command after --" in err
     c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, down={"n0"}))
     code, out, err = cli(capsys, "exec", c.spec_path, "--", "true")
     assert code == 255 and re.search(refused("n0"), err)
@@ -341,7 +343,7 @@ def test_slurm_dispatch_and_a_batch_that_failed_before_any_supervisor(tmp_path, 
     code, out, err = cli(capsys, "logs", c.spec_path)
     assert code != 0 and f"job {c.name} was never submitted from login" in err
     code, out, err = cli(capsys, "provision", c.spec_path)
-    assert code != 0 and "this command works on SSH hosts; with backend: slurm use" in err
+    assert code == 2 and "this command works on SSH hosts; with backend: slurm use" in err
     code, out, _ = cli(capsys, "dispatch", c.spec_path)
     assert code == 0 and "dispatch (" in out and out.count("│ 127.0.0.") == 2, out
     for node in ("127.0.0.1", "127.0.0.2"):

@@ -209,10 +209,10 @@ def test_top_from_the_command_line(tmp_path, monkeypatch, capsys):
         assert code == 0 and f"job {c.name}: running · 2 host(s), 4 process(es)" in text
         assert text.count("host total") == 2 and "trainer.3" in text
         code = main(["top", str(c.spec_path), "--interval", "0.1"])
-        assert (code, capsys.readouterr().err.strip()) == (1, "clusterctl: error: top: --interval must be 0.5 to 3600 "
+        assert (code, capsys.readouterr().err.strip()) == (2, "clusterctl: error: top: --interval must be 0.5 to 3600 "
                                                               "seconds, not 0.1")
         code = main(["top", str(c.spec_path), "--once", "--straggler-window", "2"])
-        assert (code, capsys.readouterr().err.strip()) == (1, "clusterctl: error: top: the straggler window must be 6 "
+        assert (code, capsys.readouterr().err.strip()) == (2, "clusterctl: error: top: the straggler window must be 6 "
                                                               "to 180 seconds, not 2")
     finally:
         with c.session() as s:
