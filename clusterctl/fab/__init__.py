@@ -35,7 +35,12 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["--where"]:
         print(fabfile_dir())
         return
-    _program().run(["fab", *args])
+    try:
+        _program().run(["fab", *args])
+    except BrokenPipeError:  # `clusterctl-fab --list | head`: our reader went away, as clusterctl's write_text says
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _program():
@@ -149,6 +154,7 @@ _STEPS = {
     "parse_tasks": {"numbers": True, "checks": True},
     "parse_cleanup": {},
     "update_config": {"loading": True},
+    "create_config": {"loading": True},  # Invoke's look for ~/.fabric.* and /etc/fabric.*
 }
 
 _NEEDS_VALUE = re.compile(r"Flag <\w+: ([\w-]+)(?: \(([\w, -]+)\))?[^>]*> needed value and was not given one!")
@@ -201,7 +207,7 @@ _NAMING = {"search-root": ("-r", "a directory holding a fabfile.py"), "collectio
 def _check_core(program) -> None:
     """Refuse a core flag's value that Fabric or Invoke would drop without a word: an empty file name (`-i ''`:
     no key; `-r ''`: the current directory), `-i` with no value at the end (no key), a `-f` file that is not there
-    (skipped), `--connect-timeout 0` (no timeout); and Fabric's password prompts (a prompt, then a password no
+    (skipped), `--connect-timeout 0` or `-T 0` (no timeout); and Fabric's password prompts (a prompt, then a password no
     clusterctl task uses: they never take one)."""
     from invoke import Exit
 
@@ -223,9 +229,10 @@ def _check_core(program) -> None:
     if runtime and not os.path.isfile(runtime):
         said = "not a file" if os.path.exists(runtime) else "no such file"
         raise Exit(f"{PREFIX}-f {runtime}: {said}", code=1)
-    timeout = args["connect-timeout"].value if "connect-timeout" in args else None
-    if timeout is not None and timeout <= 0:
-        raise Exit(f"{PREFIX}--connect-timeout must be more than 0 seconds, not {timeout}", code=1)
+    for name, flag in (("connect-timeout", "--connect-timeout"), ("command-timeout", "-T/--command-timeout")):
+        timeout = args[name].value if name in args else None
+        if timeout is not None and timeout <= 0:  # Fabric reads 0 as no limit at all
+            raise Exit(f"{PREFIX}{flag} must be more than 0 seconds, not {timeout}", code=1)
 
 
 # Fabric's flags that ask for a password on the terminal before any task runs
@@ -239,6 +246,10 @@ def _loading_error(program, exc) -> str | None:
     from invoke.util import yaml  # Invoke's vendored copy, if it has one: its errors are not PyYAML's
     from paramiko.ssh_exception import ConfigParseError
 
+    home = os.path.expanduser("~")
+    if isinstance(exc, OSError) and exc.filename and os.path.dirname(str(exc.filename)) in (home, "/etc"):
+        # Invoke reads ~/.fabric.* and /etc/fabric.*: a HOME that is a file (HOME=/dev/null) fails the lookup itself
+        return f"cannot look for Fabric's config file {exc.filename}: {exc.strerror} (HOME={home})"
     ssh = getattr(program.config, "_runtime_ssh_path", None)
     runtime = program.args["config"].value if "config" in program.args else None
     if isinstance(exc, OSError) and ssh is not None and exc.filename in (ssh, os.path.expanduser(ssh)):

@@ -135,6 +135,8 @@ def test_fabs_own_numbers_are_checked(tmp_path, program):
     # `-t 0`: Fabric set no timeout at all (its `if timeout:`), the spec's default 10 s was used
     res = program("-t", "0", "-H", "127.0.0.1", "status", cwd=tmp_path)
     assert _one_error(res) == "--connect-timeout must be more than 0 seconds, not 0"
+    res = program("-T", "0", "-H", "127.0.0.1:1", "status", cwd=tmp_path)  # `-- cmd` ran with no limit
+    assert _one_error(res) == "-T/--command-timeout must be more than 0 seconds, not 0"
     # a word after the task name: Invoke's int() traceback (before the task name: parsed before the fabfile
     # is imported, so plain fab's own traceback stays; see test_a_word_for_a_whole_number_of_fab_itself_...)
     res = program("-H", "127.0.0.1", "status", "--connect-timeout", "soon", cwd=tmp_path)
@@ -568,3 +570,19 @@ def test_a_start_that_fails_does_not_replace_the_hosts_remembered_here(tmp_path,
     capsys.readouterr()
     assert _fab_here("kill") == 0  # the running job, from what was remembered
     assert capsys.readouterr().out.startswith("job j1 stopped on 1 host(s)")
+
+
+def test_a_home_that_is_not_a_directory_and_a_reader_that_goes_away_are_no_traceback(tmp_path):
+    """HOME=/dev/null: Invoke's look for ~/.fabric.yaml ended in NotADirectoryError's traceback before any task ran;
+    `clusterctl-fab --list | head -1`: BrokenPipeError's."""
+    import os
+
+    res = subprocess.run([sys.executable, "-m", "clusterctl.fab", "--list"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env={**os.environ, "HOME": "/dev/null"})
+    assert _one_error(res) == ("cannot look for Fabric's config file /dev/null/.fabric.yaml: Not a directory "
+                               "(HOME=/dev/null)")
+    listing = subprocess.Popen([sys.executable, "-m", "clusterctl.fab", "--list"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=tmp_path)
+    assert listing.stdout.readline().strip() == b"Available tasks:"
+    listing.stdout.close()  # as `head -1` does
+    assert (listing.wait(timeout=120), listing.stderr.read()) == (0, b"")
