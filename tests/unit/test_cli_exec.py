@@ -47,3 +47,17 @@ def test_an_unknown_option_before_the_command_is_one_line(seen, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tiemout" in err[0] and "before --" in err[0], err
     assert seen == {}
+
+
+def test_a_command_longer_than_ssh_can_take_is_one_line_naming_it(seen, capsys):
+    """A 130 KB argument: "clusterctl: error: Argument list too long: ssh" (execve of the ssh client). The bound is
+    on the command as sent: with --timeout it travels twice (the `timeout` wrapper and the fallback without it)."""
+    spec = seen.pop("spec")
+    fits = "x" * 110_000
+    assert cli.main(["exec", spec, "--", "sh", "-c", 'echo "${#1}"', "sh", fits]) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[n0] 110000", "[n1] 110000"]
+    for argv in (["--", "echo", "x" * 130_000], ["--timeout", "5", "--", "echo", "x" * 62_000]):
+        assert cli.main(["exec", spec, *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("clusterctl: error: exec: the command is ") \
+            and "over the 122,880 ssh can take as one argument" in err[0], err
