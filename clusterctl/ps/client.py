@@ -15,7 +15,7 @@ import math
 import numbers
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from .env import PIPELINE_ENV, env_flag
 from .errors import (BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError, PsTimeoutError,
                      RemoteOpError)
 from .optim import SGD, OptimizerConfig
-from .protocol import MAX_WIRE_FRAME_BYTES, Message, decode, encode
+from .protocol import MAX_WIRE_FRAME_BYTES, Message, _short, decode, encode
 from .server import MODES
 from .sharding import DEFAULT_MIN_BLOCK_SIZE, Block, ShardPlan, plan_shards
 
@@ -80,6 +80,39 @@ def _as_numpy(x: Any, name: str = "") -> np.ndarray:
     if arr.dtype.name not in DTYPES:
         raise PsConfigError(f"{name}: dtype {arr.dtype} is not supported (float16/32/64)")
     return arr
+
+
+#: A reply field the client cannot do without (no default).
+_REQUIRED: Any = object()
+
+
+def _is_count(value: Any) -> bool:
+    """Whether ``value`` is a non-negative integer (a step, a trainer id): JSON's ``true`` is not one."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_seconds(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= 0)
+
+
+def _is_steps(value: Any) -> bool:
+    return isinstance(value, list) and all(map(_is_count, value))
+
+
+def _is_dir(value: Any) -> bool:
+    return isinstance(value, str) and "\0" not in value  # a NUL is a ValueError in every path function
+
+
+def _one_line(text: str, limit: int) -> str:
+    """A pserver's ``text`` as one line of at most ``limit`` characters (control characters escaped)."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _step(step: Any) -> int:
@@ -194,6 +227,25 @@ class PSClient:
         return PsTimeoutError([self.endpoints[i] for i in missing], op, wait,
                               "".join(self._watch.hint(i) for i in missing))
 
+    def _read(self, i: int, op: str, header: Mapping[str, Any], name: str, want: str,
+              valid: Callable[[Any], bool], default: Any = _REQUIRED) -> Any:
+        """Field ``name`` of pserver ``i``'s reply to ``op`` (``default`` when absent), or ProtocolError naming both:
+        a reply that decoded may still carry a list where a step belongs (a broken or compromised pserver)."""
+        value = header.get(name, default)
+        if value is _REQUIRED or not valid(value):
+            got = "nothing" if value is _REQUIRED else _short(value)
+            raise ProtocolError(f"pserver {self.endpoints[i]}: malformed {op!r} reply: {name} must be {want}, "
+                                f"got {got}")
+        return value
+
+    def _status(self, i: int, op: str, header: Mapping[str, Any]) -> tuple[bool, str, str]:
+        """``(ok, code, error)`` of pserver ``i``'s reply to ``op``; code and error one line each."""
+        if self._read(i, op, header, "ok", "true or false", lambda v: isinstance(v, bool)):
+            return True, "", ""
+        code = self._read(i, op, header, "code", "a string", _is_text, "error")
+        error = self._read(i, op, header, "error", "a string", _is_text, "")
+        return False, _one_line(code, 80), _one_line(error, 2000)
+
     def _replies(self, poller: zmq.Poller, left: float, seq: int) -> Iterator[tuple[int, Message]]:
         """The replies to request `seq` that arrive within `left` seconds, as (pserver index, message);
         a late reply to an earlier request is dropped. A pserver that refuses this trainer's key raises AuthError."""
@@ -259,29 +311,35 @@ class PSClient:
             for i, msg in self._replies(poller, left, seq):
                 replies[i] = msg
                 poller.unregister(self._socks[i])
-        timed_out = [i for i, msg in replies.items() if msg.header.get("code") == "barrier_timeout"]
+        status = {i: self._status(i, op, replies[i].header) for i in sorted(replies)}
+        timed_out = [i for i, (ok, code, _) in status.items() if not ok and code == "barrier_timeout"]
         if timed_out:
-            h = replies[timed_out[0]].header
-            raise self._barrier_failed(h, self.step, timed_out)
-        for i, msg in sorted(replies.items()):
-            if not msg.header.get("ok"):
-                code = str(msg.header.get("code", "error"))
-                raise RemoteOpError(self.endpoints[i], code, str(msg.header.get("error", "")))
+            raise self._barrier_failed(op, timed_out[0], replies[timed_out[0]].header, self.step, timed_out)
+        for i, (ok, code, error) in status.items():
+            if not ok:
+                raise RemoteOpError(self.endpoints[i], code, error)
         return replies
 
-    def _barrier_failed(self, header: Mapping[str, Any], step: int, reported: Sequence[int]) -> BarrierTimeoutError:
-        """The error of a sync round that pserver(s) ``reported`` timed out, after telling the other pservers.
+    def _barrier_failed(self, op: str, i: int, header: Mapping[str, Any], step: int,
+                        reported: Sequence[int]) -> BarrierTimeoutError:
+        """The error of a sync round that pserver(s) ``reported`` timed out (``header``: pserver ``i``'s reply to
+        ``op``), after telling the other pservers.
 
         Another pserver may have completed the round (the lost trainer's push reached it and no other): nobody
         would push to it again, and it would wait for ever. The ``abort`` makes it fail the same way; best
         effort, for at most ABORT_WAIT seconds (a pserver that timed out on its own has exited and does not answer).
         """
-        err = BarrierTimeoutError(header.get("missing", []), header.get("timeout", 0.0), header.get("step", step))
-        others = [i for i in range(len(self.endpoints)) if i not in reported]
+        n = self.num_trainers
+        missing = self._read(i, op, header, "missing", f"a list of distinct trainer ids 0..{n - 1}",
+                             lambda v: isinstance(v, list) and len(v) <= n and all(_is_count(t) and t < n for t in v)
+                             and len(set(v)) == len(v), [])
+        timeout = self._read(i, op, header, "timeout", "a finite number of seconds >= 0", _is_seconds, 0.0)
+        err = BarrierTimeoutError(missing, timeout, self._read(i, op, header, "step", "a step", _is_count, step))
+        others = [j for j in range(len(self.endpoints)) if j not in reported]
         if others:
             fields = {"missing": list(err.missing), "timeout": err.timeout, "step": err.step}
             try:
-                self._request("abort", {i: (fields, {}) for i in others}, timeout=min(self.timeout, ABORT_WAIT))
+                self._request("abort", {j: (fields, {}) for j in others}, timeout=min(self.timeout, ABORT_WAIT))
             except PsError as exc:
                 log.debug("trainer %d: telling the other pservers about the failed round: %s", self.trainer_id, exc)
         return err
@@ -375,18 +433,19 @@ class PSClient:
         except PsError:  # refused (e.g. another trainer registered other shapes): keep what was registered
             self.plan, self._dtypes = registered
             raise
-        loaded = {replies[i].header.get("loaded_step", 0) for i in replies}
+        loaded = {self._read(i, "init", replies[i].header, "loaded_step", "a step", _is_count, 0) for i in replies}
         if len(loaded) != 1:
             # pservers that save on their own (checkpoint_every) and were stopped between two saves: settle on
             # the newest step every one of them still holds (each keeps its previous checkpoint)
-            common = set.intersection(*(set(replies[i].header.get("saved_steps") or []) for i in replies))
+            common = set.intersection(*(set(self._read(i, "init", replies[i].header, "saved_steps", "a list of steps",
+                                                       _is_steps, [])) for i in replies))
             if not common:
                 raise CheckpointError(f"pservers resumed from different checkpoint steps: {sorted(loaded)}")
             step = max(common)
             log.info("trainer %d: pservers resumed at steps %s; settling on step %d", self.trainer_id,
                      sorted(loaded), step)
             replies = self._request("load", self._all({"step": step}))
-            loaded = {r.header.get("loaded_step") for r in replies.values()}
+            loaded = {self._read(i, "load", r.header, "loaded_step", "a step", _is_count) for i, r in replies.items()}
             if loaded != {step}:
                 raise CheckpointError(f"pservers could not settle on checkpoint step {step}: {sorted(map(str, loaded))}")
         self.start_step = self.step = int(loaded.pop())
@@ -473,11 +532,11 @@ class PSClient:
             for i, msg in self._replies(poller, left, seq):
                 got[i] += 1
                 h = msg.header
-                if not h.get("ok"):
-                    if h.get("code") == "barrier_timeout":  # sync: the round will not complete
-                        raise self._barrier_failed(h, step, [i])
-                    error = error or RemoteOpError(self.endpoints[i], str(h.get("code", "error")),
-                                                   str(h.get("error", "")))
+                ok, code, text = self._status(i, "push_pull", h)
+                if not ok:
+                    if code == "barrier_timeout":  # sync: the round will not complete
+                        raise self._barrier_failed("push_pull", i, h, step, [i])
+                    error = error or RemoteOpError(self.endpoints[i], code, text)
                     continue
                 spans = expect[i].pop(msg.header.get("part"), None) if isinstance(msg.header.get("part"), int) else None
                 offs = msg.header.get("off")
@@ -544,11 +603,12 @@ class PSClient:
             raise PsConfigError(f"save needs a directory path, got {root!r}")
         s = self.step if step is None else _step(step)
         replies = self._request("save", self._all({"dir": os.fspath(root), "step": s}))
-        steps = {r.header.get("step") for r in replies.values()}
+        steps = {self._read(i, "save", r.header, "step", "a step", _is_count) for i, r in replies.items()}
         if steps != {s}:
             raise CheckpointError(f"pservers saved inconsistent steps {sorted(map(str, steps))}, want {s}")
         if not os.path.isabs(root):  # resolved by the pservers in their checkpoint root
-            dirs = {os.path.dirname(str(r.header.get("path", ""))) for r in replies.values()}
+            dirs = {os.path.dirname(self._read(i, "save", r.header, "path", "a path", _is_dir))
+                    for i, r in replies.items()}
             if len(dirs) != 1 or not os.path.isabs(next(iter(dirs))):
                 raise CheckpointError(f"pservers saved {os.fspath(root)!r} in different directories {sorted(dirs)}; "
                                       "no commit record written (give save an absolute path)")
@@ -564,7 +624,7 @@ class PSClient:
         if not isinstance(root, (str, os.PathLike)):
             raise PsConfigError(f"load needs a directory path, got {root!r}")
         replies = self._request("load", self._all({"dir": os.fspath(root)}))
-        steps = {r.header.get("loaded_step") for r in replies.values()}
+        steps = {self._read(i, "load", r.header, "loaded_step", "a step", _is_count) for i, r in replies.items()}
         if len(steps) != 1:
             raise CheckpointError(f"pservers loaded different steps {sorted(map(str, steps))} from {root}")
         self.start_step = self.step = int(steps.pop())

@@ -513,6 +513,164 @@ def test_a_malformed_reply_is_dropped_and_the_trainer_carries_on(caplog):
             in caplog.messages)
 
 
+#: FakePserver: remove this field from the well-formed reply.
+DROP = object()
+
+
+class FakePserver:
+    """Pservers of the job that reply as a broken or compromised one would: they hold the job's CURVE keys (no ZAP
+    handler: any client holding them gets in) and answer each request with the reply a pserver gives, its header
+    updated with ``bad[(server index, op)]`` or ``bad[op]`` (DROP removes a field). Pulls get the blocks init sent."""
+
+    def __init__(self, root, count=1, bad=None):
+        self.root = str(root)
+        self.bad = bad or {}
+        self.ctx = zmq.Context()
+        self.routers, self.endpoints = [], []
+        for _ in range(count):
+            r = self.ctx.socket(zmq.ROUTER)
+            r.setsockopt(zmq.LINGER, 0)
+            r.setsockopt(zmq.CURVE_SERVER, 1)
+            r.setsockopt(zmq.CURVE_SECRETKEY, Credentials.from_token(TOKEN).server_secret)
+            self.endpoints.append(f"127.0.0.1:{r.bind_to_random_port('tcp://127.0.0.1')}")
+            self.routers.append(r)
+        self.blocks = [{} for _ in range(count)]
+        self.ops = []  # (server index, op) of every request, in order
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        from clusterctl.ps.protocol import decode, encode
+
+        poller = zmq.Poller()
+        for r in self.routers:
+            poller.register(r, zmq.POLLIN)
+        while not self.stopping.is_set():
+            for sock, _ in poller.poll(50):
+                i = self.routers.index(sock)
+                ident, *frames = sock.recv_multipart()
+                msg = decode(frames)
+                head, tensors = self._answer(i, msg)
+                sock.send_multipart([ident, *encode(head, tensors)])
+
+    def _answer(self, i, msg):
+        h, op = msg.header, msg.header["op"]
+        self.ops.append((i, op))
+        head = {"ok": True, "seq": h["seq"], "op": op, "step": h.get("step", 0)}
+        tensors = {}
+        if op == "init":
+            self.blocks[i] = {k: t.to_array() for k, t in msg.tensors.items()}
+            head.update(loaded_step=0, saved_steps=[])
+        elif op == "pull":
+            tensors = {k: self.blocks[i][k] for k in h["keys"]}
+        elif op == "push_pull":
+            tensors = {k: self.blocks[i][k] for k in msg.tensors}
+        elif op == "save":
+            head["path"] = os.path.join(self.root, h["dir"], f"pserver-{i}")
+        elif op == "load":
+            head["loaded_step"] = h.get("step", 0)
+        head.update(self.bad.get((i, op), self.bad.get(op, {})))
+        return {k: v for k, v in head.items() if v is not DROP}, tensors
+
+    def close(self):
+        self.stopping.set()
+        self.thread.join(10)
+        for r in self.routers:
+            r.close()
+        self.ctx.term()
+
+
+def _barrier(**fields):
+    """A barrier_timeout reply (what a pserver sends when a sync round timed out), with ``fields`` in it."""
+    return {"ok": False, "code": "barrier_timeout", "error": "sync barrier timed out", "missing": [0],
+            "timeout": 30.0, "step": 0, **fields}
+
+
+W = np.arange(8, dtype=np.float32)
+CALLS = {
+    "init": lambda c: None,
+    "push": lambda c: c.push({"w": W}, step=0),
+    "push_pull": lambda c: c.push_pull({"w": W}, step=0),  # pipelined: the error comes with a piece's reply
+    "save": lambda c: c.save("run", 3),  # relative: the directory is the one the pservers report
+    "load": lambda c: c.load("/ckpt"),
+    "complete": lambda c: c.complete(),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("call", "servers", "bad", "error", "message"), [
+    # barrier_timeout: formatting the error ("{timeout:g}") and sorting `missing` raised ValueError / TypeError
+    ("push", 1, {"push": _barrier(timeout="soon")}, "ProtocolError",
+     "pserver {0}: malformed 'push' reply: timeout must be a finite number of seconds >= 0, got 'soon'"),
+    ("push", 1, {"push": _barrier(missing=1)}, "ProtocolError",
+     "pserver {0}: malformed 'push' reply: missing must be a list of distinct trainer ids 0..0, got 1"),
+    ("push", 1, {"push": _barrier(missing=[0, "a"])}, "ProtocolError",
+     "pserver {0}: malformed 'push' reply: missing must be a list of distinct trainer ids 0..0, got [0, 'a']"),
+    ("push_pull", 1, {"push_pull": _barrier(timeout=None)}, "ProtocolError",
+     "pserver {0}: malformed 'push_pull' reply: timeout must be a finite number of seconds >= 0, got None"),
+    # init: loaded_step / saved_steps went into sets (TypeError), or int() took a string
+    ("init", 1, {"init": {"loaded_step": [1]}}, "ProtocolError",
+     "pserver {0}: malformed 'init' reply: loaded_step must be a step, got [1]"),
+    ("init", 1, {"init": {"loaded_step": {"step": 1}}}, "ProtocolError",
+     "pserver {0}: malformed 'init' reply: loaded_step must be a step, got {'step': 1}"),
+    ("init", 1, {"init": {"loaded_step": "3"}}, "ProtocolError",
+     "pserver {0}: malformed 'init' reply: loaded_step must be a step, got '3'"),
+    ("init", 2, {(0, "init"): {"saved_steps": [[2]]}, (1, "init"): {"loaded_step": 2, "saved_steps": [2]}},
+     "ProtocolError", "pserver {0}: malformed 'init' reply: saved_steps must be a list of steps, got [[2]]"),
+    ("init", 2, {(0, "init"): {"loaded_step": 3, "saved_steps": [3, 2]}, (1, "init"): {"loaded_step": 2,
+     "saved_steps": [2]}, (0, "load"): {"loaded_step": [2]}}, "ProtocolError",
+     "pserver {0}: malformed 'load' reply: loaded_step must be a step, got [2]"),
+    ("init", 1, {"init": {"ok": DROP}}, "ProtocolError",
+     "pserver {0}: malformed 'init' reply: ok must be true or false, got nothing"),
+    # load / save
+    ("load", 1, {"load": {"loaded_step": [1]}}, "ProtocolError",
+     "pserver {0}: malformed 'load' reply: loaded_step must be a step, got [1]"),
+    ("load", 1, {"load": {"loaded_step": DROP}}, "ProtocolError",
+     "pserver {0}: malformed 'load' reply: loaded_step must be a step, got nothing"),
+    ("save", 1, {"save": {"path": ["/ckpt/run/pserver-0"]}}, "ProtocolError",
+     "pserver {0}: malformed 'save' reply: path must be a path, got ['/ckpt/run/pserver-0']"),
+    ("save", 1, {"save": {"path": "/ckpt/r\0n/pserver-0"}}, "ProtocolError",
+     "pserver {0}: malformed 'save' reply: path must be a path, got '/ckpt/r\\x00n/pserver-0'"),
+    # a step that is not a count fails protocol.decode: the reply is dropped (a warning) and the trainer times out
+    ("save", 1, {"save": {"step": [3]}}, "PsTimeoutError", "no reply to 'save' within 3s from pserver(s) {0}"),
+    # the status fields of any reply
+    ("complete", 1, {"complete": {"ok": "false"}}, "ProtocolError",
+     "pserver {0}: malformed 'complete' reply: ok must be true or false, got 'false'"),
+    ("complete", 1, {"complete": {"ok": False, "code": ["busy"], "error": "x"}}, "ProtocolError",
+     "pserver {0}: malformed 'complete' reply: code must be a string, got ['busy']"),
+    ("complete", 1, {"complete": {"ok": False, "code": "busy", "error": "one\nERROR a forged log line"}},
+     "RemoteOpError", "pserver {0} rejected the request (busy): one\\nERROR a forged log line"),
+], ids=["barrier-timeout-str", "barrier-missing-int", "barrier-missing-mixed", "pipelined-barrier-timeout-null",
+        "init-loaded-list", "init-loaded-object", "init-loaded-str", "init-saved-steps-nested", "init-settle-load-list",
+        "init-ok-absent", "load-loaded-list", "load-loaded-absent", "save-path-list", "save-path-nul",
+        "save-step-list-dropped", "complete-ok-str", "complete-code-list", "complete-error-two-lines"])
+def test_a_mistyped_reply_field_is_a_ps_error_naming_the_field_and_the_pserver(tmp_path, caplog, call, servers,
+                                                                               bad, error, message):
+    """A pserver of the job (broken, or compromised: it holds the token) answers with replies that decode but carry
+    a field of the wrong type: a string `timeout`, an integer `missing`, a list `loaded_step`, ... Each was a
+    TypeError or ValueError traceback from the trainer's own code (or taken as valid); now it is the PsError
+    subclass ProtocolError (RemoteOpError for a well-formed refusal), in one line naming the field and the pserver."""
+    from clusterctl.ps.errors import PsError
+
+    fake = FakePserver(tmp_path, servers, bad)
+    try:
+        with caplog.at_level(logging.WARNING, logger="clusterctl.ps.client"), \
+                PSClient(fake.endpoints, trainer_id=0, num_trainers=1, mode="sync", pipeline=True, token=TOKEN,
+                         timeout=3 if error == "PsTimeoutError" else 20) as c, pytest.raises(PsError) as exc:
+            c.init({"w": W})
+            CALLS[call](c)
+    finally:
+        fake.close()
+    assert type(exc.value).__name__ == error
+    text = str(exc.value)
+    assert text == message.replace("{0}", fake.endpoints[0]) and len(text.splitlines()) == 1, text
+    if error == "PsTimeoutError":
+        assert (f"dropping a malformed reply from {fake.endpoints[0]}: step must be a non-negative integer, got [3]"
+                in caplog.messages)
+    assert not list(tmp_path.rglob("checkpoint.json"))  # no commit record from a malformed save reply
+
+
 def _hwm_mb(pid):
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
