@@ -24,13 +24,18 @@ __all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "note", "write
 _consoles: dict = {}
 
 
+MIN_WIDTH = 40  # the narrowest output rich is given: a table of a few columns still shows its cells
+
+
 def _console(name: str):
     if name not in _consoles:
         from rich.console import Console
 
         columns = os.environ.get("COLUMNS", "")
-        # rich takes COLUMNS=0 (or garbage read as 0) for a width of nothing, and then prints nothing at all
-        width = {} if not columns or columns.isdigit() and int(columns) > 0 else {"width": 80}
+        # rich takes COLUMNS=0 (or garbage read as 0) for a width of nothing, and then prints nothing at all; a
+        # few columns (COLUMNS=8) leave its tables no room for a cell: empty frames
+        width = {} if not columns else {"width": 80} if not columns.isdigit() or int(columns) == 0 else \
+            {"width": max(int(columns), MIN_WIDTH)}
         _consoles[name] = Console(stderr=name == "err", highlight=False, soft_wrap=True, **width)
     return _consoles[name]
 

@@ -127,3 +127,13 @@ def test_a_spec_named_with_control_characters_is_still_one_line_per_problem(tmp_
                          text=True, stdin=subprocess.DEVNULL, timeout=60)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "\x1b" not in res.stderr, repr(res.stderr)
     assert res.stderr.endswith("a\\nb\\x1b[31m.yaml:7:1: name: key given twice\n"), repr(res.stderr)
+
+
+@pytest.mark.parametrize("columns", ["1", "8"])
+def test_a_terminal_of_a_few_columns_still_shows_the_tables_cells(tmp_path, columns):
+    # COLUMNS=8: rich drew the plan's tables as empty frames, exit 0
+    spec = tmp_path / "a.yaml"
+    spec.write_text(SPEC)
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "plan", str(spec)], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": columns}, stdin=subprocess.DEVNULL, timeout=60)
+    assert res.returncode == 0 and "10.0.0.1" in res.stdout.replace("…", ""), res.stdout
