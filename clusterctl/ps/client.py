@@ -6,6 +6,12 @@ arrays (no copy) and received as frames that are copied once, into the assembled
 
 In sync and async mode ``push_pull`` is pipelined: each pserver's share goes out as requests of at
 most one wire chunk, and the updated pieces are collected while later ones are still being sent.
+
+Why one module of ~640 lines: a trainer is one PSClient whose calls share its sockets, its request sequence,
+its shard plan and its step, and every call checks each field of every reply where it reads it (a pserver may
+be broken or compromised); split across modules the calls would reach into each other's private state. The
+pieces that stand alone live beside it: the wire format and its switches (protocol.py), the shard plan
+(sharding.py), optimizers (optim.py), keys (auth.py) and checkpoints (checkpoint.py).
 """
 
 from __future__ import annotations
@@ -25,11 +31,10 @@ from . import auth as auth_mod
 from . import checkpoint as ckpt
 from . import protocol
 from .endpoints import zmq_address
-from .env import PIPELINE_ENV, env_flag
 from .errors import (BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError, PsTimeoutError,
                      RemoteOpError)
 from .optim import SGD, OptimizerConfig
-from .protocol import MAX_WIRE_FRAME_BYTES, Message, _short, decode, encode
+from .protocol import MAX_WIRE_FRAME_BYTES, PIPELINE_ENV, Message, _short, decode, encode, env_flag
 from .server import MODES
 from .sharding import DEFAULT_MIN_BLOCK_SIZE, Block, ShardPlan, plan_shards
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from .auth import AUTH_ENV, TOKEN_ENV
 from .endpoints import parse_endpoint_list, split_endpoint
-from .protocol import CHUNK_ENV, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, chunk_bytes_ok
+from .protocol import CHUNK_ENV, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PIPELINE_ENV, chunk_bytes_ok, env_flag
 from .errors import PsConfigError
 from .optim import OptimizerConfig
 
@@ -20,10 +20,6 @@ __all__ = ["PIPELINE_ENV", "PsEnv", "client_from_env", "env_flag", "from_env", "
 
 _ROLES = {"TRAINER": "trainer", "PSERVER": "pserver"}
 _INT = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() would also take "1_0" and non-ASCII digits
-#: A switch's values, any case: those the collective's switches (CLUSTERCTL_COLLECTIVE_SHM, ...) take.
-_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-#: Trainers: sync and async push_pull go out pipelined, in pieces of one wire chunk (client.py); default on.
-PIPELINE_ENV = "CLUSTERCTL_PS_PIPELINE"
 
 
 @dataclass(frozen=True)
@@ -60,18 +56,6 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None, most: in
     if int(raw) > most:  # what the wire carries, and what a job can be: a typo's 10**18 is refused here
         raise PsConfigError(f"environment variable {name}={raw.strip()} is more than {most:,}")
     return int(raw)
-
-
-def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    """A switch: 1/true/yes/on or 0/false/no/off, any case (unset or blank: ``default``); PsConfigError otherwise."""
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return default
-    value = _FLAGS.get(raw.strip().lower())
-    if value is None:  # "flase" or "2" must not leave the default on without a word
-        raise PsConfigError(f"environment variable {name}={raw!r} is not a switch "
-                            "(1, true, yes, on or 0, false, no, off)")
-    return value
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:

@@ -36,9 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ProtocolError
+from .errors import ProtocolError, PsConfigError
 
 __all__ = [
+    "PIPELINE_ENV",
+    "env_flag",
     "DTYPES",
     "MAX_HEADER_BYTES",
     "MAX_FRAME_BYTES",
@@ -84,6 +86,25 @@ def _chunk_bytes(raw: str | None) -> int:
 #: them (no fresh mmap + page faults per message), large enough that per-frame costs stay negligible.
 #: Override with CLUSTERCTL_PS_CHUNK_BYTES (a positive multiple of 8) in every process of the job.
 CHUNK_BYTES = _chunk_bytes(os.environ.get(CHUNK_ENV))
+
+#: A switch's values, any case: those the collective's switches (CLUSTERCTL_COLLECTIVE_SHM, ...) take.
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+#: Trainers: sync and async push_pull go out pipelined, in pieces of one wire chunk (client.py); default on.
+PIPELINE_ENV = "CLUSTERCTL_PS_PIPELINE"
+
+
+def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A switch: 1/true/yes/on or 0/false/no/off, any case (unset or blank: ``default``); PsConfigError otherwise."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = _FLAGS.get(raw.strip().lower())
+    if value is None:  # "flase" or "2" must not leave the default on without a word
+        raise PsConfigError(f"environment variable {name}={raw!r} is not a switch "
+                            "(1, true, yes, on or 0, false, no, off)")
+    return value
+
+
 #: Largest single frame a pserver or client accepts: one chunk, or a header.
 MAX_FRAME_BYTES = max(CHUNK_BYTES, MAX_HEADER_BYTES)
 #: ZMQ_MAXMSGSIZE: a frame on the wire may carry CURVE's 33 bytes (command name, nonce, flags, MAC) more;
