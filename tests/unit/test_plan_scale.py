@@ -255,3 +255,17 @@ def test_what_no_process_could_be_started_with_is_refused_when_planned():
     with pytest.raises(PlanError) as err:
         make_plan(parse_spec(shards, layout=False), data_files=[f"part-{i:05d}.rec" for i in range(10000)])
     assert err.value.path == ("data",) and "CLUSTERCTL_DATA_FILES (one trainer's data files) would be" in str(err.value)
+
+
+def test_a_pserver_list_longer_than_execve_takes_is_refused_at_job_pservers():
+    """Every pserver-mode process reads every pserver's endpoint in one variable: a list no process could be
+    started with is refused when planned, at its key (the trainer list is left out instead: the test above)."""
+    from clusterctl.errors import SpecError
+
+    spec = scale_spec(64, pservers=16320).replace("  trainers: gpu\n", "  trainers: 1\n  ports: {pserver: 1000, trainer: 60000, "
+                                                                  "master: 61000, control: 61001}\n")
+    with pytest.raises(SpecError) as info:
+        make_plan(parse_spec(spec, "big.yaml"))
+    (problem,) = info.value.problems
+    assert str(problem).startswith("big.yaml:") and "job.pservers: PADDLE_PSERVERS_IP_PORT_LIST (every pserver's " \
+        "endpoint) would be " in str(problem) and str(problem).endswith("over 128 KiB (E2BIG)"), str(problem)
