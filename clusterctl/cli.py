@@ -110,8 +110,8 @@ def guarded(fn) -> int:
 
         from .console import err, printable
 
-        for problem in exc.problems:  # one line each, whatever the file's name holds (a newline, an escape)
-            err.print(escape(printable(str(problem))))
+        for line in exc.lines():  # one line each (the first 20, then a count), whatever the file's name holds
+            err.print(escape(printable(line)))
         return exc.exit_code
     except ClusterctlError as exc:
         error(str(exc))

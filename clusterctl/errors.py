@@ -47,14 +47,29 @@ class SpecProblem:
         return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
 
 
+MAX_PROBLEMS_SHOWN = 20  # a 65,000-host hostfile with a bad value on every line is 20 lines and a count, not 65,000
+
+
 class SpecError(ClusterctlError):
-    """The spec is invalid; carries every problem found, not only the first."""
+    """The spec is invalid; carries every problem found, not only the first (its message: the first
+    MAX_PROBLEMS_SHOWN of them, then how many more there are)."""
 
     exit_code = 2
 
     def __init__(self, problems: list[SpecProblem]):
         self.problems = list(problems)
-        super().__init__("\n".join(str(p) for p in self.problems))
+        super().__init__("\n".join(self.lines()))
+
+    def lines(self, limit: int = MAX_PROBLEMS_SHOWN) -> list[str]:
+        """One line per problem, the first `limit` of them, then one line at the next one's place saying how many
+        more there are (every line FILE:LINE:COL: ..., as the problems' own)."""
+        lines = [str(p) for p in self.problems[:limit]]
+        left = len(self.problems) - len(lines)
+        if left > 0:
+            nxt = self.problems[limit]
+            more = "1 more problem" if left == 1 else f"{left} more problems"
+            lines.append(f"{nxt.file}:{nxt.line}:{nxt.column}: ... and {more} (the first {limit} are shown)")
+        return lines
 
 
 @dataclass(frozen=True)

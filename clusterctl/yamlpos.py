@@ -40,10 +40,15 @@ class Located:
     values: dict = field(default_factory=dict)  # path -> (line, col) of the value
     keys: dict = field(default_factory=dict)  # path -> (line, col) of the key naming it
     duplicates: list = field(default_factory=list)  # paths given twice in one mapping
-    float_texts: dict = field(default_factory=dict)  # path -> the text a float value was written as
+    # path -> the text of a scalar YAML did not read as a string (`12.10`, `010`, `1:10`, `on`): YAML 1.1 made
+    # it a number or a truth value (12.1, 8, 70, True), and the text is what a version or an env value means
+    texts: dict = field(default_factory=dict)
+    aliases: dict = field(default_factory=dict)  # path of an alias (or a merged `<<` value) -> where its node was built
+    # path -> (file, line, col) of a value read from another file (a hostfile's hosts); see where()
+    elsewhere: dict = field(default_factory=dict)
 
     def position(self, path: Path) -> tuple[int, int]:
-        """Best position for `path`: its key, else its value, else the nearest located parent."""
+        """Best position for `path` in the spec: its key, else its value, else the nearest located parent."""
         path = tuple(path)
         while path:
             if path in self.keys:
@@ -52,6 +57,34 @@ class Located:
                 return self.values[path]
             path = path[:-1]
         return self.values.get((), (1, 1))
+
+    def where(self, path: Path) -> tuple[str | None, int, int]:
+        """(file, line, column) for `path`: file None for the spec itself (at position()); a value read from
+        another file (`elsewhere`, or a part of one) at its place in that file."""
+        part = tuple(path)
+        while part:
+            if part in self.elsewhere:
+                return self.elsewhere[part]
+            if part in self.keys or part in self.values:
+                break
+            part = part[:-1]
+        return (None, *self.position(path))
+
+    def text(self, path: Path) -> str | None:
+        """The text a non-string scalar at `path` was written as (through aliases and merge keys), else None."""
+        path = tuple(path)
+        for _ in range(MAX_DEPTH):  # each round replaces an alias by where its node was built
+            if path in self.texts:
+                return self.texts[path]
+            if not self.aliases:
+                return None
+            for i in range(len(path), 0, -1):
+                if path[:i] in self.aliases:
+                    path = self.aliases[path[:i]] + path[i:]
+                    break
+            else:
+                return None
+        return None
 
 
 # libyaml's parser when PyYAML was built with it: ~10x faster on a spec of 1,250 hosts, same nodes and
@@ -167,7 +200,7 @@ class _Builder:
 
     def __init__(self, loader: yaml.SafeLoader, out: Located):
         self.loader, self.out = loader, out
-        self.done: dict[int, tuple[object, int]] = {}  # id(node) -> (value, expanded node count)
+        self.done: dict[int, tuple[object, int, Path]] = {}  # id(node) -> (value, expanded node count, its path)
         self.active: set[int] = set()  # nodes being built (an alias to one of them refers to itself)
         self.nodes = 0
 
@@ -182,8 +215,9 @@ class _Builder:
         if key in self.active:
             raise YamlSyntaxError("an alias refers to a node that contains it", *_mark(node))
         if key in self.done:  # an alias: reuse the value, count what it expands to
-            value, size = self.done[key]
+            value, size, built = self.done[key]
             self._count(size, node)
+            self.out.aliases[path] = built
             return value
         if depth > MAX_DEPTH:
             raise YamlSyntaxError(f"YAML nested too deeply (limit {MAX_DEPTH})", *_mark(node))
@@ -195,7 +229,7 @@ class _Builder:
             value = self._build(node, path, depth)
         finally:
             self.active.discard(key)
-        self.done[key] = (value, self.nodes - start)
+        self.done[key] = (value, self.nodes - start, path)
         return value
 
     def _build(self, node: yaml.Node, path: Path, depth: int) -> object:
@@ -224,8 +258,8 @@ class _Builder:
                 raise YamlSyntaxError(f"unsupported tag {_one_line(node.tag)} on a list", *_mark(node))
             return [self.build(item, path + (i,), depth + 1) for i, item in enumerate(node.value)]
         value = self._scalar(node)
-        if type(value) is float:  # `12.10` reads as 12.1: where the text is what counts (a version), it is here
-            self.out.float_texts[path] = node.value
+        if type(value) is not str:  # `12.10` reads as 12.1, `010` as 8, `on` as True: the text is kept (Located.text)
+            self.out.texts[path] = node.value
         return value
 
     def _scalar(self, node: yaml.Node) -> object:

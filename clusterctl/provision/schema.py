@@ -184,9 +184,10 @@ class WrittenFloat(float):
             return {k: cls.within(v, loc, path + (k,)) for k, v in value.items()}
         if isinstance(value, list):
             return [cls.within(v, loc, path + (i,)) for i, v in enumerate(value)]
-        if type(value) is float and path in loc.float_texts:
+        text = loc.text(path) if type(value) is float else None
+        if text is not None:
             written = cls(value)
-            written.text = loc.float_texts[path]
+            written.text = text
             return written
         return value
 

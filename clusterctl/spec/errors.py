@@ -21,9 +21,10 @@ __all__ = ["pydantic_problem", "problem", "dedupe", "dotted"]
 
 
 def problem(loc: Located, source: str, path: tuple, message: str) -> SpecProblem:
-    """A SpecProblem about the key at `path`, at its line:column in the spec, printable on one line."""
-    line, col = loc.position(path)
-    return SpecProblem(source, line, col, _printable(dotted(path)), _printable(message))
+    """A SpecProblem about the key at `path`, at its line:column in the spec (or in the file it was read from: a
+    hostfile's hosts at their lines), printable on one line."""
+    file, line, col = loc.where(path)
+    return SpecProblem(file or source, line, col, _printable(dotted(path)), _printable(message))
 
 
 def _printable(text: str) -> str:
@@ -58,9 +59,10 @@ _PYDANTIC_MESSAGES = {
 }
 
 
-def pydantic_problem(loc: Located, source: str, err: dict) -> SpecProblem:
-    """One pydantic error (from ValidationError.errors()) as a SpecProblem in the spec's words."""
-    path = _spec_path(err["loc"])
+def pydantic_problem(loc: Located, source: str, err: dict, path: tuple | None = None) -> SpecProblem:
+    """One pydantic error (from ValidationError.errors()) as a SpecProblem in the spec's words (`path`: its spec
+    path, where known already: see telling())."""
+    path = _spec_path(err["loc"]) if path is None else path
     kind = err["type"]
     if kind == "extra_forbidden" and path:
         parent = path[:-1]
@@ -82,13 +84,13 @@ def pydantic_problem(loc: Located, source: str, err: dict) -> SpecProblem:
     return problem(loc, source, path, message)
 
 
-def telling(errors: list[dict]) -> list[dict]:
+def telling(errors: list[dict]) -> list[tuple[dict, tuple]]:
     """pydantic's errors less those that only echo a deeper one: the type errors of a union's other members
     (`pservers: {per_host: -1}` is not "an integer" nor "a list": its mapping has a bad value), and a list found
-    too short once its bad items were refused (`entrypoint: [[a]]`)."""
+    too short once its bad items were refused (`entrypoint: [[a]]`); each with its spec path."""
     paths = [_spec_path(err["loc"]) for err in errors]
     deeper = {p[:i] for p in paths for i in range(len(p))}  # every path that has an error below it
-    return [err for err, path in zip(errors, paths)
+    return [(err, path) for err, path in zip(errors, paths)
             if not (path in deeper and (err["type"].endswith("_type") or err["type"] == "too_short"))]
 
 

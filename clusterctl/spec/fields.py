@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from ..transport.host import split_jump
 
-__all__ = ["Port", "check_address", "check_user", "parse_jump"]
+__all__ = ["Port", "check_address", "check_user", "parse_jump", "TEXT_PATHS", "yaml11_number", "nonempty_path"]
 
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -94,8 +94,55 @@ def _jump_chain(v: Any) -> Any:
     return v
 
 
+# Where the spec's scalars are text (the validators that take them with _scalar_str): a number or a truth value
+# there is taken as it was written (`12.10`, `010`, `1:10`, `on`), never as YAML 1.1 read it (12.1, 8, 70, True).
+# `*` is any key or index. clusterctl.spec.loading puts the written text in before validation (Located.text).
+TEXT_PATHS = (
+    ("job", "env", "*"),
+    ("job", "entrypoint", "*"),
+    ("job", "args", "*"),
+    ("hosts", "*", "labels", "*"),
+    ("kubernetes", "resources", "*", "*", "*"),
+)
+
+_DECIMAL_INT_RE = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+
+
+def yaml11_number(text: str, value: Any) -> str | None:
+    """Why the number `value`, written `text`, is not what its digits say (YAML 1.1 read it as a base-60, octal,
+    hexadecimal or binary number, or dropped its `_`s): a one-line message; None for a plain decimal number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    bare = text.lstrip("+-")
+    if ":" in text:
+        kind = "a base-60 number"
+    elif bare[:2] in ("0x", "0X"):
+        kind = "a hexadecimal number"
+    elif bare[:2] in ("0b", "0B"):
+        kind = "a binary number"
+    elif isinstance(value, int) and len(bare) > 1 and bare[0] == "0":
+        kind = "an octal number"
+    elif "_" in text:
+        kind = "'_' digit separators dropped"
+    elif isinstance(value, int) and not _DECIMAL_INT_RE.fullmatch(text):
+        kind = "not decimal digits"
+    else:
+        return None
+    return (f"{text!r} reads as {value!r} in YAML 1.1 ({kind}): write a number in plain decimal digits, "
+            "or quote it if it is text")
+
+
+def nonempty_path(v: str | None, hint: str = "leave the key out") -> str | None:
+    """A path key's value: an empty (or blank) one is refused, never taken for the key left out (`known_hosts: ''`
+    was another file than the one named)."""
+    if v is not None and not v.strip():
+        raise ValueError(f"empty: give a path, or {hint}")
+    return v
+
+
 def _scalar_str(v: Any) -> Any:
-    """YAML scalars become strings (`1` → "1", `true` → "true"); anything else is left for the type check."""
+    """YAML scalars become strings (`1` → "1", `true` → "true"); anything else is left for the type check. A spec
+    loaded from YAML has its TEXT_PATHS' scalars as written already: this is for specs built in code."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):

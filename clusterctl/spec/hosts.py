@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from .fields import Port, _jump_chain, _Model, _scalar_str, check_address, check_user
+from .fields import Port, _jump_chain, _Model, _scalar_str, check_address, check_user, nonempty_path
 
 __all__ = ["SshSpec", "HostSpec"]
 
@@ -42,9 +42,7 @@ class SshSpec(_Model):
     @field_validator("config", "identity_file", "known_hosts")
     @classmethod
     def _path(cls, v: str | None) -> str | None:
-        if v is not None and not v.strip():  # was taken for the key left out: another known_hosts file, say
-            raise ValueError("empty: give a path, or leave the key out")
-        return v
+        return nonempty_path(v)  # was taken for the key left out: another known_hosts file, say
 
 
 class HostSpec(_Model):

@@ -8,10 +8,10 @@ import unicodedata
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
 from ..host.policy import DEFAULT_POLICY, GRACE_MAX, ON_FAILURE, RESTART_BACKOFF_MAX, RESTART_BACKOFF_MIN, RESTARTS_MAX
-from .fields import Port, _did_you_mean, _Model, _placeholder_names, _scalar_str
+from .fields import Port, _did_you_mean, _Model, _placeholder_names, _scalar_str, nonempty_path
 from ..host.elastic import MAX_HOST_CHANGES, MAX_HOST_CHANGES_MAX  # elastic jobs' bound (hosts[].spare, min_hosts)
 
 __all__ = ["JobSpec", "PortsSpec", "PserversPerHost", "WorkspaceSpec", "DataSpec", "PLACEHOLDERS", "CONTRACT_ENV",
@@ -84,14 +84,16 @@ class WorkspaceSpec(_Model):
     @field_validator("local")
     @classmethod
     def _local(cls, v: str) -> str:
-        return one_line(v)
+        return one_line(nonempty_path(v))  # '' was '.', the default: the key left out
 
     @field_validator("remote")
     @classmethod
     def _remote(cls, v: str) -> str:
-        one_line(v)
+        one_line(nonempty_path(v))  # '' was clusterctl/<name>, the default
         if v.startswith("~/"):
             v = v[2:]  # ssh sessions start in $HOME: relative paths are relative to it
+            if not v.strip("/"):
+                raise ValueError("'~/' is the home directory itself: give a directory under it, or leave the key out")
         if ".." in Path(v).parts:
             raise ValueError("must not contain '..'")
         return v
@@ -106,7 +108,9 @@ class DataSpec(_Model):
 
     @field_validator("local", "pattern", "remote")
     @classmethod
-    def _paths(cls, v: str) -> str:
+    def _paths(cls, v: str, info: ValidationInfo) -> str:
+        if info.field_name == "local":
+            nonempty_path(v, "leave the data: section out")  # '' was '.', the spec's own directory
         return one_line(v)
 
 

@@ -15,6 +15,7 @@ from ..yamlpos import MAX_BYTES as MAX_SPEC_BYTES
 from ..yamlpos import Located, YamlSyntaxError, load_located
 from .checks import semantic_problems
 from .errors import dedupe, problem, pydantic_problem, telling
+from .fields import TEXT_PATHS, nonempty_path, yaml11_number
 from .models import ClusterSpec
 
 __all__ = ["load_spec", "parse_spec", "parse_hostfile", "MAX_HOSTFILE_BYTES", "MAX_SPEC_BYTES"]
@@ -61,7 +62,7 @@ def parse_spec(text: str, source: str = "<spec>", *, layout: bool = True, check=
     if problems:
         raise SpecError(problems)
 
-    data = dict(data)
+    data, numbers = _as_written(loc, source, data)
     problems += _load_hostfile(loc, source, data)
     if problems:
         raise SpecError(problems)
@@ -77,9 +78,13 @@ def parse_spec(text: str, source: str = "<spec>", *, layout: bool = True, check=
             provision = ProvisionSpec.model_validate(WrittenFloat.within(provision, loc, ("provision",)))
         except pydantic.ValidationError as exc:
             found += [{**err, "loc": ("provision", *err["loc"])} for err in exc.errors()]
-    if found:
-        problems += [pydantic_problem(loc, source, err) for err in telling(found)]
-        raise SpecError(sorted(dedupe(problems), key=lambda p: (p.file != source, p.line, p.column))) from None
+    if found or numbers:
+        told = [(err, pydantic_problem(loc, source, err, path)) for err, path in telling(found)]
+        unknown = [p.path for err, p in told if err["type"] == "extra_forbidden"]  # said once, as an unknown key
+        numbers = [n for n in numbers if not any(n.path == u or n.path.startswith((u + ".", u + "[")) for u in unknown)]
+        misread = {n.path for n in numbers}  # what the models said of those is about the number YAML 1.1 read
+        problems += numbers + [p for _, p in told if p.path not in misread]
+        raise SpecError(sorted(dedupe(problems), key=lambda p: (p.file != source, p.file, p.line, p.column))) from None
     if provision is not None:
         object.__setattr__(spec, "provision", provision)  # frozen model: set once, here
     spec._located = loc
@@ -110,6 +115,45 @@ def _password_problems(loc: Located, source: str, node: Any, path: tuple) -> lis
     return found
 
 
+def _as_written(loc: Located, source: str, data: dict) -> tuple[dict, list[SpecProblem]]:
+    """`data` (a copy) with the numbers and truth values at TEXT_PATHS as their text in the file (`010`, not 8), and
+    a problem for each other number written in a form YAML 1.1 reads otherwise than as decimal digits (`1:10`)."""
+    for pattern in TEXT_PATHS:
+        data = _texts_at(loc, data, pattern, ())
+    found: list[SpecProblem] = []
+    _yaml11_numbers(loc, source, data, (), found)
+    return dict(data), found
+
+
+def _texts_at(loc: Located, node: Any, pattern: tuple, path: tuple) -> Any:
+    """`node` (at `path`) with the non-string scalars that `pattern` names as written; containers copied on the way."""
+    if not pattern:
+        text = loc.text(path) if isinstance(node, (int, float)) else None  # bool is an int
+        return node if text is None else text
+    head, rest = pattern[0], pattern[1:]
+    if isinstance(node, dict):
+        keys = list(node) if head == "*" else [head] if head in node else []
+        return {**node, **{k: _texts_at(loc, node[k], rest, path + (k,)) for k in keys}} if keys else node
+    if isinstance(node, list) and head == "*":
+        return [_texts_at(loc, item, rest, path + (i,)) for i, item in enumerate(node)]
+    return node
+
+
+def _yaml11_numbers(loc: Located, source: str, node: Any, path: tuple, found: list) -> None:
+    """Append a problem for every number under `node` written as YAML 1.1 alone reads it (`010`, `0x10`, `1_000`)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _yaml11_numbers(loc, source, value, path + (key,), found)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _yaml11_numbers(loc, source, value, path + (i,), found)
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        text = loc.text(path)
+        why = yaml11_number(text, node) if text is not None and text != str(node) else None
+        if why:
+            found.append(problem(loc, source, path, why))
+
+
 def _load_hostfile(loc: Located, source: str, data: dict) -> list[SpecProblem]:
     hostfile = data.get("hostfile")
     if hostfile is None:
@@ -118,6 +162,10 @@ def _load_hostfile(loc: Located, source: str, data: dict) -> list[SpecProblem]:
         return [problem(loc, source, ("hostfile",), "give either hosts or hostfile, not both")]
     if not isinstance(hostfile, str):
         return []  # the type check reports it
+    try:
+        nonempty_path(hostfile, "list the hosts under hosts:")  # '' was read as the spec's directory
+    except ValueError as exc:
+        return [problem(loc, source, ("hostfile",), str(exc))]
     base = Path(source).resolve().parent if source != "<spec>" else Path.cwd()
     path = Path(hostfile).expanduser()
     path = path if path.is_absolute() else base / path
@@ -134,28 +182,44 @@ def _load_hostfile(loc: Located, source: str, data: dict) -> list[SpecProblem]:
         if bad is not None:
             lineno = text[:text.index(bad)].count("\n") + 1
             return [SpecProblem(str(path), lineno, 1, "hostfile", f"not a text hostfile (control character {bad!r})")]
-        data["hosts"] = parse_hostfile(text)
+        entries = _hostfile_entries(text)
     except ValueError as exc:
         lineno, msg = exc.args
         return [SpecProblem(str(path), lineno, 1, "hostfile", msg)]
+    data["hosts"] = [entry for entry, _ in entries]
+    for i, (_, places) in enumerate(entries):  # a problem with a host is reported at its line of the hostfile
+        for key, (line, col) in places.items():
+            loc.elsewhere[("hosts", i, key) if key else ("hosts", i)] = (str(path), line, col)
+    loc.values.setdefault(("hosts",), loc.position(("hostfile",)))  # in the spec: the hosts are its hostfile's
     return []
 
 
 def parse_hostfile(text: str) -> list[dict]:
     """Parse the common `host slots=N` hostfile format into host dicts; raise ValueError(lineno, msg)."""
+    return [entry for entry, _ in _hostfile_entries(text)]
+
+
+def _hostfile_entries(text: str) -> list[tuple[dict, dict]]:
+    """Each host of a hostfile with where it is: (entry, {"": (line, 1), "address": (line, col), "slots": ...})."""
     hosts = []
     for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
+        line = raw.split("#", 1)[0]
         parts = line.split()
+        if not parts:
+            continue
         entry: dict[str, Any] = {"address": parts[0]}
+        places = {"": (lineno, 1)}  # the line; a key's column where it is not the line's first
+        at = line.find(parts[0])
+        if at:
+            places["address"] = (lineno, at + 1)
         for opt in parts[1:]:
+            at = line.find(opt, at + 1)
             key, sep, value = opt.partition("=")
-            if key in ("slots", "max_slots", "max-slots") and sep and value.isdigit():
+            if key in ("slots", "max_slots", "max-slots") and sep and value.isascii() and value.isdigit():
                 if key == "slots":
                     entry["slots"] = int(value)
+                    places["slots"] = (lineno, at + 1)
             else:
                 raise ValueError(lineno, f"cannot parse {opt!r} (expected slots=N)")
-        hosts.append(entry)
+        hosts.append((entry, places))
     return hosts

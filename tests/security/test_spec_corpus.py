@@ -108,3 +108,38 @@ def test_error_paths_are_walked_against_the_model(tmp_path, capsys):
         path.write_text(text)
         rc, _, err, _ = _validate(path, capsys)
         assert rc == 2 and err.splitlines() == [f"{path}{want}"], err
+
+
+@pytest.mark.parametrize("hostfile, first, count, last", [
+    ("".join(f"h{i} slots=0\n" for i in range(20000)), "1:4: hosts[0].slots: input should be greater than or equal to 1",
+     20000, "21:5"),
+    ("h1\n" * 10000, "2:1: hosts[1]: duplicate host h1 (also hosts[0])", 9999, "22:1"),
+], ids=["slots-0", "one-host-many-times"])
+def test_a_hostfile_of_many_bad_hosts_prints_twenty_lines_and_a_count(tmp_path, capsys, hostfile, first, count, last):
+    """A line per problem was a line per host: 65,000 for a 65,000-host hostfile, all at the spec's 1:1. Now the
+    first 20, at their lines of the hostfile, and one more line (of the same FILE:LINE:COL: shape) with the count."""
+    (tmp_path / "hosts").write_text(hostfile)
+    spec = tmp_path / "c.yaml"
+    spec.write_text("name: c\nssh: {config: none}\nhostfile: hosts\njob: {entrypoint: [python]}\n")
+    rc, out, err, took = _validate(spec, capsys)
+    lines = err.splitlines()
+    assert (rc, out, len(lines)) == (2, "", 21), err[:500]
+    assert lines[0] == f"{tmp_path / 'hosts'}:{first}"
+    assert lines[-1] == f"{tmp_path / 'hosts'}:{last}: ... and {count - 20} more problems (the first 20 are shown)"
+    assert all(re.match(r"^\S+:\d+:\d+: \S", line) and line.isprintable() for line in lines)
+    assert took < PER_CASE_S, f"{took:.2f}s"
+
+
+@pytest.mark.parametrize("key", ["ssh: {port: 1:10}", "ssh: {connect_timeout: 1:30.5}", "job: {entrypoint: [x], restarts: 0x1}",
+                                 "hosts: [{address: h1, slots: 010}]", "hosts: [{address: h1, gpus: [0b1]}]",
+                                 "job: {entrypoint: [x], pservers: {per_host: 1_0}}", "provision: {timeout: 1_800}"])
+def test_numbers_yaml11_alone_reads_otherwise_are_one_line_at_their_key(tmp_path, capsys, key):
+    """`ssh.port: 1:10` was port 70; now one line at the key (exit 2) naming what YAML 1.1 made of it."""
+    head = {"ssh": "name: c\nhosts: [{address: h1}]\njob: {entrypoint: [x]}\n", "job": "name: c\nhosts: [{address: h1}]\n",
+            "hosts": "name: c\njob: {entrypoint: [x]}\n", "provision": VALID}[key.split(":")[0]]
+    path = tmp_path / "n.yaml"
+    path.write_text(head + key + "\n")
+    rc, out, err, _ = _validate(path, capsys)
+    assert (rc, out, len(err.splitlines())) == (2, "", 1), err
+    assert re.fullmatch(re.escape(str(path)) + r":\d+:\d+: [a-z_.\[\]0-9]+: '[^']+' reads as [-0-9.]+ in YAML 1\.1 \(.*\): "
+                        r"write a number in plain decimal digits, or quote it if it is text\n", err), err

@@ -45,6 +45,56 @@ BAD = [
          "4:3: ssh.config: empty: give a path, or leave the key out"],
         id="empty-paths",  # were taken for the keys left out: host keys checked against another file
     ),
+    pytest.param(  # were '.' (the key left out) and the spec's directory (a hostfile "cannot read <dir>")
+        GOOD.replace("job:", "workspace: {local: ''}\ndata: {local: ' '}\njob:"),
+        ["7:13: workspace.local: empty: give a path, or leave the key out",
+         "8:8: data.local: empty: give a path, or leave the data: section out"],
+        id="empty-workspace-and-data-paths",
+    ),
+    pytest.param(
+        GOOD.replace("hosts:\n  - address: 10.0.0.1\n  - address: 10.0.0.2\n", "hostfile: ''\n"),
+        ["4:1: hostfile: empty: give a path, or list the hosts under hosts:"],
+        id="empty-hostfile",
+    ),
+    pytest.param(  # both were clusterctl/demo, the default
+        GOOD.replace("job:", "workspace: {remote: ''}\njob:"),
+        ["7:13: workspace.remote: empty: give a path, or leave the key out"],
+        id="empty-workspace-remote",
+    ),
+    pytest.param(
+        GOOD.replace("job:", "workspace: {remote: ~/}\njob:"),
+        ["7:13: workspace.remote: '~/' is the home directory itself: give a directory under it, or leave the key out"],
+        id="home-as-workspace-remote",
+    ),
+    pytest.param(  # YAML 1.1 read these as 70, 8, 16, 1000, 90.5: validated as numbers no one wrote
+        GOOD.replace("ssh:\n", "ssh:\n  port: 1:10\n  keepalive: 010\n").replace(
+            "  - address: 10.0.0.2", "  - {address: 10.0.0.2, slots: 0x10, gpus: [0b1]}").replace(
+            "  pservers: 1", "  pservers: 1\n  restarts: 1_000\n  grace: 1:30.5"),
+        ["3:3: ssh.port: '1:10' reads as 70 in YAML 1.1 (a base-60 number): write a number in plain decimal digits, "
+         "or quote it if it is text",
+         "4:3: ssh.keepalive: '010' reads as 8 in YAML 1.1 (an octal number): write a number in plain decimal "
+         "digits, or quote it if it is text",
+         "8:25: hosts[1].slots: '0x10' reads as 16 in YAML 1.1 (a hexadecimal number): write a number in plain "
+         "decimal digits, or quote it if it is text",
+         "8:45: hosts[1].gpus[0]: '0b1' reads as 1 in YAML 1.1 (a binary number): write a number in plain decimal "
+         "digits, or quote it if it is text",
+         "13:3: job.restarts: '1_000' reads as 1000 in YAML 1.1 ('_' digit separators dropped): write a number in "
+         "plain decimal digits, or quote it if it is text",
+         "14:3: job.grace: '1:30.5' reads as 90.5 in YAML 1.1 (a base-60 number): write a number in plain decimal "
+         "digits, or quote it if it is text"],
+        id="yaml11-numbers",
+    ),
+    pytest.param(  # the number's message, not also "port out of range (1-65535): 65536" about YAML 1.1's value
+        GOOD.replace("ssh:\n", "ssh:\n  port: 0x10000\n"),
+        ["3:3: ssh.port: '0x10000' reads as 65536 in YAML 1.1 (a hexadecimal number): write a number in plain "
+         "decimal digits, or quote it if it is text"],
+        id="yaml11-number-out-of-range",
+    ),
+    pytest.param(  # an unknown key is said to be one, whatever its value
+        GOOD + "colour: {a: 010}\n",
+        ["11:1: colour: unknown key"],
+        id="yaml11-number-under-unknown-key",
+    ),
     pytest.param(
         GOOD.replace("ssh:\n", "ssh:\n  port: 70000\n"),
         ["3:3: ssh.port: port out of range (1-65535): 70000"],
@@ -223,6 +273,67 @@ def test_hostfile_errors_name_the_hostfile_line(write_spec, tmp_path):
     with pytest.raises(SpecError) as info:
         load_spec(path)
     assert [str(p) for p in info.value.problems] == [f"{tmp_path / 'hosts.txt'}:2:1: hostfile: cannot parse 'cpus=4' (expected slots=N)"]
+
+
+def test_plain_decimal_numbers_are_numbers(write_spec):
+    spec = load_spec(write_spec(GOOD.replace("ssh:\n", "ssh:\n  port: +22\n  keepalive: 08\n  connect_timeout: 2.50\n")
+                                .replace("  pservers: 1", "  pservers: 1\n  restarts: -0\n  grace: 1e1")))
+    assert (spec.ssh.port, spec.ssh.keepalive, spec.ssh.connect_timeout) == (22, 8, 2.5)
+    assert (spec.job.restarts, spec.job.grace) == (0, 10.0)
+
+
+HOSTFILE_SPEC = GOOD.replace("hosts:\n  - address: 10.0.0.1\n  - address: 10.0.0.2\n", "hostfile: hosts.txt\n")
+
+
+@pytest.mark.parametrize("hostfile, expected", [
+    ("10.0.0.5 slots=2\n10.0.0.6   slots=0\n", ["2:12: hosts[1].slots: input should be greater than or equal to 1"]),
+    ("# fleet\n10.0.0.5\n\n  -oProxyCommand=x slots=1\n",
+     ["4:3: hosts[1].address: not a host name or IP address: '-oProxyCommand=x'"]),
+    ("10.0.0.5\n10.0.0.6\n10.0.0.5 slots=2\n", ["3:1: hosts[2]: duplicate host 10.0.0.5 (also hosts[0])"]),
+    ("10.0.0.5 slots=2000\n", ["1:10: hosts[0].slots: input should be less than or equal to 1024"]),
+], ids=["slots-0", "address", "duplicate", "slots-too-many"])
+def test_hostfile_hosts_problems_name_the_hostfile_line(write_spec, tmp_path, hostfile, expected):
+    """They were all at spec.yaml:1:1 (the hosts had no place in the spec)."""
+    (tmp_path / "hosts.txt").write_text(hostfile)
+    path = write_spec(HOSTFILE_SPEC)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert [str(p) for p in info.value.problems] == [f"{tmp_path / 'hosts.txt'}:{want}" for want in expected]
+
+
+def test_hostfile_slots_in_other_digits_is_one_line(write_spec, tmp_path):
+    """`slots=²` passed str.isdigit, then int() raised a ValueError the parser's handler could not unpack."""
+    (tmp_path / "hosts.txt").write_text("10.0.0.5 slots=\u00b2\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(write_spec(HOSTFILE_SPEC))
+    assert [str(p) for p in info.value.problems] == [
+        f"{tmp_path / 'hosts.txt'}:1:1: hostfile: cannot parse 'slots=\u00b2' (expected slots=N)"]
+
+
+def test_spec_problems_printed_are_capped(write_spec, tmp_path):
+    """A 5,000-host hostfile with slots=0 everywhere printed 5,000 lines; now 20 and a count, at the next one's place."""
+    (tmp_path / "hosts.txt").write_text("".join(f"h{i} slots=0\n" for i in range(5000)))
+    path = write_spec(HOSTFILE_SPEC)
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "validate", str(path)], capture_output=True, text=True)
+    hosts = tmp_path / "hosts.txt"
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"{hosts}:{i + 1}:{3 + len(str(i))}: hosts[{i}].slots: input should be greater than or equal to 1" for i in range(20)
+    ] + [f"{hosts}:21:5: ... and 4980 more problems (the first 20 are shown)"]
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert len(info.value.problems) == 5000  # every one is kept: only what is printed is capped
+    assert str(info.value).splitlines()[-1] == f"{hosts}:21:5: ... and 4980 more problems (the first 20 are shown)"
+
+
+def test_spec_error_lines():
+    from clusterctl.errors import SpecProblem
+
+    problems = [SpecProblem("s.yaml", i, 1, "hosts", "x") for i in range(1, 23)]
+    assert SpecError(problems[:20]).lines() == [f"s.yaml:{i}:1: hosts: x" for i in range(1, 21)]
+    assert SpecError(problems[:21]).lines()[20:] == ["s.yaml:21:1: ... and 1 more problem (the first 20 are shown)"]
+    assert SpecError(problems).lines(limit=2) == ["s.yaml:1:1: hosts: x", "s.yaml:2:1: hosts: x",
+                                                  "s.yaml:3:1: ... and 20 more problems (the first 2 are shown)"]
 
 
 def test_parse_hostfile_max_slots_ignored():
