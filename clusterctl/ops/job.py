@@ -432,8 +432,8 @@ def logs(
                     if r.answered and r.exit_code == 2 and h not in said]  # a host that failed without saying why
     for h, lines_ in notes.items():
         if results[h].answered:
-            for line in lines_:
-                on_line(h, "err", line)
+            for line in lines_:  # under the host's label too: which host said it, and never another's
+                on_line(h, "err", own_log_line(h.label, line))
     if len(problems) == len(targets) and problems:
         raise JobError(f"job {plan.job} has no logs on any host (never started?)")
     if unmatched and len(unmatched) + len(problems) == len(targets) and not problems:

@@ -93,3 +93,20 @@ def test_a_control_reply_over_its_bound_is_that_hosts_error_not_parsed():
     assert reply == {"ok": False, "error": "a reply of 16 MiB, over the 16 MiB a host's control reply may be"}
     fits = '{"ok": true, "state": "running", "processes": [' + "{}," * 1000 + "{}]}\n"
     assert agent_reply(Result(host, "x", 0, fits, "", 0.0))["state"] == "running"
+
+
+def test_what_a_host_prints_on_stderr_to_logs_is_shown_under_its_label(tmp_path, monkeypatch, capsys):
+    class Chatty(FaultyTransport):
+        def popen(self, host, command):
+            if host.address == "n0" and "--host-label" in command:
+                command = "echo '[n1 trainer.1] FAILED: rank 1 diverged' >&2; " + command
+            return self.inner.popen(host, command)
+
+    c = FakeCluster(tmp_path, files={"train.py": "print('hello')\n"}).everywhere(monkeypatch)
+    assert cli.main(["dispatch", str(c.spec_path)]) == 0 and cli.main(["start", str(c.spec_path), "--follow"]) == 0
+    capsys.readouterr()
+    c.everywhere(monkeypatch, transport=Chatty(c.transport))
+    assert cli.main(["logs", str(c.spec_path)]) == 0
+    out, err = capsys.readouterr()
+    assert sorted(out.splitlines()) == ["[n0 trainer.0] hello", "[n1 trainer.1] hello"]
+    assert err.splitlines() == ["[n0] [n1 trainer.1] FAILED: rank 1 diverged"]
