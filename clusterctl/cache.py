@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pathlib (and the urllib.parse it imports) only where a Path
     from pathlib import Path
 
 __all__ = ["cache_root", "cache_root_path", "cache_dir", "makedirs", "private_dir", "read_private", "write_private",
-           "trusted_dir"]
+           "write_atomic", "trusted_dir"]
 
 
 def cache_root_path() -> str:
@@ -111,26 +111,35 @@ def read_private(path: "str | os.PathLike", limit: int) -> bytes | None:
         os.close(fd)
 
 
-def write_private(path: "str | os.PathLike", data: bytes) -> bool:
-    """Write `path` 0600 through a temporary file and a rename (a reader sees the old file or the new);
-    False when it could not be written (a cache that cannot be written is only slower)."""
+def write_atomic(path: "str | os.PathLike", data: bytes) -> None:
+    """Write `path` 0600 through a temporary file beside it and a rename: a reader sees the old file or the new, and
+    whatever is at `path` (a symlink, say) is replaced, never written through. OSError when it cannot be written."""
     path = os.fspath(path)
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.fchmod(fd, 0o600)  # whatever the umask, and over a file left by an earlier try
+            os.fchmod(fd, 0o600)  # whatever the umask, and over a file left by an earlier try (before any write)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        return True
     except OSError:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        raise
+
+
+def write_private(path: "str | os.PathLike", data: bytes) -> bool:
+    """write_atomic(path, data); False when it could not be written (a cache that cannot be written is only
+    slower)."""
+    try:
+        write_atomic(path, data)
+        return True
+    except OSError:
         return False

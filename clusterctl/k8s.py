@@ -23,7 +23,6 @@ import argparse
 import base64
 import json
 import math
-import os
 import secrets
 from importlib import resources
 from pathlib import Path
@@ -506,30 +505,13 @@ def process_argv(job: dict, index: int, *, secrets: dict | None = None) -> list[
 # ------------------------------------------------------------------------------------------- CLI
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Write `path` 0600 (it holds the job's token: the Secret) through a new temporary file and a rename: a
-    symlink (or any file) already at `path` is replaced, never followed and written through."""
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # 0600, O_EXCL
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def cmd_render(args: argparse.Namespace) -> int:
     """clusterctl k8s render: write (or print) the manifests, then say how to apply and follow them."""
     import sys
 
     from rich.markup import escape
 
+    from .cache import write_atomic
     from .console import err, out
     from .spec import load_spec
 
@@ -546,7 +528,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             raise ClusterctlError(f"k8s render: -o {args.output} is not a directory")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write_private(path, text.encode("utf-8"))
+            write_atomic(path, text.encode("utf-8"))  # 0600: it holds the job's token (the Secret)
         except OSError as e:
             raise ClusterctlError(f"k8s render: cannot write {path}: {e.strerror or e}") from e
         apply, say = f"kubectl create -f {path}", out

@@ -125,9 +125,8 @@ class _Logs:
             os.close(self._held)
             for fh in self._files.values():
                 fh.close()
-            raise ProvisionError(f"cannot write the provisioning logs in {folder}: "
-                                 f"{os.path.basename(exc.filename or '') + ': ' if exc.filename else ''}"
-                                 f"{exc.strerror or exc}") from None
+            which = f"{os.path.basename(exc.filename)}: " if exc.filename else ""
+            raise ProvisionError(f"cannot write the provisioning logs in {folder}: {which}{exc.strerror or exc}") from None
         self._lock = threading.Lock()
         for fh in self._files.values():
             fh.write(header + "\n")
