@@ -19,7 +19,9 @@ this module with the image's ``python3 -S -E`` from the host package that a Conf
     ``kubectl logs`` has every attempt's lines, also after the pod ended. It forwards SIGTERM (a deleted pod)
     to the supervisor, reaps orphans (it is PID 1), writes the supervisor's last status to the termination
     message file (``kubectl get pod`` shows it once the pod ended), lets ``kubectl exec`` commands still
-    running (``agent stop``) finish, and exits with the supervisor's code (0: the job succeeded).
+    running (``agent stop``) finish, waits a while for the ``agent stop`` of a stop that ended the job before its
+    ``kubectl exec`` reached this pod (so that it reports what the stop killed here), and exits with the
+    supervisor's code (0: the job succeeded).
 
 Stdlib only and Python 3.9, like the rest of the host package.
 """
@@ -33,6 +35,7 @@ import sys
 import time
 
 from .common import InputError, log, write_private
+from .jobdir import StateFileError, read_state
 from .jobfile import JOB_FILE, JOB_ENV, build_job, coordinator_entry, process_entry
 
 __all__ = ["SECRET_ENV", "POD_NAME_ENV", "TEMPLATE_VERSION", "pod_job", "process_env", "clean_environ",
@@ -46,6 +49,9 @@ POD_NAME_ENV = "CLUSTERCTL_POD_NAME"
 TERMINATION_LIMIT = 4096  # bytes Kubernetes keeps of a container's termination message
 TAIL_DRAIN_S = 10.0  # after the supervisor ended: how long the log follower may take to drain
 EXEC_LINGER_S = 20.0  # after the supervisor ended: how long (beyond the grace) `kubectl exec` commands may finish
+# after a stop ended the job: how long PID 1 waits for the `agent stop` that collects what the stop killed (clusterctl
+# stop runs one in every pod at once, and the first one to land stops the job everywhere through the coordinator)
+STOP_REPORT_WAIT_S = 30.0
 
 # python3 -S -E -X pycache_prefix=... -c RUN PKGPARENT MODULE ARGS...: the host package's tools, as over SSH
 RUN = ("import sys; sys.path[0] = sys.argv[1]; "
@@ -266,6 +272,14 @@ class _Init:
                 found.append(int(name))
         return found
 
+    def _stop_unreported(self):
+        """Whether the job ended by a stop whose kills no `agent stop` has reported yet (state.json's stop report)."""
+        try:
+            report = (read_state(self.jobdir) or {}).get("stop")
+        except StateFileError:
+            return False
+        return isinstance(report, dict) and bool(report.get("requested")) and not report.get("reported")
+
     def _status(self):
         argv = _python_argv("agent", ["status", self.jobdir], self.pycache)
         try:
@@ -301,9 +315,16 @@ class _Init:
         except OSError as e:
             log("pod %s: cannot write the termination message %s: %s" % (self.pod, self.termination_log, e))
         log("pod %s: supervisor exited %s, job %s" % (self.pod, self.code, status.get("state")))
-        deadline = time.monotonic() + self.grace + EXEC_LINGER_S
-        while not self.term and time.monotonic() < deadline and self._others():
+        # the kernel ends every process of the pod with PID 1: stay while a `kubectl exec` command still runs, and
+        # while a stop's report waits for its `agent stop` (a stop that reached this pod through the coordinator
+        # before the exec did); a deleted pod (SIGTERM) goes at once
+        began = time.monotonic()
+        while not self.term:
             self._reap()
+            waited = time.monotonic() - began
+            if not (waited < self.grace + EXEC_LINGER_S and self._others()
+                    or waited < STOP_REPORT_WAIT_S and self._stop_unreported()):
+                break
             time.sleep(0.1)
         return 0 if self.code == 0 else 1
 

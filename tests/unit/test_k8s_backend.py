@@ -185,6 +185,47 @@ def test_sigterm_to_the_pod_stops_the_job_through_its_supervisor(tmp_path):
     assert "[tiny-trainer-0-abcde trainer.0] up" in out.splitlines()
 
 
+@pytest.mark.skipif(not pid_namespaces(), reason="needs `unshare --pid --mount-proc` (root)")
+def test_a_pod_stopped_through_the_coordinator_waits_for_the_agent_stop_that_reports_its_kills(tmp_path):
+    """`clusterctl stop` runs `agent stop` in every pod at once; the first to land stops the job everywhere through
+    the coordinator, so another pod's supervisor may end before that pod's exec arrives. PID 1 stays until an
+    `agent stop` has collected what the stop killed there (else the exec finds no container, and the report lacks
+    those kills: 1 run in 5 of test_k8s_pods' stop test under load), and then ends at once."""
+    pod = Pod(tmp_path)
+    proc = pod.start([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"])
+    main = pod.main_pid(proc)
+    jobdir = pod.state / "jobs" / "tiny"
+    state = jobdir / "state.json"
+
+    def running():
+        procs = json.loads(state.read_text())["processes"] if state.exists() else []
+        return bool(procs) and procs[0]["state"] == "running" and json.loads(state.read_text())
+
+    sup = _wait_for(running, 30, "the process running")["supervisor"]["pid"]
+
+    def in_pod(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["nsenter", "-t", str(main), "-p", "-m", "--", *argv], capture_output=True, text=True,
+                              timeout=60)
+
+    # a stop that is not the pod's own SIGTERM nor this pod's `agent stop`: the supervisor alone is told (its pid
+    # as the pod's namespace numbers it), as the coordinator's broadcast tells it
+    assert in_pod("kill", "-TERM", str(sup)).returncode == 0
+    _wait_for(lambda: json.loads(state.read_text()).get("state") == "stopped", 30, "the job stopped")
+    _wait_for(lambda: pod.termination.exists(), 30, "the termination message")  # the supervisor has exited
+    time.sleep(2)
+    assert proc.poll() is None, "PID 1 ended before the stop's report was collected"
+    stop = in_pod(sys.executable, "-S", "-E", "-c", hostpod.RUN, str(pod.mount), "clusterctl_host.agent", "stop",
+                  str(jobdir))
+    assert stop.returncode == 0, stop.stderr
+    reply = json.loads(stop.stdout.splitlines()[-1])
+    assert reply["was_running"] and reply["state"] == "stopped" and reply["left"] == [], reply
+    assert [(k["role"], k["signal"]) for k in reply["killed"]] == [("trainer", "SIGTERM")], reply
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 5, "PID 1 waited on after the report was collected"
+    assert proc.returncode == 1 and json.loads(pod.termination.read_text())["state"] == "stopped", err
+
+
 # ~22 s a pod where this test's "pod" sees every process on the machine (no PID namespace): PID 1 lingers for them
 @(pytest.mark.slow if not pid_namespaces() else lambda test: test)
 def test_a_job_that_ends_before_the_log_follower_starts_still_has_its_lines_on_the_pods_stdout(tmp_path):
