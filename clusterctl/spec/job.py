@@ -111,6 +111,10 @@ class DataSpec(_Model):
     def _paths(cls, v: str, info: ValidationInfo) -> str:
         if info.field_name == "local":
             nonempty_path(v, "leave the data: section out")  # '' was '.', the spec's own directory
+        elif info.field_name == "pattern" and not v.strip():
+            raise ValueError("empty: it would match no file; give a pattern, or leave the key out ('*')")
+        else:
+            nonempty_path(v)  # '' was the workspace's own directory, not `data`, the default
         return one_line(v)
 
 
@@ -165,7 +169,7 @@ class JobSpec(_Model):
     @field_validator("log_dir", "mpiexec")
     @classmethod
     def _paths(cls, v: str) -> str:
-        return one_line(v)
+        return one_line(nonempty_path(v))  # '' was the logs' own directory ('.'), or no mpiexec at all
 
     @field_validator("entrypoint", mode="before")
     @classmethod

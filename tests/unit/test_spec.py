@@ -61,6 +61,15 @@ BAD = [
         ["7:13: workspace.remote: empty: give a path, or leave the key out"],
         id="empty-workspace-remote",
     ),
+    pytest.param(  # data.remote '' was the workspace's own directory; a pattern '' matched no file; log_dir '' was '.'
+        GOOD.replace("job:", "data: {local: d, remote: '', pattern: ' '}\njob:").replace(
+            "  pservers: 1", "  pservers: 1\n  log_dir: ''\n  mpiexec: ''"),
+        ["7:18: data.remote: empty: give a path, or leave the key out",
+         "7:30: data.pattern: empty: it would match no file; give a pattern, or leave the key out ('*')",
+         "12:3: job.log_dir: empty: give a path, or leave the key out",
+         "13:3: job.mpiexec: empty: give a path, or leave the key out"],
+        id="empty-data-and-log-paths",
+    ),
     pytest.param(
         GOOD.replace("job:", "workspace: {remote: ~/}\njob:"),
         ["7:13: workspace.remote: '~/' is the home directory itself: give a directory under it, or leave the key out"],
