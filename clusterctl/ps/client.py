@@ -34,7 +34,7 @@ from .endpoints import zmq_address
 from .errors import (BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError, PsTimeoutError,
                      RemoteOpError)
 from .optim import SGD, OptimizerConfig
-from .protocol import MAX_WIRE_FRAME_BYTES, PIPELINE_ENV, Message, _short, decode, encode, env_flag
+from .protocol import MAX_WIRE_FRAME_BYTES, PIPELINE_ENV, Message, decode, encode, env_flag, quoted
 from .server import MODES
 from .sharding import DEFAULT_MIN_BLOCK_SIZE, Block, ShardPlan, plan_shards
 
@@ -238,7 +238,7 @@ class PSClient:
         a reply that decoded may still carry a list where a step belongs (a broken or compromised pserver)."""
         value = header.get(name, default)
         if value is _REQUIRED or not valid(value):
-            got = "nothing" if value is _REQUIRED else _short(value)
+            got = "nothing" if value is _REQUIRED else quoted(value)
             raise ProtocolError(f"pserver {self.endpoints[i]}: malformed {op!r} reply: {name} must be {want}, "
                                 f"got {got}")
         return value

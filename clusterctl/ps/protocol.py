@@ -41,6 +41,7 @@ from .errors import ProtocolError, PsConfigError
 __all__ = [
     "PIPELINE_ENV",
     "env_flag",
+    "quoted",
     "DTYPES",
     "MAX_HEADER_BYTES",
     "MAX_FRAME_BYTES",
@@ -240,14 +241,14 @@ def decode(frames: Sequence[Any], *, request: bool = True) -> Message:
 def _message(header: dict, frames: Sequence[Any], request: bool) -> Message:
     """The rest of decode(): the header's fields and the buffer frames its tensor table describes."""
     if header.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {_short(header.get('v'))} (want {PROTOCOL_VERSION})")
+        raise ProtocolError(f"unsupported protocol version {quoted(header.get('v'))} (want {PROTOCOL_VERSION})")
     op = header.get("op")
     if request and (not isinstance(op, str) or op not in OPS):  # type first: a list is not hashable (TypeError)
-        raise ProtocolError(f"unknown op {_short(op)}")
+        raise ProtocolError(f"unknown op {quoted(op)}")
     for name in _COUNTS:
         value = header.get(name, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ProtocolError(f"{name} must be a non-negative integer, got {_short(value)}")
+            raise ProtocolError(f"{name} must be a non-negative integer, got {quoted(value)}")
     chunk = header.get("c", 0)
     if chunk % 8:
         raise ProtocolError(f"chunk size must be a non-negative multiple of 8, got {chunk!r}")
@@ -261,7 +262,7 @@ def _message(header: dict, frames: Sequence[Any], request: bool) -> Message:
         if (not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str)
                 or not isinstance(entry[1], str) or entry[1] not in DTYPES  # type first, as for op
                 or isinstance(entry[2], bool) or not isinstance(entry[2], int) or entry[2] < 0):
-            raise ProtocolError(f"bad tensor table entry {_short(entry)}")
+            raise ProtocolError(f"bad tensor table entry {quoted(entry)}")
         key, dtype_name, size = entry
         if key in tensors:
             raise ProtocolError(f"tensor {key!r} appears twice")
@@ -292,7 +293,7 @@ def error_frames(seq: int, code: str, message: str) -> list[bytes]:
     return [json.dumps(head, separators=(",", ":")).encode()]
 
 
-def _short(value: Any) -> str:
+def quoted(value: Any) -> str:
     """``repr(value)``, cut to 80 characters (error messages quote what a peer sent)."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
