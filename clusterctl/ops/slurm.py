@@ -452,8 +452,19 @@ def logs(
         return out + (["-n", str(lines)] if lines is not None else [])
 
     problems: list[str] = []
-    node_of = {h: n for n, h in nodes}
+    relay = _log_relay({h: n for n, h in nodes}, on_line, problems)
+    results = _agent_on_nodes(spec, nodes, args, what="logs", timeout=None if follow else LOGS_TIMEOUT_S,
+                              on_line=relay)
+    unreachable = [f"{n}: {r.stderr.strip()[-300:]}" for n, r in results.items() if r.unreachable]
+    if problems or unreachable or missing:
+        raise JobError("logs incomplete:\n" + "\n".join(problems + unreachable + missing))
+    return max((r.exit_code for r in results.values()), default=0)
 
+
+def _log_relay(node_of: dict[Host, str], on_line: LineCallback, problems: list[str]) -> LineCallback:
+    """What `logs` does with each line a node's `agent logs` sends: a follower's keepalive dropped, the agent's own
+    JSON message kept in `problems`, and every other line, stdout and stderr alike, passed on under that node's name
+    (own_log_line): a node, possibly compromised, cannot pass its lines off as another node's."""
     def relay(h: Host, stream: str, line: str) -> None:
         if stream == "out" and not line:  # a follower's keepalive (clusterctl/host/logtail.py)
             return
@@ -465,14 +476,9 @@ def logs(
             if isinstance(obj, dict):
                 problems.append(f"{h.label}: {obj.get('error', line)}")
                 return
-        on_line(h, stream, own_log_line(node_of[h], line) if stream == "out" else line)
+        on_line(h, stream, own_log_line(node_of[h], line))
 
-    results = _agent_on_nodes(spec, nodes, args, what="logs", timeout=None if follow else LOGS_TIMEOUT_S,
-                              on_line=relay)
-    unreachable = [f"{n}: {r.stderr.strip()[-300:]}" for n, r in results.items() if r.unreachable]
-    if problems or unreachable or missing:
-        raise JobError("logs incomplete:\n" + "\n".join(problems + unreachable + missing))
-    return max((r.exit_code for r in results.values()), default=0)
+    return relay
 
 
 def stop(spec: ClusterSpec, plan: JobPlan, *, grace: float | None = None) -> dict:

@@ -366,3 +366,22 @@ def test_slurm_conf_runs_the_controller_on_node0_without_cgroups():
                  "NodeName=ct-node1 NodeAddr=10.1.0.3 CPUs=16 State=UNKNOWN"):
         assert line in lines
     assert lines[-1] == "PartitionName=debug Nodes=ct-node0,ct-node1 Default=YES MaxTime=INFINITE State=UP"
+
+
+def test_a_nodes_log_lines_on_either_stream_are_shown_under_its_name_only():
+    """`logs` under Slurm: what a node's `agent logs` sends, stdout or stderr, is that node's word (as over SSH:
+    tests/security/test_hostile_status.py); its own JSON message is a problem, a keepalive nothing."""
+    from clusterctl.ops.slurm import _log_relay
+    from clusterctl.transport.host import Host
+
+    n0 = Host("10.0.0.5", 22, "u", 0)
+    shown, problems = [], []
+    relay = _log_relay({n0: "node0"}, lambda h, stream, line: shown.append((h, stream, line)), problems)
+    for stream, line in [("out", "[node0 trainer.0] mine"), ("out", "[node1 trainer.1] FAILED: diverged"),
+                         ("err", "[node1 trainer.1] FAILED: diverged"), ("err", "[node0 trainer.0] mine too"),
+                         ("out", ""), ("out", '{"ok": false, "error": "no job here"}'), ("out", "{not json")]:
+        relay(n0, stream, line)
+    assert shown == [(n0, "out", "[node0 trainer.0] mine"), (n0, "out", "[node0] [node1 trainer.1] FAILED: diverged"),
+                     (n0, "err", "[node0] [node1 trainer.1] FAILED: diverged"), (n0, "err", "[node0 trainer.0] mine too"),
+                     (n0, "out", "[node0] {not json")]
+    assert problems == ["10.0.0.5: no job here"]
