@@ -151,6 +151,7 @@ def render(spec: ClusterSpec, *, token: str | None = None) -> list[dict]:
                    ("CLUSTERCTL_PS_K_STEPS", str(job.k_steps))]
     values = {"trainers": str(trainers), "pserver_endpoints": pserver_eps, "trainer_endpoints": trainer_eps,
               "job": spec.name, "local_rank": "0"}
+    _args_fit(spec, name, trainers, pservers, values)
     trainer_env = [  # as written in the manifest: references, or literals with no '$'
         ("RANK", "$(PADDLE_TRAINER_ID)"),
         ("WORLD_SIZE", str(trainers)),
@@ -170,6 +171,24 @@ def render(spec: ClusterSpec, *, token: str | None = None) -> list[dict]:
     template = _template(spec, plan, name, pserver_eps, jobs)
     configmap = _configmap(spec, name, template)
     return [_secret(spec, name, token or secrets.token_hex(16)), configmap, _service(spec, name, pservers > 0), *jobs]
+
+
+def _args_fit(spec: ClusterSpec, name: str, trainers: int, pservers: int, values: dict) -> None:
+    """SpecError at job.args when an argument, its placeholders filled in as the longest pod's are (the pods' DNS
+    names: `{trainer_endpoints}` is longer here than over SSH), is longer than execve takes: no pod would start."""
+    ports = spec.job.ports
+    for role, count, port in (("trainer", trainers, ports.trainer), ("pserver", pservers, ports.pserver)):
+        if not count:
+            continue
+        host = f"{name}-{role}-{count - 1}.{name}"
+        longest = dict(values, role=role, id=str(count - 1), trainer_id=str(count - 1), host=host,
+                       current_endpoint=f"{host}:{port}")
+        for arg in spec.job.args:
+            text = arg.format_map(longest)
+            if not exec_string_fits(text):
+                raise _problem(spec, ("job", "args"), f"an argument (after its placeholders) would be "
+                               f"{len(text.encode('utf-8', 'surrogateescape'))} bytes in a {role} pod: Linux starts "
+                               f"no process with an argument or environment string over 128 KiB (E2BIG)")
 
 
 def _endpoints(name: str, role: str, count: int, port: int) -> str:

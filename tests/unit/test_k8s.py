@@ -575,3 +575,25 @@ def test_a_trainer_list_over_what_execve_takes_is_left_out_of_the_pods_and_rende
     assert "name: PADDLE_TRAINER_ENDPOINTS\n" not in res.stdout and "name: PADDLE_TRAINERS_NUM\n" in res.stdout
     assert (" note: PADDLE_TRAINER_ENDPOINTS is left out of every process's environment: its 4480 endpoints take "
             "133289 bytes, over the 128 KiB") in " ".join(res.stderr.split()), res.stderr  # however rich wraps it
+
+
+def test_an_argument_over_what_execve_takes_with_the_pods_endpoints_is_refused_at_its_line(tmp_path):
+    """`{trainer_endpoints}` in job.args is the pods' DNS names under Kubernetes (30 bytes an endpoint here), not the
+    hosts' addresses (~15): an argument that fits over SSH can be over execve's 128 KiB in every pod."""
+    def spec_of(hosts):
+        lines = ["name: scale", "hosts:"] + [f"  - {{address: 10.{i >> 8}.{i & 255}.1, gpus: 8}}" for i in range(hosts)]
+        lines += ["job: {trainers: gpu, entrypoint: [python3, train.py], args: ['--eps={trainer_endpoints}']}",
+                  "kubernetes: {image: x}"]
+        return "\n".join(lines) + "\n"
+
+    assert make_plan(parse_spec(spec_of(560))).trainers  # 4,480 trainers: the hosts' endpoints fit
+    spec = tmp_path / "big.yaml"
+    spec.write_text(spec_of(560))
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "k8s", "render", str(spec)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == "", res.stdout[:300]
+    assert res.stderr.strip() == (f"{spec}:563:55: job.args: an argument (after its placeholders) would be 133295 "
+                                  "bytes in a trainer pod: Linux starts no process with an argument or environment "
+                                  "string over 128 KiB (E2BIG)"), res.stderr
+    docs = k8s.render(parse_spec(spec_of(500)))  # 4,000 trainers: 118,895 bytes, rendered
+    assert docs[-1]["spec"]["template"]["spec"]["containers"][0]["args"][-1].count(",") == 3999
