@@ -37,6 +37,7 @@ IDLE = 1000  # idle connections held open during the attack
 GARBAGE = 100 * 1024 * 1024  # bytes of garbage sent to the control port
 SENDERS = 4
 ATTACK_S = 240.0  # the attacker gives up after this (a test that fails, not one that hangs)
+ASKS = 10  # status asks during the attack at least: the garbage goes on until they are made (a busy machine asks slowly)
 FD_HEADROOM = 8  # the supervisor's descriptor limit during the attack: what it has open, plus this (< MAX_PENDING)
 # Bounds for the supervisor over the whole attack. An unbounded listener would hold 1,000 sockets and buffer
 # the endless lines; this one holds 16 unauthenticated connections and reads at most MAX_REQUEST + 1 bytes of each.
@@ -85,6 +86,7 @@ class Flood:
         self.idle, self.idle_failed = [], 0
         self.sent, self.lock = 0, threading.Lock()
         self.deadline = time.monotonic() + ATTACK_S
+        self.asked = threading.Event()  # the controller's side has made its ASKS
 
     def open_idle(self):
         for _ in range(IDLE):
@@ -101,7 +103,7 @@ class Flood:
         n = 0
         while time.monotonic() < self.deadline:
             with self.lock:
-                if self.sent >= GARBAGE:
+                if self.sent >= GARBAGE and self.asked.is_set():
                     return
             payload = self.kinds[n % len(self.kinds)]
             n += 1
@@ -181,6 +183,8 @@ def test_the_control_socket_survives_a_flood_and_status_stays_right(cluster, tmp
             before = _starts(tmp_path)
             code, st = _ask(home, env, job_id, "status", None, status_fallback)
             answers.append((code, st.get("state"), st.get("supervisor"), _starts(tmp_path) - before))
+            if len(answers) >= ASKS:
+                flood.asked.set()
             peak[0] = max(peak[0], _proc_kb(sup, "VmHWM"))
             time.sleep(0.2)
         attack_s = time.monotonic() - t0
@@ -188,10 +192,11 @@ def test_the_control_socket_survives_a_flood_and_status_stays_right(cluster, tmp
         attack.join()
         flood.close()
         resource.prlimit(sup, resource.RLIMIT_NOFILE, limits)
-    # every answer during the flood was right; most came from the supervisor (an evicted request: the agent)
-    assert answers and all(a[:3] == (0, "running", {"pid": sup, "alive": True}) for a in answers), answers
+    # every answer during the flood was right; most came from the supervisor (an evicted request: the agent; 9 or
+    # 10 of 10 with four CPU burners beside the test, the evicted one asked while the 1,000 idle ones connected)
+    assert len(answers) >= ASKS and all(a[:3] == (0, "running", {"pid": sup, "alive": True}) for a in answers), answers
     from_supervisor = sum(1 for a in answers if a[3] == 0)
-    assert from_supervisor >= 1, answers
+    assert from_supervisor >= 3, answers
     assert flood.sent >= GARBAGE, (flood.sent, attack_s)
     # after the flood: no Python start, the job untouched
     before = _starts(tmp_path)
