@@ -9,8 +9,8 @@ import sys
 import threading
 import time
 
-from ..console import note, paint, printable, use_colour, write_line, write_text
-from ..errors import UsageError
+from ..console import error, note, paint, printable, use_colour, write_line, write_text
+from ..errors import ClusterctlError, UsageError
 from ..host.states import ACTIVE_JOB_STATES, JobState
 
 
@@ -145,9 +145,12 @@ def _stop_after_interrupt(backend, terminated: bool = False) -> int:
         what = "terminated" if terminated else "interrupted"
         write_text(sys.stderr, paint(f"{what}: stopping the job…", "yellow", use_colour(sys.stderr)) + "\n")
         backend.close()  # ends the follow channels, which hold the worker threads
-        with open_backend(backend.spec) as fresh:
-            fresh.stop()
-            render_status(fresh.status())
+        try:
+            with open_backend(backend.spec) as fresh:
+                fresh.stop()
+                render_status(fresh.status())
+        except ClusterctlError as e:  # a host the stop did not reach: said, and the exit code still says why we ended
+            error(f"{what}, but the stop did not complete: {e}")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -112,6 +112,26 @@ def test_ctrl_c_or_sigterm_while_following_stops_the_job(tmp_path, monkeypatch, 
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_ctrl_c_while_a_host_hangs_exits_130_and_says_the_stop_did_not_reach_it(tmp_path, monkeypatch, capsys):
+    """Ctrl+C during `start` while one host does not answer: the stop that follows cannot reach that host either;
+    that is said in one line, and the exit code is still the interrupt's (it was the stop's error, exit 1)."""
+    import signal
+
+    c = FakeCluster(tmp_path, files={"train.py": TRAIN})
+    c.everywhere(monkeypatch)
+    assert cli(capsys, "dispatch", c.spec_path)[0] == 0
+    # n1 takes the start and never answers; the stop's fresh connection to it is refused
+    hung = FaultyTransport(c.transport, hung={"n1"}, only=" agent up")
+    c.everywhere(monkeypatch, transport=FaultyTransport(hung, down={"n1"}, only=" stop "))
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    got, out, err = cli(capsys, "start", c.spec_path)
+    assert got == 130, (out, err)
+    lines = err.splitlines()
+    assert "interrupted: stopping the job…" in lines and "Traceback" not in err
+    said = [line for line in lines if line.startswith("clusterctl: error: interrupted, but the stop did not complete:")]
+    assert len(said) == 1 and "n1" in said[0], err
+
+
 def test_status_exits_1_when_a_host_is_unreachable(tmp_path, monkeypatch, capsys):
     c = FakeCluster(tmp_path, files={"train.py": TRAIN})
     c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, down={"n1"}))
