@@ -12,6 +12,7 @@ import logging
 import os
 import select
 import socket
+import stat
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -106,6 +107,7 @@ def _known_hosts(options: SshOptions, resolved: Resolved | None) -> list[str]:
     return [os.path.expanduser(f) for f in files or ["~/.ssh/known_hosts"]]
 
 
+KNOWN_HOSTS_LIMIT = 256 << 20  # bytes of one known_hosts file read (a fleet's system-wide file: tens of MiB)
 _PARSED: dict[str, tuple[tuple, tuple[list, frozenset[bytes]]]] = {}  # path -> ((size, mtime), _parse_known's answer)
 _UNIONS: dict[tuple, tuple[list, frozenset[bytes]]] = {}  # ((path, (size, mtime)), ...) -> _union's answer
 
@@ -121,6 +123,10 @@ def _known_entries(paths: list[str]) -> tuple[list, frozenset[bytes]]:
             st = os.stat(path)
         except OSError:
             continue
+        if not stat.S_ISREG(st.st_mode):  # /dev/zero would be read for ever, a FIFO wait for a writer
+            raise ClusterctlError(f"known_hosts file {path} is not a regular file")
+        if st.st_size > KNOWN_HOSTS_LIMIT:
+            raise ClusterctlError(f"known_hosts file {path} is larger than {KNOWN_HOSTS_LIMIT >> 20} MiB")
         stamps.append((path, (st.st_size, st.st_mtime_ns)))
     key = tuple(stamps)
     if key not in _UNIONS:

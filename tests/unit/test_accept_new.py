@@ -188,6 +188,33 @@ def test_known_hosts_are_read_as_ssh_reads_them_global_files_markers_and_all(tmp
     assert not list(only.get_host_keys())
 
 
+def test_a_known_hosts_that_is_no_regular_file_or_too_large_is_refused_in_one_line(tmp_path, monkeypatch):
+    """/dev/zero as known_hosts was read until the controller ran out of memory (OOM-killed at 23 GB), a FIFO
+    would wait for a writer: a known_hosts file is a regular file of at most KNOWN_HOSTS_LIMIT bytes."""
+    import os
+
+    from clusterctl import sshkeys
+    from clusterctl.errors import ClusterctlError
+    from clusterctl.sshconfig import Resolved
+    from clusterctl.sshconn import _connection
+    from clusterctl.transport.base import SshOptions
+
+    r = Resolved("10.9.0.5", "ubuntu", 22)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo), str(tmp_path)):
+        with pytest.raises(ClusterctlError) as info:
+            _connection(r, SshOptions(known_hosts=path, host_key_policy="accept-new"), None)
+        assert str(info.value) == f"known_hosts file {path} is not a regular file"
+    big = tmp_path / "big_known_hosts"
+    big.write_text("# " + "x" * 200 + "\n")
+    monkeypatch.setattr(sshkeys, "KNOWN_HOSTS_LIMIT", 100)
+    with pytest.raises(ClusterctlError, match=r"^known_hosts file .*big_known_hosts is larger than 0 MiB$"):
+        _connection(r, SshOptions(known_hosts=str(big)), None)
+    monkeypatch.setattr(sshkeys, "KNOWN_HOSTS_LIMIT", 1000)
+    assert not list(_connection(r, SshOptions(known_hosts=str(big)), None).client.get_host_keys())
+
+
 @pytest.mark.parametrize("names, host, port, matched", [
     ("10.9.*", "10.9.0.5", 22, True),
     ("10.9.*,!10.9.0.5", "10.9.0.5", 22, False),  # a negation that matches excludes the host
