@@ -74,12 +74,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if len(shown) < len(procs) and i == PLAN_ROWS - 8:
             table.add_row("…", "", "", "", "", "", "", f"{len(procs) - len(shown):,} more")
         table.add_row(
-            p.host.label,
+            escape(p.host.label),
             p.role,
             str(p.id),
             "" if p.rank is None else str(p.rank),
             str(p.local_rank),
-            p.endpoint,
+            escape(p.endpoint),  # an IPv6 one, `[fd00::5]:6180`, would read as a markup tag
             ",".join(map(str, p.gpus)),
             escape(" ".join(p.argv)),
         )

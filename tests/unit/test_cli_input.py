@@ -137,3 +137,15 @@ def test_a_terminal_of_a_few_columns_still_shows_the_tables_cells(tmp_path, colu
     res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "plan", str(spec)], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": columns}, stdin=subprocess.DEVNULL, timeout=60)
     assert res.returncode == 0 and "10.0.0.1" in res.stdout.replace("…", ""), res.stdout
+
+
+def test_the_plans_table_shows_ipv6_endpoints_whole(tmp_path):
+    # `[fd00::5]:6180` read as a rich markup tag: the endpoint column showed `:6180` (--json had it right)
+    spec = tmp_path / "v6.yaml"
+    spec.write_text('name: v6\nssh: {config: none}\nhosts: [{address: "fd00::5"}, {address: "abcd::1"}]\n'
+                    "job: {entrypoint: [x]}\n")
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "plan", str(spec)], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "200"}, stdin=subprocess.DEVNULL, timeout=60)
+    assert res.returncode == 0, res.stderr
+    rows = [line for line in res.stdout.splitlines() if "trainer" in line]
+    assert "[fd00::5]:6180" in rows[0] and "[abcd::1]:6180" in rows[1], res.stdout
