@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import re
 import shlex
 import unicodedata
@@ -90,12 +91,16 @@ class WorkspaceSpec(_Model):
     @classmethod
     def _remote(cls, v: str) -> str:
         one_line(nonempty_path(v))  # '' was clusterctl/<name>, the default
-        if v.startswith("~/"):
+        written = v
+        if v == "~" or v.startswith("~/"):
             v = v[2:]  # ssh sessions start in $HOME: relative paths are relative to it
-            if not v.strip("/"):
-                raise ValueError("'~/' is the home directory itself: give a directory under it, or leave the key out")
         if ".." in Path(v).parts:
             raise ValueError("must not contain '..'")
+        # the workspace's path becomes a symlink to its generations: never the home directory or / itself
+        if posixpath.normpath(v or ".") == ".":
+            raise ValueError(f"{written!r} is the home directory itself: give a directory under it, or leave the key out")
+        if posixpath.normpath(v).strip("/") == "":
+            raise ValueError(f"{written!r} is the root directory: give a directory under it, or leave the key out")
         return v
 
 

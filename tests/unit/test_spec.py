@@ -75,6 +75,21 @@ BAD = [
         ["7:13: workspace.remote: '~/' is the home directory itself: give a directory under it, or leave the key out"],
         id="home-as-workspace-remote",
     ),
+    pytest.param(  # were valid: the host refused them at dispatch (not a symlink), or `~` was a directory named `~`
+        GOOD.replace("job:", "workspace: {remote: ~/./}\njob:"),
+        ["7:13: workspace.remote: '~/./' is the home directory itself: give a directory under it, or leave the key out"],
+        id="home-by-another-name-as-workspace-remote",
+    ),
+    pytest.param(
+        GOOD.replace("job:", "workspace: {remote: '~'}\njob:"),
+        ["7:13: workspace.remote: '~' is the home directory itself: give a directory under it, or leave the key out"],
+        id="tilde-as-workspace-remote",
+    ),
+    pytest.param(
+        GOOD.replace("job:", "workspace: {remote: //}\njob:"),
+        ["7:13: workspace.remote: '//' is the root directory: give a directory under it, or leave the key out"],
+        id="root-as-workspace-remote",
+    ),
     pytest.param(  # YAML 1.1 read these as 70, 8, 16, 1000, 90.5: validated as numbers no one wrote
         GOOD.replace("ssh:\n", "ssh:\n  port: 1:10\n  keepalive: 010\n").replace(
             "  - address: 10.0.0.2", "  - {address: 10.0.0.2, slots: 0x10, gpus: [0b1]}").replace(
