@@ -75,7 +75,7 @@ BAD = [
         ["7:13: workspace.remote: '~/' is the home directory itself: give a directory under it, or leave the key out"],
         id="home-as-workspace-remote",
     ),
-    pytest.param(  # were valid: the host refused them at dispatch (not a symlink), or `~` was a directory named `~`
+    pytest.param(  # were valid: the host refused them only at dispatch (its home is not a workspace symlink)
         GOOD.replace("job:", "workspace: {remote: ~/./}\njob:"),
         ["7:13: workspace.remote: '~/./' is the home directory itself: give a directory under it, or leave the key out"],
         id="home-by-another-name-as-workspace-remote",
