@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -260,16 +261,28 @@ def ssh_g_refusal(stderr: str, config: str | None, target: Target) -> str:
 
 def _ssh_g(config: str | None, target: Target) -> Resolved:
     argv = ssh_g_argv(config, target)
+    # a session of its own: the commands of the config's `Match exec` are ssh's children, ended with it
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT, stdin=subprocess.DEVNULL)
+        stdout, stderr = proc.communicate(timeout=_TIMEOUT)
     except subprocess.TimeoutExpired:
         raise ClusterctlError(f"resolving {target.address} with `ssh -G` took over {_TIMEOUT:g}s (a Match exec in the ssh config?)") from None
+    finally:
+        if proc.returncode is None:  # timed out, or interrupted: ssh and what it started, not only ssh
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()
     if proc.returncode != 0:
-        why = ssh_g_refusal(proc.stderr, config, target)
-        if "jumphost loop" in proc.stderr:
+        why = ssh_g_refusal(stderr, config, target)
+        if "jumphost loop" in stderr:
             raise JumphostLoop(why, target.address)
         raise ClusterctlError(why)
-    return parse_ssh_g(proc.stdout, target)
+    return parse_ssh_g(stdout, target)
 
 
 def _resolve_paramiko(targets: Sequence[Target], config: str | None, files: list[str]) -> list[Resolved]:

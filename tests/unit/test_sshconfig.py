@@ -362,6 +362,41 @@ def test_a_match_exec_every_name_reaches_asks_ssh_for_every_name(tmp_path, monke
 
 
 @needs_ssh
+def test_a_match_exec_that_hangs_is_one_line_and_leaves_no_process(tmp_path, monkeypatch):
+    """`ssh -G` past its deadline was killed alone: the config's `Match exec` command it had started (ssh runs it
+    through the shell) was left running, reparented to init, one per name asked."""
+    import os
+    import time
+    from pathlib import Path
+
+    from clusterctl import sshconfig
+    from clusterctl.errors import ClusterctlError
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(sshconfig, "_TIMEOUT", 1.0)
+    marker = f"{os.getpid()}.25"  # seconds: this sleep's own argument, found in /proc
+    cfg = tmp_path / "config"
+    cfg.write_text(f'Match exec "sleep {marker}"\n    Port 2203\n')
+
+    def left() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if (entry / "cmdline").read_bytes() == b"sleep\0" + marker.encode() + b"\0":
+                    found.append(int(entry.name))
+            except (OSError, ValueError):
+                continue
+        return found
+
+    with pytest.raises(ClusterctlError, match=r"^resolving n0 with `ssh -G` took over 1s \(a Match exec in the ssh config\?\)$"):
+        sshconfig._ssh_g(str(cfg), Target("n0"))
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left() == [], "the Match exec command outlived ssh -G"
+
+
+@needs_ssh
 def test_a_class_whose_check_fails_is_asked_name_by_name(varied, monkeypatch):
     """Were the reader wrong about a class, the second name's answer says so: every name is then asked."""
     from clusterctl import sshconfig, sshconfigfile
