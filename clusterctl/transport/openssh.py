@@ -315,7 +315,10 @@ def ssh_failure(host: Host, stderr: str, options: SshOptions, explain: Callable[
     if "timed out" in text:  # "Connection timed out", "... during banner exchange"
         return f"cannot connect to {host.label}{via}: timed out after {options.connect_timeout:g}s"
     if "Could not resolve hostname" in text:
-        where = f" (not an alias in {options.config or 'your ssh config'}, nor a name DNS knows)"
+        if (options.config or "").lower() == "none":  # no config read: DNS alone
+            where = " (ssh.config: none, and DNS does not know it)"
+        else:
+            where = f" (not an alias in {options.config or 'your ssh config'}, nor a name DNS knows)"
         return f"cannot connect to {host.label}{via}: Could not resolve hostname {host.connect_name}{where}"
     for reason in ("Connection refused", "No route to host", "Network is unreachable"):
         if reason in text:

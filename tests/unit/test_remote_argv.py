@@ -174,6 +174,15 @@ def test_ssh_failures_read_as_one_line_naming_the_host():
         assert said(host, "Connection to 10.0.0.7 closed by remote host.\r\n") == (
             "connection to 10.0.0.7 lost: Connection to 10.0.0.7 closed by remote host.")
         assert said(host, "") == "connection to 10.0.0.7 lost: ssh exited 255"
+    from clusterctl.transport.openssh import ssh_failure
+
+    unknown = "ssh: Could not resolve hostname n1.invalid: Name or service not known\r\n"
+    n1 = Host("n1.invalid", 22, "root", 0)
+    assert ssh_failure(n1, unknown, SshOptions(config="none")) == (  # was "not an alias in none"
+        "cannot connect to n1.invalid: Could not resolve hostname n1.invalid (ssh.config: none, and DNS does not know it)")
+    assert ssh_failure(n1, unknown, SshOptions(config=None)) == (
+        "cannot connect to n1.invalid: Could not resolve hostname n1.invalid (not an alias in your ssh config, nor a "
+        "name DNS knows)")
 
 
 CHANGED_BASTION = """\
