@@ -13,6 +13,7 @@ clusterctl's fabfile, for the steps after that import (the command line after th
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -32,15 +33,23 @@ def fabfile_dir() -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run Fabric's `fab` program with clusterctl's fabfile (unless the command line names another)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["--where"]:
-        print(fabfile_dir())
-        return
     try:
+        if args[:1] == ["--where"]:
+            print(fabfile_dir(), flush=True)
+            return
         _program().run(["fab", *args])
     except BrokenPipeError:  # `clusterctl-fab --list | head`: our reader went away, as clusterctl's write_text says
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
+    except OSError as exc:  # `--list`, `--help` (Invoke's own print) to a full disk or a device that fails: one line
+        if exc.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG):
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is left in stdout's buffer goes nowhere at exit
+        os.close(devnull)
+        sys.stderr.write(f"{PREFIX}cannot write the output: {exc.strerror or exc}\n")
+        sys.exit(1)
 
 
 def _program():

@@ -586,3 +586,12 @@ def test_a_home_that_is_not_a_directory_and_a_reader_that_goes_away_are_no_trace
     assert listing.stdout.readline().strip() == b"Available tasks:"
     listing.stdout.close()  # as `head -1` does
     assert (listing.wait(timeout=120), listing.stderr.read()) == (0, b"")
+
+
+@pytest.mark.parametrize("argv", [["--list"], ["--help"], ["--version"], ["--where"]])
+def test_listing_to_a_full_disk_is_one_line_and_exit_1(tmp_path, argv):
+    # `clusterctl-fab --list >/dev/full`: Invoke's print raised OSError (ENOSPC) as a traceback
+    with open("/dev/full", "w") as full:
+        res = subprocess.run([sys.executable, "-m", "clusterctl.fab", *argv], stdout=full, stderr=subprocess.PIPE,
+                             text=True, timeout=120, cwd=tmp_path)
+    assert (res.returncode, res.stderr) == (1, "clusterctl: error: cannot write the output: No space left on device\n")
