@@ -70,6 +70,16 @@ def _program():
             if self.args["search-root"].value is None and self.args["collection"].value is None:
                 self.args["search-root"].value = fabfile_dir()
 
+        def no_tasks_given(self):
+            """`-- ` with no command after it (or only blanks): refused, as `clusterctl exec` refuses it (Fabric
+            printed its help, exit 0, and ran nothing)."""
+            from invoke import Exit
+
+            argv = list(getattr(self, "argv", None) or [])
+            if "--" in argv and not self.core.remainder.strip() and not self.core.unparsed:
+                raise Exit(PREFIX + "no command after --: give one (clusterctl-fab -H HOST -- uptime)", code=1)
+            super().no_tasks_given()
+
         def load_collection(self):
             """The fabfile and its fabric.yaml also for a lone `-- command` (Fabric skips both then), so that
             clusterctl's executor runs it over clusterctl's connections, host keys checked."""

@@ -595,3 +595,11 @@ def test_listing_to_a_full_disk_is_one_line_and_exit_1(tmp_path, argv):
         res = subprocess.run([sys.executable, "-m", "clusterctl.fab", *argv], stdout=full, stderr=subprocess.PIPE,
                              text=True, timeout=120, cwd=tmp_path)
     assert (res.returncode, res.stderr) == (1, "clusterctl: error: cannot write the output: No space left on device\n")
+
+
+@pytest.mark.parametrize("rest", [["--"], ["--", ""], ["--", " ", ""]])
+def test_a_double_dash_with_no_command_after_it_is_refused(tmp_path, rest):
+    # Fabric printed its help and exited 0, having run nothing; `clusterctl exec` refuses the same in one line
+    res = subprocess.run([sys.executable, "-m", "clusterctl.fab", "-H", "n1.invalid", *rest], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert _one_error(res) == "no command after --: give one (clusterctl-fab -H HOST -- uptime)" and res.stdout == ""
