@@ -34,6 +34,8 @@ def load_spec(path: str | Path, *, layout: bool = True, check=None) -> ClusterSp
     that plan the spec next (clusterctl.ops.plan_for reports the same problems at the same keys), so that
     a command lays out its plan once. `check(spec)`: more problems (the spec's backend's, clusterctl.backends),
     reported before the semantic checks, which they may explain."""
+    if not str(path).strip():  # Path('') is '.': "is a directory" about a directory no one named
+        raise SpecError([SpecProblem("''", 1, 1, "", "the spec's path is empty: name a spec file")])
     path = Path(path)
     try:
         text = read_spec_bytes(path).decode("utf-8")  # a spec given as a pipe: read once per process

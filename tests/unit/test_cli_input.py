@@ -149,3 +149,11 @@ def test_the_plans_table_shows_ipv6_endpoints_whole(tmp_path):
     assert res.returncode == 0, res.stderr
     rows = [line for line in res.stdout.splitlines() if "trainer" in line]
     assert "[fd00::5]:6180" in rows[0] and "[abcd::1]:6180" in rows[1], res.stdout
+
+
+@pytest.mark.parametrize("argv", [["validate", ""], ["plan", " "], ["exec", "", "--", "true"]])
+def test_an_empty_spec_path_is_refused_as_such(argv):
+    # `validate ''` said ".:1:1: cannot read spec: is a directory" (Path('') is '.')
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", *argv], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=60)
+    assert (res.returncode, res.stderr) == (2, "'':1:1: the spec's path is empty: name a spec file\n")
