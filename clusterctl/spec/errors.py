@@ -74,7 +74,13 @@ def pydantic_problem(loc: Located, source: str, err: dict, path: tuple | None = 
         return problem(loc, source, path, f"port out of range (1-65535): {err.get('input')!r}")
     if kind == "literal_error":
         expected = err.get("ctx", {}).get("expected", "")
-        return problem(loc, source, path, f"expected one of {expected}, got {err.get('input')!r}")
+        given = err.get("input")
+        hint = ""
+        if isinstance(given, bool):  # YAML reads an unquoted off/on/yes/no as a boolean
+            words = [w for w in (("on", "yes", "true") if given else ("off", "no", "false")) if f"'{w}'" in expected]
+            if words:
+                hint = f" (an unquoted {words[0]} reads as {str(given).lower()} in YAML: write '{words[0]}', quoted)"
+        return problem(loc, source, path, f"expected one of {expected}, got {given!r}{hint}")
     if kind == "value_error":
         msg = str(err.get("ctx", {}).get("error", err["msg"]))
         return problem(loc, source, path, msg)

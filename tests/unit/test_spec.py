@@ -90,6 +90,12 @@ BAD = [
         ["7:13: workspace.remote: '//' is the root directory: give a directory under it, or leave the key out"],
         id="root-as-workspace-remote",
     ),
+    pytest.param(  # the docs' table spells it off; unquoted, YAML reads false
+        GOOD.replace("ssh:\n", "ssh:\n  host_key_policy: off\n"),
+        ["3:3: ssh.host_key_policy: expected one of 'strict', 'accept-new' or 'off', got False (an unquoted off reads "
+         "as false in YAML: write 'off', quoted)"],
+        id="unquoted-off",
+    ),
     pytest.param(  # YAML 1.1 read these as 70, 8, 16, 1000, 90.5: validated as numbers no one wrote
         GOOD.replace("ssh:\n", "ssh:\n  port: 1:10\n  keepalive: 010\n").replace(
             "  - address: 10.0.0.2", "  - {address: 10.0.0.2, slots: 0x10, gpus: [0b1]}").replace(
