@@ -86,7 +86,7 @@ class KubernetesSpec(_Model):
     image_pull_secrets: tuple[str, ...] = ()
     # init container: the pod's and the coordinator's names resolve (0: none); the supervisors wait as long for
     # their peers and for the pservers to listen
-    wait_timeout: float = Field(120.0, ge=0, le=86400)
+    wait_timeout: float = Field(120.0, ge=0, le=86400, allow_inf_nan=False)
 
     @field_validator("namespace", "name")
     @classmethod

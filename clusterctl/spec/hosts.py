@@ -23,11 +23,11 @@ class SshSpec(_Model):
     identity_file: str | None = None
     known_hosts: str | None = None  # None: what the ssh config says (default ~/.ssh/known_hosts)
     host_key_policy: Literal["strict", "accept-new", "off"] = "strict"
-    connect_timeout: float = Field(10.0, gt=0, le=600)
+    connect_timeout: float = Field(10.0, gt=0, le=600, allow_inf_nan=False)
     keepalive: int = Field(15, ge=0, le=3600)
     forward_agent: bool = False
     persist: int = Field(60, ge=0, le=86400)  # seconds the OpenSSH client keeps an idle connection for reuse
-    command_timeout: float = Field(60.0, gt=0, le=86400)  # deadline of control commands on a host
+    command_timeout: float = Field(60.0, gt=0, le=86400, allow_inf_nan=False)  # deadline of control commands on a host
 
     @field_validator("user")
     @classmethod

@@ -156,10 +156,11 @@ class JobSpec(_Model):
     log_dir: str = "."  # relative to <workspace.remote>.logs/
     # the job's Policy (clusterctl/host/policy.py): its defaults and bounds, written once there
     on_failure: Literal[ON_FAILURE] = DEFAULT_POLICY.on_failure
-    grace: float = Field(DEFAULT_POLICY.grace, ge=0, le=GRACE_MAX)
+    grace: float = Field(DEFAULT_POLICY.grace, ge=0, le=GRACE_MAX, allow_inf_nan=False)
     restarts: int = Field(DEFAULT_POLICY.restarts, ge=0, le=RESTARTS_MAX)  # a failed job starts again, up to this many times
     # seconds before the first restart (at least 1), doubled for each next
-    restart_backoff: float = Field(DEFAULT_POLICY.restart_backoff, ge=RESTART_BACKOFF_MIN, le=RESTART_BACKOFF_MAX)
+    restart_backoff: float = Field(DEFAULT_POLICY.restart_backoff, ge=RESTART_BACKOFF_MIN, le=RESTART_BACKOFF_MAX,
+                                   allow_inf_nan=False)
     # token: every server of the job (pserver, PMI) authenticates with the job's token; none: they serve
     # anyone who can reach them (a trusted, isolated network only; said in so many words)
     auth: Literal["token", "none"] = "token"

@@ -90,6 +90,11 @@ BAD = [
         ["7:13: workspace.remote: '//' is the root directory: give a directory under it, or leave the key out"],
         id="root-as-workspace-remote",
     ),
+    pytest.param(  # NaN failed the upper bound ("less than or equal to 600"); inf the same
+        GOOD.replace("ssh:\n", "ssh:\n  connect_timeout: .nan\n").replace("  pservers: 1", "  pservers: 1\n  grace: .inf"),
+        ["3:3: ssh.connect_timeout: input should be a finite number", "12:3: job.grace: input should be a finite number"],
+        id="nan-and-inf-seconds",
+    ),
     pytest.param(  # the docs' table spells it off; unquoted, YAML reads false
         GOOD.replace("ssh:\n", "ssh:\n  host_key_policy: off\n"),
         ["3:3: ssh.host_key_policy: expected one of 'strict', 'accept-new' or 'off', got False (an unquoted off reads "
