@@ -10,7 +10,7 @@ import sys
 from . import __version__
 from .commands.core import PLAN_ROWS, cmd_exec, cmd_plan, cmd_validate, dumps_plan  # noqa: F401 (dumps_plan: API)
 from .console import error, output_error, setup_logging
-from .errors import ClusterctlError, SpecError
+from .errors import MAX_PROBLEMS_SHOWN, ClusterctlError, SpecError
 
 __all__ = ["main", "build_parser", "guarded"]
 
@@ -110,6 +110,10 @@ def guarded(fn) -> int:
 
         from .console import err, printable
 
+        if exc.problems and all(p.file == "<fab -H>" for p in exc.problems):  # no file: no line and column in one
+            for p in exc.problems[:MAX_PROBLEMS_SHOWN]:
+                error(f"-H: {p.path}: {p.message}" if p.path else f"-H: {p.message}")
+            return exc.exit_code
         for line in exc.lines():  # one line each (the first 20, then a count), whatever the file's name holds
             err.print(escape(printable(line)))
         return exc.exit_code

@@ -603,3 +603,11 @@ def test_a_double_dash_with_no_command_after_it_is_refused(tmp_path, rest):
     res = subprocess.run([sys.executable, "-m", "clusterctl.fab", "-H", "n1.invalid", *rest], capture_output=True,
                          text=True, timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert _one_error(res) == "no command after --: give one (clusterctl-fab -H HOST -- uptime)" and res.stdout == ""
+
+
+def test_a_problem_the_plan_finds_in_an_h_list_names_no_line_of_a_file(tmp_path):
+    # `<fab -H>:6:3: hosts[1]: ...`: a line and column in a YAML file the user never saw
+    res = subprocess.run([sys.executable, "-m", "clusterctl.fab", "-H", "a.invalid,A.INVALID", "status"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert _one_error(res, code=2).startswith("-H: hosts[1]: A.INVALID and hosts[0] (a.invalid) both resolve to "
+                                             "a.invalid: ")
