@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -215,14 +216,20 @@ def _live(top: Top, interval: float, as_json: bool) -> int:
     or one table redrawn in place."""
     snap = top.snapshot(None, interval=interval)  # the first view waits for every host (each within its deadline)
     if as_json or not out.is_terminal:
-        while True:
-            if as_json:
-                sys.stdout.write(json.dumps(snap.to_json()) + "\n")
-                sys.stdout.flush()
-            else:
-                out.print(render_top(snap))
-            time.sleep(max(0.0, interval - snap.took_s))
-            snap = top.snapshot(interval * 0.9, interval=interval)
+        try:
+            while True:
+                if as_json:
+                    sys.stdout.write(json.dumps(snap.to_json()) + "\n")
+                    sys.stdout.flush()
+                else:
+                    out.print(render_top(snap))
+                time.sleep(max(0.0, interval - snap.took_s))
+                snap = top.snapshot(interval * 0.9, interval=interval)
+        except BrokenPipeError:  # `top --json | head -n 3`: the reader has what it wanted; end as `yes | head` does
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # what is left in stdout's buffer goes nowhere at exit
+            os.close(devnull)
+            return 0
     from rich.live import Live
 
     with Live(render_top(snap), console=out, auto_refresh=False, transient=False) as live:

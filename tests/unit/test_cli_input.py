@@ -4,6 +4,7 @@ code and one `clusterctl: error:` line, never a traceback (fab's own parser incl
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -157,3 +158,15 @@ def test_an_empty_spec_path_is_refused_as_such(argv):
     res = subprocess.run([sys.executable, "-m", "clusterctl.cli", *argv], capture_output=True, text=True,
                          stdin=subprocess.DEVNULL, timeout=60)
     assert (res.returncode, res.stderr) == (2, "'':1:1: the spec's path is empty: name a spec file\n")
+
+
+def test_top_json_lines_end_quietly_when_their_reader_goes_away(tmp_path):
+    # `top --json | head -n 1`: "clusterctl: error: Broken pipe", exit 1 (a stream's reader leaving is no error)
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: t\nssh: {config: none}\nhosts: [{address: 127.0.0.1, port: 1}]\njob: {entrypoint: [x]}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "clusterctl.cli", "top", str(spec), "--json", "--no-gpu",
+                             "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert json.loads(proc.stdout.readline())["hosts"], "no first view"
+    proc.stdout.close()  # as `head -n 1` does
+    assert (proc.wait(timeout=60), proc.stderr.read()) == (0, b"")
