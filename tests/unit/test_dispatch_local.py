@@ -70,3 +70,26 @@ def test_the_usual_excludes_need_no_pathspec():
             "print('pathspec' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.stdout.strip() == "False", res.stderr
+
+
+def test_symlinks_and_special_files_are_left_out_and_said_never_followed(tmp_path, caplog):
+    # they were left out without a word: a workspace's `config.yaml -> conf/real.yaml` silently missing on the hosts
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "real.yaml").write_text("a: 1\n")
+    (tmp_path / "config.yaml").symlink_to("conf/real.yaml")
+    (tmp_path / "confdir").symlink_to("conf")
+    (tmp_path / "outside").symlink_to("/etc/passwd")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "skip.pyc").symlink_to("conf/real.yaml")  # excluded: not said
+    with caplog.at_level("WARNING", logger="clusterctl.dispatch"):
+        files = scan_workspace(tmp_path, ("*.pyc",))
+    assert sorted(files) == ["conf/real.yaml"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path}: left out 4 symlink(s) or special file(s) (dispatch sends regular files and directories, and "
+        "follows no link): confdir, config.yaml, fifo, outside"]
+    caplog.clear()
+    (tmp_path / "config.yaml").unlink()
+    for name in ("confdir", "outside", "fifo"):
+        (tmp_path / name).unlink()
+    scan_workspace(tmp_path, ("*.pyc",))
+    assert caplog.records == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import logging
 import marshal
 import os
 import re
@@ -16,6 +17,8 @@ from ...cache import cache_root, makedirs, read_private, trusted_dir, write_priv
 from ...errors import JobError
 from ...host import wire
 from .delta import hash_file
+
+log = logging.getLogger("clusterctl.dispatch")
 
 if TYPE_CHECKING:  # the spec models (pydantic) only where a spec is loaded already
     from ...spec import ClusterSpec
@@ -146,6 +149,7 @@ def scan_workspace(root: Path, exclude: tuple[str, ...], *, prefix: str = "") ->
     ignored = ignore_matcher(exclude)
     cache = HashCache(root)
     files: dict[str, LocalFile] = {}
+    skipped: list[str] = []  # symlinks and special files, not ignored: left out, and said (never followed)
 
     def walk(directory: str, rel_dir: str) -> None:
         # scandir: the kind of each entry comes with the listing, so a file costs one stat (for the cache key)
@@ -162,12 +166,19 @@ def scan_workspace(root: Path, exclude: tuple[str, ...], *, prefix: str = "") ->
                 files[prefix + rel] = LocalFile(
                     entry.path, st.st_size, digest, st.st_mode & 0o777, int(st.st_mtime), blocks, previous
                 )
+            elif not entry.is_dir(follow_symlinks=False) and not entry.is_file(follow_symlinks=False) \
+                    and not ignored(rel):
+                skipped.append(rel)
 
     try:
         walk(str(root), "")
     except OSError as exc:
         raise JobError(f"cannot read {exc.filename or root}: {exc.strerror or exc}") from None
     cache.save()
+    if skipped:
+        shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        log.warning("%s: left out %d symlink(s) or special file(s) (dispatch sends regular files and directories, "
+                    "and follows no link): %s", root, len(skipped), shown)
     return files
 
 
