@@ -61,9 +61,16 @@ class KubectlError(ClusterctlError):
     """A kubectl command failed: one line naming what it did."""
 
 
+_KUBECTL_ERROR = ("error:", "Error from server", "Unable to connect to the server")
+
+
 def _tail_line(text: str) -> str:
+    """kubectl's cause from its stderr: its last error line (`error: ...`, `Unable to connect to the server: ...`),
+    else its last line that is not a URL or an introduction to one (a credential plugin's advice ends with a URL)."""
     lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
-    return lines[-1][:500] if lines else ""
+    said = [ln for ln in lines if ln.startswith(_KUBECTL_ERROR)] or [
+        ln for ln in lines if not ln.startswith(("http://", "https://", ">")) and not ln.endswith(":")] or lines
+    return said[-1][:500] if said else ""
 
 
 @dataclass
@@ -99,7 +106,7 @@ class Kubectl:
         res = self.run("get", kinds, "-l", selector, "-o", "json", what=f"kubectl get {kinds} -l {selector}")
         try:
             data = json.loads(res.stdout[:64 << 20])
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: a reply nested 100,000 deep
             raise KubectlError(f"kubectl get {kinds} -l {selector}: not JSON: {e}") from None
         items = data.get("items") if isinstance(data, dict) else None
         if not isinstance(items, list):
@@ -155,42 +162,57 @@ class PodFacts:
     waiting: str = ""  # the waiting reason (ErrImagePull, PodInitializing, ...)
 
 
+def _obj(value) -> dict:
+    """`value` when the cluster sent an object there, else an empty one (a reply of another shape is read as absent)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _objs(value) -> list[dict]:
+    """The objects of a list the cluster sent (anything else in it, or a list that is not one, left out)."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _code(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def pod_facts(pod: dict) -> PodFacts | None:
-    """The facts of one pod object of `kubectl get pods -o json` (None: not one of a job's pods)."""
+    """The facts of one pod object of `kubectl get pods -o json` (None: not one of a job's pods). The cluster's
+    reply is read field by field, each of the type it should have; another type is taken as absent."""
     from ..k8s import INDEX_ANNOTATION, LABEL_ROLE
 
-    meta = pod.get("metadata") or {}
-    role = (meta.get("labels") or {}).get(LABEL_ROLE)
-    index = (meta.get("annotations") or {}).get(INDEX_ANNOTATION)
-    if role not in ("pserver", "trainer") or not str(index).isdigit():
+    meta = _obj(pod.get("metadata"))
+    role = _obj(meta.get("labels")).get(LABEL_ROLE)
+    index = _obj(meta.get("annotations")).get(INDEX_ANNOTATION)
+    if role not in ("pserver", "trainer") or not (isinstance(index, str) and index.isascii() and index.isdigit()):
         return None
     name, idx = str(meta.get("name")), int(index)
-    status = pod.get("status") or {}
-    main = next((c for c in status.get("containerStatuses") or [] if c.get("name") == role), {})
-    state = main.get("state") or {}
+    status = _obj(pod.get("status"))
+    main = next((c for c in _objs(status.get("containerStatuses")) if c.get("name") == role), {})
+    state = _obj(main.get("state"))
     if "terminated" in state:
-        t = state["terminated"]
-        return PodFacts(name, role, idx, "ended", t.get("exitCode"), str(t.get("message") or ""), str(t.get("reason") or ""))
+        t = _obj(state["terminated"])
+        return PodFacts(name, role, idx, "ended", _code(t.get("exitCode")), str(t.get("message") or ""),
+                        str(t.get("reason") or ""))
     if meta.get("deletionTimestamp"):
         return PodFacts(name, role, idx, "deleting")
     if "running" in state:
         return PodFacts(name, role, idx, "running")
-    for init in status.get("initContainerStatuses") or []:
-        ist = init.get("state") or {}
-        if "terminated" in ist and ist["terminated"].get("exitCode"):
-            t = ist["terminated"]
+    for init in _objs(status.get("initContainerStatuses")):
+        ist = _obj(init.get("state"))
+        t, w = _obj(ist.get("terminated")), _obj(ist.get("waiting"))
+        if _code(t.get("exitCode")):
             why = f"init container {init.get('name')} exited {t.get('exitCode')}: {t.get('message') or t.get('reason') or ''}"
-            return PodFacts(name, role, idx, "ended", t.get("exitCode"), "", why.strip())
-        if "waiting" in ist and ist["waiting"].get("reason") in FATAL_WAITING:
-            w = ist["waiting"]
+            return PodFacts(name, role, idx, "ended", _code(t.get("exitCode")), "", why.strip())
+        if isinstance(w.get("reason"), str) and w["reason"] in FATAL_WAITING:
             return PodFacts(name, role, idx, "waiting", None, str(w.get("message") or ""), w["reason"])
     if status.get("phase") in ("Failed", "Succeeded"):  # ended without its container (evicted, ...)
         return PodFacts(name, role, idx, "ended", None, "", f"{status.get('reason') or status.get('phase')}: "
                         f"{status.get('message') or ''}".strip())
     if "waiting" in state:
-        w = state["waiting"]
+        w = _obj(state["waiting"])
         return PodFacts(name, role, idx, "waiting", None, str(w.get("message") or ""), str(w.get("reason") or ""))
-    why = next((f"{c.get('reason')}: {c.get('message')}" for c in status.get("conditions") or []
+    why = next((f"{c.get('reason')}: {c.get('message')}" for c in _objs(status.get("conditions"))
                 if c.get("type") == "PodScheduled" and c.get("status") == "False"), "")
     return PodFacts(name, role, idx, "waiting", None, why, "Pending" if not why else "Unschedulable")
 
@@ -198,7 +220,7 @@ def pod_facts(pod: dict) -> PodFacts | None:
 def _newest(pods: list[dict]) -> dict[tuple[str, int], tuple[PodFacts, dict]]:
     """The newest pod of each (role, id) (Kubernetes never retries ours, but a deleted pod may linger)."""
     out: dict[tuple[str, int], tuple[PodFacts, dict]] = {}
-    for pod in sorted(pods, key=lambda p: str((p.get("metadata") or {}).get("creationTimestamp") or "")):
+    for pod in sorted(pods, key=lambda p: str(_obj(p.get("metadata")).get("creationTimestamp") or "")):
         facts = pod_facts(pod)
         if facts is not None:
             out[facts.role, facts.id] = (facts, pod)
@@ -803,7 +825,7 @@ class KubernetesBackend(Backend):
         self._delete()
         done = {pod: data for pod, (data, _) in replies.items() if data is not None}
         missing = [f"{pod}: {why}" for pod, (data, why) in replies.items() if data is None]
-        kinds = sorted({i.get("kind") for i in items})
+        kinds = sorted({k for i in items if isinstance(k := i.get("kind"), str)})
         detail = f"deleted {', '.join(kinds)} in namespace {ns}"
         if missing:
             detail += "; no stop report from " + "; ".join(missing)

@@ -243,7 +243,7 @@ def _query_of(data: dict) -> dict:
               "not a node of the job")
     check(isinstance(data.get("was_running", False), bool), "'was_running' is not true or false")
     check(isinstance(data.get("step_error", ""), str), "'step_error' is not text")
-    return dict(data, addresses=addresses, replies=None if replies is None else {
+    return dict(data, slurm=sj, addresses=addresses, replies=None if replies is None else {  # a key left out: none
         n: r for n, r in replies.items() if isinstance(r, dict)})
 
 

@@ -137,6 +137,51 @@ def test_a_termination_message_nested_too_deep_to_read_is_the_pods_exit_code():
     assert st.state in ("running", "failed", "stopping")
 
 
+def _reshaped(path: tuple, value) -> dict:
+    """The trainer's running pod with the field at `path` replaced by `value`."""
+    p = pod("trainer", 0, RUNNING)
+    node = p
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return p
+
+
+HOSTILE_PODS = {  # each was an AttributeError, TypeError or ValueError traceback out of `status`, `stop`, `logs`
+    "status-str": _reshaped(("status",), "Running"),
+    "container-statuses-str": _reshaped(("status", "containerStatuses"), ["trainer"]),
+    "state-str": _reshaped(("status", "containerStatuses", 0, "state"), "running"),
+    "terminated-str": _reshaped(("status", "containerStatuses", 0, "state"), {"terminated": "yes"}),
+    "exit-code-str": _reshaped(("status", "containerStatuses", 0, "state"), {"terminated": {"exitCode": "1"}}),
+    "metadata-str": _reshaped(("metadata",), "fit-trainer-0"),
+    "labels-str": _reshaped(("metadata", "labels"), "trainer"),
+    "annotations-list": _reshaped(("metadata", "annotations"), [k8s.INDEX_ANNOTATION]),
+    "index-superscript": _reshaped(("metadata", "annotations", k8s.INDEX_ANNOTATION), "\u00b2"),
+    "index-int": _reshaped(("metadata", "annotations", k8s.INDEX_ANNOTATION), 0),
+    "waiting-reason-list": _reshaped(("status",), {"initContainerStatuses": [{"state": {"waiting": {"reason": []}}}],
+                                                   "conditions": ["x", {"type": "PodScheduled"}]}),
+}
+
+
+@pytest.mark.parametrize("hostile", list(HOSTILE_PODS.values()), ids=list(HOSTILE_PODS))
+def test_a_pod_object_of_the_wrong_shape_is_read_for_its_well_typed_fields_only(hostile):
+    st = fold_status("fit", {"pserver": 1, "trainer": 1}, JOBS, [pod("pserver", 0, RUNNING), hostile],
+                     {P0: (GOOD, None)})
+    rendered(st)
+    assert st.state in ("running", "pending", "lost", "failed", "stopping", "unknown"), st.state
+
+
+def test_kubectls_cause_is_its_error_line_not_the_url_after_it():
+    said = ("Unable to connect to the server: getting credentials: exec: executable no-such-plugin not found\n\n"
+            "It looks like you are trying to use a client-go credential plugin that is not installed.\n\n"
+            "To learn more about this feature, consult the documentation available at:\n"
+            "      https://kubernetes.io/docs/reference/access-authn-authz/authentication/#client-go-credential-plugins\n")
+    assert kubernetes._tail_line(said) == ("Unable to connect to the server: getting credentials: exec: executable "
+                                           "no-such-plugin not found")
+    assert kubernetes._tail_line("Warning: x\nerror: pods \"p\" not found\n") == 'error: pods "p" not found'
+    assert kubernetes._tail_line("something odd\n") == "something odd"
+
+
 @pytest.fixture
 def kube(tmp_path, monkeypatch):
     """The scripted kubectl first on PATH (tests/unit/fakekubectl.py)."""

@@ -147,3 +147,14 @@ def test_top_shows_a_login_reply_of_the_wrong_shape_as_the_login_nodes_row(tmp_p
     text = " ".join((out + err).split())  # the row's error is wrapped to the screen's width
     assert "\x1b" not in out + err and "Traceback" not in err, (out + err)[-600:]  # was KeyError: 'state'; escapes
     assert "unexpected reply from the login node: 'slurm." in text, text
+
+
+@pytest.mark.parametrize("command", ["status", "stop", "logs"])
+def test_a_login_reply_without_a_slurm_key_is_a_job_slurm_no_longer_knows(tmp_path, monkeypatch, capsys, command):
+    # a KeyError 'slurm' traceback: the check let the key be left out, and then it was read as q["slurm"]
+    code, out, err = run(tmp_path, monkeypatch, capsys, [command], {"ok": True, "record": REC})
+    assert "Traceback" not in err and "KeyError" not in err
+    if command == "logs":
+        assert code == 1 and err.endswith(" (Slurm job 42) has not started: no logs yet\n"), (code, out, err)
+    else:
+        assert (code, err) == (0, ""), (code, out, err)
