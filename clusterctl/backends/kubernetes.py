@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
+import tempfile
 import threading
 import time
 from collections import deque
@@ -131,12 +133,26 @@ class Kubectl:
         return res.stdout.decode("utf-8", "replace")
 
     def follow(self, pod: str, container: str) -> subprocess.Popen:
-        """`kubectl logs -f POD -c CONTAINER`, started: read its stdout until the container ends."""
+        """`kubectl logs -f POD -c CONTAINER`, started: read its stdout until the container ends. Its stderr goes to
+        a file (`err_file`, read with stderr_tail): a pipe no one reads while stdout streams fills at 64 KiB, and
+        kubectl then blocks for ever."""
+        err = tempfile.TemporaryFile()
         try:
-            return subprocess.Popen(self.argv("logs", "-f", pod, "-c", container), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(self.argv("logs", "-f", pod, "-c", container), stdout=subprocess.PIPE,
+                                    stderr=err, stdin=subprocess.DEVNULL)
         except FileNotFoundError:
+            err.close()
             raise KubectlError(f"kubectl logs -f {pod}: {self.binary} not found on PATH") from None
+        proc.err_file = err
+        return proc
+
+    @staticmethod
+    def stderr_tail(proc: subprocess.Popen, limit: int = 64 << 10) -> str:
+        """The last `limit` bytes of what a follow() wrote on stderr (its file is closed then)."""
+        with proc.err_file as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode("utf-8", "replace")
 
     def delete(self, kinds: str, selector: str, *, timeout: float) -> str:
         """Delete the objects labelled `selector` and wait until they (and their pods) are gone."""
@@ -715,7 +731,7 @@ class KubernetesBackend(Backend):
                     followers.discard(proc)
                 if closing.is_set():  # ended on the way out (below): nothing to say
                     return
-                err = proc.stderr.read().decode("utf-8", "replace")
+                err = self.kubectl.stderr_tail(proc)
                 try:
                     _, pods = self._snapshot()
                 except KubectlError as e:

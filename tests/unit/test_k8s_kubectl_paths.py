@@ -389,6 +389,17 @@ def test_follow_with_lines_starts_from_the_last_ones(kube):
     assert [ln for _, _, ln in got] == ["[fit-trainer-0-abcde trainer.0] step=2", "[fit-trainer-0-abcde trainer.0] step=3"]
 
 
+@pytest.mark.timeout(60)
+def test_a_follow_whose_kubectl_says_much_on_stderr_does_not_hang(kube):
+    # its stderr was a pipe read only after stdout's end: kubectl blocked writing its 65th KiB, stdout never ended
+    kube.set(objects=[obj("Job", "fit-trainer"), pod("trainer", 0, RUNNING)],
+             follow={T0: [{"out": "[fit-trainer-0-abcde trainer.0] step=1\n", "err": "W: chatty\n" * 30000,
+                           "end": 0}]})
+    with backend() as b:
+        got = _logs(b, role="trainer", id=0, follow=True)
+    assert [ln for _, _, ln in got] == ["[fit-trainer-0-abcde trainer.0] step=1"]
+
+
 def test_follow_says_which_streams_broke(kube):
     kube.set(pods=[[pod("trainer", 0, RUNNING)], [pod("trainer", 0, RUNNING, deleting=True)]],
              objects=[obj("Job", "fit-trainer")],
