@@ -539,6 +539,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     text = dump(docs)
     name, ns = object_name(spec), spec.kubernetes.namespace
     # `create`, not `apply`: apply copies each object into an annotation, the Secret's token included
+    if args.output == "-":  # the usual spelling of stdout (it made a directory named `-`, the token in it)
+        args.output = None
     if args.output is not None:
         if not args.output.strip():  # `-o "$DIR"` with DIR unset: never the token on stdout instead
             raise UsageError(f"k8s render: -o {args.output!r} names no directory: give -o DIR")
@@ -585,5 +587,5 @@ def add_cli(sub) -> None:
     r = ksub.add_parser("render", help="the job's Secret and ConfigMap, a headless Service and one Indexed Job per "
                         "role (what `start` creates with backend: kubernetes); no cluster is contacted")
     r.add_argument("spec")
-    r.add_argument("-o", "--output", metavar="DIR", help="write DIR/<name>.yaml (default: print to stdout)")
+    r.add_argument("-o", "--output", metavar="DIR", help="write DIR/<name>.yaml (default, or -: print to stdout)")
     r.set_defaults(func=cmd_render)

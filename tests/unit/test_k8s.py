@@ -476,6 +476,15 @@ def test_cli_render_o_nothing_is_a_usage_error_not_the_token_on_stdout(tmp_path,
         assert (got.out, got.err) == ("", f"clusterctl: error: k8s render: -o {given!r} names no directory: give -o DIR\n")
 
 
+def test_cli_render_o_dash_prints_to_stdout(tmp_path, capsys, monkeypatch):
+    # `-o -` made a directory named `-` in the current one and wrote the manifests, the token with them, there
+    spec = tmp_path / "c.yaml"
+    spec.write_text(PSERVER)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["k8s", "render", str(spec), "-o", "-"]) == 0
+    assert "kind: Secret" in capsys.readouterr().out and not (tmp_path / "-").exists()
+
+
 def test_cli_render_replaces_a_symlink_at_its_file_and_never_writes_through_it(tmp_path, capsys):
     """-o DIR where DIR/<name>.yaml is a symlink to another file: that file was overwritten with the manifests
     (the token in them) and made 0600. The link itself is replaced now; what it pointed at is untouched."""
