@@ -23,6 +23,7 @@ import argparse
 import base64
 import json
 import math
+import posixpath
 import secrets
 from importlib import resources
 from pathlib import Path
@@ -133,9 +134,16 @@ def render(spec: ClusterSpec, *, token: str | None = None) -> list[dict]:
     name = object_name(spec)
     trainers, pservers = len(plan.trainers), len(plan.pservers)
     longest = f"{name}-trainer-{trainers - 1}"
+    if name and not name[0].isalpha():  # the Service's name is an RFC 1035 label; kubernetes.name is checked as one
+        raise _problem(spec, ("name",), f"the job's Service would be named {name!r}, and a Service's name starts with "
+                       "a letter; set kubernetes.name")
     if len(longest) > 63 or not name:
         raise _problem(spec, ("kubernetes", "name") if k.name else ("name",),
                        f"pod host names like {longest!r} must be 1-63 characters; set a shorter kubernetes.name")
+    w = k.workspace
+    if w is not None and posixpath.normpath(w.mount_path) in (HOST_MOUNT, STATE_MOUNT):
+        raise _problem(spec, ("kubernetes", "workspace", "mount_path"), f"{w.mount_path} is where clusterctl mounts "
+                       "its own volume in every pod (a mount path is used once in a container); choose another")
     gpus = _gpus_per_trainer(spec, plan)
     ports = job.ports
     trainer_eps = _endpoints(name, "trainer", trainers, ports.trainer)

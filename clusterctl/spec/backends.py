@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from .fields import _Model, _scalar_str, check_address
 from .job import one_line
@@ -90,9 +90,11 @@ class KubernetesSpec(_Model):
 
     @field_validator("namespace", "name")
     @classmethod
-    def _k8s_name(cls, v: str | None) -> str | None:
+    def _k8s_name(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None and not (len(v) <= 63 and K8S_NAME_RE.match(v)):
             raise ValueError(f"{v!r} is not a Kubernetes name (lowercase letters, digits and '-', at most 63)")
+        if v is not None and info.field_name == "name" and not v[0].isalpha():  # the Service's: an RFC 1035 label
+            raise ValueError(f"{v!r}: the job's Service takes this name, and a Service's name starts with a letter")
         return v
 
     @field_validator("context", "python")

@@ -393,6 +393,11 @@ def test_pod_env_only_sees_variables_listed_before():
      "must be 1-63 characters; set a shorter kubernetes.name"),
     (lambda t: t.replace("{address: a}", "{address: a, gpus: 2}").replace("{address: b, slots: 3}", "{address: b, slots: 3, gpus: 6}"),
      "kubernetes", "the plan gives trainers 1 or 2 GPUs"),
+    (lambda t: t.replace("mount_path: /code", "mount_path: /opt/clusterctl/"),
+     "kubernetes.workspace.mount_path", "/opt/clusterctl/ is where clusterctl mounts its own volume in every pod"),
+    # a Service named `1-2-3` the API server refuses (an RFC 1035 label starts with a letter)
+    (lambda t: "name: 1.2.3\n" + t.split("\n", 1)[1], "name",
+     "the job's Service would be named '1-2-3', and a Service's name starts with a letter; set kubernetes.name"),
 ])
 def test_render_errors_name_the_key(tmp_path, patch, where, message):
     path = tmp_path / "c.yaml"
@@ -409,6 +414,7 @@ def test_render_errors_name_the_key(tmp_path, patch, where, message):
 
 @pytest.mark.parametrize("kube,message", [
     ("{image: x, namespace: ML}", "kubernetes.namespace: 'ML' is not a Kubernetes name"),
+    ("{image: x, name: 9x}", "kubernetes.name: '9x': the job's Service takes this name, and a Service's name starts"),
     ("{image: x, workspace: {pvc: a, host_path: /b}}", "kubernetes.workspace: give exactly one of pvc"),
     ("{image: x, workspace: {}}", "kubernetes.workspace: give exactly one of pvc"),
     ("{namespace: a}", "kubernetes.image: required key is missing"),
