@@ -161,7 +161,8 @@ def render_top(s: Snapshot, *, title: str | None = None, width: int | None = Non
 def run_top(spec, *, once: bool = False, as_json: bool = False, interval: float = DEFAULT_INTERVAL,
             threshold: float = STRAGGLER_THRESHOLD, window_s: float = STRAGGLER_WINDOW_S, gpu: bool = True,
             exit_promptly: bool = False) -> int:
-    """The `top` command: one snapshot (exit 1 when a host could not be asked) or a live view until Ctrl+C
+    """The `top` command: one snapshot (exit 1 when a host could not be asked, or its answer was an error) or a
+    live view until Ctrl+C
     (`exit_promptly`, the command line's: the process ends within EXIT_AFTER_INTERRUPT_S of it)."""
     from ..backends import open_backend
 
@@ -179,7 +180,7 @@ def run_top(spec, *, once: bool = False, as_json: bool = False, interval: float 
                     sys.stdout.write(json.dumps(snap.to_json(), indent=2) + "\n")
                 else:
                     out.print(render_top(snap))
-                return 1 if snap.unreachable else 0
+                return 1 if snap.unreachable or any(h.status == "error" for h in snap.hosts) else 0
             try:
                 return _live(top, interval, as_json)
             except KeyboardInterrupt:

@@ -219,6 +219,16 @@ def test_top_from_the_command_line(tmp_path, monkeypatch, capsys):
             stop(s)
 
 
+def test_top_once_exits_1_when_a_hosts_answer_is_an_error(tmp_path, monkeypatch, capsys):
+    # the error row was shown, and the exit was 0: only unreachable hosts counted
+    c = cluster(tmp_path)
+    c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, hostile={"n1": ('{"ok": false, "error": "boom"}', 1)},
+                                                        only="agent top"))
+    code = main(["top", str(c.spec_path), "--once", "--no-gpu", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 1 and [(h["host"], h["status"], h["error"]) for h in doc["hosts"]][1] == ("n1", "error", "boom"), doc
+
+
 def test_gpu_columns_with_a_fake_nvidia_smi_on_the_hosts(tmp_path):
     c = cluster(tmp_path)
     fake_exe(c.bin, "nvidia-smi", """\
