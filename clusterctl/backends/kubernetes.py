@@ -44,7 +44,8 @@ from .base import Backend, LineCallback, Progress, StopReport, killed_count
 __all__ = ["KubernetesBackend", "Kubectl", "KubectlError", "fold_status", "pod_facts", "LOG_LINE"]
 
 KUBECTL_TIMEOUT = 60.0  # seconds for one control command (get, create, exec of agent status)
-EXEC_PARALLEL = 16  # kubectl exec commands in flight at once (status, stop, top)
+EXEC_PARALLEL = 16  # kubectl exec (status, stop, top) and kubectl logs commands in flight at once
+LOGS_TIMEOUT = 2 * KUBECTL_TIMEOUT  # one pod's `kubectl logs` (the kubelet keeps ~10 MiB a container: seconds)
 TOP_PODS_TTL_S = 1.0  # top: one `kubectl get` serves every pod's request of a refresh
 REPLY_LIMIT = 1 << 20  # bytes of an agent reply read from a pod
 START_POLL_S = 0.5
@@ -129,7 +130,7 @@ class Kubectl:
     def logs(self, pod: str, container: str) -> str:
         """`kubectl logs POD -c CONTAINER`: the container's log as Kubernetes keeps it."""
         res = self.run("logs", pod, "-c", container, what=f"kubectl logs {pod} -c {container}",
-                       timeout=10 * KUBECTL_TIMEOUT)
+                       timeout=LOGS_TIMEOUT)
         return res.stdout.decode("utf-8", "replace")
 
     def follow(self, pod: str, container: str) -> subprocess.Popen:
@@ -666,18 +667,25 @@ class KubernetesBackend(Backend):
         if not follow:
             problems = [f"{r}.{i}: {note} (its log went with the pod)" for (r, i), note in gone(_newest(pods), jobs).items()
                         if host is None]
+            todo = []
             for f in selected(_newest(pods)):
                 if f.phase == "waiting":
                     problems.append(f"{f.name}: not started ({f.waiting or 'pending'})")
-                    continue
-                try:
-                    text = self.kubectl.logs(f.name, f.role)
-                except KubectlError as e:
-                    problems.append(str(e))
-                    continue
-                out = [ln for ln in text.splitlines() if _own_line(ln, f)]
-                for ln in out[len(out) - lines:] if lines is not None else out:  # -n 0: none (out[-0:] is all)
-                    on_line(f.name, "out", ln)
+                else:
+                    todo.append(f)
+            # EXEC_PARALLEL pods' logs at a time, each within its deadline, shown in the pods' order
+            with ThreadPoolExecutor(max_workers=max(1, min(EXEC_PARALLEL, len(todo)))) as pool:
+                for first in range(0, len(todo), EXEC_PARALLEL):
+                    window = todo[first:first + EXEC_PARALLEL]
+                    for f, got in zip(window, [pool.submit(self.kubectl.logs, f.name, f.role) for f in window]):
+                        try:
+                            text = got.result()
+                        except KubectlError as e:
+                            problems.append(str(e))
+                            continue
+                        out = [ln for ln in text.splitlines() if _own_line(ln, f)]
+                        for ln in out[len(out) - lines:] if lines is not None else out:  # -n 0: none (out[-0:] is all)
+                            on_line(f.name, "out", ln)
             if problems:
                 raise JobError("logs incomplete:\n" + "\n".join(problems))
             return 0

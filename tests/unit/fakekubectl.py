@@ -11,7 +11,7 @@ and answers from what the test wrote into the state dir with `FakeKubectl`:
   objects and, with the Jobs, every pod (until the next create).
 - ``exec``: pod -> agent subcommand (status, stop, top) -> {"rc", "out", "err"}; a pod without one is kubectl's
   NotFound error (exit 1).
-- ``logs``: pod -> its container log (`logs POD -c C`); ``follow``: pod -> the successive `logs -f` streams
+- ``logs``: pod -> its container log (`logs POD -c C`), or {"out": log, "hold": seconds it takes}; ``follow``: pod -> the successive `logs -f` streams
   ({"out", "rc", "err", "end"}: each call answers the next; with "end" the pod's container has ended afterwards:
   its state is then terminated, exit code "end"; "hold": seconds the stream then stays open, as a running
   container's does; each `logs -f` process's pid is kept: `follower_pids()`).
@@ -179,6 +179,9 @@ def main(state: Path, argv: list[str]) -> int:
         return answer.get("rc", 0)
     if verb == "logs" and args[2] == "-c":
         text = _load(state, "logs", {}).get(args[1])
+        if isinstance(text, dict):  # {"out": the log, "hold": seconds the answer takes}
+            time.sleep(text.get("hold", 0))
+            text = text["out"]
         if text is None:
             sys.stderr.write(f'Error from server (BadRequest): container "{args[3]}" in pod "{args[1]}" is waiting '
                              "to start: ContainerCreating\n")

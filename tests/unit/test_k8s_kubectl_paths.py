@@ -10,6 +10,7 @@ import base64
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -307,8 +308,9 @@ def test_logs_are_each_pods_own_process_lines_pservers_first(kube):
         assert _logs(b, host=P0, lines=0) == []  # as the SSH backend's -n 0 (host/logtail.py): no line
         assert len(_logs(b, host=P0, lines=5)) == 2
     logs_calls = [c[4:] for c in kube.calls() if c[4] == "logs"]
-    assert logs_calls == [["logs", P0, "-c", "pserver"], ["logs", T0, "-c", "trainer"], ["logs", T0, "-c", "trainer"],
-                          *[["logs", P0, "-c", "pserver"]] * 3]
+    # the pods' logs are asked for in parallel (the first call's two); the lines come in the pods' order (above)
+    assert sorted(logs_calls[:2]) == [["logs", P0, "-c", "pserver"], ["logs", T0, "-c", "trainer"]]
+    assert logs_calls[2:] == [["logs", T0, "-c", "trainer"], *[["logs", P0, "-c", "pserver"]] * 3]
 
 
 def test_logs_say_what_kubectl_could_not_read(kube):
@@ -321,6 +323,21 @@ def test_logs_say_what_kubectl_could_not_read(kube):
         "logs incomplete:\nkubectl logs fit-pserver-0-abcde -c pserver: Error from server (BadRequest): container "
         '"pserver" in pod "fit-pserver-0-abcde" is waiting to start: ContainerCreating')
     assert got == ["[fit-trainer-0-abcde trainer.0] step=1", "[fit-trainer-0-abcde trainer.0#1] step=1 again"]
+
+
+def test_the_pods_logs_are_read_in_parallel_and_shown_in_their_order(kube):
+    # one `kubectl logs` after the other, each with a 600 s deadline: minutes for a few slow pods
+    kube.set(objects=[obj("Job", "fit-trainer"), pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING),
+                      pod("trainer", 1, RUNNING)],
+             logs={f"fit-trainer-{i}-abcde": {"out": f"[fit-trainer-{i}-abcde trainer.{i}] step=1\n", "hold": 2}
+                   for i in range(2)} | {P0: {"out": "[fit-pserver-0-abcde pserver.0] up\n", "hold": 2}})
+    with backend() as b:
+        t0 = time.monotonic()
+        got = _logs(b)
+        took = time.monotonic() - t0
+    assert [ln for _, _, ln in got] == ["[fit-pserver-0-abcde pserver.0] up", "[fit-trainer-0-abcde trainer.0] step=1",
+                                        "[fit-trainer-1-abcde trainer.1] step=1"]
+    assert took < 4.5, took  # 6 s one after the other
 
 
 def test_logs_refusals(kube):
