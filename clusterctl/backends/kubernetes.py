@@ -210,7 +210,7 @@ def pod_facts(pod: dict) -> PodFacts | None:
     if "terminated" in state:
         t = _obj(state["terminated"])
         return PodFacts(name, role, idx, "ended", _code(t.get("exitCode")), str(t.get("message") or ""),
-                        str(t.get("reason") or ""))
+                        _text(t.get("reason"), 200))
     if meta.get("deletionTimestamp"):
         return PodFacts(name, role, idx, "deleting")
     if "running" in state:
@@ -220,18 +220,18 @@ def pod_facts(pod: dict) -> PodFacts | None:
         t, w = _obj(ist.get("terminated")), _obj(ist.get("waiting"))
         if _code(t.get("exitCode")):
             why = f"init container {init.get('name')} exited {t.get('exitCode')}: {t.get('message') or t.get('reason') or ''}"
-            return PodFacts(name, role, idx, "ended", _code(t.get("exitCode")), "", why.strip())
+            return PodFacts(name, role, idx, "ended", _code(t.get("exitCode")), "", _text(why.strip(), 500))
         if isinstance(w.get("reason"), str) and w["reason"] in FATAL_WAITING:
-            return PodFacts(name, role, idx, "waiting", None, str(w.get("message") or ""), w["reason"])
+            return PodFacts(name, role, idx, "waiting", None, _text(w.get("message"), 500), w["reason"])
     if status.get("phase") in ("Failed", "Succeeded"):  # ended without its container (evicted, ...)
-        return PodFacts(name, role, idx, "ended", None, "", f"{status.get('reason') or status.get('phase')}: "
-                        f"{status.get('message') or ''}".strip())
+        return PodFacts(name, role, idx, "ended", None, "", _text(f"{status.get('reason') or status.get('phase')}: "
+                                                                 f"{status.get('message') or ''}".strip(), 500))
     if "waiting" in state:
         w = _obj(state["waiting"])
-        return PodFacts(name, role, idx, "waiting", None, str(w.get("message") or ""), str(w.get("reason") or ""))
+        return PodFacts(name, role, idx, "waiting", None, _text(w.get("message"), 500), _text(w.get("reason"), 200))
     why = next((f"{c.get('reason')}: {c.get('message')}" for c in _objs(status.get("conditions"))
                 if c.get("type") == "PodScheduled" and c.get("status") == "False"), "")
-    return PodFacts(name, role, idx, "waiting", None, why, "Pending" if not why else "Unschedulable")
+    return PodFacts(name, role, idx, "waiting", None, _text(why, 500), "Pending" if not why else "Unschedulable")
 
 
 def _newest(pods: list[dict]) -> dict[tuple[str, int], tuple[PodFacts, dict]]:

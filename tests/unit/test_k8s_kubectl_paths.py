@@ -184,6 +184,16 @@ def test_a_pod_that_cannot_pull_its_image_fails_the_start_and_the_objects_are_de
     assert said[-1] == "waiting for 3 pod(s) to start (at most 120s)"
 
 
+def test_a_pull_failures_message_from_the_cluster_is_one_line_and_printable(kube):
+    # a message with a newline and an escape made two `clusterctl: error:` lines, the escape raw in the second
+    pull = {"waiting": {"reason": "ErrImagePull", "message": "line1\nline2\x1b[31m"}}
+    kube.set(pods=[[], [], [pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING), pod("trainer", 1, pull)]])
+    with backend() as b, pytest.raises(JobError) as info:
+        b.start(on_progress=lambda _: None)
+    assert str(info.value) == ("start failed: pod fit-trainer-1-abcde: ErrImagePull: line1 line2\\x1b[31m; "
+                               "the job's objects were deleted")
+
+
 def test_start_says_which_pods_still_wait_at_its_deadline(kube):
     kube.set(pods=[[], [], [pod("pserver", 0, RUNNING), pod("trainer", 0, CREATING, phase="Pending")]],
              exec={P0: {"status": answer(reply("running", [("pserver", 0, 7, "running", None)]))}})
