@@ -121,7 +121,7 @@ def install_on(remote: Remote, modules: tuple[str, ...], hosts) -> dict:
 def _run_install(remote: Remote, modules: tuple[str, ...], hosts, check: bool) -> dict:
     cmd, payload = _install(modules)
     return remote.run(cmd, hosts=hosts, stdin=payload, check=check, timeout=remote.control_timeout,
-                      what="installing clusterctl's host tools (needs python3 on the host)")
+                      what="installing clusterctl's host tools")  # each host's cause follows (python3: not found, ...)
 
 
 def tool_command(module: str, args: list[str]) -> tuple[str, bytes]:
