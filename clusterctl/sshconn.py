@@ -186,6 +186,10 @@ def _refused(exc: BaseException, host: Host, opts: SshOptions, took: float, conn
         raise ClusterctlError(
             f"authentication failed as {host.user}@{host.label} ({exc}); check ssh.identity_file or your ssh-agent"
         ) from None
+    if isinstance(exc, paramiko.SSHException) and str(exc) == "No existing session" and took >= timeout * 0.9:
+        # no banner within the deadline (TCP accepted, nothing said): paramiko reports the login it never began
+        raise ClusterctlError(f"cannot connect to {host.label}{via}: timed out after {timeout:g}s (no SSH banner)") \
+            from None
     if isinstance(exc, paramiko.SSHException) and str(exc) == "No existing session":  # closed while logging in
         raise ClusterctlError(
             f"authentication failed as {host.user}@{host.label}{via}: the server closed the connection (sshd's "
@@ -197,6 +201,9 @@ def _refused(exc: BaseException, host: Host, opts: SshOptions, took: float, conn
         if took >= timeout * 0.9:  # e.g. a frozen host: TCP accepted, no SSH banner
             raise ClusterctlError(f"cannot connect to {host.label}{via}: timed out after {timeout:g}s") from None
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        banner = "Error reading SSH protocol banner"
+        if reason.startswith(banner):  # paramiko runs its cause on: "...banner[Errno 104] ..."
+            reason = "no SSH server there: " + banner + (": " + reason[len(banner):] if reason != banner else "")
         raise ClusterctlError(f"cannot connect to {host.label}{via}: {reason}") from None
 
 

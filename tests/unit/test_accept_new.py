@@ -354,3 +354,28 @@ def test_a_forwarded_agent_request_is_relayed_to_the_agent_given(tmp_path, agent
     answer = ask(str(tmp_path / "agent.sock"))
     assert answer[0] == 12 and struct.unpack(">I", answer[1:5])[0] == 1 and public in answer  # IDENTITIES_ANSWER
     assert ask(None) == b""  # no agent: closed at once
+
+
+def test_paramikos_connection_failures_read_as_their_cause():
+    """A port that accepts and says nothing read as `authentication failed ... (sshd's MaxAuthTries?)`; a port that
+    answers garbage as `Error reading SSH protocol banner'utf-8' codec ...`, the two run together."""
+    from clusterctl.errors import ClusterctlError
+    from clusterctl.sshconn import _refused
+    from clusterctl.transport.base import SshOptions
+    from clusterctl.transport.host import Host
+
+    host, opts = Host("10.9.0.5", 2222, "u", 0), SshOptions(connect_timeout=3)
+
+    def said(exc, took):
+        with pytest.raises(ClusterctlError) as info:
+            _refused(exc, host, opts, took)
+        return str(info.value)
+
+    silent = paramiko.SSHException("No existing session")
+    assert said(silent, 3.1) == "cannot connect to 10.9.0.5:2222: timed out after 3s (no SSH banner)"
+    assert said(silent, 0.2).startswith("authentication failed as u@10.9.0.5:2222: the server closed the connection")
+    garbage = paramiko.SSHException("Error reading SSH protocol banner'utf-8' codec can't decode byte 0xff")
+    assert said(garbage, 0.1) == ("cannot connect to 10.9.0.5:2222: no SSH server there: Error reading SSH protocol "
+                                  "banner: 'utf-8' codec can't decode byte 0xff")
+    assert said(paramiko.SSHException("Error reading SSH protocol banner"), 0.1) == (
+        "cannot connect to 10.9.0.5:2222: no SSH server there: Error reading SSH protocol banner")
