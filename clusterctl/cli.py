@@ -9,7 +9,7 @@ import sys
 
 from . import __version__
 from .commands.core import PLAN_ROWS, cmd_exec, cmd_plan, cmd_validate, dumps_plan  # noqa: F401 (dumps_plan: API)
-from .console import error, output_error, setup_logging
+from .console import error, output_error, setup_logging, tolerate_encoding
 from .errors import MAX_PROBLEMS_SHOWN, ClusterctlError, SpecError
 
 __all__ = ["main", "build_parser", "guarded"]
@@ -84,6 +84,7 @@ def _plugins_for(argv: list[str] | None) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `clusterctl` console script."""
     argv = sys.argv[1:] if argv is None else argv
+    tolerate_encoding()
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     setup_logging(args.verbose)

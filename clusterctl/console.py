@@ -64,6 +64,18 @@ class _LazyRichHandler(logging.Handler):
         self._rich.handle(record)
 
 
+def tolerate_encoding() -> None:
+    """Standard output and error that cannot encode every character (`PYTHONIOENCODING=ascii`, a C locale without
+    UTF-8 coercion) write what they cannot as escapes (`\\xb7`), instead of failing the command mid-table."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        if stream is not None and not encoding.startswith("utf") and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # closed, or a stream that cannot change now
+                pass
+
+
 def setup_logging(verbose: bool = False) -> None:
     """Send clusterctl's log records (warnings by default) to stderr."""
     handler = _LazyRichHandler()

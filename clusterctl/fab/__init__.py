@@ -33,6 +33,9 @@ def fabfile_dir() -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run Fabric's `fab` program with clusterctl's fabfile (unless the command line names another)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    from ..console import tolerate_encoding
+
+    tolerate_encoding()
     try:
         if args[:1] == ["--where"]:
             print(fabfile_dir(), flush=True)

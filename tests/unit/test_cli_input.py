@@ -170,3 +170,19 @@ def test_top_json_lines_end_quietly_when_their_reader_goes_away(tmp_path):
     assert json.loads(proc.stdout.readline())["hosts"], "no first view"
     proc.stdout.close()  # as `head -n 1` does
     assert (proc.wait(timeout=60), proc.stderr.read()) == (0, b"")
+
+
+@pytest.mark.parametrize("command", [["validate"], ["top", "--once", "--no-gpu"]])
+def test_an_output_that_cannot_encode_unicode_gets_escapes_not_a_traceback(tmp_path, command):
+    # PYTHONIOENCODING=ascii (or a C locale without UTF-8 coercion): rich's UnicodeEncodeError, a traceback
+    spec = tmp_path / "ünï.yaml"
+    spec.write_text("name: t\nssh: {config: none}\nhosts: [{address: 127.0.0.1, port: 1}]\njob: {entrypoint: [x]}\n")
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", command[0], str(spec), *command[1:]],
+                         capture_output=True, env={**os.environ, "PYTHONIOENCODING": "ascii",
+                                                   "XDG_CACHE_HOME": str(tmp_path / "cache")},
+                         stdin=subprocess.DEVNULL, timeout=60)
+    assert b"Traceback" not in res.stderr, res.stderr.decode()
+    if command[0] == "validate":
+        assert res.returncode == 0 and b"\\xfcn\\xef.yaml: valid" in res.stdout, res.stdout
+    else:  # the header's `\u00b7` as an escape; the host refused: exit 1
+        assert res.returncode == 1 and b"\\xb7" in res.stdout, res.stdout
