@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     from ..console import tolerate_encoding
 
     tolerate_encoding()
+    twice = _given_twice(args)
+    if twice:  # Invoke took the second one's value for a task name: "no task 'b'"
+        sys.stderr.write(f"{PREFIX}{twice} given twice: give it once ({'-H a,b' if twice == '-H' else twice + ' X'})\n")
+        sys.exit(1)
     try:
         if args[:1] == ["--where"]:
             print(fabfile_dir(), flush=True)
@@ -53,6 +57,21 @@ def main(argv: list[str] | None = None) -> None:
         os.close(devnull)
         sys.stderr.write(f"{PREFIX}cannot write the output: {exc.strerror or exc}\n")
         sys.exit(1)
+
+
+_ONCE = {"-H": "-H", "--hosts": "-H", "--spec": "--spec", "-S": "-S", "--ssh-config": "-S"}  # core options, one value
+
+
+def _given_twice(args: list[str]) -> str | None:
+    """The core option (of _ONCE) given twice before `--`, if any."""
+    seen = set()
+    for arg in args[:args.index("--")] if "--" in args else args:
+        name = _ONCE.get(arg.split("=", 1)[0] if arg.startswith("--") else arg)
+        if name is not None:
+            if name in seen:
+                return name
+            seen.add(name)
+    return None
 
 
 def _program():

@@ -611,3 +611,15 @@ def test_a_problem_the_plan_finds_in_an_h_list_names_no_line_of_a_file(tmp_path)
                          capture_output=True, text=True, timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert _one_error(res, code=2).startswith("-H: hosts[1]: A.INVALID and hosts[0] (a.invalid) both resolve to "
                                              "a.invalid: ")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["-H", "a.invalid", "-H", "b.invalid", "status"], "-H given twice: give it once (-H a,b)"),
+    (["--hosts=a.invalid", "-H", "b.invalid", "status"], "-H given twice: give it once (-H a,b)"),
+    (["--spec", "x.yaml", "--spec=y.yaml", "status"], "--spec given twice: give it once (--spec X)"),
+])
+def test_a_core_option_given_twice_is_refused_not_taken_for_a_task(tmp_path, argv, said):
+    # Invoke took the second value for a task name: "no task 'b.invalid' (see --list)"
+    res = subprocess.run([sys.executable, "-m", "clusterctl.fab", *argv], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert _one_error(res) == said
