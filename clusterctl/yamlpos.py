@@ -207,7 +207,7 @@ class _Builder:
     def _count(self, n: int, node: yaml.Node) -> None:
         self.nodes += n
         if self.nodes > MAX_NODES:
-            raise YamlSyntaxError(f"spec expands to more than {MAX_NODES} values (aliases?)", *_mark(node))
+            raise YamlSyntaxError(f"spec has more than {MAX_NODES} values (its aliases expanded)", *_mark(node))
 
     def build(self, node: yaml.Node, path: Path, depth: int) -> object:
         """The value of `node` at `path`; positions are recorded on first use of a node only."""

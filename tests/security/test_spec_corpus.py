@@ -89,7 +89,7 @@ def test_billion_laughs_is_refused_fast(tmp_path, capsys):
     path.write_bytes(CASES["billion-laughs-9"])
     rc, _, err, took = _validate(path, capsys)
     assert rc == 2 and took < 0.5, (err, took)
-    assert err.strip().endswith("spec expands to more than 100000 values (aliases?)"), err
+    assert err.strip().endswith("spec has more than 100000 values (its aliases expanded)"), err
 
 
 def test_error_paths_are_walked_against_the_model(tmp_path, capsys):
