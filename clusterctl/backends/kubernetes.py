@@ -658,6 +658,11 @@ class KubernetesBackend(Backend):
             return [f for key, (f, _) in sorted(seen.items(), key=lambda kv: (kv[0][0] != "pserver", kv[0][1]))
                     if key in wanted and host in (None, f.name, f"{f.name.rsplit('-', 1)[0]}")]
 
+        if host is not None and not selected(_newest(pods)):  # as over SSH: said, not an empty success
+            what = " ".join(f"{k}={v}" for k, v in (("host", host), ("role", role), ("id", id)) if v is not None)
+            raise JobError(f"no process of job {self.plan.job} matches {what} (a pod's name, or its "
+                           "<name>-<role>-<id> part)")
+
         def gone(seen, jobs) -> dict[tuple[str, int], str]:
             """The wanted processes whose pods are gone after their Job said how they ended: why, each."""
             by_role = _jobs_by_role(jobs, self._expected())

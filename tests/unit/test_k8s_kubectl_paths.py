@@ -317,6 +317,10 @@ def test_logs_are_each_pods_own_process_lines_pservers_first(kube):
         assert _logs(b, host="fit-pserver-0", lines=1) == [(P0, "out", "[fit-pserver-0-abcde pserver.0] served 10")]
         assert _logs(b, host=P0, lines=0) == []  # as the SSH backend's -n 0 (host/logtail.py): no line
         assert len(_logs(b, host=P0, lines=5)) == 2
+        with pytest.raises(JobError) as info:  # nothing printed, exit 0 before
+            _logs(b, host="no-such-pod")
+        assert str(info.value) == ("no process of job fit matches host=no-such-pod (a pod's name, or its "
+                                   "<name>-<role>-<id> part)")
     logs_calls = [c[4:] for c in kube.calls() if c[4] == "logs"]
     # the pods' logs are asked for in parallel (the first call's two); the lines come in the pods' order (above)
     assert sorted(logs_calls[:2]) == [["logs", P0, "-c", "pserver"], ["logs", T0, "-c", "trainer"]]
