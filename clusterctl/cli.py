@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from . import __version__
 from .commands.core import PLAN_ROWS, cmd_exec, cmd_plan, cmd_validate, dumps_plan  # noqa: F401 (dumps_plan: API)
-from .console import error, output_error, setup_logging, tolerate_encoding
+from .console import error, output_error, setup_logging, to_devnull, tolerate_encoding
 from .errors import MAX_PROBLEMS_SHOWN, ClusterctlError, SpecError
 
 __all__ = ["main", "build_parser", "guarded"]
@@ -136,12 +135,7 @@ def _drop_stdout() -> None:
     try:
         sys.stdout.flush()
     except (OSError, ValueError, AttributeError):
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError, AttributeError):
-            pass
+        to_devnull(sys.stdout)
 
 
 if __name__ == "__main__":

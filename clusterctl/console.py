@@ -163,6 +163,19 @@ def output_error() -> OSError | None:
     return _output_errors[0] if _output_errors else None
 
 
+def to_devnull(stream) -> None:
+    """Point `stream`'s descriptor at /dev/null: what is left in its buffer, and what is written later, goes
+    nowhere (Python's documented recipe for EPIPE on stdout: the interpreter's exit flushes it again)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def write_text(target, text: str) -> None:
     """Write `text` as it is (already printable) and flush. When our reader went away (`| head`), drop output
     (write_line); when the output cannot take it (`> /dev/full`), drop output too and remember why (output_error:
@@ -174,9 +187,4 @@ def write_text(target, text: str) -> None:
     except OSError as exc:
         if not isinstance(exc, BrokenPipeError):
             _output_errors.append(exc)
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)  # Python's documented recipe for EPIPE on stdout
-            os.dup2(devnull, target.fileno())
-            os.close(devnull)
-        except (OSError, ValueError):
-            pass
+        to_devnull(target)

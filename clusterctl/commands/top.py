@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -14,7 +13,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ..console import markup_safe, out
+from ..console import markup_safe, out, to_devnull
 from ..errors import UsageError
 from ..progress import STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, metrics_text
 from .render import STATE_STYLE
@@ -162,8 +161,8 @@ def run_top(spec, *, once: bool = False, as_json: bool = False, interval: float 
             threshold: float = STRAGGLER_THRESHOLD, window_s: float = STRAGGLER_WINDOW_S, gpu: bool = True,
             exit_promptly: bool = False) -> int:
     """The `top` command: one snapshot (exit 1 when a host could not be asked, or its answer was an error) or a
-    live view until Ctrl+C
-    (`exit_promptly`, the command line's: the process ends within EXIT_AFTER_INTERRUPT_S of it)."""
+    live view until Ctrl+C (`exit_promptly`, the command line's: the process ends within EXIT_AFTER_INTERRUPT_S
+    of it)."""
     from ..backends import open_backend
 
     if not MIN_INTERVAL <= interval <= 3600:
@@ -227,9 +226,7 @@ def _live(top: Top, interval: float, as_json: bool) -> int:
                 time.sleep(max(0.0, interval - snap.took_s))
                 snap = top.snapshot(interval * 0.9, interval=interval)
         except BrokenPipeError:  # `top --json | head -n 3`: the reader has what it wanted; end as `yes | head` does
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())  # what is left in stdout's buffer goes nowhere at exit
-            os.close(devnull)
+            to_devnull(sys.stdout)  # what is left in stdout's buffer goes nowhere at exit
             return 0
     from rich.live import Live
 

@@ -33,7 +33,7 @@ def fabfile_dir() -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run Fabric's `fab` program with clusterctl's fabfile (unless the command line names another)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    from ..console import tolerate_encoding
+    from ..console import to_devnull, tolerate_encoding
 
     tolerate_encoding()
     twice = _given_twice(args)
@@ -46,15 +46,11 @@ def main(argv: list[str] | None = None) -> None:
             return
         _program().run(["fab", *args])
     except BrokenPipeError:  # `clusterctl-fab --list | head`: our reader went away, as clusterctl's write_text says
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        to_devnull(sys.stdout)
     except OSError as exc:  # `--list`, `--help` (Invoke's own print) to a full disk or a device that fails: one line
         if exc.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG):
             raise
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # what is left in stdout's buffer goes nowhere at exit
-        os.close(devnull)
+        to_devnull(sys.stdout)  # what is left in stdout's buffer goes nowhere at exit
         sys.stderr.write(f"{PREFIX}cannot write the output: {exc.strerror or exc}\n")
         sys.exit(1)
 
