@@ -190,6 +190,7 @@ def _objs(value) -> list[dict]:
 
 
 def _code(value) -> int | None:
+    """An integer the cluster sent (an exit code, a count), else None (a bool or a string is not one)."""
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -304,14 +305,14 @@ def job_facts(job: dict, expected: dict[str, int]) -> JobFacts | None:
     number of processes (indexes)."""
     from ..k8s import LABEL_ROLE
 
-    meta = job.get("metadata") if isinstance(job.get("metadata"), dict) else {}
-    role = (meta.get("labels") or {}).get(LABEL_ROLE) if isinstance(meta.get("labels"), dict) else None
+    meta = _obj(job.get("metadata"))
+    role = _obj(meta.get("labels")).get(LABEL_ROLE)
     if job.get("kind") != "Job" or role not in ("pserver", "trainer"):
         return None
-    status = job.get("status") if isinstance(job.get("status"), dict) else {}
+    status = _obj(job.get("status"))
     done, condition = None, ""
-    for c in status.get("conditions") if isinstance(status.get("conditions"), list) else []:
-        if isinstance(c, dict) and c.get("type") in ("Failed", "Complete") and c.get("status") == "True":
+    for c in _objs(status.get("conditions")):
+        if c.get("type") in ("Failed", "Complete") and c.get("status") == "True":
             done = c["type"]
             why = ": ".join(t for t in (_text(c.get("reason"), 64), _text(c.get("message"), 200)) if t)
             when = _text(status.get("completionTime") if done == "Complete" else None, 40) or _text(
@@ -319,8 +320,7 @@ def job_facts(job: dict, expected: dict[str, int]) -> JobFacts | None:
             condition = done + (f" ({why})" if why else "") + (f" at {when}" if when else "")
             if done == "Failed":
                 break
-    counts = ", ".join(f"{n} {what}" for what in ("succeeded", "failed")
-                       if isinstance(n := status.get(what), int) and not isinstance(n, bool) and n > 0)
+    counts = ", ".join(f"{n} {what}" for what in ("succeeded", "failed") if (n := _code(status.get(what))) and n > 0)
     return JobFacts(_text(meta.get("name"), 80) or f"?-{role}", role, done, condition,
                     _indexes(status.get("completedIndexes"), expected.get(role, 0)),
                     _indexes(status.get("failedIndexes"), expected.get(role, 0)), counts)

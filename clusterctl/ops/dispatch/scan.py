@@ -166,8 +166,7 @@ def scan_workspace(root: Path, exclude: tuple[str, ...], *, prefix: str = "") ->
                 files[prefix + rel] = LocalFile(
                     entry.path, st.st_size, digest, st.st_mode & 0o777, int(st.st_mtime), blocks, previous
                 )
-            elif not entry.is_dir(follow_symlinks=False) and not entry.is_file(follow_symlinks=False) \
-                    and not ignored(rel):
+            elif not entry.is_file(follow_symlinks=False) and not ignored(rel):  # a directory took the first branch
                 skipped.append(rel)
 
     try:
