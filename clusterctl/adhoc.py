@@ -14,8 +14,9 @@ import yaml
 from .errors import ClusterctlError, SpecError
 from .spec import ClusterSpec, parse_spec
 
-__all__ = ["AdhocOptions", "adhoc_spec_text", "adhoc_spec", "SEED_ARGS"]
+__all__ = ["AdhocOptions", "adhoc_spec_text", "adhoc_spec", "SEED_ARGS", "ADHOC_SOURCE"]
 
+ADHOC_SOURCE = "<fab -H>"  # the name of a spec built from -H in its problems: no file, so no line and column
 SEED_ARGS = ["{role}", "{pserver_endpoints}", "{current_endpoint}", "{trainer_id}", "{trainers}"]
 
 
@@ -88,7 +89,7 @@ def _words(entrypoint: str) -> list[str]:
         raise ClusterctlError(f"--entrypoint: cannot split {entrypoint!r}: {exc}") from None
 
 
-def adhoc_spec(hosts: list[str], opts: AdhocOptions, source: str = "<fab -H>") -> ClusterSpec:
+def adhoc_spec(hosts: list[str], opts: AdhocOptions, source: str = ADHOC_SOURCE) -> ClusterSpec:
     """Validated spec for `hosts`; relative paths resolve against the current directory. A value the spec
     refuses is one line naming the option that gave it, never a line of YAML the user never saw."""
     try:

@@ -108,9 +108,10 @@ def guarded(fn) -> int:
     except SpecError as exc:
         from rich.markup import escape
 
+        from .adhoc import ADHOC_SOURCE
         from .console import err, printable
 
-        if exc.problems and all(p.file == "<fab -H>" for p in exc.problems):  # no file: no line and column in one
+        if exc.problems and all(p.file == ADHOC_SOURCE for p in exc.problems):  # no file: no line and column in one
             for p in exc.problems[:MAX_PROBLEMS_SHOWN]:
                 error(f"-H: {p.path}: {p.message}" if p.path else f"-H: {p.message}")
             return exc.exit_code

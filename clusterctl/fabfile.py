@@ -147,7 +147,7 @@ def _spec(c, spec: str | None, *, remember: list | None = None, **options):
     `options`: the task's options for the -H spec (see _opts). `remember`: where to put what remembers a -H
     spec for this directory, for the caller to call once the job has started (a failed start remembers nothing:
     the hosts of a running job stay the ones later tasks reach)."""
-    from clusterctl.adhoc import AdhocOptions, adhoc_spec, adhoc_spec_text
+    from clusterctl.adhoc import ADHOC_SOURCE, AdhocOptions, adhoc_spec, adhoc_spec_text
     from clusterctl.spec import load_spec, parse_spec
 
     opts = _opts(**options)
@@ -186,7 +186,7 @@ def _spec(c, spec: str | None, *, remember: list | None = None, **options):
     last = _remembered(cwd)
     if last.is_file():
         where = _only_for_hosts(opts, "the last `fab -H ... start` from here")
-        return _as_given(c, parse_spec(last.read_text(encoding="utf-8"), "<fab -H>"), where)
+        return _as_given(c, parse_spec(last.read_text(encoding="utf-8"), ADHOC_SOURCE), where)
     raise ClusterctlError("no hosts: give -H host1,host2 or --spec FILE, or run where a cluster.yaml is")
 
 
@@ -386,9 +386,10 @@ def provision(c, spec=None, name=None, check=False, only=None, accept_new=False,
 
 def _provisioned(spec):
     """`spec`, if it has a provision: section; else the CLI's one line, naming the file (not the spec's repr)."""
+    from clusterctl.adhoc import ADHOC_SOURCE
     from clusterctl.errors import ProvisionError
 
-    if spec.provision is None and spec.source == "<fab -H>":
+    if spec.provision is None and spec.source == ADHOC_SOURCE:
         raise ProvisionError("a spec built from -H has no provision: section: give --spec FILE with one "
                              "(see docs/provisioning.md)")
     if spec.provision is None:
