@@ -14,7 +14,7 @@ from ..host.states import TERMINAL_JOB_STATES, JobState, ProcState
 
 __all__ = ["render_status", "STATE_STYLE", "table_lines"]
 
-STATE_STYLE = {JobState.RUNNING: "green", JobState.SUCCEEDED: "bold green", ProcState.EXITED: "green",
+STATE_STYLE = {JobState.STARTING: "cyan", JobState.RUNNING: "green", JobState.SUCCEEDED: "bold green", ProcState.EXITED: "green",
                JobState.FAILED: "bold red", JobState.LOST: "bold red", JobState.STOPPED: "yellow",
                JobState.NOT_RUNNING: "dim", JobState.RESTARTING: "yellow"}
 

@@ -56,4 +56,5 @@ class HostState(StrEnum):
 
 
 TERMINAL_JOB_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
-ACTIVE_JOB_STATES = (JobState.RUNNING, JobState.STOPPING, JobState.RESTARTING)  # a job that still holds its hosts
+# a job that still holds its hosts
+ACTIVE_JOB_STATES = (JobState.STARTING, JobState.RUNNING, JobState.STOPPING, JobState.RESTARTING)

@@ -212,16 +212,18 @@ def overall_state(host_states: list) -> str:
     if not states or states <= {S.UNKNOWN}:
         return S.NOT_RUNNING
     live = states & {S.RUNNING, S.STARTING, S.STOPPING, S.RESTARTING}
+    # every live host still starting (supervisors at the start barrier, pods not scheduled): not running yet
+    going = S.STARTING if live == {S.STARTING} else S.RUNNING
     if S.FAILED in states:
         if not live:
             return S.FAILED
         # not over yet: the rest is being stopped (fail-fast) or still working (on_failure: continue)
-        return S.STOPPING if live & {S.STOPPING, S.RESTARTING} else S.RUNNING
+        return S.STOPPING if live & {S.STOPPING, S.RESTARTING} else going
     if S.LOST in states:
         return S.LOST
     if live:
         if live & {S.RUNNING, S.STARTING}:
-            return S.RUNNING
+            return going
         # a failed attempt being stopped, or the back-off before the next one
         return S.RESTARTING if S.RESTARTING in live else S.STOPPING
     if S.STOPPED in states:

@@ -245,7 +245,7 @@ def test_a_failing_trainer_fails_the_job_fast_and_every_pod_ends(kube, image, tm
     assert res.returncode == 0, res.stdout + res.stderr
     # the end is every process's end: while the pserver's pod winds down, its supervisor may answer no exec for a
     # poll (unreachable, its row still `running`), and a failed pod beside an unreachable one already reads failed
-    final = _wait(kube, spec, lambda s: s["state"] not in ("running", "stopping")
+    final = _wait(kube, spec, lambda s: s["state"] not in ("starting", "running", "stopping")
                   and not any(p["state"] == "running" for p in s["processes"]), 60, "the job's end")
     assert final["state"] == "failed", final
     t1 = next(p for p in final["processes"] if (p["role"], p["id"]) == ("trainer", 1))

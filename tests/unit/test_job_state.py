@@ -11,6 +11,10 @@ from clusterctl.ops.job import overall_state
         ([], "not running"),
         (["unknown", "unknown"], "not running"),
         (["starting", "running"], "running"),
+        # nothing runs yet: every live host at the start barrier, or every pod waiting to be scheduled
+        (["starting", "starting"], "starting"),
+        (["starting", "unknown"], "starting"),
+        (["failed", "starting"], "starting"),
         (["running", "stopping"], "running"),
         (["stopping", "stopped"], "stopping"),
         (["succeeded", "succeeded"], "succeeded"),

@@ -385,7 +385,7 @@ def test_pods_waiting_to_start_are_pending_and_an_image_error_is_the_reason():
     pods = [_pod("trainer", 0, phase="Pending", state={"waiting": {"reason": "ContainerCreating"}}),
             _pod("trainer", 1, phase="Pending", init={"waiting": {"reason": "ErrImagePull", "message": "no such image"}})]
     st = fold_status("j", {"trainer": 3}, JOBS, pods, {})
-    assert st.state == "running"
+    assert st.state == "starting"  # no pod runs yet: not "running"
     assert [(p.host, p.state, p.error) for p in st.processes] == [
         ("j-trainer-0-abcde", "pending", None), ("j-trainer-1-abcde", "pending", "ErrImagePull: no such image"),
         ("-", "pending", "no pod yet")]

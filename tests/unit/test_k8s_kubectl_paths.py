@@ -206,6 +206,12 @@ def test_start_says_which_pods_still_wait_at_its_deadline(kube):
     assert st.state == "running"  # one supervisor runs; the pods still waiting are pending processes
     assert [(p.host, p.state, p.error) for p in st.processes] == [
         (P0, "running", None), (T0, "pending", None), ("-", "pending", "no pod yet")]
+    # no pod scheduled by the deadline (a full cluster): the job is starting, not running
+    kube.set(objects=[], gets=0, pods=[[], [], [pod("pserver", 0, CREATING, phase="Pending"),
+                                               pod("trainer", 0, CREATING, phase="Pending")]])
+    with backend(SPEC.replace("context: prod", "context: prod, wait_timeout: 0.001")) as b:
+        st = b.start(on_progress=said.append)
+    assert st.state == "starting" and {p.state for p in st.processes} == {"pending"}
     kube.set(objects=[], pods=[[]])  # an empty namespace, and no pod comes at all
     with backend(SPEC.replace("context: prod", "context: prod, wait_timeout: 0.001")) as b:
         b.start(on_progress=said.append)
@@ -640,7 +646,7 @@ def test_jobs_without_a_verdict_and_without_pods_are_still_starting(kube):
     kube.set(objects=[job("pserver", active=1), job("trainer", active=2, completedIndexes="")])
     with backend() as b:
         st = b.status()
-    assert (st.state, st.reason) == ("running", None)
+    assert (st.state, st.reason) == ("starting", None)
     assert [(p.host, p.state, p.error) for p in st.processes] == [("-", "pending", "no pod yet")] * 3
     # a condition that is not "True", or not Complete/Failed, is no verdict either
     kube.set(objects=[job("pserver", conditions=[("Suspended", "JobSuspended", "suspended")]),
