@@ -33,8 +33,11 @@ class Host:
 
     @property
     def label(self) -> str:
-        """Short name used to prefix output lines: the address, plus the port when it is not 22."""
-        return self.address if self.port == 22 else f"{self.address}:{self.port}"
+        """Short name used to prefix output lines: the address, plus the port when it is not 22 (an IPv6 address
+        then in brackets, as ssh writes it: `[fd00::1]:2222`, not `fd00::1:2222`)."""
+        if self.port == 22:
+            return self.address
+        return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
 
     @property
     def connect_name(self) -> str:

@@ -485,3 +485,13 @@ def test_a_config_ssh_refuses_is_one_line_naming_each_bad_line(tmp_path, monkeyp
     assert "\n" not in line and line.startswith(f"ssh config {cfg}: ")
     assert "line 2: Bad configuration option: bogus" in line and "line 3: Bad port '99999'" in line, line
     assert "terminating" not in line
+
+
+def test_a_host_off_port_22_is_labelled_as_ssh_writes_it():
+    # an IPv6 address and its port in one label read as another address (`fd00::1:2222`): brackets, as ssh has them
+    from clusterctl.transport.host import Host
+
+    assert Host("fd00::1", 2222, "u", 0).label == "[fd00::1]:2222"
+    assert Host("fd00::1", 22, "u", 0).label == "fd00::1"
+    assert Host("10.0.0.1", 2222, "u", 0).label == "10.0.0.1:2222"
+    assert Host("node1", 22, "u", 0).label == "node1"
