@@ -8,7 +8,8 @@ import errno
 import os
 import stat
 
-__all__ = ["SPEC_LIMIT", "TooLarge", "NotAFile", "read_limited", "read_fd", "read_spec_bytes", "open_append"]
+__all__ = ["SPEC_LIMIT", "TooLarge", "NotAFile", "read_limited", "read_fd", "read_spec_bytes", "open_append",
+           "special_file"]
 
 SPEC_LIMIT = 1 << 20  # a spec larger than 1 MiB is refused before parsing
 
@@ -49,6 +50,15 @@ def read_limited(path: str | os.PathLike, limit: int, *, wait: bool = False) -> 
         return data
     finally:
         os.close(fd)
+
+
+def special_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is there and is not a regular file (a FIFO a reader waits on for a writer, `/dev/zero` read for
+    ever, a directory): for files another program reads (ssh's known_hosts), which cannot be given a limit."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def read_fd(fd: int, limit: int) -> bytes:

@@ -20,6 +20,7 @@ and are re-exported here.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -28,6 +29,7 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
 from .errors import ClusterctlError
+from .files import special_file
 from .transport import default
 from .transport.base import (TIMED_OUT, UNREACHABLE, GroupException, GroupResult, LineCallback, LineSplitter, Result,
                              Running, SshOptions, Stdin, Transport, fingerprint, timed_out_reason, unreachable_result)
@@ -56,6 +58,9 @@ class Remote:
 
     def __init__(self, hosts: Sequence[Host], options: SshOptions, *, max_workers: int = 64,
                  transport: Transport | None = None, gate: HandshakeGate | None = None):
+        if options.known_hosts and special_file(known := os.path.expanduser(options.known_hosts)):
+            # ssh would wait for a FIFO's writer, or read /dev/zero, for ever; paramiko's path refuses it too
+            raise ClusterctlError(f"known_hosts file {known} is not a regular file")
         self.hosts = tuple(hosts)
         self.options = options
         # transport: the one given, else clusterctl.transport.default's, else (None) the OpenSSH client or paramiko

@@ -379,3 +379,24 @@ def test_paramikos_connection_failures_read_as_their_cause():
                                   "banner: 'utf-8' codec can't decode byte 0xff")
     assert said(paramiko.SSHException("Error reading SSH protocol banner"), 0.1) == (
         "cannot connect to 10.9.0.5:2222: no SSH server there: Error reading SSH protocol banner")
+
+
+def test_the_openssh_path_refuses_a_known_hosts_that_is_no_regular_file_before_any_ssh(tmp_path):
+    """ssh was given the spec's FIFO (or /dev/zero) as UserKnownHostsFile and waited on it, or read it, for ever."""
+    import os
+
+    from clusterctl.errors import ClusterctlError
+    from clusterctl.remote import Remote
+    from clusterctl.transport.base import SshOptions
+    from clusterctl.transport.host import Host
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    hosts = [Host("10.9.0.5", 22, "u", 0)]
+    for path in ("/dev/zero", str(fifo), str(tmp_path)):
+        with pytest.raises(ClusterctlError) as info:
+            Remote(hosts, SshOptions(known_hosts=path))
+        assert str(info.value) == f"known_hosts file {path} is not a regular file"
+    for path in (str(tmp_path / "missing"), str(tmp_path / "kh")):  # missing: ssh makes it or calls the key unknown
+        (tmp_path / "kh").write_text("")
+        Remote(hosts, SshOptions(known_hosts=path)).close()
