@@ -21,13 +21,13 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from .errors import ClusterctlError
+from .procs import run_session
 
 __all__ = ["Target", "Resolved", "JumphostLoop", "resolve", "resolve_each", "stamp_paths", "config_path", "ssh_g_argv", "parse_ssh_g",
            "SYSTEM_CONFIG", "USER_CONFIG"]
@@ -261,22 +261,11 @@ def ssh_g_refusal(stderr: str, config: str | None, target: Target) -> str:
 
 def _ssh_g(config: str | None, target: Target) -> Resolved:
     argv = ssh_g_argv(config, target)
-    # a session of its own: the commands of the config's `Match exec` are ssh's children, ended with it
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=_TIMEOUT)
+    try:  # a session of its own: the commands of the config's `Match exec` are ssh's children, ended with it
+        proc = run_session(argv, timeout=_TIMEOUT)
     except subprocess.TimeoutExpired:
         raise ClusterctlError(f"resolving {target.address} with `ssh -G` took over {_TIMEOUT:g}s (a Match exec in the ssh config?)") from None
-    finally:
-        if proc.returncode is None:  # timed out, or interrupted: ssh and what it started, not only ssh
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            for pipe in (proc.stdout, proc.stderr):
-                pipe.close()
+    stdout, stderr = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
     if proc.returncode != 0:
         why = ssh_g_refusal(stderr, config, target)
         if "jumphost loop" in stderr:

@@ -39,6 +39,7 @@ from typing import ClassVar
 from ..errors import ClusterctlError, JobError
 from ..host.states import ACTIVE_JOB_STATES, JobState, ProcState
 from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
+from ..procs import run_session
 from .base import Backend, LineCallback, Progress, StopReport, killed_count
 
 __all__ = ["KubernetesBackend", "Kubectl", "KubectlError", "fold_status", "pod_facts", "LOG_LINE"]
@@ -94,7 +95,8 @@ class Kubectl:
         """Run `kubectl ARGS`; KubectlError (one line: what, and kubectl's last line) when it fails and `check`."""
         argv = self.argv(*args)
         try:
-            res = subprocess.run(argv, input=input, capture_output=True, timeout=timeout, check=False)
+            # a session of its own: an auth plugin it started (`exec:` credentials) is killed with it at the deadline
+            res = run_session(argv, input=input, timeout=timeout)
         except FileNotFoundError:
             raise KubectlError(f"{what}: {self.binary} not found on PATH (backend: kubernetes runs kubectl)") from None
         except subprocess.TimeoutExpired:
