@@ -181,7 +181,9 @@ def _spec(c, spec: str | None, *, remember: list | None = None, **options):
         raise ClusterctlError(f"-H {c.cluster_hosts_flag!r} names no host: give -H host1,host2")
     named = (c.config.get("clusterctl") or {}).get("spec")
     for candidate in ([named] if named else []) + list(SPEC_NAMES):
-        if Path(candidate).is_file():
+        # the one named in Fabric's config, or a directory's entry that is there but no file: said by the loader
+        # ("cannot read spec: is a directory"), never passed over for another cluster's spec
+        if candidate == named or os.path.lexists(candidate):
             return _as_given(c, load_spec(_only_for_hosts(opts, candidate)), candidate)
     last = _remembered(cwd)
     if last.is_file():

@@ -254,6 +254,11 @@ def _check_core(program) -> None:
         for given in value if isinstance(value, list) else [value]:
             if isinstance(given, str) and not given.strip():
                 raise Exit(f"{PREFIX}{flag} {given!r} names nothing: give {what}, or leave the option out", code=1)
+    hosts = args["hosts"].value if "hosts" in args else None
+    names = [h.strip() for h in hosts.split(",")] if isinstance(hosts, str) else []
+    if any(names) and not all(names):
+        # `-H "$A,$B"` with B unset ran on A alone (`-H ""` names nothing: said above, or by the task)
+        raise Exit(f"{PREFIX}-H {hosts!r} has an empty host name: give -H host1,host2", code=1)
     argv = list(getattr(program, "argv", None) or [])
     words = argv[:argv.index("--")] if "--" in argv else argv
     if words[-1:] in (["-i"], ["--identity"]) and "identity" in args and not args["identity"].value:

@@ -75,6 +75,26 @@ def test_an_empty_host_list_is_refused_not_replaced_by_this_directorys_spec(tmp_
     assert _one_error(res) == f"-H {hosts!r} names no host: give -H host1,host2"
 
 
+@pytest.mark.parametrize("hosts", ["127.0.0.1,,127.0.0.2", "127.0.0.1,", ",127.0.0.1", "127.0.0.1, ,127.0.0.2"])
+def test_an_empty_name_in_the_host_list_is_refused_not_dropped(tmp_path, hosts):
+    # `fab -H "$A,$B" kill` with B unset acted on A alone
+    res = _fab("-H", hosts, "kill", cwd=tmp_path)
+    assert _one_error(res) == f"-H {hosts!r} has an empty host name: give -H host1,host2"
+
+
+def test_a_cluster_yaml_that_is_no_file_is_said_not_passed_over(tmp_path):
+    # a directory named cluster.yaml was skipped: the task went on to the last `fab -H ... start` from here, or said
+    # "no hosts"
+    (tmp_path / "cluster.yaml").mkdir()
+    res = _fab("status", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.strip() == "cluster.yaml:1:1: cannot read spec: is a directory", res
+    # a spec named in Fabric's config that is not there was passed over the same way
+    (tmp_path / "cluster.yaml").rmdir()
+    (tmp_path / "conf.yaml").write_text("clusterctl: {spec: mine.yaml}\n")
+    res = _fab("-f", str(tmp_path / "conf.yaml"), "status", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.strip() == "mine.yaml:1:1: cannot read spec: No such file or directory", res
+
+
 def test_clusterctl_fab_takes_spec_before_the_task_as_documented(tmp_path):
     # README: `clusterctl-fab --spec cluster.yaml provision`; was Invoke's "No idea what '--spec' is!"
     res = _clusterctl_fab("--spec", "missing.yaml", "status", cwd=tmp_path)
