@@ -36,7 +36,14 @@ def _console(name: str):
         # few columns (COLUMNS=8) leave its tables no room for a cell: empty frames
         width = {} if not columns else {"width": 80} if not columns.isdigit() or int(columns) == 0 else \
             {"width": max(int(columns), MIN_WIDTH)}
-        _consoles[name] = Console(stderr=name == "err", highlight=False, soft_wrap=True, **width)
+        class Quiet(Console):
+            def on_broken_pipe(self) -> None:
+                """Our reader went away (`doctor | head`): the rest of the output goes nowhere and the command goes
+                on to its own exit code (rich's own ends the process, exit 1, mid-command)."""
+                self.quiet = True
+                to_devnull(sys.stderr if self.stderr else sys.stdout)
+
+        _consoles[name] = Quiet(stderr=name == "err", highlight=False, soft_wrap=True, **width)
     return _consoles[name]
 
 

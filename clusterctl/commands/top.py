@@ -223,6 +223,8 @@ def _live(top: Top, interval: float, as_json: bool) -> int:
                     sys.stdout.flush()
                 else:
                     out.print(render_top(snap))
+                    if out.quiet:  # `top | head`: the reader has what it wanted (clusterctl.console's Quiet)
+                        return 0
                 time.sleep(max(0.0, interval - snap.took_s))
                 snap = top.snapshot(interval * 0.9, interval=interval)
         except BrokenPipeError:  # `top --json | head -n 3`: the reader has what it wanted; end as `yes | head` does

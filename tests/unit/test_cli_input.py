@@ -172,6 +172,18 @@ def test_top_json_lines_end_quietly_when_their_reader_goes_away(tmp_path):
     assert (proc.wait(timeout=60), proc.stderr.read()) == (0, b"")
 
 
+def test_top_tables_end_quietly_when_their_reader_goes_away(tmp_path):
+    # `top | head` (tables one after another, not a terminal): rich's own broken-pipe exit, 1, mid-loop
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: t\nssh: {config: none}\nhosts: [{address: 127.0.0.1, port: 1}]\njob: {entrypoint: [x]}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "clusterctl.cli", "top", str(spec), "--no-gpu", "--interval", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert proc.stdout.readline(), "no first view"
+    proc.stdout.close()  # as `head -n 1` does
+    assert (proc.wait(timeout=60), proc.stderr.read()) == (0, b"")
+
+
 @pytest.mark.parametrize("command", [["validate"], ["top", "--once", "--no-gpu"]])
 def test_an_output_that_cannot_encode_unicode_gets_escapes_not_a_traceback(tmp_path, command):
     # PYTHONIOENCODING=ascii (or a C locale without UTF-8 coercion): rich's UnicodeEncodeError, a traceback
