@@ -31,10 +31,22 @@ _COMMAND_PLUGIN = {
 _CORE_COMMANDS = ("validate", "plan", "exec")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that help or version text that cannot be written (`--help > /dev/full`) is an
+    OSError, not dropped by argparse on the way to exit 0 (its subcommands' parsers are of this class too)."""
+
+    def _print_message(self, message, file=None):
+        if message and file is sys.stdout:  # usage errors go to stderr as argparse has it (exit 2)
+            file.write(message)
+            file.flush()
+        else:
+            super()._print_message(message, file)
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The argument parser, plugins included: all of them, or with `argv` given only the one (if any)
     that adds the command `argv` names."""
-    parser = argparse.ArgumentParser(prog="clusterctl", description="Run distributed training over SSH.")
+    parser = _Parser(prog="clusterctl", description="Run distributed training over SSH.")
     parser.add_argument("--version", action="version", version=f"clusterctl {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -85,7 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     tolerate_encoding()
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except BrokenPipeError:  # `clusterctl --help | head -1`
+        to_devnull(sys.stdout)
+        return 0
+    except OSError as failed:  # `--help > /dev/full` (_Parser)
+        to_devnull(sys.stdout)
+        error(f"cannot write the output: {failed.strerror or failed}")
+        return 1
     setup_logging(args.verbose)
     return guarded(lambda: args.func(args))
 

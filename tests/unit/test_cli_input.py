@@ -105,6 +105,18 @@ def test_an_output_that_cannot_be_written_is_one_line(tmp_path, argv):
     assert (res.returncode, res.stderr) == (1, "clusterctl: error: No space left on device\n")
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["exec", "--help"], ["top", "--help"]])
+def test_help_that_cannot_be_written_fails(argv):
+    # argparse drops its print's OSError and exits 0: `clusterctl --help > /dev/full` looked like it had worked
+    with open("/dev/full", "w") as full:
+        res = subprocess.run([sys.executable, "-m", "clusterctl.cli", *argv], stdout=full, stderr=subprocess.PIPE,
+                             text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert (res.returncode, res.stderr) == (1, "clusterctl: error: cannot write the output: No space left on device\n")
+    # a usage error still goes to stderr, exit 2
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "bogus"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "invalid choice: 'bogus'" in res.stderr
+
+
 @pytest.mark.parametrize("columns", ["0", "-3", "wide"])
 def test_a_terminal_width_of_nothing_still_prints(tmp_path, columns):
     # rich read COLUMNS=0 as a width of nothing: no output and no error message at all
