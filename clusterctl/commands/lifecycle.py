@@ -64,7 +64,8 @@ def cmd_dispatch(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     with _open(args.spec) as backend:
         results = backend.dispatch(on_progress=_say)
-    render_dispatch(results, time.monotonic() - t0)
+    if results:  # none: the backend ships nothing (Kubernetes: the image or a volume), and said so in its line
+        render_dispatch(results, time.monotonic() - t0)
     return 0
 
 

@@ -541,6 +541,27 @@ def test_cli_render_writes_the_file_and_says_how_to_apply(tmp_path):
     assert f"clusterctl k8s render {spec} | kubectl create -f -" in res.stderr
 
 
+def test_plan_of_a_kubernetes_spec_lists_the_pods_not_the_ssh_hosts(tmp_path):
+    # `plan` showed the SSH plan (processes on 10.0.0.1-3, endpoints there) and a table of SSH connections the pods
+    # never use: now each pod as the manifests make it, its endpoint and its argv with the placeholders filled in
+    import os
+
+    spec = tmp_path / "c.yaml"
+    spec.write_text("backend: kubernetes\n" + PSERVER)
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "plan", str(spec)], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "COLUMNS": "400", "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert res.returncode == 0, res.stderr
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in res.stdout.splitlines() if line.startswith("│")]
+    assert [r[:5] for r in rows] == [
+        ["fit-a-line-pserver-0.fit-a-line", "pserver", "0", "", "fit-a-line-pserver-0.fit-a-line:7000"],
+        ["fit-a-line-pserver-1.fit-a-line", "pserver", "1", "", "fit-a-line-pserver-1.fit-a-line:7000"],
+        *[[f"fit-a-line-trainer-{i}.fit-a-line", "trainer", str(i), str(i), f"fit-a-line-trainer-{i}.fit-a-line:7100"]
+          for i in range(6)]]
+    assert rows[2][6].startswith("python3 train.py trainer --id=0 --ep=fit-a-line-trainer-0.fit-a-line:7100 "), rows[2]
+    assert "connections" not in res.stdout and "10.0.0.1" not in res.stdout, res.stdout
+    assert "one pod per process (8); `clusterctl k8s render" in res.stdout
+
+
 def test_cli_render_bad_spec_is_one_line_and_exit_2(tmp_path):
     spec = tmp_path / "c.yaml"
     spec.write_text(COLLECTIVE.split("kubernetes:")[0])

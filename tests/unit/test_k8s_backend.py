@@ -330,6 +330,19 @@ def test_a_spec_it_can_run_passes_and_dispatch_says_where_the_code_is():
     assert said == ["nothing to dispatch with backend: kubernetes: the pods run the code in the image img"]
 
 
+def test_the_dispatch_command_prints_no_empty_host_table(tmp_path):
+    # an empty `dispatch` table of SSH hosts the pods never use followed the line that says nothing is shipped
+    import subprocess
+    import sys
+
+    (tmp_path / "k.yaml").write_text(SPEC)
+    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "dispatch", str(tmp_path / "k.yaml")],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60,
+                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert res.returncode == 0 and res.stdout == "", res
+    assert "nothing to dispatch with backend: kubernetes" in res.stderr, res.stderr
+
+
 def test_start_notes_are_the_manifests_not_the_ssh_plans():
     """4,800 trainers: their SSH endpoints (`10.0.I.1:6180+L`) fit one environment string, their pods' names do
     not; `start` prints what the backend will leave out (commands/lifecycle.py), so the backend answers it."""
