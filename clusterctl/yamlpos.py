@@ -247,6 +247,8 @@ class _Builder:
                 if key is None or not isinstance(key, (str, int, float, bool)):
                     raise YamlSyntaxError(f"a mapping key must be a name, not {_one_line(repr(key))}",
                                           *_mark(key_node))
+                if type(key) is not str:  # `on:` read as True, `1.10:` as 1.1, `010:` as 8: a key is a name, as written
+                    key = key_node.value
                 child = path + (key,)
                 if key in result:
                     self.out.duplicates.append(child)

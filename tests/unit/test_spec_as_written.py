@@ -44,6 +44,17 @@ def test_argv_labels_and_quantities_are_the_text_as_written(write_spec):
     assert spec.kubernetes.resources == {"trainer": {"limits": {"cpu": "0.50", "memory": "010"}}}
 
 
+def test_mapping_keys_are_names_as_written(write_spec):
+    # `env: {on: 1, NO: 2}` gave every process variables named True and False; `labels: {on: a, yes: b}` was "key
+    # given twice" about a key named True; `{1.10: x}` named it 1.1
+    spec = load_spec(write_spec(
+        HEAD + "hosts: [{address: h1, labels: {on: a, yes: b, 1.10: c, 010: d}}]\n" + JOB + "  env: {on: 1, NO: 2}\n"))
+    assert spec.job.env == {"on": "1", "NO": "2"}
+    assert spec.hosts[0].labels == {"on": "a", "yes": "b", "1.10": "c", "010": "d"}
+    with pytest.raises(Exception, match="key given twice"):  # the same text twice is still twice
+        load_spec(write_spec(HEAD + "hosts: [{address: h1, labels: {on: a, 'on': b}}]\n" + JOB))
+
+
 def test_env_through_an_alias_and_a_merge_key_is_as_written(write_spec):
     """An alias is built once, where its anchor is: its text is found there."""
     spec = load_spec(write_spec(
