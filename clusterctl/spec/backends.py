@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
@@ -19,6 +20,18 @@ _SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*
 _QUALIFIED_RE = re.compile(r"(%s/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?" % _SUBDOMAIN_RE.pattern)  # a label key
 _LABEL_VALUE_RE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _QUANTITY_RE = re.compile(r"(\d+(\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?\d+)?")  # not negative
+_SCALE = {"Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60, "m": Fraction(1, 1000),
+          "": 1, "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18}
+
+
+def _amount(quantity: str) -> Fraction:
+    """A Kubernetes quantity's value (`500m` 1/2, `1Gi` 2**30, `1e3` 1000), exactly; exponents past ±64 are clamped
+    (the API server's own bound is far below: only an order is compared)."""
+    m = _QUANTITY_RE.fullmatch(quantity)
+    number, suffix = Fraction(m.group(1)), m.group(3) or ""
+    if suffix[:1] in ("e", "E"):
+        return number * Fraction(10) ** max(-64, min(64, int(suffix[1:])))
+    return number * _SCALE[suffix]
 
 
 def _subdomain(v: str | None) -> str | None:
@@ -121,6 +134,12 @@ class KubernetesSpec(_Model):
                     if not _QUANTITY_RE.fullmatch(quantity):
                         raise ValueError(f"{name}: {quantity!r} is not a Kubernetes quantity (a number of 0 or more, "
                                          "with a suffix such as m, Mi or Gi)")
+        for role, kinds in v.items():  # the API server refuses a pod that requests more than its limit
+            requests, limits = kinds.get("requests", {}), kinds.get("limits", {})
+            for name in requests.keys() & limits.keys():
+                if _amount(requests[name]) > _amount(limits[name]):
+                    raise ValueError(f"{role}: requests.{name} {requests[name]} is more than limits.{name} "
+                                     f"{limits[name]} (Kubernetes creates no such pod)")
         return v
 
     @field_validator("image")

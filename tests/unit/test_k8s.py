@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import kubernetes_validate
+from fractions import Fraction
+
 import pytest
 import yaml
 
@@ -425,6 +427,13 @@ def test_render_errors_name_the_key(tmp_path, patch, where, message):
     ("{image: x, resources: {trainer: {requests: {cpu: -4}}}}", "cpu: '-4' is not a Kubernetes quantity"),
     ("{image: x, resources: {trainer: {limits: {memory: lots}}}}", "memory: 'lots' is not a Kubernetes quantity"),
     ("{image: x, resources: {trainer: {limits: {'gpu!': 1}}}}", "'gpu!' is not a Kubernetes resource name"),
+    # more requested than the limit: the API server creates no such pod (kubectl create failed at `start`)
+    ("{image: x, resources: {trainer: {requests: {cpu: 1500m}, limits: {cpu: 1}}}}",
+     "kubernetes.resources: trainer: requests.cpu 1500m is more than limits.cpu 1 (Kubernetes creates no such pod)"),
+    ("{image: x, resources: {pserver: {requests: {memory: 3Gi}, limits: {memory: 3G}}}}",
+     "pserver: requests.memory 3Gi is more than limits.memory 3G"),
+    ("{image: x, resources: {trainer: {requests: {memory: 2e9}, limits: {memory: 1.5G}}}}",
+     "requests.memory 2e9 is more than limits.memory 1.5G"),
     ("{image: x, gpu_resource: 'not a resource!'}", "kubernetes.gpu_resource: 'not a resource!' is not a Kub"),
     ("{image: x, workspace: {host_path: rel/dir}}", "kubernetes.workspace.host_path: expected an absolute path"),
     ("{image: x, workspace: {pvc: c, sub_path: ../../etc}}", "kubernetes.workspace.sub_path: expected a relative"),
@@ -441,9 +450,18 @@ def test_kubernetes_section_is_validated_with_the_spec(kube, message):
     assert any(message in str(p) for p in info.value.problems), [str(p) for p in info.value.problems]
 
 
+def test_requests_up_to_their_limits_are_taken():
+    from clusterctl.spec.backends import _amount
+
+    parse_spec(COLLECTIVE.split("kubernetes:")[0] + "kubernetes: {image: x, resources: {trainer: {requests: "
+               "{cpu: 500m, memory: 1Gi, nvidia.com/gpu: 1}, limits: {cpu: '0.5', memory: 1024Mi, nvidia.com/gpu: 1}}}}\n")
+    assert [_amount(q) for q in ("500m", "1Gi", "1.5k", "2e3", "1E-3", ".5", "1e99999")] == [
+        Fraction(1, 2), 2 ** 30, 1500, 2000, Fraction(1, 1000), Fraction(1, 2), 10 ** 64]
+
+
 def test_what_kubernetes_takes_is_taken():
     spec = parse_spec(COLLECTIVE.split("kubernetes:")[0] + "kubernetes: {image: 'registry.example:5000/ml/train:v1@sha256:"
-                      + "ab" * 32 + "', resources: {trainer: {requests: {cpu: 500m, memory: 8Gi, nvidia.com/gpu: 1},"
+                      + "ab" * 32 + "', resources: {trainer: {requests: {cpu: 500m, memory: 1Gi, nvidia.com/gpu: 1},"
                       " limits: {memory: 1.5e9, ephemeral-storage: 10G}}}, gpu_resource: amd.com/gpu,"
                       " node_selector: {kubernetes.io/arch: amd64, gpu: 'true', pool: ''},"
                       " workspace: {pvc: data.claim-1, sub_path: runs/a, mount_path: /ws}, service_account: trainer,"
