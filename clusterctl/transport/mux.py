@@ -108,7 +108,9 @@ class MuxProcess:
                     self._close(UNREACHABLE if self._exit is None else self._exit)
                     break
                 if kind == MUX_S_EXIT_MESSAGE and len(rest) >= 8:
-                    self._exit = struct.unpack(">I", rest[4:8])[0]
+                    # as ssh's own exit gives it (its process exits with the low byte): a host that says 256 was
+                    # the worst code of every host, then 0 at the command's exit
+                    self._exit = struct.unpack(">I", rest[4:8])[0] & 0xFF
                 elif kind != MUX_S_TTY_ALLOC_FAIL:  # an error from the master: the session is over
                     self._close(UNREACHABLE)
             return self.returncode

@@ -131,6 +131,17 @@ def test_a_session_runs_the_command_with_our_stdin_and_reports_its_exit(sock_pat
     assert b"CLUSTERCTL_MUX_TEST=x=y" in env  # the whole environment: the master keeps what SendEnv allows
 
 
+@pytest.mark.parametrize("said, code", [(256, 0), (257, 1), (0xFFFFFFFF, 255)])
+def test_an_exit_status_past_a_byte_is_its_low_byte_as_over_ssh(sock_path, said, code):
+    # a host's sshd can send any 32-bit exit status: 256 was the worst code of every host (`exec` kept it over a
+    # real failure elsewhere), then 0 at the command's exit
+    master = FakeMaster(sock_path, exit_code=said)
+    proc = mux.open_session(sock_path, "true")
+    res = ProcessRun(None, Host("h", 22, "u", 0), "true", proc=proc).finish(lambda: [], 10, None)
+    assert res.exit_code == code
+    master.thread.join(5)
+
+
 def test_a_master_gone_without_an_exit_status_is_255(sock_path):
     master = FakeMaster(sock_path, mode="no-exit")
     proc = mux.open_session(sock_path, "true")
