@@ -74,15 +74,19 @@ class _Progress:
 
 def cmd_provision(args: argparse.Namespace) -> int:
     """Provision every host of the spec; print the host × step table; exit 1 if any step failed."""
-    from ..errors import ProvisionError
+    from ..errors import ProvisionError, UsageError
     from ..provision.runner import provision
     from ..provision.steps import selected_steps
     from ..backends import ssh_session
 
     with ssh_session(args.spec) as session:
+        # what the command line asks of this spec, not a host's failure: exit 2, as argparse's own errors
         if session.spec.provision is None:
-            raise ProvisionError(f"{args.spec} has no provision: section (see docs/provisioning.md)")
-        steps = selected_steps(session.spec.provision, args.only)
+            raise UsageError(f"{args.spec} has no provision: section (see docs/provisioning.md)")
+        try:
+            steps = selected_steps(session.spec.provision, args.only)
+        except ProvisionError as exc:
+            raise UsageError(str(exc)) from None
         progress = _Progress(session.plan.hosts, steps, args.verbose_lines)
         if err.is_terminal and not args.verbose_lines:
             with Live(progress.table(), console=err, refresh_per_second=4, transient=True) as live:
@@ -125,7 +129,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     with ssh_session(args.spec) as session:
         report = doctor(session)
     if args.json:
-        sys.stdout.write(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
+        sys.stdout.write(json.dumps(report.to_json(), indent=2, sort_keys=True, allow_nan=False) + "\n")
         return 0 if report.ok else 1
     table = Table(title=f"doctor {report.job}", title_justify="left")
     table.add_column("check")

@@ -48,7 +48,7 @@ __all__ = ["HOST_STATE_SCRIPT", "HostAptState", "StateReader", "Deb", "Deadline"
            "prepare_root", "resolve", "download", "check_file_sources", "packages_index", "release_file",
            "upload_plan", "manifest", "local_root", "HOOK_LISTS", "DOWNLOAD_BASE_S"]
 
-LAYOUT = "2"  # part of every apt root's name: a root made by an older layout is never reused
+LAYOUT = "3"  # part of every apt root's name: a root made by an older layout is never reused
 DOWNLOAD_BASE_S = 60.0  # each .deb: this many seconds, plus one per MiB of its size (and never past the deadline)
 DOWNLOAD_RATE = 1 << 20
 # apt's lists of commands to run; none may come from a host. Cleared in our configuration (which is the only
@@ -200,6 +200,10 @@ def prepare_root(cache: Path, state: HostAptState, sources: list[tuple[AptSource
         'Acquire::Retries "1";',
         'Acquire::http::Timeout "30";',
         'Acquire::https::Timeout "30";',
+        # a host's source is checked for where it points (aptstate._check_uri); a redirect would move the request
+        # anywhere, the controller's own loopback and the cloud metadata address included
+        'Acquire::http::AllowRedirect "false";',
+        'Acquire::https::AllowRedirect "false";',
         'APT::Get::List-Cleanup "false";',
     ]
     (tmp / "apt.conf").write_text("\n".join(c for c in conf if c) + "\n")

@@ -24,6 +24,7 @@ import binascii
 import ipaddress
 import json
 import re
+import socket
 import urllib.parse
 from dataclasses import dataclass, field
 
@@ -313,15 +314,49 @@ class SourceEntry:
         return "\n".join(lines) + "\n"
 
 
+_NUMERIC_LABEL_RE = re.compile(r"(0[xX][0-9a-fA-F]*|[0-9]+)\Z")
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address `host` names as the controller's resolver reads it, or None for a name. Besides the canonical
+    forms, the resolver (inet_aton) takes 127.1, 2130706433, 0x7f000001 and 0177.0.0.1; a name whose last label is
+    a number is such an address (as URL parsers read it) or nothing: ValueError."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    if not _NUMERIC_LABEL_RE.match(host.rstrip(".").rpartition(".")[2]):
+        return None
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        raise ValueError(f"{host} is neither a host name nor an address") from None
+
+
 def _local_host(host: str) -> bool:
-    """True for names and addresses that mean 'this machine' or its link: on the controller they are not the host."""
+    """True for names and addresses that mean 'this machine' or its link: on the controller they are not the host.
+    Also such an address in another form (127.1, 0x7f000001, ::ffff:127.0.0.1, 6to4), unspecified and multicast
+    addresses, and a number that is no address."""
     host = host.strip("[]").lower()
-    if host in ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback") or host.endswith(".localhost"):
+    name = host.rstrip(".")
+    if name in ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback") or name.endswith(".localhost"):
         return True
     try:
-        addr = ipaddress.ip_address(host)
+        addr = _address(host)
     except ValueError:
-        return False
+        return True
+    if addr is None:
+        return False  # a name: not resolved here (DNS may say anything); redirects are not followed (aptoffline)
+    if isinstance(addr, ipaddress.IPv6Address):
+        inner = addr.ipv4_mapped or addr.sixtofour
+        if inner is None and addr.packed[:12] == bytes(12) and int(addr) > 1:  # IPv4-compatible ::a.b.c.d
+            inner = ipaddress.IPv4Address(addr.packed[12:])
+        if inner is not None and _local_addr(inner):
+            return True
+    return _local_addr(addr)
+
+
+def _local_addr(addr) -> bool:
     return addr.is_loopback or addr.is_link_local or addr.is_unspecified or addr.is_multicast
 
 
@@ -338,6 +373,10 @@ def _check_uri(uri: str) -> str:
         return "not a URI"
     if not hostname:
         return "no host in the URI"
+    try:
+        _address(hostname.strip("[]"))
+    except ValueError as exc:
+        return _shown(str(exc), 120)
     if _local_host(hostname):
         return f"{hostname} is the host itself (loopback or link-local), not a place the controller may fetch from"
     if parts.username or parts.password:

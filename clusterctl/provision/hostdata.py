@@ -10,6 +10,7 @@ with one line, never a traceback, and never reaches another host.
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 
@@ -58,6 +59,17 @@ class Collector:
         return last_object(self._lines.get(host, []))
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
 def last_object(lines: list[str]) -> dict:
     """The last line that holds a JSON object (after whatever a shell's start-up files printed before it)."""
     for line in reversed(lines):
@@ -65,8 +77,8 @@ def last_object(lines: list[str]) -> dict:
         start = line.find("{")
         if start < 0:
             continue
-        try:
-            obj = json.loads(line[start:])
+        try:  # NaN, Infinity and 1e999 are no JSON (RFC 8259): `doctor --json` would pass them on
+            obj = json.loads(line[start:], parse_constant=_no_constant, parse_float=_finite)
         except (ValueError, RecursionError):
             raise BadReply(f"not JSON: {shown(line)}") from None
         if not isinstance(obj, dict):
@@ -136,6 +148,8 @@ def _clean(value, depth: int = 0):
         raise BadReply("nested too deep")
     if isinstance(value, str):
         return shown(value, 2000)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadReply(f"not a finite number: {value}")
     if isinstance(value, list):
         return [_clean(v, depth + 1) for v in value[:1000]]
     if isinstance(value, dict):

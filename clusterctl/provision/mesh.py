@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from pathlib import Path
 
 from ..cache import cache_root, makedirs
 from ..errors import ProvisionError
 from .steps import HostFacts
 
-__all__ = ["mesh_key", "mesh_context", "cache_root"]
+__all__ = ["mesh_key", "mesh_context", "own_names", "cache_root"]
 
 
 def default_key_path(job: str) -> Path:
@@ -50,8 +52,44 @@ def _mesh_key(path: Path, job: str) -> tuple[bytes, str]:
     return private, line
 
 
+def own_names(hosts, facts: dict) -> tuple[dict, list[tuple[object, str]]]:
+    """({host: the hostname it reported, or ""}, [(host, why its hostname is left out)]): a host may add a name for
+    itself to the mesh (its known_hosts line and the ssh config's Host line) only when no other host has it, as an
+    address of the spec or a hostname it reported too, and when it is no IP address (a compromised host could
+    otherwise have its key pinned for a peer)."""
+    others: dict[str, set] = {}  # lower-cased name -> hosts it names
+    for host in hosts:
+        for name in (host.address, host.endpoint_address, host.hostname, facts[host].hostname):
+            if name:
+                others.setdefault(name.lower(), set()).add(host)
+    names, dropped = {}, []
+    for host in hosts:
+        name = facts[host].hostname
+        names[host] = ""
+        if not name or name.lower() == host.endpoint_address.lower():
+            continue  # its address is pinned already
+        clash = sorted(h.label for h in others.get(name.lower(), set()) - {host})
+        if clash:
+            dropped.append((host, f"its hostname {name} names {', '.join(clash)} too"))
+        elif _is_address(name):
+            dropped.append((host, f"its hostname {name} is an IP address"))
+        else:
+            names[host] = name
+    return names, dropped
+
+
+def _is_address(name: str) -> bool:
+    """An IP address, or a name ending in a number (which resolvers read as one: 127.1, 2130706433)."""
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return bool(re.fullmatch(r"(0[xX][0-9a-fA-F]*|[0-9]+)", name.rstrip(".").rpartition(".")[2]))
+
+
 def known_hosts_text(hosts, facts: dict) -> str:
-    """known_hosts lines pinning every host's own key under its spec address and its hostname."""
+    """known_hosts lines pinning every host's own key under its spec address and its own hostname (own_names)."""
+    own, _ = own_names(hosts, facts)
     lines = []
     for host in hosts:
         f: HostFacts = facts[host]
@@ -59,17 +97,19 @@ def known_hosts_text(hosts, facts: dict) -> str:
             raise ProvisionError(f"{host.label}: no /etc/ssh/ssh_host_ed25519_key.pub to pin for the ssh mesh")
         addr = host.endpoint_address  # how the other hosts name it (an alias of ours means nothing there)
         names = [addr if host.port == 22 else f"[{addr}]:{host.port}"]
-        if f.hostname and f.hostname not in names:
-            names.append(f.hostname if host.port == 22 else f"[{f.hostname}]:{host.port}")
+        if own[host]:
+            names.append(own[host] if host.port == 22 else f"[{own[host]}]:{host.port}")
         lines.append(f"{','.join(names)} {f.host_key}")
     return "\n".join(lines)
 
 
 def mesh_context(job: str, public_line: str, hosts, facts: dict) -> dict:
-    """Template context of the ssh_mesh step (all public data; the private key goes on stdin)."""
+    """Template context of the ssh_mesh step (all public data; the private key goes on stdin). `dropped`: the
+    hostnames left out, for the hosts' logs."""
+    own, dropped = own_names(hosts, facts)
     names = []
     for host in hosts:
-        for name in (host.endpoint_address, facts[host].hostname):
+        for name in (host.endpoint_address, own[host]):
             if name and name not in names:
                 names.append(name)
     key_name = f"clusterctl-{job}_ed25519"
@@ -94,4 +134,5 @@ def mesh_context(job: str, public_line: str, hosts, facts: dict) -> dict:
         "config_block": block,
         "begin_marker": begin,
         "end_marker": end,
+        "dropped": dropped,
     }

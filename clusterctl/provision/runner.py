@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import os
 import threading
@@ -17,9 +18,10 @@ from ..plan import Host
 from ..quoting import join, redact
 from ..remote import Result
 from . import aptoffline, mesh, wheelhouse
+from .hostdata import shown
 from .probe import probe_hosts
 from .render import render_step
-from .steps import gpu_apt_packages, needs_root, requirements, selected_steps, step_context, sudo_problem
+from .steps import gpu_apt_packages, needs_root, read_keyring, requirements, selected_steps, step_context, sudo_problem
 
 __all__ = ["StepOutcome", "ProvisionReport", "provision", "parse_status", "log_dir", "STATUS_PREFIX"]
 
@@ -31,8 +33,20 @@ HOST_LOCK = HOST_LOCK_DIR + "/provision.lock"  # one step at a time per login on
 HOST_LOCK_WAIT = 0.8  # of provision.timeout: a step waits this long for another run's step on its host
 HOST_LOCK_BUSY = 199  # flock's exit when the wait ran out
 LOG_KEEP_BYTES = 32 << 20  # a host's log past this at the start of a run is kept as <host>.log.1, and a new one begun
+REASON_CHARS = 300  # of a host's own words in a table cell (the whole line is in the host's log)
 LOG_RUN_BYTES = LOG_KEEP_BYTES  # what one run writes to a host log; past it, one line says the rest is left out
 EventCallback = Callable[[Host, str, str, str], None]  # (host, step, "line"|"status", text)
+# A step's script travels on the command's stdin, never as an argument: Linux takes at most 128 KiB in one
+# argument (the ssh_mesh script of a few hundred hosts, a big keyring). The host reads one line first: the secret the
+# script reads on its own stdin (ssh_mesh's private key), base64, or nothing; then the script, which bash reads as a
+# file on fd 3 (a here-string: a pipe or an unlinked temporary file). The secret reaches the script through a pipe
+# from printf, bash's own: it is no process's argument either. LIMIT: coreutils `timeout` (see _run_step).
+STEP_BOOT = (
+    'IFS= read -r secret || exit 1; script=$(cat); '
+    'step() { if [ -n "$secret" ]; then printf %s "$secret" | base64 -d | "$@" 3<<<"$script"; '
+    'else "$@" 3<<<"$script" </dev/null; fi; }; '
+    'if command -v timeout >/dev/null 2>&1; then step LIMIT bash /dev/fd/3; else step bash /dev/fd/3; fi'
+)
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,7 @@ def log_dir(job: str) -> Path:
 
 def parse_status(step: str, res: Result, timeout: float) -> StepOutcome:
     """Turn a step script's Result into an outcome, from its final `CLUSTERCTL_STEP` line and exit code."""
+    # what the host wrote is shown as doctor shows a host's text: one line, at most REASON_CHARS
     if res.unreachable:
         return StepOutcome("failed", res.stderr.strip() or "host unreachable", res.seconds)
     if res.timed_out:
@@ -84,14 +99,14 @@ def parse_status(step: str, res: Result, timeout: float) -> StepOutcome:
     status_lines = [ln for ln in res.stdout.splitlines() if ln.startswith(STATUS_PREFIX)]
     if not status_lines:
         tail = (res.stdout + res.stderr).strip().splitlines()[-1:] or ["no output"]
-        return StepOutcome("failed", f"exit {res.exit_code} without a status line: {tail[0]}", res.seconds)
+        return StepOutcome("failed", f"exit {res.exit_code} without a status line: {shown(tail[0], REASON_CHARS)}", res.seconds)
     words = status_lines[-1][len(STATUS_PREFIX):].split(" ", 2)
     name, status, reason = (words + ["", ""])[:3]
     if name != step or status not in ("ok", "changed", "failed"):
-        return StepOutcome("failed", f"bad status line: {status_lines[-1]}", res.seconds)
+        return StepOutcome("failed", f"bad status line: {shown(status_lines[-1], REASON_CHARS)}", res.seconds)
     if status != "failed" and res.exit_code != 0:
         return StepOutcome("failed", f"exit {res.exit_code} after reporting {status}", res.seconds)
-    return StepOutcome(status, reason.strip(), res.seconds)
+    return StepOutcome(status, shown(reason.strip(), REASON_CHARS), res.seconds)
 
 
 class _Logs:
@@ -171,6 +186,7 @@ def provision(
     if prov is None:
         raise ProvisionError(f"{spec.source} has no provision: section (see docs/provisioning.md)")
     steps = selected_steps(prov, only)
+    _preflight(spec, steps)
     hosts = session.plan.hosts
     start = time.monotonic()
     report = ProvisionReport(spec.name, steps, hosts, check, log_dir(spec.name))
@@ -222,22 +238,50 @@ def provision(
     return report
 
 
+def _script(spec, step: str, *, check: bool, force: bool, mesh_ctx: dict | None) -> str:
+    """The rendered script of `step` (reading what it needs on the controller: a requirements file, keyrings)."""
+    prov = spec.provision
+    wh = prov.wheelhouse if prov.wheelhouse and prov.wheelhouse.enabled else None
+    try:
+        ctx = step_context(step, spec, check=check, force=force, wheelhouse_remote=wh.remote if wh else None, mesh=mesh_ctx)
+        return render_step(f"{step}.sh.j2", ctx)
+    except ValueError as exc:
+        raise ProvisionError(f"cannot render step {step}: {exc}") from None
+
+
+def _mesh_key(spec) -> tuple[bytes, str]:
+    key = spec.provision.ssh_mesh.key
+    return mesh.mesh_key(spec.local_path(key) if key else mesh.default_key_path(spec.name), spec.name)
+
+
+def _preflight(spec, steps: list[str]) -> None:
+    """Read and check what the selected steps take from the controller (a requirements file, keyrings, file: roots,
+    the mesh key) before any host is touched: a missing file is one error, not a run stopped halfway."""
+    prov = spec.provision
+    for step in steps:
+        if step == "wheelhouse":
+            requirements(spec)
+        elif step == "ssh_mesh":
+            _mesh_key(spec)
+        else:
+            _script(spec, step, check=True, force=False, mesh_ctx=None)
+        if _offline(prov, step):
+            _offline_sources(spec, step)
+
+
 def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_line) -> dict[Host, StepOutcome]:
     spec, remote = session.spec, session.remote
     prov = spec.provision
-    wh = prov.wheelhouse if prov.wheelhouse and prov.wheelhouse.enabled else None
     mesh_ctx, stdin = None, None
     if step == "ssh_mesh":
-        key_path = spec.local_path(prov.ssh_mesh.key) if prov.ssh_mesh.key else mesh.default_key_path(spec.name)
-        private, public = mesh.mesh_key(key_path, spec.name)
+        private, public = _mesh_key(spec)
         # the hosts the probe reached (a host that failed it has no facts, and no key to pin)
         mesh_ctx = mesh.mesh_context(spec.name, public, [h for h in session.plan.hosts if h in facts], facts)
+        for host, why in mesh_ctx.pop("dropped"):
+            if host in hosts:
+                on_line(host, "out", f"controller: {why}: left out of the mesh's known_hosts and ssh config")
         stdin = private
-    try:
-        ctx = step_context(step, spec, check=check, force=force, wheelhouse_remote=wh.remote if wh else None, mesh=mesh_ctx)
-        script = render_step(f"{step}.sh.j2", ctx)
-    except ValueError as exc:
-        raise ProvisionError(f"cannot render step {step}: {exc}") from None
+    script = _script(spec, step, check=check, force=force, mesh_ctx=mesh_ctx)
     out: dict[Host, StepOutcome] = {}
     as_root: dict[Host, bool] = {}
     for host in hosts:
@@ -250,8 +294,8 @@ def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_
     # process group (SIGTERM, SIGKILL KILL_AFTER_S later), so nothing it started (a hung apt-get holding dpkg's
     # lock, a user command) is left for the next run to meet. Hosts without `timeout` run the step as before.
     limit = join(["timeout", "-k", str(KILL_AFTER_S), f"{prov.timeout + HOST_GRACE_S:g}"])
-    bounded = f'if command -v timeout >/dev/null 2>&1; then {limit} bash -c "$1" "$0"; else bash -c "$1" "$0"; fi'
-    argv = ["bash", "-c", bounded, f"clusterctl-{step}", script]
+    argv = ["bash", "-c", STEP_BOOT.replace("LIMIT", limit), f"clusterctl-{step}"]
+    stdin = base64.b64encode(stdin or b"") + b"\n" + script.encode()
 
     def command(host: Host) -> str:
         # What needs root runs through non-interactive sudo; relative paths stay under the login user's home.
@@ -297,6 +341,20 @@ def _offline(prov, step: str) -> bool:
     return step == "apt" or (step == "gpu" and bool(gpu_apt_packages(prov)))
 
 
+def _offline_sources(spec, step: str) -> tuple[list[Path], list]:
+    """(apt.offline.file_roots, [(source, its keyring)]) of offline apt for `step`: apt.sources, or for the gpu step
+    cuda.repository (the spec requires one); ProvisionError for a file: source outside the roots, or a keyring
+    that cannot be read."""
+    prov = spec.provision
+    if step == "gpu":
+        wanted, where = [prov.cuda.repository], "cuda.repository"
+    else:
+        wanted, where = list(prov.apt.sources), "apt.sources"
+    roots = aptoffline.file_roots(spec)
+    aptoffline.check_file_sources(wanted, roots, where)
+    return roots, [(src, read_keyring(spec, src)) for src in wanted]
+
+
 def _offline_apt(session, step: str, hosts, *, check: bool, force: bool, log) -> dict[Host, StepOutcome]:
     """Offline apt's controller side (resolve, download once, upload what each host lacks); the hosts that failed it.
 
@@ -308,21 +366,8 @@ def _offline_apt(session, step: str, hosts, *, check: bool, force: bool, log) ->
     remote_dir = apt.offline.remote
     cache = aptoffline.local_root(spec)
     deadline = aptoffline.Deadline(apt.offline.timeout, "apt.offline.timeout")
-    if step == "gpu":
-        if prov.cuda.repository is None:
-            raise ProvisionError("apt.offline with cuda.method apt needs cuda.repository (a repository the controller "
-                                 "can read: NVIDIA's URL, or a local mirror)")
-        wanted_pkgs, wanted_sources, where = gpu_apt_packages(prov), [prov.cuda.repository], "cuda.repository"
-    else:
-        wanted_pkgs, wanted_sources, where = list(apt.packages), list(apt.sources), "apt.sources"
-    roots = aptoffline.file_roots(spec)
-    aptoffline.check_file_sources(wanted_sources, roots, where)
-    sources = []
-    for src in wanted_sources:
-        try:
-            sources.append((src, spec.local_path(src.signed_by).read_bytes() if src.signed_by else b""))
-        except OSError as exc:
-            raise ProvisionError(f"cannot read apt keyring {src.signed_by}: {exc.strerror or exc}") from None
+    wanted_pkgs = gpu_apt_packages(prov) if step == "gpu" else list(apt.packages)
+    roots, sources = _offline_sources(spec, step)
     readers = {h: aptoffline.StateReader(h.label) for h in hosts}
     state_timeout = min(120.0, deadline.left())
     results = remote.run(join(["python3", "-c", aptoffline.HOST_STATE_SCRIPT, remote_dir]), hosts=hosts, check=False,

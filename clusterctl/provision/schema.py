@@ -5,6 +5,7 @@ Every key is documented in docs/provisioning.md. Validators raise ValueError wit
 
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import Any, Literal
 
@@ -45,11 +46,35 @@ class _Switch(_Model):
         return {"enabled": v} if isinstance(v, bool) else v
 
 
-def _remote_path(v: str, what: str = "path", *, tilde: bool = False) -> str:
-    """A path on the host, relative to the login's home (or absolute): no `..` component, no shell metacharacter."""
+# Where a venv must never be made: `python -m venv` writes bin/, lib/ and pyvenv.cfg straight into it (as root
+# when it is outside the login's home)
+_SYSTEM_DIRS = frozenset(
+    ["/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt", "/proc",
+     "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/usr/local", "/var/lib", "/var/tmp", "/var/opt"]
+    + [f"{top}/{sub}" for top in ("/usr", "/usr/local")
+       for sub in ("bin", "etc", "games", "include", "lib", "lib32", "lib64", "libexec", "sbin", "share", "src")]
+)
+
+
+def _remote_path(v: str, what: str = "path", *, tilde: bool = False, system: bool = True) -> str:
+    """A path on the host, relative to the login's home (or absolute): no `..` component, no shell metacharacter,
+    not the home itself nor `/`. `tilde`: `~/x` may be written, and is kept as `x` (relative paths are under the
+    login's home, both for provision and for doctor); `~user` is refused. `system`: may be a system directory."""
     allowed = r"[A-Za-z0-9_./~+-]+" if tilde else r"[A-Za-z0-9_./+-]+"
     if not v or ".." in v.split("/") or not re.fullmatch(allowed, v):
         raise ValueError(f"not a usable {what}: {v!r}")
+    written = v
+    if v == "~" or v.startswith("~/"):
+        v = v[2:].lstrip("/")  # `~//x` is under the home too
+    if v.startswith("~"):
+        raise ValueError(f"{written!r}: ~user is not expanded; give a path under the login's home (~/...) or an absolute one")
+    norm = posixpath.normpath(v or ".")
+    if norm == ".":
+        raise ValueError(f"{written!r} is the home directory itself: give a directory under it, or leave the key out")
+    if norm.strip("/") == "":
+        raise ValueError(f"{written!r} is the root directory: give a directory under it, or leave the key out")
+    if not system and norm.startswith("/") and "/" + norm.strip("/") in _SYSTEM_DIRS:
+        raise ValueError(f"{written!r} is a system directory: give a directory of its own (such as /opt/clusterctl-venv)")
     return v
 
 
@@ -235,7 +260,7 @@ class PythonSpec(_Model):
     @field_validator("venv")
     @classmethod
     def _venv(cls, v: str) -> str:
-        return _remote_path(v, "venv path", tilde=True)
+        return _remote_path(v, "venv path", tilde=True, system=False)
 
     @field_validator("requirements")
     @classmethod
@@ -318,6 +343,13 @@ class CommandSpec(_Model):
             raise ValueError("use 1-63 letters, digits, '.', '_' or '-'")
         return v
 
+    @field_validator("creates")
+    @classmethod
+    def _creates(cls, v: str | None) -> str | None:
+        if v is not None and v.startswith("~") and not (v == "~" or v.startswith("~/")):
+            raise ValueError(f"{v!r}: ~user is not expanded; give a path under the login's home (~/...) or an absolute one")
+        return v
+
     @model_validator(mode="after")
     def _guard(self) -> CommandSpec:
         if not self.creates and not self.unless:
@@ -381,6 +413,9 @@ class ProvisionSpec(_Model):
             raise ValueError("method: pip installs into the job's venv: add a python: section (python.venv)")
         offline = self.apt.offline if self.apt else None
         repo = self.cuda.repository if self.cuda else None
+        if offline and offline.enabled and repo is None and any(self.gpu_method(c) == "apt" for c in ("cuda", "cudnn", "nccl")):
+            raise ValueError("apt.offline with cuda.method apt needs cuda.repository (a repository the controller can "
+                             "read: NVIDIA's URL, or a local mirror)")
         if offline and offline.enabled and not offline.file_roots and repo and repo.uri.startswith("file:"):
             raise ValueError(f"offline apt reads the file: repository {repo.name} (cuda.repository) on the controller: "
                              "name its directory (or one above it) in apt.offline.file_roots")

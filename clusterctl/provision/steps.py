@@ -11,7 +11,7 @@ from ..errors import ProvisionError
 from . import versions
 from .schema import AptSource, ProvisionSpec
 
-__all__ = ["STEP_ORDER", "HostFacts", "gpu_apt_packages", "needs_root", "sudo_problem", "selected_steps", "requirements", "step_context", "source_line", "read_requirements"]
+__all__ = ["STEP_ORDER", "HostFacts", "gpu_apt_packages", "needs_root", "sudo_problem", "selected_steps", "requirements", "step_context", "source_line", "read_requirements", "read_keyring"]
 
 # The order steps run in; each later step may rely on the earlier ones (gpu/mpi need the venv).
 STEP_ORDER = ("wheelhouse", "apt", "python", "gpu", "mpi", "ssh_mesh", "commands")
@@ -187,16 +187,21 @@ def source_line(src: AptSource, name: str | None = None) -> str:
     return " ".join([head, src.uri, src.suite, *src.components])
 
 
-def _source_ctx(spec, src: AptSource) -> dict:
-    key = ""
-    if src.signed_by:
-        path = spec.local_path(src.signed_by)
-        from ..files import read_limited
+def read_keyring(spec, src: AptSource) -> bytes:
+    """The controller-side keyring of `src` (signed_by; b"" without one), for the host or for offline apt."""
+    if not src.signed_by:
+        return b""
+    from ..files import read_limited
 
-        try:  # a keyring is kilobytes: bounded, and a FIFO refused rather than waited on
-            key = base64.b64encode(read_limited(path, 1 << 20)).decode()
-        except OSError as exc:
-            raise ProvisionError(f"cannot read apt keyring {path}: {exc.strerror or exc}") from None
+    path = spec.local_path(src.signed_by)
+    try:  # a keyring is kilobytes: bounded, and a FIFO refused rather than waited on
+        return read_limited(path, 1 << 20)
+    except OSError as exc:
+        raise ProvisionError(f"cannot read apt keyring {path}: {exc.strerror or exc}") from None
+
+
+def _source_ctx(spec, src: AptSource) -> dict:
+    key = base64.b64encode(read_keyring(spec, src)).decode()
     return {"name": src.name, "line": source_line(src), "key_b64": key}
 
 

@@ -3,6 +3,7 @@ one line naming what and where (a table cell, or one error line before any host 
 traceback, and nothing is left running on a host for the next run to meet."""
 
 import copy
+import json
 import os
 import platform
 import sys
@@ -307,3 +308,94 @@ def test_a_wheelhouse_upload_waits_for_another_runs_step_on_its_host(tmp_path, m
     assert not list(c.home(0).rglob("tinypkg-*.whl"))
     got = outcomes(run(c, only=["wheelhouse"]))  # the lock let go: uploaded
     assert got[("n0", "wheelhouse")][0] == "changed" and list(c.home(0).rglob("tinypkg-*.whl"))
+
+
+def test_a_venv_under_tilde_is_the_one_doctor_checks(tmp_path, monkeypatch, capsys):
+    """`venv: ~/jobvenv` made $HOME/~/jobvenv (the tilde quoted), while doctor looked for $HOME/jobvenv."""
+    c = cluster(tmp_path, monkeypatch, {"python": {"venv": "~/jobvenv", "requirements": []}}, hosts=1)
+    assert outcomes(run(c, only=["python"])) == {("n0", "python"): ("changed", f"create venv {c.home(0) / 'jobvenv'}")}
+    assert (c.home(0) / "jobvenv" / "bin" / "python").exists() and not (c.home(0) / "~").exists()
+    code, out, err = cli(capsys, "doctor", c.spec_path, "--json")
+    venv = json.loads(out)["hosts"]["n0"]["venv"]
+    assert (venv["path"], venv["exists"]) == (str(c.home(0) / "jobvenv"), True)
+
+
+def test_a_creates_guard_under_tilde_holds_on_the_second_run(tmp_path, monkeypatch):
+    """`creates: ~/marker` was tested as a file named `~/marker` under the current directory: the command ran on
+    every run, and the step failed saying it did not create what it had."""
+    command = {"name": "mark", "run": "echo made >> ~/marker", "creates": "~/marker"}
+    c = cluster(tmp_path, monkeypatch, {"commands": [command]}, hosts=1)
+    assert outcomes(run(c)) == {("n0", "commands"): ("changed", "ran mark")}
+    assert outcomes(run(c)) == {("n0", "commands"): ("ok", "")}
+    assert (c.home(0) / "marker").read_text() == "made\n"
+
+
+@pytest.mark.timeout(60)
+def test_an_offline_keyring_that_is_a_fifo_is_one_error_not_a_hang(tmp_path, monkeypatch):
+    """Offline apt read signed_by with read_bytes(): a FIFO waited for a writer for ever (the online path refused it)."""
+    os.mkfifo(tmp_path / "key.gpg")
+    source = {"name": "x", "uri": "http://mirror.example/debian", "suite": "bookworm", "components": ["main"],
+              "signed_by": str(tmp_path / "key.gpg")}
+    c = cluster(tmp_path, monkeypatch, {"apt": {"packages": ["jq"], "offline": True, "sources": [source]}})
+    with pytest.raises(ProvisionError) as info:
+        run(c, check=True)  # --check: this machine's own apt is the fake hosts' (see the module's docstring)
+    assert str(info.value) == f"cannot read apt keyring {tmp_path / 'key.gpg'}: not a file (a FIFO or a socket)"
+
+
+@pytest.mark.parametrize("broken", ["mesh key", "keyring"])
+def test_a_controller_input_that_cannot_be_read_fails_before_any_host_is_touched(tmp_path, monkeypatch, broken):
+    """A missing keyring (or a mesh key that cannot be made) was found when its step came: the python step had made
+    its venv on every host by then, and the run stopped with no table."""
+    (tmp_path / "afile").write_text("")
+    section = {"python": {"venv": "v", "requirements": []}}
+    if broken == "mesh key":
+        section["ssh_mesh"] = {"key": str(tmp_path / "afile" / "id_ed25519")}
+        message = f"ssh_mesh key {tmp_path / 'afile' / 'id_ed25519'}: File exists"
+    else:
+        section["cuda"] = {"version": "12.4", "method": "pip",
+                           "repository": {"name": "nv", "uri": "http://x.example/", "signed_by": "missing.gpg"}}
+        message = f"cannot read apt keyring {tmp_path / 'missing.gpg'}: No such file or directory"
+    c = cluster(tmp_path, monkeypatch, section)
+    with pytest.raises(ProvisionError) as info:
+        run(c)
+    assert str(info.value) == message
+    assert not (c.home(0) / "v").exists() and not (c.home(1) / "v").exists()
+    assert not (tmp_path / "cache" / "clusterctl" / "provision" / c.name).exists()  # not even a log begun
+
+
+def test_a_step_script_over_128_kib_runs(tmp_path, monkeypatch):
+    """The script was one argument of the host's command line: past Linux's 128 KiB for one argument (an ssh_mesh of
+    ~400 hosts, a big keyring) the run stopped with `Argument list too long`, after the earlier steps had run."""
+    many = [{"name": f"c{k}", "run": f"echo {k} >> marks # " + "x" * 1000, "unless": f"grep -qx {k} marks"}
+            for k in range(150)]  # each one small; the script over 150 KiB
+    c = cluster(tmp_path, monkeypatch, {"commands": many})
+    got = outcomes(run(c))
+    assert [(status, reason[:15]) for status, reason in got.values()] == [("changed", "ran c0; ran c1;")] * 2
+    assert (c.home(1) / "marks").read_text() == "".join(f"{k}\n" for k in range(150))
+    assert outcomes(run(c)) == {(f"n{i}", "commands"): ("ok", "") for i in range(2)}
+
+
+# the probe's interpreter: the real facts, overridden by FAKE_FACTS (JSON)
+FAKE_PYTHON = """\
+    python3 "$@" | python3 -c 'import json, os, sys
+    d = json.loads(sys.stdin.read().splitlines()[-1]); d.update(json.loads(os.environ["FAKE_FACTS"])); print(json.dumps(d))'
+    """
+
+
+def test_the_mesh_key_reaches_the_hosts_and_a_shared_hostname_is_pinned_for_nobody(tmp_path, monkeypatch, capsys):
+    """Both hosts say they are `box`: each host's key was pinned for that name (ssh takes either key for it)."""
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFakeHostKeyForTests"
+    c = FakeCluster(tmp_path, hosts=2, extra={"provision": {"python": {"interpreter": "fakepython"}, "ssh_mesh": True}},
+                    env={"FAKE_FACTS": json.dumps({"host_key": key, "hostname": "box"})}).everywhere(monkeypatch)
+    fake_exe(c.bin, "fakepython", FAKE_PYTHON)
+    report = run(c, only=["ssh_mesh"])
+    assert outcomes(report) == {(f"n{i}", "ssh_mesh"): ("changed", f"create {c.home(i) / '.ssh'}; mesh key; mesh public "
+                                                        "key; peers' host keys; authorize mesh key; ssh config block")
+                                for i in range(2)}
+    ssh = c.home(1) / ".ssh"
+    private = (tmp_path / "cache" / "clusterctl" / "mesh" / c.name / "id_ed25519").read_text()
+    assert (ssh / f"clusterctl-{c.name}_ed25519").read_text() == private  # on stdin, never in the script
+    assert (ssh / f"clusterctl-{c.name}.known_hosts").read_text() == f"127.0.0.1 {key}\n127.0.0.2 {key}\n"
+    assert "\nHost 127.0.0.1 127.0.0.2\n" in (ssh / "config").read_text()
+    assert ("[ssh_mesh] controller: its hostname box names n1 too: left out of the mesh's known_hosts and ssh config\n"
+            in report.log_path(report.hosts[0]).read_text())

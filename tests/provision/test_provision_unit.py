@@ -138,6 +138,23 @@ BAD = [
         "cluster.yaml:8:16: provision.wheelhouse.index_url: expected an http(s):// or file:// URL, not ''",
         id="index-url",
     ),
+    # the home or / itself: `python -m venv .` wrote bin/, lib/ and pyvenv.cfg into the home, `venv: /` into / as root
+    *(pytest.param(f"  python: {{venv: '{v}'}}\n", f"cluster.yaml:8:12: provision.python.venv: '{v}' is the home directory "
+                   "itself: give a directory under it, or leave the key out", id=f"venv-home-{v}") for v in (".", "./", "~", "~/", "~/.")),
+    *(pytest.param(f"  python: {{venv: '{v}'}}\n", f"cluster.yaml:8:12: provision.python.venv: '{v}' is the root directory: "
+                   "give a directory under it, or leave the key out", id=f"venv-root-{v}") for v in ("/", "//", "/./")),
+    *(pytest.param(f"  python: {{venv: '{v}'}}\n", f"cluster.yaml:8:12: provision.python.venv: '{v}' is a system directory: "
+                   "give a directory of its own (such as /opt/clusterctl-venv)", id=f"venv-system-{v}")
+      for v in ("/usr", "/usr/local/", "/opt", "/etc", "/var", "/bin", "/lib", "//usr/lib")),
+    pytest.param("  python: {}\n  wheelhouse: {remote: '~'}\n", "cluster.yaml:9:16: provision.wheelhouse.remote: '~' is the home "
+                 "directory itself: give a directory under it, or leave the key out", id="wheelhouse-home"),
+    pytest.param("  python: {}\n  wheelhouse: {remote: /}\n", "cluster.yaml:9:16: provision.wheelhouse.remote: '/' is the root "
+                 "directory: give a directory under it, or leave the key out", id="wheelhouse-root"),
+    pytest.param("  apt: {offline: {remote: .}}\n", "cluster.yaml:8:19: provision.apt.offline.remote: '.' is the home directory "
+                 "itself: give a directory under it, or leave the key out", id="offline-home"),
+    # `~user/x` was taken as a directory named `~user` under the home (doctor looked in user's home)
+    pytest.param("  python: {venv: '~bob/venv'}\n", "cluster.yaml:8:12: provision.python.venv: '~bob/venv': ~user is not "
+                 "expanded; give a path under the login's home (~/...) or an absolute one", id="venv-tilde-user"),
 ]
 
 
@@ -386,13 +403,18 @@ def test_doctor_params_list_the_plans_ports_and_peers():
 def test_cli_without_provision_section_is_one_clean_error(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(HEAD.replace("provision:\n", ""))
+    """The spec's or the command line's problem, not a host's: exit 2 (it was 1, as for a failed step)."""
     proc = subprocess.run([sys.executable, "-m", "clusterctl.cli", "provision", str(path)], capture_output=True, text=True, check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip() == f"clusterctl: error: {path} has no provision: section (see docs/provisioning.md)"
     path.write_text(HEAD + "  apt: [htop]\n")
     proc = subprocess.run([sys.executable, "-m", "clusterctl.cli", "provision", str(path), "--only", "gpu"], capture_output=True, text=True, check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip() == "clusterctl: error: --only gpu: the spec's provision section has no gpu step"
+    proc = subprocess.run([sys.executable, "-m", "clusterctl.cli", "provision", str(path), "--only", "bogus"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("clusterctl: error: unknown step 'bogus' for --only (steps: wheelhouse, apt, python, gpu, "
+                                   "mpi, ssh_mesh, commands)")
 
 
 # ---------------------------------------------------------------- failures, sudo, offline apt, packaging
@@ -583,3 +605,11 @@ def test_doctor_facts_read_the_cuda_runtime_wheel_of_cuda_12_and_13(monkeypatch,
     assert info["toolkit"] == f"13.0.96 (pip {runtime})"
     assert info["nccl"] == "2.27.7 (pip nvidia-nccl-cu13)"
     assert info["gpus"] == [] and info["driver"] == ""
+
+
+@pytest.mark.parametrize("gpu", ["  cuda: '12.4'\n", "  cuda: {version: '12.4', method: pip}\n  nccl: {version: 2.21.5, method: apt}\n"])
+def test_offline_apt_for_the_gpu_step_without_a_repository_is_a_spec_error(gpu):
+    """`validate` said valid; `provision` changed the hosts in the earlier steps, then stopped at gpu."""
+    problems = _errors(HEAD + "  apt: {offline: true}\n  python: {venv: v}\n" + gpu)
+    assert problems == ["cluster.yaml:7:1: provision: apt.offline with cuda.method apt needs cuda.repository (a repository "
+                        "the controller can read: NVIDIA's URL, or a local mirror)"]

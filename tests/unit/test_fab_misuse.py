@@ -275,7 +275,7 @@ def test_provision_only_takes_steps_with_spaces_after_the_commas(tmp_path, monke
     # `--only "commands, apt"` was refused as the unknown step ' apt'; now that step is read, and named
     guarded = {"name": "t", "run": "true", "unless": "true"}
     c = FakeCluster(tmp_path, extra={"provision": {"commands": [guarded]}}).everywhere(monkeypatch)
-    assert _fab_here("provision", "--spec", str(c.spec_path), "--check", "--only", "commands, apt") == 1
+    assert _fab_here("provision", "--spec", str(c.spec_path), "--check", "--only", "commands, apt") == 2  # a usage error
     assert capsys.readouterr().err.splitlines() == [
         "clusterctl: error: --only apt: the spec's provision section has no apt step"]
 
