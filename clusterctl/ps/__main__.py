@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from .env import server_from_env
 from .errors import PsConfigError, PsError
+from .protocol import MAX_TIMEOUT
 
 __all__ = ["main"]
 
@@ -28,6 +29,8 @@ def _seconds(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds > 0")
+    if value > MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than {MAX_TIMEOUT:,.0f} seconds")
     return value
 
 

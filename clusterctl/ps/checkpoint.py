@@ -6,12 +6,17 @@ Layout of a checkpoint directory::
     DIR/pserver-<id>/tensors.npz     # every block and its optimizer state
     DIR/pserver-<id>.prev/           # the checkpoint before it (kept so that pservers that crashed between
                                      # two saves can still agree on a common step: see load_server(step=))
+    DIR/pserver-<id>.new/            # only while a save swaps it in (or after a crash in the middle of that)
     DIR/checkpoint.json              # commit record written by the trainer that asked for the save,
                                      # only after every pserver reported success
 
-Each pserver writes its own subdirectory atomically (temporary directory, then rename). Loading checks
-the manifest against the server's identity and, where the commit record or sibling manifests are
-visible (shared or local filesystem), that they all carry the same step.
+Each pserver writes its own subdirectory atomically: a temporary directory, renamed to ``pserver-<id>.new``
+once complete and fsynced, then swapped in (``pserver-<id>`` -> ``.prev`` -> dropped; ``.new`` ->
+``pserver-<id>``), the directory fsynced after the renames. A crash at any point of the swap leaves a
+state :func:`recover_server` finishes at the next save or load (a pserver runs it at startup), so no
+complete shard is lost. Loading checks the manifest against the server's identity and, where the commit
+record or sibling manifests are visible (shared or local filesystem), picks the committed step (latest
+or previous shard) and checks that every visible sibling holds it.
 
 Blocks are flat, so a block's size and dtype cannot tell a (3, 4) parameter from a (4, 3) one: the manifest
 also records the full shape and dtype of every parameter the shard holds blocks of (``params``), which the
@@ -29,6 +34,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import zipfile
@@ -39,7 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CheckpointError
+from .errors import CheckpointError, PsConfigError
+from .optim import OptimizerConfig, init_state, state_dtype
 
 __all__ = [
     "FORMAT",
@@ -49,6 +56,7 @@ __all__ = [
     "param_table",
     "parse_params",
     "read_commit",
+    "recover_server",
     "save_server",
     "saved_steps",
     "server_dir",
@@ -104,6 +112,11 @@ def prev_dir(root: str | os.PathLike[str], server_id: int) -> Path:
     return Path(root) / f"pserver-{server_id}.prev"
 
 
+def new_dir(root: str | os.PathLike[str], server_id: int) -> Path:
+    """The subdirectory holding pserver ``server_id``'s complete new shard while a save swaps it in."""
+    return Path(root) / f"pserver-{server_id}.new"
+
+
 def has_server_checkpoint(root: str | os.PathLike[str], server_id: int) -> bool:
     """Whether ``root`` holds a manifest for pserver ``server_id`` (a symlinked shard counts: loading refuses it)."""
     sdir = server_dir(root, server_id)
@@ -152,31 +165,99 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_server(root: str | os.PathLike[str], ckpt: ServerCheckpoint, *, job: str = "") -> Path:
     """Write ``ckpt`` atomically to ``root/pserver-<id>``; return that directory."""
     final = server_dir(root, ckpt.server_id)
-    prev = prev_dir(root, ckpt.server_id)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        for path in (final, prev, tmp, old):  # refused before anything is written or renamed
-            _lexists(path)
+        for path in (final, prev_dir(root, ckpt.server_id), new_dir(root, ckpt.server_id), tmp):
+            _lexists(path)  # refused before anything is written or renamed
+        recover_server(root, ckpt.server_id)  # a swap a crash interrupted is finished first
         if _lexists(tmp):
             shutil.rmtree(tmp)
         tmp.mkdir()
         _write_shard(tmp, ckpt, job)
-        if _lexists(final):
-            if _lexists(prev):
-                prev.rename(old)
-            final.rename(prev)
-        tmp.rename(final)
-        if _lexists(old):
-            shutil.rmtree(old)
+        tmp.rename(new_dir(root, ckpt.server_id))  # complete under a name a restart finds
+        _fsync_dir(final.parent)
+        _swap_in(root, ckpt.server_id)
     except OSError as exc:
         raise CheckpointError(f"cannot save pserver {ckpt.server_id}'s shard under {root}: {exc}") from None
     log.info("saved %d block(s) at step %d to %s", len(ckpt.blocks), ckpt.step, final)
     return final
+
+
+def _step_of(sdir: Path) -> int | None:
+    """The step in ``sdir``'s manifest; None when it is absent, unreadable or no step."""
+    try:
+        step = _read_manifest(sdir).get("step")
+    except CheckpointError:
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _swap_in(root: str | os.PathLike[str], server_id: int) -> None:
+    """Make ``pserver-<id>.new`` the latest shard; the latest becomes ``.prev`` and the ``.prev`` before it goes.
+
+    A latest shard that is not older than the new one (a save after a load of an earlier step, or an
+    unreadable one) is replaced instead and ``.prev`` stays: it may hold the step the commit record names.
+    Every state a crash can leave between these renames is finished by :func:`recover_server`.
+    """
+    final, prev, new = server_dir(root, server_id), prev_dir(root, server_id), new_dir(root, server_id)
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    _lexists(old)
+    if _lexists(final):
+        latest, step = _step_of(final), _step_of(new)
+        if latest is not None and step is not None and latest < step:
+            if _lexists(prev):
+                prev.rename(old)
+            final.rename(prev)
+        else:
+            final.rename(old)
+    new.rename(final)
+    _fsync_dir(final.parent)
+    if _lexists(old):
+        shutil.rmtree(old)
+
+
+def recover_server(root: str | os.PathLike[str], server_id: int) -> None:
+    """Finish a save of pserver ``server_id`` that a crash interrupted, so ``pserver-<id>`` is its latest shard.
+
+    A complete ``pserver-<id>.new`` is swapped in; without it, a missing ``pserver-<id>`` whose ``.prev``
+    is there (left by a crash between two renames of a save) is replaced by ``.prev``. Leftover
+    temporary directories of this pserver are removed. Logged; a no-op when nothing was interrupted.
+    """
+    final, prev, new = server_dir(root, server_id), prev_dir(root, server_id), new_dir(root, server_id)
+    try:
+        # first: a leftover of a crashed process with this pid (pids repeat in containers) would block a rename
+        stale = re.compile(rf"\.pserver-{server_id}\.(tmp|old)-\d+")
+        for path in final.parent.glob(f".pserver-{server_id}.*"):
+            if stale.fullmatch(path.name) and not path.is_symlink() and path.is_dir():
+                shutil.rmtree(path)
+        if _lexists(new):
+            if _step_of(new) is None:  # written and fsynced before its rename: only damage gets here
+                log.warning("pserver %d: dropping the unreadable interrupted save %s", server_id, new)
+                shutil.rmtree(new)
+            else:
+                log.warning("pserver %d: finishing the save of step %d that was interrupted (%s)",
+                            server_id, _step_of(new), new)
+                _swap_in(root, server_id)
+        if not _lexists(final) and _lexists(prev):
+            log.warning("pserver %d: %s is missing (a save was interrupted); using %s, step %s",
+                        server_id, final, prev, _step_of(prev))
+            prev.rename(final)
+            _fsync_dir(final.parent)
+    except OSError as exc:
+        raise CheckpointError(f"cannot recover pserver {server_id}'s interrupted save under {root}: {exc}") from None
 
 
 def _write_shard(tmp: Path, ckpt: ServerCheckpoint, job: str) -> None:
@@ -248,13 +329,21 @@ def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int, 
                 siblings: bool = True) -> ServerCheckpoint:
     """Read and verify pserver ``server_id``'s shard of the checkpoint in ``root`` (at ``step``: latest or previous).
 
-    ``siblings=False`` skips the cross-check with other pservers' manifests and the commit record (pservers that
-    save on their own, ``checkpoint_every``, agree on a step through their trainers instead).
+    With ``siblings`` and no ``step``, a commit record in ``root`` names the step to load (the latest or the
+    previous shard: a later save may have failed on another pserver) and every sibling visible in ``root``
+    must hold that step; without a record, the latest shard is loaded and every visible sibling's latest
+    must be at its step. ``siblings=False`` skips both (pservers that save on their own, ``checkpoint_every``,
+    agree on a step through their trainers instead).
     """
+    rec = _commit(Path(root)) if siblings and step is None else None
+    if rec is not None:
+        step = rec["step"]
+        if step not in saved_steps(root, server_id):
+            raise CheckpointError(f"{root}: the commit record says step {step}, but pserver {server_id} holds "
+                                  f"{_holds(root, server_id)}")
     sdir = server_dir(root, server_id)
     if step is not None and step not in saved_steps(root, server_id)[:1]:
         sdir = prev_dir(root, server_id)
-        siblings = False
     if not _lexists(sdir):
         raise CheckpointError(f"{sdir / 'manifest.json'}: missing")
     dfd = _open_dir(sdir)
@@ -282,8 +371,19 @@ def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int, 
     if want is not None and step != want:
         raise CheckpointError(f"{sdir}: pserver {server_id} has no checkpoint at step {want} "
                               f"(it has {saved_steps(root, server_id)})")
-    if siblings:
-        _check_siblings(Path(root), step, num_servers)
+    if rec is not None:
+        if rec.get("num_servers") != num_servers:
+            raise CheckpointError(f"{root}: commit record says step {step} with {rec.get('num_servers')} "
+                                  f"pserver(s), but this shard is step {step} of {num_servers}")
+        _check_siblings(Path(root), step, server_id, committed=True)
+    elif siblings and want is None:
+        _check_siblings(Path(root), step, server_id, committed=False)
+    opt = None
+    if manifest.get("optimizer") is not None:
+        try:
+            opt = OptimizerConfig.from_dict(manifest["optimizer"])
+        except (PsConfigError, TypeError) as exc:
+            raise CheckpointError(f"{sdir}/manifest.json: optimizer: {exc}") from None
     try:
         with np.load(io.BytesIO(tensors), allow_pickle=False) as npz:
             data = {name: npz[name] for name in npz.files}
@@ -295,13 +395,20 @@ def load_server(root: str | os.PathLike[str], server_id: int, num_servers: int, 
         arr = data.get(f"p{i}")
         if arr is None or arr.dtype.name != entry["dtype"] or arr.size != entry["size"]:
             raise CheckpointError(f"{sdir}: block {entry.get('key')!r} does not match its manifest entry")
-        blocks[entry["key"]] = arr.reshape(-1).copy()
+        key = entry["key"]
+        blocks[key] = arr.reshape(-1).copy()
+        want_state = init_state(opt, blocks[key]) if opt is not None else None
+        if want_state is not None and sorted(want_state) != sorted(entry.get("state", [])):
+            raise CheckpointError(f"{sdir}/manifest.json: block {key!r} has optimizer state "
+                                  f"{sorted(entry.get('state', []))}, {opt.kind} needs {sorted(want_state)}")
         st = {}
         for name in entry.get("state", []):
             if f"s{i}_{name}" not in data:
-                raise CheckpointError(f"{sdir}: optimizer state {name!r} of {entry['key']!r} is missing")
+                raise CheckpointError(f"{sdir}: optimizer state {name!r} of {key!r} is missing")
             st[name] = data[f"s{i}_{name}"].copy()
-        states[entry["key"]] = st
+            if want_state is not None:
+                st[name] = _checked_state(sdir, key, name, st[name], want_state[name], arr.dtype)
+        states[key] = st
     log.info("loaded %d block(s) at step %d from %s", len(blocks), step, sdir)
     return ServerCheckpoint(server_id, num_servers, step, str(manifest.get("mode", "")),
                             manifest.get("optimizer"), blocks, states, params)
@@ -314,27 +421,57 @@ def _is_entry(entry: Any) -> bool:
             and all(isinstance(name, str) for name in entry.get("state", [])))
 
 
-def _check_siblings(root: Path, step: int, num_servers: int) -> None:
-    """Every commit record and sibling manifest visible from here must agree on ``step``."""
+def _checked_state(sdir: Path, key: str, name: str, arr: np.ndarray, want: np.ndarray, block: np.dtype) -> np.ndarray:
+    """Optimizer state ``name`` of block ``key`` as :func:`init_state` makes it, or a CheckpointError.
+
+    A float16 block's state saved in float16 (before its arithmetic was float32) is widened to float32.
+    """
+    if arr.shape == want.shape and arr.dtype == block and want.dtype == state_dtype(block) != block:
+        arr = arr.astype(want.dtype)
+    if arr.shape != want.shape or arr.dtype != want.dtype:
+        raise CheckpointError(f"{sdir}/tensors.npz: optimizer state {name!r} of block {key!r} is "
+                              f"{arr.dtype.name}{list(arr.shape)}, want {want.dtype.name}{list(want.shape)}")
+    return arr
+
+
+def _commit(root: Path) -> dict[str, Any] | None:
+    """The commit record in ``root``, None when there is none; CheckpointError when its step is no step."""
     commit = root / "checkpoint.json"
-    if commit.is_file():
-        rec = _read_json(commit)
-        if rec.get("step") != step or rec.get("num_servers") != num_servers:
-            raise CheckpointError(
-                f"{root}: commit record says step {rec.get('step')} with {rec.get('num_servers')} "
-                f"pserver(s), but this shard is step {step} of {num_servers}"
-            )
+    if not commit.is_file():
+        return None
+    rec = _read_json(commit)
+    if isinstance(rec.get("step"), bool) or not isinstance(rec.get("step"), int) or rec["step"] < 0:
+        raise CheckpointError(f"{commit}: step is not a non-negative integer")
+    return rec
+
+
+def _holds(root: str | os.PathLike[str], server_id: int) -> str:
+    """The steps pserver ``server_id`` holds under ``root``, for an error message."""
+    held = [f"step {step} ({sdir.name})" for sdir in (server_dir(root, server_id), prev_dir(root, server_id))
+            if (step := _step_of(sdir)) is not None]
+    return " and ".join(held) or "no readable shard"
+
+
+_SHARD = re.compile(r"pserver-(\d+)(\.prev)?")
+
+
+def _check_siblings(root: Path, step: int, server_id: int, *, committed: bool) -> None:
+    """Every sibling shard visible in ``root`` must hold ``step``: its latest or (``committed``) its previous."""
+    others: dict[int, list[int | None]] = {}
     for other in sorted(root.glob("pserver-*")):
-        if other.name.endswith(".prev"):  # a shard's previous checkpoint, kept on purpose
-            continue
+        m = _SHARD.fullmatch(other.name)
+        if m is None or int(m[1]) == server_id or (m[2] and not committed):
+            continue  # not a shard dir (e.g. .new, finished by its own pserver), this one, or an unused .prev
         if not other.is_symlink() and not (other / "manifest.json").is_file():
             continue
-        rec = _read_manifest(other)  # a symlinked sibling is refused by name
-        if rec.get("step") != step:
-            raise CheckpointError(
-                f"{root}: inconsistent checkpoint: {other.name} is at step {rec.get('step')}, "
-                f"expected {step}"
-            )
+        others.setdefault(int(m[1]), []).append(_read_manifest(other).get("step"))  # a symlink is refused by name
+    for sid, steps in sorted(others.items()):
+        if step not in steps:
+            if committed:
+                raise CheckpointError(f"{root}: the commit record says step {step}, but pserver {sid} holds "
+                                      f"{_holds(root, sid)}")
+            raise CheckpointError(f"{root}: inconsistent checkpoint: pserver-{sid} is at step {steps[0]}, "
+                                  f"expected {step}")
 
 
 def write_commit(root: str | os.PathLike[str], step: int, endpoints: list[str], *, job: str = "") -> Path:
@@ -350,7 +487,10 @@ def write_commit(root: str | os.PathLike[str], step: int, endpoints: list[str], 
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     with os.fdopen(fd, "w") as fh:
         fh.write(json.dumps(rec, indent=1, sort_keys=True))
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
     return path
 
 

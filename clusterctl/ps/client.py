@@ -34,7 +34,7 @@ from .endpoints import zmq_address
 from .errors import (BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError, PsTimeoutError,
                      RemoteOpError)
 from .optim import SGD, OptimizerConfig
-from .protocol import MAX_WIRE_FRAME_BYTES, PIPELINE_ENV, Message, decode, encode, env_flag, quoted
+from .protocol import MAX_TIMEOUT, MAX_WIRE_FRAME_BYTES, PIPELINE_ENV, Message, decode, encode, env_flag, quoted
 from .server import MODES
 from .sharding import DEFAULT_MIN_BLOCK_SIZE, Block, ShardPlan, plan_shards
 
@@ -113,6 +113,11 @@ def _is_dir(value: Any) -> bool:
     return isinstance(value, str) and "\0" not in value  # a NUL is a ValueError in every path function
 
 
+def _poll_ms(left: float) -> int:
+    """A poll's wait for ``left`` seconds, at most an hour (the callers poll again until their deadline)."""
+    return int(min(max(left, 0.0), 3600.0) * 1000) + 1
+
+
 def _one_line(text: str, limit: int) -> str:
     """A pserver's ``text`` as one line of at most ``limit`` characters (control characters escaped)."""
     if not text.isprintable():
@@ -162,8 +167,8 @@ class PSClient:
             raise PsConfigError(f"trainer_id {trainer_id} is outside 0..{num_trainers - 1}")
         if k_steps < 1:
             raise PsConfigError(f"k_steps must be >= 1, got {k_steps}")
-        if timeout <= 0:
-            raise PsConfigError(f"timeout must be > 0, got {timeout}")
+        if not 0 < timeout <= MAX_TIMEOUT:
+            raise PsConfigError(f"timeout must be > 0 and at most {MAX_TIMEOUT:,.0f} seconds, got {timeout}")
         self.endpoints = tuple(endpoints)
         if not self.endpoints:
             raise PsConfigError("the pserver endpoint list is empty")
@@ -229,8 +234,12 @@ class PSClient:
 
     def _timeout(self, missing: Sequence[int], op: str, wait: float) -> PsTimeoutError:
         """The timeout error for the pservers ``missing``, naming failed handshakes with them."""
-        return PsTimeoutError([self.endpoints[i] for i in missing], op, wait,
-                              "".join(self._watch.hint(i) for i in missing))
+        hint = "".join(self._watch.hint(i) for i in missing)
+        if protocol.CHUNK_BYTES != protocol.DEFAULT_CHUNK_BYTES:  # a frame over the peer's limit is dropped silently
+            hint += (f" ({protocol.CHUNK_ENV}={protocol.CHUNK_BYTES} here, not the default "
+                     f"{protocol.DEFAULT_CHUNK_BYTES}: every pserver must have the same value, or each side drops "
+                     "the other's larger frames without a reply)")
+        return PsTimeoutError([self.endpoints[i] for i in missing], op, wait, hint)
 
     def _read(self, i: int, op: str, header: Mapping[str, Any], name: str, want: str,
               valid: Callable[[Any], bool], default: Any = _REQUIRED) -> Any:
@@ -254,7 +263,7 @@ class PSClient:
     def _replies(self, poller: zmq.Poller, left: float, seq: int) -> Iterator[tuple[int, Message]]:
         """The replies to request `seq` that arrive within `left` seconds, as (pserver index, message);
         a late reply to an earlier request is dropped. A pserver that refuses this trainer's key raises AuthError."""
-        for sock, _ in poller.poll(int(left * 1000) + 1):
+        for sock, _ in poller.poll(_poll_ms(left)):
             w = self._watch.index(sock)
             if w is not None:
                 self._watch.check(w)
@@ -294,7 +303,7 @@ class PSClient:
             poller.register(sock, zmq.POLLOUT)
             if self._watch.monitors and not self._watch.succeeded[i]:
                 poller.register(self._watch.monitors[i], zmq.POLLIN)
-            poller.poll(int(left * 1000) + 1)
+            poller.poll(_poll_ms(left))
 
     def _request(self, op: str, per_server: Mapping[int, tuple[dict[str, Any], Mapping[str, np.ndarray]]],
                  timeout: float | None = None) -> dict[int, Message]:
@@ -577,7 +586,12 @@ class PSClient:
         replies = self._request("push_pull", {i: ({"step": self.step - 1, "pull": True}, parts[i]) for i in parts})
         self._assemble(replies, self._geo_base)  # the merged values become the new base, in place
         for name, base in self._geo_base.items():
-            np.copyto(arrays[name], base)
+            if hasattr(params[name], "detach"):  # torch: .cpu().numpy() of a CUDA tensor is a host copy
+                import torch
+
+                params[name].detach().copy_(torch.from_numpy(base))
+            else:
+                np.copyto(arrays[name], base)
         self._geo_pending = 0
 
     def _geo_params(self, params: Mapping[str, Any], *, convert: bool = True) -> dict[str, Any]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Sequence
 
 from .errors import PsConfigError
 
-__all__ = ["parse_endpoint_list", "split_endpoint", "zmq_address"]
+__all__ = ["duplicate_endpoints", "endpoint_key", "parse_endpoint_list", "split_endpoint", "zmq_address"]
 
 _WILDCARDS = {"", "*", "0.0.0.0", "::", "[::]"}
 
@@ -43,6 +44,35 @@ def zmq_address(endpoint: str) -> str:
     if ip in _WILDCARDS:
         raise PsConfigError(f"endpoint {endpoint!r} resolves to a wildcard address")
     return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+
+
+def endpoint_key(endpoint: str) -> tuple[str, int]:
+    """What ``endpoint`` names, whatever its spelling: ``tcp://localhost:06170`` and ``127.0.0.1:6170`` give
+    ``("127.0.0.1", 6170)``. IP literals in their normal form, ``localhost`` as 127.0.0.1, other host names in
+    lower case: nothing is looked up (names that resolve to one address are not seen as one)."""
+    host, port = split_endpoint(endpoint)
+    host = host.lower().rstrip(".")
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        if host == "localhost":
+            host = "127.0.0.1"
+    return host, port
+
+
+def duplicate_endpoints(endpoints: Sequence[str]) -> list[str]:
+    """The endpoints named more than once, each with its spellings when they differ: ``["127.0.0.1:6170 (as
+    'localhost:6170', '127.0.0.1:6170')"]``; empty when every endpoint is another pserver."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for ep in endpoints:
+        groups.setdefault(endpoint_key(ep), []).append(ep)
+    out = []
+    for (host, port), spellings in groups.items():
+        if len(spellings) > 1:
+            name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            same = len(set(spellings)) == 1
+            out.append(name if same else f"{name} (as {', '.join(map(repr, spellings))})")
+    return out
 
 
 def parse_endpoint_list(text: str) -> tuple[str, ...]:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .auth import AUTH_ENV, TOKEN_ENV
-from .endpoints import parse_endpoint_list, split_endpoint
-from .protocol import CHUNK_ENV, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PIPELINE_ENV, chunk_bytes_ok, env_flag
+from .endpoints import duplicate_endpoints, parse_endpoint_list, split_endpoint
+from .protocol import (CHUNK_ENV, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_TIMEOUT, PIPELINE_ENV, chunk_bytes_ok,
+                       env_flag)
 from .errors import PsConfigError
 from .optim import OptimizerConfig
 
@@ -59,7 +59,7 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None, most: in
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    """A timeout in seconds: a finite number > 0."""
+    """A timeout in seconds: a finite number > 0, at most MAX_TIMEOUT."""
     raw = env.get(name)
     if not raw:
         return default
@@ -69,6 +69,8 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
         raise PsConfigError(f"environment variable {name}={raw!r} is not a number") from None
     if not (math.isfinite(value) and value > 0):
         raise PsConfigError(f"environment variable {name}={raw!r} must be a finite number of seconds > 0")
+    if value > MAX_TIMEOUT:
+        raise PsConfigError(f"environment variable {name}={raw.strip()} is more than {MAX_TIMEOUT:,.0f} seconds")
     return value
 
 
@@ -79,7 +81,7 @@ def _endpoints(raw: str) -> tuple[str, ...]:
         if split_endpoint(ep)[1] == 0:
             raise PsConfigError(f"PADDLE_PSERVERS_IP_PORT_LIST: endpoint {ep!r} has port 0 (a pserver must "
                                 "listen on its planned port)")
-    dups = sorted(ep for ep, n in Counter(endpoints).items() if n > 1)
+    dups = duplicate_endpoints(endpoints)  # also when written two ways: localhost / 127.0.0.1, :06170, tcp://
     if dups:
         raise PsConfigError(f"PADDLE_PSERVERS_IP_PORT_LIST names {', '.join(dups)} more than once")
     return endpoints
@@ -129,7 +131,7 @@ def from_env(env: Mapping[str, str] | None = None) -> PsEnv:
         raise PsConfigError(f"CLUSTERCTL_PS_CHECKPOINT_EVERY must be >= 0 (0: no periodic saves), got {every}")
     pipeline = env_flag(e, PIPELINE_ENV, True)  # a trainer's; refused in a pserver too: one job, one environment
     return PsEnv(role, endpoints, current, trainer_id, num_trainers, pserver_id, mode, k_steps,
-                 e.get("CLUSTERCTL_JOB", ""), barrier, _seconds(e, "CLUSTERCTL_PS_TIMEOUT", barrier + 60.0),
+                 e.get("CLUSTERCTL_JOB", ""), barrier, _seconds(e, "CLUSTERCTL_PS_TIMEOUT", min(barrier + 60.0, MAX_TIMEOUT)),
                  e.get("CLUSTERCTL_PS_CHECKPOINT") or None, every, pipeline)
 
 

@@ -4,6 +4,10 @@ Updates are out-of-place for the parameter (the result goes to a separate buffer
 the block), so a block still being sent zero-copy to a trainer is never modified under the sender's
 feet; the server recycles buffers once ZeroMQ reports them sent. Optimizer state (velocity, moments)
 is private to the server and updated in place.
+
+Blocks narrower than float32 (float16) are updated in float32: their state is float32 and only the new
+value is rounded to the block's dtype. In float16 Adam's epsilon (1e-8, scaled) rounds to 0 and
+``0.001 * g**2`` underflows, so ``m / (sqrt(v) + eps)`` would be 0/0 or m/0.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import numpy as np
 
 from .errors import PsConfigError
 
-__all__ = ["SGD", "Adam", "Momentum", "OptimizerConfig", "apply_piece", "apply_update", "begin_update", "init_state"]
+__all__ = ["SGD", "Adam", "Momentum", "OptimizerConfig", "apply_piece", "apply_update", "begin_update", "init_state",
+           "state_dtype"]
 
 _KINDS = ("sgd", "momentum", "adam")
 
@@ -75,12 +80,19 @@ def Adam(lr: float = 0.001, beta1: float = 0.9, beta2: float = 0.999, epsilon: f
     return OptimizerConfig("adam", lr, beta1=beta1, beta2=beta2, epsilon=epsilon)
 
 
+def state_dtype(dtype: Any) -> np.dtype:
+    """The dtype of a block's optimizer state and arithmetic: float32 for float16 blocks, the block's own otherwise."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
 def init_state(cfg: OptimizerConfig, param: np.ndarray) -> dict[str, np.ndarray]:
     """Fresh optimizer state for one block."""
+    work = state_dtype(param.dtype)
     if cfg.kind == "momentum":
-        return {"velocity": np.zeros_like(param)}
+        return {"velocity": np.zeros(param.shape, work)}
     if cfg.kind == "adam":
-        return {"m": np.zeros_like(param), "v": np.zeros_like(param), "t": np.zeros(1, np.float64)}
+        return {"m": np.zeros(param.shape, work), "v": np.zeros(param.shape, work), "t": np.zeros(1, np.float64)}
     return {}
 
 
@@ -122,16 +134,18 @@ def apply_piece(cfg: OptimizerConfig, param: np.ndarray, g: np.ndarray, state: d
     ``param`` and ``out`` are whole blocks (``param`` is only read); the optimizer state of the same
     elements is updated in place, so pieces of one update may be applied in any order, each once.
     """
-    dtype = param.dtype
+    dtype = state_dtype(param.dtype)  # the arithmetic's dtype: float32 for a float16 block
     end = off + g.size
     o = out[off:end]
+    u = o if dtype == param.dtype else np.empty(g.size, dtype)  # the step, then the new value
+    g = g.astype(dtype, copy=False)
     if cfg.kind == "sgd":
-        np.multiply(g, -dtype.type(cfg.lr), out=o)
+        np.multiply(g, -dtype.type(cfg.lr), out=u)
     elif cfg.kind == "momentum":
         vel = state["velocity"][off:end]
         vel *= dtype.type(cfg.momentum)
         vel += g
-        np.multiply(vel, -dtype.type(cfg.lr), out=o)
+        np.multiply(vel, -dtype.type(cfg.lr), out=u)
     else:  # adam, as Paddle: lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t); eps scaled by sqrt(1 - b2^t)
         corr2 = math.sqrt(1 - cfg.beta2 ** t)
         lr_t = dtype.type(cfg.lr * corr2 / (1 - cfg.beta1 ** t))
@@ -141,8 +155,10 @@ def apply_piece(cfg: OptimizerConfig, param: np.ndarray, g: np.ndarray, state: d
         m += dtype.type(1 - cfg.beta1) * g
         v *= dtype.type(cfg.beta2)
         v += dtype.type(1 - cfg.beta2) * np.square(g)
-        np.sqrt(v, out=o)
-        o += eps
-        np.divide(m, o, out=o)
-        o *= -lr_t
-    o += param[off:end]
+        np.sqrt(v, out=u)
+        u += eps
+        np.divide(m, u, out=u)
+        u *= -lr_t
+    u += param[off:end]
+    if u is not o:
+        o[...] = u  # rounded once into the block's dtype

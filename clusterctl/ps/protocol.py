@@ -45,6 +45,7 @@ __all__ = [
     "DTYPES",
     "MAX_HEADER_BYTES",
     "MAX_FRAME_BYTES",
+    "MAX_TIMEOUT",
     "MAX_WIRE_FRAME_BYTES",
     "OPS",
     "PROTOCOL_VERSION",
@@ -63,6 +64,9 @@ DTYPES = frozenset({"float16", "float32", "float64"})
 #: A header frame's limit: its tensor table names every block of a request (an `init` of a model with thousands
 #: of parameter tensors: ~80 bytes each), so it is one chunk's default size, which frames may have anyway.
 MAX_HEADER_BYTES = 4 << 20
+#: The longest timeout (seconds, about 116 days) a trainer or pserver takes: "never" for a job, and far below
+#: what a poll in milliseconds or a C long can hold (1e308 or 1e17 ended in OverflowError).
+MAX_TIMEOUT = 1e7
 CHUNK_ENV = "CLUSTERCTL_PS_CHUNK_BYTES"
 DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 1 << 30

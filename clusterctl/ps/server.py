@@ -38,9 +38,9 @@ from . import auth as auth_mod
 from . import checkpoint as ckpt
 from .door import Door
 from .endpoints import split_endpoint, zmq_address
-from .errors import BarrierTimeoutError, CheckpointError, ProtocolError, PsConfigError, PsError
+from .errors import BarrierTimeoutError, ProtocolError, PsConfigError, PsError
 from .optim import OptimizerConfig, apply_piece, apply_update, begin_update, init_state
-from .protocol import MAX_WIRE_FRAME_BYTES, PROTOCOL_VERSION, Message, Tensor, decode, encode, error_frames
+from .protocol import MAX_TIMEOUT, MAX_WIRE_FRAME_BYTES, PROTOCOL_VERSION, Message, Tensor, decode, encode, error_frames
 
 __all__ = ["MODES", "ParameterServer"]
 
@@ -164,8 +164,9 @@ class ParameterServer:
             raise PsConfigError(f"server_id {server_id} is outside 0..{num_servers - 1}")
         if k_steps < 1:
             raise PsConfigError(f"k_steps must be >= 1, got {k_steps}")
-        if barrier_timeout <= 0:
-            raise PsConfigError(f"barrier_timeout must be > 0, got {barrier_timeout}")
+        if not 0 < barrier_timeout <= MAX_TIMEOUT:  # nan too
+            raise PsConfigError(f"barrier_timeout must be > 0 and at most {MAX_TIMEOUT:,.0f} seconds, "
+                                f"got {barrier_timeout}")
         self.endpoint = endpoint
         self.address = zmq_address(endpoint)
         self.server_id = server_id
@@ -217,6 +218,8 @@ class ParameterServer:
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every  # save to checkpoint_dir every this many steps (0: only on request)
         self._next_save = 0
+        if checkpoint_dir:
+            ckpt.recover_server(checkpoint_dir, server_id)  # a save a crash interrupted: finished, not forgotten
         if checkpoint_dir and ckpt.has_server_checkpoint(checkpoint_dir, server_id):
             # saving on its own, this pserver may be one save ahead of another; trainers settle on a common step
             self._load(checkpoint_dir, siblings=not checkpoint_every)
@@ -308,7 +311,7 @@ class ParameterServer:
         if not self._round:
             return 200
         left = self._round_started + self.barrier_timeout - time.monotonic()
-        return max(1, min(200, int(left * 1000) + 1))
+        return max(1, min(200, int(min(left, 1.0) * 1000) + 1))
 
     def _active(self) -> set[int]:
         return set(range(self.num_trainers)) - self.completed
@@ -906,6 +909,7 @@ class ParameterServer:
         self._reply(envelope, msg, {"step": self.step, "loaded_step": self.loaded_step})
 
     def _load(self, root: str, *, step: int | None = None, siblings: bool = True) -> None:
+        ckpt.recover_server(root, self.server_id)
         loaded = ckpt.load_server(root, self.server_id, self.num_servers, step=step, siblings=siblings)
         diff = _param_diff(loaded.params, self.params)  # a load after init: no init follows to check it
         if diff:
@@ -913,12 +917,7 @@ class ParameterServer:
                                f"the parameters registered with pserver {self.server_id}: {diff}")
         if loaded.mode and loaded.mode != self.mode:
             log.warning("checkpoint %s was saved in mode %s, pserver runs %s", root, loaded.mode, self.mode)
-        opt = OptimizerConfig.from_dict(loaded.optimizer) if loaded.optimizer else None
-        if opt is not None:
-            for key, arr in loaded.blocks.items():
-                want = set(init_state(opt, arr))
-                if set(loaded.states.get(key, {})) != want:
-                    raise CheckpointError(f"{root}: block {key!r} lacks {opt.kind} optimizer state")
+        opt = OptimizerConfig.from_dict(loaded.optimizer) if loaded.optimizer else None  # states checked there
         self.blocks = loaded.blocks
         self.states = loaded.states
         self.params = loaded.params

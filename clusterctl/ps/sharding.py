@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .endpoints import duplicate_endpoints
 from .errors import PsConfigError
 
 __all__ = [
@@ -112,8 +113,9 @@ def plan_shards(
     eps = tuple(endpoints)
     if not eps:
         raise PsConfigError("the pserver endpoint list is empty")
-    if len(set(eps)) != len(eps):
-        raise PsConfigError(f"duplicate pserver endpoints in {','.join(eps)}")
+    dups = duplicate_endpoints(eps)
+    if dups:
+        raise PsConfigError(f"the pserver endpoint list {','.join(eps)} names {', '.join(dups)} more than once")
     shapes: list[tuple[str, tuple[int, ...]]] = []
     blocks: list[Block] = []
     seen: set[str] = set()

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from clusterctl.ps import CheckpointError, ParameterServer, PSClient, PsConfigError, PsError, RemoteOpError, from_env
+from clusterctl.ps import (CheckpointError, ParameterServer, PSClient, PsConfigError, PsError, PsTimeoutError,
+                           RemoteOpError, from_env, protocol)
 from clusterctl.ps import checkpoint as ckpt
 from clusterctl.ps.__main__ import main
 
@@ -41,8 +42,21 @@ TIMEOUT = 4.0
          "environment variable CLUSTERCTL_PS_TIMEOUT='-5' must be a finite number of seconds > 0"),
         ({"CLUSTERCTL_PS_TIMEOUT": "inf"},
          "environment variable CLUSTERCTL_PS_TIMEOUT='inf' must be a finite number of seconds > 0"),
+        # "never": an OverflowError traceback in the pserver at the first sync round, in the trainer at its first poll
+        ({"CLUSTERCTL_PS_BARRIER_TIMEOUT": "1e308"},
+         "environment variable CLUSTERCTL_PS_BARRIER_TIMEOUT=1e308 is more than 10,000,000 seconds"),
+        ({"CLUSTERCTL_PS_TIMEOUT": " 1e17 "},
+         "environment variable CLUSTERCTL_PS_TIMEOUT=1e17 is more than 10,000,000 seconds"),
         ({"PADDLE_PSERVERS_IP_PORT_LIST": "127.0.0.1:6170, 127.0.0.1:6170"},
          "PADDLE_PSERVERS_IP_PORT_LIST names 127.0.0.1:6170 more than once"),
+        # one pserver written two ways passed as two: the second failed to bind, trainers sent both shares to one
+        ({"PADDLE_PSERVERS_IP_PORT_LIST": "localhost:6170,127.0.0.1:6170"},
+         "PADDLE_PSERVERS_IP_PORT_LIST names 127.0.0.1:6170 (as 'localhost:6170', '127.0.0.1:6170') more than once"),
+        ({"PADDLE_PSERVERS_IP_PORT_LIST": "127.0.0.1:6170,127.0.0.2:6170,127.0.0.1:06170"},
+         "PADDLE_PSERVERS_IP_PORT_LIST names 127.0.0.1:6170 (as '127.0.0.1:6170', '127.0.0.1:06170') more than once"),
+        ({"PADDLE_PSERVERS_IP_PORT_LIST": "tcp://10.0.0.2:6170,10.0.0.2:6170,[::1]:7,[0:0::1]:0007"},
+         "PADDLE_PSERVERS_IP_PORT_LIST names 10.0.0.2:6170 (as 'tcp://10.0.0.2:6170', '10.0.0.2:6170'), "
+         "[::1]:7 (as '[::1]:7', '[0:0::1]:0007') more than once"),
         ({"PADDLE_PSERVERS_IP_PORT_LIST": "127.0.0.1:0"},
          "PADDLE_PSERVERS_IP_PORT_LIST: endpoint '127.0.0.1:0' has port 0 (a pserver must listen on its planned port)"),
         ({"CLUSTERCTL_PS_CHECKPOINT_EVERY": "-1"},
@@ -73,14 +87,32 @@ def test_main_with_a_bad_log_level_exits_2_with_one_line():
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("value", ["0", "nan", "-3"])
-def test_main_refuses_a_barrier_timeout_that_is_no_timeout(value, capsys):
+@pytest.mark.parametrize(("value", "why"), [("0", "is not a finite number of seconds > 0"),
+                                             ("nan", "is not a finite number of seconds > 0"),
+                                             ("-3", "is not a finite number of seconds > 0"),
+                                             ("1e308", "is more than 10,000,000 seconds")])
+def test_main_refuses_a_barrier_timeout_that_is_no_timeout(value, why, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["server", "--barrier-timeout", value])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"python -m clusterctl.ps server: error: argument --barrier-timeout: '{value}' is not a finite number "
-        "of seconds > 0")
+        f"python -m clusterctl.ps server: error: argument --barrier-timeout: '{value}' {why}")
+
+
+def test_the_largest_timeouts_taken_serve_a_sync_round_and_a_ping_of_any_timeout_polls(servers):
+    """1e308 s overflowed int() in the pserver's poll, 1e17 s the C long of the trainer's zmq_poll."""
+    for value, message in ((1e308, "barrier_timeout must be > 0 and at most 10,000,000 seconds, got 1e+308"),
+                           (float("nan"), "barrier_timeout must be > 0 and at most 10,000,000 seconds, got nan")):
+        with pytest.raises(PsConfigError) as err:
+            ParameterServer("127.0.0.1:0", barrier_timeout=value)
+        assert str(err.value) == message
+    g = servers(1, num_trainers=1, mode="sync", barrier_timeout=1e7)
+    with PSClient(g.endpoints, trainer_id=0, num_trainers=1, mode="sync", timeout=1e7) as c:
+        assert len(c.ping(timeout=1e300)) == 1
+        c.init({"w": np.zeros(4, np.float32)})
+        np.testing.assert_array_equal(c.push_pull({"w": np.ones(4, np.float32)})["w"], np.full(4, -0.01, np.float32))
+        c.complete()
+    assert g.join(5) and not g.errors
 
 
 # ------------------------------------------------------------------ trainer API
@@ -237,6 +269,7 @@ def test_a_damaged_manifest_is_a_checkpoint_error(tmp_path, change, message):
     [
         ({"timeout": float("nan")}, "timeout must be a finite number of seconds, got nan"),
         ({"timeout": "5"}, "timeout must be a finite number of seconds, got '5'"),
+        ({"timeout": 1e17}, "timeout must be > 0 and at most 10,000,000 seconds, got 1e+17"),
         ({"trainer_id": "0"}, "trainer_id must be an integer, got '0'"),
         ({"k_steps": 1.5}, "k_steps must be an integer, got 1.5"),
         ({"endpoints": "127.0.0.1:6170"},
@@ -299,3 +332,16 @@ def test_a_request_over_the_header_limit_fails_at_once_naming_it(servers, monkey
         with pytest.raises(PsError, match=r"^a 'init' header of 200 tensor\(s\) is \d+ bytes \(limit 4096\): send "
                                           r"fewer tensors at once, or spread them over more pservers$"):
             c.init(params)
+
+
+@pytest.mark.parametrize("chunk", [protocol.DEFAULT_CHUNK_BYTES, 16 << 20])
+def test_a_timeout_with_a_chunk_size_of_its_own_says_it_must_match_the_pservers(chunk, monkeypatch):
+    """A trainer's frames over a pserver's limit are dropped without a word: the timeout was all it saw."""
+    monkeypatch.setattr(protocol, "CHUNK_BYTES", chunk)  # what CLUSTERCTL_PS_CHUNK_BYTES set at import
+    with PSClient(["127.0.0.1:9"], trainer_id=0, num_trainers=1, timeout=TIMEOUT) as c:  # nothing answers there
+        with pytest.raises(PsTimeoutError) as err:
+            c.ping(timeout=0.3)
+    hint = ("" if chunk == protocol.DEFAULT_CHUNK_BYTES else
+            " (CLUSTERCTL_PS_CHUNK_BYTES=16777216 here, not the default 4194304: every pserver must have the same "
+            "value, or each side drops the other's larger frames without a reply)")
+    assert str(err.value) == f"no reply to 'ping' within 0.3s from pserver(s) 127.0.0.1:9{hint}"

@@ -86,7 +86,9 @@ def test_server_order_matters():
     ("params", "eps", "message"),
     [
         ([("w", (3,))], [], "the pserver endpoint list is empty"),
-        ([("w", (3,))], ["a:1", "a:1"], "duplicate pserver endpoints in a:1,a:1"),
+        ([("w", (3,))], ["a:1", "a:1"], "the pserver endpoint list a:1,a:1 names a:1 more than once"),
+        ([("w", (3,))], ["tcp://LOCALHOST:6170", "127.0.0.1:06170"], "the pserver endpoint list tcp://LOCALHOST:6170,"
+         "127.0.0.1:06170 names 127.0.0.1:6170 (as 'tcp://LOCALHOST:6170', '127.0.0.1:06170') more than once"),
         ([("w", (3,)), ("w", (4,))], EPS2, "duplicate parameter name 'w'"),
         ([("w", (3, -1))], EPS2, "parameter 'w' has a negative dimension: (3, -1)"),
     ],
