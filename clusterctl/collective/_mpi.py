@@ -147,11 +147,21 @@ def _env_bool(name: str, default: bool) -> bool:
     raise CollectiveError(f"{name}={raw!r}: expected 0 or 1")
 
 
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """A variable naming one of ``choices``, any case (unset or blank: ``default``); else CollectiveError naming it."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw.lower() not in choices:
+        raise CollectiveError(f"{name}={raw!r}: expected {' or '.join(map(repr, choices))} (any case)")
+    return raw.lower()
+
+
 def _settings(timeout, on_timeout, fusion_threshold, shm, check) -> tuple:
     """A communicator's settings, each given one checked and each one left out from its variable or default:
     (timeout, on_timeout, fusion_threshold, shm, check)."""
     return (check_timeout(timeout) if timeout is not None else _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT),
-            check_on_timeout(on_timeout or os.environ.get(ON_TIMEOUT_ENV, "abort").strip() or "abort"),
+            check_on_timeout(on_timeout) if on_timeout else _env_choice(ON_TIMEOUT_ENV, ("abort", "raise"), "abort"),
             (check_threshold("fusion_threshold", fusion_threshold)
              if fusion_threshold is not None else _env_size(FUSION_ENV, DEFAULT_FUSION_THRESHOLD)),
             _env_bool(SHM_ENV, True) if shm is None else bool(shm),

@@ -49,6 +49,21 @@ def test_fusion_threshold_env_overflow_is_a_collective_error(monkeypatch, raw):
         _mpi._env_size(_mpi.FUSION_ENV, 1)
 
 
+@pytest.mark.parametrize(("raw", "want"), [("Abort", "abort"), (" RAISE ", "raise"), ("raise", "raise"), ("", "abort")])
+def test_on_timeout_env_takes_any_case(monkeypatch, raw, want):
+    monkeypatch.setenv(_mpi.ON_TIMEOUT_ENV, raw)
+    assert _mpi._settings(None, None, None, None, None)[1] == want
+    assert _mpi._settings(None, "abort", None, None, None)[1] == "abort"  # the argument wins
+
+
+def test_on_timeout_env_garbage_is_refused_by_the_variables_name(monkeypatch):
+    """It said on_timeout='later', a keyword argument the user never wrote."""
+    monkeypatch.setenv(_mpi.ON_TIMEOUT_ENV, "later")
+    with pytest.raises(CollectiveError) as err:
+        _mpi._settings(None, None, None, None, None)
+    assert str(err.value) == "CLUSTERCTL_COLLECTIVE_ON_TIMEOUT='later': expected 'abort' or 'raise' (any case)"
+
+
 def test_a_world_size_no_world_can_have_is_refused_before_any_server_starts(monkeypatch):
     # WORLD_SIZE=100000000: rank 0 started a PMI server that outlived it and then wrote a 988 MB line of the
     # ranks that never connected
