@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import threading
@@ -79,7 +78,9 @@ def run_status(spec, *, as_json: bool = False) -> int:
     with _open(spec) as backend:
         st = backend.status()
     if as_json:
-        sys.stdout.write(json.dumps(st.to_json(), indent=2) + "\n")
+        from .render import strict_json
+
+        sys.stdout.write(strict_json(st.to_json(), indent=2) + "\n")
     else:
         render_status(st)
     return 1 if st.unreachable else 0

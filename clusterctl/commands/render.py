@@ -7,12 +7,29 @@ ANSI codes, used only on a terminal and never when NO_COLOR is set. Every cell a
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 
 from ..console import paint, printable, use_colour, write_text
 from ..host.states import TERMINAL_JOB_STATES, JobState, ProcState
 
-__all__ = ["render_status", "STATE_STYLE", "table_lines"]
+__all__ = ["render_status", "STATE_STYLE", "table_lines", "strict_json"]
+
+def strict_json(doc, **kw) -> str:
+    """`doc` as JSON that every reader takes (RFC 8259): a number that is not finite (a host's `NaN`, a sum of two
+    hosts' 1e308) is null, where json.dumps would write `NaN` or `Infinity` and strict parsers refuse the document."""
+    def clean(v):
+        if isinstance(v, float):
+            return v if math.isfinite(v) else None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(doc), allow_nan=False, **kw)
+
 
 STATE_STYLE = {JobState.STARTING: "cyan", JobState.RUNNING: "green", JobState.SUCCEEDED: "bold green", ProcState.EXITED: "green",
                JobState.FAILED: "bold red", JobState.LOST: "bold red", JobState.STOPPED: "yellow",

@@ -4,7 +4,6 @@ one snapshot (`--once`, `--json`). The renderer, `render_top`, is shared with `c
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -16,7 +15,7 @@ from rich.text import Text
 from ..console import markup_safe, out, to_devnull
 from ..errors import UsageError
 from ..progress import STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, metrics_text
-from .render import STATE_STYLE
+from .render import STATE_STYLE, strict_json
 from ..ops.top import DEFAULT_INTERVAL, MIN_INTERVAL, HostRow, ProcRow, Snapshot, Top
 
 __all__ = ["add_cli", "render_top", "run_top"]
@@ -176,7 +175,7 @@ def run_top(spec, *, once: bool = False, as_json: bool = False, interval: float 
             if once:
                 snap = top.snapshot(None, interval=None)
                 if as_json:
-                    sys.stdout.write(json.dumps(snap.to_json(), indent=2) + "\n")
+                    sys.stdout.write(strict_json(snap.to_json(), indent=2) + "\n")
                 else:
                     out.print(render_top(snap))
                 return 1 if snap.unreachable or any(h.status == "error" for h in snap.hosts) else 0
@@ -219,7 +218,7 @@ def _live(top: Top, interval: float, as_json: bool) -> int:
         try:
             while True:
                 if as_json:
-                    sys.stdout.write(json.dumps(snap.to_json()) + "\n")
+                    sys.stdout.write(strict_json(snap.to_json()) + "\n")
                     sys.stdout.flush()
                 else:
                     out.print(render_top(snap))

@@ -10,6 +10,8 @@ records the supervisor's rules keep (clusterctl/host/rules.py). Stdlib only, lik
 
 from __future__ import annotations
 
+import math
+
 from .record import dataclass, field
 from .states import JobState
 
@@ -73,8 +75,8 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else "?" for c in text)
 
 
-def _num_or_none(v):
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+def _num_or_none(v):  # a host's NaN or Infinity (Python's json reads them) is no number of ours
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
 @dataclass

@@ -134,8 +134,10 @@ def status(session: Session) -> JobStatus:
     for host, res in results.items():
         if not res.answered:  # not reached, or its command never answered (our deadline)
             unreachable[host.label] = res.stderr.strip()[-300:]  # ssh's words (or a host's flood: the end of it)
-        else:
-            replies[host.label] = agent_reply(res)
+        elif "state" in (reply := agent_reply(res)):
+            replies[host.label] = reply
+        else:  # no status at all (the agent failed; a reply garbled, or over its bound): that host's, said, not dropped
+            unreachable[host.label] = f"no status: {str(reply.get('error') or 'a reply without a state')[-300:]}"
     return fold_status(plan.job, replies, unreachable, {h.label: h.address for h in plan.hosts},
                        elastic_job=plan.min_hosts is not None)
 
@@ -274,6 +276,9 @@ def _reason(host: Host, res, reply: dict) -> str:
         return "\n".join(_drift_line(host, d) for d in items[:20])
     if stage == "preflight":
         return "\n".join(f"{host.label}: {p['message']}" for p in reply.get("problems") or [])
+    if res.answered and res.exit_code == 0 and stage is None:  # exit 0, but no launch report (agent_reply's words)
+        said = (reply.get("error") or res.stdout.strip() or res.stderr.strip())[-200:]
+        return f"{host.label}: `agent up` exited 0 without its report" + (f" (it printed: {said})" if said else "")
     return f"{host.label}: {reply.get('error') or (res.error() if not res.answered else None) or res.stderr.strip() or f'exit {res.exit_code}'}"
 
 
@@ -307,7 +312,8 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
                                   timeout=timeout, what="start"))
     replies = {h: _up_reply(r) for h, r in results.items()}
     endpoints = {h: replies[h].pop("control") for h in hosts if "control" in replies[h]}
-    failed = {h: r for h, r in results.items() if r.exit_code != 0}
+    # launched is what the agent says (`stage`), not an exit 0 alone: a host that answered nothing runs no supervisor
+    failed = {h: r for h, r in results.items() if r.exit_code != 0 or replies[h].get("stage") != "launched"}
     if failed:
         reasons = [_reason(h, r, replies[h]) for h, r in failed.items()]
         # stop what this start launched, and only that: a host that refused because the job already runs

@@ -221,3 +221,70 @@ def test_provision_prints_a_hosts_step_lines_without_their_control_characters(tm
     assert cli.main(["provision", str(c.spec_path), *extra]) == 1
     out, err = capsys.readouterr()
     assert "\x1b" not in out + err and "\\x1b" in out + err, (out + err)[-600:]
+
+
+def test_a_start_that_a_host_answers_with_exit_0_and_no_report_is_that_hosts_failure(tmp_path):
+    # `agent up` replaced by a shell that prints a banner and exits 0: the host counted as started, no supervisor ran
+    # there, and the others waited at the start barrier for ever (`start` said "started", the job stayed `starting`)
+    from clusterctl.errors import JobError
+    from clusterctl.ops.job import start, status, stop
+
+    c = FakeCluster(tmp_path, files={"train.py": "import time; time.sleep(30)\n"})
+    with c.session() as s:
+        dispatch(s)
+    try:
+        with c.session(transport=Hostile(c.transport, "Welcome to n1 (motd)", " agent up")) as s:
+            with pytest.raises(JobError) as info:
+                start(s)
+        assert str(info.value).endswith("\nn1: `agent up` exited 0 without its report (it printed: Welcome to n1 "
+                                        "(motd))"), str(info.value)
+        with c.session() as s:  # what this start launched on n0 was stopped
+            assert status(s).state in ("stopped", "not running")
+    finally:
+        with c.session() as s:
+            stop(s)
+
+
+@pytest.mark.parametrize("reply", ["Traceback (most recent call last): boom", '{"ok": false, "error": "internal"}',
+                                   "[1, 2]"])
+def test_a_status_reply_with_no_state_is_that_hosts_problem_not_dropped(tmp_path, reply):
+    # a host whose agent crashed, or that answered garbage, vanished from `status`: its rows gone, no reason, exit 0
+    from clusterctl.ops.job import start, status, stop
+
+    c = FakeCluster(tmp_path, files={"train.py": "import time; time.sleep(30)\n"})
+    with c.session() as s:
+        dispatch(s)
+        start(s)
+    try:
+        with c.session(transport=Hostile(c.transport, reply, "progress")) as s:
+            st = status(s)
+        assert list(st.unreachable) == ["n1"] and st.unreachable["n1"].startswith("no status: "), st.unreachable
+        assert st.state == "lost" and st.reason == "unreachable: n1", st
+    finally:
+        with c.session() as s:
+            stop(s)
+
+
+def test_status_and_top_json_stay_json_when_a_host_sends_numbers_json_has_not(tmp_path, monkeypatch, capsys):
+    # Python's json reads `NaN` (and 1e999 as inf): status --json wrote `"uptime_s": NaN` and top --json
+    # `"job_cpu_pct": Infinity` (two hosts' 1e308), which strict readers (JSON.parse, Go) refuse whole
+    c = FakeCluster(tmp_path, files={"train.py": "import time; time.sleep(30)\n"})
+    reply = ('{"ok": true, "job": "%s", "host": "n1", "state": "running", "processes": [{"role": "trainer", "id": 1, '
+             '"pid": 1, "state": "running", "uptime_s": NaN, "started_at": 1e999, "resources": {"cpu_pct": 1e308}}, '
+             '{"role": "trainer", "id": 2, "pid": 2, "state": "running", "resources": {"cpu_pct": 1e308}}]}')
+    with c.session() as s:
+        dispatch(s)
+        from clusterctl.ops.job import start
+        start(s)
+    try:
+        reply = reply % c.spec().name
+        for argv, only in ((["status", str(c.spec_path), "--json"], "progress"),
+                           (["top", str(c.spec_path), "--once", "--json", "--no-gpu"], "--slices")):
+            c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, hostile={"n1": (reply, 0)}, only=only))
+            cli.main(argv)
+            text = capsys.readouterr().out
+            json.loads(text, parse_constant=lambda c: pytest.fail(f"{argv[0]} --json wrote {c}"))
+    finally:
+        from clusterctl.ops.job import stop
+        with c.session() as s:
+            stop(s)
