@@ -241,6 +241,7 @@ class OpenSshTransport(ProcessTransport):
         except OSError:
             self.gate.release(key)
             raise
+        proc.login_flag = flag  # see shed(): until _hold has looked at it for the last time
         threading.Thread(target=self._hold, args=(key, proc, flag), daemon=True).start()
         return proc
 
@@ -254,6 +255,7 @@ class OpenSshTransport(ProcessTransport):
             self.gate.release(key)
         while proc.poll() is None and not os.path.exists(flag):
             time.sleep(0.5)  # the touch may still come (after the deadline): remove it once it has
+        proc.logged_in = os.path.exists(flag)  # before the file goes: shed() reads one or the other
         try:
             os.unlink(flag)
         except FileNotFoundError:
@@ -267,8 +269,17 @@ class OpenSshTransport(ProcessTransport):
             self._flags = control_dir() or tempfile.mkdtemp(prefix="clusterctl-login-")
         return self._flags
 
-    def shed(self, stderr: str) -> bool:
-        """See shed()."""
+    def shed(self, stderr: str, proc=None) -> bool:
+        """See shed(). Never for a session of a kept connection (it has no handshake to shed) nor for a connection
+        known to have logged in (ssh touched its login flag): a command's own stderr can read like ssh's (it ran
+        `ssh` itself), and running it again would repeat what it did."""
+        from .mux import MuxProcess
+
+        if isinstance(proc, MuxProcess) or getattr(proc, "logged_in", False):
+            return False
+        flag = getattr(proc, "login_flag", None)
+        if flag is not None and os.path.exists(flag):
+            return False
         return shed(stderr)
 
     def prelogin(self, line: str) -> bool:

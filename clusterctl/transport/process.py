@@ -32,8 +32,9 @@ class ProcessTransport(Transport):
         """popen, or None when it may not start yet (wait=False; a transport that bounds new connections)."""
         return self.popen(host, command)
 
-    def shed(self, stderr: str) -> bool:
-        """Whether a failed try never reached the login (safe to try again); never, unless a subclass says."""
+    def shed(self, stderr: str, proc=None) -> bool:
+        """Whether a failed try (`proc`, when known) never reached the login (safe to try again); never, unless a
+        subclass says."""
         return False
 
     def prelogin(self, line: str) -> bool:
@@ -106,7 +107,7 @@ class ProcessRun(Running):
                     held.release()
                 return timed_out_result(host, command, timeout, time.monotonic() - start)
             spent = time.monotonic() - start
-            if not (code == UNREACHABLE and not out and self.transport.shed(err)) or attempt == CONNECT_TRIES - 1 or (
+            if not (code == UNREACHABLE and not out and self.transport.shed(err, proc)) or attempt == CONNECT_TRIES - 1 or (
                     timeout is not None and spent > timeout / 2):
                 if held is not None:
                     held.release()
@@ -247,10 +248,12 @@ class _PreLoginLines:
         self._on_line, self._prelogin, self._held, self._passed = on_line, prelogin, [], False
         self._lock = threading.Lock()
 
+    HOLD = 16  # ssh says a line or two before a shed; a host that sends such lines without end is not one
+
     def __call__(self, host: Host, stream: str, line: str) -> None:
         """Hold a pre-login line; pass anything else on (after what was held)."""
         with self._lock:
-            if not self._passed and stream == "err" and self._prelogin(line):
+            if not self._passed and stream == "err" and self._prelogin(line) and len(self._held) < self.HOLD:
                 self._held.append((host, stream, line))
                 return
             self._passed = True

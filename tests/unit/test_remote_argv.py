@@ -291,3 +291,34 @@ def test_a_shed_try_prints_nothing_and_the_try_that_stands_prints_everything(mon
     assert Path(str(counter)).read_text() == "3"
     assert sorted(seen) == [("err", "Connection closed by a user line"), ("err", "warning: w"), ("out", "ran")]
     assert [ln for s, ln in seen if s == "err"] == ["Connection closed by a user line", "warning: w"]
+
+
+@pytest.mark.parametrize("how", ["flag there", "flag seen"])
+def test_a_command_that_prints_sshs_words_after_the_login_is_not_run_again(monkeypatch, tmp_path, how):
+    """A command's own stderr is ssh's stderr: one that ran `ssh` itself (or a hostile host) printing
+    "kex_exchange_identification: ..." and exiting 255 was taken for a connection shed before the login and run
+    up to 6 times. ssh touched the connection's login flag: it logged in, so the command ran, once."""
+    import subprocess
+    import sys as _sys
+
+    host = Host("10.0.0.7", 22, "root", 0)
+    script = ("import sys; n = int(open(sys.argv[1]).read() or 0); open(sys.argv[1], 'w').write(str(n + 1));\n"
+              "sys.stderr.write('kex_exchange_identification: read: Connection reset by peer\\n'); sys.exit(255)\n")
+    counter, flag = tmp_path / "tries", tmp_path / "flag"
+    counter.touch()
+    flag.touch()
+
+    def popen(h, c):
+        proc = subprocess.Popen([_sys.executable, "-c", script, str(counter)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        if how == "flag there":
+            proc.login_flag = str(flag)  # as OpenSshTransport.spawn sets it, the file not yet removed
+        else:
+            proc.logged_in = True  # as its _hold thread sets it before it removes the file
+        return proc
+
+    transport = remote_mod.OpenSshTransport(SshOptions())
+    monkeypatch.setattr(transport, "popen", popen)
+    monkeypatch.setattr(process_mod.time, "sleep", lambda s: None)
+    res = ProcessRun(transport, host, "true").finish(lambda: [], 30, None)
+    assert res.exit_code == 255 and counter.read_text() == "1"

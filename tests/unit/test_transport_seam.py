@@ -393,3 +393,20 @@ def test_a_run_with_a_deadline_returns_its_exit_code_and_output(tmp_path):
     run = ProcessRun(LocalTransport(tmp_path), H, "echo out; echo err >&2; exit 3")
     res = run.finish(lambda: (), 30, None)
     assert (res.exit_code, res.stdout.strip(), res.stderr.strip()) == (3, "out", "err")
+
+
+def test_ssh_like_lines_held_back_before_a_login_are_bounded():
+    # a host that sends "Connection closed by ..." lines without end had every one held (1.66 GB for 2 hosts' 187 MB)
+    # and none shown until its command ended
+    from clusterctl.transport.host import Host
+    from clusterctl.transport.process import _PreLoginLines
+
+    shown = []
+    hold = _PreLoginLines(lambda h, s, line: shown.append(line), lambda line: line.startswith("Connection closed"))
+    host = Host("n0", 22, "u", 0)
+    lines = [f"Connection closed by 10.0.0.1 port {i}" for i in range(10_000)]
+    for line in lines:
+        hold(host, "err", line)
+    assert len(hold._held) <= _PreLoginLines.HOLD and shown == lines[:len(shown)] and len(shown) > 9_900
+    hold.release()
+    assert shown == lines  # in order, none lost
