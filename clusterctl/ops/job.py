@@ -343,6 +343,12 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
                        {h.label: h.address for h in plan.hosts}, elastic_job=plan.min_hosts is not None)
 
 
+# what `logs` keeps of a host's words beside its log lines (a host may send any number of them)
+MAX_NOTES = 200  # stderr lines shown; the rest counted
+MAX_SAID = 5  # the agent's error messages; the rest counted
+MAX_SAID_CHARS = 2000  # of each
+
+
 def own_log_line(label: str, line: str) -> str:
     """A log line from the host labelled `label`, as shown: the host side starts each one `[LABEL role.id] `
     (clusterctl/host/logtail.py); any other line is shown under `[LABEL] `, so that a host (possibly compromised)
@@ -403,12 +409,17 @@ def logs(
 
     problems: list[str] = []
     unmatched: list[str] = []  # elastic: hosts that ran no such process (a spare, a host left out)
-    said: set[Host] = set()  # hosts whose agent said why it failed (its JSON message)
+    said: dict[Host, int] = {}  # hosts whose agent said why it failed (its JSON messages), how many times
     notes: dict[Host, list[str]] = {}  # stderr: the agent's notes, or ssh's own words for a host it never reached
+    more: dict[Host, int] = {}  # stderr lines past MAX_NOTES: counted (a host may send any number of them)
 
     def relay(h: Host, stream: str, line: str) -> None:
         if stream != "out":  # held until the host's outcome is known (a failure is said once, below)
-            notes.setdefault(h, []).append(line)
+            kept = notes.setdefault(h, [])
+            if len(kept) < MAX_NOTES:
+                kept.append(line)
+            else:
+                more[h] = more.get(h, 0) + 1
             return
         if not line:  # a follower's keepalive (clusterctl/host/logtail.py): every log line has its prefix
             return
@@ -419,11 +430,13 @@ def logs(
                 message = None
             error = str(message.get("error", line)) if isinstance(message, dict) else None
             if error is not None:
-                said.add(h)
+                said[h] = said.get(h, 0) + 1
+                if said[h] > MAX_SAID:  # the agent says why once; a host that says it without end is counted
+                    return
                 if plan.elastic is not None and error.startswith("no process matches"):
                     unmatched.append(h.label)
                 else:
-                    problems.append(f"{h.label}: {error}")
+                    problems.append(f"{h.label}: {error[:MAX_SAID_CHARS]}")
                 return
         on_line(h, stream, own_log_line(h.label, line))
 
@@ -440,6 +453,9 @@ def logs(
         if results[h].answered:
             for line in lines_:  # under the host's label too: which host said it, and never another's
                 on_line(h, "err", own_log_line(h.label, line))
+            if more.get(h):
+                on_line(h, "err", own_log_line(h.label, f"[clusterctl: {more[h]:,} more stderr lines not shown]"))
+    problems += [f"{h.label}: {n - MAX_SAID:,} more error messages" for h, n in said.items() if n > MAX_SAID]
     if len(problems) == len(targets) and problems:
         raise JobError(f"job {plan.job} has no logs on any host (never started?)")
     if unmatched and len(unmatched) + len(problems) == len(targets) and not problems:

@@ -35,7 +35,7 @@ from ..spec.fields import check_address
 from . import Session
 from .control import agent_reply
 from .hosttools import _package_payload, ensure_tools, install_on, package_dir, tool_argv, tool_command
-from .job import JobStatus, fold_status, job_files, own_log_line
+from .job import MAX_SAID, MAX_SAID_CHARS, JobStatus, fold_status, job_files, own_log_line
 from .top import TopAnswer, TopRequest, answer_of
 
 __all__ = ["job_templates", "batch_script", "sbatch_options", "slurm_state", "slurm_status",
@@ -465,6 +465,8 @@ def _log_relay(node_of: dict[Host, str], on_line: LineCallback, problems: list[s
     """What `logs` does with each line a node's `agent logs` sends: a follower's keepalive dropped, the agent's own
     JSON message kept in `problems`, and every other line, stdout and stderr alike, passed on under that node's name
     (own_log_line): a node, possibly compromised, cannot pass its lines off as another node's."""
+    said: dict[Host, int] = {}
+
     def relay(h: Host, stream: str, line: str) -> None:
         if stream == "out" and not line:  # a follower's keepalive (clusterctl/host/logtail.py)
             return
@@ -474,7 +476,11 @@ def _log_relay(node_of: dict[Host, str], on_line: LineCallback, problems: list[s
             except (ValueError, RecursionError):  # not JSON after all (or nested too deep to read): a log line
                 obj = None
             if isinstance(obj, dict):
-                problems.append(f"{h.label}: {obj.get('error', line)}")
+                said[h] = said.get(h, 0) + 1  # as over SSH (ops/job.py): a few said, the rest counted
+                if said[h] <= MAX_SAID:
+                    problems.append(f"{h.label}: {str(obj.get('error', line))[:MAX_SAID_CHARS]}")
+                elif said[h] == MAX_SAID + 1:
+                    problems.append(f"{h.label}: more error messages (only the first {MAX_SAID} shown)")
                 return
         on_line(h, stream, own_log_line(node_of[h], line))
 

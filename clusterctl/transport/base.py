@@ -250,7 +250,8 @@ class LineSplitter:
     Result, up to MAX_KEPT bytes (a host may be compromised: what it prints must not fill the controller's
     memory; what comes beyond is counted and dropped, and the Result ends with a line that says so); with one,
     the lines belong to the callback and only the last KEEP_WITH_CALLBACK bytes are kept (for the Result's
-    tail and reply), so streaming a log of any size holds a bounded amount."""
+    tail and reply), so streaming a log of any size holds a bounded amount. Stderr without a callback is only
+    ever read for its end (a reason, a failure's last lines): its last KEEP_WITH_CALLBACK bytes are kept."""
 
     KEEP_WITH_CALLBACK = 1 << 20
     MAX_KEPT = 256 << 20  # a 1,000,000-file workspace's state reply is ~130 MiB
@@ -266,17 +267,20 @@ class LineSplitter:
 
     def feed(self, data: bytes) -> None:
         """Take the next chunk of the stream."""
-        if self.on_line is None and (self.over or self._kept + len(data) > self.MAX_KEPT):
+        tail = self.on_line is None and self.stream == "err"  # stderr is read for a tail only: as with a callback
+        if self.on_line is None and not tail and (self.over or self._kept + len(data) > self.MAX_KEPT):
             self.over += len(data)
             return
         self.chunks.append(data)
         self._kept += len(data)
-        if self.on_line is None:
+        if self.on_line is None and not tail:
             return
         while self._kept - len(self.chunks[0]) >= self.KEEP_WITH_CALLBACK:
             old = self.chunks.popleft()
             self._kept -= len(old)
             self.dropped += len(old)
+        if tail:
+            return
         data = self._partial + data
         *lines, self._partial = data.split(b"\n")
         for line in lines:

@@ -76,6 +76,21 @@ def test_without_a_callback_everything_is_kept():
     assert len(split.close()) == 40 * 65536
 
 
+def test_stderr_without_a_callback_keeps_its_end_only():
+    # a control command's stderr is read for a tail (a reason): a host that sent 256 MiB of it had all of it kept,
+    # beside 256 MiB of stdout (3.3 GB for one host's `status`, decoded)
+    split = LineSplitter(HOST, "err", None)
+    line = b"e" * 99 + b"\n"
+    peak = 0
+    for _ in range(320):  # ~21 MB
+        split.feed(line * 655)
+        peak = max(peak, sum(len(c) for c in split.chunks))
+    split.feed(b"the last words\n")
+    text = split.close()
+    assert peak <= LineSplitter.KEEP_WITH_CALLBACK + 65_500
+    assert text.endswith("the last words\n") and text.startswith("e" * 99 + "\n") and len(text) <= 2 << 20
+
+
 def test_without_a_callback_a_flood_is_cut_at_the_limit_and_says_so(monkeypatch):
     # a compromised host answering a control command with gigabytes must not fill the controller's memory
     monkeypatch.setattr(LineSplitter, "MAX_KEPT", 1 << 20)

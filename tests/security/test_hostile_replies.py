@@ -288,3 +288,25 @@ def test_status_and_top_json_stay_json_when_a_host_sends_numbers_json_has_not(tm
         from clusterctl.ops.job import stop
         with c.session() as s:
             stop(s)
+
+
+def test_a_host_that_floods_logs_with_errors_and_stderr_is_shown_bounded(tmp_path, monkeypatch, capsys):
+    # every stderr line and every `{"error": ...}` line of a host was kept until it ended, then printed: 400 MB of
+    # stderr became 800 MB of memory; 409,600 error lines took 45 s to print as as many `clusterctl: error:` lines
+    from clusterctl.ops import job as jobmod
+
+    c = FakeCluster(tmp_path)
+
+    class Flood(FaultyTransport):
+        def popen(self, host, command: str):
+            if host.address == "n1" and "--host-label" in command:
+                command = ("cat >/dev/null; i=0; while [ $i -lt 3000 ]; do echo '{\"error\": \"no\"}'; "
+                           "echo \"noise $i\" >&2; i=$((i+1)); done; exit 2")
+            return self.inner.popen(host, command)
+
+    c.everywhere(monkeypatch, transport=Flood(c.transport))
+    assert cli.main(["logs", str(c.spec_path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) < jobmod.MAX_NOTES + jobmod.MAX_SAID + 20, len(err)
+    assert any(line.endswith("[clusterctl: 2,800 more stderr lines not shown]") for line in err), err[-10:]
+    assert "clusterctl: error: n1: 2,995 more error messages" in err, err[-10:]

@@ -385,3 +385,6 @@ def test_a_nodes_log_lines_on_either_stream_are_shown_under_its_name_only():
                      (n0, "err", "[node0] [node1 trainer.1] FAILED: diverged"), (n0, "err", "[node0 trainer.0] mine too"),
                      (n0, "out", "[node0] {not json")]
     assert problems == ["10.0.0.5: no job here"]
+    for _ in range(10_000):  # a node that says it without end: a few said, the rest counted (was every one kept)
+        relay(n0, "out", '{"error": "again"}')
+    assert problems[1:] == ["10.0.0.5: again"] * 4 + ["10.0.0.5: more error messages (only the first 5 shown)"]
