@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from ..host.layout import exec_string_fits
 from . import versions
 
 __all__ = [
@@ -341,6 +342,14 @@ class CommandSpec(_Model):
     def _name(cls, v: str) -> str:
         if not _STEP_NAME_RE.match(v):
             raise ValueError("use 1-63 letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("run", "unless")
+    @classmethod
+    def _one_argument(cls, v: str | None) -> str | None:  # the host runs it as `bash -c TEXT`: one argument
+        if v is not None and not exec_string_fits(v):
+            raise ValueError(f"{len(v.encode('utf-8', 'surrogateescape')):,} bytes: the host runs it as one argument of "
+                             "`bash -c`, and Linux takes at most 128 KiB in one (E2BIG): run a script the hosts have instead")
         return v
 
     @field_validator("creates")

@@ -155,6 +155,12 @@ BAD = [
     # `~user/x` was taken as a directory named `~user` under the home (doctor looked in user's home)
     pytest.param("  python: {venv: '~bob/venv'}\n", "cluster.yaml:8:12: provision.python.venv: '~bob/venv': ~user is not "
                  "expanded; give a path under the login's home (~/...) or an absolute one", id="venv-tilde-user"),
+    # the host runs a command as `bash -c TEXT`: over 128 KiB, E2BIG on every host (the step script now travels on
+    # stdin, so nothing else stops such a command before it fails there)
+    pytest.param("  commands: [{name: big, creates: /x, run: '" + "x" * 140_000 + "'}]\n",
+                 "cluster.yaml:8:39: provision.commands[0].run: 140,000 bytes: the host runs it as one argument of "
+                 "`bash -c`, and Linux takes at most 128 KiB in one (E2BIG): run a script the hosts have instead",
+                 id="command-too-long"),
 ]
 
 
