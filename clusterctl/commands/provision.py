@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 
@@ -79,6 +80,13 @@ def cmd_provision(args: argparse.Namespace) -> int:
     from ..provision.steps import selected_steps
     from ..backends import ssh_session
 
+    if args.spec is None:  # `provision --only apt SPEC`: --only took every word after it, the spec too
+        named = (args.only or [])[-1:]
+        if not named or not (named[0].endswith((".yaml", ".yml")) or os.path.isfile(named[0])):
+            raise UsageError("provision: give the spec: clusterctl provision SPEC [--only STEP ...]")
+        args.spec = args.only.pop()
+        if not args.only:  # never every step for an --only that named none
+            raise UsageError("provision: --only needs a step (wheelhouse apt python gpu mpi ssh_mesh commands)")
     with ssh_session(args.spec) as session:
         # what the command line asks of this spec, not a host's failure: exit 2, as argparse's own errors
         if session.spec.provision is None:
@@ -147,7 +155,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def add_cli(subparsers) -> None:
     """Register `provision` and `doctor` on the clusterctl argument parser."""
     p = subparsers.add_parser("provision", help="install what the spec's provision section asks for on every host")
-    p.add_argument("spec")
+    p.add_argument("spec", nargs="?")  # also after --only's steps (cmd_provision)
     p.add_argument("--check", action="store_true", help="report what would change; change nothing")
     p.add_argument("--force", action="store_true", help="re-run every step even where it is satisfied")
     p.add_argument("--only", nargs="+", action="extend", metavar="STEP", help="run only these steps (wheelhouse apt python gpu mpi ssh_mesh commands)")

@@ -399,3 +399,16 @@ def test_the_mesh_key_reaches_the_hosts_and_a_shared_hostname_is_pinned_for_nobo
     assert "\nHost 127.0.0.1 127.0.0.2\n" in (ssh / "config").read_text()
     assert ("[ssh_mesh] controller: its hostname box names n1 too: left out of the mesh's known_hosts and ssh config\n"
             in report.log_path(report.hosts[0]).read_text())
+
+
+def test_a_spec_after_only_is_taken_as_the_spec(tmp_path, capsys):
+    # `provision --only apt cluster.yaml`: --only took the spec as a step; argparse then wanted a spec (exit 2)
+    from clusterctl import cli
+
+    missing = str(tmp_path / "cluster.yaml")
+    assert cli.main(["provision", "--only", "commands", missing, "--check"]) == 2
+    assert capsys.readouterr().err.strip() == f"{missing}:1:1: cannot read spec: No such file or directory"
+    assert cli.main(["provision", "--only", missing]) == 2  # never every step for an --only that named none
+    assert "--only needs a step" in capsys.readouterr().err
+    assert cli.main(["provision", "--only", "commands"]) == 2
+    assert "provision: give the spec" in capsys.readouterr().err
