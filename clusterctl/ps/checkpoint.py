@@ -209,7 +209,8 @@ def _swap_in(root: str | os.PathLike[str], server_id: int) -> None:
     """Make ``pserver-<id>.new`` the latest shard; the latest becomes ``.prev`` and the ``.prev`` before it goes.
 
     A latest shard that is not older than the new one (a save after a load of an earlier step, or an
-    unreadable one) is replaced instead and ``.prev`` stays: it may hold the step the commit record names.
+    unreadable one), or one the commit record does not name while ``.prev`` holds the step it names (a save that
+    failed on another pserver), is replaced instead and ``.prev`` stays.
     Every state a crash can leave between these renames is finished by :func:`recover_server`.
     """
     final, prev, new = server_dir(root, server_id), prev_dir(root, server_id), new_dir(root, server_id)
@@ -217,7 +218,14 @@ def _swap_in(root: str | os.PathLike[str], server_id: int) -> None:
     _lexists(old)
     if _lexists(final):
         latest, step = _step_of(final), _step_of(new)
-        if latest is not None and step is not None and latest < step:
+        try:
+            committed = (_commit(Path(root)) or {}).get("step")
+        except CheckpointError:
+            committed = None
+        # the latest is a save that never committed (it failed on another pserver) and .prev holds the committed
+        # step: the latest goes, not .prev, or a second failed save would leave the job no step to resume at
+        keep_prev = committed is not None and latest != committed and _step_of(prev) == committed
+        if latest is not None and step is not None and latest < step and not keep_prev:
             if _lexists(prev):
                 prev.rename(old)
             final.rename(prev)

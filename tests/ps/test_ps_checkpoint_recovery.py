@@ -105,6 +105,21 @@ def test_a_save_that_failed_on_one_pserver_resumes_at_the_committed_step(tmp_pat
         np.testing.assert_array_equal(got.blocks["w.block0"], np.full(4, 5, np.float32))
 
 
+def test_a_second_failed_save_keeps_the_committed_step(tmp_path):
+    """pserver 1 failed to save steps 10 and 15: pserver 0's save of 15 rotated the committed step 5 out of its
+    .prev (10 became .prev), and no pserver held step 5 any more."""
+    _two_pservers(tmp_path, [5, 10], [5], commit=5)
+    ckpt.save_server(tmp_path, _shard(15, 0, 2))  # pserver 1's save of 15 fails again: no new commit record
+    assert ckpt.saved_steps(tmp_path, 0) == [15, 5]
+    for sid in (0, 1):
+        assert ckpt.load_server(tmp_path, sid, 2).step == 5
+    ckpt.save_server(tmp_path, _shard(20, 1, 2))  # both saved 20, and the trainer committed it: rotation as usual
+    ckpt.save_server(tmp_path, _shard(20, 0, 2))
+    ckpt.write_commit(tmp_path, 20, ["a:1", "b:2"])
+    ckpt.save_server(tmp_path, _shard(25, 0, 2))
+    assert ckpt.saved_steps(tmp_path, 0) == [25, 20]
+
+
 @pytest.mark.parametrize(("steps0", "steps1", "loader", "message"), [
     ([5, 10], [3], 0, "the commit record says step 5, but pserver 1 holds step 3 (pserver-1)"),
     ([5, 10], [3], 1, "the commit record says step 5, but pserver 1 holds step 3 (pserver-1)"),
