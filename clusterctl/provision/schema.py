@@ -32,6 +32,14 @@ _APT_VERSION_RE = re.compile(r"^[A-Za-z0-9.+~:-]+\Z")
 _STEP_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 
 
+
+def _twice(names: list[str]) -> str | None:
+    """The first name (in sorted order) that `names` holds more than once, else None."""
+    seen, dup = set(), set()
+    for n in names:
+        (dup if n in seen else seen).add(n)
+    return min(dup) if dup else None
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -172,19 +180,17 @@ class AptSpec(_Model):
     @field_validator("packages")
     @classmethod
     def _packages(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        names = [_apt_package(p).partition("=")[0] for p in v]
-        dup = sorted({n for n in names if names.count(n) > 1})
+        dup = _twice([_apt_package(p).partition("=")[0] for p in v])
         if dup:
-            raise ValueError(f"package listed twice: {dup[0]}")
+            raise ValueError(f"package listed twice: {dup}")
         return v
 
     @field_validator("sources")
     @classmethod
     def _sources(cls, v: tuple[AptSource, ...]) -> tuple[AptSource, ...]:
-        names = [s.name for s in v]
-        dup = sorted({n for n in names if names.count(n) > 1})
+        dup = _twice([s.name for s in v])
         if dup:
-            raise ValueError(f"two sources named {dup[0]}")
+            raise ValueError(f"two sources named {dup}")
         return v
 
     @model_validator(mode="after")
@@ -408,10 +414,9 @@ class ProvisionSpec(_Model):
     @field_validator("commands")
     @classmethod
     def _commands(cls, v: tuple[CommandSpec, ...]) -> tuple[CommandSpec, ...]:
-        names = [c.name for c in v]
-        dup = sorted({n for n in names if names.count(n) > 1})
+        dup = _twice([c.name for c in v])
         if dup:
-            raise ValueError(f"two commands named {dup[0]}")
+            raise ValueError(f"two commands named {dup}")
         return v
 
     @model_validator(mode="after")
