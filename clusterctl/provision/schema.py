@@ -32,13 +32,13 @@ _APT_VERSION_RE = re.compile(r"^[A-Za-z0-9.+~:-]+\Z")
 _STEP_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 
 
-
 def _twice(names: list[str]) -> str | None:
     """The first name (in sorted order) that `names` holds more than once, else None."""
     seen, dup = set(), set()
     for n in names:
         (dup if n in seen else seen).add(n)
     return min(dup) if dup else None
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
