@@ -39,7 +39,7 @@ from . import checkpoint as ckpt
 from .door import Door
 from .endpoints import split_endpoint, zmq_address
 from .errors import BarrierTimeoutError, ProtocolError, PsConfigError, PsError
-from .optim import OptimizerConfig, apply_piece, apply_update, begin_update, init_state
+from .optim import OptimizerConfig, apply_piece, apply_update, begin_update, init_state, state_dtype
 from .protocol import MAX_TIMEOUT, MAX_WIRE_FRAME_BYTES, PROTOCOL_VERSION, Message, Tensor, decode, encode, error_frames
 
 __all__ = ["MODES", "ParameterServer"]
@@ -387,8 +387,10 @@ class ParameterServer:
         """Sum the pushes' gradients of ``key[lo:hi]`` in trainer-id order, average, apply the optimizer."""
         block = self.blocks[key]
         acc = self._acc.get(key)
-        if acc is None or acc.shape != block.shape:
-            acc = self._acc[key] = np.empty_like(block)  # private: never sent, reused every round
+        if acc is None or acc.shape != block.shape or acc.dtype != state_dtype(block.dtype):
+            # private: never sent, reused every round; float16 gradients summed in float32 (as the optimizer's
+            # arithmetic is): ten trainers' 10,000 each overflow float16's 65,504 to inf
+            acc = self._acc[key] = np.empty(block.shape, state_dtype(block.dtype))
         for i, push in enumerate(pushes):  # fixed trainer-id order: the sum is reproducible bit for bit
             for off, piece in push.pieces[key]:
                 a, b = max(lo, off), min(hi, off + piece.size)
@@ -399,7 +401,7 @@ class ParameterServer:
                 else:
                     acc[a:b] += piece[a - off:b - off]
         g = acc[lo:hi]
-        g /= block.dtype.type(len(pushes))
+        g /= acc.dtype.type(len(pushes))
         if self.optimizer is None:
             raise _RejectError("not_initialised", "no trainer has sent init (optimizer unknown)")
         new = self._sync_new.get(key)

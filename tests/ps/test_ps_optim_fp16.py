@@ -72,3 +72,29 @@ def test_float16_optimizer_state_is_saved_in_float32_and_a_restart_continues_exa
     resumed = train(g2.endpoints, 4)
     assert np.isfinite(straight).all()
     np.testing.assert_array_equal(resumed, straight)
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_float16_gradients_of_a_sync_round_are_summed_in_float32(servers, pipeline):
+    # two trainers' 40,000 summed in float16 overflowed its 65,504 to inf before the average: every weight inf
+    import threading
+
+    from clusterctl.ps import SGD
+
+    g = servers(1, num_trainers=2, mode="sync")
+    got = {}
+
+    def trainer(tid: int) -> None:
+        with PSClient(g.endpoints, trainer_id=tid, num_trainers=2, mode="sync", optimizer=SGD(1e-4), timeout=10,
+                      pipeline=pipeline) as c:
+            c.init({"w": np.ones(4, np.float16)})
+            got[tid] = c.push_pull({"w": np.full(4, 40000, np.float16)}, step=0)["w"]
+            c.complete()
+
+    threads = [threading.Thread(target=trainer, args=(t,)) for t in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    for tid in (0, 1):
+        np.testing.assert_array_equal(got[tid], np.full(4, 1 - 1e-4 * 40000, np.float16))
