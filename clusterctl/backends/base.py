@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..plan import JobPlan
     from ..spec import ClusterSpec
 
-__all__ = ["Backend", "StopReport", "Progress", "LineCallback", "killed_count", "unsupported_problems"]
+__all__ = ["Backend", "Placement", "StopReport", "Progress", "LineCallback", "killed_count", "unsupported_problems"]
 
 Progress = Callable[[str], None]  # "verifying workspaces", "launching", ... (the CLI prints them dim)
 LineCallback = Callable[[object, str, str], None]  # (host, "out" | "err", line)
@@ -60,6 +60,18 @@ def killed_count(replies: Iterable[object]) -> int:
         if isinstance(killed, list):
             total += len({pid(e) for e in killed} - {None})
     return total
+
+
+@dataclass(frozen=True)
+class Placement:
+    """`plan`'s rows for a backend whose processes run elsewhere than on the plan's hosts (Kubernetes: pods).
+    `row(i)`: process i's (place, role, id, rank, endpoint, gpus, argv), made only for the rows shown."""
+
+    called: str  # what one place is called (the table's first column): "pod"
+    count: int
+    row: Callable[[int], tuple[str, str, str, str, str, str, str]]
+    title: str  # after `job NAME (MODE)`
+    note: str  # one line after the table
 
 
 class Backend(abc.ABC):
@@ -101,6 +113,12 @@ class Backend(abc.ABC):
     def check_spec(cls, spec: ClusterSpec) -> list[SpecProblem]:
         """The backend's own rules about a spec (beyond `unsupported`); none by default."""
         return []
+
+    @classmethod
+    def placement(cls, spec: ClusterSpec, plan: JobPlan) -> Placement | None:
+        """Where the processes run when that is not the plan's hosts (`plan`'s table then lists these places, and no
+        SSH connections); None: on the plan's hosts."""
+        return None
 
     # -- lifetime ---------------------------------------------------------------------------------
 

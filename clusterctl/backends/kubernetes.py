@@ -34,13 +34,17 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import ClusterctlError, JobError
 from ..host.states import ACTIVE_JOB_STATES, JobState, ProcState
 from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from ..procs import run_session
-from .base import Backend, LineCallback, Progress, StopReport, killed_count
+from .base import Backend, LineCallback, Placement, Progress, StopReport, killed_count
+
+if TYPE_CHECKING:
+    from ..plan import JobPlan
+    from ..spec import ClusterSpec
 
 __all__ = ["KubernetesBackend", "Kubectl", "KubectlError", "fold_status", "pod_facts", "LOG_LINE"]
 
@@ -581,6 +585,25 @@ class KubernetesBackend(Backend):
         if any(data is None for data, _ in replies.values()):  # a pod may have ended since `get`: look again
             jobs, pods = self._snapshot()
         return fold_status(self.plan.job, self._expected(), jobs, pods, replies)
+
+    @classmethod
+    def placement(cls, spec: ClusterSpec, plan: JobPlan) -> Placement:
+        """One pod per process, named, reached and started as the manifests say (`k8s render`)."""
+        from .. import k8s
+
+        jobs = [d for d in k8s.render(spec, token="-") if d["kind"] == "Job"]  # pservers first, as in the plan
+        secrets = {(k8s.names(spec)["secret"], k8s.TOKEN_KEY): "<the job's token>"}
+        pods = [(job, i) for job in jobs for i in range(job["spec"]["completions"])]
+
+        def row(n: int) -> tuple[str, str, str, str, str, str, str]:
+            job, i = pods[n]
+            env = k8s.pod_env(job, i, secrets=secrets)
+            role = env["CLUSTERCTL_ROLE"]
+            return (env["POD_IP"], role, str(i), str(i) if role == "trainer" else "", env["PADDLE_CURRENT_ENDPOINT"],
+                    env.get("CUDA_VISIBLE_DEVICES", ""), " ".join(k8s.process_argv(job, i, secrets=secrets)))
+
+        return Placement("pod", len(pods), row, f"backend: kubernetes, namespace {spec.kubernetes.namespace}",
+                         f"one pod per process; `clusterctl k8s render {spec.source} -o -` prints every object")
 
     def notes(self) -> tuple[str, ...]:
         """The manifests' notes (the pods' names are longer than the SSH plan's addresses)."""

@@ -67,8 +67,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     procs = plan.processes
     shown = procs if args.all or len(procs) <= PLAN_ROWS else procs[: PLAN_ROWS - 8] + procs[-8:]
-    if spec.backend == "kubernetes":
-        return _plan_pods(spec, plan, len(shown) < len(procs))
+    from ..backends import backend_class
+
+    placement = backend_class(spec.backend).placement(spec, plan)
+    if placement is not None:  # not on the plan's hosts (Kubernetes: a pod per process)
+        return _plan_places(plan, placement, placement.count > PLAN_ROWS and not args.all)
     table = Table(title=f"job {plan.job} ({plan.mode})", title_justify="left")
     for col in ("host", "role", "id", "rank", "local", "endpoint", "gpus"):
         table.add_column(col, no_wrap=True)
@@ -110,36 +113,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_pods(spec, plan, summarised: bool) -> int:
-    """`plan` of a backend: kubernetes spec: a pod per process, named, reached and started as the manifests say
-    (`k8s render`), not the SSH hosts and connections the pods never use."""
+def _plan_places(plan, placement, summarised: bool) -> int:
+    """`plan` of a backend whose processes run elsewhere than on the plan's hosts (Backend.placement): its places,
+    not the SSH hosts and connections they never use."""
     from rich.markup import escape
     from rich.table import Table
 
-    from .. import k8s
     from ..console import out
 
-    jobs = [d for d in k8s.render(spec, token="-") if d["kind"] == "Job"]  # pservers first, as in the plan
-    secrets = {(k8s.names(spec)["secret"], k8s.TOKEN_KEY): "<the job's token>"}
-    pods = [(job, i) for job in jobs for i in range(job["spec"]["completions"])]
-    shown = pods[: PLAN_ROWS - 8] + pods[-8:] if summarised else pods
-    table = Table(title=f"job {plan.job} ({plan.mode}), backend: kubernetes, namespace {spec.kubernetes.namespace}",
-                  title_justify="left")
-    for col in ("pod", "role", "id", "rank", "endpoint", "gpus"):
+    n = placement.count
+    shown = [*range(PLAN_ROWS - 8), *range(n - 8, n)] if summarised else range(n)
+    table = Table(title=f"job {plan.job} ({plan.mode}), {escape(placement.title)}", title_justify="left")
+    for col in (placement.called, "role", "id", "rank", "endpoint", "gpus"):
         table.add_column(col, no_wrap=True)
     table.add_column("argv", overflow="fold", min_width=20)
-    for n, (job, i) in enumerate(shown):
-        if summarised and n == PLAN_ROWS - 8:
-            table.add_row("…", "", "", "", "", "", f"{len(pods) - len(shown):,} more")
-        env = k8s.pod_env(job, i, secrets=secrets)
-        role = env["CLUSTERCTL_ROLE"]
-        table.add_row(escape(env["POD_IP"]), role, str(i), str(i) if role == "trainer" else "",
-                      escape(env["PADDLE_CURRENT_ENDPOINT"]), env.get("CUDA_VISIBLE_DEVICES", ""),
-                      escape(" ".join(k8s.process_argv(job, i, secrets=secrets))))
+    for k, i in enumerate(shown):
+        if summarised and k == PLAN_ROWS - 8:
+            table.add_row("…", "", "", "", "", "", f"{n - len(shown):,} more")
+        table.add_row(*(escape(cell) for cell in placement.row(i)))
     out.print(table)
-    shows = f"showing {len(shown)} of {len(pods):,} pods (--all lists every one)" if summarised else \
-        f"one pod per process ({len(pods):,})"
-    out.print(f"{shows}; `clusterctl k8s render {escape(spec.source)} -o -` prints every object")
+    shows = f"showing {len(shown)} of {n:,} (--all lists every one); " if summarised else ""
+    out.print(escape(shows + placement.note))
     return 0
 
 
