@@ -269,18 +269,20 @@ class OpenSshTransport(ProcessTransport):
             self._flags = control_dir() or tempfile.mkdtemp(prefix="clusterctl-login-")
         return self._flags
 
-    def shed(self, stderr: str, proc=None) -> bool:
-        """See shed(). Never for a session of a kept connection (it has no handshake to shed) nor for a connection
-        known to have logged in (ssh touched its login flag): a command's own stderr can read like ssh's (it ran
-        `ssh` itself), and running it again would repeat what it did."""
+    def shed(self, stderr: str) -> bool:
+        """See shed()."""
+        return shed(stderr)
+
+    def logged_in(self, proc) -> bool:
+        """A session of a kept connection (it has no handshake to shed), or a connection whose ssh touched its login
+        flag: it ran, and a command's own stderr can read like ssh's (it ran `ssh` itself); running it again would
+        repeat what it did."""
         from .mux import MuxProcess
 
         if isinstance(proc, MuxProcess) or getattr(proc, "logged_in", False):
-            return False
+            return True
         flag = getattr(proc, "login_flag", None)
-        if flag is not None and os.path.exists(flag):
-            return False
-        return shed(stderr)
+        return flag is not None and os.path.exists(flag)
 
     def prelogin(self, line: str) -> bool:
         """ssh's lines for a connection closed before the login."""

@@ -32,9 +32,12 @@ class ProcessTransport(Transport):
         """popen, or None when it may not start yet (wait=False; a transport that bounds new connections)."""
         return self.popen(host, command)
 
-    def shed(self, stderr: str, proc=None) -> bool:
-        """Whether a failed try (`proc`, when known) never reached the login (safe to try again); never, unless a
-        subclass says."""
+    def shed(self, stderr: str) -> bool:
+        """Whether a failed try never reached the login (safe to try again); never, unless a subclass says."""
+        return False
+
+    def logged_in(self, proc) -> bool:
+        """Whether the try `proc` is known to have logged in (then it ran, and is never tried again)."""
         return False
 
     def prelogin(self, line: str) -> bool:
@@ -107,7 +110,10 @@ class ProcessRun(Running):
                     held.release()
                 return timed_out_result(host, command, timeout, time.monotonic() - start)
             spent = time.monotonic() - start
-            if not (code == UNREACHABLE and not out and self.transport.shed(err, proc)) or attempt == CONNECT_TRIES - 1 or (
+            # a transport of another kind (a test's, a user's) may have no logged_in(): then stderr decides alone
+            logged_in = getattr(self.transport, "logged_in", None)
+            shed = code == UNREACHABLE and not out and not (logged_in and logged_in(proc)) and self.transport.shed(err)
+            if not shed or attempt == CONNECT_TRIES - 1 or (
                     timeout is not None and spent > timeout / 2):
                 if held is not None:
                     held.release()
