@@ -298,8 +298,9 @@ class LineSplitter:
         self._partial = b""
         data = b"".join(self.chunks)
         self.chunks.clear()
-        if self.dropped:  # the tail starts mid-stream: from its first whole line
-            data = data[data.find(b"\n") + 1:]
+        cut = data.find(b"\n")
+        if self.dropped and 0 <= cut < len(data) - 1:  # the tail starts mid-stream: from its first whole line
+            data = data[cut + 1:]  # (a tail that is one line, cut or not, is kept as it is: never nothing)
         text = data.decode("utf-8", "replace")
         if self.over:
             text += f"\n[clusterctl: {self.over:,} more bytes beyond {self.MAX_KEPT >> 20} MiB dropped]\n"
