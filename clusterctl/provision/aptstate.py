@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ProvisionError
 
-__all__ = ["HOST_STATE_SCRIPT", "STATE_HEADER", "HostAptState", "StateReader", "parse_state", "SourceEntry",
+__all__ = ["HOST_STATE_SCRIPT", "numeric_name", "STATE_HEADER", "HostAptState", "StateReader", "parse_state", "SourceEntry",
            "parse_sources", "SOURCE_OPTIONS", "LIMITS", "allowed_kind"]
 
 STATE_HEADER = "clusterctl-apt-state 2"
@@ -317,6 +317,12 @@ class SourceEntry:
 _NUMERIC_LABEL_RE = re.compile(r"(0[xX][0-9a-fA-F]*|[0-9]+)\Z")
 
 
+def numeric_name(host: str) -> bool:
+    """Whether `host`'s last label is a number: resolvers (inet_aton) and URL parsers read such a name as an
+    IPv4 address in one of its forms (127.1, 2130706433, 0x7f000001), never as a name."""
+    return bool(_NUMERIC_LABEL_RE.match(host.rstrip(".").rpartition(".")[2]))
+
+
 def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     """The address `host` names as the controller's resolver reads it, or None for a name. Besides the canonical
     forms, the resolver (inet_aton) takes 127.1, 2130706433, 0x7f000001 and 0177.0.0.1; a name whose last label is
@@ -325,7 +331,7 @@ def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         return ipaddress.ip_address(host)
     except ValueError:
         pass
-    if not _NUMERIC_LABEL_RE.match(host.rstrip(".").rpartition(".")[2]):
+    if not numeric_name(host):
         return None
     try:
         return ipaddress.IPv4Address(socket.inet_aton(host))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 from pathlib import Path
 
 from ..cache import cache_root, makedirs
@@ -80,11 +79,13 @@ def own_names(hosts, facts: dict) -> tuple[dict, list[tuple[object, str]]]:
 
 def _is_address(name: str) -> bool:
     """An IP address, or a name ending in a number (which resolvers read as one: 127.1, 2130706433)."""
+    from .aptstate import numeric_name
+
     try:
         ipaddress.ip_address(name)
         return True
     except ValueError:
-        return bool(re.fullmatch(r"(0[xX][0-9a-fA-F]*|[0-9]+)", name.rstrip(".").rpartition(".")[2]))
+        return numeric_name(name)
 
 
 def known_hosts_text(hosts, facts: dict) -> str:
