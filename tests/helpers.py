@@ -17,7 +17,7 @@ import time
 import threading
 from pathlib import Path
 
-__all__ = ["MPIEXEC", "free_port", "free_ports", "free_port_base", "job_pids", "FakeCoordinator"]
+__all__ = ["MPIEXEC", "free_port", "free_ports", "free_port_base", "job_pids", "FakeCoordinator", "pids_running"]
 
 # MPICH's mpiexec from the `mpich` wheel next to the interpreter, else one on PATH; None: the MPI tests skip.
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
@@ -185,3 +185,17 @@ def ssh_keygen(path: Path, passphrase: str = "") -> Path:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", passphrase, "-f", str(path)], check=True,
                    capture_output=True, stdin=subprocess.DEVNULL)
     return path
+
+
+def pids_running(argv: list[str]) -> list[int]:
+    """The pids of this machine's processes whose command line is exactly `argv` (a marker a test gave a process
+    that must not outlive what started it)."""
+    want = b"".join(a.encode() + b"\0" for a in argv)
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry / "cmdline").read_bytes() == want:
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found

@@ -743,7 +743,7 @@ def test_stop_of_finished_jobs_whose_pods_are_gone_deletes_them(kube):
 def test_a_kubectl_past_its_deadline_is_killed_with_what_it_started(tmp_path):
     """kubectl killed at its deadline alone left its children (an `exec:` credential plugin) running, reparented
     to init, one per call that timed out."""
-    from pathlib import Path
+    from helpers import pids_running
 
     marker = f"{os.getpid()}.75"  # seconds: this sleep's own argument, found in /proc
     tool = tmp_path / "kubectl"
@@ -751,14 +751,7 @@ def test_a_kubectl_past_its_deadline_is_killed_with_what_it_started(tmp_path):
     tool.chmod(0o755)
 
     def left() -> list[int]:
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if (entry / "cmdline").read_bytes() == b"sleep\0" + marker.encode() + b"\0":
-                    found.append(int(entry.name))
-            except (OSError, ValueError):
-                continue
-        return found
+        return pids_running(["sleep", marker])
 
     kubectl = kubernetes.Kubectl("ml", binary=str(tool))
     with pytest.raises(kubernetes.KubectlError, match=r"^kubectl get pods -l a=b: kubectl did not answer within 1s$"):

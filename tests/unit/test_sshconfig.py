@@ -367,7 +367,7 @@ def test_a_match_exec_that_hangs_is_one_line_and_leaves_no_process(tmp_path, mon
     through the shell) was left running, reparented to init, one per name asked."""
     import os
     import time
-    from pathlib import Path
+    from helpers import pids_running
 
     from clusterctl import sshconfig
     from clusterctl.errors import ClusterctlError
@@ -379,14 +379,7 @@ def test_a_match_exec_that_hangs_is_one_line_and_leaves_no_process(tmp_path, mon
     cfg.write_text(f'Match exec "sleep {marker}"\n    Port 2203\n')
 
     def left() -> list[int]:
-        found = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if (entry / "cmdline").read_bytes() == b"sleep\0" + marker.encode() + b"\0":
-                    found.append(int(entry.name))
-            except (OSError, ValueError):
-                continue
-        return found
+        return pids_running(["sleep", marker])
 
     with pytest.raises(ClusterctlError, match=r"^resolving n0 with `ssh -G` took over 1s \(a Match exec in the ssh config\?\)$"):
         sshconfig._ssh_g(str(cfg), Target("n0"))
