@@ -169,6 +169,7 @@ class Remote:
         on_line: LineCallback | None = None,
         check: bool = True,
         what: str = "command",
+        max_output: int | None = None,
     ) -> GroupResult:
         """Run `command` (a shell line, or a function of the host) on every host in parallel.
 
@@ -176,7 +177,9 @@ class Remote:
         RemoteError) naming every host that failed to connect or exited non-zero, carrying the GroupResult
         (every host's Result and typed error); with check=False, unreachable hosts get exit code 255.
         Through the OpenSSH client and its kept connections (see launch()), unless this session has
-        paramiko connections open to these hosts already (host_key_policy accept-new or off).
+        paramiko connections open to these hosts already (host_key_policy accept-new or off). `max_output`: the
+        bytes of each host's stdout kept without `on_line` (default LineSplitter.MAX_KEPT), for a caller that parses
+        a small reply; a longer one ends with the line that says what was dropped (transport.base.cut_short).
         """
         targets = tuple(hosts) if hosts is not None else self.hosts
         if callable(stdin):
@@ -185,7 +188,8 @@ class Remote:
             chunks = () if stdin is None else (stdin,)
             feed = lambda _host: chunks  # noqa: E731
         with self._launch(command, targets, self._for(targets)) as launched:
-            done = launched.finish(dict.fromkeys(targets, feed), timeout=timeout, on_line=on_line)
+            done = launched.finish(dict.fromkeys(targets, feed), timeout=timeout, on_line=on_line,
+                                   max_output=max_output)
         return done.raise_if_failed(what) if check else done
 
     def launch(self, command: str | Callable[[Host], str], *, hosts: Sequence[Host]) -> "Launch":
@@ -274,10 +278,11 @@ class Launch:
         stdin: dict[Host, Callable[[Host], Iterable[bytes]]],
         timeout: float | None = None,
         on_line: LineCallback | None = None,
+        max_output: int | None = None,
     ) -> GroupResult:
         """Feed each host in `stdin` its stream and wait for all (output lines to `on_line` as they come);
         a launched host not in `stdin` gets an empty stdin (the command must treat that as nothing to do).
-        The Results of the hosts in `stdin`; exit codes as with Remote.run(check=False)."""
+        The Results of the hosts in `stdin`; exit codes as with Remote.run(check=False); `max_output` as there."""
         futures, running = {}, []
         try:  # from the first submit: a Ctrl+C may come as soon as one host's output does
             for host in self.hosts:
@@ -286,7 +291,8 @@ class Launch:
                     continue  # finished already, or never started (paramiko runs nothing until finished)
                 running.append(run)
                 feed = (lambda h=host: stdin[h](h)) if host in stdin else (lambda: ())
-                futures[host] = self.remote._pool.submit(run.finish, feed, timeout, on_line if host in stdin else None)
+                futures[host] = self.remote._pool.submit(run.finish, feed, timeout, on_line if host in stdin else None,
+                                                         max_output)
                 del self._runs[host]
             _wait_awake(futures.values())
             return GroupResult((h, f.result()) for h, f in futures.items() if h in stdin)

@@ -261,10 +261,12 @@ def _send_all(chan, data: bytes, deadline: float | None) -> None:
 
 
 def run_on(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float | None, on_line,
-           opened: Callable[[paramiko.Channel], None] | None = None) -> tuple[int, str, str]:
+           opened: Callable[[paramiko.Channel], None] | None = None,
+           max_output: int | None = None) -> tuple[int, str, str]:
     """Run `cmd` over a new channel of `conn`: (exit code, stdout, stderr). Raises Timeout, or one of
     TRANSPORT_ERRORS when the connection breaks. `opened(channel)`: told the channel before the command starts
-    (closing it from another thread ends the run, as killing an `ssh` client does)."""
+    (closing it from another thread ends the run, as killing an `ssh` client does). `max_output`: as for
+    Running.finish."""
     chan = conn.transport.open_session(timeout=conn.connect_timeout)
     try:
         if opened is not None:
@@ -272,7 +274,7 @@ def run_on(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float 
         if conn.forward_agent:  # the spec's ssh.forward_agent, as -o ForwardAgent=yes on ssh's own path
             forward_agent(chan, getattr(conn.client, "agent_sock", None))
         chan.exec_command(cmd)
-        out = LineSplitter(host, "out", on_line)
+        out = LineSplitter(host, "out", on_line, max_output)
         err = LineSplitter(host, "err", on_line)
         errors: list[BaseException] = []
 
@@ -408,7 +410,7 @@ class ParamikoTransport(Transport):
 
     def run(self, host: Host, cmd: str, stdin: Stdin, timeout: float | None, on_line, start: float | None = None,
             opened: Callable[[paramiko.Channel], None] | None = None,
-            killed: Callable[[], bool] | None = None) -> Result:
+            killed: Callable[[], bool] | None = None, max_output: int | None = None) -> Result:
         """Run `cmd` on `host` over its connection: the host's Result (255 with the reason when the host was
         not reached or the connection broke, 124 when `timeout` ended it). `opened`: as for run_on; `killed()`:
         whether the caller closed the channel (then its end is no broken connection: the connection is kept)."""
@@ -418,7 +420,7 @@ class ParamikoTransport(Transport):
         except ClusterctlError as exc:
             return unreachable_result(host, cmd, str(exc), time.monotonic() - start)
         try:
-            code, out, err = run_on(conn, host, cmd, stdin, timeout, on_line, opened)
+            code, out, err = run_on(conn, host, cmd, stdin, timeout, on_line, opened, max_output)
         except Timeout:
             return timed_out_result(host, cmd, timeout, time.monotonic() - start)
         except TRANSPORT_ERRORS as exc:
@@ -453,12 +455,12 @@ class _ChannelRun(Running):
         self._chan: paramiko.Channel | None = None
         self._killed = False
 
-    def finish(self, feed, timeout, on_line) -> Result:
+    def finish(self, feed, timeout, on_line, max_output: int | None = None) -> Result:
         """Run the command with what `feed()` yields as its stdin."""
         if self._killed:  # interrupted before a worker came to it: never run
             return unreachable_result(self.host, self.command, "interrupted", 0.0)
         return self.transport.run(self.host, self.command, lambda _h: feed(), timeout, on_line, opened=self._opened,
-                                  killed=lambda: self._killed)
+                                  killed=lambda: self._killed, max_output=max_output)
 
     def _opened(self, chan: paramiko.Channel) -> None:
         with self._lock:

@@ -95,12 +95,13 @@ class Kubectl:
         return [*head, "--namespace", self.namespace, *args]
 
     def run(self, *args: str, what: str, input: bytes | None = None, timeout: float = KUBECTL_TIMEOUT,
-            check: bool = True) -> subprocess.CompletedProcess:
-        """Run `kubectl ARGS`; KubectlError (one line: what, and kubectl's last line) when it fails and `check`."""
+            check: bool = True, tail: int | None = None) -> subprocess.CompletedProcess:
+        """Run `kubectl ARGS`; KubectlError (one line: what, and kubectl's last line) when it fails and `check`.
+        `tail`: only the last `tail` bytes of its output are kept (procs.run_session)."""
         argv = self.argv(*args)
         try:
             # a session of its own: an auth plugin it started (`exec:` credentials) is killed with it at the deadline
-            res = run_session(argv, input=input, timeout=timeout)
+            res = run_session(argv, input=input, timeout=timeout, tail=tail)
         except FileNotFoundError:
             raise KubectlError(f"{what}: {self.binary} not found on PATH (backend: kubernetes runs kubectl)") from None
         except subprocess.TimeoutExpired:
@@ -129,9 +130,10 @@ class Kubectl:
         return self.run("create", "-f", "-", what=what, input=body).stdout.decode("utf-8", "replace")
 
     def exec(self, pod: str, container: str, argv: list[str], *, timeout: float = KUBECTL_TIMEOUT):
-        """`kubectl exec POD -c CONTAINER -- ARGV`: the CompletedProcess (any exit code); KubectlError if none came."""
+        """`kubectl exec POD -c CONTAINER -- ARGV`: the CompletedProcess (any exit code); KubectlError if none came.
+        What the pod prints is the pod's to choose: the last REPLY_LIMIT bytes of each stream are kept."""
         return self.run("exec", pod, "-c", container, "--", *argv, what=f"kubectl exec {pod} -c {container}",
-                        timeout=timeout, check=False)
+                        timeout=timeout, check=False, tail=REPLY_LIMIT)
 
     def logs(self, pod: str, container: str) -> str:
         """`kubectl logs POD -c CONTAINER`: the container's log as Kubernetes keeps it."""

@@ -27,7 +27,7 @@ from ..host.controlproto import CLIENT_HEADER_TIMEOUT, CONTROL_FILE, CONTROL_VER
 from ..plan import Host
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote, Result
-from ..transport.base import LineSplitter
+from ..transport.base import LineSplitter, cut_short
 from .hosttools import install_on, package_dir, tool_argv
 
 __all__ = ["control_command", "ask", "agent_reply", "NEEDS_PACKAGE", "Direct", "remember", "recall", "forget"]
@@ -243,14 +243,16 @@ def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence
 
 def _ask_line(remote: Remote, command: str | Callable[[Host], str], hosts: Sequence[Host], timeout: float | None,
               what: str, on_line: LineCallback | None) -> dict[Host, Result]:
-    results = remote.run(command, hosts=hosts, check=False, timeout=timeout, what=what, on_line=on_line)
+    results = remote.run(command, hosts=hosts, check=False, timeout=timeout, what=what, on_line=on_line,
+                         max_output=MAX_CONTROL_REPLY)
     missing = [h for h, r in results.items() if r.exit_code == NEEDS_PACKAGE]
     if missing:
         installed = install_on(remote, ("agent",), missing)
         again = [h for h in missing if installed[h].ok]
         results.update({h: installed[h] for h in missing if not installed[h].ok})
         if again:
-            results.update(remote.run(command, hosts=again, check=False, timeout=timeout, what=what, on_line=on_line))
+            results.update(remote.run(command, hosts=again, check=False, timeout=timeout, what=what, on_line=on_line,
+                                      max_output=MAX_CONTROL_REPLY))
     return results
 
 
@@ -258,9 +260,10 @@ def agent_reply(res: Result) -> dict:
     """The agent's (or the supervisor's) JSON object in a host's output, whatever a shell's start-up printed before
     it; where there is none, `{"ok": False, "error": ...}` with the host's stderr (else stdout) tail. Its fields
     are the host's word: read them through HostStatus.from_json or check each one's type."""
-    if len(res.stdout) > MAX_CONTROL_REPLY:  # not parsed: 256 MiB of `{}` would take ~6 GiB as objects
-        return {"ok": False, "error": f"a reply of {len(res.stdout) >> 20} MiB, over the {MAX_CONTROL_REPLY >> 20} MiB "
-                                      "a host's control reply may be"}
+    # not parsed: 256 MiB of `{}` would take ~6 GiB as objects. The callers keep no more than MAX_CONTROL_REPLY of
+    # it (Remote.run's max_output: the rest is dropped as it comes, and said at the end); any other Result: its length
+    if len(res.stdout) > MAX_CONTROL_REPLY or cut_short(res.stdout):
+        return {"ok": False, "error": f"a reply over the {MAX_CONTROL_REPLY >> 20} MiB a host's control reply may be"}
     try:
         return res.reply()
     except ClusterctlError:

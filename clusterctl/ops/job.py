@@ -23,7 +23,7 @@ from ..host.states import JobState
 from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from ..progress import clean_progress, stragglers
 from . import Session
-from .control import NEEDS_PACKAGE, Direct, agent_reply, ask, control_command, forget, remember
+from .control import MAX_CONTROL_REPLY, NEEDS_PACKAGE, Direct, agent_reply, ask, control_command, forget, remember
 from .hosttools import ensure_tools, package_dir, tool_argv
 from ..host.jobfile import elastic_entry, with_elastic  # elastic jobs (hosts[].spare, job.min_hosts)
 
@@ -303,13 +303,13 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
     say("launching")
     timeout = WAIT_PSERVERS_S + 60
     results = remote.run(_up_command(), hosts=hosts, stdin=lambda h: [docs[h]], check=False, timeout=timeout,
-                         what="start")
+                         what="start", max_output=MAX_CONTROL_REPLY)
     missing = [h for h, r in results.items() if r.exit_code == NEEDS_PACKAGE]
     if missing:  # the first start with this version of clusterctl on these hosts: upload the host package once
         say("installing clusterctl's host package")
         ensure_tools(remote, ("agent",), missing)
         results.update(remote.run(_up_command(), hosts=missing, stdin=lambda h: [docs[h]], check=False,
-                                  timeout=timeout, what="start"))
+                                  timeout=timeout, what="start", max_output=MAX_CONTROL_REPLY))
     replies = {h: _up_reply(r) for h, r in results.items()}
     endpoints = {h: replies[h].pop("control") for h in hosts if "control" in replies[h]}
     # launched is what the agent says (`stage`), not an exit 0 alone: a host that answered nothing runs no supervisor

@@ -33,7 +33,8 @@ from ..remote import LineCallback, Remote, SshOptions
 from ..spec import ClusterSpec
 from ..spec.fields import check_address
 from . import Session
-from .control import agent_reply
+from ..transport.base import cut_short
+from .control import MAX_CONTROL_REPLY, agent_reply
 from .hosttools import _package_payload, ensure_tools, install_on, package_dir, tool_argv, tool_command
 from .job import MAX_SAID, MAX_SAID_CHARS, JobStatus, fold_status, job_files, own_log_line
 from .top import TopAnswer, TopRequest, answer_of
@@ -180,9 +181,16 @@ def _login(spec: ClusterSpec) -> Host:
     return _host(spec, spec.slurm.login, 0)
 
 
+# bytes of a login node's reply kept (`slurmctl login ...`): it speaks for every node of the job (a node's status is
+# a few kB), but the login node may be compromised too: what it prints beyond this is dropped as it comes
+LOGIN_REPLY = 64 << 20
+
+
 def _reply(res, login: Host, what: str) -> dict:
     if res.unreachable:
         raise SlurmError(f"cannot reach the Slurm login node {login.label}: {res.stderr.strip()[-300:]}")
+    if cut_short(res.stdout):
+        raise SlurmError(f"{what} on {login.label}: a reply over the {LOGIN_REPLY >> 20} MiB a login node's may be")
     try:
         data = res.reply()
     except ClusterctlError:
@@ -251,7 +259,8 @@ def _login_tool(remote: Remote, login: Host, args: list[str], *, what: str, time
     """One `slurmctl login query|stop ...` command on the login node (the host package installed there first if
     missing): its reply, checked (`_query_of`)."""
     cmd, payload = tool_command("slurmctl", ["login", *args])
-    res = remote.run(cmd, hosts=[login], stdin=payload, check=False, timeout=timeout, what=what)[login]
+    res = remote.run(cmd, hosts=[login], stdin=payload, check=False, timeout=timeout, what=what,
+                     max_output=LOGIN_REPLY)[login]
     return _query_of(_reply(res, login, what))
 
 
@@ -277,7 +286,7 @@ def _agent_on_nodes(spec: ClusterSpec, nodes: list[tuple[str, Host]], args: Call
     with _remote(spec, tuple(by_host)) as remote:
         results = remote.run(lambda h: cmds[h], hosts=list(by_host), stdin=payload, check=False,
                              timeout=remote.control_timeout if timeout == _CONTROL else timeout, what=what,
-                             on_line=on_line)
+                             on_line=on_line, max_output=MAX_CONTROL_REPLY)
     return {by_host[h]: r for h, r in results.items()}
 
 
@@ -383,7 +392,8 @@ def start(spec: ClusterSpec, plan: JobPlan, *, on_progress: Callable[[str], None
         record = {"log_dir": plan.log_dir, "workspace": spec.slurm.workspace, "package": package_dir(),
                   "nodes": len(plan.hosts)}
         cmd = join(tool_argv("slurmctl", ["login", "submit", "--job", plan.job, "--record", json.dumps(record)]))
-        res = remote.run(cmd, hosts=[login], stdin=script.encode(), check=False, what="sbatch")[login]
+        res = remote.run(cmd, hosts=[login], stdin=script.encode(), check=False, what="sbatch",
+                         max_output=LOGIN_REPLY)[login]
         _reply(res, login, "sbatch")
         return _status_from(spec, plan, _query(remote, login, plan, replies=True))
 
@@ -538,12 +548,14 @@ class SlurmTop:
             self._remote = Remote((login,), SshOptions.from_spec(self.spec))
         cmd, payload = tool_command("slurmctl", args)
         res = self._remote.run(cmd, hosts=[login], stdin=payload, check=False, what="top",
-                               timeout=self._remote.control_timeout + step)[login]
+                               timeout=self._remote.control_timeout + step, max_output=LOGIN_REPLY)[login]
         now = time.monotonic()
         if not res.answered:
             why = "did not answer in time" if res.timed_out else res.stderr.strip()[-300:] or "no answer"
             return {login.label: TopAnswer(now, "unreachable", error=f"the Slurm login node: {why}")}
         try:
+            if cut_short(res.stdout):
+                raise ClusterctlError(f"a reply over the {LOGIN_REPLY >> 20} MiB a login node's may be")
             q = res.reply()
         except ClusterctlError:
             q = {"ok": False, "error": (res.stderr or res.stdout).strip()[-300:] or f"exit {res.exit_code}"}

@@ -16,6 +16,7 @@ import collections
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ from ..errors import CannotConnect, CommandFailed, HostError, HostFailure, Remot
 from .host import Host
 
 __all__ = ["Host", "SshOptions", "Result", "GroupResult", "GroupException", "Transport", "Running", "LineSplitter",
-           "fingerprint", "UNREACHABLE", "TIMED_OUT", "timed_out_reason", "LineCallback", "Stdin"]
+           "cut_short", "dropped_note", "fingerprint", "UNREACHABLE", "TIMED_OUT", "timed_out_reason", "LineCallback", "Stdin"]
 
 UNREACHABLE = 255  # what `ssh` itself exits with when it cannot connect; used as the host's exit code
 TIMED_OUT = 124  # the exit code of a command our deadline ended (as timeout(1) exits)
@@ -224,9 +225,10 @@ class Running:
     deferred = False  # True: nothing runs until finish() (a host never finished simply never ran it)
 
     def finish(self, feed: Callable[[], Iterable[bytes]], timeout: float | None,
-               on_line: LineCallback | None) -> Result:
+               on_line: LineCallback | None, max_output: int | None = None) -> Result:
         """Write what `feed()` yields to the command's stdin, close it, wait for its end: the host's Result
-        (exit 255 with the reason when it was not reached, 124 when `timeout` ended it)."""
+        (exit 255 with the reason when it was not reached, 124 when `timeout` ended it). `max_output`: the stdout
+        kept without `on_line` (default LineSplitter.MAX_KEPT); beyond it, dropped and said (cut_short)."""
         raise NotImplementedError
 
     def kill(self) -> None:
@@ -245,6 +247,21 @@ class Transport:
         """Close what the transport keeps open (connections)."""
 
 
+def dropped_note(over: int, limit: int) -> str:
+    """The line a kept stream ends with when `over` bytes beyond its `limit` were dropped (cut_short finds it)."""
+    size = f"{limit >> 20} MiB" if limit and not limit % (1 << 20) else f"{limit:,} bytes"
+    return f"\n[clusterctl: {over:,} more bytes beyond {size} dropped]\n"
+
+
+_DROPPED = re.compile(r"\n\[clusterctl: [\d,]+ more bytes beyond [\d,]+ (?:MiB|bytes) dropped\]\n\Z")
+
+
+def cut_short(output: str) -> bool:
+    """Whether `output` (a Result's stdout) ends with dropped_note's line: what the host printed was longer than
+    the caller kept (Remote.run's max_output). A host that prints that line itself only has its reply refused."""
+    return _DROPPED.search(output[-200:]) is not None
+
+
 class LineSplitter:
     """Turns a byte stream into decoded lines for a callback. Without a callback it keeps the stream for the
     Result, up to MAX_KEPT bytes (a host may be compromised: what it prints must not fill the controller's
@@ -257,8 +274,9 @@ class LineSplitter:
     MAX_KEPT = 256 << 20  # a 1,000,000-file workspace's state reply is ~130 MiB
     MAX_PARTIAL = 4 << 20  # a "line" longer than this is handed on in pieces
 
-    def __init__(self, host: Host, stream: str, on_line: LineCallback | None):
+    def __init__(self, host: Host, stream: str, on_line: LineCallback | None, max_kept: int | None = None):
         self.host, self.stream, self.on_line = host, stream, on_line
+        self.max_kept = self.MAX_KEPT if max_kept is None else max_kept  # without a callback: a caller's own bound
         self.chunks: collections.deque[bytes] = collections.deque()
         self._kept = 0
         self.dropped = 0  # bytes streamed to the callback and not kept
@@ -268,7 +286,7 @@ class LineSplitter:
     def feed(self, data: bytes) -> None:
         """Take the next chunk of the stream."""
         tail = self.on_line is None and self.stream == "err"  # stderr is read for a tail only: as with a callback
-        if self.on_line is None and not tail and (self.over or self._kept + len(data) > self.MAX_KEPT):
+        if self.on_line is None and not tail and (self.over or self._kept + len(data) > self.max_kept):
             self.over += len(data)
             return
         self.chunks.append(data)
@@ -303,5 +321,5 @@ class LineSplitter:
             data = data[cut + 1:]  # (a tail that is one line, cut or not, is kept as it is: never nothing)
         text = data.decode("utf-8", "replace")
         if self.over:
-            text += f"\n[clusterctl: {self.over:,} more bytes beyond {self.MAX_KEPT >> 20} MiB dropped]\n"
+            text += dropped_note(self.over, self.max_kept)
         return text

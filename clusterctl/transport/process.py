@@ -87,7 +87,7 @@ class ProcessRun(Running):
         self._ready.set()
 
     def finish(self, feed: Callable[[], Iterable[bytes]], timeout: float | None,
-               on_line: LineCallback | None) -> Result:
+               on_line: LineCallback | None, max_output: int | None = None) -> Result:
         """Write what `feed()` yields to the process's stdin, close it, wait for the exit; the host's Result.
 
         A connection that the server (or a bastion) closed before the login (sshd's MaxStartups shedding a
@@ -104,7 +104,7 @@ class ProcessRun(Running):
         host, command, start, proc = self.host, self.command, self.start_time, self.proc
         for attempt in range(CONNECT_TRIES):
             held = _PreLoginLines(on_line, self.transport.prelogin) if on_line is not None else None
-            code, out, err = collect_once(host, proc, feed(), timeout, held)
+            code, out, err = collect_once(host, proc, feed(), timeout, held, max_output)
             if code is None:
                 if held is not None:
                     held.release()
@@ -149,13 +149,14 @@ def _end(proc: subprocess.Popen) -> None:
 
 
 def collect_once(host: Host, proc: subprocess.Popen, chunks: Iterable[bytes], timeout,
-                 on_line: LineCallback | None) -> tuple[int | None, str, str]:
-    """One process to its end: (exit code, stdout, stderr); exit code None when it timed out."""
+                 on_line: LineCallback | None, max_output: int | None = None) -> tuple[int | None, str, str]:
+    """One process to its end: (exit code, stdout, stderr); exit code None when it timed out. `max_output`: as
+    for Running.finish."""
     outputs: dict[str, str] = {}
     callback_failed: list[Exception] = []
 
     def drain(name: str, stream) -> None:
-        lines = LineSplitter(host, name, on_line)
+        lines = LineSplitter(host, name, on_line, max_output if name == "out" else None)
         try:
             while chunk := stream.read1(65536):
                 lines.feed(chunk)

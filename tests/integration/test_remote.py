@@ -9,6 +9,7 @@ import yaml
 
 from clusterctl.ops import open_session
 from clusterctl.ops.execute import execute
+from clusterctl.transport.base import cut_short
 
 from clusterlib import bastion_pins, clusterctl, clusterctl_while_paused, docker, node_exec, via, write_spec
 
@@ -230,6 +231,7 @@ def test_bounded_run_keeps_late_stderr_and_streams_large_stdin(testcluster, tmp_
         late = session.remote.run("echo early >&2; sleep 2; echo late >&2", timeout=20)
         big = session.remote.run("sha256sum", stdin=payload, timeout=60)
         slow = session.remote.run("sleep 30", timeout=2, check=False)
+        capped = session.remote.run("head -c 3000000 /dev/zero | tr '\\0' y; echo; echo end", max_output=1 << 20)
         session.remote.run("echo one; echo two >&2", on_line=lambda h, stream, line: lines.append((h.label, stream, line)))
         assert any(map(session.remote.is_open, session.remote.hosts)) == (policy == "accept-new")
     import hashlib
@@ -240,6 +242,8 @@ def test_bounded_run_keeps_late_stderr_and_streams_large_stdin(testcluster, tmp_
         assert res.stdout.split()[0] == hashlib.sha256(payload).hexdigest()
     for res in slow.values():
         assert res.exit_code == 124 and res.stderr == "timed out after 2s running sleep 30"
+    for res in capped.values():  # a caller's bound on what it keeps (Remote.run's max_output), over either transport
+        assert cut_short(res.stdout) and len(res.stdout) < (1 << 20) + 100 and res.stdout.startswith("yyy"), res.stdout[-99:]
     assert sorted(lines) == sorted((n.ip, s, w) for n in testcluster.nodes[:2] for s, w in (("out", "one"), ("err", "two")))
 
 

@@ -310,3 +310,36 @@ def test_a_host_that_floods_logs_with_errors_and_stderr_is_shown_bounded(tmp_pat
     assert len(err) < jobmod.MAX_NOTES + jobmod.MAX_SAID + 20, len(err)
     assert any(line.endswith("[clusterctl: 2,800 more stderr lines not shown]") for line in err), err[-10:]
     assert "clusterctl: error: n1: 2,995 more error messages" in err, err[-10:]
+
+
+def test_a_status_reply_over_the_control_limit_is_dropped_as_it_comes_and_said(tmp_path, monkeypatch):
+    # a control reply is parsed only up to MAX_CONTROL_REPLY (16 MiB): a host that sends more has it dropped as it
+    # comes (Remote.run's max_output), not kept whole (256 MiB a host before) and only then refused
+    from clusterctl.ops.control import MAX_CONTROL_REPLY
+    from clusterctl.ops.job import start, status, stop
+    from clusterctl.transport.base import LineSplitter
+
+    kept: list[int] = []
+    close = LineSplitter.close
+    monkeypatch.setattr(LineSplitter, "close", lambda self: kept.append(len(text := close(self))) or text)
+    c = FakeCluster(tmp_path, files={"train.py": "import time; time.sleep(30)\n"})
+    with c.session() as s:
+        dispatch(s)
+        start(s)
+
+    class Flood(FaultyTransport):  # n1 answers status with 20 MiB of noise, then the reply an honest host prints
+        def popen(self, host, command: str):
+            if host.address == "n1" and "progress" in command:
+                command = ("cat >/dev/null; head -c 20971520 /dev/zero | tr '\\0' y; "
+                           "echo '{\"state\": \"running\", \"processes\": []}'")
+            return self.inner.popen(host, command)
+
+    try:
+        with c.session(transport=Flood(c.transport)) as s:
+            st = status(s)
+        assert st.unreachable["n1"].startswith("no status: a reply over the 16 MiB"), st.unreachable
+        assert "n0" not in st.unreachable, st.unreachable
+        assert max(kept) <= MAX_CONTROL_REPLY + 200, max(kept)
+    finally:
+        with c.session() as s:
+            stop(s)

@@ -559,3 +559,20 @@ def test_the_host_package_travels_whole():
     """Every module of clusterctl/host is in the ConfigMap (a new supervisor module travels without a change here)."""
     assert set(k8s.host_package()) == {p.name for p in HOST.glob("*.py")}
     assert shutil.which  # the package is stdlib-only; test_host_package.py checks the imports
+
+
+def test_a_pod_that_floods_kubectl_exec_is_kept_to_its_tail(fake_kubectl):
+    # what a pod prints through `kubectl exec` is the pod's to choose: 40 MiB, then its reply; only the last
+    # REPLY_LIMIT bytes of it are held (the reply at the end is still read), never all of it
+    binary, answer = fake_kubectl
+    script = Path(binary).read_text().replace(
+        "sys.stdout.write(out)",
+        "[(sys.stdout.buffer.write(b'y' * (1 << 20)), sys.stderr.buffer.write(b'e' * (1 << 19))) for _ in range(40)]; "
+        "sys.stdout.flush(); sys.stdout.write(out)")
+    Path(binary).write_text(script)
+    answer(out='\n{"ok": true, "state": "running"}\n')
+    res = Kubectl("ml", None, binary).exec("p", "trainer", ["agent", "status"])
+    limit = backends.kubernetes.REPLY_LIMIT
+    assert len(res.stdout) == limit and res.stdout.endswith(b'{"ok": true, "state": "running"}\n')
+    assert len(res.stderr) == limit and res.returncode == 0
+    assert backends.kubernetes._parse_reply(res.stdout) == {"ok": True, "state": "running"}
