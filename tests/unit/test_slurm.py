@@ -388,3 +388,20 @@ def test_a_nodes_log_lines_on_either_stream_are_shown_under_its_name_only():
     for _ in range(10_000):  # a node that says it without end: a few said, the rest counted (was every one kept)
         relay(n0, "out", '{"error": "again"}')
     assert problems[1:] == ["10.0.0.5: again"] * 4 + ["10.0.0.5: more error messages (only the first 5 shown)"]
+
+
+def test_a_login_node_reply_cut_at_its_bound_is_refused_by_name():
+    # the login node may be compromised too: what it prints beyond LOGIN_REPLY is dropped as it comes
+    # (Remote.run's max_output) and the command fails in one line, not with the reply that came before the cut
+    from clusterctl.ops.slurm import LOGIN_REPLY, SlurmError, _reply
+    from clusterctl.plan import Host
+    from clusterctl.transport.base import LineSplitter, Result
+
+    login = Host("10.0.0.9", 22, "u", 0)
+    split = LineSplitter(login, "out", None, 1 << 16)
+    split.feed(b'{"ok": true, "slurm": {}}\n' + b"y" * (1 << 17))
+    res = Result(login, "slurmctl login query", 0, split.close(), "", 0.1)
+    with pytest.raises(SlurmError, match=rf"^asking Slurm on 10.0.0.9: a reply over the {LOGIN_REPLY >> 20} MiB "):
+        _reply(res, login, "asking Slurm")
+    honest = Result(login, "slurmctl login query", 0, '{"ok": true, "slurm": {}}\n', "", 0.1)
+    assert _reply(honest, login, "asking Slurm") == {"ok": True, "slurm": {}}
