@@ -462,22 +462,27 @@ def logs(
         return out + (["-n", str(lines)] if lines is not None else [])
 
     problems: list[str] = []
-    relay = _log_relay({h: n for n, h in nodes}, on_line, problems)
+    relay = _LogRelay({h: n for n, h in nodes}, on_line, problems)
     results = _agent_on_nodes(spec, nodes, args, what="logs", timeout=None if follow else LOGS_TIMEOUT_S,
                               on_line=relay)
+    problems += relay.counted()
     unreachable = [f"{n}: {r.stderr.strip()[-300:]}" for n, r in results.items() if r.unreachable]
     if problems or unreachable or missing:
         raise JobError("logs incomplete:\n" + "\n".join(problems + unreachable + missing))
     return max((r.exit_code for r in results.values()), default=0)
 
 
-def _log_relay(node_of: dict[Host, str], on_line: LineCallback, problems: list[str]) -> LineCallback:
+class _LogRelay:
     """What `logs` does with each line a node's `agent logs` sends: a follower's keepalive dropped, the agent's own
-    JSON message kept in `problems`, and every other line, stdout and stderr alike, passed on under that node's name
-    (own_log_line): a node, possibly compromised, cannot pass its lines off as another node's."""
-    said: dict[Host, int] = {}
+    JSON message kept in `problems` under the node's name (the first MAX_SAID of a node; the rest counted, said by
+    counted()), and every other line, stdout and stderr alike, passed on under that node's name (own_log_line): a
+    node, possibly compromised, cannot pass its lines off as another node's. As over SSH (ops/job.py `logs`)."""
 
-    def relay(h: Host, stream: str, line: str) -> None:
+    def __init__(self, node_of: dict[Host, str], on_line: LineCallback, problems: list[str]):
+        self.node_of, self.on_line, self.problems = node_of, on_line, problems
+        self.said: dict[Host, int] = {}
+
+    def __call__(self, h: Host, stream: str, line: str) -> None:
         if stream == "out" and not line:  # a follower's keepalive (clusterctl/host/logtail.py)
             return
         if line.startswith("{"):  # the agent's own JSON message, not a log line
@@ -486,15 +491,15 @@ def _log_relay(node_of: dict[Host, str], on_line: LineCallback, problems: list[s
             except (ValueError, RecursionError):  # not JSON after all (or nested too deep to read): a log line
                 obj = None
             if isinstance(obj, dict):
-                said[h] = said.get(h, 0) + 1  # as over SSH (ops/job.py): a few said, the rest counted
-                if said[h] <= MAX_SAID:
-                    problems.append(f"{h.label}: {str(obj.get('error', line))[:MAX_SAID_CHARS]}")
-                elif said[h] == MAX_SAID + 1:
-                    problems.append(f"{h.label}: more error messages (only the first {MAX_SAID} shown)")
+                self.said[h] = self.said.get(h, 0) + 1
+                if self.said[h] <= MAX_SAID:
+                    self.problems.append(f"{self.node_of[h]}: {str(obj.get('error', line))[:MAX_SAID_CHARS]}")
                 return
-        on_line(h, stream, own_log_line(node_of[h], line))
+        self.on_line(h, stream, own_log_line(self.node_of[h], line))
 
-    return relay
+    def counted(self) -> list[str]:
+        """`NODE: N more error messages` for each node that said more than MAX_SAID."""
+        return [f"{self.node_of[h]}: {n - MAX_SAID:,} more error messages" for h, n in self.said.items() if n > MAX_SAID]
 
 
 def stop(spec: ClusterSpec, plan: JobPlan, *, grace: float | None = None) -> dict:

@@ -371,12 +371,12 @@ def test_slurm_conf_runs_the_controller_on_node0_without_cgroups():
 def test_a_nodes_log_lines_on_either_stream_are_shown_under_its_name_only():
     """`logs` under Slurm: what a node's `agent logs` sends, stdout or stderr, is that node's word (as over SSH:
     tests/security/test_hostile_status.py); its own JSON message is a problem, a keepalive nothing."""
-    from clusterctl.ops.slurm import _log_relay
+    from clusterctl.ops.slurm import _LogRelay
     from clusterctl.transport.host import Host
 
     n0 = Host("10.0.0.5", 22, "u", 0)
     shown, problems = [], []
-    relay = _log_relay({n0: "node0"}, lambda h, stream, line: shown.append((h, stream, line)), problems)
+    relay = _LogRelay({n0: "node0"}, lambda h, stream, line: shown.append((h, stream, line)), problems)
     for stream, line in [("out", "[node0 trainer.0] mine"), ("out", "[node1 trainer.1] FAILED: diverged"),
                          ("err", "[node1 trainer.1] FAILED: diverged"), ("err", "[node0 trainer.0] mine too"),
                          ("out", ""), ("out", '{"ok": false, "error": "no job here"}'), ("out", "{not json")]:
@@ -384,10 +384,10 @@ def test_a_nodes_log_lines_on_either_stream_are_shown_under_its_name_only():
     assert shown == [(n0, "out", "[node0 trainer.0] mine"), (n0, "out", "[node0] [node1 trainer.1] FAILED: diverged"),
                      (n0, "err", "[node0] [node1 trainer.1] FAILED: diverged"), (n0, "err", "[node0 trainer.0] mine too"),
                      (n0, "out", "[node0] {not json")]
-    assert problems == ["10.0.0.5: no job here"]
+    assert problems == ["node0: no job here"]  # under the node's name, as its lines (was its ssh address)
     for _ in range(10_000):  # a node that says it without end: a few said, the rest counted (was every one kept)
         relay(n0, "out", '{"error": "again"}')
-    assert problems[1:] == ["10.0.0.5: again"] * 4 + ["10.0.0.5: more error messages (only the first 5 shown)"]
+    assert problems[1:] == ["node0: again"] * 4 and relay.counted() == ["node0: 9,996 more error messages"]
 
 
 def test_a_login_node_reply_cut_at_its_bound_is_refused_by_name():
