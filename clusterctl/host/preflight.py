@@ -61,6 +61,37 @@ def _script_arg(argv):
     return None
 
 
+def _master(process):
+    """HOST:PORT of the trainers' master (MASTER_ADDR, MASTER_PORT) where `process` is rank 0; else None."""
+    env = process["env"]
+    if process["role"] != "trainer" or env.get("RANK") != "0" or not env.get("MASTER_ADDR"):
+        return None
+    try:
+        return format_endpoint(env["MASTER_ADDR"], int(env.get("MASTER_PORT", "")))
+    except ValueError:  # a user's MASTER_PORT that is no number: the program's to say
+        return None
+
+
+def _reserved(job, is_coordinator, planned):
+    """An elastic job's ports that this host may need at a later attempt (the plan reserved them on every host:
+    clusterctl/host/layout.py): the control port, where it listens if it takes over as coordinator, and, on a
+    host with trainers, the master port, where its first trainer listens if it becomes rank 0."""
+    el = job.get("elastic")
+    if el is None:
+        return []
+    own = next((h for h in el["hosts"] if h["index"] == el["index"]), None)
+    if own is None:
+        return []
+    ports = el["job"]["ports"]
+    out = []
+    if not is_coordinator:
+        out.append(("the job's control port (reserved: elastic job)", format_endpoint(own["endpoint"], ports["control"])))
+    master = format_endpoint(own["endpoint"], ports["master"])
+    if own["trainers"] and master not in planned:
+        out.append(("the trainers' master port (reserved: elastic job)", master))
+    return out
+
+
 def preflight(job, jobdir=None):
     """List of problems (dicts with kind, message and the path or endpoint) for a job on this host."""
     problems = []
@@ -99,9 +130,13 @@ def preflight(job, jobdir=None):
             add("log_dir_not_writable", "%s: log dir %s: %s" % (name, logdir, why), process=name, path=logdir)
         for ep in p["ports"]:
             endpoints.append((name, ep))
+        master = _master(p)
+        if master is not None:  # rank 0 listens there (torch's env:// rendezvous): the plan reserved it
+            endpoints.append(("%s's master (rendezvous) port" % name, master))
     c = job["coordinator"]
     if c is not None and c["is_coordinator"]:
         endpoints.append(("coordinator", format_endpoint(c["address"], c["port"])))
+    endpoints += _reserved(job, c is not None and c["is_coordinator"], {ep for _, ep in endpoints})
     if jobdir is not None:
         why = _writable_dir(jobdir)
         if why:
