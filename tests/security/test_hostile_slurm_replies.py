@@ -134,7 +134,7 @@ def test_a_logs_line_nested_too_deep_is_a_log_line(tmp_path, monkeypatch, capsys
 def test_a_hosts_failure_after_a_line_nested_too_deep_is_not_lost(tmp_path, monkeypatch, capsys):
     failed = DEEP + "\n" + json.dumps({"ok": False, "error": "disk full"})
     code, out, err = run(tmp_path, monkeypatch, capsys, ["logs"], RUNNING, n7=(failed, 2), n8=("[node2 trainer.1] hi", 0))
-    assert code == 1 and "logs incomplete:" in err and "n7: disk full" in err, err  # was not said: the thread died
+    assert code == 1 and "logs incomplete:" in err and "node1: disk full" in err, err  # was not said: the thread died (said under the node's name)
 
 
 @pytest.mark.parametrize("reply", [

@@ -90,7 +90,7 @@ def test_a_control_reply_over_its_bound_is_that_hosts_error_not_parsed():
     host = Host("n1", 22, "u", 0)
     flood = '{"ok": true, "state": "running", "processes": [' + "{}," * (MAX_CONTROL_REPLY // 3) + "{}]}\n"
     reply = agent_reply(Result(host, "x", 0, flood, "", 0.0))
-    assert reply == {"ok": False, "error": "a reply of 16 MiB, over the 16 MiB a host's control reply may be"}
+    assert reply == {"ok": False, "error": "a reply over the 16 MiB a host's control reply may be"}
     fits = '{"ok": true, "state": "running", "processes": [' + "{}," * 1000 + "{}]}\n"
     assert agent_reply(Result(host, "x", 0, fits, "", 0.0))["state"] == "running"
 
