@@ -30,7 +30,7 @@ from ..remote import LineCallback, Remote, Result
 from ..transport.base import LineSplitter, cut_short
 from .hosttools import install_on, package_dir, tool_argv
 
-__all__ = ["control_command", "ask", "agent_reply", "NEEDS_PACKAGE", "Direct", "remember", "recall", "forget"]
+__all__ = ["control_command", "ask", "agent_reply", "over_bound", "NEEDS_PACKAGE", "Direct", "remember", "recall", "forget"]
 
 # the line exits with this when the agent is needed and this version of the host package is not on the host
 NEEDS_PACKAGE = 97
@@ -256,13 +256,18 @@ def _ask_line(remote: Remote, command: str | Callable[[Host], str], hosts: Seque
     return results
 
 
+def over_bound(res: Result) -> bool:
+    """Whether `res` is a control reply over MAX_CONTROL_REPLY, which is not parsed (256 MiB of `{}` would take ~6 GiB
+    as objects). The callers keep no more of it than that (Remote.run's max_output: the rest is dropped as it
+    comes, and said at the end: cut_short); a Result from elsewhere, by its length."""
+    return len(res.stdout) > MAX_CONTROL_REPLY or cut_short(res.stdout)
+
+
 def agent_reply(res: Result) -> dict:
     """The agent's (or the supervisor's) JSON object in a host's output, whatever a shell's start-up printed before
     it; where there is none, `{"ok": False, "error": ...}` with the host's stderr (else stdout) tail. Its fields
     are the host's word: read them through HostStatus.from_json or check each one's type."""
-    # not parsed: 256 MiB of `{}` would take ~6 GiB as objects. The callers keep no more than MAX_CONTROL_REPLY of
-    # it (Remote.run's max_output: the rest is dropped as it comes, and said at the end); any other Result: its length
-    if len(res.stdout) > MAX_CONTROL_REPLY or cut_short(res.stdout):
+    if over_bound(res):
         return {"ok": False, "error": f"a reply over the {MAX_CONTROL_REPLY >> 20} MiB a host's control reply may be"}
     try:
         return res.reply()

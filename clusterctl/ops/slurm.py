@@ -32,8 +32,8 @@ from ..quoting import join, quote
 from ..remote import LineCallback, Remote, SshOptions
 from ..spec import ClusterSpec
 from ..spec.fields import check_address
-from . import Session
 from ..transport.base import cut_short
+from . import Session
 from .control import MAX_CONTROL_REPLY, agent_reply
 from .hosttools import _package_payload, ensure_tools, install_on, package_dir, tool_argv, tool_command
 from .job import MAX_SAID, MAX_SAID_CHARS, JobStatus, fold_status, job_files, own_log_line

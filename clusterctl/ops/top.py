@@ -30,8 +30,7 @@ from ..host.status import overall_state
 from ..plan import Host
 from ..progress import (STRAGGLER_SLICES, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, clean_progress, stragglers)
 from . import Session
-from ..transport.base import cut_short
-from .control import MAX_CONTROL_REPLY, Direct, ask, control_command
+from .control import Direct, ask, control_command, over_bound
 from .job import STATE_ROOT
 
 __all__ = ["ProcRow", "HostRow", "Snapshot", "Top", "TopRequest", "TopAnswer", "TopAsk", "answer_of", "ssh_asks",
@@ -276,7 +275,7 @@ def _ask_ssh_host(session: Session, host: Host, request: TopRequest) -> dict[str
             why = res.stderr.strip()[-300:] or "no answer"
         return {host.label: TopAnswer(time.monotonic(), "unreachable", error=why)}
     try:  # a reply over MAX_CONTROL_REPLY is not parsed (control.agent_reply)
-        data = res.reply() if len(res.stdout) <= MAX_CONTROL_REPLY and not cut_short(res.stdout) else None
+        data = None if over_bound(res) else res.reply()
     except ClusterctlError:
         data = None
     return {host.label: answer_of(data, exit_code=res.exit_code, output=res.stderr or res.stdout)}
