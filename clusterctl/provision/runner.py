@@ -21,7 +21,8 @@ from . import aptoffline, mesh, wheelhouse
 from .hostdata import shown
 from .probe import probe_hosts
 from .render import render_step
-from .steps import gpu_apt_packages, needs_root, read_keyring, requirements, selected_steps, step_context, sudo_problem
+from .steps import (gpu_apt_packages, needs_root, pip_as_login, read_keyring, requirements, selected_steps, step_context,
+                    sudo_problem)
 
 __all__ = ["StepOutcome", "ProvisionReport", "provision", "parse_status", "log_dir", "STATUS_PREFIX"]
 
@@ -298,10 +299,13 @@ def _run_step(session, step: str, hosts, facts, *, check: bool, force: bool, on_
     stdin = base64.b64encode(stdin or b"") + b"\n" + script.encode()
 
     def command(host: Host) -> str:
-        # What needs root runs through non-interactive sudo; relative paths stay under the login user's home.
+        # What needs root runs through non-interactive sudo; relative paths stay under the login user's home. A venv
+        # in that home stays the user's: the step's pip part goes back to the user (CLUSTERCTL_PIP_UID, _pip.sh.j2).
         if as_root[host] and step != "commands":  # commands: per command, inside the script (`root: true`)
-            return _host_locked(join(["sudo", "-n", "env", f"CLUSTERCTL_USER_HOME={facts[host].home}", *argv]),
-                                step, prov.timeout)
+            env = [f"CLUSTERCTL_USER_HOME={facts[host].home}"]
+            if pip_as_login(step, prov, facts[host]):
+                env.append(f"CLUSTERCTL_PIP_UID={facts[host].uid}")
+            return _host_locked(join(["sudo", "-n", "env", *env, *argv]), step, prov.timeout)
         return _host_locked(join(argv), step, prov.timeout)
 
     runnable = [h for h in hosts if h not in out]

@@ -65,6 +65,13 @@ _SYSTEM_DIRS = frozenset(
 )
 
 
+def _local_path(v: str) -> str:
+    """A controller path (relative to the spec): an empty one is refused, never taken for the spec's directory itself."""
+    if not v.strip():
+        raise ValueError("empty: give a path, or leave the key out")
+    return v
+
+
 def _remote_path(v: str, what: str = "path", *, tilde: bool = False, system: bool = True) -> str:
     """A path on the host, relative to the login's home (or absolute): no `..` component, no shell metacharacter,
     not the home itself nor `/`. `tilde`: `~/x` may be written, and is kept as `x` (relative paths are under the
@@ -155,6 +162,11 @@ class AptOfflineSpec(_Switch):
     # seconds the controller may spend on offline apt for one step, all hosts together (served in parallel):
     # reading their state, apt-get update, resolving and downloading
     timeout: float = Field(600.0, gt=0, le=86400)
+
+    @field_validator("local")
+    @classmethod
+    def _local(cls, v: str) -> str:
+        return _local_path(v)
 
     @field_validator("remote")
     @classmethod
@@ -319,6 +331,11 @@ class WheelhouseSpec(_Switch):
     @classmethod
     def _remote(cls, v: str) -> str:
         return _remote_path(v, tilde=True)
+
+    @field_validator("local")
+    @classmethod
+    def _local(cls, v: str) -> str:
+        return _local_path(v)
 
     @field_validator("index_url")
     @classmethod

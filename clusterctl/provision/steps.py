@@ -11,7 +11,7 @@ from ..errors import ProvisionError
 from . import versions
 from .schema import AptSource, ProvisionSpec
 
-__all__ = ["STEP_ORDER", "HostFacts", "gpu_apt_packages", "needs_root", "sudo_problem", "selected_steps", "requirements", "step_context", "source_line", "read_requirements", "read_keyring"]
+__all__ = ["STEP_ORDER", "HostFacts", "gpu_apt_packages", "needs_root", "pip_as_login", "sudo_problem", "selected_steps", "requirements", "step_context", "source_line", "read_requirements", "read_keyring"]
 
 # The order steps run in; each later step may rely on the earlier ones (gpu/mpi need the venv).
 STEP_ORDER = ("wheelhouse", "apt", "python", "gpu", "mpi", "ssh_mesh", "commands")
@@ -77,6 +77,14 @@ def needs_root(step: str, prov: ProvisionSpec, facts: HostFacts) -> bool:
     if step == "commands":
         return any(c.root for c in prov.commands)
     return False
+
+
+def pip_as_login(step: str, prov: ProvisionSpec, facts: HostFacts) -> bool:
+    """Whether `step` runs as root (needs_root) while the venv its pip part installs into is the login user's (under the
+    home): the gpu step with apt packages. Its pip part then runs as the login user, so the venv's files stay theirs."""
+    if not (prov.python and needs_root(step, prov, facts)):
+        return False
+    return step in ("python", "gpu", "mpi") and not _outside_home(prov.python.venv, facts.home)
 
 
 def sudo_problem(host_label: str, facts: HostFacts) -> str:
@@ -226,6 +234,7 @@ def step_context(step: str, spec, *, check: bool, force: bool, wheelhouse_remote
         py = prov.python
         ctx.update(pip, interpreter=py.interpreter, requirements=_python_requirements(spec, prov))
         ctx["venv_flags"] = ["--system-site-packages"] if py.system_site_packages else []
+        ctx["system_site"] = "true" if py.system_site_packages else "false"  # pyvenv.cfg's include-system-site-packages
     elif step == "gpu":
         cuda = prov.cuda
         apt = prov.apt

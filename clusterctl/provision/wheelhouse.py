@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -129,5 +128,6 @@ def upload_command(remote_dir: str) -> str:
 
 
 def local_root(spec) -> Path:
-    """Controller-side wheelhouse root for `spec` (wheelhouse.local, `~` expanded)."""
-    return Path(os.path.expanduser(spec.provision.wheelhouse.local))
+    """Controller-side wheelhouse root for `spec` (wheelhouse.local: `~` expanded, relative to the spec file, as every
+    controller path of the spec is)."""
+    return spec.local_path(spec.provision.wheelhouse.local)

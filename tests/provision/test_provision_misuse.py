@@ -6,12 +6,14 @@ import copy
 import json
 import os
 import platform
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from clusterctl.cli import main
 from clusterctl.errors import ProvisionError
@@ -328,6 +330,127 @@ def test_a_creates_guard_under_tilde_holds_on_the_second_run(tmp_path, monkeypat
     assert outcomes(run(c)) == {("n0", "commands"): ("changed", "ran mark")}
     assert outcomes(run(c)) == {("n0", "commands"): ("ok", "")}
     assert (c.home(0) / "marker").read_text() == "made\n"
+
+
+def _set_section(c, section):
+    """Give the fake cluster's spec another provision section (the hosts keep what earlier runs made)."""
+    spec = yaml.safe_load(c.spec_path.read_text())
+    spec["provision"] = section
+    c.spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
+# True when the venv's python has its base interpreter's site-packages on sys.path (what --system-site-packages does)
+SEES_SYSTEM_SITE = ("import sys; print(any(p.endswith(('site-packages', 'dist-packages')) and p.startswith(sys.base_prefix)"
+                    " and not p.startswith(sys.prefix) for p in sys.path))")
+
+
+def test_a_changed_system_site_packages_is_applied_to_the_existing_venv(tmp_path, monkeypatch):
+    """python.system_site_packages was read only when the venv was made: a venv made with the other setting was left
+    as it was, and the step said ok."""
+    c = cluster(tmp_path, monkeypatch, {"python": {"venv": "v", "requirements": []}}, hosts=1)
+    venv = c.home(0) / "v"
+    cfg = venv / "pyvenv.cfg"
+
+    def sees_system_site() -> bool:
+        out = subprocess.run([str(venv / "bin" / "python"), "-c", SEES_SYSTEM_SITE], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+        return out.strip() == "True"
+
+    assert outcomes(run(c)) == {("n0", "python"): ("changed", f"create venv {venv}")}
+    assert not sees_system_site()
+    made = cfg.read_text()
+    for setting in ("true", "false"):
+        _set_section(c, {"python": {"venv": "v", "requirements": [], "system_site_packages": setting == "true"}})
+        change = ("changed", f"include-system-site-packages = {setting} in {cfg}")
+        before = cfg.read_bytes()
+        assert outcomes(run(c, check=True)) == {("n0", "python"): change}
+        assert cfg.read_bytes() == before  # --check: nothing changed
+        assert outcomes(run(c)) == {("n0", "python"): change}
+        assert sees_system_site() == (setting == "true")
+        assert outcomes(run(c)) == {("n0", "python"): ("ok", "")}
+    assert cfg.read_text() == made  # the other lines of pyvenv.cfg as python -m venv wrote them
+
+
+def test_a_venv_without_pyvenv_cfg_is_one_line_not_ok(tmp_path, monkeypatch):
+    c = cluster(tmp_path, monkeypatch, {"python": {"venv": "v", "requirements": [], "system_site_packages": True}}, hosts=1)
+    fake_exe(c.home(0) / "v" / "bin", "python", "exit 0")
+    assert outcomes(run(c)) == {("n0", "python"): (
+        "failed", f"no pyvenv.cfg in {c.home(0) / 'v'}: not a venv of python3 -m venv (remove it, or provision --force "
+                  "to make it again)")}
+
+
+# The gpu step as a login user with passwordless sudo: its apt part (here already in place) needs root, its pip part
+# goes into the user's venv. A fake sudo logs how it was called and marks what runs as another user (FAKE_AS).
+GPU_MIXED = {"python": {"venv": "v"}, "cuda": {"version": "12.4", "method": "pip", "driver_check": False},
+             "nccl": {"version": "2.21.5", "method": "apt"}}
+FAKE_SUDO = """\
+    echo "sudo $*" >> "$HOME/sudo.log"
+    [ "$1" = -n ] && shift
+    if [ "$1" = -u ]; then FAKE_AS=$2; export FAKE_AS; shift 2; fi
+    exec "$@"
+    """
+FAKE_GPU_DPKG_QUERY = """\
+    for a in "$@"; do pkg=$a; done
+    case $pkg in
+        cuda-keyring) printf 'installed 1.1-1' ;;
+        libnccl2|libnccl-dev) printf 'installed 2.21.5-1+cuda12.4' ;;
+        *) exit 1 ;;
+    esac
+    """
+# the user's venv: its python logs who runs it; `-m pip install` installs, `-` (the satisfied check) reads the marker
+FAKE_VENV_PYTHON = """\
+    echo "${FAKE_AS:-root} python $1" >> "$HOME/python.log"
+    venv=$(dirname "$(dirname "$0")")
+    case $1 in
+        -m) touch "$venv/installed" ;;
+        -) cat >/dev/null; [ -e "$venv/installed" ] || { echo "nvidia-cuda-runtime-cu12 missing"; exit 1; } ;;
+    esac
+    """
+
+
+def test_the_gpu_steps_pip_part_runs_as_the_login_user_when_its_apt_part_needs_root(tmp_path, monkeypatch):
+    """With apt and pip components, the whole gpu step ran through sudo: pip installed into the user's venv as root,
+    leaving root's files in it (and ran the user's venv python as root)."""
+    c = cluster(tmp_path, monkeypatch, GPU_MIXED, hosts=1)
+    home = c.home(0)
+    fake_exe(c.bin, "fakepython", FAKE_PYTHON)
+    fake_exe(c.bin, "sudo", FAKE_SUDO)
+    fake_exe(c.bin, "dpkg-query", FAKE_GPU_DPKG_QUERY)
+    fake_exe(c.bin, "apt-mark", 'echo libnccl2; echo libnccl-dev\n')
+    for tool in ("apt-get", "dpkg"):  # nothing to install: neither may run
+        fake_exe(c.bin, tool, f'echo "{tool} $*" >> "$HOME/unexpected.log"; exit 1\n')
+    fake_exe(home / "v" / "bin", "python", FAKE_VENV_PYTHON)
+    _set_section(c, {**GPU_MIXED, "python": {"venv": "v", "interpreter": "fakepython"}})
+    c.transport.env.update(FAKE_FACTS=json.dumps({"uid": 4321, "user": "alice", "sudo": "ok", "home": str(home)}),
+                           PIP_INDEX_URL="file:///nowhere")  # no network probe for the index
+    assert outcomes(run(c, only=["gpu"])) == {("n0", "gpu"): (
+        "changed", "pip install CUDA wheels (nvidia-cuda-runtime-cu12 missing)")}
+    sudo = (home / "sudo.log").read_text().splitlines()
+    assert sudo[0].startswith(f"sudo -n env CLUSTERCTL_USER_HOME={home} CLUSTERCTL_PIP_UID=4321 bash -c ")
+    assert sudo[1:] and all(line.startswith(f"sudo -n -u #4321 env HOME={home} ") for line in sudo[1:]), sudo
+    assert (home / "python.log").read_text().splitlines() == ["#4321 python -", "#4321 python -m", "#4321 python -"]
+    assert not (home / "unexpected.log").exists()
+    assert outcomes(run(c, only=["gpu"])) == {("n0", "gpu"): ("ok", "")}
+    # a venv outside the home is root's (the python step made it through sudo): pip stays root's there too
+    (home / "sudo.log").unlink()
+    _set_section(c, {**GPU_MIXED, "python": {"venv": str(home / "v"), "interpreter": "fakepython"}})
+    c.transport.env["FAKE_FACTS"] = json.dumps({"uid": 4321, "user": "alice", "sudo": "ok", "home": "/home/alice"})
+    assert outcomes(run(c, only=["gpu"])) == {("n0", "gpu"): ("ok", "")}
+    assert (home / "sudo.log").read_text().startswith("sudo -n env CLUSTERCTL_USER_HOME=/home/alice bash -c ")
+    assert (home / "python.log").read_text().splitlines()[-1] == "root python -"
+
+
+def test_a_relative_wheelhouse_local_is_next_to_the_spec_whatever_the_current_directory(tmp_path, monkeypatch):
+    tiny_wheel(tmp_path / "wheels")
+    (tmp_path / "index").mkdir()
+    section = {"python": {"requirements": ["tinypkg==1.0"]},
+               "wheelhouse": {"local": "wh", "index_url": (tmp_path / "index").as_uri(), "find_links": ["wheels"]}}
+    c = cluster(tmp_path, monkeypatch, section, hosts=1)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert outcomes(run(c, only=["wheelhouse"]))[("n0", "wheelhouse")][0] == "changed"
+    assert [p.name for p in (tmp_path / "wh").glob("*/*.whl")] == ["tinypkg-1.0-py3-none-any.whl"]
+    assert not (tmp_path / "elsewhere" / "wh").exists()
 
 
 @pytest.mark.timeout(60)

@@ -9,7 +9,8 @@ import shlex
 from pathlib import Path
 
 import pytest
-from provision_helpers import REPO_DIR, docker_exec, run_cli
+from helpers import tiny_wheel
+from provision_helpers import NVIDIA_DIR, REPO_DIR, docker_exec, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -220,6 +221,66 @@ def test_non_root_login_uses_sudo_n_for_root_steps_and_names_a_password_sudo(pro
     doc = run_cli("doctor", str(spec))
     assert re.search(r"│ login\s+│ ubuntu\s+│ ubuntu\s+│", doc.stdout), doc.stdout
     assert re.search(r"│ sudo\s+│ passwordless\s+│ needs a password\s+│", doc.stdout), doc.stdout
+
+
+USER_VENV = "/home/ubuntu/gpuvenv"
+# what is in the login's home and is not the login's (nothing, once provisioned)
+NOT_UBUNTUS = f"find {USER_VENV} /home/ubuntu/.cache /home/ubuntu/.clusterctl ! -user ubuntu"
+SEES_SYSTEM_SITE = ("import sys; print(any(p.endswith(('site-packages', 'dist-packages')) and p.startswith(sys.base_prefix)"
+                    " and not p.startswith(sys.prefix) for p in sys.path))")
+
+
+@pytest.mark.timeout(300)
+def test_a_non_root_logins_venv_stays_its_own_through_the_gpu_step_and_a_system_site_packages_change(
+        provcluster, prov_spec, cache_home, tmp_path):
+    """The gpu step with apt and pip parts ran wholly through sudo: pip wrote root's files into the login's venv (and
+    ran the login's venv python as root). And a changed python.system_site_packages was never applied to a venv that
+    was there: the python step said ok."""
+    node = provcluster.nodes[0]
+    _reset([node], OFFLINE_RESET + f"; rm -rf {USER_VENV} /home/ubuntu/.cache /home/ubuntu/.clusterctl")
+    docker_exec(node.container, "sh", "-c", SUDO_SETUP + "echo 'ubuntu ALL=(ALL) NOPASSWD: ALL' > /etc/sudoers.d/90-ubuntu")
+    tiny_wheel(tmp_path / "wheels", name="nvidia_cuda_runtime_cu12", version="12.4.127")  # named as NVIDIA's, tiny
+    (tmp_path / "index").mkdir()
+
+    def spec(system_site: bool):
+        return prov_spec({
+            "apt": {"sources": [], "update": "sources", "lock_timeout": 5},
+            "python": {"venv": "gpuvenv", "system_site_packages": system_site},
+            "cuda": {"version": "12.4", "method": "pip",
+                     "repository": {"name": "fake-nvidia", "uri": f"file:{NVIDIA_DIR}", "trusted": True}},
+            "nccl": {"version": "2.21.5", "method": "apt"},
+            "wheelhouse": {"local": str(tmp_path / "wh"), "index_url": (tmp_path / "index").as_uri(),
+                           "find_links": [str(tmp_path / "wheels")]},
+        }, nodes=[0], user="ubuntu", name="gpuuser")
+
+    def sees_system_site() -> str:
+        return docker_exec(node.container, "su", "ubuntu", "-c", f"{USER_VENV}/bin/python -c \"{SEES_SYSTEM_SITE}\"").stdout.strip()
+
+    first = run_cli("provision", str(spec(False)))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert re.search(rf"^  gpu on {node.ip}: .*install libnccl2=2.21.5-1\+cuda12.4 .*pip install CUDA wheels", first.stdout,
+                     re.M), first.stdout
+    assert docker_exec(node.container, "dpkg-query", "-W", "-f", "${Version}", "libnccl2").stdout == "2.21.5-1+cuda12.4"
+    assert docker_exec(node.container, "sh", "-c", f"ls {USER_VENV}/lib/python3*/site-packages").stdout.count(
+        "nvidia_cuda_runtime_cu12-12.4.127.dist-info") == 1
+    assert docker_exec(node.container, "sh", "-c", NOT_UBUNTUS).stdout == ""
+    assert sees_system_site() == "False"
+
+    # the setting changed: --check names the change and makes none; provision makes it; the next run is ok
+    cfg = f"{USER_VENV}/pyvenv.cfg"
+    before = docker_exec(node.container, "cat", cfg).stdout
+    check = run_cli("provision", str(spec(True)), "--check")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"  python on {node.ip}: include-system-site-packages = true in {cfg}\n" in check.stdout, check.stdout
+    assert docker_exec(node.container, "cat", cfg).stdout == before
+    applied = run_cli("provision", str(spec(True)))
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert f"  python on {node.ip}: include-system-site-packages = true in {cfg}\n" in applied.stdout, applied.stdout
+    assert re.search(r"^1 changed, 0 failed, 2 ok in ", applied.stdout, re.M), applied.stdout
+    assert sees_system_site() == "True"
+    assert docker_exec(node.container, "sh", "-c", NOT_UBUNTUS).stdout == ""
+    again = run_cli("provision", str(spec(True)))
+    assert again.returncode == 0 and re.search(r"^0 changed, 0 failed, 3 ok in ", again.stdout, re.M), again.stdout
 
 
 @pytest.mark.timeout(300)

@@ -115,6 +115,9 @@ BAD = [
         "cluster.yaml:8:29: provision.apt.sources[0].uri: expected an http(s)://, ftp:// or file: URI, not 'http://x/\\n'",
         id="uri-newline",
     ),
+    # relative to the spec now (it was the current directory): '' would be the spec's directory itself
+    pytest.param("  python: {venv: v}\n  wheelhouse: {local: ''}\n",
+                 "cluster.yaml:9:16: provision.wheelhouse.local: empty: give a path, or leave the key out", id="wheelhouse-local-empty"),
     pytest.param("  apt: [\"jq\\n\"]\n", "cluster.yaml:8:3: provision.apt.packages: not a Debian package name: 'jq\\n'", id="pkg-newline"),
     # a version written as a number is the text written: 12.10 was CUDA 12.1, and 4.10 mpi4py 4.1
     pytest.param("  cuda: 12.10\n", "cluster.yaml:8:3: provision.cuda.version: unknown CUDA release 12.10 (known: 11.0, 11.1, 11.2, 11.3, 11.4, 11.5, 11.6, 11.7, 11.8, 12.0, 12.1, 12.2, 12.3, 12.4, 12.5, 12.6, 12.8, 12.9, 13.0)", id="cuda-as-written"),
@@ -150,6 +153,8 @@ BAD = [
                  "directory itself: give a directory under it, or leave the key out", id="wheelhouse-home"),
     pytest.param("  python: {}\n  wheelhouse: {remote: /}\n", "cluster.yaml:9:16: provision.wheelhouse.remote: '/' is the root "
                  "directory: give a directory under it, or leave the key out", id="wheelhouse-root"),
+    pytest.param("  apt: {offline: {local: ' '}}\n", "cluster.yaml:8:19: provision.apt.offline.local: empty: give a path, or "
+                 "leave the key out", id="offline-local-empty"),
     pytest.param("  apt: {offline: {remote: .}}\n", "cluster.yaml:8:19: provision.apt.offline.remote: '.' is the home directory "
                  "itself: give a directory under it, or leave the key out", id="offline-home"),
     # `~user/x` was taken as a directory named `~user` under the home (doctor looked in user's home)
@@ -375,6 +380,26 @@ def test_only_missing_wheels_travel_and_the_tar_stream_is_valid(tmp_path):
     assert wheelhouse.upload_command(".clusterctl/wheelhouse") == (
         "mkdir -p -- .clusterctl/wheelhouse && tar -x -f - -C .clusterctl/wheelhouse --no-same-owner"
     )
+
+
+def test_wheelhouse_local_is_relative_to_the_spec_like_the_other_controller_paths(tmp_path, monkeypatch):
+    """A relative wheelhouse.local was taken from the current directory; find_links, keys and apt.offline.local from
+    the spec's. Absolute paths and `~` are as written."""
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    path = tmp_path / "specs" / "cluster.yaml"
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+    def local(value: str) -> Path:
+        path.write_text(HEAD + f"  python: {{venv: v}}\n  wheelhouse: {{local: '{value}', find_links: [links]}}\n")
+        return wheelhouse.local_root(load_spec(path))
+
+    assert local("wh") == tmp_path / "specs" / "wh"
+    assert local("../cache/wh") == tmp_path / "specs" / ".." / "cache" / "wh"
+    assert local(str(tmp_path / "abs")) == tmp_path / "abs"
+    assert local("~/wh") == tmp_path / "home" / "wh"
+    assert load_spec(path).local_path("links") == tmp_path / "specs" / "links"  # the rule it follows
 
 
 def _doctor_facts(mpi4py: str, nccl: str = "", pkgs=None):
