@@ -277,6 +277,7 @@ def run_on(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float 
         out = LineSplitter(host, "out", on_line, max_output)
         err = LineSplitter(host, "err", on_line)
         errors: list[BaseException] = []
+        local: list[BaseException] = []  # the stdin stream's own error (e.g. a dispatched file changed)
 
         def pump_stderr() -> None:
             try:
@@ -300,6 +301,8 @@ def run_on(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float 
                 chan.shutdown_write()
             except (OSError, paramiko.SSHException, EOFError) as exc:  # e.g. the command exited without reading
                 errors.append(exc)
+            except Exception as exc:  # noqa: BLE001  the local stream itself failed: raised below, the command ended
+                local.append(exc)
 
         deadline = None if timeout is None else time.monotonic() + timeout
         chan.settimeout(0.5 if deadline else None)
@@ -310,6 +313,8 @@ def run_on(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float 
             try:
                 data = chan.recv(65536)
             except socket.timeout:
+                if local:  # the command waits for the rest of its stdin: closing the channel (finally) ends it
+                    raise local[0] from None
                 if deadline and time.monotonic() > deadline:
                     raise Timeout() from None
                 if errors:  # the stdin pump died (e.g. the connection broke): do not wait for output forever

@@ -206,7 +206,7 @@ def remove_paths(staging, delete):
 
 
 def clear_planted(staging, rels):
-    """Remove what stands where a directory on the way to `rels` must be, when it is not a directory that
+    """Remove what stands where a directory on the way to `rels` (written or deleted) must be, when it is not a directory that
     this script made: a symlink (planted in the live workspace and copied by the hard-linked staging
     copy) would redirect the writes below outside the workspace. Costs one lstat per directory."""
     seen = set()
@@ -225,6 +225,23 @@ def clear_planted(staging, rels):
             if not _stat.S_ISDIR(st.st_mode):
                 os.unlink(cur)  # a symlink or a file: never followed, never written through
                 break
+
+
+def unlink_file(path):
+    """Remove `path` unless it is a directory or missing (never followed)."""
+    try:
+        if not _stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def size_of(path):
+    """The size of the file at `path`; None when there is none."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
 
 
 def gen_of(name):
@@ -302,8 +319,16 @@ def cmd_apply(root):
         elif spare is None or not recycle(os.path.join(gens, spare), live, staging, manifest,
                                           set(changes) | set(patches) | set(delete), live_stats):
             link_tree(live, staging)
+        # first: a deletion, like a write, must not go through a symlink planted on its way (a copy by
+        # link_tree keeps it; recycle() removes it)
+        clear_planted(staging, [*changes, *patches, *delete])
         remove_paths(staging, delete)
-        clear_planted(staging, [*changes, *patches])
+        # Every file of the update comes from this update: the copy's older version of it (the live
+        # generation's, or the spare's) goes first, so that one whose member never came (a stream that
+        # ended early between two members, which GNU tar takes for the end of the archive) is found missing
+        # below instead of going live under its new manifest entry.
+        for rel in (*changes, *patches):
+            unlink_file(staging + "/" + rel)
         for rel, data in header.get("inline", {}).items():  # small files travel inside the header
             write_file(staging, rel, data, changes[rel], os.path.join(gens, gen + ".patch.tmp"))
         digests = None
@@ -315,7 +340,7 @@ def cmd_apply(root):
         if digests is not None:  # Python extraction hashed while writing
             bad = [rel for rel in changes if digests.get(rel) != changes[rel][ENTRY_SHA256]]
         else:  # GNU tar or inline: SSH's MAC guarantees the bytes; sizes catch a truncated stream
-            bad = [rel for rel in changes if os.stat(os.path.join(staging, rel)).st_size != changes[rel][ENTRY_SIZE]]
+            bad = [rel for rel in changes if size_of(os.path.join(staging, rel)) != changes[rel][ENTRY_SIZE]]
         if bad:
             raise OSError(f"content check failed after transfer: {', '.join(bad[:5])}")
         unpatched = []

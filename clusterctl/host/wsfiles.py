@@ -109,8 +109,15 @@ def extract(stream, staging):
     """Extract regular files from a tar stream, unlinking any existing file first; return {path: sha256}."""
     import tarfile  # only where there is no GNU tar
 
+    try:
+        return _extract(tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK), staging)
+    except tarfile.TarError as exc:  # a stream cut short, or garbage: the caller's OSError (staging removed)
+        raise OSError(f"archive: {exc}") from None
+
+
+def _extract(tar, staging):
     digests = {}
-    with tarfile.open(fileobj=stream, mode="r|", bufsize=CHUNK) as tar:
+    with tar:
         for member in tar:
             rel = safe_rel(member.name)
             dest = os.path.join(staging, rel)

@@ -178,8 +178,8 @@ def collect_once(host: Host, proc: subprocess.Popen, chunks: Iterable[bytes], ti
         deadline = time.monotonic() + timeout
         writer.start()
         writer.join(timeout)
-        try:
-            code = wait_until(proc, deadline)
+        try:  # a local stream that failed ends the command at once: it would wait for the rest of its stdin
+            code = None if failed else wait_until(proc, deadline)
         except subprocess.TimeoutExpired:
             code = None
         if code is None or failed:

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 
 from ...errors import JobError
 from ...host import wire
-from .delta import CHUNK, Patch, patch_bytes
+from .delta import CHUNK, Patch, changed, patch_bytes, read_scanned
 from .plan import HostPlan
 from .scan import LocalFile
 
@@ -21,11 +21,11 @@ __all__ = ["Archive", "update_bytes", "read_whole"]
 
 
 def read_whole(f: LocalFile) -> bytes:
-    """The content of `f`, which must still be the size it was scanned at."""
-    with open(f.source, "rb") as fh:
+    """The content of `f`, which must still be the file it was scanned as (delta.read_scanned)."""
+    with read_scanned(f.source, f.size) as fh:
         data = fh.read(f.size + 1)
     if len(data) != f.size:
-        raise JobError(f"{f.source} changed while being dispatched; dispatch again")
+        raise changed(f.source)
     return data
 
 
@@ -77,9 +77,9 @@ class Archive:
                         tar.addfile(info, io.BytesIO(data))
                         continue
                     info.size = f.size
-                    with open(f.source, "rb") as fh:
+                    with read_scanned(f.source, f.size) as fh:
                         tar.addfile(info, fh)
-        except OSError as exc:  # e.g. a file vanished while we read it: every stream fails with it
+        except (OSError, JobError) as exc:  # e.g. a file changed since the scan: every stream fails with it
             self._error = exc
         with self._cond:
             self._done = True
@@ -106,6 +106,8 @@ class Archive:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._written > offset or self._done)
+                if isinstance(self._error, JobError):
+                    raise self._error
                 if self._error is not None:
                     raise OSError(f"building the archive failed: {self._error}")
                 available = self._written

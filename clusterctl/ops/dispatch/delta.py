@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ...errors import JobError
 from ...host import wire
 
-__all__ = ["BLOCK", "MAX_BLOCKS", "DIGEST", "CHUNK", "block_size", "hash_file", "Patch", "delta", "patch_bytes"]
+__all__ = ["BLOCK", "MAX_BLOCKS", "DIGEST", "CHUNK", "block_size", "hash_file", "Patch", "delta", "patch_bytes",
+           "read_scanned", "changed"]
 
 CHUNK = 1 << 20  # read and stream in pieces of up to 1 MiB
 BLOCK = 4096  # smallest delta block; files get at most MAX_BLOCKS blocks (bigger ones, bigger blocks)
@@ -25,12 +29,39 @@ def block_size(size: int) -> int:
     return bs
 
 
+def changed(path: str) -> JobError:
+    """The error of a workspace file that is no longer what the scan saw."""
+    return JobError(f"{path} changed while being dispatched; dispatch again")
+
+
+@contextmanager
+def read_scanned(path: str, size: int):
+    """The file scanned at `path` (a regular file of `size` bytes), open for reading; `changed(path)` unless it still
+    is one, and unless it stayed as it was (size, mtime, inode) while the block read it. Nothing that took its
+    place since the scan is read: a symlink is not followed (a file outside the workspace), a FIFO not waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # removed (ENOENT), a symlink now (ELOOP), no longer readable
+        raise changed(path) from None
+    with os.fdopen(fd, "rb") as fh:
+        before = os.fstat(fd)
+        if not stat.S_ISREG(before.st_mode) or before.st_size != size:
+            raise changed(path)
+        try:
+            yield fh
+        except OSError:  # cut shorter while read (tarfile: "unexpected end of data")
+            raise changed(path) from None
+        after = os.fstat(fd)
+        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            raise changed(path)
+
+
 def hash_file(path: str, size: int) -> tuple[str, str]:
     """The file's sha256, and its per-block digests (hex) when it has more than one block."""
     h = hashlib.sha256()
     bs = block_size(size)
     parts: list[bytes] = []
-    with open(path, "rb") as fh:
+    with read_scanned(path, size) as fh:
         while block := fh.read(max(CHUNK, bs)):
             h.update(block)
             if size > bs:
@@ -76,7 +107,7 @@ def delta(size: int, blocks: str, previous: tuple[str, str] | None, base: dict |
 def patch_bytes(source: str, size: int, patch: Patch) -> bytes:
     """The changed blocks of the file at `source` (`size` bytes), back to back, as the host's apply_patch reads them."""
     out = []
-    with open(source, "rb") as fh:
+    with read_scanned(source, size) as fh:
         for first, count in patch.ranges:
             start = first * patch.block
             out.append(os.pread(fh.fileno(), min(count * patch.block, size - start), start))
