@@ -442,7 +442,8 @@ class PSClient:
             shapes = dict(self.plan.shapes)
             for b in self.plan.blocks:
                 params[b.server][b.param] = (shapes[b.param], self._dtypes[b.param].name)
-            replies = self._request("init", {i: ({**fields, "params": ckpt.param_table(params[i])}, parts[i])
+            # "server": the index the pserver must have (its blocks, not another's, are in this request)
+            replies = self._request("init", {i: ({**fields, "server": i, "params": ckpt.param_table(params[i])}, parts[i])
                                              for i in parts})
         except PsError:  # refused (e.g. another trainer registered other shapes): keep what was registered
             self.plan, self._dtypes = registered

@@ -680,6 +680,13 @@ class ParameterServer:
             raise _RejectError("plan_mismatch", f"trainer {msg.header['tid']} placed the parameters differently "
                                f"(plan {plan}, pserver has {self.plan_id}): same names, shapes and order "
                                "on every trainer?")
+        server = msg.header.get("server")
+        if isinstance(server, bool) or not isinstance(server, int):
+            raise ProtocolError("init needs 'server', this pserver's index in the trainer's endpoint list")
+        if server != self.server_id:  # the trainer's list is not ours: its blocks for another pserver would land here
+            raise _RejectError("wrong_pserver", f"trainer {msg.header['tid']} takes pserver {self.server_id} for pserver "
+                               f"{server}: the same PADDLE_PSERVERS_IP_PORT_LIST, in the same order, on every trainer "
+                               "and pserver?")
         params = ckpt.parse_params(msg.header.get("params", {}))  # absent: a trainer that sends no shapes
         if params is None:
             raise ProtocolError("init's 'params' must map each parameter to its 'shape' and 'dtype'")

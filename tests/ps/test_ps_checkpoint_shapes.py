@@ -141,7 +141,7 @@ def test_an_init_with_a_malformed_parameter_table_is_a_bad_request(servers):
     g = servers(1, mode="async")
     s = raw_dealer(g.endpoints[0])
     try:
-        head = {"op": "init", "seq": 5, "tid": 0, "mode": "async", "plan": "x", "params": {"w": {"shape": "(4,)"}}}
+        head = {"op": "init", "seq": 5, "tid": 0, "mode": "async", "plan": "x", "server": 0, "params": {"w": {"shape": "(4,)"}}}
         s.send_multipart(encode(head, {"w.block0": np.zeros(4, np.float32)}))
         assert s.poll(int(TIMEOUT * 1000))
         reply = decode(s.recv_multipart(), request=False)

@@ -208,6 +208,24 @@ def test_a_refused_init_keeps_the_registered_parameters(servers):
             c.push({"w": np.ones((4, 3), np.float32)})
 
 
+def test_a_trainer_whose_endpoint_list_is_in_another_order_is_refused_by_the_first_pserver_it_reaches(servers):
+    """Before: a pserver took whatever blocks a trainer sent it. A trainer (the first, or every one) whose
+    PADDLE_PSERVERS_IP_PORT_LIST had the pservers in another order put pserver 1's blocks on pserver 0, whose
+    checkpoints then held another pserver's share (a resume with the right list found them missing)."""
+    g = servers(2, mode="async")
+    with PSClient(list(reversed(g.endpoints)), trainer_id=0, num_trainers=1, mode="async", timeout=TIMEOUT,
+                  min_block_size=4) as c:
+        with pytest.raises(RemoteOpError) as err:
+            c.init(PARAMS)
+    assert err.value.code == "wrong_pserver"
+    assert str(err.value) == (f"pserver {g.endpoints[1]} rejected the request (wrong_pserver): trainer 0 takes pserver 1 "
+                              "for pserver 0: the same PADDLE_PSERVERS_IP_PORT_LIST, in the same order, on every "
+                              "trainer and pserver?")
+    with _client(g) as c:  # nothing was registered: the right list goes through
+        got = c.init(PARAMS)
+        np.testing.assert_array_equal(got["w"], PARAMS["w"])
+
+
 # ------------------------------------------------------------------ checkpoints
 
 

@@ -339,7 +339,7 @@ def test_a_stranger_without_the_token_reaches_nothing(group, tmp_path):
         base = dict(g.server.stats)
         # 1. plain ZMTP, no keys at all: init, push, save, complete (ended a token-less pserver), abort
         for header, tensors in [
-            ({"op": "init", "tid": 0, "mode": "async", "plan": "x"}, {"w.block0": np.zeros(4, np.float32)}),
+            ({"op": "init", "tid": 0, "mode": "async", "plan": "x", "server": 0}, {"w.block0": np.zeros(4, np.float32)}),
             ({"op": "push", "tid": 0}, {"w.block0": np.full(4, 1e9, np.float32)}),
             ({"op": "save", "dir": str(tmp_path / "x")}, None),
             ({"op": "complete", "tid": 0}, None),
