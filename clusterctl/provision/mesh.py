@@ -54,13 +54,17 @@ def _mesh_key(path: Path, job: str) -> tuple[bytes, str]:
 def own_names(hosts, facts: dict) -> tuple[dict, list[tuple[object, str]]]:
     """({host: the hostname it reported, or ""}, [(host, why its hostname is left out)]): a host may add a name for
     itself to the mesh (its known_hosts line and the ssh config's Host line) only when no other host has it, as an
-    address of the spec or a hostname it reported too, and when it is no IP address (a compromised host could
-    otherwise have its key pinned for a peer)."""
+    address of the spec or a hostname it reported too, when it is no IP address (a compromised host could
+    otherwise have its key pinned for a peer), and when it is a single label or a name in a DNS domain of the spec's
+    hosts (not github.com: the peers' ssh there would be refused, or expect this host's key)."""
     others: dict[str, set] = {}  # lower-cased name -> hosts it names
     for host in hosts:
         for name in (host.address, host.endpoint_address, host.hostname, facts[host].hostname):
             if name:
                 others.setdefault(name.lower(), set()).add(host)
+    # the DNS domains of the spec's own names for its hosts (never of a name a host reported)
+    domains = {_parent(n) for h in hosts for n in (h.address, h.endpoint_address, h.hostname) if n and not _is_address(n)}
+    domains.discard("")
     names, dropped = {}, []
     for host in hosts:
         name = facts[host].hostname
@@ -72,9 +76,16 @@ def own_names(hosts, facts: dict) -> tuple[dict, list[tuple[object, str]]]:
             dropped.append((host, f"its hostname {name} names {', '.join(clash)} too"))
         elif _is_address(name):
             dropped.append((host, f"its hostname {name} is an IP address"))
+        elif _parent(name) and _parent(name) not in domains:  # e.g. github.com: every peer's ssh there would be ours
+            dropped.append((host, f"its hostname {name} is a domain name outside the spec hosts' domains"))
         else:
             names[host] = name
     return names, dropped
+
+
+def _parent(name: str) -> str:
+    """The DNS domain a dotted name is in (lower-cased; "" for a single label): node1.corp.example -> corp.example."""
+    return name.lower().rstrip(".").partition(".")[2]
 
 
 def _is_address(name: str) -> bool:

@@ -87,6 +87,24 @@ def test_a_host_cannot_have_its_key_pinned_under_a_peers_name_or_an_address():
     assert list(mesh.own_names(plan.hosts, facts)[0].values()) == ["", "node1", "", ""]
 
 
+def test_a_host_cannot_add_a_name_outside_the_spec_hosts_domains_to_the_mesh():
+    """A host reporting github.com had that name pinned to its own key in every peer's mesh known_hosts, and put in
+    the ssh config's Host line (that file, StrictHostKeyChecking yes): every peer's ssh to github.com was refused
+    (or, where its DNS was also the attacker's, took this host for it)."""
+    spec = MESH_SPEC.replace("10.0.0.3", "n3.corp.example")
+    plan = make_plan(parse_spec(spec, "cluster.yaml"))
+    claims = ["github.com", "n1.corp.example", "n3", "GitHub.COM."]
+    facts = {h: HostFacts(hostname=claims[h.index], host_key=f"ssh-ed25519 AAAAkey{h.index}") for h in plan.hosts}
+    own, dropped = mesh.own_names(plan.hosts, facts)
+    # n1.corp.example: in the domain of a spec host (n3.corp.example); n3: a single label
+    assert list(own.values()) == ["", "n1.corp.example", "n3", ""]
+    assert [(h.label, why) for h, why in dropped] == [
+        ("10.0.0.1", "its hostname github.com is a domain name outside the spec hosts' domains"),
+        ("10.0.0.4", "its hostname GitHub.COM. is a domain name outside the spec hosts' domains")]
+    ctx = mesh.mesh_context("demo", "ssh-ed25519 BBBB clusterctl-mesh-demo", plan.hosts, facts)
+    assert "github" not in ctx["config_block"].lower() and "github" not in ctx["known_hosts"].lower()
+
+
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"])
 def test_a_reply_with_a_number_json_has_not_is_a_bad_reply(value):
     """`doctor --json` printed a host's NaN or Infinity as it came: no JSON parser outside Python reads that."""
