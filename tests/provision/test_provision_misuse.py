@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
@@ -369,6 +370,23 @@ def test_a_changed_system_site_packages_is_applied_to_the_existing_venv(tmp_path
         assert sees_system_site() == (setting == "true")
         assert outcomes(run(c)) == {("n0", "python"): ("ok", "")}
     assert cfg.read_text() == made  # the other lines of pyvenv.cfg as python -m venv wrote them
+
+
+def test_a_venv_of_another_python_version_than_the_interpreter_fails_in_one_line(tmp_path, monkeypatch):
+    """python.interpreter was read only when the venv was made: a venv of another Python (a python3.9 one, the spec
+    now naming python3.11) was said ok, and the job ran the old Python."""
+    c = cluster(tmp_path, monkeypatch, {"python": {"venv": "v", "requirements": []}}, hosts=1)
+    assert outcomes(run(c)) == {("n0", "python"): ("changed", f"create venv {c.home(0) / 'v'}")}
+    cfg = c.home(0) / "v" / "pyvenv.cfg"
+    real = cfg.read_text()
+    cfg.write_text(re.sub(r"(?m)^version = .*$", "version = 2.7.18", real))  # as if python2.7 -m virtualenv made it
+    ours = "%d.%d" % sys.version_info[:2]
+    for check in (True, False):
+        assert outcomes(run(c, check=check)) == {("n0", "python"): (
+            "failed", f"{c.home(0) / 'v'} was made by Python 2.7, python.interpreter python3 is {ours}: provision "
+                      "--force makes it again with python3")}
+    cfg.write_text(real)
+    assert outcomes(run(c)) == {("n0", "python"): ("ok", "")}
 
 
 def test_a_venv_without_pyvenv_cfg_is_one_line_not_ok(tmp_path, monkeypatch):
