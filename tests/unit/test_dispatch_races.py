@@ -85,3 +85,63 @@ def test_a_file_changed_after_the_scan_fails_the_dispatch_at_once_and_sends_noth
     for i in range(2):
         assert (c.workspace(i) / "big.bin").read_bytes() == b"3" * size
         assert (c.workspace(i) / "train.py").read_text() == "print(2)\n"
+
+
+class _WaitingChannel:
+    """A paramiko channel whose command reads its stdin until EOF and prints nothing: `recv` times out (the
+    channel's 0.5 s poll) until the channel is closed."""
+
+    def __init__(self):
+        self.closed, self.sent, self.eof = False, 0, False
+
+    def exec_command(self, cmd):
+        pass
+
+    def settimeout(self, t):
+        pass
+
+    def send(self, data):
+        self.sent += len(data)
+        return len(data)
+
+    def shutdown_write(self):
+        self.eof = True
+
+    def _wait(self, n):
+        import socket
+        if self.closed or self.eof:
+            return b""
+        time.sleep(0.05)
+        raise socket.timeout()
+
+    recv = recv_stderr = _wait
+
+    def recv_exit_status(self):
+        return 0
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.timeout(30)  # before the fix: the 600 s deadline
+def test_the_paramiko_transport_ends_a_command_whose_stdin_stream_failed_and_raises_its_error():
+    """Before: a stdin stream that failed with anything but OSError (a dispatched file changed: JobError) ended
+    the pump thread silently; the command waited for the rest of its stdin until the transfer's deadline."""
+    from types import SimpleNamespace
+
+    from clusterctl.errors import JobError
+    from clusterctl.sshconn import run_on
+
+    chan = _WaitingChannel()
+    conn = SimpleNamespace(transport=SimpleNamespace(open_session=lambda timeout: chan), forward_agent=False,
+                           connect_timeout=5)
+
+    def stream(host):
+        yield b"header"
+        raise JobError("/ws/big.bin changed while being dispatched; dispatch again")
+
+    started = time.monotonic()
+    with pytest.raises(JobError, match=r"^/ws/big\.bin changed while being dispatched; dispatch again$"):
+        run_on(conn, "h0", "hostws apply", stream, 600.0, None)
+    assert time.monotonic() - started < 5  # the poll's next turn, not the 600 s deadline
+    assert chan.closed and not chan.eof and chan.sent == len(b"header")  # ended without an EOF: no half update
