@@ -170,7 +170,12 @@ def collect_once(host: Host, proc: subprocess.Popen, chunks: Iterable[bytes], ti
     for t in readers:
         t.start()
     if timeout is None:
-        _write_stdin(proc, chunks)
+        try:
+            _write_stdin(proc, chunks)
+        except BaseException:  # the local stream failed: the command would wait for the rest of its stdin
+            proc.kill()
+            proc.wait()
+            raise
         code = proc.wait()
     else:  # the deadline covers writing stdin too: a command that never reads it must not block us past it
         failed: list[BaseException] = []
