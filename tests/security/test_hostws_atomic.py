@@ -28,24 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from clusterctl.ops import dispatch as d
 from clusterctl.ops.dispatch import plan as dplan
-from clusterctl.ops.dispatch import scan as dscan
 import test_hostws_apply as helpers  # noqa: E402  (helpers only)
 from test_hostws_apply import host, live_gen, make_ws, push, state, tree  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def own_hash_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(dscan, "HASH_CACHE_DIR", tmp_path / "hash-cache")
-
-
-@pytest.fixture(params=["inline", "archive"])
-def sites(request, tmp_path, monkeypatch):
-    if request.param == "archive":
-        monkeypatch.setattr(dplan, "INLINE", -1)
-    ws, root, outside = tmp_path / "ws", tmp_path / "host" / "ws", tmp_path / "outside"
-    root.parent.mkdir()
-    outside.mkdir()
-    return ws, root, outside
+from test_hostws_symlinks import own_hash_cache, sites  # noqa: E402, F401  (the same fixtures)
 
 
 def drop_other_generations(root: Path) -> None:
@@ -58,7 +43,7 @@ def drop_other_generations(root: Path) -> None:
 
 
 @pytest.mark.parametrize("spare", [True, False], ids=["recycled", "copied"])
-def test_a_deletion_under_a_directory_replaced_by_a_symlink_stays_inside(sites, spare):
+def test_a_deletion_under_a_directory_replaced_by_a_symlink_stays_inside(sites, spare):  # noqa: F811 (the fixture)
     ws, root, outside = sites
     make_ws(ws, n=6)
     push(ws, root)
