@@ -37,7 +37,7 @@ def changed(path: str) -> JobError:
 @contextmanager
 def read_scanned(path: str, size: int):
     """The file scanned at `path` (a regular file of `size` bytes), open for reading; `changed(path)` unless it still
-    is one, and unless it stayed as it was (size, mtime, inode) while the block read it. Nothing that took its
+    is one, and unless it stayed as it was (size and mtime) while the block read it. Nothing that took its
     place since the scan is read: a symlink is not followed (a file outside the workspace), a FIFO not waited on."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -47,12 +47,18 @@ def read_scanned(path: str, size: int):
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode) or before.st_size != size:
             raise changed(path)
+
+        def same() -> bool:
+            after = os.fstat(fd)
+            return (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
         try:
             yield fh
-        except OSError:  # cut shorter while read (tarfile: "unexpected end of data")
+        except OSError:  # cut shorter while read (tarfile: "unexpected end of data"), or not the file's (disk full)
+            if same():
+                raise
             raise changed(path) from None
-        after = os.fstat(fd)
-        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        if not same():
             raise changed(path)
 
 
