@@ -303,6 +303,7 @@ def run_on(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float 
                 errors.append(exc)
             except Exception as exc:  # noqa: BLE001  the local stream itself failed: raised below, the command ended
                 local.append(exc)
+                chan.close()  # (the command waits for the rest of its stdin; a recv without a timeout returns now)
 
         deadline = None if timeout is None else time.monotonic() + timeout
         chan.settimeout(0.5 if deadline else None)
@@ -323,6 +324,8 @@ def run_on(conn: Connection, host: Host, cmd: str, stdin: Stdin, timeout: float 
             if not data:
                 break
             out.feed(data)
+        if local:
+            raise local[0] from None
         for t in threads:
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if t.is_alive():

@@ -92,13 +92,13 @@ class _WaitingChannel:
     channel's 0.5 s poll) until the channel is closed."""
 
     def __init__(self):
-        self.closed, self.sent, self.eof = False, 0, False
+        self.closed, self.sent, self.eof, self.timeout = False, 0, False, None
 
     def exec_command(self, cmd):
         pass
 
     def settimeout(self, t):
-        pass
+        self.timeout = t
 
     def send(self, data):
         self.sent += len(data)
@@ -107,12 +107,15 @@ class _WaitingChannel:
     def shutdown_write(self):
         self.eof = True
 
-    def _wait(self, n):
+    def _wait(self, n):  # with a timeout set, paramiko's recv raises socket.timeout; without, it blocks
         import socket
-        if self.closed or self.eof:
-            return b""
-        time.sleep(0.05)
-        raise socket.timeout()
+        for _ in range(20):
+            if self.closed or self.eof:
+                return b""
+            time.sleep(0.05)
+            if self.timeout is not None:
+                raise socket.timeout()
+        raise AssertionError("recv blocked for good")  # what a real channel without a timeout does
 
     recv = recv_stderr = _wait
 
@@ -123,8 +126,9 @@ class _WaitingChannel:
         self.closed = True
 
 
-@pytest.mark.timeout(30)  # before the fix: the 600 s deadline
-def test_the_paramiko_transport_ends_a_command_whose_stdin_stream_failed_and_raises_its_error():
+@pytest.mark.timeout(30)  # before the fix: the 600 s deadline, or for ever without one
+@pytest.mark.parametrize("timeout", [600.0, None])
+def test_the_paramiko_transport_ends_a_command_whose_stdin_stream_failed_and_raises_its_error(timeout):
     """Before: a stdin stream that failed with anything but OSError (a dispatched file changed: JobError) ended
     the pump thread silently; the command waited for the rest of its stdin until the transfer's deadline."""
     from types import SimpleNamespace
@@ -142,6 +146,28 @@ def test_the_paramiko_transport_ends_a_command_whose_stdin_stream_failed_and_rai
 
     started = time.monotonic()
     with pytest.raises(JobError, match=r"^/ws/big\.bin changed while being dispatched; dispatch again$"):
-        run_on(conn, "h0", "hostws apply", stream, 600.0, None)
+        run_on(conn, "h0", "hostws apply", stream, timeout, None)
     assert time.monotonic() - started < 5  # the poll's next turn, not the 600 s deadline
     assert chan.closed and not chan.eof and chan.sent == len(b"header")  # ended without an EOF: no half update
+
+
+@pytest.mark.timeout(30)  # before the fix: the deadline (600 s), or for ever without one
+@pytest.mark.parametrize("timeout", [600.0, None])
+def test_an_ssh_process_whose_stdin_stream_failed_is_ended_and_the_error_raised(timeout):
+    """The OpenSSH transport's side: `cat` stands for the remote command, which reads its stdin to the end."""
+    import subprocess
+
+    from clusterctl.errors import JobError
+    from clusterctl.transport.process import collect_once
+
+    proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def stream():
+        yield b"header"
+        raise JobError("/ws/big.bin changed while being dispatched; dispatch again")
+
+    started = time.monotonic()
+    with pytest.raises(JobError, match=r"^/ws/big\.bin changed while being dispatched; dispatch again$"):
+        collect_once("h0", proc, stream(), timeout, None)
+    assert time.monotonic() - started < 10
+    assert proc.returncode is not None and proc.returncode < 0  # killed, not ended by an EOF on its stdin
