@@ -95,16 +95,21 @@ def cmd_run(args):
     return run_job_file(args.jobfile)
 
 
-def run_job_file(path):
+def run_job_file(path, preflight=False):
     """Run the job's supervisor in the foreground (a Slurm task, a Kubernetes pod's main process): its log
     on stderr, the exit code the job's outcome (0: succeeded, 1: anything else). Raise InputError on a bad
-    job file. The job dir is the job file's directory (0700: it holds the token)."""
+    job file. The job dir is the job file's directory (0700: it holds the token). `preflight`: check the job
+    on this host first (as `agent up` does); its problems fail the first attempt (Supervisor start_problems)."""
     job, jobdir, lock = _claim(os.path.abspath(path))
     if isinstance(lock, dict):
         emit(lock)
         return 1
     try:
-        sup = Supervisor(job, jobdir)
+        problems = []
+        if preflight:
+            from .preflight import preflight as check
+            problems = [p["message"] for p in check(job, jobdir)]
+        sup = Supervisor(job, jobdir, start_problems=problems)
         sup.run()
         return 0 if sup.core.state == JobState.SUCCEEDED else 1
     finally:

@@ -334,8 +334,8 @@ def cmd_node(payload):
         _prune(home, payload["job"], payload["slurm_job"], node)
     except OSError:
         pass
-    try:
-        return run_job_file(path)
+    try:  # preflight as `agent up` does on the ssh path; a problem fails the job at its start, on every node
+        return run_job_file(path, preflight=True)
     except InputError as e:
         _say("%s: %s" % (node, e))
         return 2

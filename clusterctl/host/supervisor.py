@@ -50,8 +50,11 @@ TICK = 0.1  # seconds the loop waits for a socket before it looks at processes a
 class Supervisor:
     """Runs the job's local processes and takes part in the cross-host protocol (`run()` until the end)."""
 
-    def __init__(self, job, jobdir, report_fd=None, clock=time.monotonic):
+    def __init__(self, job, jobdir, report_fd=None, clock=time.monotonic, start_problems=()):
         self.job = job
+        # what a preflight before this supervisor found (Slurm's node: host/slurm.py); the first attempt fails with
+        # it where it would spawn, as a spawn failure (never restarted), so every host hears of it at once
+        self.start_problems = list(start_problems)
         self.clock = clock  # monotonic seconds (tests pass their own)
         self.tick = TICK
         self.jobdir = jobdir
@@ -361,6 +364,11 @@ class Supervisor:
         """Spawn this attempt's local processes: pservers first, trainers at once or once the pservers listen."""
         self.awaiting_go = False
         attempt = self.core.attempt
+        if attempt == 0 and self.start_problems:
+            rules.mark_running(self.core)
+            msg = "preflight: " + "; ".join(self.start_problems)
+            self._fail_start(msg, msg, self.start_problems[0].split(":", 1)[0])
+            return
         after = self.after
         if after and after["endpoints"] and self.procs.has("trainer"):
             # pservers first; trainers once every pserver endpoint accepts connections (_gate_tick)
@@ -375,6 +383,16 @@ class Supervisor:
             self._report_launch(error)
         for r in self.procs.failed():
             self._local_exit(r)
+
+    def _fail_start(self, msg, why, first=None):
+        """The pending processes fail to start (`why`, each): the exit of the first (or of the one named `first`)
+        brings the verdict (a failure to start is never restarted); `msg` is logged and is the launch report's error."""
+        log(msg)
+        rows = self.procs.not_started(why, state=ProcState.FAILED)
+        self.dirty = True
+        self._report_launch(msg)
+        if rows:
+            self._local_exit(next((r for r in rows if r.name == first), rows[0]))
 
     def _gate_tick(self, now):
         """Start the local trainers once every pserver endpoint accepts TCP connections (bounded)."""
@@ -398,12 +416,7 @@ class Supervisor:
         elif result == TrainerGate.TIMEOUT:
             self.gate = None
             msg = gate.timeout_message()
-            log(msg)
-            rows = self.procs.not_started("not started: " + msg, state=ProcState.FAILED)
-            self.dirty = True
-            self._report_launch(msg)
-            if rows:
-                self._local_exit(rows[0])
+            self._fail_start(msg, "not started: " + msg)
 
     def _reap(self):
         for r in self.procs.reap():

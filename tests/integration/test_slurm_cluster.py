@@ -238,6 +238,35 @@ def test_a_failed_trainer_fails_the_job_and_leaves_nothing(slurm_cluster, tmp_pa
     assert not no_tagged(info, "it-slurm-fail")  # the setsid children that ignored SIGTERM included
 
 
+# Holds a TCP port on a node, as another program there would, until killed.
+HOLD_PORT = "import socket, sys, time; s = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); time.sleep(300)"
+
+
+@pytest.mark.timeout(300)
+def test_a_port_in_use_on_a_node_fails_the_job_at_its_start_by_preflight_and_is_never_restarted(slurm_cluster, tmp_path):
+    """The ssh path's `agent up` runs preflight before the launch; Slurm's node task started its supervisor with none:
+    a trainer's port in use on a node surfaced only when the trainer bound it, after every process had started, and
+    was restarted as any failure. Now the node's preflight fails the first attempt at its spawn, on every node at
+    once, with the port named and no restart."""
+    info = slurm_cluster
+    node = info.nodes[1]
+    docker("exec", "-d", node.container, "python3", "-c", HOLD_PORT, node.ip, "7570")
+    try:
+        assert wait_until(lambda: listening(node.container, 7570), 20)
+        spec = _orphaning_job(info, tmp_path, "it-slurm-preflight", {"restarts": 2}, 7560)
+        res = clusterctl("start", spec, "--dispatch", "--follow", timeout=180)
+        assert res.returncode == 1, res.stdout[-3000:] + res.stderr
+        st = status_json(spec)
+        problem = f"preflight: trainer.1: cannot bind {node.ip}:7570: Address already in use"
+        assert st["state"] == "failed", st
+        assert f"trainer.1 on {node.hostname} failed to start: {problem}" in st["reason"], st["reason"]
+        assert "trainer=1 attempt=" not in res.stdout  # trainer.1 never ran
+        assert "attempt=1" not in res.stdout, res.stdout[-3000:]  # not restarted
+        assert not no_tagged(info, "it-slurm-preflight")
+    finally:
+        node_exec(node.container, "pkill -f 'time.sleep(300)' || true")
+
+
 # The old batch program's predictable names (before the supervisor): srun executed the first, read the second.
 OLD_NAMES = ("/tmp/clusterctl-slurm-{id}-slurmjob.py", "/tmp/clusterctl-slurm-{id}-tasks.json")
 PWNED = "import os; open('/tmp/pwned-{id}', 'w').write(str(os.getuid()))"

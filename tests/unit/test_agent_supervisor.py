@@ -384,3 +384,22 @@ def test_sigterm_wakes_the_loop_at_once_and_the_handlers_and_wakeup_fd_are_put_b
     assert sup.core.state == S.STOPPED and sup.procs.rows[0].state == ProcState.STOPPED
     assert (signal.getsignal(signal.SIGCHLD), signal.getsignal(signal.SIGTERM)) == before
     assert signal.set_wakeup_fd(-1) == -1  # none left set
+
+
+def test_a_preflight_problem_fails_the_first_attempt_where_it_would_spawn_and_is_never_restarted(tmp_path):
+    """Slurm's node ran its supervisor with no preflight (the ssh path runs it in `agent up`): a port in use surfaced
+    when the process bound it, after a start, and was restarted as any failure. Now the node's preflight problems
+    fail the first attempt at its spawn (every host has joined: the coordinator hears of it at once)."""
+    sup = supervisor(tmp_path, [("pserver", 0, quick("import time; time.sleep(60)")), ("trainer", 0, quick("pass"))],
+                     restarts=3)
+    sup.start_problems = ["trainer.0: cannot bind 127.0.0.1:7530: Address already in use"]
+    sup._start_attempt()
+    v = sup.core.verdict
+    assert v.reason == ("trainer.0 on hA failed to start: preflight: trainer.0: cannot bind 127.0.0.1:7530: Address "
+                        "already in use")  # the process the first problem names
+    assert v.restart is False
+    assert [(r.state, r.pid) for r in sup.procs.rows] == [(ProcState.FAILED, None), (ProcState.FAILED, None)]
+    assert run_until(sup, lambda: sup.core.state == S.FAILED)
+    st = state_file(sup)
+    assert st["outcome"] == "failed" and st["failure"]["error"] == v.reason.split(": ", 1)[1]
+    assert {p["error"] for p in st["processes"]} == {v.reason.split(": ", 1)[1]}
