@@ -187,6 +187,8 @@ def cmd_stop(args):
         else:
             sup_stopped = "exited"
         state = read_state_or_none(jobdir) or state
+    else:  # seen dead after the read above (a peer stopped by the coordinator's broadcast exits at any time): its
+        state = settled_state(jobdir, state)  # last write, with the stop report to give, is on disk now
     changed = False
     report = (state or {}).get("stop")
     if (isinstance(report, dict) and report.get("requested") and not report.get("reported")
