@@ -108,7 +108,7 @@ def run_job_file(path, preflight=False):
         problems = []
         if preflight:
             from .preflight import preflight as check
-            problems = [p["message"] for p in check(job, jobdir)]
+            problems = check(job, jobdir)
         sup = Supervisor(job, jobdir, start_problems=problems)
         sup.run()
         return 0 if sup.core.state == JobState.SUCCEEDED else 1

@@ -52,7 +52,7 @@ class Supervisor:
 
     def __init__(self, job, jobdir, report_fd=None, clock=time.monotonic, start_problems=()):
         self.job = job
-        # what a preflight before this supervisor found (Slurm's node: host/slurm.py); the first attempt fails with
+        # the problems a preflight before this supervisor found (Slurm's node: host/slurm.py); the first attempt fails with
         # it where it would spawn, as a spawn failure (never restarted), so every host hears of it at once
         self.start_problems = list(start_problems)
         self.clock = clock  # monotonic seconds (tests pass their own)
@@ -366,8 +366,8 @@ class Supervisor:
         attempt = self.core.attempt
         if attempt == 0 and self.start_problems:
             rules.mark_running(self.core)
-            msg = "preflight: " + "; ".join(self.start_problems)
-            self._fail_start(msg, msg, self.start_problems[0].split(":", 1)[0])
+            msg = "preflight: " + "; ".join(p["message"] for p in self.start_problems)
+            self._fail_start(msg, msg, self.start_problems[0].get("process"))
             return
         after = self.after
         if after and after["endpoints"] and self.procs.has("trainer"):

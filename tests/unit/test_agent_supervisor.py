@@ -392,7 +392,8 @@ def test_a_preflight_problem_fails_the_first_attempt_where_it_would_spawn_and_is
     fail the first attempt at its spawn (every host has joined: the coordinator hears of it at once)."""
     sup = supervisor(tmp_path, [("pserver", 0, quick("import time; time.sleep(60)")), ("trainer", 0, quick("pass"))],
                      restarts=3)
-    sup.start_problems = ["trainer.0: cannot bind 127.0.0.1:7530: Address already in use"]
+    sup.start_problems = [{"kind": "port_in_use", "process": "trainer.0", "endpoint": "127.0.0.1:7530",
+                           "message": "trainer.0: cannot bind 127.0.0.1:7530: Address already in use"}]
     sup._start_attempt()
     v = sup.core.verdict
     assert v.reason == ("trainer.0 on hA failed to start: preflight: trainer.0: cannot bind 127.0.0.1:7530: Address "
