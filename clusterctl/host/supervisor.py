@@ -52,8 +52,8 @@ class Supervisor:
 
     def __init__(self, job, jobdir, report_fd=None, clock=time.monotonic, start_problems=()):
         self.job = job
-        # the problems a preflight before this supervisor found (Slurm's node: host/slurm.py); the first attempt fails with
-        # it where it would spawn, as a spawn failure (never restarted), so every host hears of it at once
+        # the problems a preflight before this supervisor found (Slurm's node: host/slurm.py); the first attempt
+        # fails with them where it would spawn, as a spawn failure (never restarted): every host hears of it at once
         self.start_problems = list(start_problems)
         self.clock = clock  # monotonic seconds (tests pass their own)
         self.tick = TICK
