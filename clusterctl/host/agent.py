@@ -93,6 +93,8 @@ def build_parser():
 
     s = sub.add_parser("run", help="run the job's supervisor in the foreground (exit code: the job's outcome)")
     s.add_argument("jobfile")
+    s.add_argument("--preflight", choices=("all", "files"), default=None,
+                   help="check the job on this host first; its problems fail the first attempt (files: no port binds)")
     s.set_defaults(func=("launch", "cmd_run"))
 
     s = sub.add_parser("up", help="start's one round trip: check, write the job file (stdin), preflight, launch")

@@ -91,15 +91,16 @@ def _claim(jobfile, job=None):
 
 
 def cmd_run(args):
-    """`agent run JOBFILE`: see run_job_file."""
-    return run_job_file(args.jobfile)
+    """`agent run JOBFILE [--preflight all|files]`: see run_job_file."""
+    return run_job_file(args.jobfile, preflight=args.preflight is not None, ports=args.preflight != "files")
 
 
-def run_job_file(path, preflight=False):
+def run_job_file(path, preflight=False, ports=True):
     """Run the job's supervisor in the foreground (a Slurm task, a Kubernetes pod's main process): its log
     on stderr, the exit code the job's outcome (0: succeeded, 1: anything else). Raise InputError on a bad
     job file. The job dir is the job file's directory (0700: it holds the token). `preflight`: check the job
-    on this host first (as `agent up` does); its problems fail the first attempt (Supervisor start_problems)."""
+    on this host first (as `agent up` does); its problems fail the first attempt (Supervisor start_problems).
+    `ports`: the preflight binds the job's endpoints too (not in a Kubernetes pod: preflight.preflight)."""
     job, jobdir, lock = _claim(os.path.abspath(path))
     if isinstance(lock, dict):
         emit(lock)
@@ -108,7 +109,7 @@ def run_job_file(path, preflight=False):
         problems = []
         if preflight:
             from .preflight import preflight as check
-            problems = check(job, jobdir)
+            problems = check(job, jobdir, ports=ports)
         sup = Supervisor(job, jobdir, start_problems=problems)
         sup.run()
         return 0 if sup.core.state == JobState.SUCCEEDED else 1

@@ -13,8 +13,10 @@ this module with the image's ``python3 -S -E`` from the host package that a Conf
     in the job file only, as over SSH, and never in a process's environment (/proc/1/environ included).
 
 ``pod init JOBFILE --pod NAME`` (still PID 1)
-    Starts ``agent run JOBFILE`` (the supervisor, in the foreground: restarts, fail-fast, attempt logs, the
-    sweep are its) and, once the supervisor has written its state, ``agent logs --follow``, whose
+    Starts ``agent run JOBFILE --preflight files`` (the supervisor, in the foreground: restarts, fail-fast,
+    attempt logs, the sweep are its; a working directory, entrypoint or script missing in the image fails the
+    job at its start, as the ssh path's preflight does) and, once the supervisor has written its state,
+    ``agent logs --follow``, whose
     ``[pod role.id] line`` output is the container's stdout (the supervisor's own log is its stderr), so
     ``kubectl logs`` has every attempt's lines, also after the pod ended. It forwards SIGTERM (a deleted pod)
     to the supervisor, reaps orphans (it is PID 1), writes the supervisor's last status to the termination
@@ -292,7 +294,9 @@ class _Init:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_term)
         signal.signal(signal.SIGHUP, lambda s, f: None)
-        self.sup = self._spawn("agent", ["run", self.jobfile])
+        # the preflight of `agent up` on the ssh path and of Slurm's node, less its port binds (preflight.preflight):
+        # a missing script or working directory fails the job at its start, never restarted
+        self.sup = self._spawn("agent", ["run", self.jobfile, "--preflight", "files"])
         state = os.path.join(self.jobdir, "state.json")
         tailing = False  # one follower: it ends once nothing more will be logged (agent logs --follow)
         while self.code is None:

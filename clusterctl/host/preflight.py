@@ -92,8 +92,10 @@ def _reserved(job, is_coordinator, planned):
     return out
 
 
-def preflight(job, jobdir=None):
-    """List of problems (dicts with kind, message and the path or endpoint) for a job on this host."""
+def preflight(job, jobdir=None, ports=True):
+    """List of problems (dicts with kind, message and the path or endpoint) for a job on this host. `ports`: also
+    bind every endpoint the job plans here (a Kubernetes pod leaves them out: its endpoints are its Service's DNS
+    names, and its network namespace holds nothing of another job's)."""
     problems = []
 
     def add(kind, message, **kw):
@@ -142,7 +144,7 @@ def preflight(job, jobdir=None):
         if why:
             add("state_dir_not_writable", "job dir %s: %s" % (jobdir, why), path=jobdir)
     seen = {}
-    for name, ep in endpoints:
+    for name, ep in endpoints if ports else ():
         host, port = parse_endpoint(ep)
         norm = format_endpoint(host, port)
         if norm in seen:

@@ -265,6 +265,30 @@ def test_a_failing_trainer_fails_the_job_fast_and_every_pod_ends(kube, image, tm
     assert res.returncode == 0 and "job k8s-fail is not running" in res.stdout, res.stdout + res.stderr
 
 
+@pytest.mark.timeout(180)
+def test_a_script_missing_from_the_pods_fails_the_job_at_its_start_and_is_never_restarted(kube, image, tmp_path):
+    """A pod's supervisor runs the preflight of the ssh path and of Slurm's node (its file checks: host/pod.py): a
+    script that is not in the image fails the first attempt as `failed to start`, which no restart repeats."""
+    spec = h.write_spec(tmp_path / "noscript.yaml", name="k8s-noscript", image=image, workspace=JOBS, job={
+        "entrypoint": ["python3", "no_such_job.py"], "trainers": 1, "restarts": 3, "restart_backoff": 1, "grace": 2})
+    res = h.clusterctl(kube, "start", spec)
+    assert res.returncode == 0, res.stdout + res.stderr
+    final = _wait(kube, spec, lambda s: s["state"] not in ("starting", "running", "stopping")
+                  and not any(p["state"] == "running" for p in s["processes"]), 60, "the job's end")
+    assert final["state"] == "failed", final
+    assert final["attempt"] == 0, final  # 3 restarts allowed, none made
+    assert re.fullmatch(r"k8s-noscript-trainer-[01]-[a-z0-9]{5}: trainer\.[01] on \S+ failed to start: preflight: "
+                        r"trainer\.[01]: script /workspace/no_such_job\.py not found", final["reason"]), final["reason"]
+    assert [a["outcome"] for a in final["attempts"]] == ["failed"], final["attempts"]
+    deadline = time.monotonic() + 30
+    while {p["status"]["phase"] for p in _pods(kube, "k8s-noscript").values()} != {"Failed"}:
+        assert time.monotonic() < deadline, [p["status"] for p in _pods(kube, "k8s-noscript").values()]
+        time.sleep(0.5)
+    assert len(_pods(kube, "k8s-noscript")) == 2  # Kubernetes retried nothing either
+    res = h.clusterctl(kube, "stop", spec)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 @pytest.mark.timeout(240)
 def test_stop_ends_every_process_in_every_pod_and_deletes_the_job(kube, image, tmp_path):
     spec = h.write_spec(tmp_path / "stop.yaml", name="k8s-stop", image=image, workspace=JOBS, job={

@@ -254,6 +254,38 @@ def test_agent_run_is_the_supervisor_in_the_foreground_its_exit_code_the_outcome
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("checks", ["all", "files"])
+def test_agent_run_preflight_fails_the_first_attempt_and_files_leaves_the_port_binds_out(cluster, checks):
+    """`agent run --preflight all` is Slurm's node, `--preflight files` a Kubernetes pod's (host/pod.py): a missing
+    working directory fails both at the start, never restarted; a planned port in use only the first."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    port = held.getsockname()[1]
+    try:
+        for case in ("cwd", "port"):
+            job_id = cluster.new_job_id("pre" + case)
+            proc = cluster.process("trainer", 0, "exit", 0, 0.2, ports=["127.0.0.1:%d" % port] if case == "port" else ())
+            if case == "cwd":
+                proc["cwd"] = str(cluster.tmp / "no-such-dir")
+            d = cluster.host("hA", job_id, [proc], restarts=2, restart_backoff=1)
+            p = subprocess.run([PY, AGENT, "run", os.path.join(d, "job.json"), "--preflight", checks],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=GRACE + SLACK)
+            st = status(d)
+            if case == "port" and checks == "files":  # the bind is the program's: it ran, and succeeded
+                assert (p.returncode, st["state"]) == (0, "succeeded"), p.stderr[-2000:]
+                continue
+            want = ("working directory %s does not exist" % proc["cwd"] if case == "cwd"
+                    else "cannot bind 127.0.0.1:%d: " % port)
+            assert p.returncode == 1 and st["state"] == "failed", (p.returncode, st, p.stderr[-2000:])
+            assert st["reason"].startswith("trainer.0 on hA failed to start: preflight: trainer.0: ") and \
+                want in st["reason"], st["reason"]
+            assert st["attempt"] == 0 and [a["attempt"] for a in st["attempts"]] == [0], st  # 2 restarts allowed, none made
+    finally:
+        held.close()
+
+
+@pytest.mark.timeout(120)
 def test_escaped_setsid_child_is_swept_and_other_jobs_survive(cluster):
     job_id = cluster.new_job_id("mine")
     other_id = cluster.new_job_id("other")
