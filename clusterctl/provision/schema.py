@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..host.layout import exec_string_fits
+from ..spec.fields import nonempty_path
 from . import versions
 
 __all__ = [
@@ -63,13 +64,6 @@ _SYSTEM_DIRS = frozenset(
     + [f"{top}/{sub}" for top in ("/usr", "/usr/local")
        for sub in ("bin", "etc", "games", "include", "lib", "lib32", "lib64", "libexec", "sbin", "share", "src")]
 )
-
-
-def _local_path(v: str) -> str:
-    """A controller path (relative to the spec): an empty one is refused, never taken for the spec's directory itself."""
-    if not v.strip():
-        raise ValueError("empty: give a path, or leave the key out")
-    return v
 
 
 def _remote_path(v: str, what: str = "path", *, tilde: bool = False, system: bool = True) -> str:
@@ -166,7 +160,7 @@ class AptOfflineSpec(_Switch):
     @field_validator("local")
     @classmethod
     def _local(cls, v: str) -> str:
-        return _local_path(v)
+        return nonempty_path(v)  # '' was the spec's own directory
 
     @field_validator("remote")
     @classmethod
@@ -335,7 +329,7 @@ class WheelhouseSpec(_Switch):
     @field_validator("local")
     @classmethod
     def _local(cls, v: str) -> str:
-        return _local_path(v)
+        return nonempty_path(v)  # '' was the spec's own directory
 
     @field_validator("index_url")
     @classmethod
