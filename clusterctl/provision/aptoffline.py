@@ -40,11 +40,12 @@ from pathlib import Path
 
 from ..errors import ProvisionError
 from ..quoting import redact
+from .aptproxy import Pinned, env_proxies, proxy
 from .aptstate import HOST_STATE_SCRIPT, HostAptState, StateReader, allowed_kind, parse_sources, parse_state
 from .schema import AptSource
 from .steps import source_line
 
-__all__ = ["HOST_STATE_SCRIPT", "HostAptState", "StateReader", "Deb", "Deadline", "parse_state", "missing_packages",
+__all__ = ["HOST_STATE_SCRIPT", "source_hosts", "HostAptState", "StateReader", "Deb", "Deadline", "parse_state", "missing_packages",
            "prepare_root", "resolve", "download", "check_file_sources", "packages_index", "release_file",
            "upload_plan", "manifest", "local_root", "HOOK_LISTS", "DOWNLOAD_BASE_S"]
 
@@ -222,11 +223,31 @@ class AptTimeout(ProvisionError):
         self.deadline, self.output = deadline, output
 
 
-def _apt(root: Path, status: Path, *args: str, deadline: Deadline, tool: str = "apt-get") -> subprocess.CompletedProcess:
-    """apt-get (or apt-cache) with our configuration only, killed (with the methods it started) at the deadline."""
+def source_hosts(sources: list[tuple[AptSource, bytes]]) -> frozenset[str]:
+    """The hosts of the spec's own apt sources: the user's, fetched from as named (aptproxy.Pinned's `trusted`)."""
+    out = set()
+    for src, _ in sources:
+        try:
+            host = urllib.parse.urlsplit(src.uri).hostname
+        except ValueError:
+            continue
+        if host:
+            out.add(host)
+    return frozenset(out)
+
+
+def _apt(root: Path, status: Path, *args: str, deadline: Deadline, tool: str = "apt-get",
+         via: str | None = None) -> subprocess.CompletedProcess:
+    """apt-get (or apt-cache) with our configuration only, killed (with the methods it started) at the deadline.
+    `via`: the aptproxy.proxy URL its http(s) fetches go through (not for a scheme the environment names a proxy for)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("APT_")}
     env.update(APT_CONFIG=str(root / "apt.conf"), LC_ALL="C")
-    argv = [tool, "-q", "-o", f"Dir::State::status={status}", *args]
+    argv = [tool, "-q", "-o", f"Dir::State::status={status}"]
+    if via:
+        mine = [s for s in ("http", "https") if s not in env_proxies()]
+        argv += [o for s in mine for o in ("-o", f"Acquire::{s}::Proxy={via}")]
+        argv += ["-o", "Acquire::http::Pipeline-Depth=0"]  # the proxy serves one request per connection
+    argv += args
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace", env=env, start_new_session=True)
@@ -274,7 +295,8 @@ def resolve(cache: Path, state: HostAptState, packages: list[str], sources: list
     lists = root / "var" / "lib" / "apt" / "lists"
     if refresh or not any(p.name.endswith(("Packages", "Packages.gz", "Packages.xz", "Packages.lz4")) for p in lists.iterdir()):
         try:
-            proc = _apt(root, status, "update", deadline=deadline)
+            with proxy(Pinned(source_hosts(sources))) as (via, refused):
+                proc = _apt(root, status, "update", deadline=deadline, via=via)
         except AptTimeout as exc:
             for line in exc.output.splitlines():
                 log(f"controller: {line}")
@@ -283,6 +305,8 @@ def resolve(cache: Path, state: HostAptState, packages: list[str], sources: list
         for line in proc.stdout.splitlines():
             log(f"controller: {line}")
         failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("E: ", "W: Failed to fetch", "Err:"))]
+        if refused:
+            raise ProvisionError(f"offline apt for {label}: a source of the host refused: {refused[0]}")
         if proc.returncode != 0 or failed:
             raise ProvisionError(
                 f"offline apt: the controller cannot read this host's package archive: {_cause(proc) if proc.returncode else failed[0]}"
@@ -373,14 +397,23 @@ class _Sockets:
                     pass
 
 
-def _opener(sockets: _Sockets) -> urllib.request.OpenerDirector:
-    """urllib with its usual proxy and redirect handling, every connection's socket registered in `sockets`."""
+def _opener(sockets: _Sockets, pinned: Pinned) -> urllib.request.OpenerDirector:
+    """urllib with its usual proxy and redirect handling, every connection's socket registered in `sockets`; every
+    connection but one to the environment's proxy made by `pinned` (a redirect's target is checked as the first)."""
+    proxies = set(env_proxies().values())
+
+    def connect(address, timeout=socket._GLOBAL_DEFAULT_TIMEOUT, source_address=None):
+        host, port = address[0], address[1]
+        if (str(host).lower(), port) in proxies:
+            return socket.create_connection(address, timeout, source_address)
+        return pinned.connect(host, port, None if timeout is socket._GLOBAL_DEFAULT_TIMEOUT else timeout)
+
     def tracked(base):
         class Conn(base):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 # registered as soon as it is open: before a proxy's CONNECT or a TLS handshake, which may drip too
-                self._create_connection = lambda *a, **k: sockets.add(socket.create_connection(*a, **k))
+                self._create_connection = lambda *a, **k: sockets.add(connect(*a, **k))
         return Conn
 
     http_conn, https_conn = tracked(http.client.HTTPConnection), tracked(http.client.HTTPSConnection)
@@ -396,7 +429,7 @@ def _opener(sockets: _Sockets) -> urllib.request.OpenerDirector:
     return urllib.request.build_opener(Http, Https)
 
 
-def _fetch(deb: Deb, dest: Path, deadline: Deadline) -> None:
+def _fetch(deb: Deb, dest: Path, deadline: Deadline, pinned: Pinned) -> None:
     """Download deb.uri into dest: at most deb.size bytes, within the deadline (shutting the socket at it)."""
     scheme = urllib.parse.urlsplit(deb.uri).scheme
     if scheme not in ("http", "https"):
@@ -407,7 +440,7 @@ def _fetch(deb: Deb, dest: Path, deadline: Deadline) -> None:
     timer.start()
     got = 0
     try:
-        with _opener(sockets).open(deb.uri, timeout=min(30.0, max(deadline.left(), 0.1))) as resp, open(dest, "wb") as fh:
+        with _opener(sockets, pinned).open(deb.uri, timeout=min(30.0, max(deadline.left(), 0.1))) as resp, open(dest, "wb") as fh:
             while True:
                 chunk = resp.read1(1 << 16) if hasattr(resp, "read1") else resp.read(1 << 16)
                 if not chunk:
@@ -448,11 +481,14 @@ def _copy_file(deb: Deb, dest: Path, roots: list[Path]) -> None:
 
 
 def download(cache: Path, debs: list[Deb], *, deadline: Deadline, file_roots: list[Path] | None = None,
-             label: str = "the host", log=lambda line: None) -> list[Path]:
+             label: str = "the host", log=lambda line: None, trusted: frozenset[str] = frozenset()) -> list[Path]:
     """Every deb in the controller's cache (fetched once, checked against its digest); their paths.
 
     Each download has its own deadline (DOWNLOAD_BASE_S plus a second per MiB) within `deadline`;
-    `file:` URIs are read only inside `file_roots`. ProvisionError names the host and the URL."""
+    `file:` URIs are read only inside `file_roots`; an http(s) one is fetched from a host of `trusted` (the spec's
+    sources: source_hosts) as named, from any other only at an address that is not the controller's (aptproxy).
+    ProvisionError names the host and the URL."""
+    pinned = Pinned(trusted)
     folder = cache / "debs"
     out = []
     for deb in debs:
@@ -469,7 +505,7 @@ def download(cache: Path, debs: list[Deb], *, deadline: Deadline, file_roots: li
                 if deb.uri.startswith("file:"):
                     _copy_file(deb, tmp, file_roots or [])
                 else:
-                    _fetch(deb, tmp, mine)
+                    _fetch(deb, tmp, mine, pinned)
             except _Late as late:
                 tmp.unlink(missing_ok=True)
                 raise ProvisionError(f"offline apt for {label}: downloading {shown} did not finish within "

@@ -407,7 +407,8 @@ def _offline_apt(session, step: str, hosts, *, check: bool, force: bool, log) ->
             continue
         try:
             paths = aptoffline.download(cache, debs, deadline=deadline, file_roots=roots, label=host.label,
-                                        log=lambda line, host=host: log(host, step, line))
+                                        log=lambda line, host=host: log(host, step, line),
+                                        trusted=aptoffline.source_hosts(sources))
         except ProvisionError as exc:
             failed[host] = StepOutcome("failed", str(exc), time.monotonic() - t0)
             continue

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -47,10 +48,12 @@ SLACK_S = 8.0  # a deadline may fire this late on a loaded 2-core machine (threa
 
 class Mirror:
     """A loopback HTTP server over a directory; `drip` names what it sends one byte at a time:
-    "deb" (.deb bodies), "index" (Release/Packages bodies), "headers" (every response's status line)."""
+    "deb" (.deb bodies), "index" (Release/Packages bodies), "headers" (every response's status line).
+    `redirect`: a URL every request is sent on to (302); `bind`: its address. `hits`: the paths asked for."""
 
-    def __init__(self, folder: Path, drip: str = ""):
+    def __init__(self, folder: Path, drip: str = "", redirect: str = "", bind: str = "127.0.0.1"):
         self.folder, self.drip, self.stopping = folder, drip, threading.Event()
+        self.hits: list[str] = []
         mirror = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -68,6 +71,13 @@ class Mirror:
 
             def do_GET(self):
                 rel = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
+                mirror.hits.append(rel)
+                if mirror.redirect:
+                    self.send_response(302)
+                    self.send_header("Location", mirror.redirect + rel)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 path = (mirror.folder / rel).resolve()
                 if mirror.drip == "headers":
                     return self._slow(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
@@ -85,9 +95,11 @@ class Mirror:
                 else:
                     self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.redirect = redirect
+        self.server = ThreadingHTTPServer((bind, 0), Handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
@@ -107,8 +119,8 @@ def repo(tmp_path) -> Path:
 def mirrors():
     made = []
 
-    def make(folder: Path, drip: str = "") -> Mirror:
-        made.append(Mirror(folder, drip))
+    def make(folder: Path, drip: str = "", **kw) -> Mirror:
+        made.append(Mirror(folder, drip, **kw))
         return made[-1]
 
     yield make
@@ -191,7 +203,8 @@ def test_a_hostile_hosts_apt_hooks_never_run_on_the_controller(tmp_path, repo, m
     assert [(d.uri, d.filename) for d in debs] == [(f"{mirror.url}./ctl-safe_1.0-1_all.deb", "ctl-safe_1.0-1_all.deb")]
     deb = repo / "ctl-safe_1.0-1_all.deb"
     assert debs[0].digest == "sha256:" + hashlib.sha256(deb.read_bytes()).hexdigest()
-    [path] = aptoffline.download(cache, debs, deadline=aptoffline.Deadline(60, "apt.offline.timeout"), label="node7")
+    [path] = aptoffline.download(cache, debs, deadline=aptoffline.Deadline(60, "apt.offline.timeout"), label="node7",
+                                 trusted=aptoffline.source_hosts([(source, b"")]))
     assert path.read_bytes() == deb.read_bytes()
     assert not marker.exists(), "a host's apt hook ran on the controller"
     notes = [ln for ln in lines if ln.startswith("controller: host source ")]
@@ -370,6 +383,109 @@ def _empty_state() -> HostAptState:
     return HostAptState("amd64", {}, b"")
 
 
+def _global_ipv4() -> str | None:
+    """An IPv4 address of this machine that is neither loopback nor link-local (docker0's, eth0's), or None."""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show", "scope", "global"], capture_output=True, text=True).stdout
+    found = re.findall(r"\binet (\d+\.\d+\.\d+\.\d+)/", out)
+    return found[0] if found else None
+
+
+@pytest.mark.timeout(120)
+def test_a_host_source_whose_name_resolves_to_the_controller_is_never_fetched(tmp_path, repo, mirrors, monkeypatch):
+    """A host's source `http://NAME/` passes the check of its text (a name, not an address), but on the controller
+    NAME may resolve to the loopback (or the metadata address). apt's fetches (through aptproxy's proxy) and the .deb
+    downloads (redirects included) connect only to what the name resolved to, once, and refuse this machine."""
+    mirror = mirrors(repo)  # on 127.0.0.1: where the hostile name leads
+    names = {"mirror.evil.test": "127.0.0.1"}
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: real(names.get(str(host).lower(), host), *a, **k))
+    hostile = f"http://mirror.evil.test:{mirror.port}/"
+    state = HostAptState("amd64", {"etc/apt/sources.list": f"deb [trusted=yes] {hostile} ./\n".encode()}, b"")
+    deadline = aptoffline.Deadline(60, "apt.offline.timeout")
+    with pytest.raises(ProvisionError) as err:
+        aptoffline.resolve(tmp_path / "a", state, ["ctl-safe"], [], label="node7", deadline=deadline)
+    assert str(err.value) == ("offline apt for node7: a source of the host refused: mirror.evil.test resolves to "
+                              "127.0.0.1: the controller itself (loopback or link-local), not a place it may fetch from")
+    assert mirror.hits == []
+
+    # the same name in the spec's own sources is the user's: fetched as named (the refusal above is the check's)
+    spec_source = [(AptSource(name="m", uri=hostile, trusted=True), b"")]
+    debs = aptoffline.resolve(tmp_path / "b", _empty_state(), ["ctl-safe"], spec_source, label="node7", deadline=deadline)
+    assert [d.uri for d in debs] == [f"{hostile}./ctl-safe_1.0-1_all.deb"] and mirror.hits
+    [path] = aptoffline.download(tmp_path / "b", debs, deadline=deadline, label="node7",
+                                 trusted=aptoffline.source_hosts(spec_source))
+    assert path.read_bytes() == (repo / "ctl-safe_1.0-1_all.deb").read_bytes()
+
+    # a .deb of a host's source (as apt's --print-uris names it): the download refuses it before it connects
+    mirror.hits.clear()
+    with pytest.raises(ProvisionError) as err:
+        aptoffline.download(tmp_path / "c", debs, deadline=deadline, label="node7")
+    assert str(err.value) == (f"offline apt for node7: cannot download {debs[0].uri} on the controller: mirror.evil.test "
+                              "resolves to 127.0.0.1: the controller itself (loopback or link-local), not a place it may "
+                              "fetch from")
+    assert mirror.hits == []
+
+    # and a redirect from a host's mirror that may be fetched to the loopback: followed to the check, not past it
+    address = _global_ipv4()
+    if address is None:
+        pytest.skip("no global IPv4 address on this machine for a mirror that is not on the loopback")
+    bouncer = mirrors(repo, redirect=f"http://127.0.0.1:{mirror.port}/", bind=address)
+    names["cdn.evil.test"] = address
+    bounced = [aptoffline.Deb(d.uri.replace(hostile, f"http://cdn.evil.test:{bouncer.port}/"), d.filename, d.size, d.digest)
+               for d in debs]
+    with pytest.raises(ProvisionError) as err:
+        aptoffline.download(tmp_path / "d", bounced, deadline=deadline, label="node7")
+    assert str(err.value).endswith(": 127.0.0.1 is the controller itself (loopback or link-local), not a place it may "
+                                   "fetch from"), str(err.value)
+    assert bouncer.hits == ["./ctl-safe_1.0-1_all.deb"] and mirror.hits == []
+
+
+def _through(proxy_url: str, request: bytes, then: bytes = b"") -> bytes:
+    """Send `request` to the proxy, and `then` once it answered; everything read until it closes."""
+    port = urllib.parse.urlsplit(proxy_url).port
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request)
+        data = sock.recv(65536)
+        if then and data.startswith(b"HTTP/1.1 200 "):
+            sock.sendall(then)
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+@pytest.mark.timeout(60)
+def test_aptproxy_relays_connect_and_get_to_what_it_may_reach_and_refuses_the_rest(repo, mirrors, monkeypatch):
+    """apt-get's own fetches go through aptproxy.proxy: CONNECT (https) and GET in absolute form (http), each target
+    through Pinned. A name that resolves to this machine gets a 403 whose reason apt prints; anything else, 400/405."""
+    from clusterctl.provision import aptproxy
+
+    mirror = mirrors(repo)
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: real(
+        "127.0.0.1" if str(host).lower() in ("mirror.evil.test", "spec.test") else host, *a, **k))
+    deb = (repo / "ctl-safe_1.0-1_all.deb").read_bytes()
+    with aptproxy.proxy(aptproxy.Pinned({"spec.test"})) as (url, refused):
+        tunnel = _through(url, f"CONNECT spec.test:{mirror.port} HTTP/1.1\r\nHost: spec.test\r\n\r\n".encode(),
+                          b"GET /ctl-safe_1.0-1_all.deb HTTP/1.0\r\n\r\n")
+        assert tunnel.startswith(b"HTTP/1.1 200 Connection established\r\n\r\nHTTP/1.1 200 ") and tunnel.endswith(deb)
+        get = _through(url, f"GET http://spec.test:{mirror.port}/ctl-safe_1.0-1_all.deb HTTP/1.1\r\nHost: x\r\n"
+                            "Proxy-Connection: keep-alive\r\n\r\n".encode())
+        assert get.startswith(b"HTTP/1.1 200 ") and get.endswith(deb), get[:200]
+        assert mirror.hits == ["ctl-safe_1.0-1_all.deb"] * 2
+        for target in ("mirror.evil.test", "127.0.0.1", "localhost", "[::ffff:127.0.0.1]"):
+            for req in (f"CONNECT {target}:{mirror.port} HTTP/1.1\r\n\r\n",
+                        f"GET http://{target}:{mirror.port}/ctl-safe_1.0-1_all.deb HTTP/1.1\r\n\r\n"):
+                answer = _through(url, req.encode())
+                assert answer.startswith(b"HTTP/1.1 403 refused by clusterctl: ") and b"the controller itself" in \
+                    answer.split(b"\r\n")[0], (req, answer)
+        assert mirror.hits == ["ctl-safe_1.0-1_all.deb"] * 2 and len(refused) == 8
+        assert _through(url, b"POST http://spec.test/ HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405 ")
+        assert _through(url, b"GET ftp://spec.test/ HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405 ")
+        assert _through(url, b"GET http://spec.test/ HTTP/1.1\r\nContent-Length: 1\r\n\r\nx").startswith(b"HTTP/1.1 400 ")
+        assert _through(url, b"nonsense\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+        assert _through(url, b"x" * (aptproxy.HEAD_LIMIT + 20000)).startswith(b"HTTP/1.1 400 ")
+
+
 @pytest.mark.timeout(120)
 def test_file_uris_are_read_only_inside_file_roots(tmp_path):
     allowed, outside = tmp_path / "allowed", tmp_path / "outside"
@@ -429,7 +545,8 @@ def test_a_mirror_that_drips_a_deb_is_cut_off_at_the_deadline(tmp_path, repo, mi
     debs = [aptoffline.Deb(d.uri.replace(good.url, slow.url), d.filename, d.size, d.digest) for d in debs]
     t0 = time.monotonic()
     with pytest.raises(ProvisionError) as err:
-        aptoffline.download(cache, debs, deadline=aptoffline.Deadline(3, "apt.offline.timeout"), label="node7")
+        aptoffline.download(cache, debs, deadline=aptoffline.Deadline(3, "apt.offline.timeout"), label="node7",
+                            trusted=aptoffline.source_hosts([(source, b"")]))
     took = time.monotonic() - t0
     assert re.fullmatch(rf"offline apt for node7: downloading {re.escape(debs[0].uri)} did not finish within 3s "
                         rf"\(apt\.offline\.timeout; \d+ of {debs[0].size} bytes\)", str(err.value)), str(err.value)
@@ -448,7 +565,8 @@ def test_each_download_has_its_own_deadline_within_the_overall_one(tmp_path, rep
     debs = [aptoffline.Deb(d.uri.replace(good.url, slow.url), d.filename, d.size, d.digest) for d in debs]
     t0 = time.monotonic()
     with pytest.raises(ProvisionError, match=r"did not finish within 2s \(2 s \+ 1 s/MiB for one \.deb; \d+ of \d+ bytes\)$"):
-        aptoffline.download(tmp_path, debs, deadline=aptoffline.Deadline(600, "apt.offline.timeout"), label="node7")
+        aptoffline.download(tmp_path, debs, deadline=aptoffline.Deadline(600, "apt.offline.timeout"), label="node7",
+                            trusted=aptoffline.source_hosts([(source, b"")]))
     assert time.monotonic() - t0 < 2 + SLACK_S
 
 
