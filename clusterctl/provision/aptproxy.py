@@ -47,6 +47,8 @@ def env_proxies() -> dict[str, tuple[str, int]]:
     """{scheme: (host, port)} of the proxies the controller's environment names (urllib's reading of it)."""
     out = {}
     for scheme, url in urllib.request.getproxies().items():
+        if scheme == "no":  # no_proxy: a list of hosts, not a proxy
+            continue
         try:
             parts = urllib.parse.urlsplit(url if "//" in url else "//" + url)
             if parts.hostname:

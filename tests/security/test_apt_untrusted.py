@@ -486,6 +486,19 @@ def test_aptproxy_relays_connect_and_get_to_what_it_may_reach_and_refuses_the_re
         assert _through(url, b"x" * (aptproxy.HEAD_LIMIT + 20000)).startswith(b"HTTP/1.1 400 ")
 
 
+@pytest.mark.parametrize("env, through", [({}, ["http", "https"]), ({"https_proxy": "http://proxy.corp:3128"}, ["http"]),
+                                          ({"http_proxy": "proxy.corp:3128", "no_proxy": "localhost"}, ["https"])])
+def test_apt_goes_through_the_pinning_proxy_except_for_a_scheme_the_environment_proxies(tmp_path, monkeypatch, env, through):
+    for key in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    proc = aptoffline._apt(tmp_path, tmp_path / "status", "update", deadline=aptoffline.Deadline(30, "t"), tool="echo",
+                           via="http://127.0.0.1:9/")
+    assert re.findall(r"Acquire::(\w+)::Proxy=http://127\.0\.0\.1:9/", proc.stdout) == through, proc.stdout
+    assert proc.stdout.split()[-1] == "update"
+
+
 @pytest.mark.timeout(120)
 def test_file_uris_are_read_only_inside_file_roots(tmp_path):
     allowed, outside = tmp_path / "allowed", tmp_path / "outside"
