@@ -12,7 +12,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..host.layout import exec_string_fits
-from ..spec.fields import nonempty_path
 from . import versions
 
 __all__ = [
@@ -64,6 +63,13 @@ _SYSTEM_DIRS = frozenset(
     + [f"{top}/{sub}" for top in ("/usr", "/usr/local")
        for sub in ("bin", "etc", "games", "include", "lib", "lib32", "lib64", "libexec", "sbin", "share", "src")]
 )
+
+
+def _local_path(v: str) -> str:
+    """A controller path (relative to the spec): an empty one is refused, never taken for the spec's directory itself."""
+    if not v.strip():
+        raise ValueError("empty: give a path, or leave the key out")
+    return v
 
 
 def _remote_path(v: str, what: str = "path", *, tilde: bool = False, system: bool = True) -> str:
@@ -160,7 +166,7 @@ class AptOfflineSpec(_Switch):
     @field_validator("local")
     @classmethod
     def _local(cls, v: str) -> str:
-        return nonempty_path(v)  # '' was the spec's own directory
+        return _local_path(v)
 
     @field_validator("remote")
     @classmethod
@@ -329,7 +335,7 @@ class WheelhouseSpec(_Switch):
     @field_validator("local")
     @classmethod
     def _local(cls, v: str) -> str:
-        return nonempty_path(v)  # '' was the spec's own directory
+        return _local_path(v)
 
     @field_validator("index_url")
     @classmethod
