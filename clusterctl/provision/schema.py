@@ -66,7 +66,9 @@ _SYSTEM_DIRS = frozenset(
 
 
 def _local_path(v: str) -> str:
-    """A controller path (relative to the spec): an empty one is refused, never taken for the spec's directory itself."""
+    """A controller path (relative to the spec): an empty one is refused, never taken for the spec's directory itself.
+    spec.fields.nonempty_path says the same; importing it here would close a cycle (spec.loading and spec.errors
+    import this module on use), which tests/unit/test_import_cycles.py refuses."""
     if not v.strip():
         raise ValueError("empty: give a path, or leave the key out")
     return v
