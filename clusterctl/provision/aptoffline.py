@@ -306,7 +306,8 @@ def resolve(cache: Path, state: HostAptState, packages: list[str], sources: list
             log(f"controller: {line}")
         failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("E: ", "W: Failed to fetch", "Err:"))]
         if refused:
-            raise ProvisionError(f"offline apt for {label}: a source of the host refused: {refused[0]}")
+            raise ProvisionError(f"offline apt for {label}: a source of the host refused: {refused[0]} (a mirror of "
+                                 "yours there: name it in apt.sources)")
         if proc.returncode != 0 or failed:
             raise ProvisionError(
                 f"offline apt: the controller cannot read this host's package archive: {_cause(proc) if proc.returncode else failed[0]}"

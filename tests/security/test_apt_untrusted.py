@@ -405,7 +405,8 @@ def test_a_host_source_whose_name_resolves_to_the_controller_is_never_fetched(tm
     with pytest.raises(ProvisionError) as err:
         aptoffline.resolve(tmp_path / "a", state, ["ctl-safe"], [], label="node7", deadline=deadline)
     assert str(err.value) == ("offline apt for node7: a source of the host refused: mirror.evil.test resolves to "
-                              "127.0.0.1: the controller itself (loopback or link-local), not a place it may fetch from")
+                              "127.0.0.1: the controller itself (loopback or link-local), not a place it may fetch from "
+                              "(a mirror of yours there: name it in apt.sources)")
     assert mirror.hits == []
 
     # the same name in the spec's own sources is the user's: fetched as named (the refusal above is the check's)
