@@ -426,21 +426,32 @@ FAKE_VENV_PYTHON = """\
     """
 
 
-def test_the_gpu_steps_pip_part_runs_as_the_login_user_when_its_apt_part_needs_root(tmp_path, monkeypatch):
-    """With apt and pip components, the whole gpu step ran through sudo: pip installed into the user's venv as root,
-    leaving root's files in it (and ran the user's venv python as root)."""
-    c = cluster(tmp_path, monkeypatch, GPU_MIXED, hosts=1)
+def _gpu_host(tmp_path, monkeypatch, section=GPU_MIXED, apt_mark='echo libnccl2; echo libnccl-dev\n',
+              pip_done=False):
+    """One host for the gpu step, logged in as alice (uid 4321) with passwordless sudo: its apt part in place (fake
+    `dpkg-query`, `apt-mark`; `apt-get` and `dpkg` only log to unexpected.log), the user's venv `v` with a fake
+    python (`pip_done`: its CUDA wheels already installed). (cluster, home)."""
+    c = cluster(tmp_path, monkeypatch, section, hosts=1)
     home = c.home(0)
     fake_exe(c.bin, "fakepython", FAKE_PYTHON)
     fake_exe(c.bin, "sudo", FAKE_SUDO)
     fake_exe(c.bin, "dpkg-query", FAKE_GPU_DPKG_QUERY)
-    fake_exe(c.bin, "apt-mark", 'echo libnccl2; echo libnccl-dev\n')
+    fake_exe(c.bin, "apt-mark", apt_mark)
     for tool in ("apt-get", "dpkg"):  # nothing to install: neither may run
         fake_exe(c.bin, tool, f'echo "{tool} $*" >> "$HOME/unexpected.log"; exit 1\n')
     fake_exe(home / "v" / "bin", "python", FAKE_VENV_PYTHON)
-    _set_section(c, {**GPU_MIXED, "python": {"venv": "v", "interpreter": "fakepython"}})
+    if pip_done:
+        (home / "v" / "installed").touch()
+    _set_section(c, {**section, "python": {"venv": "v", "interpreter": "fakepython"}})
     c.transport.env.update(FAKE_FACTS=json.dumps({"uid": 4321, "user": "alice", "sudo": "ok", "home": str(home)}),
                            PIP_INDEX_URL="file:///nowhere")  # no network probe for the index
+    return c, home
+
+
+def test_the_gpu_steps_pip_part_runs_as_the_login_user_when_its_apt_part_needs_root(tmp_path, monkeypatch):
+    """With apt and pip components, the whole gpu step ran through sudo: pip installed into the user's venv as root,
+    leaving root's files in it (and ran the user's venv python as root)."""
+    c, home = _gpu_host(tmp_path, monkeypatch)
     assert outcomes(run(c, only=["gpu"])) == {("n0", "gpu"): (
         "changed", "pip install CUDA wheels (nvidia-cuda-runtime-cu12 missing)")}
     sudo = (home / "sudo.log").read_text().splitlines()
@@ -463,20 +474,9 @@ def test_the_hold_check_reads_every_held_package_however_long_the_list(tmp_path,
     time, grep's exit at its match cut it off (SIGPIPE), and a held package before the end of the list read as not
     held: `changed: hold libnccl-dev` on a converged host (seen once in a tier run under load). A list longer than a
     pipe's buffer makes that certain; the check now reads the list whole."""
-    c = cluster(tmp_path, monkeypatch, GPU_MIXED, hosts=1)
-    home = c.home(0)
-    fake_exe(c.bin, "fakepython", FAKE_PYTHON)
-    fake_exe(c.bin, "sudo", FAKE_SUDO)
-    fake_exe(c.bin, "dpkg-query", FAKE_GPU_DPKG_QUERY)
-    fake_exe(c.bin, "apt-mark", 'case $1 in showhold) echo libnccl-dev; echo libnccl2; seq -f "lib%g" 20000 ;; '
-                                '*) echo "apt-mark $*" >> "$HOME/unexpected.log" ;; esac\n')
-    for tool in ("apt-get", "dpkg"):  # nothing to install: neither may run
-        fake_exe(c.bin, tool, f'echo "{tool} $*" >> "$HOME/unexpected.log"; exit 1\n')
-    fake_exe(home / "v" / "bin", "python", FAKE_VENV_PYTHON)
-    (home / "v" / "installed").touch()  # the pip part is in place too
-    _set_section(c, {**GPU_MIXED, "python": {"venv": "v", "interpreter": "fakepython"}})
-    c.transport.env.update(FAKE_FACTS=json.dumps({"uid": 4321, "user": "alice", "sudo": "ok", "home": str(home)}),
-                           PIP_INDEX_URL="file:///nowhere")
+    c, home = _gpu_host(tmp_path, monkeypatch, pip_done=True,
+                        apt_mark='case $1 in showhold) echo libnccl-dev; echo libnccl2; seq -f "lib%g" 20000 ;; '
+                                 '*) echo "apt-mark $*" >> "$HOME/unexpected.log" ;; esac\n')
     for _ in range(3):
         assert outcomes(run(c, only=["gpu"])) == {("n0", "gpu"): ("ok", "")}
     assert not (home / "unexpected.log").exists()
@@ -487,19 +487,9 @@ def test_the_driver_check_reads_the_first_of_eight_gpus_driver(tmp_path, monkeyp
     """The gpu step's driver check on an 8-GPU host (nvidia-smi prints a line per GPU): the first line is the driver,
     compared with the CUDA version's minimum. (The output is now read whole, not through `| head` under pipefail as
     the hold check was; nvidia-smi writes it at once, so that pipe could not fail in practice.)"""
-    section = {**GPU_MIXED, "cuda": {**GPU_MIXED["cuda"], "driver_check": True}}
-    c = cluster(tmp_path, monkeypatch, section, hosts=1)
-    home = c.home(0)
-    fake_exe(c.bin, "fakepython", FAKE_PYTHON)
-    fake_exe(c.bin, "sudo", FAKE_SUDO)
-    fake_exe(c.bin, "dpkg-query", FAKE_GPU_DPKG_QUERY)
-    fake_exe(c.bin, "apt-mark", 'echo libnccl-dev; echo libnccl2\n')
+    c, _ = _gpu_host(tmp_path, monkeypatch, {**GPU_MIXED, "cuda": {**GPU_MIXED["cuda"], "driver_check": True}},
+                     pip_done=True)
     fake_exe(c.bin, "nvidia-smi", f'for i in 1 2 3 4 5 6 7 8; do echo "{driver} "; done\n')
-    fake_exe(home / "v" / "bin", "python", FAKE_VENV_PYTHON)
-    (home / "v" / "installed").touch()
-    _set_section(c, {**section, "python": {"venv": "v", "interpreter": "fakepython"}})
-    c.transport.env.update(FAKE_FACTS=json.dumps({"uid": 4321, "user": "alice", "sudo": "ok", "home": str(home)}),
-                           PIP_INDEX_URL="file:///nowhere")
     state, detail = outcomes(run(c, only=["gpu"]))[("n0", "gpu")]
     if ok:
         assert (state, detail) == ("ok", "")
