@@ -4,7 +4,7 @@ A host may be compromised, and the sources it sends name where the controller fe
 each URI's host as written (no loopback or link-local address, no `localhost`); a *name* in it is resolved
 later, by whoever connects, and DNS may answer with the controller's own loopback or the cloud metadata
 address. So every connection that a host's source causes is made here: the name is resolved once, refused when
-any of its addresses is this machine's or its link's (aptstate._local_host: loopback, link-local, unspecified,
+any of its addresses is this machine's or its link's (aptstate.local_host: loopback, link-local, unspecified,
 multicast, in any spelling), and the socket is connected to an address from that same answer (no second lookup
 that could answer differently).
 
@@ -29,7 +29,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 
-from .aptstate import _local_host
+from .aptstate import local_host
 
 __all__ = ["Pinned", "RefusedAddress", "proxy", "env_proxies"]
 
@@ -69,7 +69,7 @@ class Pinned:
     def addresses(self, host: str, port: int) -> list[tuple]:
         """getaddrinfo's answer for host:port, refused (RefusedAddress) when any address is this machine's."""
         name = host.strip("[]")
-        if _local_host(name):
+        if local_host(name):
             raise RefusedAddress(f"{name} is the controller itself (loopback or link-local), not a place it may fetch from")
         try:
             infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
@@ -81,7 +81,7 @@ class Pinned:
                 ipaddress.ip_address(addr)
             except ValueError:
                 raise RefusedAddress(f"{name} resolves to {addr!r}, which is no address") from None
-            if _local_host(addr):
+            if local_host(addr):
                 raise RefusedAddress(f"{name} resolves to {addr}: the controller itself (loopback or link-local), "
                                      "not a place it may fetch from")
         if not infos:

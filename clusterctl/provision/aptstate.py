@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ProvisionError
 
-__all__ = ["HOST_STATE_SCRIPT", "numeric_name", "STATE_HEADER", "HostAptState", "StateReader", "parse_state", "SourceEntry",
+__all__ = ["HOST_STATE_SCRIPT", "numeric_name", "local_host", "STATE_HEADER", "HostAptState", "StateReader", "parse_state", "SourceEntry",
            "parse_sources", "SOURCE_OPTIONS", "LIMITS", "allowed_kind"]
 
 STATE_HEADER = "clusterctl-apt-state 2"
@@ -339,7 +339,7 @@ def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         raise ValueError(f"{host} is neither a host name nor an address") from None
 
 
-def _local_host(host: str) -> bool:
+def local_host(host: str) -> bool:
     """True for names and addresses that mean 'this machine' or its link: on the controller they are not the host.
     Also such an address in another form (127.1, 0x7f000001, ::ffff:127.0.0.1, 6to4), unspecified and multicast
     addresses, and a number that is no address."""
@@ -383,7 +383,7 @@ def _check_uri(uri: str) -> str:
         _address(hostname.strip("[]"))
     except ValueError as exc:
         return _shown(str(exc), 120)
-    if _local_host(hostname):
+    if local_host(hostname):
         return f"{hostname} is the host itself (loopback or link-local), not a place the controller may fetch from"
     if parts.username or parts.password:
         return "credentials in the URI"
