@@ -44,7 +44,13 @@ class SpecProblem:
 
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}:{self.column}"
-        return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+        message = _clip(self.message, 300)  # a value the message quotes may be any length: the line stays readable
+        return f"{where}: {_clip(self.path, 160)}: {message}" if self.path else f"{where}: {message}"
+
+
+def _clip(text: str, limit: int) -> str:
+    """`text`, or its first `limit` characters and how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 MAX_PROBLEMS_SHOWN = 20  # a 65,000-host hostfile with a bad value on every line is 20 lines and a count, not 65,000

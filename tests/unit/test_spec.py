@@ -371,6 +371,18 @@ def test_spec_error_lines():
                                                   "s.yaml:3:1: ... and 20 more problems (the first 2 are shown)"]
 
 
+def test_a_long_value_or_key_is_quoted_clipped(write_spec):
+    """A 5,000-character value echoed by its message, or a 900-character unknown key, stays one readable line."""
+    path = write_spec(GOOD.replace("mode: pserver", "mode: " + "x" * 5000).replace("ssh:\n", "ssh:\n  " + "k" * 900 + ": 1\n"))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert [line.split(": ", 1)[1] for line in info.value.lines()] == [
+        "ssh." + "k" * 156 + "... (904 characters): unknown key",
+        "job.mode: " + ("expected one of 'pserver' or 'collective', got '" + "x" * 5000)[:300] + "... (5,049 characters)",
+    ]
+    assert len(info.value.problems[1].message) == 5049  # the problem keeps it whole: only the line is clipped
+
+
 def test_parse_hostfile_max_slots_ignored():
     assert parse_hostfile("a slots=4 max_slots=8\nb\n") == [{"address": "a", "slots": 4}, {"address": "b"}]
 
