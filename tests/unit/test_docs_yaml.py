@@ -1,6 +1,6 @@
-"""Every YAML example in the README and docs/ is a spec, or a part of one, that validates: the docs stay true to the
-spec's keys. A block's parts (separated by a blank line: the alternatives of one example) are each merged into a
-small whole spec, so a fragment (`job: {restarts: 3}`) is checked in a spec around it."""
+"""Every YAML example in the README and docs/, and every spec file in configs/ and examples/, validates: the docs
+stay true to the spec's keys. A block's parts (separated by a blank line: the alternatives of one example) are each
+merged into a small whole spec, so a fragment (`job: {restarts: 3}`) is checked in a spec around it."""
 
 import copy
 import re
@@ -57,3 +57,15 @@ def test_a_yaml_example_of_the_docs_validates(part, tmp_path):
         load_spec(path)
     except SpecError as exc:
         pytest.fail(f"the example does not validate:\n{exc}")
+
+
+SPEC_FILES = sorted([*(ROOT / "configs").glob("*.yaml"), *(ROOT / "examples").glob("*/*.yaml")])
+
+
+def test_the_shipped_spec_files_are_found():
+    assert {p.name for p in SPEC_FILES} >= {"example.yaml", "provision-example.yaml", "mpi.yaml", "ssh.yaml"}
+
+
+@pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_shipped_spec_file_validates(path):
+    load_spec(path)  # a SpecError names the file's line
