@@ -139,6 +139,24 @@ class PserversPerHost(_Model):
 RESTART_ENV = ("CLUSTERCTL_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")  # the attempt number, set by the agent
 
 
+def _script(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The script of an interpreter's argv (its first argument that is no option, where it ends in .py), as the
+    hosts' preflight finds it."""
+    for arg in argv[1:]:
+        if arg in ("-m", "-c"):
+            return ()
+        if not arg.startswith("-"):
+            return (arg,) if arg.endswith(".py") else ()
+    return ()
+
+
+def _tilde_refused(items) -> None:
+    for item in items:
+        if item.startswith("~"):
+            raise ValueError(f"{item!r}: ~ is not expanded (processes start without a shell): give an absolute path, "
+                             "or one relative to the workspace (workspace.remote)")
+
+
 class JobSpec(_Model):
     """What to run and how processes are laid out."""
 
@@ -176,6 +194,24 @@ class JobSpec(_Model):
     @classmethod
     def _paths(cls, v: str) -> str:
         return one_line(nonempty_path(v))  # '' was the logs' own directory ('.'), or no mpiexec at all
+
+    @field_validator("entrypoint", "mpiexec")
+    @classmethod
+    def _no_tilde(cls, v: Any) -> Any:
+        """`~/venv/bin/python` was run as <workspace>/~/venv/bin/python (not found, after the dispatch): processes
+        start without a shell, on every backend, so nothing expands a `~` in the program (or mpiexec), nor in the
+        script an interpreter is given (`python3 ~/train.py`). Other arguments are the program's to read (a script
+        may expand `--data ~/d` itself)."""
+        _tilde_refused((v,) if isinstance(v, str) else (v[0], *_script(v)))
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _no_tilde_script(cls, v: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        entrypoint = info.data.get("entrypoint")  # absent where it was refused
+        if entrypoint and not _script(entrypoint):
+            _tilde_refused(_script(entrypoint + v))  # `entrypoint: [python3]`, `args: [~/train.py]`
+        return v
 
     @field_validator("entrypoint", mode="before")
     @classmethod

@@ -260,6 +260,14 @@ BAD = [
         ["6:5: hosts[0].gpus: 2 trainers on 10.0.0.1 but only 1 GPUs"],
         id="more-trainers-than-gpus",
     ),
+    # nothing expands a ~ in what is executed: it was <workspace>/~/... on the host, "not found" after the dispatch
+    pytest.param(GOOD.replace("[python3, train.py]", "[~/venv/bin/python, train.py]"),
+                 ["9:3: job.entrypoint: '~/venv/bin/python': ~ is not expanded (processes start without a shell): give an absolute path, or one relative to the workspace (workspace.remote)"], id="tilde-program"),
+    pytest.param(GOOD.replace("[python3, train.py]", "python3 -u ~/train.py --data ~/d"),
+                 ["9:3: job.entrypoint: '~/train.py': ~ is not expanded (processes start without a shell): give an absolute path, or one relative to the workspace (workspace.remote)"], id="tilde-script"),
+    pytest.param(GOOD.replace("[python3, train.py]", "[python3]\n  args: [-u, ~bob/train.py]\n  mpiexec: ~/mpiexec"),
+                 ["10:3: job.args: '~bob/train.py': ~ is not expanded (processes start without a shell): give an absolute path, or one relative to the workspace (workspace.remote)", "11:3: job.mpiexec: '~/mpiexec': ~ is not expanded (processes start without a shell): give an absolute path, or one relative to the workspace (workspace.remote)"],
+                 id="tilde-script-in-args-and-mpiexec"),
     pytest.param("- just\n- a list\n", ["1:1: a spec is a YAML mapping"], id="not-a-mapping"),
     pytest.param(
         "name: x\nhosts: [{address: a}]\n",
@@ -308,6 +316,12 @@ def test_hostfile_errors_name_the_hostfile_line(write_spec, tmp_path):
     with pytest.raises(SpecError) as info:
         load_spec(path)
     assert [str(p) for p in info.value.problems] == [f"{tmp_path / 'hosts.txt'}:2:1: hostfile: cannot parse 'cpus=4' (expected slots=N)"]
+
+
+def test_a_tilde_the_program_reads_itself_is_its_own(write_spec):
+    """Arguments other than the program and an interpreter's script are the program's to read (and expand)."""
+    for entrypoint in ("python3 train.py --data ~/d", "[python3, -m, pkg, ~/x.py]", "[python3, -c, '~1']"):
+        assert load_spec(write_spec(GOOD.replace("[python3, train.py]", entrypoint))).job.entrypoint[0] == "python3"
 
 
 def test_plain_decimal_numbers_are_numbers(write_spec):
