@@ -50,6 +50,17 @@ def _writable_dir(path):
     return None
 
 
+def _under_home(relative):
+    """A hint where a relative program or script missing from the workspace is a file under the login's home (a venv
+    that provision made there: `.venvs/x/bin/python`, which a relative path does not reach), else ''."""
+    if os.path.isabs(relative):
+        return ""
+    there = os.path.normpath(os.path.join(os.path.expanduser("~"), relative))
+    if not os.path.isfile(there):
+        return ""
+    return " (relative to the workspace; %s is there: give its absolute path)" % there
+
+
 def _script_arg(argv):
     """The script argument of an interpreter-like argv (first non-option arg), or None."""
     for a in argv[1:]:
@@ -114,7 +125,8 @@ def preflight(job, jobdir=None, ports=True):
         if "/" in exe:
             path = os.path.normpath(os.path.join(cwd, exe))
             if not os.path.isfile(path):
-                add("entrypoint_missing", "%s: %s not found" % (name, path), process=name, path=path)
+                add("entrypoint_missing", "%s: %s not found%s" % (name, path, _under_home(exe)), process=name,
+                    path=path)
             elif not os.access(path, os.X_OK):
                 add("entrypoint_not_executable", "%s: %s is not executable" % (name, path), process=name,
                     path=path)
@@ -125,7 +137,8 @@ def preflight(job, jobdir=None, ports=True):
         if script is not None:
             path = os.path.normpath(os.path.join(cwd, script))
             if not os.path.isfile(path):
-                add("script_missing", "%s: script %s not found" % (name, path), process=name, path=path)
+                add("script_missing", "%s: script %s not found%s" % (name, path, _under_home(script)), process=name,
+                    path=path)
         logdir = os.path.dirname(p["log"])
         why = _writable_dir(logdir)
         if why:

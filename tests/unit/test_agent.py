@@ -682,6 +682,33 @@ def test_preflight_names_ports_and_paths(cluster):
 
 
 @pytest.mark.timeout(20)
+def test_preflight_says_where_a_relative_program_missing_from_the_workspace_is_under_the_home(cluster, tmp_path,
+                                                                                             monkeypatch):
+    """`entrypoint: [.venvs/x/bin/python, train.py]` after `provision.python.venv: .venvs/x` (relative to the home):
+    the program is looked for in the workspace; the problem says the file under the home is the one to name."""
+    home = tmp_path / "home"
+    (home / ".venvs" / "x" / "bin").mkdir(parents=True)
+    (home / ".venvs" / "x" / "bin" / "python").write_text("#!/bin/sh\n")
+    (home / "jobs").mkdir()
+    (home / "jobs" / "train.py").write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    procs = [{"role": "trainer", "id": 0, "argv": [".venvs/x/bin/python", "jobs/train.py"], "env": {},
+              "cwd": str(cluster.work), "log": str(cluster.work / "log" / "t0.log")},
+             {"role": "trainer", "id": 1, "argv": ["nowhere/python", "nowhere.py"], "env": {},
+              "cwd": str(cluster.work), "log": str(cluster.work / "log" / "t1.log")}]
+    rc, out = agent("preflight", os.path.join(cluster.host("hA", cluster.new_job_id(), procs), "job.json"))
+    assert rc == 1
+    assert [p["message"] for p in out["problems"]] == [
+        "trainer.0: %s not found (relative to the workspace; %s is there: give its absolute path)"
+        % (cluster.work / ".venvs/x/bin/python", home / ".venvs/x/bin/python"),
+        "trainer.0: script %s not found (relative to the workspace; %s is there: give its absolute path)"
+        % (cluster.work / "jobs/train.py", home / "jobs/train.py"),
+        "trainer.1: %s not found" % (cluster.work / "nowhere/python"),
+        "trainer.1: script %s not found" % (cluster.work / "nowhere.py"),
+    ]
+
+
+@pytest.mark.timeout(20)
 def test_wait_ports_names_the_ones_that_never_opened():
     srv = socket.create_server(("127.0.0.1", 0))
     late_port, dead_port = free_port(), free_port()
