@@ -52,6 +52,18 @@ def write_private(path, data):
         raise
 
 
+def script_arg(argv):
+    """The script argument of an interpreter-like argv (its first non-option argument, where it ends in .py), or
+    None: what the preflight checks for, and what a spec may not start with `~` (clusterctl.spec.job)."""
+    for a in argv[1:]:
+        if a in ("-m", "-c"):
+            return None
+        if a.startswith("-"):
+            continue
+        return a if a.endswith(".py") else None
+    return None
+
+
 def which(name, path):
     """shutil.which(name, path=path) on POSIX, without importing shutil (its import loads zlib, bz2 and lzma):
     the executable file `name` (a path when it has a slash, else looked up in `path`), or None."""

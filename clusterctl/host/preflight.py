@@ -5,7 +5,7 @@ import os
 import socket
 import time
 
-from .common import InputError, emit, private_temp, which
+from .common import InputError, emit, private_temp, script_arg, which
 from .jobfile import format_endpoint, load_job, parse_endpoint
 from .spawn import base_env
 
@@ -59,17 +59,6 @@ def _under_home(relative):
     if not os.path.isfile(there):
         return ""
     return " (relative to the workspace; %s is there: give its absolute path)" % there
-
-
-def _script_arg(argv):
-    """The script argument of an interpreter-like argv (first non-option arg), or None."""
-    for a in argv[1:]:
-        if a in ("-m", "-c"):
-            return None
-        if a.startswith("-"):
-            continue
-        return a if a.endswith(".py") else None
-    return None
 
 
 def _master(process):
@@ -133,7 +122,7 @@ def preflight(job, jobdir=None, ports=True):
         elif which(exe, env["PATH"]) is None:
             add("entrypoint_missing", "%s: %s not found in PATH=%s" % (name, exe, env["PATH"]), process=name,
                 path=exe)
-        script = _script_arg(p["argv"])
+        script = script_arg(p["argv"])
         if script is not None:
             path = os.path.normpath(os.path.join(cwd, script))
             if not os.path.isfile(path):

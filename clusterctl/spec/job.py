@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
+from ..host.common import script_arg
 from ..host.policy import DEFAULT_POLICY, GRACE_MAX, ON_FAILURE, RESTART_BACKOFF_MAX, RESTART_BACKOFF_MIN, RESTARTS_MAX
 from .fields import Port, _did_you_mean, _Model, _placeholder_names, _scalar_str, nonempty_path
 from ..host.elastic import MAX_HOST_CHANGES, MAX_HOST_CHANGES_MAX  # elastic jobs' bound (hosts[].spare, min_hosts)
@@ -139,20 +140,9 @@ class PserversPerHost(_Model):
 RESTART_ENV = ("CLUSTERCTL_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")  # the attempt number, set by the agent
 
 
-def _script(argv: tuple[str, ...]) -> tuple[str, ...]:
-    """The script of an interpreter's argv (its first argument that is no option, where it ends in .py), as the
-    hosts' preflight finds it."""
-    for arg in argv[1:]:
-        if arg in ("-m", "-c"):
-            return ()
-        if not arg.startswith("-"):
-            return (arg,) if arg.endswith(".py") else ()
-    return ()
-
-
 def _tilde_refused(items) -> None:
     for item in items:
-        if item.startswith("~"):
+        if item is not None and item.startswith("~"):
             raise ValueError(f"{item!r}: ~ is not expanded (processes start without a shell): give an absolute path, "
                              "or one relative to the workspace (workspace.remote)")
 
@@ -202,15 +192,15 @@ class JobSpec(_Model):
         start without a shell, on every backend, so nothing expands a `~` in the program (or mpiexec), nor in the
         script an interpreter is given (`python3 ~/train.py`). Other arguments are the program's to read (a script
         may expand `--data ~/d` itself)."""
-        _tilde_refused((v,) if isinstance(v, str) else (v[0], *_script(v)))
+        _tilde_refused((v,) if isinstance(v, str) else (v[0], script_arg(v)))
         return v
 
     @field_validator("args")
     @classmethod
     def _no_tilde_script(cls, v: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
         entrypoint = info.data.get("entrypoint")  # absent where it was refused
-        if entrypoint and not _script(entrypoint):
-            _tilde_refused(_script(entrypoint + v))  # `entrypoint: [python3]`, `args: [~/train.py]`
+        if entrypoint and script_arg(entrypoint) is None:
+            _tilde_refused((script_arg(entrypoint + v),))  # `entrypoint: [python3]`, `args: [~/train.py]`
         return v
 
     @field_validator("entrypoint", mode="before")
