@@ -1,0 +1,69 @@
+"""Offline apt's controller cache stays bounded: a private apt root per host configuration (each with its sources'
+indexes, ~120 MB for Debian's main) and a dpkg status copy per host state were kept forever (22 GB of roots on the
+development machine after a week of provisioning tests; a tier run then failed with "No space left on device")."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from clusterctl.provision import aptoffline
+from clusterctl.provision.aptoffline import IDLE_S, RECENT, prepare_root, prune
+from clusterctl.provision.aptstate import HostAptState
+
+
+def _aged(path, age_s, now):
+    os.utime(path, (now - age_s, now - age_s))
+
+
+def test_prune_keeps_the_recent_and_the_lately_used_and_removes_the_rest(tmp_path):
+    now = time.time()
+    old = IDLE_S + 3600
+    names = {}
+    for i in range(RECENT + 4):  # RECENT + 4 entries, every one unused for longer than IDLE_S, oldest last
+        entry = tmp_path / f"root{i:02d}"
+        entry.mkdir()
+        (entry / "lists").mkdir()
+        (entry / "lists" / "Packages").write_text("x")
+        names[entry.name] = old + i
+    status = tmp_path / "status-file"
+    status.write_text("dpkg")
+    names[status.name] = old + 100
+    lately = tmp_path / "in-use"  # older than the RECENT newest, but used within IDLE_S: a run may be using it
+    lately.mkdir()
+    names[lately.name] = IDLE_S - 60
+    for name, age in names.items():
+        _aged(tmp_path / name, age, now)
+    # the RECENT most recently used: in-use and root00..root06; the rest is past them and unused for IDLE_S
+    gone = prune(tmp_path, now=now)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == ["in-use"] + [f"root{i:02d}" for i in range(RECENT - 1)]
+    assert sorted(gone) == sorted(set(names) - set(kept))
+    assert prune(tmp_path, now=now) == []  # nothing more to do
+    assert prune(tmp_path / "missing", now=now) == []
+
+
+def test_prune_never_removes_what_was_used_within_idle_s(tmp_path):
+    now = time.time()
+    for i in range(RECENT * 3):
+        (tmp_path / f"r{i}").mkdir()
+        _aged(tmp_path / f"r{i}", IDLE_S - 10 - i, now)
+    assert prune(tmp_path, now=now) == []
+    assert len(list(tmp_path.iterdir())) == RECENT * 3
+
+
+def test_a_reused_root_counts_as_used_and_a_new_one_prunes_the_old(tmp_path, monkeypatch):
+    def state(n):
+        return HostAptState("amd64", {"etc/apt/sources.list": f"deb http://m{n}.example/d bookworm main\n".encode()}, b"")
+
+    now = time.time()
+    roots = [prepare_root(tmp_path, state(n), []) for n in range(RECENT + 2)]
+    assert len(set(roots)) == RECENT + 2
+    for root in roots:
+        _aged(root, IDLE_S + 60, now)
+    again = prepare_root(tmp_path, state(0), [])  # reused: its mtime is now
+    assert again == roots[0] and now - again.stat().st_mtime < 60
+    monkeypatch.setattr(aptoffline, "RECENT", 2)
+    prepare_root(tmp_path, state("new"), [])  # a new root: the others unused for IDLE_S go, past the RECENT newest
+    assert sorted(p.name for p in (tmp_path / "roots").iterdir()) == sorted(
+        [roots[0].name, aptoffline._root_key(state("new"), [])])
