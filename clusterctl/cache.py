@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pathlib (and the urllib.parse it imports) only where a Path
     from pathlib import Path
 
 __all__ = ["cache_root", "cache_root_path", "cache_dir", "makedirs", "private_dir", "read_private", "write_private",
-           "write_atomic", "trusted_dir"]
+           "write_atomic", "trusted_dir", "prune_lru"]
 
 
 def cache_root_path() -> str:
@@ -143,3 +143,31 @@ def write_private(path: "str | os.PathLike", data: bytes) -> bool:
         return True
     except OSError:
         return False
+
+
+def prune_lru(directory: "str | os.PathLike", keep: int, idle_s: float, *, now: float | None = None) -> list[str]:
+    """Remove the entries of `directory` (files, or directories with what is in them) that are not among its `keep`
+    most recently used (by mtime: a user of an entry touches it) and were last used `idle_s` ago or more; their
+    names. For a cache whose entries are made per key and never reused once the key changes (offline apt's roots)."""
+    import shutil
+    import time
+
+    now = time.time() if now is None else now
+    try:
+        with os.scandir(directory) as it:
+            entries = sorted(((e.stat(follow_symlinks=False).st_mtime, e) for e in it), key=lambda m_e: -m_e[0])
+    except OSError:
+        return []
+    gone = []
+    for mtime, entry in entries[keep:]:
+        if now - mtime < idle_s:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                continue
+        gone.append(entry.name)
+    return gone

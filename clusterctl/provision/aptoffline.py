@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cache import prune_lru
 from ..errors import ProvisionError
 from ..quoting import redact
 from .aptproxy import Pinned, env_proxies, proxy
@@ -46,7 +47,7 @@ from .schema import AptSource
 from .steps import source_line
 
 __all__ = ["HOST_STATE_SCRIPT", "source_hosts", "HostAptState", "StateReader", "Deb", "Deadline", "parse_state", "missing_packages",
-           "prepare_root", "prune", "resolve", "download", "check_file_sources", "packages_index", "release_file",
+           "prepare_root", "resolve", "download", "check_file_sources", "packages_index", "release_file",
            "upload_plan", "manifest", "local_root", "HOOK_LISTS", "DOWNLOAD_BASE_S"]
 
 LAYOUT = "3"  # part of every apt root's name: a root made by an older layout is never reused
@@ -162,7 +163,7 @@ def prepare_root(cache: Path, state: HostAptState, sources: list[tuple[AptSource
     for note in notes:
         log(f"controller: host source {note}")
     if (root / "apt.conf").is_file():
-        os.utime(root)  # used: see prune()
+        os.utime(root)  # used: see prune_lru
         return root
     tmp = root.with_name(root.name + f".tmp{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -218,33 +219,8 @@ def prepare_root(cache: Path, state: HostAptState, sources: list[tuple[AptSource
         tmp.rename(root)
     except OSError:  # another thread made the same root meanwhile
         shutil.rmtree(tmp, ignore_errors=True)
-    prune(root.parent)
+    prune_lru(root.parent, RECENT, IDLE_S)
     return root
-
-
-def prune(directory: Path, *, now: float | None = None) -> list[str]:
-    """Remove the entries of `directory` (apt roots, dpkg status copies, a crashed run's `.tmp` roots) that are not
-    among its RECENT most recently used and were last used IDLE_S ago or more; their names. They were kept forever:
-    22 GB of roots on a machine that ran the provisioning tests for a week."""
-    now = time.time() if now is None else now
-    try:
-        entries = sorted(((e.stat(follow_symlinks=False).st_mtime, e) for e in os.scandir(directory)),
-                         key=lambda m_e: m_e[0], reverse=True)
-    except OSError:
-        return []
-    gone = []
-    for mtime, entry in entries[RECENT:]:
-        if now - mtime < IDLE_S:
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path, ignore_errors=True)
-        else:
-            try:
-                os.unlink(entry.path)
-            except OSError:
-                continue
-        gone.append(entry.name)
-    return gone
 
 
 class AptTimeout(ProvisionError):
@@ -324,7 +300,7 @@ def resolve(cache: Path, state: HostAptState, packages: list[str], sources: list
     status = cache / "status" / (hashlib.sha256(state.status).hexdigest()[:16])
     status.parent.mkdir(parents=True, exist_ok=True)
     status.write_bytes(state.status)
-    prune(status.parent)
+    prune_lru(status.parent, RECENT, IDLE_S)
     lists = root / "var" / "lib" / "apt" / "lists"
     if refresh or not any(p.name.endswith(("Packages", "Packages.gz", "Packages.xz", "Packages.lz4")) for p in lists.iterdir()):
         try:

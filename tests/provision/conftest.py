@@ -22,7 +22,7 @@ from clusterctl import testcluster as tc
 from clusterctl.errors import ClusterctlError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from provision_helpers import NVIDIA_DIR, REPO_DIR, build_repo, copy_into
+from provision_helpers import APT_OFFLINE_CACHE, NVIDIA_DIR, REPO_DIR, build_repo, copy_into, remove_roots_naming
 
 # CLUSTERCTL_TESTCLUSTER_NAME (several sessions on one machine): our cluster is "<that name>-prov"
 CLUSTER = (os.environ["CLUSTERCTL_TESTCLUSTER_NAME"] + "-prov") if os.environ.get("CLUSTERCTL_TESTCLUSTER_NAME") else "clusterctl-provtest"
@@ -80,16 +80,20 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
 
 def pytest_unconfigure(config) -> None:
-    """The repositories made before the session's tmp_path existed go with the session."""
+    """The session's repositories go with it (they were made before its tmp_path existed), and so do the offline apt
+    roots that name them."""
     if "repos" in _SESSION:
-        shutil.rmtree(_SESSION.pop("repos"), ignore_errors=True)
+        repos = _SESSION.pop("repos")
+        remove_roots_naming(APT_OFFLINE_CACHE, repos)
+        shutil.rmtree(repos, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def provcluster(tmp_path_factory) -> Iterator[tc.ClusterInfo]:
     """Our 3-node cluster with the local apt repositories in place; removed at the end unless kept."""
     if "outcome" not in _SESSION:  # requested dynamically
-        _SESSION["outcome"] = _bring_up(tmp_path_factory.mktemp("provision-repos"))
+        _SESSION["repos"] = tmp_path_factory.mktemp("provision-repos")
+        _SESSION["outcome"] = _bring_up(_SESSION["repos"])
     verdict, payload = _SESSION["outcome"]
     if verdict == "skip":
         pytest.skip(str(payload))

@@ -5,17 +5,35 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["build_repo", "copy_into", "run_cli", "docker_exec", "REPO_DIR", "NVIDIA_DIR", "WHEELHOUSE"]
+__all__ = ["build_repo", "copy_into", "run_cli", "docker_exec", "REPO_DIR", "NVIDIA_DIR", "WHEELHOUSE", "APT_OFFLINE_CACHE",
+           "remove_roots_naming"]
 
 REPO_DIR = "/srv/clusterctl-test-repo"
 NVIDIA_DIR = "/srv/fake-nvidia"
 # Persistent across sessions: the wheelhouse download is done once per requirement set.
 WHEELHOUSE = Path(os.environ.get("CLUSTERCTL_TEST_WHEELHOUSE", Path.home() / ".cache" / "clusterctl" / "test-wheelhouse"))
+# Persistent across sessions: the controller's copy of bookworm's package index and the .debs.
+APT_OFFLINE_CACHE = Path(
+    os.environ.get("CLUSTERCTL_TEST_APT_OFFLINE", Path.home() / ".cache" / "clusterctl" / "test-apt-offline")
+)
+
+
+def remove_roots_naming(cache: Path, directory: Path) -> list[str]:
+    """Remove the offline apt roots in `cache` whose sources name `directory` (a session's local repositories, under a
+    fresh temporary name: no later session makes the same root, ~120 MB each with bookworm's index); their names."""
+    gone = []
+    for root in sorted((cache / "roots").glob("*")):
+        lists = root / "etc" / "apt" / "sources.list.d"
+        if any(str(directory) in p.read_text(errors="replace") for p in lists.glob("clusterctl-*.list")):
+            shutil.rmtree(root, ignore_errors=True)
+            gone.append(root.name)
+    return gone
 
 
 def _package(workdir: Path, name: str, version: str, depends: str = "") -> Path:

@@ -3,21 +3,15 @@ nodes that have no route out (tests/provision's cluster)."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 from helpers import tiny_wheel
-from provision_helpers import NVIDIA_DIR, REPO_DIR, docker_exec, run_cli
+from provision_helpers import APT_OFFLINE_CACHE, NVIDIA_DIR, REPO_DIR, docker_exec, run_cli
 
 pytestmark = pytest.mark.integration
 
-# Persistent across sessions: the controller's copy of bookworm's package index and the .debs.
-APT_OFFLINE_CACHE = Path(
-    os.environ.get("CLUSTERCTL_TEST_APT_OFFLINE", Path.home() / ".cache" / "clusterctl" / "test-apt-offline")
-)
 NVIDIA = ["cuda-toolkit-12-4", "libnccl2=2.21.5-1+cuda12.4", "libnccl-dev=2.21.5-1+cuda12.4"]
 OFFLINE_RESET = (
     "apt-mark unhold $(apt-mark showhold) >/dev/null 2>&1; "

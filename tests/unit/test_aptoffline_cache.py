@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import time
 
+from clusterctl.cache import prune_lru
 from clusterctl.provision import aptoffline
-from clusterctl.provision.aptoffline import IDLE_S, RECENT, prepare_root, prune
+from clusterctl.provision.aptoffline import IDLE_S, RECENT, prepare_root
 from clusterctl.provision.aptstate import HostAptState
 
 
@@ -16,7 +17,7 @@ def _aged(path, age_s, now):
     os.utime(path, (now - age_s, now - age_s))
 
 
-def test_prune_keeps_the_recent_and_the_lately_used_and_removes_the_rest(tmp_path):
+def test_prune_lru_keeps_the_recent_and_the_lately_used_and_removes_the_rest(tmp_path):
     now = time.time()
     old = IDLE_S + 3600
     names = {}
@@ -35,20 +36,20 @@ def test_prune_keeps_the_recent_and_the_lately_used_and_removes_the_rest(tmp_pat
     for name, age in names.items():
         _aged(tmp_path / name, age, now)
     # the RECENT most recently used: in-use and root00..root06; the rest is past them and unused for IDLE_S
-    gone = prune(tmp_path, now=now)
+    gone = prune_lru(tmp_path, RECENT, IDLE_S, now=now)
     kept = sorted(p.name for p in tmp_path.iterdir())
     assert kept == ["in-use"] + [f"root{i:02d}" for i in range(RECENT - 1)]
     assert sorted(gone) == sorted(set(names) - set(kept))
-    assert prune(tmp_path, now=now) == []  # nothing more to do
-    assert prune(tmp_path / "missing", now=now) == []
+    assert prune_lru(tmp_path, RECENT, IDLE_S, now=now) == []  # nothing more to do
+    assert prune_lru(tmp_path / "missing", RECENT, IDLE_S, now=now) == []
 
 
-def test_prune_never_removes_what_was_used_within_idle_s(tmp_path):
+def test_prune_lru_never_removes_what_was_used_within_idle_s(tmp_path):
     now = time.time()
     for i in range(RECENT * 3):
         (tmp_path / f"r{i}").mkdir()
         _aged(tmp_path / f"r{i}", IDLE_S - 10 - i, now)
-    assert prune(tmp_path, now=now) == []
+    assert prune_lru(tmp_path, RECENT, IDLE_S, now=now) == []
     assert len(list(tmp_path.iterdir())) == RECENT * 3
 
 
