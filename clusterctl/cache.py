@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from .files import read_fd
 
 if TYPE_CHECKING:  # pathlib (and the urllib.parse it imports) only where a Path is asked for: not for `exec`
+    from collections.abc import Callable
     from pathlib import Path
 
 __all__ = ["cache_root", "cache_root_path", "cache_dir", "makedirs", "private_dir", "read_private", "write_private",
@@ -145,17 +146,21 @@ def write_private(path: "str | os.PathLike", data: bytes) -> bool:
         return False
 
 
-def prune_lru(directory: "str | os.PathLike", keep: int, idle_s: float, *, now: float | None = None) -> list[str]:
+def prune_lru(directory: "str | os.PathLike", keep: int, idle_s: float, *, now: float | None = None,
+              match: "Callable[[str], bool] | None" = None) -> list[str]:
     """Remove the entries of `directory` (files, or directories with what is in them) that are not among its `keep`
     most recently used (by mtime: a user of an entry touches it) and were last used `idle_s` ago or more; their
-    names. For a cache whose entries are made per key and never reused once the key changes (offline apt's roots)."""
+    names. For a cache whose entries are made per key and never reused once the key changes (offline apt's roots,
+    the wheelhouse's groups). With `match`, only the entries whose name it accepts count: the rest of the directory
+    (a user's own files, where the user named the directory) is neither kept in their place nor removed."""
     import shutil
     import time
 
     now = time.time() if now is None else now
     try:
         with os.scandir(directory) as it:
-            entries = sorted(((e.stat(follow_symlinks=False).st_mtime, e) for e in it), key=lambda m_e: -m_e[0])
+            entries = sorted(((e.stat(follow_symlinks=False).st_mtime, e) for e in it if match is None or match(e.name)),
+                             key=lambda m_e: -m_e[0])
     except OSError:
         return []
     gone = []

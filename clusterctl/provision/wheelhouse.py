@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..cache import prune_lru
 from ..errors import ProvisionError
 from ..quoting import join, redact
 from .steps import HostFacts
@@ -20,6 +22,11 @@ __all__ = ["platform_args", "download", "missing_wheels", "tar_stream", "upload_
 
 _STAMP = ".clusterctl-complete"
 DOWNLOAD_TIMEOUT = 1800
+# A group (one folder per requirements, platform, index and offered wheels) is never used again once its key changes,
+# and every clusterctl version offers its own wheel: the RECENT most recently used groups are kept, the others once
+# unused for IDLE_S (31 MB a group for clusterctl's own requirements; 1.1 GB after a day of provisioning tests).
+RECENT = 8
+IDLE_S = 30 * 86400
 _HELP_LINK = "ERROR: ResolutionImpossible: for help visit"  # pip's last line after conflicting requirements
 
 
@@ -59,6 +66,7 @@ def download(
     folder = local_root / _group_key(reqs, plat, index_url, find_links)
     stamp = folder / _STAMP
     if stamp.is_file() and not force:
+        _used(folder, local_root)
         return folder
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -85,7 +93,23 @@ def download(
         tail = (causes or lines)[-1:] or ["no output"]
         raise ProvisionError(f"pip download for Python {facts.python} {facts.machine} failed: {redact(tail[0])}")
     stamp.write_text(json.dumps(sorted(p.name for p in folder.glob("*.whl"))) + "\n")
+    _used(folder, local_root)
     return folder
+
+
+def _is_group(name: str) -> bool:
+    """Whether a name in the wheelhouse root is one of download()'s groups (16 hex digits), not a user's own file."""
+    return len(name) == 16 and all(c in "0123456789abcdef" for c in name)
+
+
+def _used(folder: Path, local_root: Path) -> None:
+    """Mark `folder` used now and prune the groups past the RECENT most recent that nobody used for IDLE_S (best
+    effort: a wheelhouse it cannot prune is used as it is)."""
+    try:
+        os.utime(folder)
+    except OSError:
+        return
+    prune_lru(local_root, RECENT, IDLE_S, match=_is_group)
 
 
 def missing_wheels(folder: Path, facts: HostFacts) -> list[Path]:
