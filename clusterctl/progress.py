@@ -19,7 +19,7 @@ __all__ = ["parse_fields", "clean_progress", "stragglers", "metrics_text", "RATE
            "STRAGGLER_WINDOW_S", "STRAGGLER_SLICES"]
 
 _FIELD = re.compile(r"(\w+)=(\S+)")
-_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]{0,63}$")
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]{0,63}\Z")
 MAX_METRICS = 16
 MAX_SLICES = 60
 

@@ -11,7 +11,7 @@ __all__ = ["quote", "join", "command", "redact"]
 # scheme://user:password@host or scheme://token@host: everything between // and @ is a credential
 _URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]+@")
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def redact(text: str) -> str:

@@ -21,7 +21,7 @@ import time
 
 __all__ = ["report", "format_line"]
 
-_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]{0,63}$")
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]{0,63}\Z")
 _RESERVED = ("step", "time")
 
 

@@ -26,7 +26,7 @@ AUTH_ENV = "CLUSTERCTL_AUTH"
 AUTH_MODES = ("token", "none")
 
 ROLES = ("pserver", "trainer")
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 _ABSENT = object()
 

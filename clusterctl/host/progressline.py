@@ -37,8 +37,8 @@ POINT_GAP_S = 1.0  # progress points kept at least this far apart (the latest al
 KEEP_POINTS = 240  # per rank: 4 minutes at one point a second
 
 
-_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]{0,63}$")
-_INT = re.compile(r"^[0-9]{1,15}$")
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]{0,63}\Z")
+_INT = re.compile(r"^[0-9]{1,15}\Z")
 
 
 def _value(text):

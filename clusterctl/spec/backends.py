@@ -14,7 +14,7 @@ from .job import one_line
 __all__ = ["KubernetesSpec", "KubernetesVolumeSpec", "SlurmSpec"]
 
 
-K8S_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")  # an RFC 1123 label (object names, namespaces)
+K8S_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?\Z")  # an RFC 1123 label (object names, namespaces)
 # What the API server itself refuses, checked here so that `validate` and `k8s render` say it at the key, not kubectl:
 _SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a DNS-1123 subdomain
 _QUALIFIED_RE = re.compile(r"(%s/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?" % _SUBDOMAIN_RE.pattern)  # a label key

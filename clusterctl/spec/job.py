@@ -20,7 +20,7 @@ __all__ = ["JobSpec", "PortsSpec", "PserversPerHost", "WorkspaceSpec", "DataSpec
            "RESTART_ENV", "one_line", "OneLine"]
 
 
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 # Placeholders allowed in job.args (see docs/spec.md).
 PLACEHOLDERS = (

@@ -21,7 +21,7 @@ from .models import ClusterSpec
 __all__ = ["load_spec", "parse_spec", "parse_hostfile", "MAX_HOSTFILE_BYTES", "MAX_SPEC_BYTES"]
 
 
-PASSWORD_KEY_RE = re.compile(r"(^|[_-])(password|passwd|passphrase|pass)$", re.IGNORECASE)
+PASSWORD_KEY_RE = re.compile(r"(^|[_-])(password|passwd|passphrase|pass)\Z", re.IGNORECASE)
 
 
 MAX_HOSTFILE_BYTES = 1 << 20

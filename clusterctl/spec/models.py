@@ -19,7 +19,7 @@ __all__ = ["ClusterSpec", "SshSpec", "HostSpec", "JobSpec", "PortsSpec", "Pserve
            "KubernetesSpec", "KubernetesVolumeSpec", "SlurmSpec", "PLACEHOLDERS", "CONTRACT_ENV", "RESTART_ENV"]
 
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 
 
 class ClusterSpec(_Model):

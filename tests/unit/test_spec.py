@@ -268,6 +268,10 @@ BAD = [
     pytest.param(GOOD.replace("[python3, train.py]", "[python3]\n  args: [-u, ~bob/train.py]\n  mpiexec: ~/mpiexec"),
                  ["10:3: job.args: '~bob/train.py': ~ is not expanded (processes start without a shell): give an absolute path, or one relative to the workspace (workspace.remote)", "11:3: job.mpiexec: '~/mpiexec': ~ is not expanded (processes start without a shell): give an absolute path, or one relative to the workspace (workspace.remote)"],
                  id="tilde-script-in-args-and-mpiexec"),
+    # `$` matched before a final newline: a name, an env name or a namespace ending in one passed every check
+    pytest.param(GOOD.replace("name: demo", 'name: "demo\\n"'), ["1:1: name: use 1-63 letters, digits"], id="name-trailing-newline"),
+    pytest.param(GOOD.replace("  pservers: 1", '  pservers: 1\n  env: {"FOO\\n": bar}'), ["11:3: job.env: "],
+                 id="env-name-trailing-newline"),
     pytest.param("- just\n- a list\n", ["1:1: a spec is a YAML mapping"], id="not-a-mapping"),
     pytest.param(
         "name: x\nhosts: [{address: a}]\n",
