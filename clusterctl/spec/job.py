@@ -76,6 +76,13 @@ def no_nul(value: str) -> str:
 Arg = Annotated[str, AfterValidator(no_nul)]  # an argv item, refused at its own index
 
 
+# The top-level directories of a Linux system (the FHS's, and the usual mount points): a workspace's path becomes a
+# symlink to its generations, so an empty one of these (a container's /tmp, a fresh /srv) would be replaced.
+SYSTEM_DIRS = frozenset("/" + d for d in (
+    "bin", "boot", "dev", "dev/shm", "etc", "home", "lib", "lib32", "lib64", "libx32", "media", "mnt", "opt", "proc",
+    "root", "run", "sbin", "srv", "sys", "tmp", "usr", "var", "var/tmp"))
+
+
 class WorkspaceSpec(_Model):
     """What to ship: a local directory, where it lands on every host, and what to leave out."""
 
@@ -102,6 +109,9 @@ class WorkspaceSpec(_Model):
             raise ValueError(f"{written!r} is the home directory itself: give a directory under it, or leave the key out")
         if posixpath.normpath(v).strip("/") == "":
             raise ValueError(f"{written!r} is the root directory: give a directory under it, or leave the key out")
+        if "/" + posixpath.normpath(v).strip("/") in SYSTEM_DIRS:  # an empty /tmp became a symlink, mode 0755
+            raise ValueError(f"{written!r} is a system directory, which the workspace's symlink would replace: give a "
+                             "directory under it")
         return v
 
 

@@ -272,6 +272,10 @@ BAD = [
     pytest.param(GOOD.replace("name: demo", 'name: "demo\\n"'), ["1:1: name: use 1-63 letters, digits"], id="name-trailing-newline"),
     pytest.param(GOOD.replace("  pservers: 1", '  pservers: 1\n  env: {"FOO\\n": bar}'), ["11:3: job.env: "],
                  id="env-name-trailing-newline"),
+    # the workspace's path becomes a symlink: an empty /tmp (a container's) was replaced by one, mode 0755
+    pytest.param(GOOD + "workspace: {remote: /tmp/}\n",
+                 ["11:13: workspace.remote: '/tmp/' is a system directory, which the workspace's symlink would replace"],
+                 id="workspace-system-dir"),
     pytest.param("- just\n- a list\n", ["1:1: a spec is a YAML mapping"], id="not-a-mapping"),
     pytest.param(
         "name: x\nhosts: [{address: a}]\n",
