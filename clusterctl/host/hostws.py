@@ -75,7 +75,11 @@ def current_gen(root):
         target = os.readlink(root)
         return os.path.basename(target.rstrip("/"))
     if os.path.isdir(root) and not os.listdir(root):
-        return None  # an empty directory is adopted: apply replaces it with the symlink
+        mode = os.lstat(root).st_mode
+        if mode & (_stat.S_ISVTX | 0o002):  # /tmp, /var/tmp, any world-writable one: never replaced with our symlink
+            fail(f"{root} is a directory anyone may write to (mode {_stat.S_IMODE(mode):o}), not a clusterctl workspace; "
+                 "give a directory of its own in workspace.remote")
+        return None  # an empty directory of its own is adopted: apply replaces it with the symlink
     if os.path.exists(root):
         fail(f"{root} exists and is not a clusterctl workspace (not a symlink); move it away or change workspace.remote")
     return None
@@ -124,13 +128,35 @@ def link_tree(src, dst):
 
 
 def spare_gen(gens, live):
-    """The newest complete generation other than the live one (kept by the previous dispatch), if any."""
+    """The newest complete generation other than the live one (kept by the previous dispatch) that no job runs in, if
+    any."""
     try:
         names = os.listdir(gens)
     except FileNotFoundError:
         return None
-    spare = [g for g in map(gen_of, names) if g and g != live and os.path.isdir(os.path.join(gens, g)) and (g + MANIFEST) in names]
-    return max(spare) if spare else None  # generation names sort by time
+    spare = [g for g in set(map(gen_of, names)) if g and g != live and os.path.isdir(os.path.join(gens, g)) and (g + MANIFEST) in names]
+    for g in sorted(spare, reverse=True):  # generation names sort by time
+        if not in_use(os.path.join(gens, g)):
+            return g
+    return None
+
+
+def in_use(path):
+    """Whether a running job's supervisor holds the generation at `path` (a shared flock on its directory, taken when
+    the job started in it: host/processes.py LocalProcesses.pin); such a generation is neither recycled nor removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def recycle(spare, live, staging, manifest, skip, live_stats):
@@ -401,8 +427,11 @@ def prune_detached(gens, names):
     later dispatch's staging is never touched): files at once, directories in a child detached from the
     SSH channel."""
     dirs = []
+    held = {name for name in names if os.path.isdir(os.path.join(gens, name)) and in_use(os.path.join(gens, name))}
     for name in names:
         p = os.path.join(gens, name)
+        if name in held or gen_of(name) in held:  # a running job's generation and its manifest: kept for now
+            continue
         if os.path.isdir(p) and not os.path.islink(p):
             dirs.append(name)
         elif os.path.lexists(p):

@@ -78,10 +78,40 @@ class LocalProcesses:
     def __init__(self, job_id, jobdir, entries):
         self.job_id = job_id
         self.jobdir = jobdir
-        self.rows = [ProcessRow(p["role"], p["id"], list(p["argv"]), p["cwd"], p["log"], list(p["ports"]),
-                                dict(p["env"])) for p in entries]
+        self._held = {}  # working directory as the job file gives it -> the directory its processes run in (pin())
+        self._fds = []  # the flocks pin() holds
+        self.rows = [self._row(p) for p in entries]
         self.popens = {}  # (role, id) -> Popen of the current attempt
         self._preexec = None  # (pid it was made in, the children's preexec_fn): prepare()
+
+    def _row(self, p):
+        return ProcessRow(p["role"], p["id"], list(p["argv"]), self.pin(p["cwd"]), p["log"], list(p["ports"]),
+                          dict(p["env"]))
+
+    def pin(self, cwd):
+        """The directory the processes of working directory `cwd` run in, every attempt of this supervisor's: `cwd` with
+        its symlinks resolved once (the workspace's path is a symlink to its live generation, hostws.py), held by a
+        shared flock on it for as long as this process lives. A dispatch meanwhile makes a new generation live and
+        neither recycles nor removes a generation held so (hostws.in_use): the files the job reads or writes there
+        stay, and a restarted process runs the code its job started with, as the other hosts' processes do."""
+        held = self._held.get(cwd)
+        if held is None:
+            held = self._held[cwd] = cwd
+            real = os.path.realpath(cwd)
+            try:
+                fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                return held  # not there (preflight says so) or not ours to hold: the processes start in `cwd`
+            try:
+                import fcntl
+
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:  # exclusively held: a dispatch that is removing it right now (in_use() found it free)
+                os.close(fd)
+                return held
+            self._fds.append(fd)  # held until this process exits (the supervisor lives as long as its job)
+            held = self._held[cwd] = real
+        return held
 
     def spawn(self, attempt, roles=ROLES):
         """Start the pending processes of `roles` for `attempt`; None, or why one could not start (it is then
@@ -200,7 +230,7 @@ class LocalProcesses:
         self.popens = {}
         rows = []
         for p in entries:
-            row = ProcessRow(p["role"], p["id"], list(p["argv"]), p["cwd"], p["log"], list(p["ports"]), dict(p["env"]))
+            row = self._row(p)
             prev = old.pop((row.role, row.id), None)
             if prev is not None:
                 row.logs = list(prev.logs)

@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -318,3 +319,53 @@ def test_a_first_dispatch_leaves_a_spare_that_the_next_one_recycles(sites):
                                                live_gen(root).name + ".manifest"])  # the spare became the new one
     assert tree(root) == tree(ws)
     assert_no_drift(root)
+
+
+def test_a_generation_a_job_runs_in_is_neither_recycled_nor_removed_while_it_runs(sites):
+    """Two dispatches while a job ran recycled its generation (its own files deleted, its code replaced) and a third
+    removed it: found by fuzzing `fab start`, which ships the workspace before the host refuses a second start. The
+    job's supervisor holds its generation (LocalProcesses.pin): a dispatch goes around it until the job ends."""
+    from clusterctl.host.processes import LocalProcesses
+
+    ws, root = sites
+    make_ws(ws, n=6)
+    push(ws, root)
+    v1, v1_tree = live_gen(root), tree(ws)
+    entry = {"role": "trainer", "id": 0, "argv": ["python3", "train.py"], "cwd": str(root), "log": "/dev/null",
+             "ports": [], "env": {}}
+    job = LocalProcesses("j", str(root.parent / "jobdir"), [entry])
+    assert job.rows[0].cwd == str(v1)  # resolved once: every attempt runs in the generation the job started in
+    (v1 / "ckpt.bin").write_text("the job's own output")
+    for i in range(4):
+        edit(ws / "d0/f0.bin", 0, b"v%d" % i)
+        _, reply, _ = push(ws, root)
+        assert tree(root) == tree(ws)
+        assert (v1 / "ckpt.bin").read_text() == "the job's own output"
+        assert {k: v for k, v in tree(v1).items() if k != "ckpt.bin"} == v1_tree
+    assert live_gen(root) != v1
+    for fd in job._fds:  # the job ended (its supervisor exits)
+        os.close(fd)
+    edit(ws / "d0/f0.bin", 0, b"v9")
+    push(ws, root)
+    push(ws, root)
+    deadline = time.monotonic() + 30  # removed by the detached pruner
+    while v1.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not v1.exists()
+
+
+def test_an_empty_directory_anyone_may_write_to_is_never_adopted(sites):
+    """An empty workspace directory is adopted (replaced by the workspace's symlink), but not /tmp: `fab dispatch
+    --remote-dir /tmp` made a host's /tmp a symlink, mode 0755."""
+    ws, root = sites
+    make_ws(ws, n=2)
+    root.mkdir()
+    os.chmod(root, 0o1777)
+    files = d.scan_workspace(ws, ())
+    plan = d.plan_host("gen-shared", d.HostView(None, {}), files)
+    for res in (host("state", root), host("apply", root, d.update_bytes(plan, files))):
+        assert res.returncode == 1 and b"is a directory anyone may write to (mode 1777)" in res.stderr
+    assert root.is_dir() and not root.is_symlink() and os.stat(root).st_mode & 0o7777 == 0o1777
+    os.chmod(root, 0o775)  # a user's own (group-writable, as umask 002 makes it): adopted
+    push(ws, root)
+    assert root.is_symlink() and tree(root) == tree(ws)
