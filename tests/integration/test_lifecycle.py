@@ -100,6 +100,42 @@ def test_logs_outlive_later_dispatches(testcluster, tmp_path):
         assert node_exec(n.container, f"ls {testcluster.home}/{remote}.logs").split(), n.container
 
 
+@pytest.mark.timeout(240)
+def test_dispatches_while_a_job_runs_leave_its_generation_alone(testcluster, tmp_path):
+    """Fuzzing `fab start` found two refused starts (each ships the workspace first) recycling a running job's
+    generation: its own files deleted, its code replaced; a third removed it. The job's supervisor holds its
+    generation: three dispatches later the job runs on, in the files it started with."""
+    spec = job_spec(testcluster, tmp_path, "it-held", hosts=2, mode="collective", env={"STEPS": "6000", "STEP_S": "0.1"})
+    ws = tmp_path / "ws"
+    shutil.copytree(JOBS, ws, ignore=shutil.ignore_patterns("__pycache__"))
+    data = yaml.safe_load(spec.read_text())
+    data["workspace"]["local"] = str(ws)
+    spec.write_text(yaml.safe_dump(data))
+    original = hashlib.sha256((ws / "job.py").read_bytes()).hexdigest()
+    clusterctl("dispatch", spec, check=True)
+    try:
+        clusterctl("start", spec, check=True)
+        node = testcluster.nodes[0]
+        pid = next(p["pid"] for p in status_json(spec)["processes"] if p["host"] == node.ip)
+        held = node_exec(node.container, f"readlink /proc/{pid}/cwd", user=testcluster.user).strip()
+        node_exec(node.container, f"echo mine > {held}/out.txt", user=testcluster.user)  # the job's own output in its workspace
+        for i in range(3):
+            (ws / "job.py").write_text((JOBS / "job.py").read_text() + f"# v{i}\n")
+            clusterctl("dispatch", spec, check=True)
+        remote = f"{testcluster.home}/{data['workspace']['remote']}"
+        assert node_exec(node.container, f"readlink -f {remote}").strip() != held
+        assert node_exec(node.container, f"cat {held}/out.txt") == "mine\n"
+        assert node_exec(node.container, f"sha256sum < {held}/job.py").split()[0] == original
+        assert node_exec(node.container, f"readlink /proc/{pid}/cwd", user=testcluster.user).strip() == held
+        assert status_json(spec)["state"] == "running"
+    finally:
+        clusterctl("stop", spec, check=True)
+    for i in range(2):  # the job ended: its generation is pruned as any other
+        (ws / "extra.txt").write_text(f"after {i}\n")
+        clusterctl("dispatch", spec, check=True)
+    assert wait_until(lambda: node_exec(node.container, f"test -e {held} && echo yes || true").strip() == "", 30)
+
+
 @pytest.mark.timeout(180)
 def test_failed_trainer_stops_the_whole_job(testcluster, tmp_path):
     env = {"STEPS": "600", "STEP_S": "0.1", "FAIL_TRAINER": "1", "FAIL_CODE": "3", "FAIL_AFTER": "3"}
