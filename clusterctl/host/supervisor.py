@@ -404,6 +404,15 @@ class Supervisor:
             self._report_launch("job %s: %s before the trainers started" % (self.core.verdict.outcome,
                                                                            self.core.verdict.reason))
             return
+        closed = set(gate.closed())
+        gone = [r for r in self.procs.rows if r.role == "pserver" and r.exit_code is not None and set(r.ports) & closed]
+        if gone:  # its endpoint will never open: fail now, not when the gate's timeout (120 s) runs out
+            self.gate = None
+            r = gone[0]
+            msg = "%s exited with code %s before its endpoint %s accepted connections" % (
+                r.name, r.exit_code, ", ".join(sorted(set(r.ports) & closed)))
+            self._fail_start(msg, "not started: " + msg)
+            return
         result = gate.poll(now)
         if result == TrainerGate.OPEN:
             self.gate = None

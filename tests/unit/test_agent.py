@@ -917,6 +917,26 @@ def test_pserver_endpoint_that_never_opens_fails_the_launch_and_leaves_nothing(c
     assert wait_for(lambda: not tagged(job_id), 10)
 
 
+@pytest.mark.timeout(120)
+def test_a_pserver_that_exits_0_before_its_endpoint_opens_fails_the_launch_at_once(cluster):
+    """Fuzzing `fab start --entrypoint true` found the trainers held for the gate's whole timeout (120 s) after every
+    pserver had exited: an endpoint whose pserver has ended never opens."""
+    job_id = cluster.new_job_id("psgone")
+    ep = "127.0.0.1:%d" % free_port()
+    ps = cluster.process("pserver", 0, "sleep", ports=[ep])
+    ps["argv"] = [PY, "-c", "pass"]
+    a = cluster.host("hA", job_id, [ps, cluster.process("trainer", 0, "sleep")],
+                     start_trainers_after={"endpoints": [ep], "timeout": 60})
+    t0 = time.monotonic()
+    rc, out = agent("launch", os.path.join(a, "job.json"))
+    assert rc == 1 and not out["ok"] and time.monotonic() - t0 < 30
+    assert out["error"] == "pserver.0 exited with code 0 before its endpoint %s accepted connections" % ep
+    st = wait_for(lambda: terminal(a), 15)
+    assert st["state"] == "failed", st
+    assert proc(st, "trainer", 0)["pid"] is None
+    assert wait_for(lambda: not tagged(job_id), 10)
+
+
 def test_a_status_read_as_the_supervisor_writes_its_last_state_and_exits_is_that_last_state(tmp_path):
     """`agent status` reads state.json, then looks for the supervisor in /proc: a supervisor that wrote its last
     state and exited in between was called lost (an idle fresh-clone run saw it, test_agent_flood). Once the
