@@ -23,8 +23,8 @@ from .base import SshOptions
 from .gate import HandshakeGate, gate_key
 from .process import ProcessTransport
 
-__all__ = ["OpenSshTransport", "ssh_argv", "common_options", "jump_command", "control_dir", "control_socket",
-           "ssh_failure", "shed", "KEX", "CIPHERS"]
+__all__ = ["OpenSshTransport", "ssh_argv", "common_options", "config_path", "jump_command", "control_dir",
+           "control_socket", "ssh_failure", "shed", "KEX", "CIPHERS"]
 
 # Key exchange for the OpenSSH client: its defaults less the sntrup761 hybrid, which costs ~75 ms of CPU
 # per connection (client and server together, 4x the rest of the handshake; measured, docs/benchmarks.md)
@@ -49,8 +49,26 @@ def _ciphers() -> str | None:
 CIPHERS = _ciphers()
 
 
+def config_path(path: str) -> str:
+    """A file name as the value of an `-o` option that takes one (UserKnownHostsFile, IdentityFile, ControlPath):
+    ssh reads `-o` values as ssh_config lines, split at blanks, with quotes and backslashes of their own (a blank
+    cut the name in two, a quote was "invalid quotes"), and expands %-tokens in these: double quotes, `\\` and
+    `\"` escaped inside them, and `%%` for a `%`. (`-F FILE` is argv, read as it is.)"""
+    return '"' + path.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%") + '"'
+
+
+def _config_value(path: str) -> str:
+    """`path` as config_path writes it, unless it needs nothing of that (the common case: the argv stays plain)."""
+    return path if _PLAIN.fullmatch(path) else config_path(path)
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9_./+:-]+")  # no blank, quote, backslash, %, # or anything else ssh reads
+
+
 def common_options(opts: SshOptions) -> list[str]:
-    """Options of every ssh we run, to hosts and to bastions alike."""
+    """Options of every ssh we run, to hosts and to bastions alike. File names in `-o` values are written as ssh
+    reads them back (config_path); the key is `-o IdentityFile`, not `-i`, whose name ssh %-expands after
+    checking the name as given (`-i a%%b` was "not accessible", `-i a%d` read the key a<home directory>)."""
     argv = [] if opts.config is None else ["-F", opts.config]  # None: ~/.ssh/config and the system's
     argv += [
         "-o", "BatchMode=yes",  # never prompt
@@ -60,10 +78,11 @@ def common_options(opts: SshOptions) -> list[str]:
         *(("-o", f"Ciphers={CIPHERS}") if CIPHERS else ()),
     ]  # fmt: skip
     if opts.known_hosts:  # else the ssh config's UserKnownHostsFile (default ~/.ssh/known_hosts)
-        argv += ["-o", f"UserKnownHostsFile={os.path.expanduser(opts.known_hosts)}",
+        argv += ["-o", f"UserKnownHostsFile={_config_value(os.path.expanduser(opts.known_hosts))}",
                  "-o", "GlobalKnownHostsFile=/dev/null"]
     if opts.identity_file:
-        argv += ["-i", os.path.expanduser(opts.identity_file), "-o", "IdentitiesOnly=yes"]
+        argv += ["-o", f"IdentityFile={_config_value(os.path.expanduser(opts.identity_file))}",
+                 "-o", "IdentitiesOnly=yes"]
     return argv
 
 
@@ -76,17 +95,21 @@ def jump_command(chain: tuple[str, ...], opts: SshOptions, login_flag: str | Non
     command = ""
     for level, hop in enumerate(chain):
         user, name, port = split_jump(hop)  # checked when it entered the plan; `--` below keeps it a name
-        argv = ["ssh", *common_options(opts), "-o", "ServerAliveInterval=5", "-o", "ForwardAgent=no",
-                "-o", "ClearAllForwardings=yes"]
+        # every word is escaped (%%) from the ssh that runs this command, but for the ProxyCommand of the hop before
+        # (escaped already: its tokens are that hop's) and the %h:%p this ssh is told to reach (`-F a%b` was
+        # expanded there, a file name in an -o value twice)
+        literal = ["ssh", *common_options(opts), "-o", "ServerAliveInterval=5", "-o", "ForwardAgent=no",
+                   "-o", "ClearAllForwardings=yes"]
+        argv = [a.replace("%", "%%") for a in literal]
         if command:
             argv += ["-o", f"ProxyCommand={command}"]
         elif first:  # its tokens are this bastion's: escaped from the ssh that runs this one
             argv += ["-o", "ProxyCommand=" + first.replace("%", "%%")]
         else:
             argv += ["-o", "ProxyJump=none"]
-        if level == 0 and login_flag is not None:
-            argv += _login_signal(login_flag)
-        argv += [*(["-l", user] if user else []), *(["-p", str(port)] if port else []), "-W", "%h:%p", "--", name]
+        literal = [*(_login_signal(login_flag) if level == 0 and login_flag is not None else ()),
+                   *(["-l", user] if user else []), *(["-p", str(port)] if port else [])]
+        argv += [a.replace("%", "%%") for a in literal] + ["-W", "%h:%p", "--", name.replace("%", "%%")]
         command = " ".join(shlex.quote(a) for a in argv)
         if level < len(chain) - 1:
             command = command.replace("%", "%%")
@@ -124,7 +147,7 @@ def ssh_argv(host: Host, opts: SshOptions, command: str, control: str | None, lo
         # instead of holding the commands that reuse its connection; ssh then tries a new one.
         argv += [
             "-o", "ControlMaster=auto",
-            "-o", f"ControlPath={control}/{_control_tag(host, opts)}-%C",  # other options, other connection
+            "-o", f"ControlPath={_control_path(control, host, opts)}",  # other options, other connection
             "-o", f"ControlPersist={opts.persist}",
             "-o", f"ServerAliveCountMax={missed}",
         ]  # fmt: skip
@@ -133,6 +156,12 @@ def ssh_argv(host: Host, opts: SshOptions, command: str, control: str | None, lo
     # user and port as resolved (what the spec set, else the ssh config's); `--`: an address is
     # never read as an option
     return argv + ["-p", str(host.port), "-l", host.user, "--", host.address, command]
+
+
+def _control_path(control: str, host: Host, opts: SshOptions) -> str:
+    """The ControlPath option's value: `control`'s name as ssh reads it back (config_path), then the socket's own
+    name with its %C token (the %C outside the quotes: ssh joins a word's quoted and plain parts)."""
+    return f"{_config_value(control + '/')}{_control_tag(host, opts)}-%C"
 
 
 def _login_signal(flag: str) -> list[str]:

@@ -29,7 +29,7 @@ def test_ssh_argv_is_strict_and_quiet(tmp_path):
         *(["-o", f"Ciphers={remote_mod.CIPHERS}"] if remote_mod.CIPHERS else []),
         "-o", f"UserKnownHostsFile={tmp_path / 'kh'}",
         "-o", "GlobalKnownHostsFile=/dev/null",
-        "-i", "/keys/id", "-o", "IdentitiesOnly=yes",
+        "-o", "IdentityFile=/keys/id", "-o", "IdentitiesOnly=yes",  # not -i: ssh %-expands its name (see openssh)
         "-T",
         "-o", "ServerAliveInterval=7",
         "-o", "ForwardAgent=no",
@@ -78,7 +78,7 @@ def test_bastions_are_reached_by_our_own_ssh_with_the_same_checks(tmp_path):
         o = _options(cmd)
         assert o["StrictHostKeyChecking"] == "yes" and o["BatchMode"] == "yes"
         assert o["UserKnownHostsFile"] == kh and o["IdentitiesOnly"] == "yes"
-        assert cmd[cmd.index("-i") + 1] == "/keys/id"
+        assert o["IdentityFile"] == "/keys/id" and "-i" not in cmd
     assert _options(shlex.split(inner.replace("%%", "%")))["ProxyJump"] == "none"
 
 
