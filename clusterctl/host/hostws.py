@@ -153,8 +153,10 @@ def in_use(path):
 
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
-    except OSError:
+    except BlockingIOError:
         return True
+    except OSError:  # no locks on this file system (ENOLCK): no supervisor holds it either
+        return False
     finally:
         os.close(fd)
 
