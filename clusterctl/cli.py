@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `clusterctl` console script."""
     argv = sys.argv[1:] if argv is None else argv
     tolerate_encoding()
+    if sys.stdout is None:  # started with `>&-`: `--help` was argparse's AttributeError traceback (see guarded)
+        if sys.stderr is not None:
+            error("standard output is closed")
+        return 1
     parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)

@@ -20,6 +20,8 @@ import re
 import sys
 from importlib import resources
 
+from ..errors import _clip
+
 __all__ = ["fabfile_dir", "main", "guard", "guard_fab"]
 
 PREFIX = "clusterctl: error: "
@@ -36,12 +38,20 @@ def main(argv: list[str] | None = None) -> None:
     from ..console import to_devnull, tolerate_encoding
 
     tolerate_encoding()
+    if sys.stdout is None:  # started with `>&-`: `--list`, `--where` and `--help` printed nothing and exited 0
+        if sys.stderr is not None:
+            sys.stderr.write(f"{PREFIX}standard output is closed\n")
+        sys.exit(1)
     twice = _given_twice(args)
     if twice:  # Invoke took the second one's value for a task name: "no task 'b'"
         sys.stderr.write(f"{PREFIX}{twice} given twice: give it once ({'-H a,b' if twice == '-H' else twice + ' X'})\n")
         sys.exit(1)
     try:
         if args[:1] == ["--where"]:
+            if args[1:]:  # `--where extra`: the rest was dropped without a word
+                sys.stderr.write(f"{PREFIX}--where takes nothing after it, not {_clip(' '.join(args[1:]), 80)!r}: "
+                                 "clusterctl-fab --where\n")
+                sys.exit(1)
             print(fabfile_dir(), flush=True)
             return
         _program().run(["fab", *args])
@@ -271,10 +281,68 @@ def _check_core(program) -> None:
     if runtime and not os.path.isfile(runtime):
         said = "not a file" if os.path.exists(runtime) else "no such file"
         raise Exit(f"{PREFIX}-f {runtime}: {said}", code=1)
+    if runtime:
+        said = _runtime_config_problem(runtime)
+        if said:  # also for --list, which exits before Invoke loads the file (a list in it passed)
+            raise Exit(f"{PREFIX}-f {runtime}: {said}", code=1)
+    root = args["search-root"].value if "search-root" in args else None
+    if root and os.path.exists(root) and not os.path.isdir(root):  # Invoke's NotADirectoryError traceback (a file,
+        # /dev/null, a FIFO); one that is not there is Invoke's "no fabfile" (_exit_message)
+        raise Exit(f"{PREFIX}-r {root}: not a directory: give a directory holding a fabfile.py", code=1)
+    shown = args["list-format"].value if "list-format" in args else None
+    formats = [f for f in _LIST_FORMATS if callable(getattr(program, f"list_{f}", None))]
+    if shown is not None and shown not in formats:  # Invoke's AttributeError ('list_bogus') traceback
+        raise Exit(f"{PREFIX}-F/--list-format {_clip(shown, 80)!r}: give {', '.join(formats[:-1])} or {formats[-1]}",
+                   code=1)
     for name, flag in (("connect-timeout", "--connect-timeout"), ("command-timeout", "-T/--command-timeout")):
         timeout = args[name].value if name in args else None
         if timeout is not None and timeout <= 0:  # Fabric reads 0 as no limit at all
             raise Exit(f"{PREFIX}{flag} must be more than 0 seconds, not {timeout}", code=1)
+
+
+_LIST_FORMATS = ("flat", "nested", "json")  # Invoke's list_flat, list_nested, list_json
+
+# a `-f` config file larger than this is refused before it is parsed (as a spec is: a 20 MB one took 26 s)
+RUNTIME_CONFIG_LIMIT = 1 << 20
+
+
+def _runtime_config_problem(path: str) -> str | None:
+    """What is wrong with the `-f` config file `path` (a file), or None: too large, or YAML or JSON that is not a
+    mapping (`- a`: Invoke's AttributeError traceback while it merges it). A .py file is Python, run by Invoke
+    (its errors: _loading_error); any other suffix is said by Invoke's own check."""
+    import json
+
+    from ..files import read_limited
+
+    try:
+        data = read_limited(path, RUNTIME_CONFIG_LIMIT)
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror or exc}"
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        return None
+    from invoke.util import yaml  # Invoke's copy, as it loads the file
+
+    try:
+        loaded = json.loads(data) if suffix == ".json" else yaml.safe_load(data)
+    except (ValueError, yaml.YAMLError) as exc:  # a JSON error, a YAML error (spans lines), bytes not UTF-8
+        return f"cannot read it: {_clip(' '.join(str(exc).split()), 300)}"
+    if loaded is not None and not isinstance(loaded, dict):
+        return f"holds {_kind(loaded)}, not a mapping of Fabric's settings (key: value)"
+    return None
+
+
+def _kind(value) -> str:
+    """`value`'s kind as a config file's reader says it: 'a list', 'a number', 'a string'."""
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return f"a {type(value).__name__}"
 
 
 # Fabric's flags that ask for a password on the terminal before any task runs
@@ -293,14 +361,86 @@ def _loading_error(program, exc) -> str | None:
         # Invoke reads ~/.fabric.* and /etc/fabric.*: a HOME that is a file (HOME=/dev/null) fails the lookup itself
         return f"cannot look for Fabric's config file {exc.filename}: {exc.strerror} (HOME={home})"
     ssh = getattr(program.config, "_runtime_ssh_path", None)
-    runtime = program.args["config"].value if "config" in program.args else None
+    runtime = _core_value(program, "config")
     if isinstance(exc, OSError) and ssh is not None and exc.filename in (ssh, os.path.expanduser(ssh)):
         return f"ssh config {ssh}: no such file" if isinstance(exc, FileNotFoundError) else \
             f"ssh config {ssh}: {exc.strerror}"
-    if isinstance(exc, ConfigParseError):
-        return f"ssh config {ssh or '~/.ssh/config or /etc/ssh/ssh_config'}: {exc}"
+    if isinstance(exc, ConfigParseError):  # it quotes the line, which may be megabytes long
+        return f"ssh config {ssh or '~/.ssh/config or /etc/ssh/ssh_config'}: {_clip(str(exc), 300)}"
+    if isinstance(exc, UnicodeDecodeError):  # paramiko reads the ssh config as UTF-8 (-S, else ~/.ssh/config)
+        said = _not_utf8(program, ssh)
+        if said:
+            return said
     if runtime and isinstance(exc, UnknownFileType):
         return f"-f {runtime}: not a .yaml, .yml, .json or .py file"
-    if runtime and isinstance(exc, (OSError, ValueError, yaml.YAMLError)):
-        return f"-f {runtime}: cannot read it: {' '.join(str(exc).split())}"  # a YAML error spans lines
+    if runtime and runtime.endswith(".py") and not isinstance(exc, OSError):
+        said = _python_config_error(runtime, exc)  # your own code, run by Invoke: its line, not a traceback
+        if said:
+            return said
+    if isinstance(exc, AttributeError):  # Invoke merged a config file that holds no mapping (`- a`)
+        said = _not_a_mapping(program.config)
+        if said:
+            return said
+    if runtime and isinstance(exc, (OSError, ValueError, yaml.YAMLError)):  # a YAML error spans lines
+        return f"-f {runtime}: cannot read it: {_clip(' '.join(str(exc).split()), 300)}"
+    return None
+
+
+def _core_value(program, name: str):
+    """The value of the core flag `name`; None before the core flags are parsed (Invoke reads ~/.fabric.yaml
+    first: `program.args` is an AttributeError then)."""
+    core = getattr(program, "core", None)
+    args = core[0].args if core else None
+    return args[name].value if args is not None and name in args else None
+
+
+def _not_utf8(program, ssh: str | None) -> str | None:
+    """The line for an ssh config Fabric could not read as UTF-8: the file (-S, else the first of ~/.ssh/config and
+    /etc/ssh/ssh_config that is not UTF-8), the line and the byte; None if none of them is found so."""
+    from ..files import read_limited
+    from ..sshconfigfile import CONFIG_LIMIT
+
+    for path in [ssh] if ssh else [os.path.expanduser("~/.ssh/config"), "/etc/ssh/ssh_config"]:
+        try:
+            data = read_limited(os.path.expanduser(path), CONFIG_LIMIT)
+            data.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            line = data.count(b"\n", 0, bad.start) + 1
+            return f"ssh config {path}: line {line}: not UTF-8 text (byte {data[bad.start]:#04x})"
+        except OSError:
+            continue
+    return None
+
+
+def _python_config_error(path: str, exc: BaseException) -> str | None:
+    """The line for a `-f` Python config file that failed as Python: FILE:LINE: the error; None when the error
+    did not come from that file."""
+    from invoke.exceptions import UnpicklableConfigMember
+
+    if isinstance(exc, UnpicklableConfigMember):
+        return f"-f {path}: {_clip(str(exc), 300)}"
+    mine = os.path.realpath(path)
+    line = None
+    if isinstance(exc, SyntaxError) and exc.filename and os.path.realpath(exc.filename) == mine:
+        line, what = exc.lineno, f"{type(exc).__name__}: {exc.msg}"
+    else:
+        tb = exc.__traceback__
+        while tb is not None:  # the innermost frame of the file: where it raised, or called what raised
+            if os.path.realpath(tb.tb_frame.f_code.co_filename) == mine:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if line is None:
+            return None
+    return f"-f {path}:{line or 1}: {_clip(' '.join(what.split()), 300)}"
+
+
+def _not_a_mapping(config) -> str | None:
+    """The line for a config file of Fabric's that Invoke loaded but that holds no mapping (a list, a number):
+    -f's, the project's fabric.yaml, ~/.fabric.yaml or /etc/fabric.yaml; None if all of them are mappings."""
+    for level in ("runtime", "project", "user", "system"):
+        data, path = getattr(config, f"_{level}", None), getattr(config, f"_{level}_path", None)
+        if path and data is not None and not isinstance(data, dict):
+            where = f"-f {path}" if level == "runtime" else f"Fabric's config file {path}"
+            return f"{where}: holds {_kind(data)}, not a mapping of Fabric's settings (key: value)"
     return None
