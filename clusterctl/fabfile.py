@@ -28,7 +28,7 @@ from fabric import task
 from fabric.executor import Executor
 from invoke import Argument, Call, Context, Exit, Task
 
-from clusterctl.errors import ClusterctlError
+from clusterctl.errors import ClusterctlError, UsageError
 from clusterctl.fab import guard_fab
 
 __all__ = ["ClusterExecutor", "start", "tail_log", "status", "kill", "provision", "doctor", "dispatch", "exec_"]
@@ -111,7 +111,8 @@ class _WholeNumber(Argument):
         try:
             super().set_value(value, cast)
         except ValueError:
-            raise Exit(f"clusterctl: error: --{self.name} must be a whole number, not {value!r}", code=1) from None
+            # exit 2, as every bad value of a task's own (docs/install.md) and clusterctl's argparse have it
+            raise Exit(f"clusterctl: error: --{self.name} must be a whole number, not {value!r}", code=2) from None
 
 
 class ClusterTask(FabricTask):
@@ -153,7 +154,7 @@ def _spec(c, spec: str | None, *, remember: list | None = None, **options):
     opts = _opts(**options)
     spec = spec if spec is not None else getattr(c, "cluster_spec", None)
     if spec is not None and not spec.strip():  # `--spec "$SPEC"`, SPEC unset: never this directory's spec
-        raise ClusterctlError(f"--spec {spec!r} names no file: give --spec cluster.yaml")
+        raise UsageError(f"--spec {spec!r} names no file: give --spec cluster.yaml")
     hosts = getattr(c, "cluster_hosts", None)
     if spec and hosts:
         raise ClusterctlError(f"-H {','.join(hosts)} and --spec {spec} name two clusters: give one of them")
@@ -172,7 +173,10 @@ def _spec(c, spec: str | None, *, remember: list | None = None, **options):
         chosen = {k: v for k, v in opts.items() if v is not None}
         options = AdhocOptions(identity_file=key, ssh_config=ssh_config, connect_timeout=connect.get("timeout"),
                                **chosen)
-        parsed = adhoc_spec(hosts, options)
+        try:
+            parsed = adhoc_spec(hosts, options)
+        except ClusterctlError as exc:
+            raise _task_value_error(exc) from None
         if remember is not None:  # `start`: later tasks run from here need no -H
             text = adhoc_spec_text(hosts, options)
             remember.append(lambda: _write_private(_remembered(cwd), text))
@@ -207,6 +211,16 @@ _FOR_HOSTS = {"name": "--name", "entrypoint": "--entrypoint", "workspace": "--wo
               "pserver_port": "--port", "known_hosts": "--known-hosts", "host_key_policy": "--accept-new"}
 
 
+def _task_value_error(exc: ClusterctlError) -> ClusterctlError:
+    """`exc` (a -H spec refused, one line per option) as a UsageError (exit 2, as docs/install.md says of a task's own
+    bad values) when a line names one of the task's options (`--port 70000: ...`, `--name a/b: ...`); as it is (exit
+    1, as fab's own flags) when only -H, -i, -S or --connect-timeout gave what was refused."""
+    flags = tuple(f"{flag}{end}" for flag in _FOR_HOSTS.values() for end in (" ", ":"))
+    if any(line.startswith(flags) for line in str(exc).splitlines()):
+        return UsageError(str(exc))
+    return exc
+
+
 def _only_for_hosts(opts: dict, where: str) -> str:
     """`where`, unless an option that only -H hosts take was given: a spec has its own (`kill --name j1` acted on
     the spec's job, whichever that was), so it is refused rather than dropped."""
@@ -222,16 +236,24 @@ def _as_given(c, spec, where: str):
     spec only, so one that differs is refused rather than dropped (`fab -i KEY --spec F` connected with F's key)."""
     connect = (getattr(c.config, "_overrides", None) or {}).get("connect_kwargs") or {}
     key, config, timeout = connect.get("key_filename"), getattr(c.config, "_runtime_ssh_path", None), connect.get("timeout")
-    differ = []
+    differ = []  # (flag, the spec's field, whether the spec sets it)
     if key and not _same_file(spec, spec.ssh.identity_file, _one_key(key)):
-        differ.append(("-i", "ssh.identity_file"))
+        differ.append(("-i", "ssh.identity_file", spec.ssh.identity_file is not None))
     if config and not _same_file(spec, spec.ssh.config, config):
-        differ.append(("-S", "ssh.config"))
+        differ.append(("-S", "ssh.config", spec.ssh.config is not None))
     if timeout and float(timeout) != spec.ssh.connect_timeout:
-        differ.append(("--connect-timeout", "ssh.connect_timeout"))
+        differ.append(("--connect-timeout", "ssh.connect_timeout", True))
     if differ:
-        flags, fields = ", ".join(f for f, _ in differ), ", ".join(f for _, f in differ)
-        raise ClusterctlError(f"{flags}: {where} has its own {fields}: give -H host1,host2 with {flags}, or leave "
+        flags = ", ".join(f for f, _, _ in differ)
+        runs: list[tuple[str, list[str]]] = []  # "its own" / "no" and their fields, in the flags' order
+        for _, field, sets in differ:  # a spec without ssh.config: "has its own ssh.config" was wrong there
+            word = "its own" if sets else "no"
+            if runs and runs[-1][0] == word:
+                runs[-1][1].append(field)
+            else:
+                runs.append((word, [field]))
+        has = " and ".join(f"{word} {', '.join(fields)}" for word, fields in runs)
+        raise ClusterctlError(f"{flags}: {where} has {has}: give -H host1,host2 with {flags}, or leave "
                               f"{'it' if len(differ) == 1 else 'them'} out")
     return spec
 
@@ -265,7 +287,7 @@ def _whole_number(option: str, value) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise ClusterctlError(f"{option} must be a whole number, not {value!r}") from None
+        raise UsageError(f"{option} must be a whole number, not {value!r}") from None
 
 
 def _seconds(option: str, value) -> float:
@@ -273,7 +295,7 @@ def _seconds(option: str, value) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ClusterctlError(f"{option} must be a number of seconds, not {value!r}") from None
+        raise UsageError(f"{option} must be a number of seconds, not {value!r}") from None
 
 
 def _opts(c=None, *, entrypoint=None, workspace=None, remote_dir=None, port=None, name=None, accept_new=False,
@@ -281,7 +303,7 @@ def _opts(c=None, *, entrypoint=None, workspace=None, remote_dir=None, port=None
     """The task options that shape the -H spec; an empty value is refused, never taken for the option's default
     (`--known-hosts ""` checked host keys against another file)."""
     if known_hosts is not None and not known_hosts.strip():
-        raise ClusterctlError(f"--known-hosts {known_hosts!r} names no file: give a known_hosts file, "
+        raise UsageError(f"--known-hosts {known_hosts!r} names no file: give a known_hosts file, "
                               "or leave the option out")
     return {
         "known_hosts": known_hosts,
@@ -424,7 +446,7 @@ def _words(cmd: str) -> list[str]:
     try:
         words = shlex.split(cmd)
     except ValueError as exc:
-        raise ClusterctlError(f"exec: cannot split the command {cmd!r}: {exc}") from None
+        raise UsageError(f"exec: cannot split the command {cmd!r}: {exc}") from None
     if not words:  # else the CLI's own hint, `clusterctl exec cluster.yaml -- hostname`
-        raise ClusterctlError("exec needs a command: exec --cmd 'hostname'")
+        raise UsageError("exec needs a command: exec --cmd 'hostname'")
     return words

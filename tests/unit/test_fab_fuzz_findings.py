@@ -169,6 +169,32 @@ def test_where_refuses_words_after_it(tmp_path):
     assert res.returncode == 0 and (Path(res.stdout.strip()) / "fabfile.py").is_file(), res.stderr
 
 
+# ------------------------------------------------------------------------------------------ j. exit codes
+
+
+@pytest.mark.parametrize("words, said", [
+    (["start", "--port", "abc"], "--port must be a whole number, not 'abc'"),
+    (["start", "--name", "a/b"],
+     "--name a/b: name: use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"),
+    (["start", "--remote-dir", ".."], "--remote-dir ..: workspace.remote: must not contain '..'"),
+    (["tail-log", "--lines", "abc"], "--lines must be a whole number, not 'abc'"),
+    (["tail-log", "--lines", "-3"], "logs: the number of lines must be 0 or more, not -3"),
+    (["exec", "--cmd", "true", "--timeout", "0"],
+     "exec: --timeout must be more than 0 and at most 604800 seconds, not 0"),
+    (["exec", "--cmd", "true", "--timeout", "abc"], "--timeout must be a number of seconds, not 'abc'"),
+])
+def test_a_tasks_bad_values_all_exit_2_as_documented(tmp_path, words, said):
+    # --port abc, --name a/b, --remote-dir .., --lines abc were exit 1; --lines -3 and --timeout 0 exit 2
+    assert _one_error(_clusterctl_fab("-H", HOST, *words, cwd=tmp_path), 2) == said
+    assert "exit 2" in (ROOT / "docs" / "install.md").read_text()
+
+
+def test_fabs_own_bad_host_list_stays_exit_1(tmp_path):
+    # -H is Fabric's flag, in install.md's exit-1 list (an empty name, a bad port)
+    assert _one_error(_clusterctl_fab("-H", f"{HOST},{HOST}", "status", cwd=tmp_path)) == (
+        f"-H {HOST},{HOST}: hosts[1]: duplicate host {HOST} (also hosts[0])")
+
+
 # ------------------------------------------------------------------------------------------ k. -f size
 
 
@@ -178,3 +204,14 @@ def test_a_config_file_over_1_mib_is_refused_before_it_is_parsed(tmp_path, progr
     (tmp_path / "big.yaml").write_text("a: " + "x" * (1 << 20) + "\n")
     res = program("-f", "big.yaml", "-H", HOST, "status", cwd=tmp_path)
     assert _one_error(res) == "-f big.yaml: cannot read it: larger than 1024 KiB"
+
+
+# ------------------------------------------------------------------------------------------ l. -S with a spec
+
+
+def test_a_spec_without_ssh_config_is_said_to_have_none(tmp_path):
+    # was "S.yaml has its own ssh.config" of a spec that names none
+    (tmp_path / "cfg").write_text("Host x\n  User u\n")
+    (tmp_path / "S.yaml").write_text(f"name: j\nhosts: [{{address: {HOST}}}]\njob: {{entrypoint: [python3, t.py]}}\n")
+    res = _clusterctl_fab("-S", "cfg", "status", "--spec", "S.yaml", cwd=tmp_path)
+    assert _one_error(res) == "-S: S.yaml has no ssh.config: give -H host1,host2 with -S, or leave it out"

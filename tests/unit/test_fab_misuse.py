@@ -42,7 +42,7 @@ def _one_error(res: subprocess.CompletedProcess, code: int = 1) -> str:
 def test_an_unclosed_quote_in_entrypoint_is_one_line(tmp_path):
     # was shlex's ValueError through Invoke: a 30-line traceback
     res = _fab("-H", "127.0.0.1", "start", "--entrypoint", "python3 'train.py", cwd=tmp_path)
-    assert _one_error(res) == "--entrypoint: cannot split \"python3 'train.py\": No closing quotation"
+    assert _one_error(res, 2) == "--entrypoint: cannot split \"python3 'train.py\": No closing quotation"
 
 
 @pytest.mark.parametrize("hosts, opts, said", [
@@ -58,12 +58,12 @@ def test_a_value_the_spec_refuses_names_the_option_that_gave_it(hosts, opts, sai
     with pytest.raises(ClusterctlError) as info:
         adhoc_spec(hosts, AdhocOptions(**opts))
     assert str(info.value).splitlines() == said
-    assert info.value.exit_code == 1  # as every other refused fab option: --port http, --lines -3, -H 'a b'
+    assert info.value.exit_code == 1  # adhoc's; the fab tasks make a task option's exit 2 (test_a_refused_port_...)
 
 
 def test_a_refused_port_is_one_line_from_fab(tmp_path):
     res = _fab("-H", "127.0.0.1", "start", "--port", "0", cwd=tmp_path)
-    assert _one_error(res) == "--port 0: job.ports.pserver: port out of range (1-65535): 0"
+    assert _one_error(res, 2) == "--port 0: job.ports.pserver: port out of range (1-65535): 0"  # a task's bad value
 
 
 @pytest.mark.parametrize("hosts", ["", ",", " , "])
@@ -219,7 +219,7 @@ def test_plain_fab_with_a_bad_search_root_says_so_without_a_traceback(tmp_path):
 def test_exec_with_an_empty_command_says_how_to_give_one(tmp_path):
     # was the CLI's hint, `clusterctl exec cluster.yaml -- hostname`, which is no fab command line
     res = _fab("-H", "127.0.0.1", "exec", "--cmd", "", cwd=tmp_path)
-    assert _one_error(res) == "exec needs a command: exec --cmd 'hostname'"
+    assert _one_error(res, 2) == "exec needs a command: exec --cmd 'hostname'"
 
 
 def test_exec_help_says_the_command_runs_without_a_shell(tmp_path):
@@ -289,7 +289,7 @@ def test_exec_runs_a_command_that_holds_a_double_dash_as_given(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("value, code, said", [
-    ("soon", 1, "--timeout must be a number of seconds, not 'soon'"),  # as `--port http`
+    ("soon", 2, "--timeout must be a number of seconds, not 'soon'"),  # as `--port http` (was exit 1)
     ("-1", 2, "exec: --timeout must be more than 0 and at most 604800 seconds, not -1"),  # as `clusterctl exec`
 ])
 def test_exec_refuses_a_timeout_as_the_cli_does(tmp_path, value, code, said):
@@ -379,7 +379,7 @@ def test_an_empty_known_hosts_is_refused_not_dropped(tmp_path, task):
     # `--known-hosts "$KH"` with KH unset checked host keys against ~/.ssh/known_hosts (and with --accept-new
     # recorded them there) without a word: the option was dropped as if not given
     res = _fab("-H", "127.0.0.1", *task, "--known-hosts", "", cwd=tmp_path)
-    assert _one_error(res) == "--known-hosts '' names no file: give a known_hosts file, or leave the option out"
+    assert _one_error(res, 2) == "--known-hosts '' names no file: give a known_hosts file, or leave the option out"
 
 
 @pytest.mark.parametrize("option, said", [
@@ -389,7 +389,7 @@ def test_an_empty_known_hosts_is_refused_not_dropped(tmp_path, task):
 def test_another_empty_option_is_refused_not_dropped(tmp_path, option, said):
     (tmp_path / "cluster.yaml").write_text("name: [unclosed\n")
     res = _fab(*(["-H", "127.0.0.1"] if option == "--port" else []), "start", option, "", cwd=tmp_path)
-    assert _one_error(res) == said
+    assert _one_error(res, 2) == said
 
 
 def test_tail_log_lines_is_a_whole_number_option(tmp_path):
@@ -398,7 +398,7 @@ def test_tail_log_lines_is_a_whole_number_option(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "-l INT, --lines=INT" in res.stdout, res.stdout
     for words in (["--lines", "x"], ["-l", "1.5"], ["--lines="]):  # Invoke's int() of them: a traceback
-        assert _one_error(_fab("-H", "127.0.0.1", "tail-log", *words, cwd=tmp_path)) == (
+        assert _one_error(_fab("-H", "127.0.0.1", "tail-log", *words, cwd=tmp_path), 2) == (
             f"--lines must be a whole number, not {words[-1].removeprefix('--lines=')!r}")
 
 
@@ -478,12 +478,13 @@ def test_fabs_password_prompts_are_refused_before_they_ask(tmp_path, program, fl
 
 
 @pytest.mark.parametrize("words, said", [
-    (["-i", "k1"], "-i: {where} has its own ssh.identity_file: give -H host1,host2 with -i, or leave it out"),
+    # the spec sets no identity_file: "has its own ssh.identity_file" was said of it
+    (["-i", "k1"], "-i: {where} has no ssh.identity_file: give -H host1,host2 with -i, or leave it out"),
     (["-S", "ssh_config"], "-S: {where} has its own ssh.config: give -H host1,host2 with -S, or leave it out"),
     (["-t", "3"], "--connect-timeout: {where} has its own ssh.connect_timeout: give -H host1,host2 with "
                   "--connect-timeout, or leave it out"),
-    (["-i", "k1", "-t", "3"], "-i, --connect-timeout: {where} has its own ssh.identity_file, ssh.connect_timeout: "
-                              "give -H host1,host2 with -i, --connect-timeout, or leave them out"),
+    (["-i", "k1", "-t", "3"], "-i, --connect-timeout: {where} has no ssh.identity_file and its own "
+                              "ssh.connect_timeout: give -H host1,host2 with -i, --connect-timeout, or leave them out"),
 ])
 def test_fabs_connection_flags_that_differ_from_the_spec_are_refused_not_dropped(tmp_path, monkeypatch, capsys,
                                                                                 words, said):
@@ -552,7 +553,7 @@ def test_a_command_after_a_double_dash_to_an_unreachable_host_is_one_line(tmp_pa
 def test_a_tasks_own_short_options_are_the_tasks(tmp_path, words, said):
     # `start -r DIR` and `exec -c CMD` (the tasks' own short options, as their help shows them) were taken for
     # Fabric's -r (search root) and -c (collection): "no 'fabfile' collection (fabfile.py) in <cwd>"
-    assert _one_error(_clusterctl_fab("-H", "127.0.0.1", *words, cwd=tmp_path)) == said
+    assert _one_error(_clusterctl_fab("-H", "127.0.0.1", *words, cwd=tmp_path), 2) == said
 
 
 def test_a_start_that_fails_does_not_replace_the_hosts_remembered_here(tmp_path, monkeypatch, capsys):
