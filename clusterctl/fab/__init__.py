@@ -258,6 +258,8 @@ def _check_core(program) -> None:
     clusterctl task uses: they never take one)."""
     from invoke import Exit
 
+    if sys.stdout is None:  # plain `fab --list >&-` (clusterctl-fab says it in main): the list went nowhere, exit 0
+        raise Exit(f"{PREFIX}standard output is closed", code=1)
     args = program.args
     for name, (flag, what) in _NAMING.items():
         value = args[name].value if name in args else None

@@ -156,6 +156,7 @@ def _stdout_closed(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     [sys.executable, "-m", "clusterctl.cli", "--help"],  # was an AttributeError traceback (argparse's print)
     [sys.executable, "-m", "clusterctl.fab", "--list"],  # exit 0, the list lost
     [sys.executable, "-m", "clusterctl.fab", "--where"],  # exit 0, the path lost
+    [sys.executable, "-m", "fabric", "-r", str(ROOT), "--list"],  # plain fab, once it has imported our fabfile
 ])
 def test_a_closed_stdout_is_one_line_and_a_failure(tmp_path, argv):
     assert _one_error(_stdout_closed(argv, tmp_path)) == "standard output is closed"
