@@ -61,6 +61,7 @@ def parse_spec(text: str, source: str = "<spec>", *, layout: bool = True, check=
 
     problems = [problem(loc, source, p, "key given twice") for p in loc.duplicates]
     problems += _password_problems(loc, source, data, ())
+    problems += _surrogate_problems(loc, source, data, ())
     if problems:
         raise SpecError(problems)
 
@@ -115,6 +116,32 @@ def _password_problems(loc: Located, source: str, node: Any, path: tuple) -> lis
         for i, value in enumerate(node):
             found += _password_problems(loc, source, value, path + (i,))
     return found
+
+
+def _surrogate_problems(loc: Located, source: str, node: Any, path: tuple) -> list[SpecProblem]:
+    """A problem at every string of the spec (key or value) that is not valid Unicode: a lone surrogate, which YAML's
+    "\\uD800" gives and nothing can encode (an argv, a manifest, a log line: a UnicodeEncodeError far from the key)."""
+    found = []
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        child = path + (key,)
+        for text in (key, value):
+            if isinstance(text, str) and not _encodable(text):
+                at = next(i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff")
+                found.append(problem(loc, source, child, f"not valid Unicode: a lone surrogate {text[at]!r} at "
+                                     f"character {at + 1} of {text!r}"))
+                break
+        else:
+            found += _surrogate_problems(loc, source, value, child)
+    return found
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _as_written(loc: Located, source: str, data: dict) -> tuple[dict, list[SpecProblem]]:
