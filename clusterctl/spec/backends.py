@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import re
 from fractions import Fraction
 from typing import Annotated, Any, Literal
@@ -11,7 +12,10 @@ from pydantic import AfterValidator, Field, ValidationInfo, field_validator, mod
 from .fields import _Model, _scalar_str, check_address
 from .job import one_line
 
-__all__ = ["KubernetesSpec", "KubernetesVolumeSpec", "SlurmSpec"]
+__all__ = ["KubernetesSpec", "KubernetesVolumeSpec", "SlurmSpec", "HOST_MOUNT", "STATE_MOUNT", "is_extended_resource"]
+
+HOST_MOUNT = "/opt/clusterctl"  # clusterctl's ConfigMap in every pod (read-only): the host package and the template
+STATE_MOUNT = "/var/lib/clusterctl"  # clusterctl's emptyDir in every pod: the job dir and the bytecode cache
 
 
 K8S_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?\Z")  # an RFC 1123 label (object names, namespaces)
@@ -19,7 +23,9 @@ K8S_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?\Z")  # an RFC 1123 lab
 _SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a DNS-1123 subdomain
 _QUALIFIED_RE = re.compile(r"(%s/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?" % _SUBDOMAIN_RE.pattern)  # a label key
 _LABEL_VALUE_RE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
-_QUANTITY_RE = re.compile(r"(\d+(\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?\d+)?")  # not negative
+# not negative; ASCII digits only (`\d` took '٤' or '１６', which the API server does not)
+_QUANTITY_RE = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?")
+MAX_QUANTITY = 64  # characters: the API server's own are far shorter; a 5000-digit one hit int()'s digit limit
 _SCALE = {"Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60, "m": Fraction(1, 1000),
           "": 1, "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18}
 
@@ -32,6 +38,35 @@ def _amount(quantity: str) -> Fraction:
     if suffix[:1] in ("e", "E"):
         return number * Fraction(10) ** max(-64, min(64, int(suffix[1:])))
     return number * _SCALE[suffix]
+
+
+def is_extended_resource(name: str) -> bool:
+    """Whether resource `name` is an extended one (`nvidia.com/gpu`, `example.com/fpga`: a domain other than
+    kubernetes.io), which Kubernetes counts in whole units, never overcommitted (a request equals its limit)."""
+    return "/" in name and "kubernetes.io/" not in name and not name.startswith("requests.")
+
+
+def _path_text(v: str) -> str:
+    """A path in a pod's spec: one line of printable characters (no newline, no bidi override)."""
+    for i, c in enumerate(v):
+        if not c.isprintable():
+            raise ValueError(f"character {c!r} at character {i + 1} of {v!r}: a path here is one line of printable "
+                             "characters")
+    return v
+
+
+def _absolute_path(v: str) -> str:
+    """An absolute path of a pod's filesystem, on one printable line."""
+    if not (v.startswith("/") and one_line(v) == v):
+        raise ValueError(f"expected an absolute path, got {v!r}")
+    return _path_text(v)
+
+
+def _clusterctls_mount(path: str) -> str | None:
+    """Which of clusterctl's own mounts in every pod `path` is or is inside (None: neither). `//opt/clusterctl` is
+    /opt/clusterctl (posixpath.normpath keeps two leading slashes, the kubelet does not)."""
+    norm = "/" + posixpath.normpath(path).lstrip("/")
+    return next((m for m in (HOST_MOUNT, STATE_MOUNT) if norm == m or norm.startswith(m + "/")), None)
 
 
 def _subdomain(v: str | None) -> str | None:
@@ -61,9 +96,14 @@ class KubernetesVolumeSpec(_Model):
 
     @field_validator("host_path", "mount_path")
     @classmethod
-    def _absolute(cls, v: str | None) -> str | None:
-        if v is not None and not (v.startswith("/") and one_line(v) == v):
-            raise ValueError(f"expected an absolute path, got {v!r}")
+    def _absolute(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        _absolute_path(v)
+        mount = _clusterctls_mount(v) if info.field_name == "mount_path" else None
+        if mount is not None:  # a mount path is used once in a container; one inside the ConfigMap's is read-only
+            where = "where" if "/" + posixpath.normpath(v).lstrip("/") == mount else f"inside {mount}, where"
+            raise ValueError(f"{v} is {where} clusterctl mounts its own volume in every pod; choose another")
         return v
 
     @field_validator("sub_path")
@@ -71,7 +111,7 @@ class KubernetesVolumeSpec(_Model):
     def _relative(cls, v: str | None) -> str | None:
         if v is not None and (v.startswith("/") or ".." in v.split("/") or one_line(v) != v):
             raise ValueError(f"expected a relative path inside the volume (no '..'), got {v!r}")
-        return v
+        return v if v is None else _path_text(v)
 
     @model_validator(mode="after")
     def _one_source(self) -> "KubernetesVolumeSpec":
@@ -131,9 +171,15 @@ class KubernetesSpec(_Model):
             for quantities in kinds.values():
                 for name, quantity in quantities.items():
                     _qualified(name, "resource name")
+                    if len(quantity) > MAX_QUANTITY:
+                        raise ValueError(f"{name}: a quantity of {len(quantity)} characters is not one Kubernetes "
+                                         f"takes (at most {MAX_QUANTITY}: a number with a suffix such as m, Mi or Gi)")
                     if not _QUANTITY_RE.fullmatch(quantity):
                         raise ValueError(f"{name}: {quantity!r} is not a Kubernetes quantity (a number of 0 or more, "
                                          "with a suffix such as m, Mi or Gi)")
+                    if is_extended_resource(name) and _amount(quantity).denominator != 1:
+                        raise ValueError(f"{name}: {quantity!r} is not a whole number, and Kubernetes counts an "
+                                         "extended resource (a name whose domain is not kubernetes.io) in whole units")
         for role, kinds in v.items():  # the API server refuses a pod that requests more than its limit
             requests, limits = kinds.get("requests", {}), kinds.get("limits", {})
             for name in requests.keys() & limits.keys():
@@ -141,6 +187,11 @@ class KubernetesSpec(_Model):
                     raise ValueError(f"{role}: requests.{name} {requests[name]} is more than limits.{name} "
                                      f"{limits[name]} (Kubernetes creates no such pod)")
         return v
+
+    @field_validator("working_dir")
+    @classmethod
+    def _working_dir(cls, v: str | None) -> str | None:  # the container's workingDir: absolute (the API server's rule)
+        return v if v is None else _absolute_path(v)
 
     @field_validator("image")
     @classmethod

@@ -64,10 +64,59 @@ def test_a_lone_surrogate_is_exit_2_in_every_command(tmp_path, capsys):
 # ------------------------------------------------------------------------------------- 7, 11, 15. quantities
 
 
+@pytest.mark.parametrize("resources,message", [
+    ("{requests: {cpu: '٤'}}", "cpu: '٤' is not a Kubernetes quantity"),  # an Arabic-Indic digit
+    ("{requests: {memory: '１６Gi'}}", "memory: '１６Gi' is not a Kubernetes quantity"),  # fullwidth digits
+    ("{requests: {cpu: '1e٣'}}", "cpu: '1e٣' is not a Kubernetes quantity"),
+    ("{requests: {cpu: '" + "1" * 5000 + "'}}",
+     "cpu: a quantity of 5000 characters is not one Kubernetes takes (at most 64: a number with a suffix such as m, "
+     "Mi or Gi)"),
+    ("{limits: {nvidia.com/gpu: 0.5}}", "nvidia.com/gpu: '0.5' is not a whole number, and Kubernetes counts an "
+     "extended resource (a name whose domain is not kubernetes.io) in whole units"),
+    ("{limits: {example.com/fpga: 1500m}}", "example.com/fpga: '1500m' is not a whole number"),
+    ("{limits: {example.com/fpga: 1e-3}}", "example.com/fpga: '1e-3' is not a whole number"),
+])
+def test_a_quantity_kubernetes_refuses_is_a_spec_error(resources, message):
+    found = problems_of(HEAD + JOB + f"kubernetes: {{image: x, resources: {{pserver: {resources}}}}}\n")
+    assert [f for f in found if "kubernetes.resources" in f] == found and len(found) == 1, found
+    assert f"kubernetes.resources: {message}" in found[0]
+
+
 # ------------------------------------------------------------------------------------- 10. the trainers' GPUs
 
 
 # ------------------------------------------------------------------------------------- 8, 9. paths in the pods
+
+
+@pytest.mark.parametrize("working_dir,message", [
+    ("rel/dir", "expected an absolute path, got 'rel/dir'"),
+    ('"/w\\n"', "control character '\\n' at character 3 of '/w\\n'"),
+    ('"/w\\u202e"', "character '\\u202e' at character 3 of '/w\\u202e': a path here is one line of printable characters"),
+])
+def test_working_dir_is_an_absolute_printable_path(working_dir, message):
+    (found,) = problems_of(HEAD + JOB + f"kubernetes: {{image: x, working_dir: {working_dir}}}\n")
+    assert found.startswith("5:24: kubernetes.working_dir: ") and message in found, found
+    _, docs = rendered(HEAD + JOB + "kubernetes: {image: x, working_dir: /srv/my code}\n")
+    assert docs[-1]["spec"]["template"]["spec"]["containers"][0]["workingDir"] == "/srv/my code"
+
+
+@pytest.mark.parametrize("mount_path,message", [
+    ("//opt/clusterctl", "//opt/clusterctl is where clusterctl mounts its own volume in every pod; choose another"),
+    ("///var/lib/clusterctl/", "///var/lib/clusterctl/ is where clusterctl mounts its own volume"),
+    ("/opt/clusterctl/code", "/opt/clusterctl/code is inside /opt/clusterctl, where clusterctl mounts its own volume "
+     "in every pod; choose another"),
+    ("/var/lib/clusterctl/jobs/x", "is inside /var/lib/clusterctl, where clusterctl mounts"),
+    ("/opt/./clusterctl/../clusterctl", "is where clusterctl mounts"),
+    ('"/w\\u202e"', "character '\\u202e' at character 3"),
+])
+def test_a_mount_path_on_or_inside_clusterctls_own_mounts_is_refused(mount_path, message):
+    (found,) = problems_of(HEAD + JOB + f"kubernetes: {{image: x, workspace: {{pvc: ws, mount_path: {mount_path}}}}}\n")
+    assert found.startswith("5:45: kubernetes.workspace.mount_path: ") and message in found, found
+
+
+@pytest.mark.parametrize("mount_path", ["/opt", "/opt/clusterctl-data", "/var/lib", "/workspace"])
+def test_a_mount_path_beside_clusterctls_is_taken(mount_path):
+    assert problems_of(HEAD + JOB + f"kubernetes: {{image: x, workspace: {{pvc: ws, mount_path: {mount_path}}}}}\n") == []
 
 
 # ------------------------------------------------------------------------------------- 12. the pods' own env
