@@ -23,7 +23,6 @@ import argparse
 import base64
 import json
 import math
-import posixpath
 import secrets
 from importlib import resources
 from pathlib import Path
@@ -36,6 +35,8 @@ from .host.layout import endpoints_left_out, exec_string_fits
 from .host.policy import DEFAULT_TIMINGS
 from .plan import JobPlan, make_plan
 from .spec import ClusterSpec
+from .spec.backends import HOST_MOUNT, STATE_MOUNT
+from .spec.checks import k8s_gpus_per_trainer, k8s_object_name, kubernetes_problems
 
 __all__ = [
     "INDEX_ANNOTATION", "LABEL_JOB", "LABEL_ROLE", "HOST_MOUNT", "STATE_MOUNT", "STATE_ROOT", "TEMPLATE_KEY",
@@ -49,9 +50,10 @@ LABEL_ROLE = "clusterctl.io/role"
 _ID_VAR = {"trainer": "PADDLE_TRAINER_ID", "pserver": "PADDLE_PSERVER_ID"}
 
 HOST_PACKAGE = "clusterctl_host"  # the host package's name in a pod, as on SSH hosts (ops/hosttools.py)
-HOST_MOUNT = "/opt/clusterctl"  # the ConfigMap: <HOST_MOUNT>/clusterctl_host/*.py and <HOST_MOUNT>/template.json
+# HOST_MOUNT, the ConfigMap: <HOST_MOUNT>/clusterctl_host/*.py and <HOST_MOUNT>/template.json; STATE_MOUNT, an
+# emptyDir: the job dir (job file, state, logs) and the bytecode cache (clusterctl.spec.backends: a workspace's
+# mount_path is refused there)
 TEMPLATE_KEY = "template.json"
-STATE_MOUNT = "/var/lib/clusterctl"  # an emptyDir: the job dir (job file, state, logs) and the bytecode cache
 STATE_ROOT = f"{STATE_MOUNT}/jobs"
 PYCACHE = f"{STATE_MOUNT}/pycache"
 TERMINATION_LOG = "/dev/termination-log"
@@ -85,10 +87,7 @@ while True:
 """
 def object_name(spec: ClusterSpec) -> str:
     """The prefix of every object's name: `kubernetes.name`, else the spec's name as a DNS label."""
-    k = spec.kubernetes
-    if k is not None and k.name:
-        return k.name
-    return "".join(c if c.isalnum() else "-" for c in spec.name.lower()).strip("-")
+    return k8s_object_name(spec)
 
 
 def names(spec: ClusterSpec) -> dict[str, str]:
@@ -130,21 +129,13 @@ def render(spec: ClusterSpec, *, token: str | None = None) -> list[dict]:
     job = spec.job
     if job.launcher == "mpi":
         raise _problem(spec, ("job", "launcher"), "launcher: mpi is not rendered for Kubernetes; use launcher: ssh")
+    found = kubernetes_problems(spec)  # what loading the spec refused already (a spec built in code was not loaded)
+    if found:
+        raise SpecError([p for path, message in found for p in _problem(spec, path, message).problems])
     plan = make_plan(spec)
     name = object_name(spec)
     trainers, pservers = len(plan.trainers), len(plan.pservers)
-    longest = f"{name}-trainer-{trainers - 1}"
-    if name and not name[0].isalpha():  # the Service's name is an RFC 1035 label; kubernetes.name is checked as one
-        raise _problem(spec, ("name",), f"the job's Service would be named {name!r}, and a Service's name starts with "
-                       "a letter; set kubernetes.name")
-    if len(longest) > 63 or not name:
-        raise _problem(spec, ("kubernetes", "name") if k.name else ("name",),
-                       f"pod host names like {longest!r} must be 1-63 characters; set a shorter kubernetes.name")
-    w = k.workspace
-    if w is not None and posixpath.normpath(w.mount_path) in (HOST_MOUNT, STATE_MOUNT):
-        raise _problem(spec, ("kubernetes", "workspace", "mount_path"), f"{w.mount_path} is where clusterctl mounts "
-                       "its own volume in every pod (a mount path is used once in a container); choose another")
-    gpus = _gpus_per_trainer(spec, plan)
+    gpus = k8s_gpus_per_trainer(spec)[0]
     ports = job.ports
     trainer_eps = _endpoints(name, "trainer", trainers, ports.trainer)
     pserver_eps = _endpoints(name, "pserver", pservers, ports.pserver)
@@ -270,17 +261,6 @@ def _configmap(spec: ClusterSpec, name: str, template: dict) -> dict:
                        f"at most {CONFIGMAP_LIMIT}")
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(spec, name, names(spec)["configmap"]),
             "immutable": True, "data": data}
-
-
-def _gpus_per_trainer(spec: ClusterSpec, plan: JobPlan) -> int:
-    k = spec.kubernetes
-    if k.gpus_per_trainer is not None:
-        return k.gpus_per_trainer
-    counts = sorted({len(t.gpus) for t in plan.trainers})
-    if len(counts) > 1:
-        raise _problem(spec, ("kubernetes",), f"the plan gives trainers {' or '.join(map(str, counts))} GPUs; "
-                       "every pod of a Job asks for the same: set kubernetes.gpus_per_trainer")
-    return counts[0]
 
 
 def _service(spec: ClusterSpec, name: str, with_pservers: bool) -> dict:

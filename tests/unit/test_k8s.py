@@ -462,7 +462,7 @@ def test_requests_up_to_their_limits_are_taken():
 def test_what_kubernetes_takes_is_taken():
     spec = parse_spec(COLLECTIVE.split("kubernetes:")[0] + "kubernetes: {image: 'registry.example:5000/ml/train:v1@sha256:"
                       + "ab" * 32 + "', resources: {trainer: {requests: {cpu: 500m, memory: 1Gi, nvidia.com/gpu: 1},"
-                      " limits: {memory: 1.5e9, ephemeral-storage: 10G}}}, gpu_resource: amd.com/gpu,"
+                      " limits: {memory: 1.5e9, ephemeral-storage: 10G, nvidia.com/gpu: 1}}}, gpu_resource: amd.com/gpu,"
                       " node_selector: {kubernetes.io/arch: amd64, gpu: 'true', pool: ''},"
                       " workspace: {pvc: data.claim-1, sub_path: runs/a, mount_path: /ws}, service_account: trainer,"
                       " image_pull_secrets: [regcred]}\n")

@@ -8,7 +8,7 @@ import yaml
 
 from clusterctl import cli, k8s
 from clusterctl.errors import SpecError
-from clusterctl.spec import parse_spec
+from clusterctl.spec import CONTRACT_ENV, parse_spec
 
 HEAD = "name: fit\nbackend: kubernetes\nhosts: [{address: a}]\n"
 JOB = "job: {entrypoint: [python3, t.py]}\n"
@@ -61,6 +61,19 @@ def test_a_lone_surrogate_is_exit_2_in_every_command(tmp_path, capsys):
 # ------------------------------------------------------------------------------------- 6. pod host names
 
 
+@pytest.mark.parametrize("job,longest", [
+    ("{mode: pserver, entrypoint: [python3, t.py], pservers: 11, ports: {pserver: 7000}}", "pserver-10"),
+    ("{mode: pserver, entrypoint: [python3, t.py], pservers: {per_host: 10}}", "pserver-9"),
+    ("{entrypoint: [python3, t.py], trainers: 10}", "trainer-9"),
+])
+def test_every_roles_longest_pod_host_name_is_checked(job, longest):
+    name = "a" * (63 - len("-" + longest)) + "a"  # one character too long for that role's last pod only
+    (found,) = problems_of(f"name: {name}\nbackend: kubernetes\nhosts: [{{address: a}}]\njob: {job}\n" + KUBE)
+    assert found == f"1:1: name: pod host names like '{name}-{longest}' must be 1-63 characters; set a shorter " \
+                    "kubernetes.name"
+    assert problems_of(f"name: {name[1:]}\nbackend: kubernetes\nhosts: [{{address: a}}]\njob: {job}\n" + KUBE) == []
+
+
 # ------------------------------------------------------------------------------------- 7, 11, 15. quantities
 
 
@@ -82,7 +95,79 @@ def test_a_quantity_kubernetes_refuses_is_a_spec_error(resources, message):
     assert f"kubernetes.resources: {message}" in found[0]
 
 
+@pytest.mark.parametrize("resources,where,message", [
+    ("{requests: {example.com/fpga: 2}}", "requests.example.com/fpga",
+     "example.com/fpga is an extended resource: Kubernetes takes a request of one only with a limit equal to it; set "
+     "limits.example.com/fpga (or only the limit)"),
+    ("{requests: {example.com/fpga: 1}, limits: {example.com/fpga: 2}}", "requests.example.com/fpga",
+     "1 but limits.example.com/fpga is 2: Kubernetes takes an extended resource's request only equal to its limit"),
+    ("{requests: {nvidia.com/gpu: 1}}", "requests.nvidia.com/gpu",  # no GPUs from the plan: no limit from clusterctl
+     "nvidia.com/gpu is an extended resource: Kubernetes takes a request of one only with a limit equal to it; set "
+     "limits.nvidia.com/gpu (or only the limit)"),
+])
+def test_an_extended_resources_request_needs_an_equal_limit(resources, where, message):
+    text = HEAD + JOB + f"kubernetes: {{image: x, resources: {{trainer: {resources}}}}}\n"
+    (found,) = problems_of(text)
+    assert found.split(": ", 1)[1] == f"kubernetes.resources.trainer.{where}: {message}"
+
+
+@pytest.mark.parametrize("resources", [
+    "{requests: {example.com/fpga: 2}, limits: {example.com/fpga: '2'}}",
+    "{limits: {example.com/fpga: 2k}}",  # 2000: whole
+    "{requests: {cpu: 500m, hugepages-2Mi: 1Mi, kubernetes.io/thing: 0.5}}",  # native resources: fractions are fine
+])
+def test_what_the_api_server_takes_of_extended_resources_is_taken(resources):
+    assert problems_of(HEAD + JOB + f"kubernetes: {{image: x, resources: {{trainer: {resources}}}}}\n") == []
+
+
 # ------------------------------------------------------------------------------------- 10. the trainers' GPUs
+
+
+def test_a_trainers_gpu_resource_that_contradicts_the_plans_is_refused():
+    text = (HEAD.replace("{address: a}", "{address: a, gpus: 1}") + "job: {entrypoint: [python3, t.py], trainers: gpu}\n"
+            "kubernetes: {image: x, resources: {trainer: {requests: {nvidia.com/gpu: 2}, limits: {nvidia.com/gpu: 4}}}}\n")
+    # was rendered as requests 2, limits '1' (the user's 4 silently replaced; a request over the limit)
+    assert problems_of(text) == [
+        f"5:{col}: kubernetes.resources.trainer.{kind}.nvidia.com/gpu: {n}, but each trainer pod gets 1 GPU(s) "
+        "(hosts[].gpus or kubernetes.gpus_per_trainer): the limit clusterctl sets and CUDA_VISIBLE_DEVICES names; "
+        "remove it, or set kubernetes.gpus_per_trainer" for kind, n, col in (("requests", 2, 57), ("limits", 4, 86))]
+    same = text.replace("gpu: 2", "gpu: 1").replace("gpu: 4", "gpu: 1")
+    _, docs = rendered(same)
+    assert docs[-1]["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}
+    only_request = text.replace("gpu: 2}, limits: {nvidia.com/gpu: 4}", "gpu: 1}")  # clusterctl sets the limit
+    _, docs = rendered(only_request)
+    assert docs[-1]["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}
+
+
+def test_gpus_per_trainer_is_the_count_a_gpu_resource_is_checked_against():
+    text = (HEAD.replace("{address: a}", "{address: a, gpus: 4}") + "job: {entrypoint: [python3, t.py], trainers: 2}\n"
+            "kubernetes: {image: x, gpus_per_trainer: 1, resources: {trainer: {limits: {nvidia.com/gpu: 2}}}}\n")
+    (found,) = problems_of(text)
+    assert "limits.nvidia.com/gpu: 2, but each trainer pod gets 1 GPU(s)" in found
+    assert problems_of(text.replace("gpus_per_trainer: 1", "gpus_per_trainer: 2")) == []
+    assert problems_of(text.replace("gpus_per_trainer: 1, ", "")) == []  # 4 GPUs for 2 trainers: 2 each
+
+
+def test_with_no_gpus_from_the_plan_the_users_gpu_resource_is_kept():
+    _, docs = rendered(HEAD + JOB + "kubernetes: {image: x, resources: {trainer: {limits: {nvidia.com/gpu: 2}}}}\n")
+    container = docs[-1]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "2"}}
+    assert not {"CUDA_VISIBLE_DEVICES", "FLAGS_selected_gpus"} & {e["name"] for e in container["env"]}
+
+
+def test_the_spec_level_gpu_count_is_the_plans():
+    from clusterctl.plan import make_plan
+    from clusterctl.spec.checks import k8s_gpus_per_trainer
+
+    for hosts, trainers in (("[{address: a, gpus: 4}, {address: b, gpus: 4}]", "gpu"),
+                            ("[{address: a, gpus: 4, slots: 2}, {address: b, gpus: 6, slots: 3}]", "gpu"),
+                            ("[{address: a, gpus: 5}, {address: b, gpus: 5}]", "2"),
+                            ("[{address: a}, {address: b, slots: 3}]", "2"),
+                            ("[{address: a, gpus: 2}, {address: b, gpus: 6, slots: 3}]", "1")):
+        spec = parse_spec(f"name: fit\nhosts: {hosts}\njob: {{entrypoint: [t], trainers: {trainers}}}\n" + KUBE)
+        assert k8s_gpus_per_trainer(spec) == tuple(sorted({len(t.gpus) for t in make_plan(spec).trainers})), hosts
 
 
 # ------------------------------------------------------------------------------------- 8, 9. paths in the pods
@@ -122,6 +207,34 @@ def test_a_mount_path_beside_clusterctls_is_taken(mount_path):
 # ------------------------------------------------------------------------------------- 12. the pods' own env
 
 
+@pytest.mark.parametrize("var,mode", [("CLUSTERCTL_POD_SECRET", ""), ("CLUSTERCTL_POD_NAME", ""),
+                                      ("JOB_COMPLETION_INDEX", ""), ("CLUSTERCTL_PS_MODE", "pserver"),
+                                      ("CLUSTERCTL_PS_K_STEPS", "pserver")])
+def test_env_names_every_pod_sets_itself_are_refused_in_job_env(var, mode):
+    job = "mode: pserver, pservers: 1, " if mode else ""
+    (found,) = problems_of(HEAD + f"job: {{{job}entrypoint: [python3, t.py], env: {{{var}: x}}}}\n" + KUBE)
+    assert found.split(": ", 1)[1] == f"job.env.{var}: {var} is clusterctl's, set in every pod by its manifest; " \
+                                      "remove it from job.env"
+
+
+def test_the_pserver_mode_variables_are_the_users_in_a_collective_job():
+    _, docs = rendered(HEAD + "job: {entrypoint: [python3, t.py], env: {CLUSTERCTL_PS_MODE: x}}\n" + KUBE)
+    names = [e["name"] for e in docs[-1]["spec"]["template"]["spec"]["containers"][0]["env"]]
+    assert names.count("CLUSTERCTL_PS_MODE") == 1
+
+
+def test_every_env_name_a_pod_sets_is_refused_in_job_env():
+    """The refused names keep step with the manifests: a name a Job's container sets beside job.env's is in them."""
+    from clusterctl.spec.checks import POD_ENV, PSERVER_POD_ENV
+
+    _, docs = rendered(HEAD.replace("{address: a}", "{address: a, gpus: 2}") + "job: {mode: pserver, pservers: 2, "
+                       "entrypoint: [python3, t.py], trainers: gpu, env: {MINE: x}}\n" + KUBE)
+    set_by_pods = {e["name"] for d in docs if d["kind"] == "Job"
+                   for c in d["spec"]["template"]["spec"]["containers"] for e in c["env"]} - {"MINE"}
+    assert set_by_pods and set_by_pods <= CONTRACT_ENV | POD_ENV | PSERVER_POD_ENV, \
+        set_by_pods - (CONTRACT_ENV | POD_ENV | PSERVER_POD_ENV)
+
+
 # ------------------------------------------------------------------------------------- 13, 14. every command agrees
 
 
@@ -132,13 +245,21 @@ AGREE = {
     "mount_path": HEAD + JOB + "kubernetes: {image: x, workspace: {pvc: ws, mount_path: /opt/clusterctl}}\n",
     "mixed_gpus": "name: fit\nbackend: kubernetes\nhosts: [{address: a, gpus: 1}, {address: b, gpus: 4, slots: 2}]\n"
                   "job: {entrypoint: [python3, t.py], trainers: gpu}\n" + KUBE,
-    "ssh_section": HEAD + JOB + KUBE + "ssh: {user: bob}\n",
-    "data_section": HEAD + JOB + KUBE + "data: {local: /tmp}\n",
-    "pserver_list": "name: fit\nbackend: kubernetes\nhosts: [{address: a}, {address: b}]\n"
-                    "job: {mode: pserver, entrypoint: [python3, t.py], pservers: [a]}\n" + KUBE,
-    "host_labels": "name: fit\nbackend: kubernetes\nhosts: [{address: a, labels: {x: y}}]\n" + JOB + KUBE,
     "ssh_spec_service_name": "name: 1abc\nhosts: [{address: a}]\n" + JOB + KUBE,
 }
+
+
+@pytest.mark.parametrize("case", sorted(AGREE))
+def test_validate_plan_and_render_refuse_the_same_specs(case, tmp_path, capsys):
+    spec = tmp_path / "c.yaml"
+    spec.write_text(AGREE[case])
+    said = set()
+    for argv in (["validate"], ["plan", "--json"], ["plan"], ["k8s", "render", "-o", "-"]):
+        rc, out, err = run(capsys, *argv, str(spec))
+        assert (rc, out) == (2, ""), (argv, out, err)
+        assert err.startswith(f"{spec}:") and "Traceback" not in err, (argv, err)
+        said.add(err)
+    assert len(said) == 1, said
 
 
 # ------------------------------------------------------------------------------------- 16. plan's table
