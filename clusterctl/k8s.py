@@ -518,9 +518,10 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     from rich.markup import escape
 
+    from .backends import load_spec  # the spec's backend's checks too, as validate and plan make them
     from .cache import write_atomic
-    from .console import err, out
-    from .spec import load_spec
+    from .console import err, out, printable
+    from .quoting import quote
 
     spec = load_spec(args.spec)
     docs = render(spec)
@@ -540,15 +541,15 @@ def cmd_render(args: argparse.Namespace) -> int:
             write_atomic(path, text.encode("utf-8"))  # 0600: it holds the job's token (the Secret)
         except OSError as e:
             raise ClusterctlError(f"k8s render: cannot write {path}: {e.strerror or e}") from e
-        apply, say = f"kubectl create -f {path}", out
+        apply, say = f"kubectl create -f {quote(str(path))}", out
     else:
         sys.stdout.write(text)
-        apply, say = f"clusterctl k8s render {args.spec} | kubectl create -f -", err  # the manifests own stdout
+        apply, say = f"clusterctl k8s render {quote(args.spec)} | kubectl create -f -", err  # stdout: the manifests
     n = names(spec)
     pods = sum(d["spec"]["completions"] for d in docs if d["kind"] == "Job")
     jobs = ", ".join(f"Job {d['metadata']['name']} ({d['spec']['completions']} pods)" for d in docs if d["kind"] == "Job")
-    say.print(escape(f"{'wrote ' + str(path) + ' (0600: it holds the token)' if args.output else 'manifests'}: "
-                     f"Secret {n['secret']}, ConfigMap {n['configmap']}, Service {name} (headless), {jobs}"))
+    say.print(escape(printable(f"{'wrote ' + str(path) + ' (0600: it holds the token)' if args.output else 'manifests'}: "
+                     f"Secret {n['secret']}, ConfigMap {n['configmap']}, Service {name} (headless), {jobs}")))
     sel = f"{LABEL_JOB}={name}"
     for what, cmd in (
         ("create", apply),
@@ -557,7 +558,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         ("wait", f"kubectl wait -n {ns} --for=condition=complete job/{name}-trainer --timeout=24h"),
         ("delete", f"kubectl delete -n {ns} job,service,configmap,secret -l {sel}"),
     ):
-        say.print(escape(f"  {what + ':':<8}{cmd}"))
+        say.print(escape(printable(f"  {what + ':':<8}{cmd}")))  # commands to copy: every word quoted
     trainers = sum(d["spec"]["completions"] for d in docs
                    if d["kind"] == "Job" and d["metadata"]["labels"].get(LABEL_ROLE) == "trainer")
     for line in notes(spec, trainers):

@@ -245,6 +245,11 @@ AGREE = {
     "mount_path": HEAD + JOB + "kubernetes: {image: x, workspace: {pvc: ws, mount_path: /opt/clusterctl}}\n",
     "mixed_gpus": "name: fit\nbackend: kubernetes\nhosts: [{address: a, gpus: 1}, {address: b, gpus: 4, slots: 2}]\n"
                   "job: {entrypoint: [python3, t.py], trainers: gpu}\n" + KUBE,
+    "ssh_section": HEAD + JOB + KUBE + "ssh: {user: bob}\n",
+    "data_section": HEAD + JOB + KUBE + "data: {local: /tmp}\n",
+    "pserver_list": "name: fit\nbackend: kubernetes\nhosts: [{address: a}, {address: b}]\n"
+                    "job: {mode: pserver, entrypoint: [python3, t.py], pservers: [a]}\n" + KUBE,
+    "host_labels": "name: fit\nbackend: kubernetes\nhosts: [{address: a, labels: {x: y}}]\n" + JOB + KUBE,
     "ssh_spec_service_name": "name: 1abc\nhosts: [{address: a}]\n" + JOB + KUBE,
 }
 
@@ -266,6 +271,19 @@ def test_validate_plan_and_render_refuse_the_same_specs(case, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------- 17. render's hints
+
+
+def test_render_hints_quote_the_spec_path_and_the_output_directory(tmp_path, capsys):
+    where = tmp_path / "my specs; rm -rf ~"
+    where.mkdir()
+    spec = where / "c.yaml"
+    spec.write_text(HEAD + JOB + KUBE)
+    rc, out, err = run(capsys, "k8s", "render", str(spec))
+    assert rc == 0, err
+    assert f"  create: clusterctl k8s render '{spec}' | kubectl create -f -\n" in err
+    rc, out, err = run(capsys, "k8s", "render", str(spec), "-o", str(where / "out $HOME"))
+    assert rc == 0, err
+    assert f"  create: kubectl create -f '{where}/out $HOME/fit.yaml'\n" in out
 
 
 def rendered(text: str):
