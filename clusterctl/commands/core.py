@@ -60,9 +60,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(dumps_plan(plan.to_json(expand=args.expand)))
         return 0
-    from rich.markup import escape
     from rich.table import Table
 
+    from ..console import markup_safe as escape  # rich's escape and control characters (ESC, BEL...) shown escaped
     from ..console import out
 
     procs = plan.processes
@@ -109,16 +109,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out.print(f"showing {len(listed)} of {len(plan.hosts):,} hosts: --all lists every one")
     if plan.mpi is not None:
         out.print(f"launcher: mpi, on {escape(plan.mpi.host.label)}: {escape(' '.join(plan.mpi.argv))}")
-        out.print(f"hostfile {escape(plan.mpi.hostfile_path)}:\n{escape(plan.mpi.hostfile)}", end="")
+        hostfile = "".join(escape(line) + "\n" for line in plan.mpi.hostfile.splitlines())
+        out.print(f"hostfile {escape(plan.mpi.hostfile_path)}:\n{hostfile}", end="")
     return 0
 
 
 def _plan_places(plan, placement, summarised: bool) -> int:
     """`plan` of a backend whose processes run elsewhere than on the plan's hosts (Backend.placement): its places,
     not the SSH hosts and connections they never use."""
-    from rich.markup import escape
     from rich.table import Table
 
+    from ..console import markup_safe as escape  # rich's escape and control characters shown escaped
     from ..console import out
 
     n = placement.count

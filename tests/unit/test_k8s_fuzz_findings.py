@@ -270,6 +270,18 @@ def test_validate_plan_and_render_refuse_the_same_specs(case, tmp_path, capsys):
 # ------------------------------------------------------------------------------------- 16. plan's table
 
 
+@pytest.mark.parametrize("head", ["name: fit\nhosts: [{address: a}]\n", HEAD])
+def test_plan_shows_control_characters_of_args_escaped(head, tmp_path, capsys):
+    spec = tmp_path / "c.yaml"
+    spec.write_text(head + 'job: {entrypoint: [python3, t.py], args: ["\\x1b]0;TITLE\\x07\\x1b[31mred"]}\n'
+                    + (KUBE if "kubernetes" in head else ""))
+    rc, out, err = run(capsys, "plan", "--all", str(spec))
+    assert rc == 0, err
+    assert "\x1b" not in out and "\x07" not in out
+    flat = "".join(line.strip(" │┃").strip() for line in out.splitlines())  # the argv column folds long cells
+    assert "\\x1b]0;TITLE\\x07\\x1b[31mred" in flat.replace(" ", ""), out
+
+
 # ------------------------------------------------------------------------------------- 17. render's hints
 
 
