@@ -52,6 +52,11 @@ def semantic_problems(loc: Located, source: str, spec: ClusterSpec, *, layout: b
                 problems.append(problem(loc, source, ("job", "pservers", i), f"{addr} is not in hosts{hint}"))
     if spec.job.mode == "pserver" and _pserver_count(spec) == 0:
         problems.append(problem(loc, source, ("job", "pservers"), "pserver mode needs at least one pserver"))
+    if spec.job.mode == "pserver" and spec.kubernetes is None:  # (the pods' own check above says it there)
+        for var in sorted(PSERVER_POD_ENV & set(spec.job.env)):  # layout.py set it over this value without a word
+            key = "sync" if var == "CLUSTERCTL_PS_MODE" else "k_steps"
+            problems.append(problem(loc, source, ("job", "env", var), f"{var} is set from job.{key} in pserver mode; "
+                                    f"give job.{key} instead"))
     if spec.job.mode == "collective" and _pserver_count(spec) > 0:
         problems.append(problem(loc, source, ("job", "pservers"), "collective mode runs no pservers; set mode: pserver"))
     if problems or not layout:

@@ -276,6 +276,10 @@ BAD = [
     pytest.param(GOOD + "workspace: {remote: /tmp/}\n",
                  ["11:13: workspace.remote: '/tmp/' is a system directory, which the workspace's symlink would replace"],
                  id="workspace-system-dir"),
+    # set from job.sync over the user's value in pserver mode: it was dropped without a word
+    pytest.param(GOOD.replace("  pservers: 1", "  pservers: 1\n  env: {CLUSTERCTL_PS_MODE: async}"),
+                 ["11:9: job.env.CLUSTERCTL_PS_MODE: CLUSTERCTL_PS_MODE is set from job.sync in pserver mode; give "
+                  "job.sync instead"], id="env-ps-mode"),
     pytest.param("- just\n- a list\n", ["1:1: a spec is a YAML mapping"], id="not-a-mapping"),
     pytest.param(
         "name: x\nhosts: [{address: a}]\n",
