@@ -295,7 +295,8 @@ def test_ssh_answers_are_written_0600_in_a_0700_directory(sshg, tmp_path):
     resolve([Target("gpu0"), Target("10.0.0.1")], str(sshg))
     path = _sshg_file(tmp_path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    assert sshconfig._Cache(str(sshg), sshconfig.stamp_paths(str(sshg))).get(Target("gpu0")) is not None
+    targets = [Target("gpu0"), Target("10.0.0.1")]
+    assert sshconfig._Cache(str(sshg), sshconfig.stamp_paths(str(sshg)), targets).get(Target("gpu0")) is not None
 
 
 def test_spec_keys_read_as_pyyaml_reads_them():
