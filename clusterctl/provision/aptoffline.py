@@ -20,6 +20,7 @@ distribution's archive (as the wheelhouse needs PyPI).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -56,6 +57,7 @@ LAYOUT = "3"  # part of every apt root's name: a root made by an older layout is
 # (longer than apt.offline.timeout may be, so never one that a run in progress uses).
 RECENT = 8
 IDLE_S = 2 * 86400
+DEB_IDLE_S = 30 * 86400  # a cached .deb (`debs/ALGO-DIGEST/NAME`, shared by all) unused this long is removed
 DOWNLOAD_BASE_S = 60.0  # each .deb: this many seconds, plus one per MiB of its size (and never past the deadline)
 DOWNLOAD_RATE = 1 << 20
 # apt's lists of commands to run; none may come from a host. Cleared in our configuration (which is the only
@@ -504,6 +506,8 @@ def download(cache: Path, debs: list[Deb], *, deadline: Deadline, file_roots: li
     for deb in debs:
         algo, _, want = deb.digest.partition(":")
         path = folder / f"{algo}-{want[:32]}" / deb.filename  # one cache entry per content, not per name
+        with contextlib.suppress(OSError):
+            os.utime(path.parent)  # used now (before it is checked: a concurrent prune leaves it alone)
         if not (path.is_file() and path.stat().st_size == deb.size and _digest(path, algo) == want):
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + f".part{threading.get_ident()}")
@@ -529,6 +533,7 @@ def download(cache: Path, debs: list[Deb], *, deadline: Deadline, file_roots: li
                 raise ProvisionError(f"offline apt for {label}: {shown} does not match its {algo} in the archive's index")
             tmp.replace(path)
         out.append(path)
+    prune_lru(folder, 0, DEB_IDLE_S, match=lambda name: re.fullmatch(r"sha(256|512)-[0-9a-f]{32}", name) is not None)
     return out
 
 

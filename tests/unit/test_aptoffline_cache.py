@@ -68,3 +68,32 @@ def test_a_reused_root_counts_as_used_and_a_new_one_prunes_the_old(tmp_path, mon
     prepare_root(tmp_path, state("new"), [])  # a new root: the others unused for IDLE_S go, past the RECENT newest
     assert sorted(p.name for p in (tmp_path / "roots").iterdir()) == sorted(
         [roots[0].name, aptoffline._root_key(state("new"), [])])
+
+
+def test_the_deb_cache_keeps_what_a_run_uses_and_drops_what_none_used_for_deb_idle_s(tmp_path):
+    """The .debs were cached by content and never removed: a fleet's CUDA .debs (GBs) stayed after every upgrade."""
+    import hashlib
+
+    from clusterctl.provision.aptoffline import DEB_IDLE_S, Deadline, Deb, download
+
+    roots = tmp_path / "mirror"
+    roots.mkdir()
+    debs = []
+    for name in ("a_1_amd64.deb", "b_1_amd64.deb"):
+        body = name.encode() * 100
+        (roots / name).write_bytes(body)
+        debs.append(Deb((roots / name).as_uri(), name, len(body), "sha256:" + hashlib.sha256(body).hexdigest()))
+    cache = tmp_path / "cache"
+    first = download(cache, debs, deadline=Deadline(60, "apt.offline.timeout"), file_roots=[roots])
+    assert [p.name for p in first] == ["a_1_amd64.deb", "b_1_amd64.deb"]
+    folder = cache / "debs"
+    mine = folder / "notes.txt"  # not an entry of the cache: never removed
+    mine.write_text("mine")
+    now = time.time()
+    for entry in [p.parent for p in first] + [mine]:
+        _aged(entry, DEB_IDLE_S + 60, now)
+    # a run that uses only a: a counts as used (and is not fetched again), b is past DEB_IDLE_S and goes
+    (roots / "a_1_amd64.deb").unlink()
+    [again] = download(cache, debs[:1], deadline=Deadline(60, "apt.offline.timeout"), file_roots=[roots])
+    assert again == first[0] and again.is_file() and time.time() - again.parent.stat().st_mtime < 60
+    assert sorted(p.name for p in folder.iterdir()) == sorted([first[0].parent.name, "notes.txt"])
