@@ -23,6 +23,7 @@ import importlib.resources
 import io
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -231,7 +232,8 @@ def _noop(_: str) -> None:
 def state_root() -> Path:
     """Directory holding every test cluster's state (override with CLUSTERCTL_TESTCLUSTER_HOME)."""
     env = os.environ.get("CLUSTERCTL_TESTCLUSTER_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "clusterctl" / "testcluster"
+    # absolute: the spec and ssh config name the key and known_hosts in it, read from any directory
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "clusterctl" / "testcluster").absolute()
 
 
 def state_dir(name: str) -> Path:
@@ -992,27 +994,65 @@ def _spec_dict(
     }
 
 
-def _ssh_config_value(value: str) -> str:
-    """A value as ssh_config reads it: double-quoted when it holds blanks."""
-    if any(ch in value for ch in "\"\n"):
-        raise DockerClusterError(f"cannot write {value!r} into an ssh config")
-    return f'"{value}"' if any(ch.isspace() for ch in value) else value
+# A file name ssh_config takes as it is: no blank, quote, backslash, %, $, # or anything a shell reads
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9_./+:-]+")
+
+
+def _ssh_config_file(path: Path) -> str:
+    """A file name as the value of IdentityFile or UserKnownHostsFile, which ssh_config(5) splits at blanks and
+    %-expands (TOKENS) and ${}-expands (ENVIRONMENT VARIABLES): written plain when it needs nothing of that,
+    else as clusterctl.transport.openssh.config_path quotes it (double quotes, `%%` for a `%`). A `${` cannot be
+    escaped there, nor a line break written: a name holding either is refused."""
+    from .transport.openssh import config_path
+
+    text = _one_line(path)
+    if "${" in text:
+        raise DockerClusterUsageError(f"cannot write {text!r} into an ssh config: it holds '${{' (ssh expands an "
+                                      "environment variable there, with no way to escape it)")
+    return text if _PLAIN_PATH.fullmatch(text) else config_path(text)
+
+
+def _one_line(path: Path) -> str:
+    """str(path), refused (a usage error) if it holds a line break: no ssh_config line can hold one."""
+    text = str(path)
+    if any(ch in text for ch in "\n\r"):
+        raise DockerClusterUsageError(f"cannot write {text!r} into an ssh config: it holds a line break")
+    return text
+
+
+def _jump_line(config: Path) -> str:
+    """How a node's entry reaches `Host bastion`. ProxyJump makes ssh run `ssh -F <the -F it was given> -W
+    '[%h]:%p' bastion` through the shell with that name neither quoted nor %-escaped (`ssh -F '/a b/ssh_config'`
+    ran `ssh -F /a b/ssh_config`; a `%b` was "unknown key"): a config whose name needs either writes that
+    command out, its own name quoted for the shell and %-escaped (ProxyCommand is %-expanded, not ${}-expanded)."""
+    text = _one_line(config)
+    if _PLAIN_PATH.fullmatch(text):
+        return "ProxyJump bastion"
+    return f"ProxyCommand ssh -F {shlex.quote(text).replace('%', '%%')} -W '[%h]:%p' bastion"
 
 
 def _ssh_config_text(
-    name: str, nodes: Sequence[Node], user: str, key_path: Path, known_hosts: Path, bastion: Node | None
+    name: str,
+    nodes: Sequence[Node],
+    user: str,
+    key_path: Path,
+    known_hosts: Path,
+    bastion: Node | None,
+    config: Path | None = None,
 ) -> str:
-    """OpenSSH config: `Host bastion` (if any) and `Host node<i>` per node, pinned to the cluster's known_hosts."""
+    """OpenSSH config: `Host bastion` (if any) and `Host node<i>` per node, pinned to the cluster's known_hosts.
+
+    config: where it is written (the nodes' jump to the bastion may name it; see _jump_line)."""
     common = [
         f"User {user}",
         "Port 22",
-        f"IdentityFile {_ssh_config_value(str(key_path))}",
+        f"IdentityFile {_ssh_config_file(key_path)}",
         "IdentitiesOnly yes",
-        f"UserKnownHostsFile {_ssh_config_value(str(known_hosts))}",
+        f"UserKnownHostsFile {_ssh_config_file(known_hosts)}",
         "StrictHostKeyChecking yes",
     ]
     entries = [("bastion", bastion.ip, [])] if bastion else []
-    jump = ["ProxyJump bastion"] if bastion else []
+    jump = [_jump_line(config) if config is not None else "ProxyJump bastion"] if bastion else []
     entries += [(f"node{i}", n.ip, jump) for i, n in enumerate(nodes)]
     out = [f"# Written by `clusterctl testcluster up` for test cluster {name}: ssh -F, fab -S or ssh.config.\n"]
     for alias, ip, extra in entries:
@@ -1164,9 +1204,14 @@ def up(
     shape = Shape(user="root" if user is None else user, bastion=bastion, sudo_password_nodes=password_nodes)
     pkgs = _checked_packages(packages)
     spec_out = _checked_spec_out(spec_out)
+    state = state_dir(name)
+    spec_path = spec_out or (state / "cluster.yaml").resolve()
+    config_path = spec_path.parent / "ssh_config" if ssh_config else None
+    if config_path is not None:  # a file name it cannot hold is refused now, not once the cluster is up
+        _ssh_config_text(name, [], shape.user, state / "id_ed25519", state / "known_hosts", None)
+        _jump_line(config_path)
     started = time.monotonic()
     ensure_docker()
-    state = state_dir(name)
     state.mkdir(parents=True, exist_ok=True)
     state.chmod(0o700)
     with _locked("images"):  # two sessions must not debootstrap or build the same image at once
@@ -1176,11 +1221,9 @@ def up(
     with _locked(f"cluster-{name}"):
         node_list, front, reused = _start_or_reuse(name, nodes, image, shape, say)
         key_path, known_hosts = _pin_and_authorize(node_list, state, shape, front)
-        spec_path = spec_out or (state / "cluster.yaml").resolve()
         _write_spec(spec_path, _spec_dict(name, node_list, key_path, known_hosts, user=shape.user, bastion=front))
-        config_path = spec_path.parent / "ssh_config" if ssh_config else None
         if config_path is not None:
-            text = _ssh_config_text(name, node_list, shape.user, key_path, known_hosts, front)
+            text = _ssh_config_text(name, node_list, shape.user, key_path, known_hosts, front, config_path)
             _write_text(config_path, text, "the ssh config")
     done = time.monotonic()
     return ClusterInfo(
