@@ -253,14 +253,26 @@ def _checked_name(name: str) -> str:
 @contextlib.contextmanager
 def _locked(what: str) -> Iterator[None]:
     """Hold an exclusive flock on state_root()/locks/<what> (serialises concurrent up/down/builds)."""
-    locks = state_root() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
+    locks = _made(state_root() / "locks")
     with open(locks / f"{what}.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _made(path: Path, mode: int | None = None) -> Path:
+    """path, a directory made (with its parents) if absent, chmod'ed to mode; one DockerClusterError line if it
+    cannot be (was an OSError naming only the file: `Not a directory: .../locks`)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if mode is not None:
+            path.chmod(mode)
+    except OSError as exc:
+        raise DockerClusterError(f"cannot make the test cluster state directory {path}: {exc.strerror or exc} "
+                                 "(CLUSTERCTL_TESTCLUSTER_HOME chooses where they are)") from exc
+    return path
 
 
 def _network_name(name: str) -> str:
@@ -1102,6 +1114,24 @@ def _checked_packages(packages: Sequence[str] | None) -> list[str]:
     return pkgs
 
 
+# A docker image reference (distribution/reference's grammar): [host[:port]/]path[:tag][@digest]; an image ID
+# passes as a name. Checked before docker sees it: `--base-image=--help` was read as docker's own option.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?"
+IMAGE_RE = re.compile(
+    rf"(?:{_DOMAIN}/)?{_COMPONENT}(?:/{_COMPONENT})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?"
+)
+
+
+def _checked_base_image(base_image: str | None) -> str | None:
+    """--base-image, checked before docker is touched: None (the default base), or a docker image reference."""
+    if base_image is not None and (len(base_image) > 255 or not IMAGE_RE.fullmatch(base_image)):
+        raise DockerClusterUsageError(f"invalid --base-image {base_image!r}: give a docker image reference such as "
+                                      f"{REGISTRY_BASE_IMAGE}, or leave it out to build a Debian base locally")
+    return base_image
+
+
 def _checked_nodes(nodes: int) -> int:
     """--nodes, checked before anything is built: 1..64."""
     if not 1 <= nodes <= 64:
@@ -1203,6 +1233,7 @@ def up(
     # None: root; "" is a user name like any other, and refused by Shape (it used to be taken as root)
     shape = Shape(user="root" if user is None else user, bastion=bastion, sudo_password_nodes=password_nodes)
     pkgs = _checked_packages(packages)
+    base_image = _checked_base_image(base_image)
     spec_out = _checked_spec_out(spec_out)
     state = state_dir(name)
     spec_path = spec_out or (state / "cluster.yaml").resolve()
@@ -1212,8 +1243,7 @@ def up(
         _jump_line(config_path)
     started = time.monotonic()
     ensure_docker()
-    state.mkdir(parents=True, exist_ok=True)
-    state.chmod(0o700)
+    _made(state, 0o700)
     with _locked("images"):  # two sessions must not debootstrap or build the same image at once
         base = _resolve_base_image(base_image, say)
         image, built = _ensure_node_image(base, pkgs, say)

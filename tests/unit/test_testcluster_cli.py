@@ -14,6 +14,7 @@ import pytest
 
 NAME_RULE = "use lowercase letters, digits, '.', '_' or '-' (at most 41 characters, starting with a letter or digit)"
 USER_RULE = "use lowercase letters, digits, '_' or '-' (at most 32, not starting with a digit or '-')"
+BASE_RULE = "give a docker image reference such as debian:bookworm-slim, or leave it out to build a Debian base locally"
 NOT_WITH_SLURM = "a Slurm test cluster logs in as root, on one network, with no ssh config"
 FAKE_DOCKER = '#!/bin/sh\necho "$0 $*" >> "$MARKER"\nexit 1\n'
 
@@ -58,6 +59,11 @@ USAGE_ERRORS = [
      "invalid package requirement '!!': Expected package name at the start of dependency specifier"),
     (["testcluster", "up", "--nodes", "1", "--spec-out", SPEC_OUT_DIR],
      f"--spec-out {SPEC_OUT_DIR} is a directory: give the spec file's path (e.g. {SPEC_OUT_DIR}/cluster.yaml)"),
+    # --base-image is a docker image reference: `--base-image=--help` was docker's --help (a JSONDecodeError
+    # traceback), '' the default base without a word, 'Bad Image' a 20 s pull
+    *[(["testcluster", "up", "--nodes", "1", f"--base-image={image}"], f"invalid --base-image {image!r}: {BASE_RULE}")
+      for image in ("--help", "", "Bad Image", "UPPER", "debian:", "a//b")],
+    (["testcluster", "up", "--slurm", "--nodes", "1", "--base-image=-x"], f"invalid --base-image '-x': {BASE_RULE}"),
     (["testcluster", "status", "--name", "BAD"], f"invalid test cluster name 'BAD': {NAME_RULE}"),
     (["testcluster", "down", "--name", ""], f"invalid test cluster name '': {NAME_RULE}"),
     (["testcluster-slurm", "up", "--nodes", "0"], "--nodes must be between 1 and 64, not 0"),
@@ -123,3 +129,31 @@ def test_up_names_the_cluster_it_brings_up(monkeypatch, words, name):
     monkeypatch.setattr(tcli, "up", plain_up)
     cli.main(["testcluster", "up", "--nodes", "1", *words])
     assert seen == [name]
+
+
+@pytest.mark.parametrize("image", ["debian:bookworm-slim", "localhost:5000/team/base:v1.2", "2b5b2047fc22",
+                                   "ghcr.io/o/img@sha256:" + "ab" * 32, "clusterctl/bookworm-base:bookworm-16f793b27ba5"])
+def test_a_good_base_image_reaches_docker(clusterctl, image) -> None:
+    rc, err, calls = clusterctl("testcluster", "up", "--nodes", "1", "--name", "never-started", "--base-image", image)
+    assert rc == 1 and calls and "docker" in err[0], (rc, err, calls)  # the fake docker's failure, not a usage error
+
+
+@pytest.mark.parametrize("words", [
+    ["testcluster", "down", "--name", "never-started"],
+    ["testcluster", "up", "--nodes", "1", "--name", "never-started"],
+    ["testcluster", "up", "--slurm", "--nodes", "1", "--name", "never-started"],
+    ["testcluster-slurm", "down", "--name", "never-started"],
+])
+def test_a_state_directory_that_cannot_be_made_is_one_line(monkeypatch, tmp_path, capsys, words) -> None:
+    # a file where a directory must be (read-only or missing file systems fail the same way): was
+    # "Not a directory: .../locks", naming neither what it was for nor how to choose another place
+    from clusterctl import cli, testcluster
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("CLUSTERCTL_TESTCLUSTER_HOME", str(blocker / "state"))
+    monkeypatch.setattr(testcluster, "ensure_docker", lambda: None)
+    assert cli.main(words) == 1
+    where = blocker / "state" / ("locks" if "down" in words else "never-started")
+    assert capsys.readouterr().err == (f"clusterctl: error: cannot make the test cluster state directory {where}: "
+                                       "Not a directory (CLUSTERCTL_TESTCLUSTER_HOME chooses where they are)\n")
