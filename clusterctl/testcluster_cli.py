@@ -5,6 +5,7 @@ neither imports the other's command line: testcluster_slurm builds on testcluste
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,11 +76,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     how = "reused" if info.reused else "started"
     image = f"{info.image} ({'built' if info.image_built else 'cached'})"
     console.print(f"{how} in {info.timings['total']:.1f}s; image {image}")
-    console.print(f"spec:        {info.spec_path}")
-    console.print(f"key:         {info.key_path}")
-    console.print(f"known_hosts: {info.known_hosts_path}")
+    console.print(f"spec:        {info.spec_path}", markup=False, highlight=False)
+    console.print(f"key:         {info.key_path}", markup=False, highlight=False)
+    console.print(f"known_hosts: {info.known_hosts_path}", markup=False, highlight=False)
     if info.ssh_config_path:
-        console.print(f"ssh_config:  {info.ssh_config_path}   (ssh -F {info.ssh_config_path} node0)")
+        # the hint is a command line to paste: its file name quoted for the shell (a blank split it in two)
+        hint = shlex.join(["ssh", "-F", str(info.ssh_config_path), "node0"])
+        console.print(f"ssh_config:  {info.ssh_config_path}   ({hint})", markup=False, highlight=False)
     console.print(f"login:       {info.user}" + (f" via {info.proxy_jump}" if info.proxy_jump else ""))
     return 0
 

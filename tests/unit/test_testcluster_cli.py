@@ -157,3 +157,25 @@ def test_a_state_directory_that_cannot_be_made_is_one_line(monkeypatch, tmp_path
     where = blocker / "state" / ("locks" if "down" in words else "never-started")
     assert capsys.readouterr().err == (f"clusterctl: error: cannot make the test cluster state directory {where}: "
                                        "Not a directory (CLUSTERCTL_TESTCLUSTER_HOME chooses where they are)\n")
+
+
+def test_up_prints_odd_paths_as_they_are_and_a_hint_to_paste(monkeypatch, tmp_path, capsys) -> None:
+    # a state directory with a blank, % and [brackets]: the paths were rich markup ("[b]" vanished) and the
+    # `ssh -F ... node0` hint split at the blank
+    import clusterctl.testcluster_cli as tcli
+    from clusterctl import cli, testcluster
+
+    state = tmp_path / "a b%d [b]x"
+    node = testcluster.Node("c-node0", "10.0.0.2", "c-node0")
+    info = testcluster.ClusterInfo(name="c", nodes=[node], spec_path=state / "cluster.yaml",
+                                   key_path=state / "id_ed25519", known_hosts_path=state / "known_hosts",
+                                   state_dir=state, ssh_config_path=state / "ssh_config", timings={"total": 1.0})
+    monkeypatch.setenv("COLUMNS", "400")
+    monkeypatch.setattr(tcli, "up", lambda nodes, **kw: info)
+    assert cli.main(["testcluster", "up", "--nodes", "1", "--ssh-config"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-5:] == [
+        f"spec:        {state}/cluster.yaml", f"key:         {state}/id_ed25519",
+        f"known_hosts: {state}/known_hosts",
+        f"ssh_config:  {state}/ssh_config   (ssh -F '{state}/ssh_config' node0)", "login:       root",
+    ]  # fmt: skip
