@@ -42,9 +42,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Drop this session's lease if the fixture never ran its teardown (e.g. setup failed)."""
-    if "outcome" in _SESSION:
-        (_lease_dir() / str(os.getpid())).unlink(missing_ok=True)
+    """Release the cluster if the fixture never ran its teardown (setup failed, or no test asked for it)."""
+    if "outcome" in _SESSION and "released" not in _SESSION:
+        _release()
+
+
+def _release() -> None:
+    """Drop this session's lease; the last session out takes the cluster down (unless CLUSTERCTL_KEEP_TESTCLUSTER)."""
+    _SESSION["released"] = ("done", None, 0.0)
+    others = _update_leases(take=False)
+    if not _keep() and others == 0 and _SESSION["outcome"][0] == "ok":
+        tc.down(PYTEST_CLUSTER_NAME)
 
 
 def _in_ci() -> bool:
@@ -72,6 +80,7 @@ def _bring_up() -> tuple[str, object, float]:
     return "ok", info, time.monotonic() - start
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselected theirs: `items` is what will run
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Bring the cluster up once, outside every test's timeout, if a selected test needs it."""
     if config.option.collectonly or "outcome" in _SESSION:
@@ -133,9 +142,7 @@ def testcluster() -> Iterator[tc.ClusterInfo]:
         pytest.fail(str(payload), pytrace=False)
     assert isinstance(payload, tc.ClusterInfo)
     yield payload
-    others = _update_leases(take=False)
-    if not _keep() and others == 0:
-        tc.down(PYTEST_CLUSTER_NAME)
+    _release()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

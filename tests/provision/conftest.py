@@ -70,6 +70,7 @@ def _bring_up(tmp: Path) -> tuple[str, object]:
     return "ok", info
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselected theirs: `items` is what will run
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Bring our cluster up once, before any test's timeout starts, if a selected test needs it."""
     if config.option.collectonly or "outcome" in _SESSION:
@@ -81,7 +82,10 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
 def pytest_unconfigure(config) -> None:
     """The session's repositories go with it (they were made before its tmp_path existed), and so do the offline apt
-    roots that name them."""
+    roots that name them; the cluster too when no test used it (the fixture's teardown did not run)."""
+    outcome = _SESSION.get("outcome")
+    if outcome and outcome[0] == "ok" and not _SESSION.get("used") and os.environ.get("CLUSTERCTL_KEEP_TESTCLUSTER") != "1":
+        tc.down(CLUSTER)
     if "repos" in _SESSION:
         repos = _SESSION.pop("repos")
         remove_roots_naming(APT_OFFLINE_CACHE, repos)
@@ -99,6 +103,7 @@ def provcluster(tmp_path_factory) -> Iterator[tc.ClusterInfo]:
         pytest.skip(str(payload))
     if verdict == "fail":
         pytest.fail(str(payload), pytrace=False)
+    _SESSION["used"] = True
     yield payload
     if os.environ.get("CLUSTERCTL_KEEP_TESTCLUSTER") != "1":
         tc.down(CLUSTER)
