@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import math
 import secrets
-from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -32,37 +30,33 @@ import yaml
 from .errors import ClusterctlError, SpecError, SpecProblem, UsageError
 from .host import pod as hostpod
 from .host.layout import endpoints_left_out, exec_string_fits
-from .host.policy import DEFAULT_TIMINGS
-from .plan import JobPlan, make_plan
+from .plan import make_plan
 from .spec import ClusterSpec
 from .spec.backends import HOST_MOUNT, STATE_MOUNT
-from .spec.checks import k8s_gpus_per_trainer, k8s_object_name, kubernetes_problems
+from .spec.checks import (CONFIGMAP_LIMIT, INDEX_ANNOTATION, PYCACHE, STATE_ROOT, TEMPLATE_KEY, TERMINATION_LOG,
+                          WAIT_DEFAULT_S, K8sShape, k8s_configmap_data, k8s_container_env, k8s_endpoints, k8s_escape,
+                          k8s_host_package, k8s_object_name, k8s_own_env, k8s_placeholders, k8s_shape,
+                          kubernetes_problems)
 
 __all__ = [
     "INDEX_ANNOTATION", "LABEL_JOB", "LABEL_ROLE", "HOST_MOUNT", "STATE_MOUNT", "STATE_ROOT", "TEMPLATE_KEY",
-    "object_name", "names", "jobdir", "host_tool_argv", "render", "dump", "expand", "pod_env", "pod_argv",
-    "process_argv", "add_cli",
+    "CONFIGMAP_LIMIT", "WAIT_DEFAULT_S", "object_name", "names", "jobdir", "host_tool_argv", "render", "dump",
+    "expand", "pod_env", "pod_argv", "process_argv", "add_cli",
 ]
 
-INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 LABEL_JOB = "clusterctl.io/job"
 LABEL_ROLE = "clusterctl.io/role"
-_ID_VAR = {"trainer": "PADDLE_TRAINER_ID", "pserver": "PADDLE_PSERVER_ID"}
 
 HOST_PACKAGE = "clusterctl_host"  # the host package's name in a pod, as on SSH hosts (ops/hosttools.py)
 # HOST_MOUNT, the ConfigMap: <HOST_MOUNT>/clusterctl_host/*.py and <HOST_MOUNT>/template.json; STATE_MOUNT, an
 # emptyDir: the job dir (job file, state, logs) and the bytecode cache (clusterctl.spec.backends: a workspace's
-# mount_path is refused there)
-TEMPLATE_KEY = "template.json"
-STATE_ROOT = f"{STATE_MOUNT}/jobs"
-PYCACHE = f"{STATE_MOUNT}/pycache"
-TERMINATION_LOG = "/dev/termination-log"
+# mount_path is refused there). What the pods' env, args and ConfigMap hold, and the constants above the objects
+# (TEMPLATE_KEY, STATE_ROOT, PYCACHE, TERMINATION_LOG, CONFIGMAP_LIMIT, WAIT_DEFAULT_S, INDEX_ANNOTATION), are
+# clusterctl.spec.checks', which checks their sizes whenever a spec is loaded.
 TOKEN_KEY = "token"
 # terminationGracePeriodSeconds = job.grace + this: the supervisor's own stop (SIGTERM, job.grace, SIGKILL, the
 # sweep) and the termination message fit in it before the kubelet kills what is left
 STOP_MARGIN_S = 10
-CONFIGMAP_LIMIT = 1_000_000  # bytes (Kubernetes refuses a ConfigMap over 1 MiB)
-WAIT_DEFAULT_S = 120.0  # the supervisors' timeouts (peers connecting, pservers listening) when wait_timeout is 0
 
 # The init container's program (python3 of the job's image): wait until every name in argv[1] (comma
 # separated) resolves and every HOST:PORT in argv[2] accepts a TCP connection, for at most argv[3]
@@ -115,89 +109,34 @@ def host_tool_argv(spec: ClusterSpec, module: str, args: list[str]) -> list[str]
 
 def host_package() -> dict[str, str]:
     """Every module of the host package (clusterctl/host), by file name: the ConfigMap's data."""
-    root = resources.files("clusterctl.host")
-    return {e.name: e.read_text(encoding="utf-8") for e in sorted(root.iterdir(), key=lambda e: e.name)
-            if e.name.endswith(".py")}
+    return k8s_host_package()
 
 
 def render(spec: ClusterSpec, *, token: str | None = None) -> list[dict]:
     """The Secret, the ConfigMap, the Service and the Jobs (pservers first, then trainers) for `spec`;
     SpecError when it cannot be. `token`: the job's secret (default: a new random one)."""
-    k = spec.kubernetes
-    if k is None:
+    if spec.kubernetes is None:
         raise _problem(spec, ("kubernetes",), "the spec has no kubernetes: section (at least kubernetes.image)")
-    job = spec.job
-    if job.launcher == "mpi":
-        raise _problem(spec, ("job", "launcher"), "launcher: mpi is not rendered for Kubernetes; use launcher: ssh")
-    found = kubernetes_problems(spec)  # what loading the spec refused already (a spec built in code was not loaded)
+    # every refusal is kubernetes_problems', which loading the spec made already (validate, plan and start say the
+    # same): here for a spec built in code, which was not loaded
+    found = kubernetes_problems(spec)
     if found:
         raise SpecError([p for path, message in found for p in _problem(spec, path, message).problems])
-    plan = make_plan(spec)
-    name = object_name(spec)
-    trainers, pservers = len(plan.trainers), len(plan.pservers)
-    gpus = k8s_gpus_per_trainer(spec)[0]
-    ports = job.ports
-    trainer_eps = _endpoints(name, "trainer", trainers, ports.trainer)
-    pserver_eps = _endpoints(name, "pserver", pservers, ports.pserver)
-    common = [("PADDLE_TRAINERS_NUM", str(trainers))]  # literal values, the same for every pod
-    if exec_string_fits("PADDLE_TRAINER_ENDPOINTS=" + trainer_eps):  # else left out, as over SSH (notes() says so)
-        common.append(("PADDLE_TRAINER_ENDPOINTS", trainer_eps))
-    if job.mode == "pserver":
-        if not exec_string_fits("PADDLE_PSERVERS_IP_PORT_LIST=" + pserver_eps):
-            raise _problem(spec, ("job", "pservers"), f"PADDLE_PSERVERS_IP_PORT_LIST would be {len(pserver_eps) + 29} "
-                           f"bytes: Linux starts no process with an environment string over 128 KiB (E2BIG)")
-        common += [("PADDLE_PSERVERS_IP_PORT_LIST", pserver_eps), ("CLUSTERCTL_PS_MODE", job.sync),
-                   ("CLUSTERCTL_PS_K_STEPS", str(job.k_steps))]
-    values = {"trainers": str(trainers), "pserver_endpoints": pserver_eps, "trainer_endpoints": trainer_eps,
-              "job": spec.name, "local_rank": "0"}
-    _args_fit(spec, name, trainers, pservers, values)
-    trainer_env = [  # as written in the manifest: references, or literals with no '$'
-        ("RANK", "$(PADDLE_TRAINER_ID)"),
-        ("WORLD_SIZE", str(trainers)),
-        ("LOCAL_RANK", "0"),  # one trainer per pod
-        ("LOCAL_WORLD_SIZE", "1"),
-        ("MASTER_ADDR", f"{name}-trainer-0.{name}"),
-        ("MASTER_PORT", str(ports.master)),
-    ]
-    if gpus:
-        # the device plugin gives the container its GPUs only, numbered from 0
-        visible = ",".join(str(i) for i in range(gpus))
-        trainer_env += [("CUDA_VISIBLE_DEVICES", visible), ("FLAGS_selected_gpus", visible)]
+    make_plan(spec)  # its layout's errors (the plan is not needed: the pods are counted as it counts them)
+    shape = k8s_shape(spec)
     jobs = []
-    if pservers:
-        jobs.append(_job(spec, name, "pserver", pservers, ports.pserver, common, [], 0, values))
-    jobs.append(_job(spec, name, "trainer", trainers, ports.trainer, common, trainer_env, gpus, values))
-    template = _template(spec, plan, name, pserver_eps, jobs)
-    configmap = _configmap(spec, name, template)
-    return [_secret(spec, name, token or secrets.token_hex(16)), configmap, _service(spec, name, pservers > 0), *jobs]
-
-
-def _args_fit(spec: ClusterSpec, name: str, trainers: int, pservers: int, values: dict) -> None:
-    """SpecError at job.args when an argument, its placeholders filled in as the longest pod's are (the pods' DNS
-    names: `{trainer_endpoints}` is longer here than over SSH), is longer than execve takes: no pod would start."""
-    ports = spec.job.ports
-    for role, count, port in (("trainer", trainers, ports.trainer), ("pserver", pservers, ports.pserver)):
-        if not count:
-            continue
-        host = f"{name}-{role}-{count - 1}.{name}"
-        longest = dict(values, role=role, id=str(count - 1), trainer_id=str(count - 1), host=host,
-                       current_endpoint=f"{host}:{port}")
-        for arg in spec.job.args:
-            text = arg.format_map(longest)
-            if not exec_string_fits(text):
-                raise _problem(spec, ("job", "args"), f"an argument (after its placeholders) would be "
-                               f"{len(text.encode('utf-8', 'surrogateescape'))} bytes in a {role} pod: Linux starts "
-                               f"no process with an argument or environment string over 128 KiB (E2BIG)")
-
-
-def _endpoints(name: str, role: str, count: int, port: int) -> str:
-    """The pods' endpoint list of one role, as every pod's environment states it: `NAME-ROLE-I.NAME:PORT,...`."""
-    return ",".join(f"{name}-{role}-{i}.{name}:{port}" for i in range(count))
+    if shape.pservers:
+        jobs.append(_job(spec, shape, "pserver", shape.pservers, spec.job.ports.pserver, 0))
+    jobs.append(_job(spec, shape, "trainer", shape.trainers, spec.job.ports.trainer, shape.gpus))
+    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(spec, shape.name, names(spec)["configmap"]),
+                 "immutable": True, "data": k8s_configmap_data(spec, shape)}
+    return [_secret(spec, shape.name, token or secrets.token_hex(16)), configmap,
+            _service(spec, shape.name, shape.pservers > 0), *jobs]
 
 
 def notes(spec: ClusterSpec, trainers: int) -> tuple[str, ...]:
     """What the user should know about the manifests `render` makes for `trainers` trainers, one line each."""
-    trainer_eps = _endpoints(object_name(spec), "trainer", trainers, spec.job.ports.trainer)
+    trainer_eps = k8s_endpoints(object_name(spec), "trainer", trainers, spec.job.ports.trainer)
     if exec_string_fits("PADDLE_TRAINER_ENDPOINTS=" + trainer_eps):
         return ()
     return (endpoints_left_out(trainers, len(trainer_eps)),)
@@ -216,51 +155,6 @@ def _secret(spec: ClusterSpec, name: str, token: str) -> dict:
     return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(spec, name, names(spec)["secret"]),
             "type": "Opaque", "immutable": True,
             "data": {TOKEN_KEY: base64.b64encode(token.encode("ascii")).decode("ascii")}}
-
-
-def _template(spec: ClusterSpec, plan: JobPlan, name: str, pserver_eps: str, jobs: list[dict]) -> dict:
-    """What every pod's job file shares (clusterctl/host/pod.py builds the rest from the pod's environment)."""
-    k, job = spec.kubernetes, spec.job
-    wait = k.wait_timeout or WAIT_DEFAULT_S
-    glue = {hostpod.SECRET_ENV, hostpod.POD_NAME_ENV}
-    env_names: list[str] = []
-    for j in jobs:
-        for item in j["spec"]["template"]["spec"]["containers"][0]["env"]:
-            if item["name"] not in glue and item["name"] not in env_names:
-                env_names.append(item["name"])
-    roles = {r: {"count": len(plan.pservers if r == "pserver" else plan.trainers), "id_env": _ID_VAR[r],
-                 "dns": f"{name}-{r}-{{id}}.{name}", "port": job.ports.pserver if r == "pserver" else job.ports.trainer}
-             for r in ("pserver", "trainer") if (plan.pservers if r == "pserver" else plan.trainers)}
-    return {
-        "version": hostpod.TEMPLATE_VERSION,
-        "job": plan.job,
-        "state_root": STATE_ROOT,
-        "pycache": PYCACHE,
-        "termination_log": TERMINATION_LOG,
-        "on_failure": plan.on_failure,
-        "grace": plan.grace,
-        "restarts": plan.restarts,
-        "restart_backoff": plan.restart_backoff,
-        "auth": plan.auth,
-        "roles": roles,
-        # the supervisors' coordinator: trainer 0's pod (every job has one)
-        "coordinator": {"address": f"{name}-trainer-0.{name}", "port": job.ports.control, "pod": ["trainer", 0],
-                        "hosts": len(plan.processes), "trainers_total": len(plan.trainers),
-                        "timings": {"connect_timeout": max(wait, DEFAULT_TIMINGS.connect_timeout)}},
-        "start_trainers_after": {"endpoints": pserver_eps.split(","), "timeout": wait} if pserver_eps else None,
-        "env": env_names,
-    }
-
-
-def _configmap(spec: ClusterSpec, name: str, template: dict) -> dict:
-    data = host_package()
-    data[TEMPLATE_KEY] = json.dumps(template, indent=1, sort_keys=True) + "\n"
-    size = sum(len(k) + len(v.encode("utf-8")) for k, v in data.items())
-    if size > CONFIGMAP_LIMIT:
-        raise _problem(spec, ("kubernetes",), f"the host package and template take {size} bytes; a ConfigMap holds "
-                       f"at most {CONFIGMAP_LIMIT}")
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(spec, name, names(spec)["configmap"]),
-            "immutable": True, "data": data}
 
 
 def _service(spec: ClusterSpec, name: str, with_pservers: bool) -> dict:
@@ -284,29 +178,16 @@ def _service(spec: ClusterSpec, name: str, with_pservers: bool) -> dict:
     }
 
 
-def _job(spec: ClusterSpec, name: str, role: str, count: int, port: int, common, role_env, gpus: int, values) -> dict:
-    k, job = spec.kubernetes, spec.job
-    id_var = _ID_VAR[role]
-    own = [  # the pod's id (its completion index), and its name: the endpoint's host, as in the plan
-        # (Paddle finds a pserver's id by POD_IP:PADDLE_PORT in PADDLE_PSERVERS_IP_PORT_LIST)
-        {"name": id_var, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
-        {"name": "POD_IP", "value": f"{name}-{role}-$({id_var}).{name}"},
-    ]
-    env = [{"name": n, "value": _escape(v)} for n, v in job.env.items()]
-    env += [  # CLUSTERCTL_JOB is not here: the supervisor tags the processes it starts (and nothing else)
-        {"name": "CLUSTERCTL_ROLE", "value": role},
-        {"name": "TRAINING_ROLE", "value": role.upper()},
-        *own,
-        {"name": "PADDLE_PORT", "value": str(port)},
-        {"name": "PADDLE_CURRENT_ENDPOINT", "value": f"$(POD_IP):{port}"},
-    ]
-    env += [{"name": n, "value": _escape(v)} for n, v in common]
-    env += [{"name": n, "value": v} for n, v in role_env]
+def _job(spec: ClusterSpec, shape: K8sShape, role: str, count: int, port: int, gpus: int) -> dict:
+    k, job, name = spec.kubernetes, spec.job, shape.name
+    own = k8s_own_env(shape, role)
+    env = k8s_container_env(spec, shape, role)
     env += [  # the main process's own: its pod's name and the job's token (never in the processes' environment)
         {"name": hostpod.POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": hostpod.SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": names(spec)["secret"], "key": TOKEN_KEY}}},
     ]
-    placeholders = {k_: _escape(v) for k_, v in values.items()}
+    id_var = own[0]["name"]
+    placeholders = {k_: _escape(v) for k_, v in k8s_placeholders(spec, shape).items()}
     placeholders.update({"role": role, "id": f"$({id_var})", "trainer_id": f"$({id_var})",
                          "current_endpoint": "$(PADDLE_CURRENT_ENDPOINT)", "host": "$(POD_IP)"})
     glue = [*_python(spec), "-c", hostpod.RUN, HOST_MOUNT, f"{HOST_PACKAGE}.pod", "start",
@@ -390,9 +271,7 @@ def _job(spec: ClusterSpec, name: str, role: str, count: int, port: int, common,
     }
 
 
-def _escape(text: str) -> str:
-    """A literal for a field the kubelet expands (`env[].value`, `command`, `args`): `$` is written `$$`."""
-    return text.replace("$", "$$")
+_escape = k8s_escape
 
 
 def _problem(spec: ClusterSpec, path: tuple, message: str) -> SpecError:

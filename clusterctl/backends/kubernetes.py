@@ -493,7 +493,8 @@ class KubernetesBackend(Backend):
 
     @classmethod
     def check_spec(cls, spec) -> list:
-        """A kubernetes: section; launcher ssh; pservers by count."""
+        """A kubernetes: section; pservers by count. What the section's manifests cannot be (launcher: mpi among
+        it) is clusterctl.spec.checks.kubernetes_problems', made for every spec with the section."""
         from ..spec.errors import problem
 
         loc, source, problems = spec.located, spec.source, []
@@ -502,9 +503,6 @@ class KubernetesBackend(Backend):
         if spec.kubernetes is None:
             return [problem(loc, source, ("backend",), "backend: kubernetes needs a kubernetes: section (at least "
                             "kubernetes.image)")]
-        if spec.job.launcher == "mpi":
-            problems.append(problem(loc, source, ("job", "launcher"), "launcher: mpi is not supported under "
-                                    "Kubernetes; use launcher: ssh (one process per pod)"))
         if isinstance(spec.job.pservers, tuple):
             problems.append(problem(loc, source, ("job", "pservers"),
                                     "pservers are pods under Kubernetes: give a count or {per_host: N}"))

@@ -5,6 +5,7 @@ with the plan's over SSH (through the pod's own glue, clusterctl/host/pod.py), t
 import base64
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -390,7 +391,7 @@ def test_pod_env_only_sees_variables_listed_before():
 
 @pytest.mark.parametrize("patch,where,message", [
     (lambda t: t.split("kubernetes:")[0], "kubernetes", "the spec has no kubernetes: section"),
-    (lambda t: t.replace("job: {", "job: {launcher: mpi, "), "job.launcher", "launcher: mpi is not rendered for Kubernetes"),
+    (lambda t: t.replace("job: {", "job: {launcher: mpi, "), "job.launcher", "launcher: mpi is not supported under Kubernetes"),
     (lambda t: t.replace("kubernetes: {", "kubernetes: {name: " + "x" * 60 + ", "), "kubernetes.name",
      "must be 1-63 characters; set a shorter kubernetes.name"),
     (lambda t: t.replace("{address: a}", "{address: a, gpus: 2}").replace("{address: b, slots: 3}", "{address: b, slots: 3, gpus: 6}"),
@@ -640,14 +641,16 @@ def test_an_argument_over_what_execve_takes_with_the_pods_endpoints_is_refused_a
                   "kubernetes: {image: x}"]
         return "\n".join(lines) + "\n"
 
-    assert make_plan(parse_spec(spec_of(560))).trainers  # 4,480 trainers: the hosts' endpoints fit
+    # 4,480 trainers: the hosts' endpoints fit (the same spec without its kubernetes: section plans)
+    assert make_plan(parse_spec(spec_of(560).replace("kubernetes: {image: x}\n", ""))).trainers
     spec = tmp_path / "big.yaml"
     spec.write_text(spec_of(560))
-    res = subprocess.run([sys.executable, "-m", "clusterctl.cli", "k8s", "render", str(spec)], capture_output=True,
-                         text=True, timeout=120)
-    assert res.returncode == 2 and res.stdout == "", res.stdout[:300]
-    assert res.stderr.strip() == (f"{spec}:563:55: job.args: an argument (after its placeholders) would be 133295 "
-                                  "bytes in a trainer pod: Linux starts no process with an argument or environment "
-                                  "string over 128 KiB (E2BIG)"), res.stderr
+    for argv in (["k8s", "render"], ["validate"], ["plan", "--json"]):  # every command refuses it, in the same words
+        res = subprocess.run([sys.executable, "-m", "clusterctl.cli", *argv, str(spec)], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+        assert res.returncode == 2 and res.stdout == "", (argv, res.stdout[:300])
+        assert res.stderr.strip() == (f"{spec}:563:55: job.args: an argument (after its placeholders) would be 133295 "
+                                      "bytes in a trainer pod: Linux starts no process with an argument or environment "
+                                      "string over 128 KiB (E2BIG)"), (argv, res.stderr)
     docs = k8s.render(parse_spec(spec_of(500)))  # 4,000 trainers: 118,895 bytes, rendered
     assert docs[-1]["spec"]["template"]["spec"]["containers"][0]["args"][-1].count(",") == 3999
