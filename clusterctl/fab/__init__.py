@@ -222,18 +222,30 @@ def _no_task(program) -> None:
 
 def _not_a_number(argv: list[str], exc: ValueError) -> str:
     """The line for a word Invoke's int() refused, naming the flag it was given to (Invoke's error does not)."""
-    found = re.fullmatch(r"invalid literal for int\(\) with base \d+: '(.*)'", str(exc), re.S)
+    # Python's message holds the word's repr cut at 200 characters (no closing quote then): the word is the value
+    # that starts so, clipped as said
+    import ast
+
+    found = re.fullmatch(r"invalid literal for int\(\) with base \d+: (['\"])(.*)", str(exc), re.S)
     if found is None:
-        return f"a whole number was expected: {exc}"
-    word = found.group(1)
+        return f"a whole number was expected: {_clip(str(exc), 200)}"
+    quoted = found.group(1) + found.group(2)
+    try:
+        word, whole = ast.literal_eval(quoted), True
+    except (ValueError, SyntaxError):  # cut short: its characters up to the cut (an escape in them: not found)
+        word, whole = found.group(2), False
+
+    def given(value: str) -> bool:
+        return value == word if whole else value.startswith(word)
+
     for before, arg in zip(argv, argv[1:]):
-        if arg == word and before.startswith("-"):
-            return f"{before}: a whole number was expected, got {word!r}"
+        if given(arg) and before.startswith("-"):
+            return f"{before}: a whole number was expected, got {_clip(arg, 80)!r}"
     for arg in argv:
         flag, eq, value = arg.partition("=")
-        if eq and value == word and flag.startswith("-"):
-            return f"{flag}: a whole number was expected, got {word!r}"
-    return f"a whole number was expected, got {word!r}"
+        if eq and given(value) and flag.startswith("-"):
+            return f"{flag}: a whole number was expected, got {_clip(value, 80)!r}"
+    return f"a whole number was expected, got {_clip(word, 80)!r}"
 
 
 # the program's steps, in Program.run's order: Fabric's core flags; the fabfile (clusterctl's is imported here);

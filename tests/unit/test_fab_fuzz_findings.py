@@ -216,3 +216,19 @@ def test_a_spec_without_ssh_config_is_said_to_have_none(tmp_path):
     (tmp_path / "S.yaml").write_text(f"name: j\nhosts: [{{address: {HOST}}}]\njob: {{entrypoint: [python3, t.py]}}\n")
     res = _clusterctl_fab("-S", "cfg", "status", "--spec", "S.yaml", cwd=tmp_path)
     assert _one_error(res) == "-S: S.yaml has no ssh.config: give -H host1,host2 with -S, or leave it out"
+
+
+# ------------------------------------------------------------------------------------------ m. fab's own numbers
+
+
+@pytest.mark.parametrize("value, shown", [
+    ("x" * 300, repr("x" * 80 + "... (300 characters)")),  # Python's message cuts the word at 200 characters
+    ("12'3", "\"12'3\""),  # Python quotes it with " then
+    ("1\"2'3", repr("1\"2'3")),
+])
+@pytest.mark.parametrize("flag", ["--connect-timeout", "-T"])
+def test_a_long_or_quoted_word_for_fabs_own_number_names_the_flag(tmp_path, flag, value, shown):
+    # was "a whole number was expected: invalid literal for int() with base 10: 'xxx…" (210 characters of it, no
+    # flag named) for a word the message cut short or quoted with "
+    res = _clusterctl_fab(flag, value, "-H", HOST, "status", cwd=tmp_path)
+    assert _one_error(res) == f"{flag}: a whole number was expected, got {shown}"
