@@ -6,11 +6,10 @@ works from any directory without a checkout. Plain `fab` finds it too:
 given on the command line wins (your own fabfile).
 
 `guard` makes the refusals of Fabric's program one `clusterctl: error:` line and exit 1, never a traceback
-nor Invoke's own wording. clusterctl's programs have it from the start: `clusterctl-fab` (main) and the `fab`
-console script clusterctl installs (fab_main: Fabric's `fab`, its fabfile found as Fabric finds it, so its core
-flags are checked too: `fab --connect-timeout abc` was Invoke's traceback). Fabric's own program
-(`python -m fabric`, or Fabric's `fab` script where it is installed after clusterctl) gets it when it imports
-clusterctl's fabfile, for the steps after that import, not for its core flags, parsed before.
+nor Invoke's own wording: clusterctl-fab's program has it from the start; plain `fab` (Fabric's own script: clusterctl
+does not install over it, which an uninstall of clusterctl would remove) gets it when it imports clusterctl's fabfile,
+for the steps after that import (the command line after the task names, a command line with no task, Fabric's
+`-S`/`-f`/`-i` loading), not for its core flags, parsed before (`fab --connect-timeout abc` is Invoke's own error).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from importlib import resources
 
 from ..errors import _clip
 
-__all__ = ["fabfile_dir", "main", "fab_main", "guard", "guard_fab"]
+__all__ = ["fabfile_dir", "main", "guard", "guard_fab"]
 
 PREFIX = "clusterctl: error: "
 
@@ -36,17 +35,6 @@ def fabfile_dir() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run Fabric's `fab` program with clusterctl's fabfile (unless the command line names another)."""
-    _main(argv, own_fabfile=True)
-
-
-def fab_main(argv: list[str] | None = None) -> None:
-    """Run Fabric's `fab` program as `fab` runs it (the fabfile of this directory or one above it, unless the
-    command line names another), with clusterctl's one-line refusals from the first flag on (the `fab` script)."""
-    _main(argv, own_fabfile=False)
-
-
-def _main(argv: list[str] | None, *, own_fabfile: bool) -> None:
-    """clusterctl-fab (`own_fabfile`: clusterctl's fabfile unless -r/-c name another; `--where`) or fab."""
     args = list(sys.argv[1:] if argv is None else argv)
     from ..console import to_devnull, tolerate_encoding
 
@@ -60,14 +48,14 @@ def _main(argv: list[str] | None, *, own_fabfile: bool) -> None:
         sys.stderr.write(f"{PREFIX}{twice} given twice: give it once ({'-H a,b' if twice == '-H' else twice + ' X'})\n")
         sys.exit(1)
     try:
-        if own_fabfile and args[:1] == ["--where"]:
+        if args[:1] == ["--where"]:
             if args[1:]:  # `--where extra`: the rest was dropped without a word
                 sys.stderr.write(f"{PREFIX}--where takes nothing after it, not {_clip(' '.join(args[1:]), 80)!r}: "
                                  "clusterctl-fab --where\n")
                 sys.exit(1)
             print(fabfile_dir(), flush=True)
             return
-        _program(own_fabfile=own_fabfile).run(["fab", *args])
+        _program().run(["fab", *args])
     except BrokenPipeError:  # `clusterctl-fab --list | head`: our reader went away, as clusterctl's write_text says
         to_devnull(sys.stdout)
     except OSError as exc:  # `--list`, `--help` (Invoke's own print) to a full disk or a device that fails: one line
@@ -93,29 +81,22 @@ def _given_twice(args: list[str]) -> str | None:
     return None
 
 
-def _program(*, own_fabfile: bool = True):
-    """Fabric's `fab` program with guard()'s one-line refusals, and clusterctl's fabfile (`own_fabfile`, unless the
-    core options name another) plus a `--spec FILE` before the task names (`clusterctl-fab --spec cluster.yaml
-    provision`, as a task's own `--spec` after its name). Without `own_fabfile` (the `fab` script) the fabfile is
-    found as Fabric finds it, except for a lone `-- command` (see load_collection)."""
+def _program():
+    """Fabric's `fab` program, plus a `--spec FILE` before the task names (`clusterctl-fab --spec cluster.yaml
+    provision`, as a task's own `--spec` after its name), with guard()'s one-line refusals."""
     from fabric import Config, Executor, __version__
     from fabric.main import Fab
     from invoke import Argument, Program
 
     class ClusterFab(Fab):
         def core_args(self):
-            spec = [Argument(names=("spec",), help="a cluster spec (YAML) for every task")] if own_fabfile else []
-            return [*super().core_args(), *spec]
-
-        def _fabfile_named(self) -> bool:
-            """Whether the core options name a fabfile (`-r`/`--search-root`, `-c`/`--collection`), as Fabric's
-            own parser reads them: a task's `-c` or `-r`, or one after `--`, is the task's."""
-            return self.args["search-root"].value is not None or self.args["collection"].value is not None
+            return [*super().core_args(), Argument(names=("spec",), help="a cluster spec (YAML) for every task")]
 
         def parse_core_args(self):
-            """clusterctl's fabfile (clusterctl-fab) unless the core options name another."""
+            """clusterctl's fabfile unless the core options name another (`-r`/`--search-root`, `-c`/`--collection`),
+            as Fabric's own parser reads them: a task's `-c` or `-r`, or one after `--`, is the task's."""
             super().parse_core_args()
-            if own_fabfile and not self._fabfile_named():
+            if self.args["search-root"].value is None and self.args["collection"].value is None:
                 self.args["search-root"].value = fabfile_dir()
 
         def no_tasks_given(self):
@@ -130,17 +111,8 @@ def _program(*, own_fabfile: bool = True):
 
         def load_collection(self):
             """The fabfile and its fabric.yaml also for a lone `-- command` (Fabric skips both then), so that
-            clusterctl's executor runs it over clusterctl's connections, host keys checked: for the `fab` script,
-            clusterctl's fabfile there unless the core options name another (Fabric ran it with its own executor,
-            which adds any host key it has not seen, and ended in a traceback for a host it could not reach)."""
-            if not own_fabfile and not self._fabfile_named() and self._lone_remainder():
-                self.args["search-root"].value = fabfile_dir()
+            clusterctl's executor runs it over clusterctl's connections, host keys checked."""
             Program.load_collection(self)
-
-        def _lone_remainder(self) -> bool:
-            """A `--` and no task before it (its command may be empty: no_tasks_given says so)."""
-            return "--" in (getattr(self, "argv", None) or []) and not self.core.unparsed \
-                and not self.args.complete.value
 
     guard(ClusterFab)
     return ClusterFab(name="Fabric", version=__version__, executor_class=Executor, config_class=Config)

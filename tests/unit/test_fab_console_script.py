@@ -1,9 +1,8 @@
-"""The `fab` console script clusterctl installs (pyproject's [project.scripts]: clusterctl.fab:fab_main) is Fabric's
-`fab` with clusterctl's one-line refusals from its first flag on: Fabric's own script parsed its core flags before
-any clusterctl code ran (`--connect-timeout abc` was Invoke's traceback), ran a lone `-- command` without any
-fabfile (paramiko, host keys added unseen, a traceback for a host it could not reach), and printed its help with
-exit 0 for a command line that named no task. Each test runs the script as users do. No host is asked but
-127.0.0.1 on a closed port (1)."""
+"""`clusterctl-fab` (clusterctl.fab:main: Fabric's `fab` with clusterctl's fabfile and its one-line refusals from the
+first flag on) and plain `fab` (Fabric's own script, which clusterctl does not install over: an uninstall of
+clusterctl would remove it) once clusterctl's fabfile is loaded: a word for a core number was Invoke's traceback, and a
+command line that named no task printed Fabric's help with exit 0. Each test runs the console script as users do. No
+host is asked but 127.0.0.1 on a closed port (1)."""
 
 from __future__ import annotations
 
@@ -14,13 +13,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FAB = Path(sys.executable).parent / "fab"  # the venv's console script, as `fab` on the PATH
+BIN = Path(sys.executable).parent  # the venv's console scripts, as on the PATH
+FAB = BIN / "clusterctl-fab"
 CLOSED = "127.0.0.1:1"
 
 
-def _fab(*words: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(FAB), *words], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-                          cwd=cwd)
+def _fab(*words: str, cwd: Path, script: Path = FAB) -> subprocess.CompletedProcess:
+    return subprocess.run([str(script), *words], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL, cwd=cwd)
 
 
 def _one_error(res: subprocess.CompletedProcess, code: int = 1) -> str:
@@ -30,11 +30,9 @@ def _one_error(res: subprocess.CompletedProcess, code: int = 1) -> str:
     return lines[0].removeprefix("clusterctl: error: ")
 
 
-def test_the_fab_script_is_clusterctls():
-    # an environment whose `fab` is still Fabric's (clusterctl installed before fabric, or fabric reinstalled
-    # after it) has none of what follows: say so here rather than in each test
-    text = FAB.read_text()
-    assert "from clusterctl.fab import fab_main" in text, text
+def test_plain_fab_stays_fabrics_own_script():
+    # installing clusterctl's program over it would make `pip uninstall clusterctl` remove Fabric's `fab`
+    assert "from fabric.main import program" in (BIN / "fab").read_text()
 
 
 @pytest.mark.parametrize("words, said", [
@@ -43,13 +41,13 @@ def test_the_fab_script_is_clusterctls():
     (["-T", "abc"], "-T: a whole number was expected, got 'abc'"),
 ])
 def test_a_word_for_fabs_own_number_before_the_task_is_one_line(tmp_path, words, said):
-    # was Invoke's ValueError traceback: the core flags are parsed before the fabfile (and its guard) is imported,
-    # here in a directory with no fabfile at all
+    # Invoke's ValueError traceback under Fabric's own program (its core flags are parsed before any fabfile is
+    # imported), here in a directory with no fabfile at all
     assert _one_error(_fab("-H", CLOSED, *words, "status", cwd=tmp_path)) == said
 
 
 def test_a_lone_command_after_a_double_dash_runs_over_clusterctls_connections(tmp_path):
-    # was Fabric's executor with no fabfile: paramiko's socket error as a traceback (and any host key added unseen)
+    # Fabric's own executor (no fabfile) gives paramiko's socket error as a traceback (and adds any host key unseen)
     res = _fab("-H", CLOSED, "--", "true", cwd=tmp_path)
     assert res.returncode == 255, res.stdout + res.stderr
     assert res.stderr.strip().splitlines()[-1] == f"clusterctl: error: cannot connect to {CLOSED}: Connection refused"
@@ -65,9 +63,11 @@ def test_a_lone_command_with_no_hosts_or_none_after_the_dash_is_one_line(tmp_pat
 
 
 @pytest.mark.parametrize("words", [["-H", CLOSED], ["-H", CLOSED, "-e"], ["-w"], ["-r", str(ROOT)]])
-def test_a_command_line_without_a_task_is_one_line_not_help_and_exit_0(words):
-    # `fab -H a,b` (the task name forgotten) printed Fabric's help and exited 0, as if something had run
-    res = _fab(*words, cwd=ROOT)
+@pytest.mark.parametrize("script", ["clusterctl-fab", "fab"])
+def test_a_command_line_without_a_task_is_one_line_not_help_and_exit_0(words, script):
+    # `fab -H a,b` (the task name forgotten) printed Fabric's help and exited 0, as if something had run; plain
+    # `fab` in the checkout loads its fabfile.py (clusterctl's), whose guard refuses it as clusterctl-fab does
+    res = _fab(*words, cwd=ROOT, script=BIN / script)
     assert _one_error(res) == f"no task given after {' '.join(words)!r}: name one (--list shows them)"
     assert res.stdout == ""
 
@@ -76,19 +76,11 @@ def test_a_command_line_without_a_task_is_one_line_not_help_and_exit_0(words):
     ([], "Core options:"), (["--help"], "Core options:"), (["-h"], "Core options:"),
     (["--list"], "tail-log"), (["-l"], "tail-log"), (["-V"], "Fabric"),
 ])
-def test_fab_alone_help_list_and_version_still_work(words, shown):
-    res = _fab(*words, cwd=ROOT)  # the checkout's own fabfile.py, found as Fabric finds it
+@pytest.mark.parametrize("script", ["clusterctl-fab", "fab"])
+def test_fab_alone_help_list_and_version_still_work(words, shown, script):
+    res = _fab(*words, cwd=ROOT, script=BIN / script)  # plain fab: the checkout's own fabfile.py, as Fabric finds it
     assert (res.returncode, res.stderr) == (0, ""), res.stderr
     assert shown in res.stdout
-
-
-def test_another_directorys_fabfile_is_found_as_fabric_finds_it(tmp_path):
-    # the script stays Fabric's `fab`: a project's own fabfile.py (this directory or one above), not clusterctl's
-    (tmp_path / "fabfile.py").write_text("from invoke import task\n\n\n@task\ndef hello(c):\n    print('hello')\n")
-    (tmp_path / "sub").mkdir()
-    res = _fab("hello", cwd=tmp_path / "sub")
-    assert (res.returncode, res.stdout, res.stderr) == (0, "hello\n", "")
-    assert _one_error(_fab("status", cwd=tmp_path)) == "no task 'status' (see --list)"
 
 
 def test_fabrics_own_program_refuses_a_missing_task_once_clusterctls_fabfile_is_loaded(tmp_path):

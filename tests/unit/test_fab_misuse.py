@@ -532,9 +532,8 @@ def test_a_command_after_a_double_dash_runs_on_every_host_through_a_shell(tmp_pa
 
 
 def test_a_command_after_a_double_dash_with_no_hosts_is_one_line(tmp_path):
-    # was Fabric's NothingToDo traceback (Fabric's own program's, `python -m fabric`, still is: it skips every
-    # fabfile, clusterctl's executor with it, for a lone `-- command`; the `fab` script clusterctl installs does not:
-    # test_fab_console_script.py)
+    # was Fabric's NothingToDo traceback (Fabric's own program's, plain `fab` and `python -m fabric`, still is: it
+    # skips every fabfile, clusterctl's executor with it, for a lone `-- command`)
     res = _clusterctl_fab("--", "true", cwd=tmp_path)
     assert _one_error(res) == "no hosts: give -H host1,host2 or --spec FILE, or run where a cluster.yaml is"
 
