@@ -139,7 +139,7 @@ def inspect(kind: str, refs: Sequence[str]) -> list[dict[str, Any]]:
     """`docker KIND inspect REFS...` parsed; missing objects are left out instead of raising."""
     if not refs:
         return []
-    proc = run([kind, "inspect", *refs], check=False)
+    proc = run([kind, "inspect", "--", *refs], check=False)  # `--`: a ref that starts with '-' is not an option
     if not proc.stdout.strip():
         return []
     return list(json.loads(proc.stdout))
@@ -159,7 +159,7 @@ def image_exists(ref: str) -> bool:
 def pull(ref: str, timeout: float) -> bool:
     """Try to pull ref within timeout seconds; True on success, False if no registry answered."""
     try:
-        run(["pull", "--quiet", ref], timeout=timeout)
+        run(["pull", "--quiet", "--", ref], timeout=timeout)
     except DockerError:
         return False
     return True
