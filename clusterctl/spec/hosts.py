@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from .fields import Port, _jump_chain, _Model, _scalar_str, check_address, check_user, nonempty_path
 
@@ -41,7 +41,13 @@ class SshSpec(_Model):
 
     @field_validator("config", "identity_file", "known_hosts")
     @classmethod
-    def _path(cls, v: str | None) -> str | None:
+    def _path(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.field_name != "config" and "${" in v:
+            # OpenSSH reads `${NAME}` in IdentityFile and UserKnownHostsFile as an environment variable, with no way
+            # to escape it (a `%` is written `%%`): the file ssh opened was another than the one named (and not the
+            # one paramiko's transport opens)
+            raise ValueError(f"{v!r}: ssh reads '${{...}}' in this path as an environment variable: write the path "
+                             "itself")
         return nonempty_path(v)  # was taken for the key left out: another known_hosts file, say
 
 

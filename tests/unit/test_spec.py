@@ -29,6 +29,14 @@ BAD = [
         id="misspelt-key",
     ),
     pytest.param(GOOD + "colour: red\n", ["11:1: colour: unknown key"], id="unknown-section"),
+    pytest.param(  # OpenSSH expands ${NAME} there, with no escape: ssh opened another file than the one named
+        GOOD.replace("identity_file: id_ed25519", "identity_file: ${HOME}/id\n  known_hosts: a${X}b"),
+        ["3:3: ssh.identity_file: '${HOME}/id': ssh reads '${...}' in this path as an environment variable: write "
+         "the path itself",
+         "4:3: ssh.known_hosts: 'a${X}b': ssh reads '${...}' in this path as an environment variable: write the path "
+         "itself"],
+        id="dollar-brace-in-an-ssh-path",
+    ),
     pytest.param(
         GOOD.replace("ssh:\n", "ssh:\n  password: s3cret\n"),
         ["3:3: ssh.password: passwords are not allowed in a spec: use ssh.identity_file or an ssh-agent"],
