@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     err: Console
 
 __all__ = ["out", "err", "setup_logging", "LinePrinter", "error", "note", "write_line", "write_text", "output_error",
-           "printable", "use_colour", "paint"]
+           "reader_gone", "printable", "use_colour", "paint"]
 
 # `out` and `err` (rich Consoles) are made on first use: rich costs ~0.1 s to import, and a command that
 # only streams lines (`exec`) or fails early never needs it (module __getattr__, PEP 562).
@@ -95,7 +95,13 @@ def printable(text: str) -> str:
     overrides...) shown as Python escapes (`\x1b`); tabs kept. What hosts send never drives the terminal."""
     if text.isprintable():  # the common case, at C speed
         return text
-    return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in text)
+    return "".join(c if c.isprintable() or c == "\t" else _escaped(c) for c in text)
+
+
+def _escaped(c: str) -> str:
+    """One character as printable() shows it: a byte that was not UTF-8 (in a file name or an argument, Python's
+    surrogateescape, U+DC80-U+DCFF) as that byte, `\\xff`, not `\\udcff`; anything else as Python's repr has it."""
+    return f"\\x{ord(c) - 0xDC00:02x}" if "\udc80" <= c <= "\udcff" else repr(c)[1:-1]
 
 
 def markup_safe(text) -> str:
@@ -165,6 +171,14 @@ def write_line(target, text: str) -> None:
 _output_errors: list[OSError] = []  # writes that failed other than by EPIPE (`> /dev/full`): the command fails
 
 
+_readers_gone: list = []  # the streams whose reader went away (`logs -f | head -1`): write_text dropped their output
+
+
+def reader_gone(stream) -> bool:
+    """Whether a write to `stream` found that its reader went away (EPIPE): what is written there goes nowhere."""
+    return any(s is stream for s in _readers_gone)
+
+
 def output_error() -> OSError | None:
     """The first write of output that failed, other than because our reader went away (see write_text)."""
     return _output_errors[0] if _output_errors else None
@@ -194,4 +208,6 @@ def write_text(target, text: str) -> None:
     except OSError as exc:
         if not isinstance(exc, BrokenPipeError):
             _output_errors.append(exc)
+        elif not reader_gone(target):
+            _readers_gone.append(target)
         to_devnull(target)

@@ -53,6 +53,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ..backends import load_spec
     from ..ops import plan_for
 
+    if args.expand and not args.json:  # the table shows no env: the flag would be dropped without a word
+        raise UsageError("plan: --expand goes with --json (the table shows no environment)")
     spec = load_spec(args.spec, layout=False)
     plan = plan_for(spec)
     for line in plan.notes:
@@ -162,6 +164,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
                                       "the command after it)")
             args.timeout = mine.timeout
         argv = argv[cut + 1:]
+    elif argv and argv[0].startswith("-"):  # `exec SPEC --timeout 5 hostname`: argparse took it all as the command
+        raise UsageError(f"exec: {argv[0]} is not a command: exec's options go before --, the command after it "
+                         "(clusterctl exec SPEC --timeout 5 -- hostname)")
     if not argv or not argv[0].strip():  # `exec SPEC -- "$CMD"`, CMD unset: no program to run
         raise UsageError("exec needs a command after --, e.g. clusterctl exec cluster.yaml -- hostname")
     if args.timeout is not None and not 0 < args.timeout <= MAX_EXEC_TIMEOUT_S:  # also NaN: no comparison holds

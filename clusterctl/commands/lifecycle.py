@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from ..console import error, note, paint, printable, use_colour, write_line, write_text
+from ..console import error, note, paint, printable, reader_gone, use_colour, write_line, write_text
 from ..errors import ClusterctlError, UsageError
 from ..host.states import ACTIVE_JOB_STATES, JobState
 
@@ -108,12 +108,52 @@ def run_stop(spec) -> int:
     return 1 if report.left else 0
 
 
+class _EndWhenReaderLeaves:
+    """`logs --follow`'s lines, and its end when their reader goes away (`logs -f | head -1`), as `tail -f | head`
+    ends: it followed on, every line going nowhere, until the job ended (days). The lines come from the transport's
+    reader threads; the main thread, waiting on them, is woken by a SIGPIPE sent to it and leaves as after Ctrl+C
+    (KeyboardInterrupt: the follow channels closed). Armed in the main thread only, where Python runs handlers."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.armed = threading.current_thread() is threading.main_thread()
+        self.previous = signal.signal(signal.SIGPIPE, self._handler) if self.armed else None
+
+    def _handler(self, signum, frame):
+        if reader_gone(sys.stdout) and not self.ended:  # once: a second one must not break the cleanup
+            self.ended = True
+            raise KeyboardInterrupt
+
+    def __call__(self, host, stream, line) -> None:
+        _raw_line(host, stream, line)
+        if self.armed and not self.ended and reader_gone(sys.stdout):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGPIPE)
+
+    def disarm(self) -> None:
+        if self.armed:
+            self.armed = False
+            signal.signal(signal.SIGPIPE, self.previous if self.previous is not None else signal.SIG_IGN)
+
+
 def run_logs(spec, *, follow=False, role=None, id=None, host=None, lines=None) -> int:
-    """Print `[host role.id] line` for every selected log, optionally following."""
+    """Print `[host role.id] line` for every selected log, optionally following (until the job ends, or the reader
+    of the lines goes away: exit 0)."""
     if lines is not None and lines < 0:  # refused here once, not by every host's agent
         raise UsageError(f"logs: the number of lines must be 0 or more, not {lines}")
+    if host is not None and not host.strip():  # said "no process of job J matches host="
+        raise UsageError("logs: --host is empty: name a host as the spec does (its address or label)")
     with _open(spec) as backend:
-        return backend.logs(on_line=_raw_line, follow=follow, role=role, id=id, host=host, lines=lines)
+        if not follow:
+            return backend.logs(on_line=_raw_line, role=role, id=id, host=host, lines=lines)
+        ender = _EndWhenReaderLeaves()
+        try:
+            return backend.logs(on_line=ender, follow=True, role=role, id=id, host=host, lines=lines)
+        except KeyboardInterrupt:
+            if ender.ended:
+                return 0
+            raise
+        finally:
+            ender.disarm()
 
 
 class _SigtermAsInterrupt:

@@ -1,0 +1,118 @@
+"""What fuzzing the `clusterctl` command line found: each a one-line refusal (exit 2) before any host is asked, or a
+command that ends when its reader goes away, where it ran a wrong command on every host, dropped a flag without a
+word, named a byte as a surrogate, or followed on for as long as the job ran."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from clusterctl import cli
+from fakehosts import FakeCluster
+from helpers import free_port_base
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = "name: t\nssh: {config: none}\nhosts:\n  - address: 10.0.0.1\njob:\n  entrypoint: [python3, train.py]\n"
+
+
+def _cli(*argv, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clusterctl.cli", *argv], capture_output=True, stdin=subprocess.DEVNULL,
+                          timeout=120, **kw)
+
+
+@pytest.mark.parametrize("words", [["--timeout", "5", "hostname"], ["--timeout=5", "hostname"], ["-x"]])
+def test_exec_options_after_the_spec_without_a_double_dash_are_not_run_as_the_command(tmp_path, monkeypatch, capsys,
+                                                                                   words):
+    # `exec SPEC --timeout 5 hostname`: argparse's REMAINDER took `--timeout 5 hostname` as the command, and every
+    # host was asked to run a program named `--timeout` (exit 127 each)
+    import clusterctl.ops.execute as execute
+
+    sent: list = []
+    monkeypatch.setattr(execute, "execute", lambda remote, argv, **kw: sent.append(argv))
+    spec = str(FakeCluster(tmp_path).everywhere(monkeypatch).spec_path)
+    assert cli.main(["exec", spec, *words]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"clusterctl: error: exec: {words[0]} is not a command: exec's options go before --, the command "
+                   "after it (clusterctl exec SPEC --timeout 5 -- hostname)"], err
+    assert sent == []
+
+
+def test_exec_without_a_double_dash_still_runs_a_plain_command(tmp_path, monkeypatch, capsys):
+    spec = str(FakeCluster(tmp_path).everywhere(monkeypatch).spec_path)
+    assert cli.main(["exec", spec, "echo", "-n", "hi"]) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[n0] hi", "[n1] hi"]
+
+
+def test_plan_expand_without_json_is_refused_not_dropped(tmp_path):
+    # the table has no env column: `plan --expand` printed the table, exit 0, as if the flag had not been given
+    spec = tmp_path / "a.yaml"
+    spec.write_text(SPEC)
+    res = _cli("plan", str(spec), "--expand")
+    assert (res.returncode, res.stdout, res.stderr) == (
+        2, b"", b"clusterctl: error: plan: --expand goes with --json (the table shows no environment)\n")
+    assert _cli("plan", str(spec), "--expand", "--json").returncode == 0
+
+
+def test_a_spec_path_that_is_not_utf8_is_named_by_its_bytes(tmp_path):
+    # a file name byte 0xff was shown as Python's surrogate `\udcff`
+    res = _cli("validate", os.fsencode(tmp_path) + b"/l\xff.yaml")
+    assert res.returncode == 2
+    assert res.stderr.endswith(b"/l\\xff.yaml:1:1: cannot read spec: No such file or directory\n"), res.stderr
+
+
+def test_printable_shows_escaped_bytes_as_bytes_and_other_controls_as_before():
+    from clusterctl.console import printable
+
+    assert printable("a\udcffb\udc80") == "a\\xffb\\x80"
+    assert printable("\x1b[31m\ud800\u202e\tok") == "\\x1b[31m\\ud800\\u202e\tok"
+
+
+@pytest.mark.parametrize("host", ["", " "])
+def test_logs_refuses_an_empty_host(tmp_path, capsys, host):
+    # said "no process of job t matches host=" (exit 1), after asking every host
+    assert cli.main(["logs", str(tmp_path / "never-read.yaml"), "--host", host]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "clusterctl: error: logs: --host is empty: name a host as the spec does (its address or label)"]
+
+
+def test_logs_follow_ends_when_its_reader_goes_away(tmp_path):
+    """`clusterctl logs -f SPEC | head -1`: the lines went to /dev/null and the command followed on until the job
+    ended (here: never), where `tail -f | head -1` ends at once. Now it ends, exit 0, nothing on stderr."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "train.py").write_text("import time\nwhile True:\n    print('tick', flush=True)\n"
+                                              "    time.sleep(0.2)\n")
+    name, base = f"loc-{uuid.uuid4().hex[:8]}", free_port_base(24)
+    spec = tmp_path / "local.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": name, "backend": "local", "hosts": [{"address": "localhost"}],
+        "workspace": {"local": str(tmp_path / "ws"), "remote": f"clusterctl-local/{name}"},
+        "job": {"entrypoint": [sys.executable, "train.py"], "grace": 2,
+                "ports": {"control": base, "master": base + 1, "pserver": base + 2, "trainer": base + 12}}}))
+    started = _cli("start", "--dispatch", str(spec), env=env, cwd=tmp_path)
+    assert started.returncode == 0, started.stdout + started.stderr
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "clusterctl.cli", "logs", "-f", str(spec)], env=env, cwd=tmp_path,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert proc.stdout.readline().endswith(b"] tick\n")
+            proc.stdout.close()  # as `head -1` does
+            t0 = time.monotonic()
+            # its next line (0.2 s later) finds no reader; the follow channels close as after Ctrl+C
+            assert (proc.wait(timeout=60), proc.stderr.read()) == (0, b""), time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        stopped = _cli("stop", str(spec), env=env, cwd=tmp_path)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
