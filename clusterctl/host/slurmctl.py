@@ -39,6 +39,7 @@ __all__ = ["overlap_argv", "read_record", "query_job", "live", "reply_lines", "r
 LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "REQUEUE_HOLD",
         "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED")  # Slurm's words for a job not over
 STEP_TIMEOUT = 60.0  # a status step's deadline (an agent status answers in well under a second)
+UNKNOWN_JOB = "Invalid job id specified"  # scontrol show job: slurmctld has no such job (any more)
 STOP_EXTRA = 30.0  # a stop step's deadline beyond the grace; scancel's wait too
 MAX_TOP_REPLY = 8 << 20  # bytes of a supervisor's `top` reply read over its control socket
 REPLY_MARK = "clusterctl-slurm-reply"  # starts the lines of a node command's reply in srun's output
@@ -89,22 +90,31 @@ def _hostnames(nodelist):
 
 
 def query_job(slurm_job):
-    """Slurm's view of a job (`scontrol show job` while slurmctld remembers it, else sacct), or None."""
-    res = subprocess.run(["scontrol", "--oneliner", "show", "job", str(slurm_job)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, universal_newlines=True)
+    """Slurm's view of a job (`scontrol show job` while slurmctld remembers it, else sacct), or None when Slurm
+    does not know it; raise ValueError when Slurm cannot be asked (slurmctld down, no scontrol): a job Slurm
+    cannot speak for is not a job that is over."""
+    try:
+        res = subprocess.run(["scontrol", "--oneliner", "show", "job", str(slurm_job)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, universal_newlines=True)
+    except OSError as e:
+        raise ValueError("cannot ask Slurm about Slurm job %s: scontrol: %s" % (slurm_job, e))
     if res.returncode == 0 and "JobState=" in res.stdout:
         f = _fields(res.stdout)
         reason = f.get("Reason")
         return {"id": str(slurm_job), "state": f.get("JobState", ""), "exit_code": f.get("ExitCode", ""),
                 "nodes": _hostnames(f.get("NodeList", "")), "batch_host": f.get("BatchHost") or None,
                 "reason": reason if reason not in (None, "None") else None}
+    refused = res.returncode != 0 and UNKNOWN_JOB not in res.stderr  # not "no such job": Slurm did not answer
+    why = (res.stderr or res.stdout).strip()[-300:] or "exit %d" % res.returncode
     try:
         res = subprocess.run(["sacct", "-n", "-P", "-X", "-j", str(slurm_job), "-o", "State,ExitCode,NodeList"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
     except OSError:
-        return None
-    rows = [r.split("|") for r in res.stdout.splitlines() if r.count("|") == 2]
-    if res.returncode != 0 or not rows:
+        res = None
+    rows = [r.split("|") for r in res.stdout.splitlines() if r.count("|") == 2] if res is not None else []
+    if res is None or res.returncode != 0 or not rows:
+        if refused:
+            raise ValueError("cannot ask Slurm about Slurm job %s: %s" % (slurm_job, " ".join(why.split())))
         return None
     state, code, nodelist = rows[0]
     nodes = _hostnames(nodelist)

@@ -6,7 +6,8 @@ fakehosts.py). Each fake node is a fake host: node i is reached at 127.0.0.<i+1>
 in the background, as the batch step on node 0 (its output where `#SBATCH --output` says); `srun` runs its
 command once per node (``SLURMD_NODENAME``, ``SLURM_PROCID``, that node's HOME; with ``--input=all`` each
 task gets the whole stdin; ``--label`` prefixes); `scancel` SIGTERMs every process group the job started,
-then SIGKILLs after a kill wait. A job waits in PENDING while ``state_dir/hold`` exists. Jobs are JSON files
+then SIGKILLs after a kill wait. A job waits in PENDING while ``state_dir/hold`` exists; while
+``state_dir/down`` exists every tool fails as when slurmctld cannot be reached. Jobs are JSON files
 under ``state_dir/jobs``; every change is made under a lock.
 """
 
@@ -252,6 +253,14 @@ def _feed(pipe, data: bytes) -> None:
         pass
 
 
+DOWN = {"scontrol": "slurm_load_jobs error: Unable to contact slurm controller (connect failure)",
+        "sacct": "sacct: error: Problem talking to the database: Connection refused"}
+
+
 if __name__ == "__main__":
     fake = Fake(sys.argv[1])
-    sys.exit(getattr(fake, sys.argv[2])(sys.argv[3:]))
+    tool = sys.argv[2]
+    if tool != "_run" and (fake.state / "down").exists():  # slurmctld (and the accounting database) unreachable
+        print(DOWN.get(tool, f"{tool}: error: Unable to contact slurm controller (connect failure)"), file=sys.stderr)
+        sys.exit(1)
+    sys.exit(getattr(fake, tool)(sys.argv[3:]))

@@ -308,6 +308,35 @@ def test_node_replies_survive_sruns_output_whole():
     assert slurmctl.read_replies("\n".join(lines["n1"][:-1] + lines["n2"])) == {"n2": dict(big, node="n2")}  # n1 cut short
 
 
+def _login_says(capsys, *argv: str) -> tuple[int, dict]:
+    code = slurmctl.main(["login", *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_a_slurm_that_cannot_be_asked_is_never_a_job_that_is_over(tmp_path, monkeypatch, capsys):
+    """slurmctld out of reach: the login node's query, stop and submit say so (`clusterctl stop` said `job is not
+    running`, exit 0, and left the job's processes running; status said `no longer known to Slurm`)."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fakeslurm import install
+
+    install(tmp_path / "bin", tmp_path / "slurm", tmp_path / "root", 1)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / glue.RECORD_DIR).mkdir(parents=True)
+    (tmp_path / "home" / glue.RECORD_DIR / "sj.json").write_text(json.dumps({"slurm_job": "4242", "package": "p"}))
+    code, said = _login_says(capsys, "stop", "--job", "sj", "--grace", "1")  # Slurm answers: it has no such job
+    assert (code, said["ok"], said["slurm"], said["was_running"]) == (0, True, None, False)
+    (tmp_path / "slurm" / "down").touch()
+    refusal = {"ok": False, "error": "cannot ask Slurm about Slurm job 4242: slurm_load_jobs error: Unable to "
+                                     "contact slurm controller (connect failure)"}
+    for argv in (["query", "--job", "sj", "--replies"], ["stop", "--job", "sj", "--grace", "1"],
+                 ["top", "--job", "sj", "--slice", "1", "--slices", "1"],
+                 ["submit", "--job", "sj", "--record", "{}"]):
+        assert _login_says(capsys, *argv) == (2, refusal), argv
+
+
 # -------------------------------------------------------------------------------- Slurm's word
 
 
