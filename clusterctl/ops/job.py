@@ -19,7 +19,7 @@ from ..quoting import join, quote
 from ..remote import LineCallback
 from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
 from ..host.record import replace
-from ..host.states import JobState
+from ..host.states import JobState, ProcState
 from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from ..progress import clean_progress, stragglers
 from . import Session
@@ -33,6 +33,8 @@ __all__ = [
     "start",
     "status",
     "fold_status",
+    "not_its_own",
+    "shown_value",
     "stop",
     "logs",
     "JobStatus",
@@ -154,7 +156,15 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
     A view is a host's word about the others, so it is read only where the plan is elastic (`elastic_job`), and
     only one that names the plan's hosts alone and its sender among them: a host (possibly compromised) cannot
     take another host's failure out of a job's state by sending a view that leaves that host out."""
-    parsed = {label: HostStatus.from_json(data) for label, data in replies.items()}
+    unreachable = dict(unreachable)
+    parsed = {}
+    for label, data in replies.items():
+        reply = HostStatus.from_json(data)
+        wrong = not_its_own(reply, job, (addresses or {}).get(label)) if addresses else not_its_own(reply)
+        if wrong:  # that host's word is not this job's status on it: said, in one line, as a reply without a state
+            unreachable[label] = f"no status: {wrong}"
+        else:
+            parsed[label] = _bounded(reply)
     known = set((addresses or {}).values()) if addresses else set(parsed) | set(unreachable)
     elastic, elastic_rank = None, None
     for label, reply in parsed.items() if elastic_job else ():
@@ -185,7 +195,7 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
         if (reply.attempt, reply.attempts_total) > (attempt, attempts_total):
             attempt, attempts, attempts_total = reply.attempt, reply.attempts, reply.attempts_total
         if reply.reason and reply.state not in (JobState.RUNNING, JobState.SUCCEEDED):
-            reasons.append(f"{label}: {reply.reason}")
+            reasons.append(f"{label}: {reply.reason[:MAX_WORDS]}")
         procs.extend(replace(row, progress=clean_progress(raw.get("progress")))
                      for row, raw in zip(reply.process_status(label), reply.processes))
     procs.sort(key=lambda p: (p.role != "pserver", p.id))
@@ -199,6 +209,70 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
     found = [{"host": procs[i].host, "process": f"{procs[i].role}.{procs[i].id}", **v} for i, v in sorted(slow.items())]
     return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, [a.summary() for a in attempts],
                      stragglers=found, elastic=elastic)
+
+
+# What `status` takes of a host's reply beyond the types HostStatus.from_json checks (a host may be compromised):
+# states clusterctl knows, numbers a process can have, words of a bounded length. A state of a host's own making
+# became the job's (overall_state sorts what it does not know), a 300-digit pid, exit code or attempt widened the
+# table past any terminal, and a reason of megabytes was one line.
+MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT
+MAX_COUNT = 1 << 20  # process ids, attempts, restarts
+MAX_UPTIME_S = 1e9  # 31 years
+MAX_WORDS = 500  # characters of a host's reason or error
+MAX_ATTEMPTS_SHOWN = 64  # a supervisor keeps its last ATTEMPTS_KEPT (20)
+_JOB_STATES = frozenset(JobState)
+_PROC_STATES = frozenset(ProcState)
+
+
+def shown_value(value) -> str:
+    text = value if isinstance(value, str) else str(value)
+    return repr(text[:60] + ("..." if len(text) > 60 else ""))  # repr: control characters escaped
+
+
+def not_its_own(reply: HostStatus, job: str | None = None, address: str | None = None) -> str | None:
+    """Why a host's status reply is not its word on `job` at `address` (None: it is): a state clusterctl does not
+    know, or a reply that names another job or another host (a compromised host answering for another; a state
+    directory copied from elsewhere)."""
+    if reply.state not in _JOB_STATES:
+        return f"a job state clusterctl does not know: {shown_value(reply.state)}"
+    if job is not None and reply.job is not None and reply.job != job:
+        return f"a reply for job {shown_value(reply.job)}, not {job}"
+    if address is not None and reply.host is not None and reply.host != address:
+        return f"a reply for host {shown_value(reply.host)}, not {address}"
+    return None
+
+
+def _within(value, lo, hi):
+    return value if value is not None and lo <= value <= hi else None
+
+
+def _bounded(reply: HostStatus) -> HostStatus:
+    """`reply` with what no supervisor sends left out: process rows of an id past MAX_COUNT, pids, exit codes and
+    uptimes out of range (blank), process states clusterctl does not know (`unknown`), attempts and restarts past
+    MAX_COUNT (0), roles cut at 32 characters, reasons and errors at MAX_WORDS."""
+    rows = []
+    for p in reply.processes:
+        if not 0 <= p["id"] <= MAX_COUNT:
+            continue
+        p = dict(p)
+        for key, lo, hi in (("pid", 1, MAX_PID), ("exit_code", -255, 255), ("uptime_s", 0, MAX_UPTIME_S)):
+            if key in p and not (isinstance(p[key], (int, float)) and _within(p[key], lo, hi) is not None):
+                p[key] = None
+        if p.get("state") not in _PROC_STATES:
+            p["state"] = "unknown"
+        p["role"] = p["role"][:32]
+        if isinstance(p.get("error"), str):
+            p["error"] = p["error"][:MAX_WORDS]
+        rows.append(p)
+    attempts = [replace(a, reason=a.reason[:MAX_WORDS] if a.reason else a.reason,
+                        outcome=a.outcome if a.outcome in _JOB_STATES else None)
+                for a in reply.attempts[-MAX_ATTEMPTS_SHOWN:] if 0 <= a.attempt <= MAX_COUNT]
+    reply.processes, reply.attempts = rows, attempts
+    reply.reason = reply.reason[:MAX_WORDS] if reply.reason else reply.reason
+    reply.attempt = _within(reply.attempt, 0, MAX_COUNT) or 0
+    reply.restarts = _within(reply.restarts, 0, MAX_COUNT) or 0
+    reply.attempts_total = _within(reply.attempts_total, 0, MAX_COUNT) or len(attempts)
+    return reply
 
 
 def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | None = None) -> dict[Host, dict]:

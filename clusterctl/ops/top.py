@@ -26,12 +26,14 @@ from functools import partial
 
 from ..errors import ClusterctlError, UsageError
 from ..host.states import JobState
-from ..host.status import overall_state
+from ..host.status import HostStatus, overall_state
 from ..plan import Host
 from ..progress import (STRAGGLER_SLICES, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, clean_progress, stragglers)
 from . import Session
 from .control import Direct, ask, control_command, over_bound
-from .job import STATE_ROOT
+from .job import STATE_ROOT, not_its_own, shown_value
+
+_JOB_STATES = frozenset(JobState)
 
 __all__ = ["ProcRow", "HostRow", "Snapshot", "Top", "TopRequest", "TopAnswer", "TopAsk", "answer_of", "ssh_asks",
            "DEFAULT_INTERVAL", "MIN_INTERVAL"]
@@ -242,6 +244,8 @@ def answer_of(data: dict | None, *, exit_code: int | None = None, output: str = 
         tail = output.strip()[-300:]
         return TopAnswer(now, "error", error=tail or (f"exit {exit_code} without a reply" if exit_code is not None
                                                       else "no reply"))
+    if "state" in data and data["state"] not in _JOB_STATES:  # overall_state would make it the job's (sorted)
+        return TopAnswer(now, "error", error=f"a job state clusterctl does not know: {shown_value(data['state'])}")
     if data.get("ok") is False:
         if data.get("state") == JobState.UNKNOWN and exit_code in (None, 1):
             return TopAnswer(now, "no job", data, _str(data.get("error"), 300))
@@ -278,6 +282,9 @@ def _ask_ssh_host(session: Session, host: Host, request: TopRequest) -> dict[str
         data = None if over_bound(res) else res.reply()
     except ClusterctlError:
         data = None
+    wrong = not_its_own(HostStatus.from_json(data), session.plan.job, host.address) if data else None
+    if wrong:  # a state of its own making, or a reply for another job or host: not this host's row (as `status`)
+        return {host.label: TopAnswer(time.monotonic(), "error", error=wrong)}
     return {host.label: answer_of(data, exit_code=res.exit_code, output=res.stderr or res.stdout)}
 
 

@@ -53,7 +53,7 @@ def test_status_of_a_failed_job_stays_failed_whatever_another_host_says(tmp_path
     capsys.readouterr()
     wait_until(lambda: cli.main(["status", str(c.spec_path), "--json"]) == 0
                and json.loads(capsys.readouterr().out)["state"] == "failed")
-    hostile = json.dumps(view_reply("n0", ["n0"]))
+    hostile = json.dumps(dict(view_reply("n0", ["n0"]), job=c.name))  # another job's reply is not read at all
     c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, hostile={"n0": (hostile, 0)},
                                                         only="--progress-only"))
     assert cli.main(["status", str(c.spec_path), "--json"]) == 0
