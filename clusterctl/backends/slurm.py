@@ -8,6 +8,7 @@ in clusterctl/ops/slurm.py.
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 from ..host.status import JobStatus
@@ -16,6 +17,9 @@ from .base import Backend, LineCallback, Progress, StopReport, killed_count
 __all__ = ["SlurmBackend"]
 
 _PLACED = "Slurm places the nodes; hosts: gives only the shape (gpus, slots) of node i"
+# sbatch --time's forms (sbatch(1)): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds; no limit: -1, INFINITE or UNLIMITED
+_SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|-1|(?i:infinite|unlimited)")
 
 
 class SlurmBackend(Backend):
@@ -38,7 +42,7 @@ class SlurmBackend(Backend):
     @classmethod
     def check_spec(cls, spec) -> list:
         """slurm: section present; nodes or hosts give the shape; pservers by count; launcher ssh; a shared
-        workspace is absolute; the log dir is an #SBATCH value (one word)."""
+        workspace is absolute; the time limit in one of sbatch's forms; the log dir is an #SBATCH value (one word)."""
         from ..spec.errors import problem
 
         loc, source, problems = spec.located, spec.source, []
@@ -60,6 +64,10 @@ class SlurmBackend(Backend):
         if spec.slurm.workspace == "shared" and not spec.workspace.remote.startswith("/"):
             problems.append(problem(loc, source, ("workspace", "remote"),
                                     "slurm.workspace: shared needs an absolute path on the shared filesystem"))
+        if spec.slurm.time is not None and not _SLURM_TIME.fullmatch(spec.slurm.time):
+            problems.append(problem(loc, source, ("slurm", "time"), f"{spec.slurm.time!r} is not a Slurm time limit: "
+                                    "write one of \"MINUTES\", \"MM:SS\", \"HH:MM:SS\", \"D-HH\", \"D-HH:MM\", "
+                                    "\"D-HH:MM:SS\", \"UNLIMITED\" (quoted)"))
         bad = next((c for c in spec.job.log_dir if c.isspace() or c == "\\"), None)
         if bad is not None:
             problems.append(problem(loc, source, ("job", "log_dir"), f"under Slurm the log dir is an #SBATCH "

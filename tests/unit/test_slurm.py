@@ -72,6 +72,10 @@ SLURM_LINE = 'slurm: {login: login1, nodes: 3, partition: gpu, time: "01:00:00"}
      "job.launcher: not supported with backend: slurm: launcher: mpi; use launcher: ssh (clusterctl's own PMI server)"),
     (BASE.replace("time:", "workspace: shared, time:") + "workspace: {remote: rel/dir}\n",
      "workspace.remote: slurm.workspace: shared needs an absolute path on the shared filesystem"),
+    (BASE.replace('"01:00:00"', '"1h"'), 'slurm.time: \'1h\' is not a Slurm time limit: write one of "MINUTES", '
+     '"MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM", "D-HH:MM:SS", "UNLIMITED" (quoted)'),
+    (BASE.replace('"01:00:00"', '"1:2:3:4"'), 'slurm.time: \'1:2:3:4\' is not a Slurm time limit: write one of '
+     '"MINUTES", "MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM", "D-HH:MM:SS", "UNLIMITED" (quoted)'),
     (BASE + "data: {local: d}\n",
      "data: not supported with backend: slurm: data: is not dealt under Slurm yet; put the files in the workspace"),
     (BASE.replace("login: login1", "login: 'a b'"), "slurm.login: not a host name, ssh alias or IP address: 'a b'"),
@@ -88,6 +92,14 @@ SLURM_LINE = 'slurm: {login: login1, nodes: 3, partition: gpu, time: "01:00:00"}
 ])
 def test_slurm_spec_problems(text, expected):
     assert problems(text) == [expected]
+
+
+@pytest.mark.parametrize("limit", ["90", "10:30", "1:00:00", "2-3", "2-3:30", "2-03:30:15", "UNLIMITED", "infinite",
+                                   "-1", "0"])
+def test_every_time_limit_sbatch_takes_is_valid(limit):
+    """Each form sbatch --time takes (checked with sbatch --test-only on the test cluster's Slurm 22.05)."""
+    spec = parse_spec(BASE.replace('"01:00:00"', f'"{limit}"'), check=backend_problems)
+    assert f"--time={limit}" in sbatch_options(spec, make_plan(spec))
 
 
 def test_what_slurm_places_is_refused_at_each_key():
