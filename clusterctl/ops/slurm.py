@@ -35,7 +35,7 @@ from ..spec.fields import check_address
 from ..transport.base import cut_short
 from . import Session
 from .control import MAX_CONTROL_REPLY, agent_reply
-from .hosttools import _package_payload, ensure_tools, install_on, package_dir, tool_argv, tool_command
+from .hosttools import _package_payload, install_on, package_dir, tool_argv, tool_command
 from .job import MAX_SAID, MAX_SAID_CHARS, JobStatus, fold_status, job_files, own_log_line
 from .top import TopAnswer, TopRequest, answer_of
 
@@ -83,6 +83,8 @@ def _remote(spec: ClusterSpec, hosts: tuple[Host, ...]):
 def _run(remote: Remote, host: Host, command: str, *, stdin: bytes | None = None, what: str) -> str:
     """One command on one host; SlurmError with its stderr when it fails."""
     res = remote.run(command, hosts=[host], stdin=stdin, check=False, what=what)[host]
+    if res.unreachable:
+        raise SlurmError(f"cannot reach the Slurm login node {host.label}: {res.stderr.strip()[-300:]}")
     if res.exit_code != 0:
         why = (res.stderr or res.stdout).strip()[-800:] or f"exit {res.exit_code}"
         raise SlurmError(f"{what} on {host.label} failed: {why}")
@@ -381,7 +383,12 @@ def start(spec: ClusterSpec, plan: JobPlan, *, on_progress: Callable[[str], None
     login = _login(spec)
     script = batch_script(spec, plan)
     with _remote(spec, (login,)) as remote:
-        ensure_tools(remote, ("slurmctl",), [login])
+        res = install_on(remote, ("slurmctl",), [login])[login]
+        if res.unreachable:  # as every other command says it (_reply), not as a failed install
+            raise SlurmError(f"cannot reach the Slurm login node {login.label}: {res.stderr.strip()[-300:]}")
+        if not res.ok:
+            raise SlurmError(f"installing clusterctl's host tools on the Slurm login node {login.label} failed: "
+                             f"{res.error() or res.stderr.strip()[-300:] or f'exit {res.exit_code}'}")
         if spec.slurm.workspace == "shared":
             _mkdir(remote, plan.log_dir)
         else:  # sbatch --output must be writable on whichever node becomes the batch host

@@ -349,6 +349,31 @@ def test_a_slurm_that_cannot_be_asked_is_never_a_job_that_is_over(tmp_path, monk
         assert _login_says(capsys, *argv) == (2, refusal), argv
 
 
+@pytest.mark.parametrize("command", ["start", "dispatch", "status", "stop", "logs"])
+def test_every_command_says_an_unreachable_login_node_in_one_line(tmp_path, monkeypatch, capsys, command):
+    """start said `installing clusterctl's host tools failed on 1 host(s)` and dispatch `sinfo on login failed`
+    when the login node could not be reached; every command now says that, as status, stop and logs did."""
+    import sys
+
+    import yaml
+
+    from clusterctl.cli import main
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fakehosts import FakeCluster, FaultyTransport, refused
+
+    c = FakeCluster(tmp_path)
+    data = yaml.safe_load(c.spec_path.read_text())
+    data.pop("hosts")
+    data.update(backend="slurm", slurm={"login": "login", "nodes": 2})
+    c.spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, down={"login"}))
+    code = main([command, str(c.spec_path)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("clusterctl: error:")]
+    assert code == 1 and len(err) == 1, err
+    assert re.fullmatch(f"clusterctl: error: cannot reach the Slurm login node login: {refused('login')}", err[0]), err
+
+
 # -------------------------------------------------------------------------------- Slurm's word
 
 
