@@ -42,8 +42,8 @@ from .top import TopAnswer, TopRequest, answer_of
 __all__ = ["job_templates", "batch_script", "sbatch_options", "slurm_state", "slurm_status",
            "dispatch", "start", "status", "logs", "stop", "SlurmTop", "SlurmError"]
 
-WAIT_SUPERVISORS_S = 120.0
-LOGS_TIMEOUT_S = 600.0  # logs without --follow: a generous deadline for large logs  # logs --follow: how long a running job's supervisors may take to appear
+WAIT_SUPERVISORS_S = 120.0  # logs --follow: how long a running job's supervisors may take to appear
+LOGS_TIMEOUT_S = 600.0  # logs without --follow: a generous deadline for large logs
 STOP_EXTRA_S = 2 * slurmctl.STOP_EXTRA  # the login's stop command: its step and scancel's wait, beyond the grace
 _STATES = {"PENDING": JobState.PENDING, "CONFIGURING": JobState.PENDING, "REQUEUED": JobState.PENDING,
            "RUNNING": JobState.RUNNING, "SUSPENDED": JobState.RUNNING, "RESIZING": JobState.RUNNING,
@@ -80,11 +80,16 @@ def _remote(spec: ClusterSpec, hosts: tuple[Host, ...]):
         yield remote
 
 
+def _reached(res, login: Host):
+    """res, unless the login node could not be reached: then SlurmError, said alike by every command."""
+    if res.unreachable:
+        raise SlurmError(f"cannot reach the Slurm login node {login.label}: {res.stderr.strip()[-300:]}")
+    return res
+
+
 def _run(remote: Remote, host: Host, command: str, *, stdin: bytes | None = None, what: str) -> str:
     """One command on one host; SlurmError with its stderr when it fails."""
-    res = remote.run(command, hosts=[host], stdin=stdin, check=False, what=what)[host]
-    if res.unreachable:
-        raise SlurmError(f"cannot reach the Slurm login node {host.label}: {res.stderr.strip()[-300:]}")
+    res = _reached(remote.run(command, hosts=[host], stdin=stdin, check=False, what=what)[host], host)
     if res.exit_code != 0:
         why = (res.stderr or res.stdout).strip()[-800:] or f"exit {res.exit_code}"
         raise SlurmError(f"{what} on {host.label} failed: {why}")
@@ -189,9 +194,7 @@ LOGIN_REPLY = 64 << 20
 
 
 def _reply(res, login: Host, what: str) -> dict:
-    if res.unreachable:
-        raise SlurmError(f"cannot reach the Slurm login node {login.label}: {res.stderr.strip()[-300:]}")
-    if cut_short(res.stdout):
+    if cut_short(_reached(res, login).stdout):
         raise SlurmError(f"{what} on {login.label}: a reply over the {LOGIN_REPLY >> 20} MiB a login node's may be")
     try:
         data = res.reply()
@@ -383,9 +386,7 @@ def start(spec: ClusterSpec, plan: JobPlan, *, on_progress: Callable[[str], None
     login = _login(spec)
     script = batch_script(spec, plan)
     with _remote(spec, (login,)) as remote:
-        res = install_on(remote, ("slurmctl",), [login])[login]
-        if res.unreachable:  # as every other command says it (_reply), not as a failed install
-            raise SlurmError(f"cannot reach the Slurm login node {login.label}: {res.stderr.strip()[-300:]}")
+        res = _reached(install_on(remote, ("slurmctl",), [login])[login], login)  # not as a failed install
         if not res.ok:
             raise SlurmError(f"installing clusterctl's host tools on the Slurm login node {login.label} failed: "
                              f"{res.error() or res.stderr.strip()[-300:] or f'exit {res.exit_code}'}")
@@ -422,16 +423,8 @@ def _supervisors_up(q: dict) -> bool:
     return all((replies.get(n) or {}).get("state") not in (None, JobState.UNKNOWN) for n in sj["nodes"])
 
 
-def logs(
-    spec: ClusterSpec,
-    plan: JobPlan,
-    *,
-    on_line: LineCallback,
-    follow: bool = False,
-    role: str | None = None,
-    id: int | None = None,
-    lines: int | None = None,
-) -> int:
+def logs(spec: ClusterSpec, plan: JobPlan, *, on_line: LineCallback, follow: bool = False, role: str | None = None,
+         id: int | None = None, lines: int | None = None) -> int:
     """Stream `[node role.id] line` from every selected log of every attempt (`agent logs` on each node, over
     ssh); with follow, until the job ends."""
     login = _login(spec)
