@@ -177,6 +177,8 @@ def slurm_status(job: str, sj: dict, replies: dict[str, dict], unreachable: dict
         return st
     st = fold_status(job, answered, unreachable)
     st.backend = "slurm"
+    if word_state == JobState.FAILED and st.state == JobState.STOPPED:  # TIMEOUT, NODE_FAIL, PREEMPTED...: Slurm
+        st.state = JobState.FAILED  # ended the job; its supervisors only heard a SIGTERM, as from a user's stop
     st.reason = head + (f"; {st.reason}" if st.reason else "")
     return st
 

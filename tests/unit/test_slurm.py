@@ -409,6 +409,18 @@ def test_slurm_status_folds_the_supervisors_replies_as_over_ssh():
         ("n0", "trainer", 0, "stopped", -15), ("n1", "trainer", 1, "failed", 3)]
 
 
+@pytest.mark.parametrize("word, state", [("TIMEOUT", "failed"), ("NODE_FAIL", "failed"), ("PREEMPTED", "failed"),
+                                         ("CANCELLED by 0", "stopped")])
+def test_a_job_slurm_ended_is_failed_though_its_supervisors_say_stopped(word, state):
+    """The time limit (or a node's failure) SIGTERMs the supervisors, which record a stop: the job was `stopped`, as
+    after a user's `clusterctl stop` (CANCELLED), though its work was cut short."""
+    stopped = {n: _reply("stopped", [{"role": "trainer", "id": i, "pid": 5, "state": "stopped", "exit_code": -15}],
+                         reason="stop requested on n0") for i, n in enumerate(("n0", "n1"))}
+    st = slurm_status("j", dict(SJ, state=word, exit_code="143:0", reason="TimeLimit"), stopped, {})
+    assert (st.state, st.reason) == (state, f"Slurm job 7 {word} (exit 143:0) on n0,n1: TimeLimit; "
+                                            "n0: stop requested on n0; n1: stop requested on n0")
+
+
 def test_slurm_status_before_and_without_supervisors():
     st = slurm_status("j", dict(SJ, state="PENDING", nodes=[], reason="Resources"), {}, {})
     assert (st.state, st.reason, st.processes) == ("pending", "Slurm job 7 PENDING (exit 0:0): Resources", [])
