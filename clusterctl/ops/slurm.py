@@ -144,14 +144,9 @@ def batch_script(spec: ClusterSpec, plan: JobPlan) -> str:
            "gpus_per_node": spec.slurm.gpus_per_node, "templates": job_templates(plan)}
     blob = base64.encodebytes(_package_payload() + json.dumps(job, sort_keys=True).encode()).decode()
     lines = ["#!/bin/bash", *(f"#SBATCH {opt}" for opt in sbatch_options(spec, plan))]
-    lines += [
-        f"# clusterctl job {plan.job}: {len(plan.pservers)} pserver(s), {len(plan.trainers)} trainer(s); "
-        "one clusterctl supervisor per node (docs/slurm.md)",
-        "umask 077",
-        f"exec python3 -S -E -c {quote(glue.BOOT)} batch <<'CLUSTERCTL_EOF'",
-        blob.rstrip("\n"),
-        "CLUSTERCTL_EOF",
-    ]
+    lines += [f"# clusterctl job {plan.job}: {len(plan.pservers)} pserver(s), {len(plan.trainers)} trainer(s); "
+              "one clusterctl supervisor per node (docs/slurm.md)", "umask 077",
+              f"exec python3 -S -E -c {quote(glue.BOOT)} batch <<'CLUSTERCTL_EOF'", blob.rstrip("\n"), "CLUSTERCTL_EOF"]
     return "\n".join(lines) + "\n"
 
 
@@ -172,9 +167,8 @@ def slurm_status(job: str, sj: dict, replies: dict[str, dict], unreachable: dict
     if not answered:  # no supervisor (yet, or any more reachable): Slurm's word is all there is
         if word_state == JobState.RUNNING:
             word_state, head = JobState.STARTING, head + "; starting the supervisors"
-        st = JobStatus(job, word_state, head + (f"; slurm-{sj['id']}.out ends: {tail}" if tail else ""),
-                       unreachable=dict(unreachable), backend="slurm")
-        return st
+        return JobStatus(job, word_state, head + (f"; slurm-{sj['id']}.out ends: {tail}" if tail else ""),
+                         unreachable=dict(unreachable), backend="slurm")
     st = fold_status(job, answered, unreachable)
     st.backend = "slurm"
     if word_state == JobState.FAILED and st.state == JobState.STOPPED:  # TIMEOUT, NODE_FAIL, PREEMPTED...: Slurm
@@ -416,19 +410,24 @@ def status(spec: ClusterSpec, plan: JobPlan) -> JobStatus:
     return _status_from(spec, plan, q)
 
 
+def _pending(q: dict) -> bool:
+    return q["slurm"] is not None and slurm_state(q["slurm"]["state"]) == JobState.PENDING
+
+
 def _supervisors_up(q: dict) -> bool:
-    """Whether every node's supervisor answered (or the job no longer runs)."""
+    """Whether every node's supervisor answered (or the job no longer runs); never while the job is pending."""
     sj = q["slurm"]
-    if sj is None or slurm_state(sj["state"]) != JobState.RUNNING:
+    if sj is None or slurm_state(sj["state"]) not in (JobState.RUNNING, JobState.PENDING):
         return True
     replies = q.get("replies") or {}
-    return all((replies.get(n) or {}).get("state") not in (None, JobState.UNKNOWN) for n in sj["nodes"])
+    return not _pending(q) and all((replies.get(n) or {}).get("state") not in (None, JobState.UNKNOWN)
+                                   for n in sj["nodes"])
 
 
 def logs(spec: ClusterSpec, plan: JobPlan, *, on_line: LineCallback, follow: bool = False, role: str | None = None,
          id: int | None = None, lines: int | None = None) -> int:
     """Stream `[node role.id] line` from every selected log of every attempt (`agent logs` on each node, over
-    ssh); with follow, until the job ends."""
+    ssh); with follow, until the job ends (a pending job is waited for)."""
     login = _login(spec)
     with _remote(spec, (login,)) as remote:
         q = _query(remote, login, plan, replies=follow)
@@ -436,6 +435,8 @@ def logs(spec: ClusterSpec, plan: JobPlan, *, on_line: LineCallback, follow: boo
         while follow and not _supervisors_up(q) and time.monotonic() < deadline:
             time.sleep(1.0)
             q = _query(remote, login, plan, replies=True)
+            if _pending(q):  # waited for as `start --follow` waits; the supervisors' deadline runs from the allocation
+                deadline = time.monotonic() + WAIT_SUPERVISORS_S
     rec, sj = q["record"], q["slurm"]
     if rec is None:
         raise JobError(f"job {plan.job} was never submitted from {login.label}")

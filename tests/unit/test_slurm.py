@@ -349,25 +349,55 @@ def test_a_slurm_that_cannot_be_asked_is_never_a_job_that_is_over(tmp_path, monk
         assert _login_says(capsys, *argv) == (2, refusal), argv
 
 
-@pytest.mark.parametrize("command", ["start", "dispatch", "status", "stop", "logs"])
-def test_every_command_says_an_unreachable_login_node_in_one_line(tmp_path, monkeypatch, capsys, command):
-    """start said `installing clusterctl's host tools failed on 1 host(s)` and dispatch `sinfo on login failed`
-    when the login node could not be reached; every command now says that, as status, stop and logs did."""
+def _fake_slurm(tmp_path, monkeypatch, *, job=None, transport=None, workspace="shared"):
+    """A backend: slurm spec over fake hosts (tests/unit/fakehosts.py) with the fake Slurm (fakeslurm.py) of 2
+    nodes installed; a shared workspace is the login host's directory."""
     import sys
 
     import yaml
 
-    from clusterctl.cli import main
-
     sys.path.insert(0, os.path.dirname(__file__))
-    from fakehosts import FakeCluster, FaultyTransport, refused
+    from fakehosts import FakeCluster
+    from fakeslurm import install
 
-    c = FakeCluster(tmp_path)
+    c = FakeCluster(tmp_path, hosts=2, job=job, files={"train.py": "import time\nprint('trained', flush=True)\n"})
     data = yaml.safe_load(c.spec_path.read_text())
     data.pop("hosts")
-    data.update(backend="slurm", slurm={"login": "login", "nodes": 2})
+    if workspace == "shared":
+        data["workspace"]["remote"] = str(c.root / "login" / c.remote_dir)
+    data.update(backend="slurm", slurm={"login": "login", "nodes": 2, "workspace": workspace})
     c.spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
-    c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, down={"login"}))
+    c.slurm = tmp_path / "slurm"
+    install(c.bin, c.slurm, c.root, 2)
+    return c.everywhere(monkeypatch, transport=transport(c) if transport else None)
+
+
+def test_logs_follow_waits_while_the_job_is_pending(tmp_path, monkeypatch, capsys):
+    """`clusterctl start` leaves a Slurm job pending: `logs -f` right after it said `has not started: no logs yet`
+    (exit 1) instead of following the job, as `start --follow` does."""
+    import threading
+
+    from clusterctl.cli import main
+
+    c = _fake_slurm(tmp_path, monkeypatch)
+    (c.slurm / "hold").touch()
+    assert main(["start", str(c.spec_path), "--dispatch"]) == 0
+    assert "pending (Slurm job 4242 PENDING" in capsys.readouterr().out
+    threading.Timer(2.0, (c.slurm / "hold").unlink).start()  # the allocation comes while logs -f waits
+    code = main(["logs", str(c.spec_path), "-f"])
+    got = capsys.readouterr()
+    assert (code, sorted(got.out.splitlines())) == (0, ["[node1 trainer.0] trained", "[node2 trainer.1] trained"]), got
+
+
+@pytest.mark.parametrize("command", ["start", "dispatch", "status", "stop", "logs"])
+def test_every_command_says_an_unreachable_login_node_in_one_line(tmp_path, monkeypatch, capsys, command):
+    """start said `installing clusterctl's host tools failed on 1 host(s)` and dispatch `sinfo on login failed`
+    when the login node could not be reached; every command now says that, as status, stop and logs did."""
+    from clusterctl.cli import main
+    from fakehosts import FaultyTransport, refused
+
+    c = _fake_slurm(tmp_path, monkeypatch, workspace="dispatch",
+                    transport=lambda c: FaultyTransport(c.transport, down={"login"}))
     code = main([command, str(c.spec_path)])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("clusterctl: error:")]
     assert code == 1 and len(err) == 1, err
