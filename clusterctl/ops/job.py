@@ -141,11 +141,24 @@ def status(session: Session) -> JobStatus:
         else:  # no status at all (the agent failed; a reply garbled, or over its bound): that host's, said, not dropped
             unreachable[host.label] = f"no status: {str(reply.get('error') or 'a reply without a state')[-300:]}"
     return fold_status(plan.job, replies, unreachable, {h.label: h.address for h in plan.hosts},
-                       elastic_job=plan.min_hosts is not None)
+                       elastic_job=plan.min_hosts is not None, placed=placement(plan))
+
+
+def placement(plan) -> dict[str, frozenset] | None:
+    """Host label -> the (role, id) of the processes the plan places there: what that host's replies may report.
+    None where a host's rows are not the plan's to check: an elastic job lays its ranks out again on the hosts left,
+    and under mpiexec the job file holds mpiexec alone."""
+    if plan.min_hosts is not None or plan.mpi is not None:
+        return None
+    placed: dict[str, set] = {h.label: set() for h in plan.hosts}
+    for p in plan.processes:
+        placed.setdefault(p.host.label, set()).add((p.role, p.id))
+    return {label: frozenset(ids) for label, ids in placed.items()}
 
 
 def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
-                addresses: dict[str, str] | None = None, *, elastic_job: bool = False) -> JobStatus:
+                addresses: dict[str, str] | None = None, *, elastic_job: bool = False,
+                placed: dict[str, frozenset] | None = None) -> JobStatus:
     """The job's status from every host's `agent status` reply (host label -> reply) and the hosts that did
     not answer (label -> why), whatever started the supervisors (pure). Only well-typed fields of a reply are
     read (HostStatus.from_json); progress in the replies (`agent top --progress-only`) is kept per process,
@@ -155,12 +168,14 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
 
     A view is a host's word about the others, so it is read only where the plan is elastic (`elastic_job`), and
     only one that names the plan's hosts alone and its sender among them: a host (possibly compromised) cannot
-    take another host's failure out of a job's state by sending a view that leaves that host out."""
+    take another host's failure out of a job's state by sending a view that leaves that host out. Nor can it report
+    rows of processes the plan placed elsewhere (`placed`: placement), which would show as another host's, or, with
+    step rates of its choosing, make another host's trainer a straggler."""
     unreachable = dict(unreachable)
     parsed = {}
     for label, data in replies.items():
         reply = HostStatus.from_json(data)
-        wrong = not_its_own(reply, job, (addresses or {}).get(label)) if addresses else not_its_own(reply)
+        wrong = not_its_own(reply, job, (addresses or {}).get(label), None if placed is None else placed.get(label))
         if wrong:  # that host's word is not this job's status on it: said, in one line, as a reply without a state
             unreachable[label] = f"no status: {wrong}"
         else:
@@ -229,16 +244,22 @@ def shown_value(value) -> str:
     return repr(text[:60] + ("..." if len(text) > 60 else ""))  # repr: control characters escaped
 
 
-def not_its_own(reply: HostStatus, job: str | None = None, address: str | None = None) -> str | None:
+def not_its_own(reply: HostStatus, job: str | None = None, address: str | None = None,
+                placed: frozenset | None = None) -> str | None:
     """Why a host's status reply is not its word on `job` at `address` (None: it is): a state clusterctl does not
-    know, or a reply that names another job or another host (a compromised host answering for another; a state
-    directory copied from elsewhere)."""
+    know, a reply that names another job or another host (a compromised host answering for another; a state
+    directory copied from elsewhere), or a process row the plan did not place there (`placed`: its (role, id)s)."""
     if reply.state not in _JOB_STATES:
         return f"a job state clusterctl does not know: {shown_value(reply.state)}"
     if job is not None and reply.job is not None and reply.job != job:
         return f"a reply for job {shown_value(reply.job)}, not {job}"
     if address is not None and reply.host is not None and reply.host != address:
         return f"a reply for host {shown_value(reply.host)}, not {address}"
+    if placed is not None:
+        for row in reply.processes:
+            if (row["role"], row["id"]) not in placed:
+                return (f"a row for {shown_value(row['role'])[1:-1]}.{row['id']}, which the plan does not place on "
+                        f"this host (was the spec changed since the job started?)")
     return None
 
 

@@ -31,7 +31,7 @@ from ..plan import Host
 from ..progress import (STRAGGLER_SLICES, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, clean_progress, stragglers)
 from . import Session
 from .control import Direct, ask, control_command, over_bound
-from .job import STATE_ROOT, not_its_own, shown_value
+from .job import STATE_ROOT, not_its_own, placement, shown_value
 
 _JOB_STATES = frozenset(JobState)
 
@@ -262,7 +262,8 @@ class TopAsk:
     call: Callable[[], dict[str, TopAnswer]]
 
 
-def _ask_ssh_host(session: Session, host: Host, request: TopRequest) -> dict[str, TopAnswer]:
+def _ask_ssh_host(session: Session, host: Host, request: TopRequest, placed: frozenset | None = None
+                  ) -> dict[str, TopAnswer]:
     """The supervisor's `top` over its control socket (its Sampler kept in memory, nvidia-smi on a thread of its
     own), or `agent top` where no supervisor runs (clusterctl/ops/control.py)."""
     remote = session.remote
@@ -282,7 +283,7 @@ def _ask_ssh_host(session: Session, host: Host, request: TopRequest) -> dict[str
         data = None if over_bound(res) else res.reply()
     except ClusterctlError:
         data = None
-    wrong = not_its_own(HostStatus.from_json(data), session.plan.job, host.address) if data else None
+    wrong = not_its_own(HostStatus.from_json(data), session.plan.job, host.address, placed) if data else None
     if wrong:  # a state of its own making, or a reply for another job or host: not this host's row (as `status`)
         return {host.label: TopAnswer(time.monotonic(), "error", error=wrong)}
     return {host.label: answer_of(data, exit_code=res.exit_code, output=res.stderr or res.stdout)}
@@ -290,7 +291,10 @@ def _ask_ssh_host(session: Session, host: Host, request: TopRequest) -> dict[str
 
 def ssh_asks(session: Session, request: TopRequest) -> list[TopAsk]:
     """One TopAsk per host of an SSH session (the SSH and local backends'): a slow host holds up only its own row."""
-    return [TopAsk((h.label,), partial(_ask_ssh_host, session, h, request)) for h in session.plan.hosts]
+    placed = placement(session.plan)  # each host's processes: the rows its replies may have (once, not per refresh)
+    return [TopAsk((h.label,), partial(_ask_ssh_host, session, h, request,
+                                       None if placed is None else placed.get(h.label, frozenset())))
+            for h in session.plan.hosts]
 
 
 class Top:

@@ -95,3 +95,31 @@ def test_status_and_top_do_not_show_a_reply_for_another_host_as_this_hosts(tmp_p
     n1 = [h for h in doc["hosts"] if h["host"] == "n1"]
     assert [(h["status"], h["error"]) for h in n1] == [("error", "a reply for host 'n0', not n1")], doc["hosts"]
     assert not [r for r in doc["processes"] if r["host"] == "n1"], doc["processes"]
+
+
+def test_a_row_of_a_process_the_plan_placed_on_another_host_names_the_sender():
+    # B reports, beside its own trainer.1, a trainer.0 (A's) stepping 1,000 times faster: it showed as a second
+    # trainer.0, and with its rate A's real one became the job's straggler
+    fast = {"role": "trainer", "id": 0, "pid": 9, "state": "running", "progress": {"step": 10**6, "rate": 1e6}}
+    hostile = reply("b", processes=[reply("b")["processes"][0], fast])
+    placed = {"A": frozenset({("trainer", 0)}), "B": frozenset({("trainer", 1)})}
+    st = fold_status("j", {"A": reply("a"), "B": hostile}, {}, ADDRESSES, placed=placed)
+    assert st.unreachable == {"B": "no status: a row for trainer.0, which the plan does not place on this host (was "
+                                    "the spec changed since the job started?)"}, st.unreachable
+    assert [(p.host, p.role, p.id) for p in st.processes] == [("A", "trainer", 0)]
+    assert st.stragglers == []
+    honest = fold_status("j", {"A": reply("a"), "B": reply("b")}, {}, ADDRESSES, placed=placed)
+    assert (honest.unreachable, len(honest.processes)) == ({}, 2)
+
+
+def test_status_and_top_name_a_host_that_reports_another_hosts_process(tmp_path, monkeypatch, capsys):
+    hostile = dict(reply("n1", processes=[{"role": "trainer", "id": 0, "pid": 7, "state": "running"}]), job="j")
+    said = "a row for trainer.0, which the plan does not place on this host (was the spec changed since the job started?)"
+    code, out, _ = _hostile_cli(tmp_path / "s", monkeypatch, capsys, ["status", "--json"], "progress", hostile)
+    doc = json.loads(out)
+    assert (code, doc["unreachable"]) == (1, {"n1": "no status: " + said}), doc
+    assert not [r for r in doc["processes"] if r["host"] == "n1"], doc["processes"]
+    code, out, _ = _hostile_cli(tmp_path / "t", monkeypatch, capsys, ["top", "--once", "--json", "--no-gpu"],
+                                "--slices", hostile)
+    doc = json.loads(out)
+    assert [(h["status"], h["error"]) for h in doc["hosts"] if h["host"] == "n1"] == [("error", said)], doc["hosts"]
