@@ -250,6 +250,11 @@ class SlurmSpec(_Model):
     workspace: Literal["dispatch", "shared"] = "dispatch"  # shared: workspace.remote is on a shared fs
     endpoints: Literal["ip", "hostname"] = "ip"  # what endpoints use: the node's IP or its Slurm name
 
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time_text(cls, v: Any) -> Any:
+        return _scalar_str(v)  # `time: 90` is sbatch's 90 minutes (as written: TEXT_PATHS)
+
     @field_validator("partition", "time", "account", "qos")
     @classmethod
     def _word(cls, v: str | None) -> str | None:

@@ -103,6 +103,7 @@ TEXT_PATHS = (
     ("job", "args", "*"),
     ("hosts", "*", "labels", "*"),
     ("kubernetes", "resources", "*", "*", "*"),
+    ("slurm", "time"),  # sbatch's `90` (minutes), `1:30` (minutes:seconds)
 )
 
 _DECIMAL_INT_RE = re.compile(r"[-+]?(0|[1-9][0-9]*)")

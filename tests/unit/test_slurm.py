@@ -102,6 +102,13 @@ def test_every_time_limit_sbatch_takes_is_valid(limit):
     assert f"--time={limit}" in sbatch_options(spec, make_plan(spec))
 
 
+@pytest.mark.parametrize("written, limit", [("90", "90"), ("1:30", "1:30"), ("010", "010")])
+def test_a_time_limit_written_unquoted_is_sbatchs_as_written(written, limit):
+    # `time: 90` was "expected a string", and `time: 1:30` (sbatch's minutes:seconds) "reads as 90 in YAML 1.1"
+    spec = parse_spec(BASE.replace('"01:00:00"', written), check=backend_problems)
+    assert f"--time={limit}" in sbatch_options(spec, make_plan(spec))
+
+
 def test_what_slurm_places_is_refused_at_each_key():
     text = BASE.replace("nodes: 3, ", "") + (
         "hosts:\n"
