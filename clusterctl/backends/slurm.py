@@ -12,7 +12,7 @@ import re
 from typing import ClassVar
 
 from ..host.status import JobStatus
-from .base import Backend, LineCallback, Progress, StopReport, killed_count
+from .base import Backend, LineCallback, Placement, Progress, StopReport, killed_count
 
 __all__ = ["SlurmBackend"]
 
@@ -67,12 +67,31 @@ class SlurmBackend(Backend):
         if spec.slurm.time is not None and not _SLURM_TIME.fullmatch(spec.slurm.time):
             problems.append(problem(loc, source, ("slurm", "time"), f"{spec.slurm.time!r} is not a Slurm time limit: "
                                     "write one of \"MINUTES\", \"MM:SS\", \"HH:MM:SS\", \"D-HH\", \"D-HH:MM\", "
-                                    "\"D-HH:MM:SS\", \"UNLIMITED\" (quoted)"))
+                                    "\"D-HH:MM:SS\", \"UNLIMITED\""))
         bad = next((c for c in spec.job.log_dir if c.isspace() or c == "\\"), None)
         if bad is not None:
             problems.append(problem(loc, source, ("job", "log_dir"), f"under Slurm the log dir is an #SBATCH "
                                     f"--output value: no whitespace or backslash (found {bad!r})"))
         return problems
+
+    @classmethod
+    def placement(cls, spec, plan) -> Placement:
+        """Node i of the allocation, Slurm's choice at start: not the plan's placeholder hosts, nor their ssh
+        connections (`plan` listed `slurm-node-0.invalid`, and no word of the login node)."""
+        index = {h.address: i for i, h in enumerate(plan.hosts)}
+        procs = plan.processes
+
+        def row(n: int) -> tuple[str, str, str, str, str, str, str]:
+            p = procs[n]
+            node = f"node {index[p.host.address]}"
+            return (node, p.role, str(p.id), "" if p.rank is None else str(p.rank),
+                    p.endpoint.replace(p.host.address, f"<{node}>"), ",".join(map(str, p.gpus)), " ".join(p.argv))
+
+        s = spec.slurm
+        where = f"partition {s.partition}" if s.partition else "the default partition"
+        return Placement("node", len(procs), row, f"backend: slurm, {len(plan.hosts)} node(s) of {where}",
+                         f"sbatch through ssh to {s.login}; Slurm picks the nodes at start, and the endpoints use "
+                         f"each node's {'IP' if s.endpoints == 'ip' else 'name'} then")
 
     def __init__(self, spec, plan, *, spec_path=None, options=None):
         super().__init__(spec, plan, spec_path=spec_path, options=options)

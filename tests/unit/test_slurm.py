@@ -52,6 +52,18 @@ def test_slurm_spec_plans_node_i_as_a_placeholder():
     assert plan.pservers[1].env["PADDLE_PSERVERS_IP_PORT_LIST"] == "slurm-node-0.invalid:6170,slurm-node-1.invalid:6170"
 
 
+def test_plan_shows_slurm_nodes_and_the_login_not_placeholder_hosts_and_their_connections(tmp_path, capsys):
+    # `clusterctl plan` listed the hosts slurm-node-<i>.invalid and their ssh connections, and not the login node
+    from clusterctl import cli
+
+    path = tmp_path / "s.yaml"
+    path.write_text(BASE)
+    assert cli.main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "backend: slurm, 3 node(s) of partition gpu" in out and "sbatch through ssh to login1" in out, out
+    assert "<node 1>:6181" in out and ".invalid" not in out and "connections" not in out, out
+
+
 def test_hosts_give_the_shape_of_each_node_without_addresses():
     spec = parse_spec(BASE.replace("nodes: 3, ", "") + "hosts: [{gpus: 2}, {slots: 3}]\n", check=backend_problems)
     assert [(h.address, h.gpus, h.slots) for h in spec.hosts] == [
@@ -73,9 +85,9 @@ SLURM_LINE = 'slurm: {login: login1, nodes: 3, partition: gpu, time: "01:00:00"}
     (BASE.replace("time:", "workspace: shared, time:") + "workspace: {remote: rel/dir}\n",
      "workspace.remote: slurm.workspace: shared needs an absolute path on the shared filesystem"),
     (BASE.replace('"01:00:00"', '"1h"'), 'slurm.time: \'1h\' is not a Slurm time limit: write one of "MINUTES", '
-     '"MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM", "D-HH:MM:SS", "UNLIMITED" (quoted)'),
+     '"MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM", "D-HH:MM:SS", "UNLIMITED"'),
     (BASE.replace('"01:00:00"', '"1:2:3:4"'), 'slurm.time: \'1:2:3:4\' is not a Slurm time limit: write one of '
-     '"MINUTES", "MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM", "D-HH:MM:SS", "UNLIMITED" (quoted)'),
+     '"MINUTES", "MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM", "D-HH:MM:SS", "UNLIMITED"'),
     (BASE + "data: {local: d}\n",
      "data: not supported with backend: slurm: data: is not dealt under Slurm yet; put the files in the workspace"),
     (BASE.replace("login: login1", "login: 'a b'"), "slurm.login: not a host name, ssh alias or IP address: 'a b'"),
