@@ -1,5 +1,6 @@
 """Shared test helpers."""
 
+import os
 import signal
 import textwrap
 import time
@@ -28,6 +29,19 @@ def pytest_configure(config):
     children start with the default again."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(autouse=True)
+def _umask_kept():
+    """The process's umask as each test found it: a test that changed it and left it (slurmctl.main sets 077, as the
+    login node's command does) made every later test's files private, and dpkg-deb then refused a test package's
+    DEBIAN directory in another module. Restored, and the test that left it fails at its teardown."""
+    before = os.umask(0o022)
+    os.umask(before)
+    yield
+    after = os.umask(before)
+    if after != before:
+        pytest.fail(f"the test left the process's umask at {after:03o} (it was {before:03o}): restore it", pytrace=False)
 
 
 @pytest.fixture

@@ -340,7 +340,11 @@ def test_node_replies_survive_sruns_output_whole():
 
 
 def _login_says(capsys, *argv: str) -> tuple[int, dict]:
-    code = slurmctl.main(["login", *argv])
+    umask = os.umask(0o077)  # main() sets 077 for its process, as on the login node: this one's is put back
+    try:
+        code = slurmctl.main(["login", *argv])
+    finally:
+        os.umask(umask)
     return code, json.loads(capsys.readouterr().out)
 
 
