@@ -34,6 +34,7 @@ __all__ = [
     "status",
     "fold_status",
     "not_its_own",
+    "bounded_reply",
     "shown_value",
     "stop",
     "logs",
@@ -179,7 +180,7 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
         if wrong:  # that host's word is not this job's status on it: said, in one line, as a reply without a state
             unreachable[label] = f"no status: {wrong}"
         else:
-            parsed[label] = _bounded(reply)
+            parsed[label] = bounded_reply(reply)
     known = set((addresses or {}).values()) if addresses else set(parsed) | set(unreachable)
     elastic, elastic_rank = None, None
     for label, reply in parsed.items() if elastic_job else ():
@@ -267,7 +268,7 @@ def _within(value, lo, hi):
     return value if value is not None and lo <= value <= hi else None
 
 
-def _bounded(reply: HostStatus) -> HostStatus:
+def bounded_reply(reply: HostStatus) -> HostStatus:
     """`reply` with what no supervisor sends left out: process rows of an id past MAX_COUNT, pids, exit codes and
     uptimes out of range (blank), process states clusterctl does not know (`unknown`), attempts and restarts past
     MAX_COUNT (0), roles cut at 32 characters, reasons and errors at MAX_WORDS."""
@@ -279,7 +280,7 @@ def _bounded(reply: HostStatus) -> HostStatus:
         for key, lo, hi in (("pid", 1, MAX_PID), ("exit_code", -255, 255), ("uptime_s", 0, MAX_UPTIME_S)):
             if key in p and not (isinstance(p[key], (int, float)) and _within(p[key], lo, hi) is not None):
                 p[key] = None
-        if p.get("state") not in _PROC_STATES:
+        if not (isinstance(p.get("state"), str) and p["state"] in _PROC_STATES):  # a list or dict: no hash
             p["state"] = "unknown"
         p["role"] = p["role"][:32]
         if isinstance(p.get("error"), str):

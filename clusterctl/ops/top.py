@@ -244,7 +244,7 @@ def answer_of(data: dict | None, *, exit_code: int | None = None, output: str = 
         tail = output.strip()[-300:]
         return TopAnswer(now, "error", error=tail or (f"exit {exit_code} without a reply" if exit_code is not None
                                                       else "no reply"))
-    if "state" in data and data["state"] not in _JOB_STATES:  # overall_state would make it the job's (sorted)
+    if "state" in data and not (isinstance(data["state"], str) and data["state"] in _JOB_STATES):  # else the job's
         return TopAnswer(now, "error", error=f"a job state clusterctl does not know: {shown_value(data['state'])}")
     if data.get("ok") is False:
         if data.get("state") == JobState.UNKNOWN and exit_code in (None, 1):

@@ -123,3 +123,13 @@ def test_status_and_top_name_a_host_that_reports_another_hosts_process(tmp_path,
                                 "--slices", hostile)
     doc = json.loads(out)
     assert [(h["status"], h["error"]) for h in doc["hosts"] if h["host"] == "n1"] == [("error", said)], doc["hosts"]
+
+
+@pytest.mark.parametrize("state", [["\x1b"], {"x": 1}])
+def test_a_state_of_the_wrong_type_is_no_traceback(state):
+    # a process state (or top's job state) that is a list or a dict: `in` a set of states raised TypeError
+    st = fold_status("j", {"A": reply("a"), "B": reply("b", processes=[dict(reply("b")["processes"][0], state=state)])},
+                     {}, ADDRESSES)
+    assert [(p.host, p.state) for p in st.processes] == [("A", "running"), ("B", "unknown")]
+    ans = answer_of({"ok": True, "state": state, "processes": []})
+    assert ans.status == "error" and ans.error.startswith("a job state clusterctl does not know: "), ans
