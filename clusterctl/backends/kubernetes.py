@@ -379,6 +379,8 @@ def fold_status(job: str, expected: dict[str, int], jobs: list[dict], pods: list
     without a pod is what its Job says of its index (completed, failed: the pod is gone) or, when the Job says
     nothing of it, pending ("no pod yet").
     """
+    from ..ops.job import bounded_reply, not_its_own
+
     S = JobState
     seen = _newest(pods)
     jobs_exist = bool(jobs)
@@ -437,8 +439,16 @@ def fold_status(job: str, expected: dict[str, int], jobs: list[dict], pods: list
                     procs.append(ProcessStatus(f.name, role, i, None, ProcState.PENDING, None, None, None))
                     continue
             # only the well-typed fields of a reply or termination message (a pod may be compromised), as the
-            # SSH path reads its hosts' replies (clusterctl/ops/job.py)
+            # SSH path reads its hosts' replies (clusterctl/ops/job.py): a state of its own making or a row of
+            # another pod's process is that pod's `no status` line; numbers no process has are left blank
             reply = HostStatus.from_json(data)
+            wrong = not_its_own(reply, placed=frozenset({(role, i)}))
+            if wrong:
+                unreachable[f.name] = f"no status: {wrong}"
+                host_states.append(S.LOST)
+                procs.append(ProcessStatus(f.name, role, i, None, ProcState.RUNNING, None, None, f"no status: {wrong}"))
+                continue
+            reply = bounded_reply(reply)
             state = reply.folded_state  # a failed attempt being stopped reads `restarting` when another follows
             host_states.append(state)
             restarts = max(restarts, reply.restarts)

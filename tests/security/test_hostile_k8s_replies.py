@@ -208,3 +208,18 @@ def test_a_hostile_stop_reply_counts_only_its_well_typed_distinct_pids(kube, kil
     out = capsys.readouterr()
     assert out.out == f"job fit stopped on 2 host(s) (deleted Job, Pod in namespace ml), {counted + 1} process(es) killed\n"
     assert "\x1b" not in out.out + out.err
+
+
+@pytest.mark.parametrize("reply, said", [
+    ({"ok": True, "state": "a-ok", "processes": []}, "a job state clusterctl does not know: 'a-ok'"),
+    (dict(GOOD, processes=[dict(GOOD["processes"][0], id=0, role="trainer", pid=9)]),
+     "a row for trainer.0, which the plan does not place on this host (was the spec changed since the job started?)"),
+])
+def test_a_pod_speaks_for_its_own_process_only(reply, said):
+    # the pserver pod reporting a state of its own making (it became the job's), or trainer 0's row (shown twice,
+    # its rate able to make the real one a straggler): that pod's `no status` line, as an SSH host's (ops/job.py)
+    pods = [pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING)]
+    st = fold_status("fit", {"pserver": 1, "trainer": 1}, JOBS, pods, {P0: (reply, None), T0: (GOOD, None)})
+    check_sane(st, P0)
+    assert st.unreachable == {P0: "no status: " + said}, st.unreachable
+    assert st.state == "lost" and [(p.host, p.role, p.id) for p in st.processes] == [(P0, "pserver", 0), (T0, "trainer", 0)]
