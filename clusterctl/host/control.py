@@ -67,6 +67,7 @@ class _Conn:
         self.authed = False
         self.closing = False  # close once `out` is written
         self.writing = False  # registered for EVENT_WRITE
+        self.found_running = True  # a `stop`: whether the job's processes were still going when it came
 
     def close(self):
         try:
@@ -277,6 +278,7 @@ class ControlServer:
             self._ask_top(conn, args)
         elif command == "stop":
             self._reply(conn, self._header())
+            conn.found_running = not (sup.core.final and sup.core.stop_done)  # not a coordinator waiting for peers
             self._request_stop(args.get("grace"))
             self.stop_waiters.append(conn)
             self._stop_tick()
@@ -390,7 +392,10 @@ class ControlServer:
         reply = self._stop_reply()
         for conn in waiters:
             self.counts["answered"] += 1
-            self._reply(conn, (json.dumps(reply, sort_keys=True) + "\n").encode(), close=True)
+            # a stop that came after the job was over (a second `stop`) found nothing running, unless it is the
+            # one to report what an earlier stop killed
+            answer = dict(reply, was_running=conn.found_running or bool(reply["killed"]))
+            self._reply(conn, (json.dumps(answer, sort_keys=True) + "\n").encode(), close=True)
             reply = dict(reply, killed=[])  # reported once
 
     # -- top --------------------------------------------------------------------------------------------------

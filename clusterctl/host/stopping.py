@@ -164,7 +164,7 @@ def cmd_stop(args):
     was_running = False
     sup_stopped = None
     if state is not None and supervisor_alive(state):
-        was_running = True
+        was_running = not state.get("lingering")  # a coordinator whose job is over waits for its peers only
         sup = state["supervisor"]
         try:
             write_json_atomic(os.path.join(jobdir, STOP_REQUEST), {"grace": grace, "requested_at": time.time()})

@@ -236,6 +236,28 @@ def test_launch_returns_fast_without_holding_pipes_and_status_reports_processes(
     assert rc == 1 and unknown_status["ok"] is False and unknown_status["state"] == "unknown"
 
 
+def test_a_stop_that_finds_a_coordinator_waiting_for_its_peers_says_the_job_was_not_running(tmp_path):
+    """The job is over and its coordinator only waits for its peers (`lingering`): a second `stop` that comes then
+    ends that wait but stopped nothing (a CI run's `stop` twice said 'stopped' twice)."""
+    from clusterctl.host.procfs import proc_stat
+
+    waiting = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])  # stands in for the lingering supervisor
+    try:
+        ticks = wait_for(lambda: proc_stat(waiting.pid), SLACK)[2]
+        jobdir = tmp_path / "linger-1"
+        jobdir.mkdir()
+        (jobdir / "state.json").write_text(json.dumps({
+            "job": "linger-1", "host": "hA", "state": "stopped", "reason": "stop requested on hA", "lingering": True,
+            "grace": 1, "supervisor": {"pid": waiting.pid, "start_ticks": ticks}, "processes": [],
+            "stop": {"requested": True, "reported": True, "killed": []}}))
+        rc, out = agent("stop", jobdir, "--grace", "1")
+        assert rc == 0 and (out["ok"], out["was_running"], out["killed"], out["state"]) == (True, False, [], "stopped")
+        assert waiting.wait(timeout=SLACK) == -signal.SIGTERM  # its wait is over
+    finally:
+        waiting.kill()
+        waiting.wait()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("code, rc, state", [(0, 0, "succeeded"), (3, 1, "failed")])
 def test_agent_run_is_the_supervisor_in_the_foreground_its_exit_code_the_outcome(cluster, code, rc, state):

@@ -254,7 +254,7 @@ def test_stop_answers_once_the_stop_is_done_with_agent_stops_reply_and_reports_t
     sup.step()
     assert state_file(sup)["stop"]["reported"] is True  # `agent stop` will not report them again
     again = json.loads(header_and_body(sup, ask(sup, b'stop {"grace":1}')))
-    assert again["killed"] == [] and again["ok"] is True
+    assert again["killed"] == [] and again["ok"] is True and again["was_running"] is False  # nothing left to stop
 
 
 def test_top_waits_its_baseline_interval_from_when_the_baseline_was_taken(tmp_path, monkeypatch):
