@@ -213,7 +213,7 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False, on_st
                                    f"{_human(sum(d.bytes_sent for d in sent))}\n")
         for line in backend.notes():
             note(line)
-        sigterm = _SigtermAsInterrupt()
+        sigterm, ender = _SigtermAsInterrupt(), None
         t0 = time.monotonic()
         try:
             st = backend.start(on_progress=_say)
@@ -225,7 +225,11 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False, on_st
                 return 0
             while (st := backend.status()).state == JobState.PENDING:  # a batch job waiting for its allocation
                 time.sleep(0.5)
-            backend.logs(on_line=_raw_line, follow=True)
+            ender = _EndWhenReaderLeaves()
+            try:
+                backend.logs(on_line=ender, follow=True)
+            finally:
+                ender.disarm()
             final = backend.status()
             # a host's logs end with its processes; the job's state (the coordinator's verdict) follows shortly
             deadline = time.monotonic() + VERDICT_WAIT_S
@@ -233,6 +237,10 @@ def run_start(spec, *, dispatch_first: bool = False, follow: bool = False, on_st
                 time.sleep(0.2)
                 final = backend.status()
         except KeyboardInterrupt:
+            if ender is not None and ender.ended:  # `start --follow | head`: the follow ends, as `logs -f | head`'s
+                note(f"the reader of the logs went away: job {backend.plan.job} runs on "
+                     "(`clusterctl logs -f` follows it, `clusterctl stop` ends it)")
+                return 0
             return _stop_after_interrupt(backend, sigterm.terminated)
         finally:
             sigterm.disarm()

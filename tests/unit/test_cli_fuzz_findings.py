@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -82,9 +81,27 @@ def test_logs_refuses_an_empty_host(tmp_path, capsys, host):
         "clusterctl: error: logs: --host is empty: name a host as the spec does (its address or label)"]
 
 
-def test_logs_follow_ends_when_its_reader_goes_away(tmp_path):
+def _first_line_then_no_reader(argv, env, cwd) -> tuple[int, bytes]:
+    """Run `clusterctl ARGV | head -1`: read one log line, close the pipe; (exit code, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "clusterctl.cli", *argv], env=env, cwd=cwd,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        while not (line := proc.stdout.readline()).endswith(b"] tick\n"):  # `start` says "started in" first
+            assert line, proc.stderr.read()
+        proc.stdout.close()  # as `head -1` does
+        # its next line (0.2 s later) finds no reader; the follow channels close as after Ctrl+C
+        return proc.wait(timeout=60), proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_logs_follow_and_start_follow_end_when_their_reader_goes_away(tmp_path):
     """`clusterctl logs -f SPEC | head -1`: the lines went to /dev/null and the command followed on until the job
-    ended (here: never), where `tail -f | head -1` ends at once. Now it ends, exit 0, nothing on stderr."""
+    ended (here: never), where `tail -f | head -1` ends at once. Now it ends, exit 0, nothing on stderr. So does
+    `start --follow | head -1`, saying that the job runs on (as `docker run | head`'s container: the reader of the
+    lines going away is not a request to stop, which Ctrl+C and SIGTERM are)."""
     home = tmp_path / "home"
     home.mkdir()
     env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(tmp_path / "cache")}
@@ -98,21 +115,11 @@ def test_logs_follow_ends_when_its_reader_goes_away(tmp_path):
         "workspace": {"local": str(tmp_path / "ws"), "remote": f"clusterctl-local/{name}"},
         "job": {"entrypoint": [sys.executable, "train.py"], "grace": 2,
                 "ports": {"control": base, "master": base + 1, "pserver": base + 2, "trainer": base + 12}}}))
-    started = _cli("start", "--dispatch", str(spec), env=env, cwd=tmp_path)
-    assert started.returncode == 0, started.stdout + started.stderr
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "clusterctl.cli", "logs", "-f", str(spec)], env=env, cwd=tmp_path,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            assert proc.stdout.readline().endswith(b"] tick\n")
-            proc.stdout.close()  # as `head -1` does
-            t0 = time.monotonic()
-            # its next line (0.2 s later) finds no reader; the follow channels close as after Ctrl+C
-            assert (proc.wait(timeout=60), proc.stderr.read()) == (0, b""), time.monotonic() - t0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        code, err = _first_line_then_no_reader(["start", "--dispatch", "--follow", str(spec)], env, tmp_path)
+        assert code == 0 and f"the reader of the logs went away: job {name} runs on".encode() in err, err
+        assert b"stopping" not in err and b"Traceback" not in err, err
+        assert _first_line_then_no_reader(["logs", "-f", str(spec)], env, tmp_path) == (0, b"")  # it runs on
     finally:
         stopped = _cli("stop", str(spec), env=env, cwd=tmp_path)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
