@@ -7,9 +7,10 @@ one batch script carrying them and the host package. Inside the allocation clust
 job's token and starts the host supervisor on every node (one srun task per node), with the real addresses
 put in place. From then on the job is the supervisors': `status` folds their `agent status` replies (through
 `srun --overlap` from the login node while the job runs, over ssh to the nodes once it has ended) with
-Slurm's word; `logs` reads every node's logs (every attempt) with `agent logs` over ssh; `stop` runs every
-supervisor's `agent stop` (grace, then the sweep by CLUSTERCTL_JOB) through `srun --overlap`, then scancel;
-`top` (`SlurmTop`) asks every node's supervisor for its `top` reply in one `srun --overlap` step a refresh.
+Slurm's word (ops/slurm_status.py); `logs` reads every node's logs (every attempt) with `agent logs` over ssh;
+`stop` runs every supervisor's `agent stop` (grace, then the sweep by CLUSTERCTL_JOB) through `srun --overlap`,
+then scancel; `top` (`SlurmTop`) asks every node's supervisor for its `top` reply in one `srun --overlap` step a
+refresh.
 Which Slurm job is ours: the login node keeps ``~/.clusterctl/slurm/<job>.json``.
 """
 
@@ -36,7 +37,8 @@ from ..transport.base import cut_short
 from . import Session
 from .control import MAX_CONTROL_REPLY, agent_reply
 from .hosttools import _package_payload, install_on, package_dir, tool_argv, tool_command
-from .job import MAX_SAID, MAX_SAID_CHARS, JobStatus, fold_status, job_files, own_log_line
+from .job import MAX_SAID, MAX_SAID_CHARS, JobStatus, job_files, own_log_line
+from .slurm_status import slurm_state, slurm_status
 from .top import TopAnswer, TopRequest, answer_of
 
 __all__ = ["job_templates", "batch_script", "sbatch_options", "slurm_state", "slurm_status",
@@ -45,9 +47,6 @@ __all__ = ["job_templates", "batch_script", "sbatch_options", "slurm_state", "sl
 WAIT_SUPERVISORS_S = 120.0  # logs --follow: how long a running job's supervisors may take to appear
 LOGS_TIMEOUT_S = 600.0  # logs without --follow: a generous deadline for large logs
 STOP_EXTRA_S = 2 * slurmctl.STOP_EXTRA  # the login's stop command: its step and scancel's wait, beyond the grace
-_STATES = {"PENDING": JobState.PENDING, "CONFIGURING": JobState.PENDING, "REQUEUED": JobState.PENDING,
-           "RUNNING": JobState.RUNNING, "SUSPENDED": JobState.RUNNING, "RESIZING": JobState.RUNNING,
-           "COMPLETING": JobState.STOPPING, "COMPLETED": JobState.SUCCEEDED, "CANCELLED": JobState.STOPPED}
 _PLACEHOLDER_TOKEN = "planned"  # build_job wants one; stripped before the job files leave the controller
 
 
@@ -148,33 +147,6 @@ def batch_script(spec: ClusterSpec, plan: JobPlan) -> str:
               "one clusterctl supervisor per node (docs/slurm.md)", "umask 077",
               f"exec python3 -S -E -c {quote(glue.BOOT)} batch <<'CLUSTERCTL_EOF'", blob.rstrip("\n"), "CLUSTERCTL_EOF"]
     return "\n".join(lines) + "\n"
-
-
-def slurm_state(state: str) -> str:
-    """Our job state for Slurm's JobState word (pure)."""
-    word = state.split()[0].rstrip("+") if state else ""
-    return _STATES.get(word, JobState.FAILED if word else JobState.NOT_RUNNING)
-
-
-def slurm_status(job: str, sj: dict, replies: dict[str, dict], unreachable: dict[str, str], tail: str = "") -> JobStatus:
-    """The job's status (pure): Slurm's word for the allocation, folded with the supervisors' replies (node
-    name -> `agent status` reply) when any supervisor has a state, as over SSH (ops/job.py fold_status)."""
-    where = f" on {','.join(sj['nodes'])}" if sj.get("nodes") else ""
-    head = f"Slurm job {sj['id']} {sj['state']} (exit {sj['exit_code']}){where}" + (
-        f": {sj['reason']}" if sj.get("reason") else "")
-    answered = {n: r for n, r in replies.items() if r and r.get("state") not in (None, JobState.UNKNOWN)}
-    word_state = slurm_state(sj["state"])
-    if not answered:  # no supervisor (yet, or any more reachable): Slurm's word is all there is
-        if word_state == JobState.RUNNING:
-            word_state, head = JobState.STARTING, head + "; starting the supervisors"
-        return JobStatus(job, word_state, head + (f"; slurm-{sj['id']}.out ends: {tail}" if tail else ""),
-                         unreachable=dict(unreachable), backend="slurm")
-    st = fold_status(job, answered, unreachable)
-    st.backend = "slurm"
-    if word_state == JobState.FAILED and st.state == JobState.STOPPED:  # TIMEOUT, NODE_FAIL, PREEMPTED...: Slurm
-        st.state = JobState.FAILED  # ended the job; its supervisors only heard a SIGTERM, as from a user's stop
-    st.reason = head + (f"; {st.reason}" if st.reason else "")
-    return st
 
 
 # ------------------------------------------------------------------------------------- login node
