@@ -22,6 +22,10 @@ _FIELD = re.compile(r"(\w+)=(\S+)")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]{0,63}\Z")
 MAX_METRICS = 16
 MAX_SLICES = 60
+# no training loop makes a billion steps a second: a rate above it is a host's invention, and two of 1e308 made the
+# straggler median `inf`, which no JSON can carry (`status --json` failed)
+MAX_RATE = 1e9
+MAX_AGE_S = 1e9  # ~31 years
 
 
 def parse_fields(text: str) -> dict[str, str]:
@@ -59,13 +63,13 @@ def clean_progress(d, *, keep_slices: bool = True) -> dict | None:
             value = _finite(v) if not isinstance(v, str) else _word(v)
             if value is not None:
                 metrics[k] = int(value) if isinstance(v, int) and not isinstance(v, bool) else value
-    out = {"step": step, "rate": _finite(d.get("rate"), 0.0), "done": d.get("done") is True, "metrics": metrics,
-           "age_s": _finite(d.get("age_s"), 0.0)}
+    out = {"step": step, "rate": _finite(d.get("rate"), 0.0, MAX_RATE), "done": d.get("done") is True,
+           "metrics": metrics, "age_s": _finite(d.get("age_s"), 0.0, MAX_AGE_S)}
     if keep_slices and isinstance(d.get("slices"), list):
         slices = []
         for item in d["slices"][-MAX_SLICES:]:
             if isinstance(item, list) and len(item) == 2 and _finite(item[0]) is not None:
-                slices.append([float(item[0]), _finite(item[1], 0.0)])
+                slices.append([float(item[0]), _finite(item[1], 0.0, MAX_RATE)])
         out["slices"] = slices
     rank = _word(d.get("rank"), 32)
     if rank is not None:

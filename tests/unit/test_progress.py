@@ -39,6 +39,17 @@ def test_hostile_fields_are_dropped_not_trusted():
     assert all(s == [1.0, None] for s in got["slices"])
 
 
+def test_rates_no_training_loop_makes_are_dropped_so_the_straggler_median_stays_finite():
+    """Two hosts' rates of 1e308 (finite, so they passed) made the median `inf`: `status --json` could not say it."""
+    huge = {"step": 5, "rate": 1e308, "age_s": 1e308, "slices": [[float(i), 1e308] for i in range(6)]}
+    honest = {"step": 5, "rate": 3.0, "slices": [[float(i), 3.0] for i in range(6)]}
+    got = clean_progress(huge)
+    assert (got["rate"], got["age_s"], {r for _, r in got["slices"]}) == (None, None, {None})
+    ranks = {"a": got, "b": clean_progress(honest), "c": clean_progress(huge)}
+    assert stragglers(ranks) == {}  # the honest rank is no straggler, and nothing is inf
+    assert clean_progress({"step": 5, "rate": 2.5e5})["rate"] == 2.5e5  # a fast loop's real rate stays
+
+
 def _p(rates, done=False):
     return {"step": 1, "done": done, "slices": [[100.0 + 10 * i, r] for i, r in enumerate(rates)]}
 
