@@ -1043,6 +1043,23 @@ def _jump_line(config: Path) -> str:
     return f"ProxyCommand ssh -F {shlex.quote(text).replace('%', '%%')} -W '[%h]:%p' bastion"
 
 
+def _ssh_config_header(name: str) -> str:
+    return f"# Written by `clusterctl testcluster up` for test cluster {name}: ssh -F, fab -S or ssh.config.\n"
+
+
+def _remove_our_ssh_config(path: Path, name: str) -> None:
+    """An `up` without --ssh-config: the ssh config an earlier `up --ssh-config` of this cluster wrote beside the spec
+    names the nodes as they were then (a recreated node has another address and host key), so it goes; a file of
+    that name we did not write for this cluster (the user's own) is left alone."""
+    try:
+        with open(path, "rb") as f:
+            ours = f.readline() == _ssh_config_header(name).encode()
+        if ours:
+            path.unlink()
+    except OSError:
+        pass
+
+
 def _ssh_config_text(
     name: str,
     nodes: Sequence[Node],
@@ -1066,7 +1083,7 @@ def _ssh_config_text(
     entries = [("bastion", bastion.ip, [])] if bastion else []
     jump = [_jump_line(config) if config is not None else "ProxyJump bastion"] if bastion else []
     entries += [(f"node{i}", n.ip, jump) for i, n in enumerate(nodes)]
-    out = [f"# Written by `clusterctl testcluster up` for test cluster {name}: ssh -F, fab -S or ssh.config.\n"]
+    out = [_ssh_config_header(name)]
     for alias, ip, extra in entries:
         out.append(f"\nHost {alias}\n")
         out.extend(f"    {line}\n" for line in [f"HostName {ip}", *common, *extra])
@@ -1255,6 +1272,8 @@ def up(
         if config_path is not None:
             text = _ssh_config_text(name, node_list, shape.user, key_path, known_hosts, front, config_path)
             _write_text(config_path, text, "the ssh config")
+        else:
+            _remove_our_ssh_config(spec_path.parent / "ssh_config", name)
     done = time.monotonic()
     return ClusterInfo(
         name=name,

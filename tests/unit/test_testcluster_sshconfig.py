@@ -126,3 +126,18 @@ def test_the_state_root_is_absolute(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CLUSTERCTL_TESTCLUSTER_HOME", "rel/state")
     assert tc.state_dir("x") == tmp_path / "rel" / "state" / "x"
+
+
+def test_an_up_without_ssh_config_removes_the_one_an_earlier_up_wrote_and_nothing_else(tmp_path) -> None:
+    """`up --ssh-config`, then `up` (the nodes recreated): the config left beside the spec named the old nodes."""
+    ours = _write(tmp_path / "ours")
+    tc._remove_our_ssh_config(ours, "c")
+    assert not ours.exists()
+    other_cluster = _write(tmp_path / "other")  # written for test cluster c, asked for cluster c2
+    tc._remove_our_ssh_config(other_cluster, "c2")
+    users = tmp_path / "users" / "ssh_config"
+    users.parent.mkdir()
+    users.write_text("Host node0\n    HostName 10.9.9.9\n")
+    tc._remove_our_ssh_config(users, "c")
+    tc._remove_our_ssh_config(tmp_path / "none" / "ssh_config", "c")  # nothing there: nothing to do
+    assert other_cluster.exists() and users.read_text() == "Host node0\n    HostName 10.9.9.9\n"
