@@ -58,6 +58,10 @@ def parse_spec(text: str, source: str = "<spec>", *, layout: bool = True, check=
     data = loc.data
     if not isinstance(data, dict):
         raise SpecError([SpecProblem(source, 1, 1, "", "a spec is a YAML mapping (name:, hosts:, job:, ...)")])
+    if data and not any(isinstance(k, str) and (k in ClusterSpec.model_fields or k == "provision") for k in data):
+        # another kind of file (`validate /etc/passwd`): one line, not each of its lines echoed as an unknown key
+        raise SpecError([SpecProblem(source, 1, 1, "", "not a cluster spec: none of its top-level keys is a spec's "
+                                                       "(name:, hosts:, job:, ...)")])
 
     problems = [problem(loc, source, p, "key given twice") for p in loc.duplicates]
     problems += _password_problems(loc, source, data, ())

@@ -289,6 +289,12 @@ BAD = [
                  ["11:9: job.env.CLUSTERCTL_PS_MODE: CLUSTERCTL_PS_MODE is set from job.sync in pserver mode; give "
                   "job.sync instead"], id="env-ps-mode"),
     pytest.param("- just\n- a list\n", ["1:1: a spec is a YAML mapping"], id="not-a-mapping"),
+    # another kind of file: each of its lines was echoed as an unknown key (`validate /etc/shadow` showed the hashes)
+    pytest.param("root:$y$j9T$salt$hash:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n",
+                 ["1:1: not a cluster spec: none of its top-level keys is a spec's (name:, hosts:, job:, ...)"],
+                 id="not-a-spec"),
+    pytest.param("nmae: x\nhosts: [{address: a}]\njob: {entrypoint: [t]}\n", ["1:1: name: required key is missing", "1:1: nmae: unknown key (did you mean 'name'?)"],
+                 id="one-known-key-is-a-spec-with-a-typo"),
     pytest.param(
         "name: x\nhosts: [{address: a}]\n",
         ["1:1: job: required key is missing"],
