@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from . import __version__
@@ -92,9 +93,22 @@ def _plugins_for(argv: list[str] | None) -> tuple[str, ...]:
     return _PLUGINS
 
 
+def hold_stdin() -> None:
+    """Started with its standard input closed (`clusterctl ... <&-`, some CI runners): /dev/null takes descriptor 0,
+    as OpenSSH's sanitise_stdfd does, so that no file opened later (a spec, a key, a cache) becomes descriptor 0 and
+    so the standard input of what clusterctl starts (ssh, rsync, kubectl)."""
+    try:
+        os.fstat(0)
+    except OSError:
+        fd = os.open(os.devnull, os.O_RDONLY)
+        if fd != 0:  # 0 was open after all (another thread): leave it
+            os.close(fd)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `clusterctl` console script."""
     argv = sys.argv[1:] if argv is None else argv
+    hold_stdin()
     tolerate_encoding()
     if sys.stdout is None:  # started with `>&-`: `--help` was argparse's AttributeError traceback (see guarded)
         if sys.stderr is not None:

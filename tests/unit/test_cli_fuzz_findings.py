@@ -123,3 +123,18 @@ def test_logs_follow_and_start_follow_end_when_their_reader_goes_away(tmp_path):
     finally:
         stopped = _cli("stop", str(spec), env=env, cwd=tmp_path)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
+def test_a_closed_standard_input_is_held_by_dev_null_so_no_file_opened_later_takes_it(tmp_path):
+    """`clusterctl ... <&-`: the first file the command opened became descriptor 0, the standard input of every ssh,
+    rsync or kubectl it started afterwards."""
+    probe = ("import os, sys\nfrom clusterctl import cli\ncli.hold_stdin()\nf = open(sys.argv[1])\n"
+             "print(f.fileno(), os.readlink('/proc/self/fd/0'))\n")
+    (tmp_path / "spec.yaml").write_text("name: t\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "spec.yaml")], capture_output=True, text=True,
+                         preexec_fn=lambda: os.close(0), timeout=60)
+    fileno, stdin = out.stdout.split()
+    assert (int(fileno) != 0, stdin) == (True, os.devnull), out.stderr
+    validated = subprocess.run(f"exec {sys.executable} -m clusterctl.cli validate {tmp_path / 'spec.yaml'} <&-",
+                               shell=True, capture_output=True, text=True, timeout=60)
+    assert validated.returncode == 2 and "job: required key is missing" in validated.stderr, validated.stderr
