@@ -38,7 +38,7 @@ from . import Session
 from .control import MAX_CONTROL_REPLY, agent_reply
 from .hosttools import _package_payload, install_on, package_dir, tool_argv, tool_command
 from .job import MAX_SAID, MAX_SAID_CHARS, JobStatus, job_files, own_log_line
-from .slurm_status import slurm_state, slurm_status
+from .slurm_status import node_placement, slurm_state, slurm_status
 from .top import TopAnswer, TopRequest, answer_of
 
 __all__ = ["job_templates", "batch_script", "sbatch_options", "slurm_state", "slurm_status",
@@ -306,7 +306,7 @@ def _status_from(spec: ClusterSpec, plan: JobPlan, q: dict) -> JobStatus:
     if slurm_state(sj["state"]) == JobState.FAILED and not any(
             r and r.get("state") not in (None, JobState.UNKNOWN) for r in replies.values()):
         tail = _batch_tail(spec, plan, sj, q["addresses"])  # the batch itself failed before any supervisor
-    return slurm_status(plan.job, sj, replies, unreachable, tail)
+    return slurm_status(plan.job, sj, replies, unreachable, tail, placed=node_placement(plan, sj["nodes"]))
 
 
 # ------------------------------------------------------------------------------------- operations

@@ -6,6 +6,7 @@ directory's creation (private, never reused), slurm.conf."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import itertools
 import json
 import os
@@ -484,6 +485,68 @@ def test_slurm_status_before_and_without_supervisors():
                       tail="python3: not found")
     assert (st.state, st.unreachable) == ("failed", {"n1": "Connection refused"})
     assert st.reason == "Slurm job 7 FAILED (exit 2:0) on n0,n1; slurm-7.out ends: python3: not found"
+
+
+# one trainer on each of 2 nodes: node i of Slurm's node list runs the plan's host i's job file (host/slurm.py)
+TWO = "name: sj\nbackend: slurm\nslurm: {login: login1, nodes: 2}\njob: {entrypoint: [python, train.py], trainers: 1}\n"
+
+
+def _node(node, rows, state="running", **extra):
+    """Node `node`'s supervisor's honest reply: this job, its own name (the glue's `host`), rows (id, state, exit)."""
+    procs = [{"role": "trainer", "id": i, "pid": 10 + i, "state": st, "exit_code": code} for i, st, code in rows]
+    return _reply(state, procs, job="sj", host=node, **extra)
+
+
+def _folded(replies: dict, sj: dict = SJ):
+    """`clusterctl status` under Slurm for TWO, every node's reply brought by the login node's step (no ssh)."""
+    from clusterctl.ops.slurm import _status_from
+
+    spec = parse_spec(TWO)
+    st = _status_from(spec, make_plan(spec), {"record": {"slurm_job": "7"}, "slurm": sj, "addresses": {},
+                                              "replies": replies})
+    return st.state, st.reason, st.unreachable, [(p.host, p.role, p.id, p.state) for p in st.processes]
+
+
+def test_slurm_status_of_honest_nodes_is_their_word():
+    honest = {"n0": _node("n0", [(0, "running", None)]), "n1": _node("n1", [(1, "running", None)])}
+    assert _folded(honest) == ("running", "Slurm job 7 RUNNING (exit 0:0) on n0,n1", {},
+                               [("n0", "trainer", 0, "running"), ("n1", "trainer", 1, "running")])
+
+
+def test_a_node_cannot_report_another_nodes_trainer():
+    """n1 (compromised) says n0's trainer.0 failed: the job's reason blamed n0's trainer and its table showed a
+    failed trainer.0 on n1 beside n0's running one. The plan places trainer.0 on node 0 (n0), so n1's reply is its
+    one `no status` line, as an SSH host's."""
+    forged = {"n0": _node("n0", [(0, "running", None)]),
+              "n1": _node("n1", [(1, "running", None), (0, "failed", 3)], state="failed",
+                          reason="trainer.0 on n0 exited with code 3")}
+    assert _folded(forged) == (
+        "lost", "Slurm job 7 RUNNING (exit 0:0) on n0,n1; unreachable: n1",
+        {"n1": "no status: a row for trainer.0, which the plan does not place on this host (was the spec changed "
+               "since the job started?)"},
+        [("n0", "trainer", 0, "running")])
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("host", "n0", "a reply for host 'n0', not n1"),
+    ("job", "other", "a reply for job 'other', not sj"),
+])
+def test_a_node_cannot_answer_for_another_node_or_job(field, value, why):
+    """n1's reply names n0 (a state directory copied from n0, or n1 answering as n0), or another job."""
+    replies = {"n0": _node("n0", [(0, "running", None)]), "n1": dict(_node("n1", [(1, "failed", 3)]), **{field: value})}
+    assert _folded(replies) == ("lost", "Slurm job 7 RUNNING (exit 0:0) on n0,n1; unreachable: n1",
+                                {"n1": f"no status: {why}"}, [("n0", "trainer", 0, "running")])
+
+
+def test_node_i_of_slurms_list_runs_the_plans_host_i():
+    from clusterctl.ops.slurm_status import node_placement
+
+    plan = make_plan(parse_spec(TWO))
+    assert node_placement(plan, ["b7", "a3"]) == {"b7": {("trainer", 0)}, "a3": {("trainer", 1)}}
+    # a node the plan has no host for (the spec changed since the job started) runs none of the plan's processes
+    assert node_placement(plan, ["n0", "n1", "n2"])["n2"] == frozenset()
+    # an elastic plan lays its ranks out again: not the plan's to check (ops/job.py placement), as over SSH
+    assert node_placement(dataclasses.replace(plan, min_hosts=1), ["n0", "n1"]) is None
 
 
 def test_slurm_conf_runs_the_controller_on_node0_without_cgroups():
