@@ -538,6 +538,23 @@ def test_a_node_cannot_answer_for_another_node_or_job(field, value, why):
                                 {"n1": f"no status: {why}"}, [("n0", "trainer", 0, "running")])
 
 
+def test_top_under_slurm_shows_a_node_for_itself_only():
+    """`clusterctl top`: n1's reply with n0's trainer.0 (or naming n0) was shown as n1's row; now its one error, as
+    an SSH host's (ops/top.py), and n0's honest reply is unchanged."""
+    from clusterctl.ops.slurm import SlurmTop
+    from clusterctl.ops.top import TopRequest
+
+    spec = parse_spec(TWO)
+    top = SlurmTop(spec, make_plan(spec), TopRequest(1.0, 1))
+    honest = _node("n0", [(0, "running", None)])
+    for n1, why in [(_node("n1", [(1, "running", None), (0, "failed", 3)]), "a row for trainer.0, which the plan does "
+                     "not place on this host (was the spec changed since the job started?)"),
+                    (_node("n0", [(1, "running", None)]), "a reply for host 'n0', not n1")]:
+        got = top._answers({"record": {"slurm_job": "7"}, "slurm": SJ, "replies": {"n0": honest, "n1": n1}}, 5.0)
+        assert {n: (a.status, a.error, a.reply) for n, a in got.items()} == {
+            "n0": ("ok", None, honest), "n1": ("error", why, None)}
+
+
 def test_node_i_of_slurms_list_runs_the_plans_host_i():
     from clusterctl.ops.slurm_status import node_placement
 
