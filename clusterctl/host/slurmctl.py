@@ -1,7 +1,8 @@
 """The Slurm job's control commands: on the login node (over ssh) and their steps on the nodes (docs/slurm.md).
 
     login submit   sbatch the script on stdin (under umask 077), unless the job's previous Slurm job is still
-                   pending or running; record it in ``~/.clusterctl/slurm/<job>.json`` (0600)
+                   pending or running (then its state and id, as `live`); record it in
+                   ``~/.clusterctl/slurm/<job>.json`` (0600)
     login query    the record, Slurm's word (`scontrol show job`, else sacct), the nodes and their NodeAddr;
                    with --replies and a running job, every supervisor's `agent status` (one srun --overlap step)
     login top      the record, Slurm's word and, for a running job, every supervisor's `top` reply (figures,
@@ -167,7 +168,8 @@ def cmd_login_submit(args):
         prev = query_job(rec["slurm_job"])
         if live(prev):
             emit({"ok": False, "error": "job %s is already %s as Slurm job %s; stop it first (clusterctl stop)"
-                  % (args.job, _word(prev).lower(), prev["id"])})
+                  % (args.job, _word(prev).lower(), prev["id"]), "live": {"state": _word(prev).lower(),
+                                                                         "slurm_job": prev["id"]}})
             return 1
     script = sys.stdin.buffer.read()
     res = subprocess.run(["sbatch", "--parsable"], input=script, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -162,7 +162,9 @@ def _login(spec: ClusterSpec) -> Host:
 LOGIN_REPLY = 64 << 20
 
 
-def _reply(res, login: Host, what: str) -> dict:
+def _reply(res, login: Host, what: str, job: str | None = None) -> dict:
+    """The login node's JSON reply, or SlurmError; with `job`, a submit refused because that job's Slurm job is
+    still pending or running (slurmctl's `live`) is a JobError that says so, not a failed sbatch."""
     if cut_short(_reached(res, login).stdout):
         raise SlurmError(f"{what} on {login.label}: a reply over the {LOGIN_REPLY >> 20} MiB a login node's may be")
     try:
@@ -170,6 +172,11 @@ def _reply(res, login: Host, what: str) -> dict:
     except ClusterctlError:
         why = (res.stderr or res.stdout).strip()[-800:] or f"exit {res.exit_code}"
         raise SlurmError(f"{what} on {login.label} failed: {why}") from None
+    live = data.get("live")
+    if job and not data.get("ok") and isinstance(live, dict) and _name(live.get("state")) and _name(
+            live.get("slurm_job")):  # sbatch never ran
+        raise JobError(f"job {job} is already {live['state']} as Slurm job {live['slurm_job']}; stop it first "
+                       "(clusterctl stop)")
     if not data.get("ok"):
         raise SlurmError(f"{what} on {login.label} failed: {data.get('error')}")
     return data
@@ -371,7 +378,7 @@ def start(spec: ClusterSpec, plan: JobPlan, *, on_progress: Callable[[str], None
         cmd = join(tool_argv("slurmctl", ["login", "submit", "--job", plan.job, "--record", json.dumps(record)]))
         res = remote.run(cmd, hosts=[login], stdin=script.encode(), check=False, what="sbatch",
                          max_output=LOGIN_REPLY)[login]
-        _reply(res, login, "sbatch")
+        _reply(res, login, "sbatch", plan.job)
         return _status_from(spec, plan, _query(remote, login, plan, replies=True))
 
 

@@ -286,7 +286,8 @@ def test_slurm_start_status_logs_and_stop(tmp_path, monkeypatch, capsys):
     st = _status(capsys, c)
     assert (st["backend"], st["state"], st["reason"]) == ("slurm", "pending", "Slurm job 4242 PENDING (exit 0:0)")
     code, out, err = cli(capsys, "start", c.spec_path)
-    assert code != 0 and f"sbatch on login failed: job {c.name} is already pending as Slurm job 4242" in err
+    assert code != 0 and f"clusterctl: error: job {c.name} is already pending as Slurm job 4242; stop it first " \
+        "(clusterctl stop)\n" in err  # not `sbatch on login failed: ...`: sbatch never ran
 
     (c.slurm / "hold").unlink()  # the allocation: a supervisor on each node starts its trainer (once both joined)
     st = wait_until(lambda: (s := _status(capsys, c))["state"] == "running" and len(s["processes"]) == 2

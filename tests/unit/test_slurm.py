@@ -601,6 +601,30 @@ def test_a_nodes_log_lines_on_either_stream_are_shown_under_its_name_only():
     assert problems[1:] == ["node0: again"] * 4 and relay.counted() == ["node0: 9,996 more error messages"]
 
 
+def test_a_second_start_says_the_job_runs_not_that_sbatch_failed(tmp_path, monkeypatch, capsys):
+    """A start while the job's Slurm job is pending or running said `sbatch on login failed: job sj is already
+    running ...`, as if sbatch had run: the login node refuses before sbatch, and says the job's state and id."""
+    from clusterctl.ops.slurm import SlurmError, _reply
+    from clusterctl.plan import Host
+    from clusterctl.transport.base import Result
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / glue.RECORD_DIR).mkdir(parents=True)
+    (tmp_path / glue.RECORD_DIR / "sj.json").write_text(json.dumps({"slurm_job": "4242"}))
+    monkeypatch.setattr(slurmctl, "query_job", lambda sid: dict(SJ, id=sid, state="RUNNING"))
+    code, said = _login_says(capsys, "submit", "--job", "sj", "--record", "{}")
+    assert (code, said["ok"], said["live"]) == (1, False, {"state": "running", "slurm_job": "4242"})
+
+    login = Host("10.0.0.9", 22, "u", 0)
+    with pytest.raises(JobError) as info:
+        _reply(Result(login, "slurmctl login submit", code, json.dumps(said) + "\n", "", 0.1), login, "sbatch", "sj")
+    assert str(info.value) == "job sj is already running as Slurm job 4242; stop it first (clusterctl stop)"
+    # a login node's `live` of another shape (it may be compromised) is its words, as any refusal
+    forged = dict(said, live={"state": "running\x1b[2J", "slurm_job": "4242"}, error="no")
+    with pytest.raises(SlurmError, match=r"^sbatch on 10.0.0.9 failed: no$"):
+        _reply(Result(login, "slurmctl login submit", 1, json.dumps(forged) + "\n", "", 0.1), login, "sbatch", "sj")
+
+
 def test_a_login_node_reply_cut_at_its_bound_is_refused_by_name():
     # the login node may be compromised too: what it prints beyond LOGIN_REPLY is dropped as it comes
     # (Remote.run's max_output) and the command fails in one line, not with the reply that came before the cut
