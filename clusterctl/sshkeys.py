@@ -49,13 +49,44 @@ def _refuse_revoked(hostname: str, name: str, key, revoked: frozenset[bytes]) ->
                             "known_hosts file: refused", hostname)
 
 
+def _certified_in(paths, name: str) -> str | None:
+    """The first of the known_hosts files `paths` with a `@cert-authority` line for `name`, if any: a host ssh
+    trusts through a host certificate, which paramiko cannot check (read only when a key is refused)."""
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    words = line.split()
+                    if len(words) >= 3 and words[0] == "@cert-authority" and _for_host(name, _Names(words[1])):
+                        return path
+        except OSError:
+            continue
+    return None
+
+
+class _Names:
+    """A known_hosts line's host field as _for_host reads an entry's."""
+
+    def __init__(self, field: str):
+        self.hostnames = field.split(",")
+
+
 class StrictPolicy(paramiko.MissingHostKeyPolicy):
-    def __init__(self, known_hosts: str, alias: str | None = None, revoked: frozenset[bytes] = frozenset()):
-        self.known_hosts, self.alias, self.revoked = known_hosts, alias, revoked
+    def __init__(self, known_hosts: str, alias: str | None = None, revoked: frozenset[bytes] = frozenset(),
+                 files: tuple[str, ...] = ()):
+        self.known_hosts, self.alias, self.revoked, self.files = known_hosts, alias, revoked, files
 
     def missing_host_key(self, client, hostname, key):
         name = self.alias or hostname
         _refuse_revoked(hostname, name, key, self.revoked)
+        certified = _certified_in(self.files, name)
+        if certified is not None:  # ssh would take the host's certificate; this connection cannot check one
+            raise HostKeyError(
+                f"host key for {name} ({key.get_name()} {fingerprint(key)}) is trusted in {certified} through a "
+                "@cert-authority line, and paramiko, used here for want of an `ssh` client, checks no host "
+                f"certificate: install the OpenSSH client, or add the host's own key to {self.known_hosts} (verified)",
+                hostname,
+            )
         raise HostKeyError(
             f"unknown host key for {name} ({key.get_name()} {fingerprint(key)}); "
             f"not in {self.known_hosts}. Verify it and add it (ssh-keyscan), or use host_key_policy: accept-new",
@@ -252,8 +283,9 @@ def host_key_client(options: SshOptions, resolved: Resolved | None = None) -> pa
     policy = options.host_key_policy
     alias = resolved.host_key_alias if resolved is not None else None
     revoked: frozenset[bytes] = frozenset()
+    files = [*known, *_global_known_hosts(options, resolved)]
     if policy != "off":
-        entries, revoked = _known_entries([*known, *_global_known_hosts(options, resolved)])
+        entries, revoked = _known_entries(files)
         if resolved is not None:  # the host's keys (or its alias's alone), under the name paramiko will look up
             port = resolved.port
             named = resolved.hostname if port == 22 else f"[{resolved.hostname}]:{port}"  # as paramiko's connect names it
@@ -264,7 +296,7 @@ def host_key_client(options: SshOptions, resolved: Resolved | None = None) -> pa
             entries = [paramiko.hostkeys.HostKeyEntry([named], key) for key in keys.values()]
         client.get_host_keys()._entries.extend(entries)  # parsed once per file (paramiko's load: quadratic)
     if policy == "strict":
-        client.set_missing_host_key_policy(StrictPolicy(known[0], alias, revoked))
+        client.set_missing_host_key_policy(StrictPolicy(known[0], alias, revoked, tuple(files)))
     elif policy == "accept-new":
         client.set_missing_host_key_policy(AcceptNewPolicy(known[0], alias, revoked))
     else:

@@ -181,6 +181,12 @@ def test_known_hosts_are_read_as_ssh_reads_them_global_files_markers_and_all(tmp
         with pytest.raises(HostKeyError, match="marked @revoked"):
             revoked._policy.missing_host_key(revoked, "10.9.0.7", bad)
     assert user.read_text() == line("10.9.0.5", mine) + "not a key line\n"  # nothing recorded
+    # a host ssh trusts through its certificate: paramiko cannot check one, and says so instead of "unknown key"
+    certified = client("n1.example", "strict")
+    with pytest.raises(HostKeyError, match=f"trusted in {system} through a @cert-authority line, and paramiko"):
+        certified._policy.missing_host_key(certified, "n1.example", mine)
+    with pytest.raises(HostKeyError, match="unknown host key for n1.other"):
+        certified._policy.missing_host_key(certified, "n1.other", mine)  # no CA line covers it: as before
     spec_known = tmp_path / "spec_known_hosts"
     spec_known.write_text("")
     r = Resolved("10.9.0.5", "ubuntu", 22, known_hosts=(str(user),), global_known_hosts=(str(system),))
