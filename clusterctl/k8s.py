@@ -33,10 +33,11 @@ from .host.layout import endpoints_left_out, exec_string_fits
 from .plan import make_plan
 from .spec import ClusterSpec
 from .spec.backends import HOST_MOUNT, STATE_MOUNT
-from .spec.checks import (CONFIGMAP_LIMIT, INDEX_ANNOTATION, PYCACHE, STATE_ROOT, TEMPLATE_KEY, TERMINATION_LOG,
-                          WAIT_DEFAULT_S, K8sShape, k8s_configmap_data, k8s_container_env, k8s_endpoints, k8s_escape,
-                          k8s_host_package, k8s_object_name, k8s_own_env, k8s_placeholders, k8s_shape,
-                          kubernetes_problems)
+from .backends.k8s_content import (CONFIGMAP_LIMIT, INDEX_ANNOTATION, PYCACHE, STATE_ROOT, TEMPLATE_KEY, TERMINATION_LOG,
+                                   WAIT_DEFAULT_S, K8sShape, k8s_configmap_data, k8s_container_env, k8s_endpoints,
+                                   k8s_escape, k8s_host_package, k8s_own_env, k8s_placeholders, k8s_shape,
+                                   kubernetes_problems)
+from .spec.checks import k8s_object_name
 
 __all__ = [
     "INDEX_ANNOTATION", "LABEL_JOB", "LABEL_ROLE", "HOST_MOUNT", "STATE_MOUNT", "STATE_ROOT", "TEMPLATE_KEY",

@@ -502,9 +502,23 @@ class KubernetesBackend(Backend):
     )
 
     @classmethod
+    def check(cls, spec) -> list:
+        """The keys this backend does not honour and its own rules (Backend.check), then (when none of those) what the
+        pods' manifests cannot be (clusterctl.backends.k8s_content.kubernetes_problems: names, GPUs, env names, sizes),
+        each at its key's line:column."""
+        found = super().check(spec)
+        if found or spec.kubernetes is None or spec.located is None:
+            return found
+        from ..spec.errors import problem
+        from .k8s_content import kubernetes_problems
+
+        return [problem(spec.located, spec.source, path, message) for path, message in kubernetes_problems(spec)]
+
+    @classmethod
     def check_spec(cls, spec) -> list:
-        """A kubernetes: section; pservers by count. What the section's manifests cannot be (launcher: mpi among
-        it) is clusterctl.spec.checks.kubernetes_problems', made for every spec with the section."""
+        """A kubernetes: section; pservers by count. What the section itself cannot be (launcher: mpi among it) is
+        clusterctl.spec.checks.kubernetes_section_problems', made for every spec with the section; what the pods'
+        content cannot be is `check`'s."""
         from ..spec.errors import problem
 
         loc, source, problems = spec.located, spec.source, []

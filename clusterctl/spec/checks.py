@@ -1,36 +1,27 @@
 """The semantic checks of a validated spec: what its models cannot see alone (duplicate hosts, pservers
 named but not listed) and what only laying out its plan finds. What a backend cannot honour is that
-backend's check (clusterctl.backends), made by every command that runs the spec.
+backend's check (clusterctl.backends), made by every command that runs the spec; so is what the Kubernetes pods'
+content cannot be (their env names, their sizes: clusterctl.backends.k8s_content), of which a kubernetes: section's
+own checks here know nothing.
 
 Imports the models and clusterctl.plan; neither imports this module (clusterctl.spec.loading calls it)."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from functools import lru_cache
-
 from ..errors import SpecProblem
-from ..host.layout import exec_string_fits
-from ..host.pod import POD_NAME_ENV, SECRET_ENV, TEMPLATE_VERSION
-from ..host.policy import DEFAULT_TIMINGS
 from ..plan import PlanError, make_plan
 from ..yamlpos import Located
-from .backends import STATE_MOUNT, _amount, is_extended_resource
+from .backends import _amount, is_extended_resource
 from .errors import problem
 from .fields import _did_you_mean
 from .job import PserversPerHost
 from .models import ClusterSpec
 
-__all__ = ["semantic_problems", "kubernetes_problems", "k8s_object_name", "k8s_gpus_per_trainer", "POD_ENV",
-           "K8sShape", "k8s_shape", "k8s_endpoints", "k8s_escape", "k8s_own_env", "k8s_container_env", "k8s_placeholders",
-           "k8s_host_package", "k8s_configmap_data", "K8S_ID_VAR", "INDEX_ANNOTATION", "TEMPLATE_KEY", "STATE_ROOT",
-           "PYCACHE", "TERMINATION_LOG", "CONFIGMAP_LIMIT", "WAIT_DEFAULT_S"]
+__all__ = ["semantic_problems", "kubernetes_section_problems", "k8s_object_name", "k8s_gpus_per_trainer",
+           "k8s_pod_counts", "PSERVER_POD_ENV"]
 
-# What every pod's container sets itself beside the contract (CONTRACT_ENV, refused in job.env by the model): the
-# main process's own two (its pod's name, the job's token) and what the Job controller adds. The pservers' mode
-# variables are the pserver-mode pods' (layout.py sets them over SSH).
-POD_ENV = frozenset({SECRET_ENV, POD_NAME_ENV, "JOB_COMPLETION_INDEX"})
+# The pservers' mode variables: every pserver-mode pod's manifest sets them (as layout.py does over SSH). What else
+# every pod sets itself is the pods' content (clusterctl.backends.k8s_content.POD_ENV).
 PSERVER_POD_ENV = frozenset({"CLUSTERCTL_PS_MODE", "CLUSTERCTL_PS_K_STEPS"})
 
 
@@ -39,7 +30,7 @@ def semantic_problems(loc: Located, source: str, spec: ClusterSpec, *, layout: b
     its plan's layout."""
     problems: list[SpecProblem] = []
     if spec.kubernetes is not None:  # what `k8s render` (and backend: kubernetes) refuses, refused by every command
-        problems += [problem(loc, source, path, message) for path, message in kubernetes_problems(spec)]
+        problems += [problem(loc, source, path, message) for path, message in kubernetes_section_problems(spec)]
     if not spec.hosts and spec.slurm is None:  # under Slurm the nodes give the hosts (clusterctl.backends.slurm)
         where = ("hostfile",) if spec.hostfile else ("hosts",)
         problems.append(problem(loc, source, where, "no hosts: list at least one host"))
@@ -114,30 +105,42 @@ def k8s_gpus_per_trainer(spec: ClusterSpec) -> tuple[int, ...]:
     return tuple(sorted({g // n for n, g in _trainers_per_host(spec) if n and (g == 0 or g >= n)})) or (0,)
 
 
-def kubernetes_problems(spec: ClusterSpec) -> list[tuple[tuple, str]]:
-    """(path, message) for each thing in a spec with a kubernetes: section that its manifests cannot be: launcher
-    mpi, object and pod host names Kubernetes refuses, env names the pods set themselves, GPUs and extended resources
-    the API server refuses or clusterctl would contradict, then (when none of those) what is too large for a pod to
-    start or for a ConfigMap (_size_problems). `k8s render` (which makes no check of its own) and every command that
-    loads the spec say the same."""
+def k8s_pod_counts(spec: ClusterSpec) -> tuple[int, int]:
+    """(trainers, pservers): the pods of a spec with a kubernetes: section, as the plan lays out its processes
+    (pservers only in pserver mode, on each host of the job, not on a spare)."""
+    trainers = sum(n for n, _ in _trainers_per_host(spec))
+    pservers = spec.job.pservers if spec.job.mode == "pserver" else 0
+    if isinstance(pservers, PserversPerHost):
+        pservers = pservers.per_host * sum(1 for h in spec.hosts if not h.spare)
+    elif isinstance(pservers, tuple):
+        pservers = len(pservers)
+    return trainers, pservers
+
+
+def kubernetes_section_problems(spec: ClusterSpec, *, pod_env: frozenset = frozenset()) -> list[tuple[tuple, str]]:
+    """(path, message) for each thing in a spec with a kubernetes: section that its manifests cannot be, as far as the
+    spec alone says: launcher mpi, object and pod host names Kubernetes refuses, env names the pods set themselves
+    (the pserver mode's, and `pod_env`: the names the pods' content sets, which the caller knows), GPUs and extended
+    resources the API server refuses or clusterctl would contradict. What the manifests' content would make too
+    large is clusterctl.backends.k8s_content's (kubernetes_problems: these, then the sizes)."""
     k, job = spec.kubernetes, spec.job
     found: list[tuple[tuple, str]] = []
     if job.launcher == "mpi":
         found.append((("job", "launcher"), "launcher: mpi is not supported under Kubernetes; use launcher: ssh (one "
                       "process per pod)"))
-    shape = k8s_shape(spec)
-    name = shape.name
+    name = k8s_object_name(spec)
     if name and not name[0].isalpha():  # the Service's name is an RFC 1035 label; kubernetes.name is checked as one
         found.append((("name",), f"the job's Service would be named {name!r}, and a Service's name starts with a "
                       "letter; set kubernetes.name"))
-    for role, count in (("pserver", shape.pservers), ("trainer", shape.trainers)):  # each role's last pod has its longest name
+    trainers, pservers = k8s_pod_counts(spec)
+    for role, count in (("pserver", pservers), ("trainer", trainers)):  # each role's last pod has its longest name
         longest = f"{name}-{role}-{max(count - 1, 0)}"
         if count and (len(longest) > 63 or not name):
             found.append((("kubernetes", "name") if k.name else ("name",),
                           f"pod host names like {longest!r} must be 1-63 characters; set a shorter kubernetes.name"))
             break
     for var in job.env:
-        if var in POD_ENV or (var in PSERVER_POD_ENV and job.mode == "pserver"):
+        if var in pod_env or (var in PSERVER_POD_ENV and job.mode == "pserver"):
             found.append((("job", "env", var), f"{var} is clusterctl's, set in every pod by its manifest; remove it "
                           "from job.env"))
     gpus = k8s_gpus_per_trainer(spec)
@@ -146,8 +149,6 @@ def kubernetes_problems(spec: ClusterSpec) -> list[tuple[tuple, str]]:
                       "Job asks for the same: set kubernetes.gpus_per_trainer"))
     for role, kinds in k.resources.items():
         found += _resource_problems(spec, role, kinds, gpus[0] if role == "trainer" and len(gpus) == 1 else 0)
-    if not found:  # sizes of manifests that can be made at all (their names, their GPUs)
-        found += _size_problems(spec, shape)
     return found
 
 
@@ -175,180 +176,3 @@ def _resource_problems(spec: ClusterSpec, role: str, kinds: dict, gpus: int) -> 
             found.append(((*at, "requests", res), f"{requests[res]} but limits.{res} is {limits[res]}: Kubernetes "
                           "takes an extended resource's request only equal to its limit"))
     return found
-
-
-# ------------------------------------------------------------------------------ kubernetes: the manifests' content
-# What every pod's environment, argv and ConfigMap hold is decided here, and clusterctl.k8s places it in the objects:
-# the sizes kubernetes_problems checks are those of what `k8s render` writes, computed from the spec alone (no plan)
-# so that loading a spec of 10,000 processes checks them in milliseconds.
-
-INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
-K8S_ID_VAR = {"trainer": "PADDLE_TRAINER_ID", "pserver": "PADDLE_PSERVER_ID"}
-# the ConfigMap (at clusterctl.spec.backends.HOST_MOUNT): the host package's modules and the job's template
-TEMPLATE_KEY = "template.json"
-CONFIGMAP_LIMIT = 1_000_000  # bytes (Kubernetes refuses a ConfigMap over 1 MiB)
-# the emptyDir (at STATE_MOUNT): the job dir (job file, state, logs) and the bytecode cache
-STATE_ROOT = f"{STATE_MOUNT}/jobs"
-PYCACHE = f"{STATE_MOUNT}/pycache"
-TERMINATION_LOG = "/dev/termination-log"
-WAIT_DEFAULT_S = 120.0  # the supervisors' timeouts (peers connecting, pservers listening) when wait_timeout is 0
-
-
-@dataclass(frozen=True)
-class K8sShape:
-    """A spec's pods as its manifests name them: the objects' name prefix, how many of each role (as the plan lays
-    them out), each trainer's GPUs, and each role's endpoint list (`NAME-ROLE-I.NAME:PORT,...`)."""
-
-    name: str
-    trainers: int
-    pservers: int
-    gpus: int
-    trainer_endpoints: str
-    pserver_endpoints: str
-
-
-def k8s_shape(spec: ClusterSpec) -> K8sShape:
-    """The K8sShape of a spec with a kubernetes: section (pservers only in pserver mode)."""
-    name, ports = k8s_object_name(spec), spec.job.ports
-    trainers = sum(n for n, _ in _trainers_per_host(spec))
-    pservers = spec.job.pservers if spec.job.mode == "pserver" else 0
-    if isinstance(pservers, PserversPerHost):  # on each host of the job, not on a spare (as the plan lays them out)
-        pservers = pservers.per_host * sum(1 for h in spec.hosts if not h.spare)
-    elif isinstance(pservers, tuple):
-        pservers = len(pservers)
-    return K8sShape(name, trainers, pservers, k8s_gpus_per_trainer(spec)[0],
-                    k8s_endpoints(name, "trainer", trainers, ports.trainer),
-                    k8s_endpoints(name, "pserver", pservers, ports.pserver))
-
-
-def k8s_endpoints(name: str, role: str, count: int, port: int) -> str:
-    """The pods' endpoint list of one role, as every pod's environment states it: `NAME-ROLE-I.NAME:PORT,...`."""
-    return ",".join(f"{name}-{role}-{i}.{name}:{port}" for i in range(count))
-
-
-def k8s_escape(text: str) -> str:
-    """A literal for a field the kubelet expands (`env[].value`, `command`, `args`): `$` is written `$$`."""
-    return text.replace("$", "$$")
-
-
-def k8s_own_env(shape: K8sShape, role: str) -> list[dict]:
-    """A pod's id (its completion index) and its name, the endpoint's host as in the plan (Paddle finds a pserver's
-    id by POD_IP:PADDLE_PORT in PADDLE_PSERVERS_IP_PORT_LIST): env items of the main and the init container."""
-    id_var = K8S_ID_VAR[role]
-    return [{"name": id_var, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
-            {"name": "POD_IP", "value": f"{shape.name}-{role}-$({id_var}).{shape.name}"}]
-
-
-def k8s_container_env(spec: ClusterSpec, shape: K8sShape, role: str) -> list[dict]:
-    """The env items of a role's main container, as its manifest lists them (clusterctl.k8s adds the main process's
-    own two after them): job.env, then the contract's variables (GUIDE section 2), literals escaped, each pod's own
-    built by the kubelet's `$(VAR)` from its completion index. CLUSTERCTL_JOB is not here: the supervisor tags the
-    processes it starts (and nothing else)."""
-    job, name = spec.job, shape.name
-    port = job.ports.trainer if role == "trainer" else job.ports.pserver
-    env = [{"name": n, "value": k8s_escape(v)} for n, v in job.env.items()]
-    env += [{"name": "CLUSTERCTL_ROLE", "value": role}, {"name": "TRAINING_ROLE", "value": role.upper()},
-            *k8s_own_env(shape, role), {"name": "PADDLE_PORT", "value": str(port)},
-            {"name": "PADDLE_CURRENT_ENDPOINT", "value": f"$(POD_IP):{port}"}]
-    common = [("PADDLE_TRAINERS_NUM", str(shape.trainers))]  # literal values, the same for every pod
-    if exec_string_fits("PADDLE_TRAINER_ENDPOINTS=" + shape.trainer_endpoints):  # else left out, as over SSH
-        common.append(("PADDLE_TRAINER_ENDPOINTS", shape.trainer_endpoints))  # (clusterctl.k8s.notes says so)
-    if job.mode == "pserver":  # its size: _size_problems
-        common += [("PADDLE_PSERVERS_IP_PORT_LIST", shape.pserver_endpoints), ("CLUSTERCTL_PS_MODE", job.sync),
-                   ("CLUSTERCTL_PS_K_STEPS", str(job.k_steps))]
-    env += [{"name": n, "value": k8s_escape(v)} for n, v in common]
-    if role == "trainer":  # references, or literals with no '$'
-        env += [{"name": "RANK", "value": "$(PADDLE_TRAINER_ID)"}, {"name": "WORLD_SIZE", "value": str(shape.trainers)},
-                {"name": "LOCAL_RANK", "value": "0"}, {"name": "LOCAL_WORLD_SIZE", "value": "1"},  # one trainer a pod
-                {"name": "MASTER_ADDR", "value": f"{name}-trainer-0.{name}"},
-                {"name": "MASTER_PORT", "value": str(job.ports.master)}]
-        if shape.gpus:  # the device plugin gives the container its GPUs only, numbered from 0
-            visible = ",".join(str(i) for i in range(shape.gpus))
-            env += [{"name": "CUDA_VISIBLE_DEVICES", "value": visible}, {"name": "FLAGS_selected_gpus", "value": visible}]
-    return env
-
-
-def k8s_placeholders(spec: ClusterSpec, shape: K8sShape) -> dict[str, str]:
-    """job.args' placeholders that are the same in every pod, unescaped (each role's own: clusterctl.k8s)."""
-    return {"trainers": str(shape.trainers), "pserver_endpoints": shape.pserver_endpoints,
-            "trainer_endpoints": shape.trainer_endpoints, "job": spec.name, "local_rank": "0"}
-
-
-@lru_cache(maxsize=1)
-def _host_package() -> tuple[tuple[str, str], ...]:
-    from importlib import resources  # here: not on the path of every command that loads a spec (~2 ms, zipfile)
-
-    root = resources.files("clusterctl.host")
-    return tuple((e.name, e.read_text(encoding="utf-8")) for e in sorted(root.iterdir(), key=lambda e: e.name)
-                 if e.name.endswith(".py"))
-
-
-def k8s_host_package() -> dict[str, str]:
-    """Every module of the host package (clusterctl/host), by file name: the ConfigMap's data beside the template."""
-    return dict(_host_package())
-
-
-def _template(spec: ClusterSpec, shape: K8sShape) -> dict:
-    """What every pod's job file shares (clusterctl/host/pod.py builds the rest from the pod's environment)."""
-    k, job = spec.kubernetes, spec.job
-    wait = k.wait_timeout or WAIT_DEFAULT_S
-    counts = {"pserver": shape.pservers, "trainer": shape.trainers}
-    roles = [r for r in ("pserver", "trainer") if counts[r]]
-    env_names = list(dict.fromkeys(e["name"] for r in roles for e in k8s_container_env(spec, shape, r)))
-    eps = shape.pserver_endpoints
-    return {
-        "version": TEMPLATE_VERSION,
-        "job": spec.name,
-        "state_root": STATE_ROOT,
-        "pycache": PYCACHE,
-        "termination_log": TERMINATION_LOG,
-        "on_failure": job.on_failure,
-        "grace": job.grace,
-        "restarts": job.restarts,
-        "restart_backoff": job.restart_backoff,
-        "auth": job.auth,
-        "roles": {r: {"count": counts[r], "id_env": K8S_ID_VAR[r], "dns": f"{shape.name}-{r}-{{id}}.{shape.name}",
-                      "port": job.ports.pserver if r == "pserver" else job.ports.trainer} for r in roles},
-        # the supervisors' coordinator: trainer 0's pod (every job has one)
-        "coordinator": {"address": f"{shape.name}-trainer-0.{shape.name}", "port": job.ports.control,
-                        "pod": ["trainer", 0], "hosts": shape.pservers + shape.trainers, "trainers_total": shape.trainers,
-                        "timings": {"connect_timeout": max(wait, DEFAULT_TIMINGS.connect_timeout)}},
-        "start_trainers_after": {"endpoints": eps.split(","), "timeout": wait} if eps else None,
-        "env": env_names,
-    }
-
-
-def k8s_configmap_data(spec: ClusterSpec, shape: K8sShape) -> dict[str, str]:
-    """The ConfigMap's data: the host package and the job's template (TEMPLATE_KEY)."""
-    data = k8s_host_package()
-    data[TEMPLATE_KEY] = json.dumps(_template(spec, shape), indent=1, sort_keys=True) + "\n"
-    return data
-
-
-def _size_problems(spec: ClusterSpec, shape: K8sShape) -> list[tuple[tuple, str]]:
-    """The first of what is too large in the manifests: the pserver list or an argument (its placeholders filled in as
-    the longest pod's are: the pods' DNS names make `{trainer_endpoints}` longer than over SSH) over what execve takes
-    (no pod would start), or the ConfigMap over what Kubernetes stores."""
-    job = spec.job
-    if job.mode == "pserver" and not exec_string_fits("PADDLE_PSERVERS_IP_PORT_LIST=" + shape.pserver_endpoints):
-        return [(("job", "pservers"), f"PADDLE_PSERVERS_IP_PORT_LIST would be {len(shape.pserver_endpoints) + 29} "
-                 "bytes: Linux starts no process with an environment string over 128 KiB (E2BIG)")]
-    values = k8s_placeholders(spec, shape)
-    for role, count, port in (("trainer", shape.trainers, job.ports.trainer),
-                              ("pserver", shape.pservers, job.ports.pserver)):
-        if not count:
-            continue
-        host = f"{shape.name}-{role}-{count - 1}.{shape.name}"
-        longest = dict(values, role=role, id=str(count - 1), trainer_id=str(count - 1), host=host,
-                       current_endpoint=f"{host}:{port}")
-        for arg in job.args:
-            text = arg.format_map(longest)
-            if not exec_string_fits(text):
-                return [(("job", "args"), f"an argument (after its placeholders) would be "
-                         f"{len(text.encode('utf-8', 'surrogateescape'))} bytes in a {role} pod: Linux starts no "
-                         "process with an argument or environment string over 128 KiB (E2BIG)")]
-    size = sum(len(k) + len(v.encode("utf-8")) for k, v in k8s_configmap_data(spec, shape).items())
-    if size > CONFIGMAP_LIMIT:
-        return [(("kubernetes",), f"the host package and template take {size} bytes; a ConfigMap holds at most "
-                 f"{CONFIGMAP_LIMIT}")]
-    return []

@@ -635,22 +635,25 @@ def test_a_trainer_list_over_what_execve_takes_is_left_out_of_the_pods_and_rende
 def test_an_argument_over_what_execve_takes_with_the_pods_endpoints_is_refused_at_its_line(tmp_path):
     """`{trainer_endpoints}` in job.args is the pods' DNS names under Kubernetes (30 bytes an endpoint here), not the
     hosts' addresses (~15): an argument that fits over SSH can be over execve's 128 KiB in every pod."""
-    def spec_of(hosts):
+    def spec_of(hosts, backend="backend: kubernetes\n"):
         lines = ["name: scale", "hosts:"] + [f"  - {{address: 10.{i >> 8}.{i & 255}.1, gpus: 8}}" for i in range(hosts)]
         lines += ["job: {trainers: gpu, entrypoint: [python3, train.py], args: ['--eps={trainer_endpoints}']}",
                   "kubernetes: {image: x}"]
-        return "\n".join(lines) + "\n"
+        return backend + "\n".join(lines) + "\n"
 
+    said = ("job.args: an argument (after its placeholders) would be 133295 bytes in a trainer pod: Linux starts no "
+            "process with an argument or environment string over 128 KiB (E2BIG)")
     # 4,480 trainers: the hosts' endpoints fit (the same spec without its kubernetes: section plans)
-    assert make_plan(parse_spec(spec_of(560).replace("kubernetes: {image: x}\n", ""))).trainers
+    assert make_plan(parse_spec(spec_of(560, "").replace("kubernetes: {image: x}\n", ""))).trainers
     spec = tmp_path / "big.yaml"
     spec.write_text(spec_of(560))
     for argv in (["k8s", "render"], ["validate"], ["plan", "--json"]):  # every command refuses it, in the same words
         res = subprocess.run([sys.executable, "-m", "clusterctl.cli", *argv, str(spec)], capture_output=True,
                              text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
         assert res.returncode == 2 and res.stdout == "", (argv, res.stdout[:300])
-        assert res.stderr.strip() == (f"{spec}:563:55: job.args: an argument (after its placeholders) would be 133295 "
-                                      "bytes in a trainer pod: Linux starts no process with an argument or environment "
-                                      "string over 128 KiB (E2BIG)"), (argv, res.stderr)
+        assert res.stderr.strip() == f"{spec}:564:55: {said}", (argv, res.stderr)
+    with pytest.raises(SpecError) as info:  # another backend's spec: `k8s render` (render's own check) refuses it
+        k8s.render(parse_spec(spec_of(560, ""), "ssh.yaml"))
+    assert [str(p) for p in info.value.problems] == [f"ssh.yaml:563:55: {said}"]
     docs = k8s.render(parse_spec(spec_of(500)))  # 4,000 trainers: 118,895 bytes, rendered
     assert docs[-1]["spec"]["template"]["spec"]["containers"][0]["args"][-1].count(",") == 3999

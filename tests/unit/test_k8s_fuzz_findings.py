@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from clusterctl import cli, k8s
+from clusterctl import backends, cli, k8s
 from clusterctl.errors import SpecError
 from clusterctl.spec import CONTRACT_ENV, parse_spec
 
@@ -16,9 +16,10 @@ KUBE = "kubernetes: {image: x}\n"
 
 
 def problems_of(text: str) -> list[str]:
-    """Every problem parse_spec finds in `text`, as `line:col: key: message` ('' when it is valid)."""
+    """Every problem loading `text` finds (as every command loads a spec: its backend's checks too), as
+    `line:col: key: message` ('' when it is valid)."""
     try:
-        parse_spec(text)
+        parse_spec(text, check=backends.problems)
     except SpecError as exc:
         return [f"{p.line}:{p.column}: {p.path}: {p.message}" for p in exc.problems]
     return []
@@ -225,7 +226,8 @@ def test_the_pserver_mode_variables_are_the_users_in_a_collective_job():
 
 def test_every_env_name_a_pod_sets_is_refused_in_job_env():
     """The refused names keep step with the manifests: a name a Job's container sets beside job.env's is in them."""
-    from clusterctl.spec.checks import POD_ENV, PSERVER_POD_ENV
+    from clusterctl.backends.k8s_content import POD_ENV
+    from clusterctl.spec.checks import PSERVER_POD_ENV
 
     _, docs = rendered(HEAD.replace("{address: a}", "{address: a, gpus: 2}") + "job: {mode: pserver, pservers: 2, "
                        "entrypoint: [python3, t.py], trainers: gpu, env: {MINE: x}}\n" + KUBE)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from clusterctl import cli, k8s
+from clusterctl import backends, cli, k8s
+from clusterctl.backends.k8s_content import CONFIGMAP_LIMIT, k8s_shape
 from clusterctl.errors import SpecError
 from clusterctl.plan import make_plan
 from clusterctl.spec import parse_spec
-from clusterctl.spec.checks import CONFIGMAP_LIMIT, k8s_shape
 
 LONG = "k" * 40  # kubernetes.name: pod names of ~100 bytes (`<LONG>-trainer-3999.<LONG>:6180`), hosts' ~10
 
@@ -44,6 +44,12 @@ def without_kubernetes(text: str) -> str:
     return "".join(line for line in lines if not line.startswith(("kubernetes:", "backend:")))
 
 
+def load(text: str):
+    """`text` loaded as every command loads a spec: the spec's backend's checks (backend: kubernetes: its pods'
+    sizes, clusterctl.backends.k8s_limits), then the spec's own."""
+    return parse_spec(text, check=backends.problems)
+
+
 def run(capsys, *argv: str) -> tuple[int, str, str]:
     rc = cli.main(list(argv))
     got = capsys.readouterr()
@@ -60,7 +66,7 @@ def test_the_same_spec_over_ssh_plans(case):
 def test_loading_the_spec_refuses_what_render_refused(case):
     text, said = CASES[case]
     with pytest.raises(SpecError) as info:
-        parse_spec(text)
+        load(text)
     (problem,) = info.value.problems
     if said is None:
         size = sum(len(k) + len(v.encode()) for k, v in k8s.host_package().items()) + len(k8s.TEMPLATE_KEY)
@@ -95,8 +101,8 @@ def test_a_smaller_fleet_renders_with_the_argument_whole():
                        if not line.startswith("  - {address: h") or int(line[15:].split(",")[0]) < hosts)
 
     with pytest.raises(SpecError, match="job.args: an argument .* would be 158895 bytes in a trainer pod"):
-        parse_spec(fleet(40))
-    docs = k8s.render(parse_spec(fleet(30)))
+        load(fleet(40))
+    docs = k8s.render(load(fleet(30)))
     arg = docs[-1]["spec"]["template"]["spec"]["containers"][0]["args"][-1]
     assert 100_000 < len(arg.encode()) < 128 * 1024 and arg.count(",") == 1199
 
