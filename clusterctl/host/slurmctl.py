@@ -14,6 +14,13 @@
     node-top       (one task per node) the supervisor's `top` over its control socket (its sampler kept in
                    memory, nvidia-smi on its own thread), `agent top` where it cannot answer; replied as above
 
+Which node a reply came from is Slurm's word, never the node's: the step is `srun --label --distribution=arbitrary
+--nodelist=<the job's nodes, in scontrol show hostnames order>`, so task i runs on node i, and srun itself starts
+every line task i prints with `i: ` (slurmstepd cuts a task's lines at 1024 bytes and ends an unfinished one, each
+piece labelled). `StepOutput` takes node i's reply from the lines labelled i only, splits on newlines only, and
+refuses a task's reply (that node then has none) whose reply lines name another node, repeat or garble a part, or
+that prints more than its share: a node speaks for itself or not at all.
+
 Each `login` command prints one JSON object. Stdlib only (Python 3.9), as the rest of the host package.
 """
 
@@ -28,13 +35,14 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from .common import emit
 from .controlproto import CLIENT_HEADER_TIMEOUT, OK, read_control
 from .slurm import NAME_RE, RECORD_DIR, _home_path, jobdir_rel
 
-__all__ = ["overlap_argv", "read_record", "query_job", "live", "reply_lines", "read_replies", "main",
+__all__ = ["overlap_argv", "read_record", "query_job", "live", "reply_lines", "read_replies", "StepOutput", "main",
            "STEP_TIMEOUT", "STOP_EXTRA"]
 
 LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "REQUEUE_HOLD",
@@ -45,15 +53,24 @@ STOP_EXTRA = 30.0  # a stop step's deadline beyond the grace; scancel's wait too
 MAX_TOP_REPLY = 8 << 20  # bytes of a supervisor's `top` reply read over its control socket
 REPLY_MARK = "clusterctl-slurm-reply"  # starts the lines of a node command's reply in srun's output
 REPLY_CHUNK = 600  # base64 characters per reply line: srun cuts lines longer than 1024 bytes (and interleaves them)
+LABEL_RE = re.compile(rb"([0-9]{1,7}): ")  # srun --label's prefix of every line task N prints: `%0*d: `
+MAX_STEP_LINE = 4096  # bytes of one line of a step's output read at once (srun's own are at most 1024 + label)
+REPLY_SHARE = 16 << 20  # bytes of output one task of a step may print: a top reply's base64 lines (MAX_TOP_REPLY)
 
 
 def overlap_argv(slurm_job, nodes, package, args, name):
     """srun's argv for a short step beside the running job (--overlap): one task per node runs this module's
-    `ARGS` (node-status, node-stop) from `package` (the package's directory under the home the job installed)."""
+    `ARGS` (node-status, node-stop) from `package` (the package's directory under the home the job installed).
+    Task i runs on nodes[i] (--distribution=arbitrary lays the tasks out in --nodelist's order) and srun starts
+    each line it prints with `i: ` (--label): which node printed a line is Slurm's word, not the node's."""
+    for node in nodes:
+        if not NAME_RE.match(str(node)):  # -w takes a name with `/` for a file's, and `,` splits names
+            raise ValueError("Slurm named a node %r: not a node name srun --nodelist can be given" % (node,))
     run = ("import os, sys; sys.path[0] = os.path.join(os.path.expanduser('~'), sys.argv[1]); "
            "sys.exit(__import__(sys.argv[2], fromlist=['main']).main(sys.argv[3:]))")
-    return ["srun", "--overlap", "--jobid=%s" % slurm_job, "--nodes=%d" % nodes, "--ntasks=%d" % nodes,
-            "--ntasks-per-node=1", "--mpi=none", "--chdir=/", "--job-name=" + name, "--quiet",
+    return ["srun", "--overlap", "--jobid=%s" % slurm_job, "--nodes=%d" % len(nodes), "--ntasks=%d" % len(nodes),
+            "--ntasks-per-node=1", "--distribution=arbitrary", "--nodelist=" + ",".join(nodes), "--label",
+            "--mpi=none", "--chdir=/", "--job-name=" + name, "--quiet",
             "python3", "-S", "-E", "-c", run, package, __name__, *args]
 
 
@@ -147,18 +164,46 @@ def node_addresses(nodes):
 
 
 def _node_step(rec, sj, args, timeout, name):
-    """Run `slurm ARGS` on every node of a running job (srun --overlap): {node: reply}, and srun's complaint."""
-    argv = overlap_argv(sj["id"], len(sj["nodes"]), rec["package"], args, name)
+    """Run `slurm ARGS` on every node of a running job (srun --overlap): {node: reply}, and srun's complaint (with
+    why a node's reply was refused). srun's output is read as it comes, a line and a task's share at a time."""
+    nodes = list(sj["nodes"])
+    argv = overlap_argv(sj["id"], nodes, rec["package"], args, name)
+    step, err = StepOutput(nodes), bytearray()
+
+    def read_err(stream):
+        for chunk in iter(lambda: stream.read(4096), b""):
+            err.extend(chunk)
+            del err[:-2000]
+
     try:
-        res = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             universal_newlines=True, timeout=timeout)
-        out, err = res.stdout, res.stderr
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode("utf-8", "replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = "srun did not end within %gs" % timeout
-    replies = {n: r for n, r in read_replies(out).items() if n in sj["nodes"]}
-    missing = [n for n in sj["nodes"] if n not in replies]
-    return replies, (err.strip()[-500:] or "no answer") if missing else ""
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as e:
+        return {}, "srun: %s" % e
+    readers = [threading.Thread(target=step.read, args=(proc.stdout,), daemon=True),
+               threading.Thread(target=read_err, args=(proc.stderr,), daemon=True)]
+    for t in readers:
+        t.start()
+    why = None
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        why = "srun did not end within %gs" % timeout
+    for t in readers:
+        t.join(5.0)
+    replies, refused = step.result()
+    why = why or bytes(err).decode("utf-8", "replace")
+    if not any(t.is_alive() for t in readers):  # else left to the reader still blocked on it
+        proc.stdout.close()
+        proc.stderr.close()
+    missing = [n for n in nodes if n not in replies]
+    if not missing:
+        return replies, ""
+    said = ["%s: its reply refused (%s)" % (n, refused[n]) for n in nodes if n in refused]
+    if [n for n in missing if n not in refused]:
+        said.append(why.strip()[-500:] or "no answer")
+    return replies, "; ".join(said)
 
 
 def cmd_login_submit(args):
@@ -292,27 +337,88 @@ def reply_lines(node, reply):
     return ["%s %s %d/%d %s" % (REPLY_MARK, node, i, len(parts), part) for i, part in enumerate(parts)]
 
 
-def read_replies(text):
-    """{node: reply} from srun's output holding reply_lines() of several nodes (other lines ignored; a node
-    whose reply is incomplete or garbled is left out)."""
-    parts = {}
-    for line in text.splitlines():
-        fields = line.split(" ")
-        if len(fields) != 4 or fields[0] != REPLY_MARK or "/" not in fields[2]:
-            continue
-        i, _, n = fields[2].partition("/")
-        if i.isdigit() and n.isdigit():
-            parts.setdefault(fields[1], {})[int(i)] = (int(n), fields[3])
-    out = {}
-    for node, got in parts.items():
-        counts = set(n for n, _ in got.values())
-        if len(counts) != 1 or sorted(got) != list(range(counts.pop())):
-            continue
-        try:
-            out[node] = json.loads(base64.b64decode("".join(got[i][1] for i in sorted(got))).decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            continue
-    return out
+class StepOutput:
+    """The output of a step whose task i ran on nodes[i] (overlap_argv), fed a line at a time: each node's reply
+    from the lines srun labelled with its task's number only. Lines without a label (srun writes one before every
+    line a task prints) or with one past the tasks are nobody's, and ignored; a task's other lines are its own
+    noise. A task whose reply lines name another node, repeat, disagree on the count or are not base64, a line over
+    MAX_STEP_LINE or more than REPLY_SHARE bytes in all is refused: its node has no reply, the others' stand."""
+
+    def __init__(self, nodes):
+        self.nodes = list(nodes)
+        self._parts = [{} for _ in self.nodes]
+        self._size = [0] * len(self.nodes)
+        self._refused = {}  # task -> why
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def line(self, raw, whole=True):
+        """One line of srun's output (bytes, its newline or not); whole=False: the start of a longer one."""
+        m = LABEL_RE.match(raw)
+        task = int(m.group(1)) if m else -1
+        with self._lock:
+            if self._closed or not 0 <= task < len(self.nodes) or task in self._refused:
+                return
+            self._size[task] += len(raw)
+            if not whole:
+                return self._refuse(task, "a line over %d bytes" % MAX_STEP_LINE)
+            if self._size[task] > REPLY_SHARE:
+                return self._refuse(task, "more than %d bytes of output" % REPLY_SHARE)
+            fields = raw[m.end():].rstrip(b"\n").split(b" ")
+            if fields[0] != REPLY_MARK.encode():
+                return None  # its own noise (a warning, a stray print)
+            node = self.nodes[task]
+            i, _, n = fields[2].partition(b"/") if len(fields) == 4 else (b"", b"", b"")
+            if fields[1:2] != [node.encode()]:
+                return self._refuse(task, "a reply line naming another node")
+            if not (i.isdigit() and n.isdigit() and len(i) < 8 and len(n) < 8 and int(i) < int(n)):
+                return self._refuse(task, "a garbled reply line")
+            parts, i, n = self._parts[task], int(i), int(n)
+            if i in parts or any(count != n for count, _ in parts.values()):
+                return self._refuse(task, "a reply line repeated or out of step")
+            parts[i] = (n, fields[3])
+        return None
+
+    def _refuse(self, task, why):
+        self._refused[task] = why
+        self._parts[task] = {}
+
+    def read(self, stream):
+        """Feed every line of a binary stream, none read longer than MAX_STEP_LINE (the rest of one skipped)."""
+        skipping = False
+        for raw in iter(lambda: stream.readline(MAX_STEP_LINE), b""):
+            if not skipping:
+                self.line(raw, whole=raw.endswith(b"\n") or len(raw) < MAX_STEP_LINE)
+            skipping = not raw.endswith(b"\n")
+
+    def result(self):
+        """({node: reply} of every node whose reply came whole, {node: why} of those refused); no more lines."""
+        with self._lock:
+            self._closed = True
+        out = {}
+        for task, got in enumerate(self._parts):
+            if task in self._refused or not got:
+                continue
+            count = next(iter(got.values()))[0]
+            if sorted(got) != list(range(count)):
+                continue  # cut short (srun ended, or was ended): no reply, as from a node that did not answer
+            try:
+                data = base64.b64decode(b"".join(got[i][1] for i in range(count)), validate=True)
+                out[self.nodes[task]] = json.loads(data.decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                self._refused[task] = "a garbled reply"
+        return out, {self.nodes[t]: why for t, why in self._refused.items()}
+
+
+def read_replies(text, nodes):
+    """({node: reply}, {node: why refused}) from a step's whole output (StepOutput; text or bytes): split on
+    newlines only, as srun ends its lines (a carriage return inside a task's line is that line's)."""
+    step = StepOutput(nodes)
+    data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
+    for raw in data.split(b"\n"):
+        if raw:
+            step.line(raw[:MAX_STEP_LINE], whole=len(raw) <= MAX_STEP_LINE)
+    return step.result()
 
 
 def _emit_reply(node, reply):

@@ -5,9 +5,10 @@ of the plan is the i-th name of the job's node list as `scontrol show hostnames`
 (clusterctl/host/slurm.py `cmd_node`) gives the node of that name (SLURMD_NODENAME) the plan's job file i and puts
 the name in the file's `host`, which its supervisor's replies carry; the login node's query (clusterctl/host/
 slurmctl.py `query_job`) expands the same node list the same way into ``sj["nodes"]``, and the replies come back
-keyed by those names. So, as an SSH host's (ops/job.py `fold_status`), a node's reply speaks for that node alone and
-for the processes the plan placed on node i alone: a node (possibly compromised) that names another node, or
-reports another node's process rows, is that node's one `no status: ...` line.
+keyed by those names, each told by Slurm (the step's task i runs on node i, and srun labels its lines: slurmctl.py
+`overlap_argv`, `StepOutput`), not by the node. So, as an SSH host's (ops/job.py `fold_status`), a node's reply
+speaks for that node alone and for the processes the plan placed on node i alone: a node (possibly compromised)
+that names another node, or reports another node's process rows, is that node's one `no status: ...` line.
 """
 
 from __future__ import annotations

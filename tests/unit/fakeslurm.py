@@ -5,7 +5,10 @@ fakehosts.py). Each fake node is a fake host: node i is reached at 127.0.0.<i+1>
 ``root/127.0.0.<i+1>`` (where LocalTransport runs that host's commands). `sbatch` runs the script for real,
 in the background, as the batch step on node 0 (its output where `#SBATCH --output` says); `srun` runs its
 command once per node (``SLURMD_NODENAME``, ``SLURM_PROCID``, that node's HOME; with ``--input=all`` each
-task gets the whole stdin; ``--label`` prefixes); `scancel` SIGTERMs every process group the job started,
+task gets the whole stdin; ``--distribution=arbitrary`` puts task i on the i-th node of ``--nodelist``, as the
+real one does; ``--label`` starts every line a task prints with its number, zero-padded as srun's ``%0*d: ``,
+a task's lines cut at 1024 bytes and an unfinished last one ended, each piece labelled, as slurmstepd does);
+`scancel` SIGTERMs every process group the job started,
 then SIGKILLs after a kill wait. A job waits in PENDING while ``state_dir/hold`` exists; while
 ``state_dir/down`` exists every tool fails as when slurmctld cannot be reached. Jobs are JSON files
 under ``state_dir/jobs``; every change is made under a lock.
@@ -170,6 +173,12 @@ class Fake:
                   file=sys.stderr)
             return 1
         nodes = job["nodes"][:int(opts.get("nodes", len(job["nodes"])))]
+        if opts.get("distribution") == "arbitrary":  # task i on the i-th node of --nodelist (srun.1, -m arbitrary)
+            nodes = [n for n in opts.get("nodelist", "").split(",") if n]
+            if not nodes or any(n not in job["nodes"] for n in nodes):
+                print(f"srun: error: Unable to create step for job {job_id}: Requested node configuration is not "
+                      "available", file=sys.stderr)
+                return 1
         data = sys.stdin.buffer.read() if opts.get("input") == "all" else None
         procs = []
         for rank, node in enumerate(nodes):
@@ -186,10 +195,13 @@ class Fake:
         signal.signal(signal.SIGTERM, lambda s, f: [_killpg(p.pid, s) for _, p in procs])
         lock = threading.Lock()
 
+        width = len(str(max(len(nodes) - 1, 0)))
+
         def pump(rank, stream, out):
-            for line in iter(stream.readline, b""):
-                with lock:
-                    out.write((f"{rank}: " if "label" in opts else "").encode() + line)
+            label = "label" in opts
+            for line in iter(lambda: stream.readline(1024) if label else stream.readline(), b""):
+                with lock:  # slurmstepd: a line at most 1024 bytes, labelled and ended whether or not it ended
+                    out.write(f"{rank:0{width}d}: ".encode() + line.rstrip(b"\n") + b"\n" if label else line)
                     out.flush()
 
         threads = []

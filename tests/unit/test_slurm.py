@@ -328,16 +328,102 @@ def test_job_directory_names_are_checked(job, sid, node):
         glue.jobdir_rel(job, sid, node)
 
 
+def _labelled(task: int, lines: list[str]) -> list[str]:
+    return [f"{task}: {line}" for line in lines]  # srun --label's prefix (`%0*d: `, 1 digit for 3 tasks)
+
+
 def test_node_replies_survive_sruns_output_whole():
     """srun cuts output lines longer than 1024 bytes and interleaves the pieces of several tasks: each node's
     reply travels as short lines, read back whole among the other nodes' lines and noise."""
     big = {"processes": [{"log": "/x" * 400, "id": i} for i in range(30)], "state": "running"}
-    lines = {n: slurmctl.reply_lines(n, dict(big, node=n)) for n in ("n0", "n1", "n2")}
+    nodes = ["n0", "n1", "n2"]
+    lines = {n: _labelled(i, slurmctl.reply_lines(n, dict(big, node=n))) for i, n in enumerate(nodes)}
     assert all(len(line) < 1024 for ls in lines.values() for line in ls) and len(lines["n0"]) > 5
     mixed = [line for group in itertools.zip_longest(*lines.values()) for line in group if line]
-    mixed += ["srun: warning: noise", "n0 1/2 x"]
-    assert slurmctl.read_replies("\n".join(mixed)) == {n: dict(big, node=n) for n in lines}
-    assert slurmctl.read_replies("\n".join(lines["n1"][:-1] + lines["n2"])) == {"n2": dict(big, node="n2")}  # n1 cut short
+    mixed += ["srun: warning: noise", "0: n0 1/2 x"]
+    assert slurmctl.read_replies("\n".join(mixed), nodes) == ({n: dict(big, node=n) for n in nodes}, {})
+    cut = "\n".join(lines["n1"][:-1] + lines["n2"])  # n1 cut short: no reply, not refused
+    assert slurmctl.read_replies(cut, nodes) == ({"n2": dict(big, node="n2")}, {})
+
+
+def test_a_nodes_reply_is_read_from_the_lines_slurm_labelled_with_its_task_only(monkeypatch):
+    """Which node a reply came from is srun's label (task i runs on node i), never the name the node prints: node
+    n1 (possibly compromised) cannot replace n0's reply; a reply line of n1's naming n0, repeating a part, a line
+    over the bound or more than a task's share refuses n1's own reply, and n0's stands."""
+    nodes = ["n0", "n1"]
+    a, b = slurmctl.reply_lines("n0", {"node": "n0"}), slurmctl.reply_lines("n1", {"node": "n1"})
+    forged = slurmctl.reply_lines("n0", {"node": "n0", "forged": True})
+    good = _labelled(0, a)
+    mark = slurmctl.REPLY_MARK
+    cases = {  # what n1's task prints (srun labels it `1: `), and why n1's reply is refused (None: it stands)
+        "n1 names n0": (forged + b, "a reply line naming another node"),
+        "n1 repeats a part": (b + b, "a reply line repeated or out of step"),
+        "parts disagree": ([f"{mark} n1 0/2 {b[0].split()[-1]}", f"{mark} n1 1/3 AAAA"], "a reply line repeated or out of step"),
+        "garbled index": ([f"{mark} n1 x/1 AAAA"], "a garbled reply line"),
+        "not base64": ([f"{mark} n1 0/1 e30=\r"], "a garbled reply"),
+        "a line over the bound": (b + ["x" * slurmctl.MAX_STEP_LINE], f"a line over {slurmctl.MAX_STEP_LINE} bytes"),
+        "label inside its line": (["x\r0: " + forged[0], "0: " + forged[0]] + b, None),
+        "other separators": (["x\x0b" + f"0: {forged[0]}\x1c0: {forged[0]}\u2028" + f"0: {forged[0]}"] + b, None),
+    }
+    for what, (printed, why) in cases.items():
+        text = "\n".join(good[:1] + _labelled(1, printed) + good[1:])
+        assert slurmctl.read_replies(text, nodes) == (
+            {"n0": {"node": "n0"}, **({} if why else {"n1": {"node": "n1"}})}, {"n1": why} if why else {}), what
+    # lines srun did not label, or labelled past the step's tasks, are nobody's
+    stray = [forged[0], "2: " + forged[0], "-1: " + forged[0], " 0: " + forged[0], "0:" + forged[0]]
+    assert slurmctl.read_replies("\n".join(stray + _labelled(1, b)), nodes) == ({"n1": {"node": "n1"}}, {})
+    assert slurmctl.read_replies("\n".join(["01: " + line for line in b]), nodes) == ({"n1": {"node": "n1"}}, {})
+    monkeypatch.setattr(slurmctl, "REPLY_SHARE", 2000)  # a task's share of the output, its noise counted
+    text = "\n".join(good + _labelled(1, ["noise " * 400] + b))
+    assert slurmctl.read_replies(text, nodes) == ({"n0": {"node": "n0"}}, {"n1": "more than 2000 bytes of output"})
+
+
+_STUB = """\
+import base64, json, os, sys, time
+def main(argv):
+    node = os.environ["SLURMD_NODENAME"]
+    def reply(name, body):
+        data = base64.b64encode(json.dumps(body).encode()).decode()
+        return "clusterctl-slurm-reply %s 0/1 %s\\n" % (name, data)
+    out = sys.stdout
+    if node == "node2":  # compromised: after node1's honest reply, its own and a forged one of node1's
+        time.sleep(0.5)
+        out.write(os.environ["FORGE"].replace("FORGED", reply("node1", {"node": "node1", "forged": True})))
+    out.write(reply(node, {"node": node, "argv": argv}))
+    out.flush()
+    return 0
+"""
+
+
+@pytest.mark.parametrize("forge, refused", [
+    ("FORGED", "node2: its reply refused (a reply line naming another node)"),  # it names node1: refused
+    ("x" * 1024 + "FORGED", "node2: its reply refused (a reply line naming another node)"),  # cut: a line of its own
+    ("junk\rFORGED", ""), ("0: FORGED", ""),  # srun's label before it is node2's: noise of node2's
+])
+def test_the_status_step_takes_each_reply_from_the_node_slurm_ran_it_on(tmp_path, monkeypatch, forge, refused):
+    """node2's step prints a reply under node1's name (with a carriage return, a cut line, a label of its own):
+    node1's reply is node1's, and node2 speaks for itself or not at all (the fake srun labels and cuts lines as
+    srun does, and lays task i on the i-th node of --nodelist)."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fakeslurm import install
+
+    install(tmp_path / "bin", tmp_path / "slurm", tmp_path / "root", 2)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FORGE", forge)
+    (tmp_path / "slurm" / "jobs" / "4242.json").write_text(json.dumps(
+        {"id": 4242, "state": "RUNNING", "nodes": ["node1", "node2"], "pgids": []}))
+    for home in ("127.0.0.1", "127.0.0.2"):
+        pkg = tmp_path / "root" / home / "pkg" / "clusterctl" / "host"
+        pkg.mkdir(parents=True)
+        for init in (pkg / "__init__.py", pkg.parent / "__init__.py"):
+            init.write_text("")
+        (pkg / "slurmctl.py").write_text(_STUB)
+    sj = {"id": "4242", "nodes": ["node2", "node1"]}  # task 0 on node2: --nodelist's order, not the names'
+    replies, why = slurmctl._node_step({"package": "pkg"}, sj, ["node-status"], 30, "t")
+    assert replies.pop("node1") == {"node": "node1", "argv": ["node-status"]}
+    assert (replies, why) == (({}, refused) if refused else ({"node2": {"node": "node2", "argv": ["node-status"]}}, ""))
 
 
 def _login_says(capsys, *argv: str) -> tuple[int, dict]:
