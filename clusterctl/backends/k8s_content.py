@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from ..spec import ClusterSpec
 
 __all__ = ["kubernetes_problems", "POD_ENV", "K8sShape", "k8s_shape", "k8s_endpoints", "k8s_escape", "k8s_own_env",
-           "k8s_container_env", "k8s_placeholders", "k8s_host_package", "k8s_configmap_data", "K8S_ID_VAR",
-           "INDEX_ANNOTATION", "TEMPLATE_KEY", "STATE_ROOT", "PYCACHE", "TERMINATION_LOG", "CONFIGMAP_LIMIT",
-           "WAIT_DEFAULT_S"]
+           "k8s_container_env", "k8s_placeholders", "k8s_last_placeholders", "k8s_host_package", "k8s_configmap_data",
+           "K8S_ID_VAR", "INDEX_ANNOTATION", "TEMPLATE_KEY", "STATE_ROOT", "PYCACHE", "TERMINATION_LOG",
+           "CONFIGMAP_LIMIT", "WAIT_DEFAULT_S"]
 
 # What every pod's container sets itself beside the contract (CONTRACT_ENV, refused in job.env by the model): the
 # main process's own two (its pod's name, the job's token) and what the Job controller adds. The pservers' mode
@@ -134,6 +134,15 @@ def k8s_placeholders(spec: ClusterSpec, shape: K8sShape) -> dict[str, str]:
             "trainer_endpoints": shape.trainer_endpoints, "job": spec.name, "local_rank": "0"}
 
 
+def k8s_last_placeholders(spec: ClusterSpec, shape: K8sShape, role: str) -> dict[str, str]:
+    """job.args' placeholders as the kubelet fills them in for a role's last pod (its longest index), unescaped."""
+    last = (shape.trainers if role == "trainer" else shape.pservers) - 1
+    host = f"{shape.name}-{role}-{last}.{shape.name}"
+    port = spec.job.ports.trainer if role == "trainer" else spec.job.ports.pserver
+    return dict(k8s_placeholders(spec, shape), role=role, id=str(last), trainer_id=str(last), host=host,
+                current_endpoint=f"{host}:{port}")
+
+
 @lru_cache(maxsize=1)
 def _host_package() -> tuple[tuple[str, str], ...]:
     from importlib import resources  # here: not on the path of every command that loads a spec (~2 ms, zipfile)
@@ -193,14 +202,10 @@ def _size_problems(spec: ClusterSpec, shape: K8sShape) -> list[tuple[tuple, str]
     if job.mode == "pserver" and not exec_string_fits("PADDLE_PSERVERS_IP_PORT_LIST=" + shape.pserver_endpoints):
         return [(("job", "pservers"), f"PADDLE_PSERVERS_IP_PORT_LIST would be {len(shape.pserver_endpoints) + 29} "
                  "bytes: Linux starts no process with an environment string over 128 KiB (E2BIG)")]
-    values = k8s_placeholders(spec, shape)
-    for role, count, port in (("trainer", shape.trainers, job.ports.trainer),
-                              ("pserver", shape.pservers, job.ports.pserver)):
+    for role, count in (("trainer", shape.trainers), ("pserver", shape.pservers)):
         if not count:
             continue
-        host = f"{shape.name}-{role}-{count - 1}.{shape.name}"
-        longest = dict(values, role=role, id=str(count - 1), trainer_id=str(count - 1), host=host,
-                       current_endpoint=f"{host}:{port}")
+        longest = k8s_last_placeholders(spec, shape, role)
         for arg in job.args:
             text = arg.format_map(longest)
             if not exec_string_fits(text):

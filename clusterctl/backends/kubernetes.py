@@ -504,15 +504,15 @@ class KubernetesBackend(Backend):
     @classmethod
     def check(cls, spec) -> list:
         """The keys this backend does not honour and its own rules (Backend.check), then (when none of those) what the
-        pods' manifests cannot be (clusterctl.backends.k8s_content.kubernetes_problems: names, GPUs, env names, sizes),
-        each at its key's line:column."""
+        pods' manifests cannot be and what `start` would hit with them (clusterctl.backends.k8s_limits.start_problems:
+        names, GPUs, sizes), each at its key's line:column."""
         found = super().check(spec)
         if found or spec.kubernetes is None or spec.located is None:
             return found
         from ..spec.errors import problem
-        from .k8s_content import kubernetes_problems
+        from .k8s_limits import start_problems
 
-        return [problem(spec.located, spec.source, path, message) for path, message in kubernetes_problems(spec)]
+        return [problem(spec.located, spec.source, path, message) for path, message in start_problems(spec)]
 
     @classmethod
     def check_spec(cls, spec) -> list:
