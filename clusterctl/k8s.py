@@ -53,7 +53,7 @@ HOST_PACKAGE = "clusterctl_host"  # the host package's name in a pod, as on SSH 
 # emptyDir: the job dir (job file, state, logs) and the bytecode cache (clusterctl.spec.backends: a workspace's
 # mount_path is refused there). What the pods' env, args and ConfigMap hold, and the constants above the objects
 # (TEMPLATE_KEY, STATE_ROOT, PYCACHE, TERMINATION_LOG, CONFIGMAP_LIMIT, WAIT_DEFAULT_S, INDEX_ANNOTATION), are
-# clusterctl.spec.checks', which checks their sizes whenever a spec is loaded.
+# clusterctl.backends.k8s_content's, which checks their sizes whenever a spec with the section is loaded.
 TOKEN_KEY = "token"
 # terminationGracePeriodSeconds = job.grace + this: the supervisor's own stop (SIGTERM, job.grace, SIGKILL, the
 # sweep) and the termination message fit in it before the kubelet kills what is left

@@ -45,8 +45,12 @@ def backend_class(name: str) -> "type[Backend]":
 
 
 def problems(spec: "ClusterSpec") -> list:
-    """Why the spec's backend cannot run it as written: SpecProblems at their lines, [] when it can."""
-    return backend_class(spec.backend).check(spec)
+    """Why the spec's backend cannot run it as written: SpecProblems at their lines, [] when it can. A kubernetes:
+    section kept beside another backend (for `k8s render`) is checked too, as `k8s render` checks it."""
+    found = backend_class(spec.backend).check(spec)
+    if not found and spec.backend != "kubernetes" and spec.kubernetes is not None:
+        found = backend_class("kubernetes").content_problems(spec, to_start=False)
+    return found
 
 
 def check(spec: "ClusterSpec") -> None:

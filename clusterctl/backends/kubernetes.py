@@ -507,12 +507,21 @@ class KubernetesBackend(Backend):
         pods' manifests cannot be and what `start` would hit with them (clusterctl.backends.k8s_limits.start_problems:
         names, GPUs, sizes), each at its key's line:column."""
         found = super().check(spec)
-        if found or spec.kubernetes is None or spec.located is None:
-            return found
+        return found or cls.content_problems(spec)
+
+    @staticmethod
+    def content_problems(spec, *, to_start: bool = True) -> list:
+        """What the pods' manifests of the spec's kubernetes: section cannot be, each at its key: what `start` would
+        hit, or (not `to_start`: a spec of another backend that keeps the section for `k8s render`, checked by
+        clusterctl.backends.problems) what `k8s render` refuses."""
+        if spec.kubernetes is None or spec.located is None:
+            return []
         from ..spec.errors import problem
+        from .k8s_content import kubernetes_problems
         from .k8s_limits import start_problems
 
-        return [problem(spec.located, spec.source, path, message) for path, message in start_problems(spec)]
+        found = start_problems(spec) if to_start else kubernetes_problems(spec)
+        return [problem(spec.located, spec.source, path, message) for path, message in found]
 
     @classmethod
     def check_spec(cls, spec) -> list:

@@ -645,13 +645,15 @@ def test_an_argument_over_what_execve_takes_with_the_pods_endpoints_is_refused_a
             "process with an argument or environment string over 128 KiB (E2BIG)")
     # 4,480 trainers: the hosts' endpoints fit (the same spec without its kubernetes: section plans)
     assert make_plan(parse_spec(spec_of(560, "").replace("kubernetes: {image: x}\n", ""))).trainers
-    spec = tmp_path / "big.yaml"
+    spec, ssh = tmp_path / "big.yaml", tmp_path / "ssh.yaml"
     spec.write_text(spec_of(560))
+    ssh.write_text(spec_of(560, ""))  # an SSH spec that keeps the section for `k8s render`: checked as well
     for argv in (["k8s", "render"], ["validate"], ["plan", "--json"]):  # every command refuses it, in the same words
-        res = subprocess.run([sys.executable, "-m", "clusterctl.cli", *argv, str(spec)], capture_output=True,
-                             text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
-        assert res.returncode == 2 and res.stdout == "", (argv, res.stdout[:300])
-        assert res.stderr.strip() == f"{spec}:564:55: {said}", (argv, res.stderr)
+        for path, line in ((spec, 564), (ssh, 563)):
+            res = subprocess.run([sys.executable, "-m", "clusterctl.cli", *argv, str(path)], capture_output=True,
+                                 text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+            assert res.returncode == 2 and res.stdout == "", (argv, res.stdout[:300])
+            assert res.stderr.strip() == f"{path}:{line}:55: {said}", (argv, res.stderr)
     with pytest.raises(SpecError) as info:  # another backend's spec: `k8s render` (render's own check) refuses it
         k8s.render(parse_spec(spec_of(560, ""), "ssh.yaml"))
     assert [str(p) for p in info.value.problems] == [f"ssh.yaml:563:55: {said}"]
