@@ -82,6 +82,9 @@ def cmd_provision(args: argparse.Namespace) -> int:
 
     if args.spec is None:  # `provision --only apt SPEC`: --only took every word after it, the spec too
         named = (args.only or [])[-1:]
+        if named and os.path.isdir(named[0]):  # `provision --only apt DIR`: not a step, and not a spec either
+            raise UsageError(f"provision: {named[0]} is a directory: give the spec file: "
+                             "clusterctl provision SPEC [--only STEP ...]")
         if not named or not (named[0].endswith((".yaml", ".yml")) or os.path.isfile(named[0])):
             raise UsageError("provision: give the spec: clusterctl provision SPEC [--only STEP ...]")
         args.spec = args.only.pop()

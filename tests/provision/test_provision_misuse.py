@@ -593,3 +593,6 @@ def test_a_spec_after_only_is_taken_as_the_spec(tmp_path, capsys):
     assert "--only needs a step" in capsys.readouterr().err
     assert cli.main(["provision", "--only", "commands"]) == 2
     assert "provision: give the spec" in capsys.readouterr().err
+    assert cli.main(["provision", "--only", "apt", str(tmp_path)]) == 2  # a directory where the spec goes: said
+    assert capsys.readouterr().err.strip() == (f"clusterctl: error: provision: {tmp_path} is a directory: give the spec "
+                                               "file: clusterctl provision SPEC [--only STEP ...]")
