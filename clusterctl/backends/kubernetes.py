@@ -15,7 +15,7 @@ Every kubectl call goes through `Kubectl` (argv lists, a deadline each, errors i
 objects). No API server was reachable where this was built: tests/integration/test_k8s_pods.py runs it
 against a fake kubectl that plays the pods in Docker (docs/kubernetes.md says what that does and does not prove).
 
-Why one module of about 700 lines: it is the backend and the three things only it uses, in order: the kubectl
+Why one module of about 950 lines: it is the backend and the three things only it uses, in order: the kubectl
 layer (`Kubectl`), what a pod object says (`pod_facts`) and the fold of pods and replies into a JobStatus
 (`fold_status`, pure: unit-tested from pod JSON), then the operations. Split, each part would be a module with
 one caller.
