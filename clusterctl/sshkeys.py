@@ -57,18 +57,11 @@ def _certified_in(paths, name: str) -> str | None:
             with open(path, encoding="utf-8", errors="replace") as fh:
                 for line in fh:
                     words = line.split()
-                    if len(words) >= 3 and words[0] == "@cert-authority" and _for_host(name, _Names(words[1])):
+                    if len(words) >= 3 and words[0] == "@cert-authority" and _for_host(name, words[1].split(",")):
                         return path
         except OSError:
             continue
     return None
-
-
-class _Names:
-    """A known_hosts line's host field as _for_host reads an entry's."""
-
-    def __init__(self, field: str):
-        self.hostnames = field.split(",")
 
 
 class StrictPolicy(paramiko.MissingHostKeyPolicy):
@@ -114,7 +107,7 @@ class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
                 # it since this client loaded the file: record each key once, and never a second one
                 fh.seek(0)
                 entries = _parse_known(fh.read().splitlines())[0]  # a line it cannot read: not ours to judge
-                seen = [e.key for e in entries if e.key.get_name() == key.get_name() and _for_host(hostname, e)]
+                seen = [e.key for e in entries if e.key.get_name() == key.get_name() and _for_host(hostname, e.hostnames)]
                 if seen and key not in seen:
                     raise HostKeyError(f"host key for {hostname} changed while connecting: {self.known_hosts} now "
                                         f"has {fingerprint(seen[0])}, the host sent {fingerprint(key)}", named)
@@ -206,14 +199,14 @@ def _parse_known(lines) -> tuple[list, frozenset[bytes]]:
     return entries, frozenset(revoked)
 
 
-def _for_host(name: str, entry) -> bool:
-    """Whether the known_hosts `entry` is one of `name`'s (`host`, or `[host]:port` off port 22, or a HostKeyAlias),
+def _for_host(name: str, hostnames: list[str]) -> bool:
+    """Whether a known_hosts line's `hostnames` name `name` (`host`, or `[host]:port` off port 22, or a HostKeyAlias),
     as ssh matches it (match_hostname): a hashed name, or a list of patterns (`*`, `?`), any case, of which a
     matching negated one (`!pattern`) excludes the host whatever else matches (match_pattern_list, on the list
     paramiko has split). paramiko compares exact names only: a fleet's `10.1.*` or `node*,!node9` pin was met as
     no key at all."""
     lowered, hit = name.lower(), False
-    for h in entry.hostnames:
+    for h in hostnames:
         if h.startswith("|1|"):
             hit = hit or hmac.compare_digest(paramiko.HostKeys.hash_host(name, h), h)
         elif h.startswith("!"):
@@ -291,7 +284,7 @@ def host_key_client(options: SshOptions, resolved: Resolved | None = None) -> pa
             named = resolved.hostname if port == 22 else f"[{resolved.hostname}]:{port}"  # as paramiko's connect names it
             keys: dict[bytes, paramiko.PKey] = {}
             for e in entries:
-                if _for_host(alias or named, e):
+                if _for_host(alias or named, e.hostnames):
                     keys.setdefault(e.key.asbytes(), e.key)
             entries = [paramiko.hostkeys.HostKeyEntry([named], key) for key in keys.values()]
         client.get_host_keys()._entries.extend(entries)  # parsed once per file (paramiko's load: quadratic)
