@@ -28,7 +28,6 @@ from ..errors import ClusterctlError, JobError
 from ..host import slurm as glue
 from ..host import slurmctl
 from ..host.states import JobState
-from ..host.status import HostStatus
 from ..plan import Host, JobPlan
 from ..quoting import join, quote
 from ..remote import LineCallback, Remote, SshOptions
@@ -38,7 +37,7 @@ from ..transport.base import cut_short
 from . import Session
 from .control import MAX_CONTROL_REPLY, agent_reply
 from .hosttools import _package_payload, install_on, package_dir, tool_argv, tool_command
-from .job import MAX_SAID, MAX_SAID_CHARS, JobStatus, job_files, not_its_own, own_log_line
+from .job import MAX_SAID, MAX_SAID_CHARS, JobStatus, job_files, own_log_line
 from .slurm_status import node_placement, slurm_state, slurm_status
 from .top import TopAnswer, TopRequest, answer_of
 
@@ -576,9 +575,7 @@ class SlurmTop:
             if node not in replies:
                 out[node] = TopAnswer(now, "unreachable", error=f"no answer from its srun --overlap step: {why}")
                 continue
-            reply = replies[node] if isinstance(replies[node], dict) else None
-            wrong = not_its_own(HostStatus.from_json(reply), self.plan.job, node,
-                                None if placed is None else placed.get(node)) if reply else None
-            out[node] = TopAnswer(now, "error", error=wrong) if wrong else answer_of(
-                reply, output="its step printed no reply")
+            out[node] = answer_of(replies[node] if isinstance(replies[node], dict) else None,
+                                  output="its step printed no reply", job=self.plan.job, address=node,
+                                  placed=None if placed is None else placed.get(node))
         return out

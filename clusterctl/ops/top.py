@@ -236,9 +236,12 @@ class TopAnswer:
 _Answer = TopAnswer  # the name it had
 
 
-def answer_of(data: dict | None, *, exit_code: int | None = None, output: str = "") -> TopAnswer:
+def answer_of(data: dict | None, *, exit_code: int | None = None, output: str = "", job: str | None = None,
+              address: str | None = None, placed: frozenset | None = None) -> TopAnswer:
     """A host's TopAnswer from the agent's (or the supervisor's) JSON reply, `data` None when none came; `output`
-    is what the host printed instead (its last 300 characters are the error)."""
+    is what the host printed instead (its last 300 characters are the error). A reply that is not that host's word
+    on `job` at `address` with the processes `placed` there (ops/job.py not_its_own: a state of its own making, a
+    reply for another job or host, another host's process rows) is that host's error row, as in `status`."""
     now = time.monotonic()
     if data is None:
         tail = output.strip()[-300:]
@@ -246,6 +249,9 @@ def answer_of(data: dict | None, *, exit_code: int | None = None, output: str = 
                                                       else "no reply"))
     if "state" in data and not (isinstance(data["state"], str) and data["state"] in _JOB_STATES):  # else the job's
         return TopAnswer(now, "error", error=f"a job state clusterctl does not know: {shown_value(data['state'])}")
+    wrong = not_its_own(HostStatus.from_json(data), job, address, placed)
+    if wrong:
+        return TopAnswer(now, "error", error=wrong)
     if data.get("ok") is False:
         if data.get("state") == JobState.UNKNOWN and exit_code in (None, 1):
             return TopAnswer(now, "no job", data, _str(data.get("error"), 300))
@@ -283,10 +289,8 @@ def _ask_ssh_host(session: Session, host: Host, request: TopRequest, placed: fro
         data = None if over_bound(res) else res.reply()
     except ClusterctlError:
         data = None
-    wrong = not_its_own(HostStatus.from_json(data), session.plan.job, host.address, placed) if data else None
-    if wrong:  # a state of its own making, or a reply for another job or host: not this host's row (as `status`)
-        return {host.label: TopAnswer(time.monotonic(), "error", error=wrong)}
-    return {host.label: answer_of(data, exit_code=res.exit_code, output=res.stderr or res.stdout)}
+    return {host.label: answer_of(data, exit_code=res.exit_code, output=res.stderr or res.stdout,
+                                  job=session.plan.job, address=host.address, placed=placed)}
 
 
 def ssh_asks(session: Session, request: TopRequest) -> list[TopAsk]:
