@@ -895,7 +895,8 @@ class KubernetesBackend(Backend):
         if data is None:
             why = _tail_line(res.stderr.decode("utf-8", "replace")) or f"exit {res.returncode}, no reply"
             return {f.name: TopAnswer(time.monotonic(), "unreachable", error=f"kubectl exec {f.name}: {why}")}
-        return {f.name: answer_of(data, exit_code=res.returncode)}
+        # a pod speaks for its own process only (as in `status`: fold_status)
+        return {f.name: answer_of(data, exit_code=res.returncode, placed=frozenset({(role, i)}))}
 
     def stop(self, *, grace: float | None = None) -> StopReport:
         """Each running pod's supervisor stops its processes (`agent stop`: SIGTERM, SIGKILL after grace, the

@@ -223,3 +223,23 @@ def test_a_pod_speaks_for_its_own_process_only(reply, said):
     check_sane(st, P0)
     assert st.unreachable == {P0: "no status: " + said}, st.unreachable
     assert st.state == "lost" and [(p.host, p.role, p.id) for p in st.processes] == [(P0, "pserver", 0), (T0, "trainer", 0)]
+
+
+@pytest.mark.parametrize("reply, said", [
+    ({"ok": True, "state": "a-ok", "processes": []}, "a job state clusterctl does not know: 'a-ok'"),
+    (dict(GOOD, processes=[dict(GOOD["processes"][0], pid=9)]),
+     "a row for trainer.0, which the plan does not place on this host (was the spec changed since the job started?)"),
+])
+def test_top_too_takes_a_pods_word_for_its_own_process_only(kube, reply, said):
+    """`top` asks each pod as `status` does: the pserver pod's state of its own making, or trainer 0's row from it
+    (its rate could make the real trainer a straggler), is that pod's error row; the trainer pod's stands."""
+    from clusterctl.ops.top import TopRequest
+
+    kube.set(objects=JOBS + [pod("pserver", 0, RUNNING), pod("trainer", 0, RUNNING)],
+             exec={P0: {"top": {"out": json.dumps(reply) + "\n"}}, T0: {"top": {"out": json.dumps(GOOD) + "\n"}}})
+    with backends.open_backend(parse_spec(SPEC, "k.yaml", check=backends.problems)) as b:
+        answers = {}
+        for ask in b.top_asks(TopRequest(1.0, 6, gpu=False)):
+            answers.update(ask.call())
+    assert {name: (a.status, a.error) for name, a in answers.items() if name in (P0, T0)} == {
+        P0: ("error", said), T0: ("ok", None)}
