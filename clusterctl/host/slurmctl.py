@@ -411,13 +411,10 @@ class StepOutput:
 
 
 def read_replies(text, nodes):
-    """({node: reply}, {node: why refused}) from a step's whole output (StepOutput; text or bytes): split on
-    newlines only, as srun ends its lines (a carriage return inside a task's line is that line's)."""
+    """({node: reply}, {node: why refused}) from a step's whole output (text or bytes), read as _node_step reads
+    srun's (StepOutput.read)."""
     step = StepOutput(nodes)
-    data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
-    for raw in data.split(b"\n"):
-        if raw:
-            step.line(raw[:MAX_STEP_LINE], whole=len(raw) <= MAX_STEP_LINE)
+    step.read(io.BytesIO(text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text))
     return step.result()
 
 
