@@ -51,6 +51,10 @@ class SlurmBackend(Backend):
         if spec.slurm is None:
             return [problem(loc, source, ("backend",), "backend: slurm needs a slurm: section (login:, nodes:, ...)")]
         given = loc.data.get("hosts") if isinstance(loc.data, dict) else None
+        for i, entry in enumerate(given if isinstance(given, list) else ()):
+            if isinstance(entry, str):  # `hosts: [n1, n2]`: addresses only (hosts.*.address below)
+                problems.append(problem(loc, source, ("hosts", i), f"an address is not supported with backend: slurm: "
+                                        f"{_PLACED}"))
         if spec.slurm.nodes is None and not given:
             problems.append(problem(loc, source, ("slurm",), "give slurm.nodes (or hosts, for the shape of each node)"))
         if spec.slurm.nodes is not None and given and spec.slurm.nodes != len(given):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .fields import Port, _jump_chain, _Model, _scalar_str, check_address, check_user, nonempty_path
 
@@ -64,6 +64,16 @@ class HostSpec(_Model):
     labels: dict[str, str] = {}
     # provisioned, dispatched and checked like the others, but runs nothing until a lost host's place needs it
     spare: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        # `hosts: [node0, 10.0.0.6]`: an entry that is only its address (as `fab -H` takes them)
+        if isinstance(data, str):
+            return {"address": data}
+        if data is None or isinstance(data, (bool, int, float, list)):
+            raise ValueError("expected a host address or a mapping (address:, slots:, ...)")
+        return data
 
     @field_validator("address", "train_address")
     @classmethod

@@ -140,6 +140,13 @@ def test_what_slurm_places_is_refused_at_each_key():
     ]
 
 
+def test_a_host_given_as_its_address_alone_is_refused_too():
+    # `hosts: [n1, {gpus: 1}]`: the name was dropped for node 0's placeholder without a word
+    assert located(BASE.replace("nodes: 3, ", "") + "hosts: [n1, {gpus: 1}]\n") == [
+        (5, 9, "hosts[0]", "an address is not supported with backend: slurm: Slurm places the nodes; hosts: gives only "
+                           "the shape (gpus, slots) of node i")]
+
+
 def test_a_hostfile_is_refused(tmp_path):
     (tmp_path / "hosts.txt").write_text("a\nb\n")
     with pytest.raises(SpecError) as info:

@@ -325,6 +325,19 @@ def test_good_spec_is_frozen_and_typed(write_spec):
         spec.name = "other"
 
 
+def test_a_host_may_be_its_address_alone(write_spec):
+    # `hosts: [node0, 10.0.0.6]`, as `fab -H` takes them: each is `{address: ...}`, beside full entries
+    spec = load_spec(write_spec(GOOD.replace("  - address: 10.0.0.2\n", "  - node0\n  - 10.0.0.6\n")))
+    assert [(h.address, h.slots) for h in spec.hosts] == [("10.0.0.1", None), ("node0", None), ("10.0.0.6", None)]
+    path = write_spec("name: x\nhosts: [node0, '-x', 5, [a]]\njob: {entrypoint: [t]}\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    either = "expected a host address or a mapping (address:, slots:, ...)"
+    assert [(p.line, p.column, p.path, p.message) for p in info.value.problems] == [
+        (2, 16, "hosts[1].address", "not a host name or IP address: '-x'"),
+        (2, 22, "hosts[2]", either), (2, 25, "hosts[3]", either)]
+
+
 def test_scalar_env_values_become_strings(write_spec):
     spec = load_spec(write_spec(GOOD.replace("  pservers: 1", "  pservers: 1\n  env: {OMP_NUM_THREADS: 1, DEBUG: true}")))
     assert spec.job.env == {"OMP_NUM_THREADS": "1", "DEBUG": "true"}
