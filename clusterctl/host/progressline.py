@@ -101,11 +101,13 @@ def parse_progress_line(line):
 # ============================================================================================ rates (pure)
 
 def add_point(points, t, step, gap=POINT_GAP_S, keep=KEEP_POINTS):
-    """Add (t, step) to a rank's points in place: at most one point per `gap` seconds (the latest kept), at
-    most `keep` points; a step lower than the last one (a restart) starts the history again."""
+    """Add (t, step) to a rank's points in place: at most one point per `gap` seconds (the latest kept) and one per
+    time, at most `keep` points; a step lower than the last one (a restart) starts the history again."""
     if points and (step < points[-1][1] or t < points[-1][0]):
         del points[:]
-    if len(points) >= 2 and t - points[-2][0] < gap:
+    if points and t == points[-1][0]:  # the lines of one read (no time= of their own): one point, the last
+        points[-1] = [t, step]
+    elif len(points) >= 2 and t - points[-2][0] < gap:
         points[-1] = [t, step]
     else:
         points.append([t, step])
@@ -114,18 +116,24 @@ def add_point(points, t, step, gap=POINT_GAP_S, keep=KEEP_POINTS):
 
 
 def step_at(points, t):
-    """The step a rank had reached at time t (the last point at or before t); None before its first point."""
-    found = None
+    """The step a rank had reached at time t; None before its first point. Between two points it is the straight
+    line between them: a point is where a read of the log found the rank, and the lines a read finds were printed
+    at some time since the read before (`clusterctl status` a minute apart: all of a minute's steps in one
+    point), not all at the earlier read. After the last point the step holds: a rank that stopped printing."""
+    before = None
     for pt, step in points:
         if pt > t:
-            break
-        found = step
-    return found
+            if before is None:
+                return None
+            t0, s0 = before
+            return s0 if t0 == t else s0 + (step - s0) * (t - t0) / (pt - t0)
+        before = (pt, step)
+    return None if before is None else before[1]
 
 
 def rate_over(points, now, window=RATE_WINDOW_S, min_span=MIN_RATE_SPAN_S):
-    """Steps per second over the last `window` seconds up to `now` (the step holds between points: a rank
-    that stopped printing slows to 0); None with less than `min_span` seconds of history."""
+    """Steps per second over the last `window` seconds up to `now` (step_at: a rank that stopped printing slows
+    to 0); None with less than `min_span` seconds of history."""
     if not points:
         return None
     start = max(now - window, points[0][0])
@@ -251,6 +259,7 @@ class LogProgress:
                 self.offset = start + len(data)
             else:
                 self.offset = start
+            self._hold(now)
             self.seen = now
             return
         body = data[:end]
@@ -264,7 +273,16 @@ class LogProgress:
             got = parse_progress_line(raw.decode("utf-8", "replace"))
             if got is not None:
                 self._fold(got, now, default_rank)
+        self._hold(now)
         self.seen = now
+
+    def _hold(self, now):
+        """Every rank whose lines carry no `time=` was, as of this read, at its last step: a point that says so
+        (step_at draws straight lines between points: without it, a rank that printed nothing for a while and then
+        went on would seem to have been slow all along). Ranks that time their own lines keep their own clock."""
+        for r in self.ranks.values():
+            if not r["done"] and not r.get("timed") and r["points"]:
+                add_point(r["points"], now, r["step"])
 
     def _fold(self, got, now, default_rank):
         key = got["rank"] if got["rank"] is not None else default_rank
@@ -275,7 +293,7 @@ class LogProgress:
             r = self.ranks[key] = {"step": got["step"], "time": None, "done": False, "metrics": {}, "points": []}
         t = got["time"] if got["time"] is not None else now
         add_point(r["points"], t, got["step"])
-        r.update(step=got["step"], time=t, done=got["done"])
+        r.update(step=got["step"], time=t, done=got["done"], timed=got["time"] is not None)
         if got["metrics"] or not got["done"]:
             r["metrics"] = got["metrics"] if not got["done"] else dict(r["metrics"], **got["metrics"])
 

@@ -67,7 +67,7 @@ def test_rate_over_a_window_and_a_stall_slows_to_zero():
     assert rate_over(pts, 60.0, window=20.0) == 0.0
     assert rate_over([[10.0, 5]], 11.0) is None  # less than MIN_RATE_SPAN_S of history
     assert rate_over([], 11.0) is None
-    assert step_at(pts, -1.0) is None and step_at(pts, 4.5) == 8
+    assert step_at(pts, -1.0) is None and step_at(pts, 4.5) == 9 and step_at(pts, 99.0) == 60
 
 
 def test_slices_are_aligned_to_the_clock_and_empty_before_the_history():
@@ -134,6 +134,41 @@ def test_a_log_is_read_incrementally_partial_lines_wait_for_their_end(tmp_path):
     # survives a round trip through the cache
     again = LogProgress.from_json(lp.to_json())
     assert again.to_json() == lp.to_json()
+
+
+def _steps(log, first, last):
+    _write(log, "".join(f"step={i} loss=1\n" for i in range(first, last + 1)))
+
+
+def test_reads_far_apart_give_the_rate_between_them_not_all_of_it_in_the_window(tmp_path):
+    # `clusterctl status` 40 s after the one before, a rank at 2 steps/s: 80 steps since, over 40 s. The step held
+    # at the earlier read until the window's start was 4 steps/s (5.5 seen on a test cluster for a rank at 2)
+    log = tmp_path / "trainer.3.log"
+    _write(log, "", "w")
+    lp = LogProgress(str(log))
+    _steps(log, 0, 10)
+    lp.poll(now=100.0)
+    _steps(log, 11, 90)
+    lp.poll(now=140.0)
+    assert lp.view("0")["rate"] == pytest.approx(2.0)
+    # its slices (the straggler rule's) are 2 steps/s each, not 0 and then 8
+    assert [r for _, r in lp.view("0", slice_s=10.0, slices=3)["slices"]] == [2.0, 2.0, 2.0]
+
+
+def test_a_rank_that_stopped_printing_for_a_while_is_not_slow_all_along(tmp_path):
+    # read every 10 s (top, or status in a loop): steps 0-10, nothing for 30 s, then 20 steps in the last 5 s.
+    # Each read that found nothing new says the rank was still at its step then
+    log = tmp_path / "trainer.0.log"
+    _write(log, "", "w")
+    lp = LogProgress(str(log))
+    _steps(log, 0, 10)
+    for now in (100.0, 110.0, 120.0, 130.0):
+        lp.poll(now=now)
+    _steps(log, 11, 30)
+    lp.poll(now=140.0)
+    assert lp.view("0")["rate"] == pytest.approx(20 / 20)  # 20 steps in the 20 s window; a line from (100, 10) was 0.5
+    assert [r for _, r in lp.view("0", slice_s=10.0, slices=4)["slices"]] == [0.0, 0.0, 0.0, 2.0]
+    assert lp.view("0")["step"] == 30
 
 
 def test_a_truncated_or_replaced_log_is_read_again_from_its_start(tmp_path):
