@@ -173,6 +173,14 @@ def _open_connection(host: Host, opts: SshOptions) -> Connection:
     return conn
 
 
+# SSH_MSG_CHANNEL_OPEN_FAILURE's reason codes (RFC 4254 5.1), as a bastion's sshd sends them
+_CHANNEL_REFUSALS = {
+    1: "administratively prohibited: its sshd does not allow forwarding (AllowTcpForwarding)",
+    2: "connect failed: the host is down, or the bastion cannot reach it",
+    4: "resource shortage",
+}
+
+
 def _refused(exc: BaseException, host: Host, opts: SshOptions, took: float, conn: Connection | None = None) -> None:
     """Raise the one-line ClusterctlError for a connection to `host` (conn) that did not open; return for an error
     that is not the connection's (the caller raises it as it is)."""
@@ -197,6 +205,10 @@ def _refused(exc: BaseException, host: Host, opts: SshOptions, took: float, conn
             "in your ssh config)") from None
     if isinstance(exc, (socket.timeout, TimeoutError)):
         raise ClusterctlError(f"cannot connect to {host.label}{via}: timed out after {timeout:g}s") from None
+    if isinstance(exc, paramiko.ChannelException):  # a bastion refused to open the way on (RFC 4254 5.1)
+        why = _CHANNEL_REFUSALS.get(exc.code, exc.text or f"code {exc.code}")
+        raise ClusterctlError(f"cannot connect to {host.label}{via}: a bastion could not open the connection onward "
+                              f"({why})") from None
     if isinstance(exc, (OSError, paramiko.SSHException, EOFError)):
         if took >= timeout * 0.9:  # e.g. a frozen host: TCP accepted, no SSH banner
             raise ClusterctlError(f"cannot connect to {host.label}{via}: timed out after {timeout:g}s") from None

@@ -385,6 +385,15 @@ def test_paramikos_connection_failures_read_as_their_cause():
                                   "banner: 'utf-8' codec can't decode byte 0xff")
     assert said(paramiko.SSHException("Error reading SSH protocol banner"), 0.1) == (
         "cannot connect to 10.9.0.5:2222: no SSH server there: Error reading SSH protocol banner")
+    # a bastion that could not go on was `ChannelException(2, 'Connect failed')`, paramiko's repr
+    from dataclasses import replace
+
+    host = replace(host, jump=("ops@bastion",))
+    assert said(paramiko.ChannelException(2, "Connect failed"), 0.1) == (
+        "cannot connect to 10.9.0.5:2222 (through ops@bastion): a bastion could not open the connection onward "
+        "(connect failed: the host is down, or the bastion cannot reach it)")
+    assert said(paramiko.ChannelException(1, "Administratively prohibited"), 0.1).endswith(
+        "(administratively prohibited: its sshd does not allow forwarding (AllowTcpForwarding))")
 
 
 def test_the_openssh_path_refuses_a_known_hosts_that_is_no_regular_file_before_any_ssh(tmp_path):
