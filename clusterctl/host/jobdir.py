@@ -124,7 +124,7 @@ def describe(state, now=None, alive=None):
     reason = state.get("reason")
     if not alive and job_state not in TERMINAL_JOB_STATES:
         job_state = JobState.LOST
-        reason = "supervisor is not running (was %s: %s)" % (state.get("state"), state.get("reason"))
+        reason = "supervisor is not running (was %s%s)" % (state.get("state"), ": %s" % reason if reason else "")
     procs = []
     for r in state.get("processes") or []:
         p = {k: r.get(k) for k in ("role", "id", "pid", "state", "exit_code", "started_at", "ended_at",

@@ -972,6 +972,9 @@ def test_a_status_read_as_the_supervisor_writes_its_last_state_and_exits_is_that
                    "processes": [], "attempt": 0}
     (tmp_path / STATE_FILE).write_text(json.dumps(dict(read_before, state="succeeded", reason="all done")))
     assert describe(read_before)["state"] == "lost"  # what the status said
+    # why, without a Python None for a state that had no reason (a host whose container was restarted)
+    assert describe(read_before)["reason"] == "supervisor is not running (was running)"
+    assert describe(dict(read_before, reason="waiting"))["reason"] == "supervisor is not running (was running: waiting)"
     assert describe(settled_state(str(tmp_path), read_before))["state"] == "succeeded"
     # a supervisor that died without a last write is lost, as before
     (tmp_path / STATE_FILE).write_text(json.dumps(read_before))
