@@ -1266,8 +1266,16 @@ def up(
         image, built = _ensure_node_image(base, pkgs, say)
     images_done = time.monotonic()
     with _locked(f"cluster-{name}"):
-        node_list, front, reused = _start_or_reuse(name, nodes, image, shape, say)
-        key_path, known_hosts = _pin_and_authorize(node_list, state, shape, front)
+        label = f"{LABEL}={name}"
+        fresh = not (docker.ids_with_label("container", label) or docker.ids_with_label("network", label))
+        try:
+            node_list, front, reused = _start_or_reuse(name, nodes, image, shape, say)
+            key_path, known_hosts = _pin_and_authorize(node_list, state, shape, front)
+        except KeyboardInterrupt:  # Ctrl+C: what this `up` started goes again (a cluster it found is left as it is)
+            if fresh:
+                say(f"interrupted: removing the containers and networks of {name} this `up` started")
+                _remove(name)
+            raise
         _write_spec(spec_path, _spec_dict(name, node_list, key_path, known_hosts, user=shape.user, bastion=front))
         if config_path is not None:
             text = _ssh_config_text(name, node_list, shape.user, key_path, known_hosts, front, config_path)

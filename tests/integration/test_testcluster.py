@@ -211,6 +211,30 @@ def test_down_of_another_cluster_leaves_this_one_intact(flat: tc.ClusterInfo) ->
         assert (proc.returncode, proc.stdout.strip()) == (0, node.hostname), proc.stderr
 
 
+def test_an_interrupted_up_takes_away_what_it_started(flat: tc.ClusterInfo) -> None:
+    """Ctrl+C while `up` starts the nodes left them running, with no spec and no word of them."""
+    import signal
+    import sys
+
+    name, label = f"{flat.name}-int", f"{tc.LABEL}={flat.name}-int"
+    argv = [sys.executable, "-m", "clusterctl.cli", "testcluster", "up", "--nodes", "2", "--name", name]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
+    try:
+        deadline = time.monotonic() + 60
+        while not docker.ids_with_label("container", label) and proc.poll() is None:  # its first node is there
+            assert time.monotonic() < deadline, "no node of the cluster appeared"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out
+        assert f"interrupted: removing the containers and networks of {name}" in " ".join(out.split()), out
+        assert docker.ids_with_label("container", label) == [] and docker.ids_with_label("network", label) == []
+    finally:
+        proc.kill()
+        tc.down(name)
+
+
 def test_containers_and_network_carry_the_cluster_label(flat: tc.ClusterInfo) -> None:
     label = f"{tc.LABEL}={flat.name}"
     ids = docker.ids_with_label("container", label)
