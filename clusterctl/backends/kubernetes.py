@@ -379,7 +379,7 @@ def fold_status(job: str, expected: dict[str, int], jobs: list[dict], pods: list
     without a pod is what its Job says of its index (completed, failed: the pod is gone) or, when the Job says
     nothing of it, pending ("no pod yet").
     """
-    from ..ops.job import bounded_reply, not_its_own
+    from ..ops.job import bounded_reply, job_stragglers, not_its_own, progress_rows
 
     S = JobState
     seen = _newest(pods)
@@ -458,19 +458,21 @@ def fold_status(job: str, expected: dict[str, int], jobs: list[dict], pods: list
                 reasons.append(f"{f.name}: {reply.reason}")
                 if (role, i) == ("trainer", 0):
                     coordinator_reason = f"{f.name}: {reply.reason}"
-            rows = reply.process_status(f.name)
+            rows = progress_rows(reply, f.name)  # with the progress of `agent top --progress-only`
             procs.extend(rows)
             if not rows:
                 done = ProcState.EXITED if state == S.SUCCEEDED else ProcState.FAILED
                 procs.append(ProcessStatus(f.name, role, i, None, done, None, None, reply.reason))
     procs.sort(key=lambda p: (p.role != "pserver", p.id))
+    found = job_stragglers(procs)
     state = overall_state(host_states)
     # the coordinator's verdict names the cause; the other pods repeat it
     reason = coordinator_reason or "; ".join(dict.fromkeys(reasons)) or (
         "unreachable: " + ", ".join(unreachable) if unreachable else None) or (
         "; ".join(dict.fromkeys(gone)) if gone and state == S.SUCCEEDED else None)
     attempts = [a.summary() for a in best[2]]
-    return JobStatus(job, state, reason, procs, unreachable, best[0], restarts, attempts, backend="kubernetes")
+    return JobStatus(job, state, reason, procs, unreachable, best[0], restarts, attempts, stragglers=found,
+                     backend="kubernetes")
 
 
 # ------------------------------------------------------------------------------------------ backend
@@ -614,7 +616,8 @@ class KubernetesBackend(Backend):
         """The pods' state, and each running pod's supervisor's view, folded into one JobStatus."""
         jobs, pods = self._snapshot()
         running = [f for f, _ in _newest(pods).values() if f.phase == "running"]
-        replies = self._ask(running, self._agent("status", self._jobdir()), KUBECTL_TIMEOUT)
+        # the status with each process's progress from its log, as over SSH (no sampling)
+        replies = self._ask(running, self._agent("top", self._jobdir(), "--progress-only"), KUBECTL_TIMEOUT)
         if any(data is None for data, _ in replies.values()):  # a pod may have ended since `get`: look again
             jobs, pods = self._snapshot()
         return fold_status(self.plan.job, self._expected(), jobs, pods, replies)

@@ -428,10 +428,15 @@ def _this_node():
 
 
 def cmd_node_status(args):
-    """This node's supervisor's `agent status`, as one JSON line."""
+    """This node's status with each process's progress (what `clusterctl status` shows over SSH): its supervisor's
+    `top --progress-only` over the control socket, `agent top --progress-only` where it cannot answer; as reply
+    lines."""
     node = _this_node()
     jobdir = _home_path(jobdir_rel(args.job, args.slurm_job, node))
-    _emit_reply(node, _agent(["status", jobdir]))
+    reply = _supervisor_top(jobdir, {"progress_only": True}, STEP_TIMEOUT)
+    if reply is None:
+        reply = _agent(["top", jobdir, "--progress-only"])
+    _emit_reply(node, reply)
     return 0
 
 

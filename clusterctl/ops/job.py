@@ -35,6 +35,8 @@ __all__ = [
     "fold_status",
     "not_its_own",
     "bounded_reply",
+    "progress_rows",
+    "job_stragglers",
     "shown_value",
     "stop",
     "logs",
@@ -212,19 +214,30 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
             attempt, attempts, attempts_total = reply.attempt, reply.attempts, reply.attempts_total
         if reply.reason and reply.state not in (JobState.RUNNING, JobState.SUCCEEDED):
             reasons.append(f"{label}: {reply.reason[:MAX_WORDS]}")
-        procs.extend(replace(row, progress=clean_progress(raw.get("progress")))
-                     for row, raw in zip(reply.process_status(label), reply.processes))
+        procs.extend(progress_rows(reply, label))
     procs.sort(key=lambda p: (p.role != "pserver", p.id))
+    found = job_stragglers(procs)
+    state = overall_state(host_states)
+    down = [label for label in unreachable if counts(label, None)]
+    reason = "; ".join(reasons) or ("unreachable: " + ", ".join(down) if down else None)
+    return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, [a.summary() for a in attempts],
+                     stragglers=found, elastic=elastic)
+
+
+def progress_rows(reply: HostStatus, label: str) -> list[ProcessStatus]:
+    """A reply's process rows, each with the progress the reply gives it (`agent top --progress-only`), cleaned."""
+    return [replace(row, progress=clean_progress(raw.get("progress")))
+            for row, raw in zip(reply.process_status(label), reply.processes)]
+
+
+def job_stragglers(procs: list[ProcessStatus]) -> list[dict]:
+    """The running trainers the straggler rule marks, wherever they run ({host, process, rate, median, ratio});
+    the rows' rate slices, which only the rule reads, are dropped from them."""
     slow = stragglers({i: p.progress for i, p in enumerate(procs) if p.role == "trainer" and p.state == "running"})
     for p in procs:
         if p.progress is not None:
             p.progress.pop("slices", None)
-    state = overall_state(host_states)
-    down = [label for label in unreachable if counts(label, None)]
-    reason = "; ".join(reasons) or ("unreachable: " + ", ".join(down) if down else None)
-    found = [{"host": procs[i].host, "process": f"{procs[i].role}.{procs[i].id}", **v} for i, v in sorted(slow.items())]
-    return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, [a.summary() for a in attempts],
-                     stragglers=found, elastic=elastic)
+    return [{"host": procs[i].host, "process": f"{procs[i].role}.{procs[i].id}", **v} for i, v in sorted(slow.items())]
 
 
 # What `status` takes of a host's reply beyond the types HostStatus.from_json checks (a host may be compromised):

@@ -275,9 +275,10 @@ def _jobdir(plan: JobPlan, sj: dict, node: str) -> str:
 
 
 def _node_replies(spec: ClusterSpec, plan: JobPlan, sj: dict, addresses: dict) -> tuple[dict, dict]:
-    """Every node's `agent status` over ssh (the job has ended, so no srun step can ask): replies, unreachable."""
-    results = _agent_on_nodes(spec, _nodes(spec, sj, addresses), lambda n: ["status", _jobdir(plan, sj, n)],
-                              what="status")
+    """Every node's status (`agent top --progress-only`: each process's last step too) over ssh (the job has ended,
+    so no srun step can ask): replies, unreachable."""
+    results = _agent_on_nodes(spec, _nodes(spec, sj, addresses),
+                              lambda n: ["top", _jobdir(plan, sj, n), "--progress-only"], what="status")
     replies = {n: agent_reply(r) for n, r in results.items() if r.answered}
     unreachable = {n: r.stderr.strip()[-300:] for n, r in results.items() if not r.answered}
     return replies, unreachable

@@ -409,6 +409,12 @@ def test_top_lists_every_process_with_its_steps(slurm_cluster, tmp_path):
             (hosts[i], f"trainer.{i}", "running") for i in range(3)]
         assert all(p["progress"]["step"] > 0 and p["progress"]["metrics"]["loss"] > 0 and p["rss_bytes"] > 1 << 20
                    for p in doc["processes"]), doc["processes"]
+        # `status` shows each process's progress too, as over SSH (it showed none under Slurm)
+        res = clusterctl("status", spec, "--json", timeout=60)
+        st = json.loads(res.stdout)
+        assert [(p["host"], p["id"], p["progress"]["step"] > 0) for p in st["processes"]] == [
+            (hosts[i], i, True) for i in range(3)], res.stdout + res.stderr
+        assert st["stragglers"] == []
     finally:
         clusterctl("stop", spec, check=True)
     assert not no_tagged(info, "it-slurm-top")

@@ -10,7 +10,8 @@ and answers from what the test wrote into the state dir with `FakeKubectl`:
 - `create -f -` adds the List on stdin to the objects (and keeps the List); `delete KINDS -l K=V ...` removes those
   objects and, with the Jobs, every pod (until the next create).
 - ``exec``: pod -> agent subcommand (status, stop, top) -> {"rc", "out", "err"}; a pod without one is kubectl's
-  NotFound error (exit 1).
+  NotFound error (exit 1). `top --progress-only` (what `clusterctl status` asks: the status with each process's
+  progress) is answered by the pod's "status" entry.
 - ``logs``: pod -> its container log (`logs POD -c C`), or {"out": log, "hold": seconds it takes}; ``follow``: pod -> the successive `logs -f` streams
   ({"out", "rc", "err", "end"}: each call answers the next; with "end" the pod's container has ended afterwards:
   its state is then terminated, exit code "end"; "hold": seconds the stream then stays open, as a running
@@ -170,6 +171,8 @@ def main(state: Path, argv: list[str]) -> int:
     if verb == "exec" and args[2] == "-c" and args[4] == "--":
         pod, command = args[1], args[5:]
         sub = command[command.index("clusterctl_host.agent") + 1] if "clusterctl_host.agent" in command else "?"
+        if sub == "top" and "--progress-only" in command:  # `status` asks this: the status, with progress
+            sub = "status"
         answer = _load(state, "exec", {}).get(pod, {}).get(sub)
         if answer is None:
             sys.stderr.write(f'Error from server (NotFound): pods "{pod}" not found\n')

@@ -424,6 +424,42 @@ def test_running_pods_are_their_supervisors_replies():
     assert fold_status("j", {"pserver": 1, "trainer": 2}, JOBS, pods, replies).state == "running"
 
 
+def test_running_pods_progress_and_their_straggler_are_in_the_status():
+    # the pods' `agent top --progress-only` replies: each process's step and rate, and the straggler rule over them
+    # (a Kubernetes `status` showed neither, where an SSH one shows both)
+    def progress(step, rate):
+        return {"step": step, "rate": rate, "done": False, "metrics": {"loss": 0.5}, "age_s": 0.1,
+                "slices": [[float(100 + 10 * k), rate] for k in range(6)]}
+
+    pods = [_pod("trainer", i, state=RUNNING) for i in range(3)]
+    replies = {}
+    for i, rate in enumerate((5.0, 5.0, 2.0)):
+        reply = _reply("running", [("trainer", i, 10 + i, "running", None)])
+        reply["processes"][0]["progress"] = progress(100 * (i + 1), rate)
+        replies[f"j-trainer-{i}-abcde"] = (reply, None)
+    st = fold_status("j", {"trainer": 3}, JOBS[1:], pods, replies)
+    assert [(p.id, p.progress["step"], p.progress["rate"]) for p in st.processes] == [(0, 100, 5.0), (1, 200, 5.0),
+                                                                                       (2, 300, 2.0)]
+    assert all("slices" not in p.progress for p in st.processes)  # the rule's input only
+    assert st.stragglers == [{"host": "j-trainer-2-abcde", "process": "trainer.2", "rate": 2.0, "median": 5.0,
+                              "ratio": 0.4}]
+
+
+def test_the_status_asks_each_running_pod_for_its_progress_too(monkeypatch):
+    from clusterctl.backends.kubernetes import KubernetesBackend
+
+    asked = []
+    backend = object.__new__(KubernetesBackend)
+    monkeypatch.setattr(KubernetesBackend, "_snapshot", lambda self: (JOBS[1:], [_pod("trainer", 0, state=RUNNING)]))
+    monkeypatch.setattr(KubernetesBackend, "_ask", lambda self, pods, argv, timeout: asked.append(argv) or {})
+    monkeypatch.setattr(KubernetesBackend, "_agent", lambda self, *args: ["agent", *args])
+    monkeypatch.setattr(KubernetesBackend, "_jobdir", lambda self: "/jobdir")
+    monkeypatch.setattr(KubernetesBackend, "_expected", lambda self: {"trainer": 1})
+    backend.plan = type("P", (), {"job": "j"})()
+    backend.status()
+    assert asked == [["agent", "top", "/jobdir", "--progress-only"]]
+
+
 def test_pods_that_ended_are_their_termination_messages():
     def msg(state, reason, procs):
         return hostpod.termination_message(_reply(state, procs, reason=reason))

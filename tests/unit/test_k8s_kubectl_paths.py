@@ -131,7 +131,7 @@ def test_start_replaces_the_previous_run_creates_the_objects_and_waits_for_every
         (P0, "pserver", 0, 7, "running"), (T0, "trainer", 0, 8, "running"), (T1, "trainer", 1, 9, "running")]
     calls = kube.calls()
     assert calls[:9] == [GET, GET_ALL, DELETE, CREATE, GET, GET, GET, GET, GET]
-    status = agent("status", "/var/lib/clusterctl/jobs/fit")
+    status = agent("top", "/var/lib/clusterctl/jobs/fit", "--progress-only")  # the status, with progress
     assert sorted(calls[9:]) == [[*HEAD, "exec", p, "-c", r, "--", *status]
                                  for p, r in ((P0, "pserver"), (T0, "trainer"), (T1, "trainer"))]
     # the objects went on stdin, as rendered; the job's token is in the Secret, never in an argv

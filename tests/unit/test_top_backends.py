@@ -81,6 +81,9 @@ def test_top_under_slurm_gathers_every_node_in_one_srun_step(tmp_path, monkeypat
         ("login", "no job", f"job {c.name} was never submitted from login")]
     assert main(["start", str(c.spec_path), "--dispatch"]) == 0
     capsys.readouterr()
+    jobdirs = [c.root / f"127.0.0.{i}" / ".clusterctl" / "slurm" / "jobs" / c.name / f"4242-node{i}" for i in (1, 2)]
+    for d in jobdirs:  # `start` asked for the status while a supervisor did not listen yet: `agent top --progress-only`
+        (d / "top-cache.json").unlink(missing_ok=True)
     try:
         code, doc = _straggler_seen(capsys, c.spec_path, "trainer.3")
         assert code == 0 and doc["state"] == "running"
@@ -93,7 +96,6 @@ def test_top_under_slurm_gathers_every_node_in_one_srun_step(tmp_path, monkeypat
                                                                                 ("node2", "ok", "running")]
         assert doc["stragglers"][0]["host"] == "node2" and doc["stragglers"][0]["ratio"] < 0.8
         # the supervisors answered over their control sockets: `agent top` (which keeps top-cache.json) never ran
-        jobdirs = [c.root / f"127.0.0.{i}" / ".clusterctl" / "slurm" / "jobs" / c.name / f"4242-node{i}" for i in (1, 2)]
         assert all((d / "control").exists() and not (d / "top-cache.json").exists() for d in jobdirs)
 
         # node2's step cannot run (its host package is gone): a row that says so; node1 goes on; exit 1
