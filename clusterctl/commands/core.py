@@ -184,5 +184,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
             from ..console import err
 
-            err.print(f"[yellow]\\[{escape(host.label)}] exit {res.exit_code}[/]")
+            # coreutils `timeout` (exec --timeout) exits 124 when the time is up, 137 when it had to kill
+            ended = f" (--timeout {args.timeout:g}s)" if args.timeout is not None and res.exit_code in (124, 137) else ""
+            err.print(f"[yellow]\\[{escape(host.label)}] exit {res.exit_code}{escape(ended)}[/]")
     return worst_exit_code(results)
