@@ -1266,8 +1266,7 @@ def up(
         image, built = _ensure_node_image(base, pkgs, say)
     images_done = time.monotonic()
     with _locked(f"cluster-{name}"):
-        label = f"{LABEL}={name}"
-        fresh = not (docker.ids_with_label("container", label) or docker.ids_with_label("network", label))
+        fresh = not docker.ids_with_label("container", f"{LABEL}={name}")  # no node of it, running or not
         try:
             node_list, front, reused = _start_or_reuse(name, nodes, image, shape, say)
             key_path, known_hosts = _pin_and_authorize(node_list, state, shape, front)
