@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..errors import RemoteError
 from ..host.status import JobStatus
 from .base import Backend, LineCallback, Progress, StopReport, killed_count
 
@@ -83,11 +84,19 @@ class SshBackend(Backend):
         """Stop the job on every host; the sweep by the job's tag."""
         from ..ops.job import stop
 
-        results = stop(self.session, grace=grace)
+        try:
+            results = stop(self.session, grace=grace)
+        except RemoteError as exc:  # some hosts failed: what the others did goes with the error (run_stop says it)
+            exc.report = self._stop_report(getattr(exc, "replies", {}), f"{len(exc.failures)} host(s) did not answer")
+            raise
+        return self._stop_report(results)
+
+    def _stop_report(self, results: dict, detail: str = "") -> StopReport:
         return StopReport(
             job=self.plan.job,
             was_running=any(r.get("was_running") for r in results.values()),
             hosts=len(results),
             killed=killed_count(results.values()),
             left={h.label: r["left"] for h, r in results.items() if r.get("left")},
+            detail=detail,
         )

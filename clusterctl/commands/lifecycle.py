@@ -9,7 +9,7 @@ import threading
 import time
 
 from ..console import error, note, paint, printable, reader_gone, use_colour, write_line, write_text
-from ..errors import ClusterctlError, UsageError
+from ..errors import ClusterctlError, RemoteError, UsageError
 from ..host.states import ACTIVE_JOB_STATES, JobState
 
 
@@ -103,7 +103,12 @@ def render_stop(report) -> None:
 def run_stop(spec) -> int:
     """Stop the job everywhere; say so when it was not running."""
     with _open(spec) as backend:
-        report = backend.stop()
+        try:
+            report = backend.stop()
+        except RemoteError as exc:  # the hosts that failed are the error; what the others did is said first
+            if getattr(exc, "report", None) is not None and exc.report.hosts:
+                render_stop(exc.report)
+            raise
     render_stop(report)
     return 1 if report.left else 0
 

@@ -142,6 +142,21 @@ def test_status_exits_1_when_a_host_is_unreachable(tmp_path, monkeypatch, capsys
     assert code != 0 and "dispatch failed on 1 host(s): n1" in err and re.search(refused("n1"), err)
 
 
+def test_a_stop_that_cannot_reach_a_host_says_what_it_did_on_the_others(tmp_path, monkeypatch, capsys):
+    # one host down: the stop's error named it, and nothing said that the job had been stopped on the other
+    c = FakeCluster(tmp_path, files={"train.py": TRAIN}, job={"env": {"SLEEP": "30"}}).everywhere(monkeypatch)
+    assert cli(capsys, "start", c.spec_path, "--dispatch")[0] == 0
+    try:
+        c.everywhere(monkeypatch, transport=FaultyTransport(c.transport, down={"n1"}))
+        code, out, err = cli(capsys, "stop", c.spec_path)
+        assert code == 1 and out == f"job {c.name} stopped on 1 host(s) (1 host(s) did not answer), 1 process(es) killed\n"
+        assert "stop failed on 1 host(s): n1" in err and re.search(refused("n1"), err)
+    finally:
+        c.everywhere(monkeypatch)
+        cli(capsys, "stop", c.spec_path)
+    assert job_pids(c.name) == []
+
+
 def test_exec_runs_one_argv_everywhere_and_exits_with_the_worst_code(tmp_path, monkeypatch, capsys):
     c = FakeCluster(tmp_path).everywhere(monkeypatch)
     script = 'echo "on $(basename "$HOME") with $1"; [ "$(basename "$HOME")" = n1 ] && exit 3; exit 0'
