@@ -82,12 +82,14 @@ class SshBackend(Backend):
 
     def stop(self, *, grace: float | None = None) -> StopReport:
         """Stop the job on every host; the sweep by the job's tag."""
+        from ..ops.control import agent_reply
         from ..ops.job import stop
 
         try:
             results = stop(self.session, grace=grace)
         except RemoteError as exc:  # some hosts failed: what the others did goes with the error (run_stop says it)
-            exc.report = self._stop_report(getattr(exc, "replies", {}), f"{len(exc.failures)} host(s) did not answer")
+            replies = {h: agent_reply(r) for h, r in exc.results.items()}
+            exc.report = self._stop_report(replies, f"{len(exc.failures)} host(s) did not answer")
             raise
         return self._stop_report(results)
 

@@ -105,9 +105,8 @@ def add_point(points, t, step, gap=POINT_GAP_S, keep=KEEP_POINTS):
     time, at most `keep` points; a step lower than the last one (a restart) starts the history again."""
     if points and (step < points[-1][1] or t < points[-1][0]):
         del points[:]
-    if points and t == points[-1][0]:  # the lines of one read (no time= of their own): one point, the last
-        points[-1] = [t, step]
-    elif len(points) >= 2 and t - points[-2][0] < gap:
+    # the lines of one read (no time= of their own) are one point, the last; so are those within `gap`
+    if points and (t == points[-1][0] or (len(points) >= 2 and t - points[-2][0] < gap)):
         points[-1] = [t, step]
     else:
         points.append([t, step])

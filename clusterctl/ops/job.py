@@ -330,10 +330,8 @@ def stop(session: Session, *, grace: float | None = None, hosts: list[Host] | No
         if results[h].exit_code in (0, 1) and (results[h].exit_code == 1 or d.get("ok") is False)
     ]
     if failures:
-        failed = {f.host for f in failures}
-        err = RemoteError(failures, {h: r for h, r in results.items() if h.label not in failed}, what="stop")
-        err.replies = {h: d for h, d in parsed.items() if h.label not in failed}  # what the others did: said too
-        raise err
+        failed = {f.host for f in failures}  # the others' Results go with the error: what the stop did there
+        raise RemoteError(failures, {h: r for h, r in results.items() if h.label not in failed}, what="stop")
     forget(plan.job, hosts)  # their supervisors have ended
     return parsed
 
