@@ -102,8 +102,11 @@ def _fields(line):
 def _hostnames(nodelist):
     if not nodelist or nodelist in ("(null)", "None assigned", "None"):
         return []
-    res = subprocess.run(["scontrol", "show", "hostnames", nodelist], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, universal_newlines=True)
+    try:
+        res = subprocess.run(["scontrol", "show", "hostnames", nodelist], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, universal_newlines=True)
+    except OSError:
+        return []
     return res.stdout.split() if res.returncode == 0 else []
 
 
@@ -153,8 +156,11 @@ def node_addresses(nodes):
     """NodeName -> NodeAddr (where ssh reaches it) for the given nodes."""
     if not nodes:
         return {}
-    res = subprocess.run(["scontrol", "show", "node", "--oneliner", ",".join(nodes)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, universal_newlines=True)
+    try:
+        res = subprocess.run(["scontrol", "show", "node", "--oneliner", ",".join(nodes)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, universal_newlines=True)
+    except OSError:
+        return {}
     found = {}
     for line in res.stdout.splitlines():
         f = _fields(line)

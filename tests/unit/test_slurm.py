@@ -733,3 +733,13 @@ def test_a_login_node_reply_cut_at_its_bound_is_refused_by_name():
         _reply(res, login, "asking Slurm")
     honest = Result(login, "slurmctl login query", 0, '{"ok": true, "slurm": {}}\n', "", 0.1)
     assert _reply(honest, login, "asking Slurm") == {"ok": True, "slurm": {}}
+
+
+def test_the_login_node_without_scontrol_gets_no_nodes_not_a_traceback(tmp_path, monkeypatch):
+    """`scontrol` gone from PATH between two calls on the login node (a module unloaded, a broken install): the
+    node-name and node-address lookups answer nothing, as for an empty node list, instead of FileNotFoundError."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert slurmctl._hostnames("node[1-3]") == []
+    assert slurmctl.node_addresses(["node1"]) == {}
+    with pytest.raises(ValueError, match=r"^cannot ask Slurm about Slurm job 7: scontrol: "):
+        slurmctl.query_job("7")
