@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
     from .sshconn import ParamikoTransport
 
-__all__ = ["Host", "SshOptions", "Result", "GroupResult", "GroupException", "Remote", "Launch", "LineSplitter",
+__all__ = ["Host", "SshOptions", "Result", "GroupResult", "GroupException", "Remote", "Launch", "Until", "LineSplitter",
            "fingerprint", "UNREACHABLE", "TIMED_OUT", "LineCallback", "Stdin"]
 
 log = logging.getLogger(__name__)
@@ -170,6 +170,7 @@ class Remote:
         check: bool = True,
         what: str = "command",
         max_output: int | None = None,
+        until: "Until | None" = None,
     ) -> GroupResult:
         """Run `command` (a shell line, or a function of the host) on every host in parallel.
 
@@ -180,6 +181,7 @@ class Remote:
         paramiko connections open to these hosts already (host_key_policy accept-new or off). `max_output`: the
         bytes of each host's stdout kept without `on_line` (default LineSplitter.MAX_KEPT), for a caller that parses
         a small reply; a longer one ends with the line that says what was dropped (transport.base.cut_short).
+        `until` (Launch.finish): each host's Result as it comes; the hosts not done once it has enough are not waited for.
         """
         targets = tuple(hosts) if hosts is not None else self.hosts
         if callable(stdin):
@@ -189,7 +191,7 @@ class Remote:
             feed = lambda _host: chunks  # noqa: E731
         with self._launch(command, targets, self._for(targets)) as launched:
             done = launched.finish(dict.fromkeys(targets, feed), timeout=timeout, on_line=on_line,
-                                   max_output=max_output)
+                                   max_output=max_output, until=until)
         return done.raise_if_failed(what) if check else done
 
     def launch(self, command: str | Callable[[Host], str], *, hosts: Sequence[Host]) -> "Launch":
@@ -245,18 +247,44 @@ class Remote:
 
 
 WAKE_S = 0.25  # the waiting thread wakes this often, so that Ctrl+C reaches it (_wait_awake)
+UNTIL_WAKE_S = 0.05  # ... and this often when an `until` may be told it has enough by another thread
 
 
-def _wait_awake(futures) -> None:
+class Until:
+    """What a caller of Remote.run needs from its hosts before it stops waiting (clusterctl.ops.control.Enough):
+    `add(host, result)` as each host's Result comes (from any thread), `is_set()` once it has enough, and
+    `cut(host, command, seconds)`, the Result of a host not waited for."""
+
+    def add(self, host: Host, result: Result) -> None:
+        raise NotImplementedError
+
+    def is_set(self) -> bool:
+        raise NotImplementedError
+
+    def cut(self, host: Host, command: str, seconds: float) -> Result:
+        raise NotImplementedError
+
+
+def _wait_awake(futures, until: Until | None = None) -> set:
     """Wait for `futures` (or the first to fail), waking every WAKE_S. A process-directed SIGINT (Ctrl+C) is
     taken by whichever thread the kernel picks; when that is a worker, the main thread blocked in a lock without
     a timeout would not run the handler (KeyboardInterrupt) until the futures were done: with a followed log,
-    never. Waking makes it run within WAKE_S."""
-    pending = set(futures)
+    never. Waking makes it run within WAKE_S. With `until` (`futures`: {host: future}), each host's Result is
+    given to it as it comes, and the wait ends once it has enough: the futures still pending are returned."""
+    host_of = {f: h for h, f in futures.items()} if until is not None else {}
+    pending = set(futures.values() if until is not None else futures)
     while pending:
-        done, pending = wait_futures(pending, timeout=WAKE_S, return_when=FIRST_EXCEPTION)
+        if until is None:
+            done, pending = wait_futures(pending, timeout=WAKE_S, return_when=FIRST_EXCEPTION)
+        else:
+            done, pending = wait_futures(pending, timeout=UNTIL_WAKE_S, return_when=FIRST_COMPLETED)
         if any(f.exception() is not None for f in done):
-            return
+            return set()
+        for f in done if until is not None else ():
+            until.add(host_of[f], f.result())
+        if pending and until is not None and until.is_set():
+            return pending
+    return set()
 
 
 class Launch:
@@ -279,25 +307,35 @@ class Launch:
         timeout: float | None = None,
         on_line: LineCallback | None = None,
         max_output: int | None = None,
+        until: Until | None = None,
     ) -> GroupResult:
         """Feed each host in `stdin` its stream and wait for all (output lines to `on_line` as they come);
         a launched host not in `stdin` gets an empty stdin (the command must treat that as nothing to do).
-        The Results of the hosts in `stdin`; exit codes as with Remote.run(check=False); `max_output` as there."""
-        futures, running = {}, []
+        The Results of the hosts in `stdin`; exit codes as with Remote.run(check=False); `max_output` as there.
+        With `until`, the hosts in `stdin` not done once it has enough are ended, and get its `cut` Result."""
+        futures, running, started = {}, {}, time.monotonic()
         try:  # from the first submit: a Ctrl+C may come as soon as one host's output does
             for host in self.hosts:
                 run = self._runs.get(host)
                 if run is None or (run.deferred and host not in stdin):
                     continue  # finished already, or never started (paramiko runs nothing until finished)
-                running.append(run)
+                running[host] = run
                 feed = (lambda h=host: stdin[h](h)) if host in stdin else (lambda: ())
                 futures[host] = self.remote._pool.submit(run.finish, feed, timeout, on_line if host in stdin else None,
                                                          max_output)
                 del self._runs[host]
-            _wait_awake(futures.values())
-            return GroupResult((h, f.result()) for h, f in futures.items() if h in stdin)
+            if until is None:
+                _wait_awake(futures.values())
+                return GroupResult((h, f.result()) for h, f in futures.items() if h in stdin)
+            left = {h for h, f in futures.items() if f in _wait_awake(futures, until)}
+            for h in left:
+                running[h].kill()
+            seconds = time.monotonic() - started
+            command = self.command if callable(self.command) else (lambda _h: self.command)
+            return GroupResult((h, until.cut(h, command(h), seconds) if h in left else f.result())
+                               for h, f in futures.items() if h in stdin)
         except BaseException:  # Ctrl+C while waiting (a followed log, say): end the commands, not only the wait
-            for run in running:
+            for run in running.values():
                 run.kill()
             raise
 

@@ -22,15 +22,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..errors import ClusterctlError
+from ..errors import ClusterctlError, TimedOut
 from ..host.controlproto import CLIENT_HEADER_TIMEOUT, CONTROL_FILE, CONTROL_VERSION, OK
 from ..plan import Host
 from ..quoting import join, quote
-from ..remote import LineCallback, Remote, Result
-from ..transport.base import LineSplitter, cut_short
+from ..remote import LineCallback, Remote, Result, Until
+from ..transport.base import TIMED_OUT, LineSplitter, cut_short
 from .hosttools import install_on, package_dir, tool_argv
 
-__all__ = ["control_command", "ask", "agent_reply", "over_bound", "NEEDS_PACKAGE", "Direct", "remember", "recall", "forget"]
+__all__ = ["control_command", "ask", "Enough", "agent_reply", "over_bound", "NEEDS_PACKAGE", "Direct", "remember", "recall", "forget"]
 
 # the line exits with this when the agent is needed and this version of the host package is not on the host
 NEEDS_PACKAGE = 97
@@ -191,9 +191,37 @@ def _forwards(remote: Remote, hosts: Sequence[Host], direct: Direct) -> dict:
     return forwards
 
 
+class Enough(Until):
+    """The hosts' answers to one `ask` as they come, from each of its paths (threads): once `need` (of the Results so
+    far, host -> Result) gives a reason, the others are waited for as long again as that took, plus `grace_s` (a host
+    that is up answers in that time, and its rows are worth showing: a lost host whose supervisor died with the job's
+    processes, say); then those that have not answered are not waited for, and their Result (a TimedOut: they did not
+    answer) says after how long and why."""
+
+    def __init__(self, need: Callable[[dict[Host, Result]], str | None], grace_s: float = 1.0):
+        self._need, self._lock, self._results, self._why = need, threading.Lock(), {}, None
+        self._t0, self._until, self._grace = time.monotonic(), None, grace_s
+
+    def add(self, host: Host, result: Result) -> None:
+        with self._lock:
+            self._results[host] = result
+            if self._why is None:
+                self._why = self._need(dict(self._results))
+                if self._why is not None:
+                    now = time.monotonic()
+                    self._until = now + (now - self._t0) + self._grace
+
+    def is_set(self) -> bool:
+        return self._until is not None and time.monotonic() >= self._until
+
+    def cut(self, host: Host, command: str, seconds: float) -> Result:
+        reason = f"no answer in {seconds:.1f}s, not waited for: {self._why}"
+        return Result(host, command, TIMED_OUT, "", reason, seconds, TimedOut(host.label, reason, command))
+
+
 def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence[Host] | None = None,
         timeout: float | None, what: str, on_line: LineCallback | None = None,
-        direct: Direct | None = None) -> dict[Host, Result]:
+        direct: Direct | None = None, enough: Enough | None = None) -> dict[Host, Result]:
     """Run a control_command line on `hosts` (default: all); the hosts that need this version's host package for
     the fallback get it (one more round trip, those hosts only) and are asked again. Each host's Result (an
     install that failed: its Result).
@@ -204,25 +232,32 @@ def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence
     refused (no supervisor listening there any more, forwarding off in its sshd) or answered as no supervisor of
     ours would is forgotten and asked with the line, as is (not forgotten) one whose kept connection went away or
     whose answer was over muxfwd's limit; one whose supervisor did not answer within CLIENT_HEADER_TIMEOUT, with the
-    agent alone (the line would wait for it again); all of them in the time left."""
+    agent alone (the line would wait for it again); all of them in the time left. With `enough`, each path gives it
+    each host's Result as it comes, and once it has what the caller needs no host is waited for any more (its cut)."""
     targets = list(remote.hosts if hosts is None else hosts)
     forwards = _forwards(remote, targets, direct) if direct is not None and timeout else {}
     if not forwards:
-        return _ask_line(remote, command, targets, timeout, what, on_line)
+        return _ask_line(remote, command, targets, timeout, what, on_line, enough)
     from ..transport.muxfwd import ask_many
 
     t0 = time.monotonic()
     results: dict[Host, Result] = {}
     rest = [h for h in targets if h not in forwards]
     beside = ThreadPoolExecutor(max_workers=1) if rest else None  # the line for them while the others are asked
-    line = beside.submit(_ask_line, remote, command, rest, timeout, what, on_line) if beside else None
-    outcomes = ask_many(forwards, header_timeout=CLIENT_HEADER_TIMEOUT, timeout=timeout, max_body=DIRECT_MAX_BODY)
-    seconds = time.monotonic() - t0
-    for h, o in outcomes.items():
-        if o.kind == "ok":  # split, passed on and kept as the line's output is
-            out = LineSplitter(h, "out", on_line)
-            out.feed(o.body)
-            results[h] = Result(h, f"<control {direct.command}>", 0, out.close(), "", seconds)
+    line = beside.submit(_ask_line, remote, command, rest, timeout, what, on_line, enough) if beside else None
+
+    def answered(h: Host, body: bytes) -> None:  # split, passed on and kept as the line's output is
+        out = LineSplitter(h, "out", on_line)
+        out.feed(body)
+        results[h] = Result(h, f"<control {direct.command}>", 0, out.close(), "", time.monotonic() - t0)
+        if enough is not None:
+            enough.add(h, results[h])
+
+    outcomes = ask_many(forwards, header_timeout=CLIENT_HEADER_TIMEOUT, timeout=timeout, max_body=DIRECT_MAX_BODY,
+                        on_ok=answered, stop=None if enough is None else enough.is_set)
+    cut = [h for h, o in outcomes.items() if o.kind == "cut" or (o.kind != "ok" and enough is not None and enough.is_set())]
+    results.update((h, enough.cut(h, f"<control {direct.command}>", time.monotonic() - t0)) for h in cut)
+    outcomes = {h: o for h, o in outcomes.items() if h not in cut}
     gone = [h for h, o in outcomes.items() if o.kind in ("refused", "bad")]
     slow = {h for h, o in outcomes.items() if o.kind == "timeout"}
     other = [h for h, o in outcomes.items() if o.kind in ("unreachable", "big")]  # not the host's word against it
@@ -234,7 +269,7 @@ def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence
             return direct.agent(h) if h in slow else command(h) if callable(command) else command
 
         left = max(timeout - (time.monotonic() - t0), 0.1)  # the caller's deadline holds for every host
-        results.update(_ask_line(remote, again, [*gone, *slow], left, what, on_line))
+        results.update(_ask_line(remote, again, [*gone, *slow], left, what, on_line, enough))
     if line is not None:
         results.update(line.result())
         beside.shutdown()
@@ -242,17 +277,19 @@ def ask(remote: Remote, command: str | Callable[[Host], str], *, hosts: Sequence
 
 
 def _ask_line(remote: Remote, command: str | Callable[[Host], str], hosts: Sequence[Host], timeout: float | None,
-              what: str, on_line: LineCallback | None) -> dict[Host, Result]:
+              what: str, on_line: LineCallback | None, enough: Enough | None = None) -> dict[Host, Result]:
     results = remote.run(command, hosts=hosts, check=False, timeout=timeout, what=what, on_line=on_line,
-                         max_output=MAX_CONTROL_REPLY)
+                         max_output=MAX_CONTROL_REPLY, until=enough)
     missing = [h for h, r in results.items() if r.exit_code == NEEDS_PACKAGE]
-    if missing:
+    if missing and enough is not None and enough.is_set():  # not waited for: neither is the package's install
+        results.update((h, enough.cut(h, results[h].command, results[h].seconds)) for h in missing)
+    elif missing:
         installed = install_on(remote, ("agent",), missing)
         again = [h for h in missing if installed[h].ok]
         results.update({h: installed[h] for h in missing if not installed[h].ok})
         if again:
             results.update(remote.run(command, hosts=again, check=False, timeout=timeout, what=what, on_line=on_line,
-                                      max_output=MAX_CONTROL_REPLY))
+                                      max_output=MAX_CONTROL_REPLY, until=enough))
     return results
 
 

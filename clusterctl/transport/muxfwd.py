@@ -16,7 +16,8 @@ expects (the service proving who it is); then the service closes and the master 
 - `big`: the right first line, then a body over the limit (the service is the one asked: ask it another way);
 - `unreachable`: no master, another protocol, or the master went away before the channel opened (the host's
   word is not known);
-- `timeout`: no first line within `header_timeout`, or no end by the deadline.
+- `timeout`: no first line within `header_timeout`, or no end by the deadline;
+- `cut`: not waited for any more: the caller had what it needed (`stop`).
 
 Whatever is not `ok`, the caller asks another way.
 """
@@ -27,6 +28,7 @@ import selectors
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .mux import MAX_PACKET, MUX_MSG_HELLO, MUX_S_SESSION_OPENED, PROTOCOL_VERSION, _string
@@ -35,6 +37,7 @@ __all__ = ["Forward", "Outcome", "ask_many", "MUX_C_NEW_STDIO_FWD"]
 
 MUX_C_NEW_STDIO_FWD = 0x10000008
 CONNECT_TIMEOUT = 1.0  # to a master's control socket: a local one, which a live master accepts at once
+STOP_LOOK_S = 0.05  # how often ask_many looks at its `stop` (set by another thread)
 _CHUNK = 1 << 16
 
 
@@ -92,9 +95,11 @@ class _Ask:
         return struct.unpack(">I", body[:4])[0], body[4:]
 
 
-def ask_many(forwards: dict, *, header_timeout: float, timeout: float, max_body: int = 16 << 20) -> dict:
+def ask_many(forwards: dict, *, header_timeout: float, timeout: float, max_body: int = 16 << 20,
+             on_ok: Callable[[object, bytes], None] | None = None, stop: Callable[[], bool] | None = None) -> dict:
     """{key: Outcome} for {key: Forward}: every request in flight at once; each host's first line within
-    `header_timeout`, its whole answer within `timeout` (seconds from the call)."""
+    `header_timeout`, its whole answer within `timeout` (seconds from the call). `on_ok(key, body)` as each answer
+    is whole; once `stop()` is true (looked at every STOP_LOOK_S), the hosts still asked are `cut`."""
     start = time.monotonic()
     header_deadline, deadline = start + min(header_timeout, timeout), start + timeout
     sel = selectors.DefaultSelector()
@@ -111,6 +116,8 @@ def ask_many(forwards: dict, *, header_timeout: float, timeout: float, max_body:
         a.close()
         out[key] = Outcome(kind, body)
         asks.pop(key, None)
+        if kind == "ok" and on_ok is not None:
+            on_ok(key, body)
 
     for key, fwd in forwards.items():
         a = _Ask(fwd)
@@ -133,10 +140,13 @@ def ask_many(forwards: dict, *, header_timeout: float, timeout: float, max_body:
             for key, a in list(asks.items()):
                 if now >= deadline or (not a.header_ok and now >= header_deadline):
                     finish(key, a, "timeout")
+            if asks and stop is not None and stop():
+                for key, a in list(asks.items()):
+                    finish(key, a, "cut")
             if not asks:
                 break
             wait = min(deadline, header_deadline if any(not a.header_ok for a in asks.values()) else deadline) - now
-            for sk, _ in sel.select(max(0.0, wait)):
+            for sk, _ in sel.select(max(0.0, wait if stop is None else min(wait, STOP_LOOK_S))):
                 key, which = sk.data
                 a = asks.get(key)
                 if a is None:

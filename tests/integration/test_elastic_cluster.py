@@ -144,8 +144,12 @@ def test_a_host_stopped_hard_is_replaced_by_the_spare_and_the_job_ends_as_an_und
         assert len({int(s) for _, _, s in resumed}) == 1 and int(resumed[0][2]) >= 20
         got = checksums(logs, 4)
         assert len(got) == 1 and got.pop() == pytest.approx(ref, rel=1e-9)  # an undisturbed run's result
-        shown = clusterctl("status", spec)  # exit 1: the lost host does not answer, and is named
-        assert shown.returncode == 1 and f"{ips[2]}: cannot connect to {ips[2]}" in shown.stdout, shown.stdout
+        # exit 1: the lost host does not answer, and is named; once attempt 1's hosts answered it is not waited for
+        # (a connect to a stopped container's address may fail first: "No route to host")
+        shown = clusterctl("status", spec)
+        assert shown.returncode == 1 and re.search(
+            rf"^{re.escape(ips[2])}: (cannot connect to {re.escape(ips[2])}|no answer in [\d.]+s, not waited for: "
+            r"attempt 1 runs without it and its hosts all answered$)", shown.stdout, re.M), shown.stdout
         assert f"host {ips[2]} lost at attempt 0; {ips[4]} (spare) in its place at attempt 1" in shown.stdout
         print(f"the job ended {took:.1f}s after the loss")
         no_orphans(nodes, "it-el-spare", [n for i, n in enumerate(nodes.nodes) if i != 2])

@@ -83,7 +83,7 @@ class StubRemote:
     def kept_control(self, h):
         return self.kept.get(h)
 
-    def run(self, command, *, hosts, check, timeout, what, on_line, max_output=None):
+    def run(self, command, *, hosts, check, timeout, what, on_line, max_output=None, until=None):
         self.runs.append(({h.address: command(h) if callable(command) else command for h in hosts}, timeout))
         return {h: Result(h, "line", 0, json.dumps({"via": command(h) if callable(command) else command}), "", 0.0)
                 for h in hosts}

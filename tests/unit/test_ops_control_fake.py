@@ -132,3 +132,25 @@ def test_a_stop_answered_by_the_supervisor_counts_exactly_what_it_killed(tmp_pat
         (again,) = stop(s).values()  # the supervisor is gone now: the agent, which reports nothing twice
         assert again["killed"] == [] and again["was_running"] is False and len(starts()) == 1
         assert status(s).state == "stopped"
+
+
+def test_enough_waits_for_the_others_as_long_again_as_the_needed_answers_took_then_cuts_them():
+    """control.Enough (an elastic job's status): not set before `need` has a reason; then set once as long again as
+    that took, plus the grace, has passed; a host not waited for gets a TimedOut Result that says why."""
+    from clusterctl.ops.control import Enough
+    from clusterctl.plan import Host
+    from clusterctl.remote import Result
+
+    a, b, lost = (Host(f"10.0.0.{i}", 22, "u", i) for i in (1, 2, 3))
+    enough = Enough(lambda got: "its hosts all answered" if {a, b} <= set(got) else None, grace_s=0.3)
+    time.sleep(0.2)
+    enough.add(a, Result(a, "c", 0, "{}", "", 0.1))
+    assert not enough.is_set()
+    enough.add(b, Result(b, "c", 0, "{}", "", 0.1))
+    t = time.monotonic()
+    assert not enough.is_set()
+    while not enough.is_set():
+        time.sleep(0.01)
+    assert 0.45 < time.monotonic() - t < 3  # 0.2 s (what the answers took) + 0.3 s
+    cut = enough.cut(lost, "c", 1.26)
+    assert (cut.answered, cut.timed_out, cut.stderr) == (False, True, "no answer in 1.3s, not waited for: its hosts all answered")

@@ -184,3 +184,16 @@ def test_a_master_that_accepts_nothing_is_given_up_after_the_connect_timeout(tmp
         t0 = time.monotonic()
         out = ask_many({"h": Forward(path, 1, b"r\n", b"ok s")}, header_timeout=5, timeout=10)
         assert out["h"].kind == "unreachable" and time.monotonic() - t0 < 2
+
+
+def test_each_answer_is_passed_on_as_it_comes_and_the_rest_cut_once_the_caller_has_enough(masters):
+    """`on_ok` hears each answer when it is whole; once `stop()` is true the hosts still asked are `cut` at once,
+    not held to their header timeout (an elastic job's status: the host it lost need not be waited for)."""
+    ok = {f"h{i}": masters(f"h{i}", body=b"%d\n" % i) for i in range(3)}
+    silent = masters("quiet", "silent")
+    heard = {}
+    t0 = time.monotonic()
+    out = ask_many({**{k: _fwd(m) for k, m in ok.items()}, "quiet": _fwd(silent)}, header_timeout=30, timeout=60,
+                   on_ok=heard.__setitem__, stop=lambda: len(heard) == 3)
+    assert heard == {f"h{i}": b"%d\n" % i for i in range(3)}
+    assert out["quiet"].kind == "cut" and time.monotonic() - t0 < 10
