@@ -183,6 +183,22 @@ def _port_free(address, port):
     return True, ""
 
 
+def _job_running(job_dir):
+    """Whether the job's supervisor (its state.json under `job_dir`, relative to home) runs on this host: then the
+    job's ports are in use by the job itself. The pid and its start time (/proc) must both match."""
+    if not job_dir:
+        return False
+    try:
+        with open(os.path.join(os.path.expanduser("~"), job_dir, "state.json")) as f:
+            sup = json.load(f).get("supervisor") or {}
+        pid, ticks = int(sup["pid"]), sup.get("start_ticks")
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return False
+    return fields[0] not in ("Z", "X", "x") and (ticks is None or fields[19] == str(ticks))
+
+
 def _listen(address, ports, until, expected):
     """Listen on the first port of `ports` that binds until `until` or `expected` connections; (port, thread)."""
     for port in ports:
@@ -243,9 +259,11 @@ def main():
     window = float(params.get("window", 3.0))
     address = params["address"]
     ports = {}
+    running = _job_running(params.get("job_dir"))
     for port in params.get("ports", []):
         free, why = _port_free(address, port)
-        ports[str(port)] = "free" if free else "busy: %s" % why
+        # a running job holds its own ports: not a problem, said as the job's
+        ports[str(port)] = "free" if free else "job: in use while the job runs" if running else "busy: %s" % why
     wanted = params.get("listen_port")
     listen_port, listener = None, None
     if wanted and ports.get(str(wanted)) == "free":

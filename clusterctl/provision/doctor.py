@@ -45,6 +45,13 @@ def host_ports(plan, host: Host) -> list[int]:
     return sorted(ports)
 
 
+def port_problems(label: str, ports: dict[str, str]) -> list[str]:
+    """A host's job ports that another process holds (the facts script's `busy:`); those the running job holds
+    itself (`job:`) are none."""
+    return [f"{label}: job port {port} is {state}" for port, state in ports.items()
+            if state != "free" and not state.startswith("job:")]
+
+
 def _venv_cell(f: dict) -> str:
     """The venv provision.python names and whether it is there; `-` when the spec names none."""
     path = f["venv"]["path"]
@@ -69,6 +76,7 @@ def host_params(plan, venv: str, host: Host) -> dict:
         "venv": venv,
         "peers": peers,
         "window": WINDOW,
+        "job_dir": f".clusterctl/jobs/{plan.job}",  # a busy port while the job's supervisor runs is the job's own
     }
 
 
@@ -206,9 +214,7 @@ def doctor(session) -> DoctorReport:
             report.problems.append(f"{host.label}: mpi4py: {f['venv']['mpi4py_error']}")
         elif prov and prov.mpi and f["venv"]["exists"] and not f["venv"].get("mpi4py"):
             report.problems.append(f"{host.label}: no mpi4py in {f['venv']['path']} (provision.mpi asks for it)")
-        for port, state in f["ports"].items():
-            if state != "free":
-                report.problems.append(f"{host.label}: job port {port} is {state}")
+        report.problems += port_problems(host.label, f["ports"])
         for peer, r in f["reach"].items():
             for kind, state in r.items():
                 if state != "ok" and peer not in down:  # the table's peers row still shows it

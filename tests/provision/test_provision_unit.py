@@ -3,7 +3,9 @@ status parsing, mesh files, wheel selection, doctor's comparison; step scripts r
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -644,3 +646,38 @@ def test_offline_apt_for_the_gpu_step_without_a_repository_is_a_spec_error(gpu):
     problems = _errors(HEAD + "  apt: {offline: true}\n  python: {venv: v}\n" + gpu)
     assert problems == ["cluster.yaml:7:1: provision: apt.offline with cuda.method apt needs cuda.repository (a repository "
                         "the controller can read: NVIDIA's URL, or a local mirror)"]
+
+
+def test_doctor_says_a_busy_port_is_the_running_jobs_own_not_a_problem(tmp_path, monkeypatch):
+    """doctor while the job runs said `job port 6168 is busy: Address already in use`: its own coordinator's port.
+    The facts script reads the job's state.json (the spec's job dir under home) and checks its supervisor's pid and
+    start time in /proc: alive, a busy port is `job:` (no problem); a stale state.json or none, `busy:` as before."""
+    import socket
+
+    from clusterctl.host import provision_host
+    from clusterctl.provision.doctor import port_problems
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        params = {"address": "127.0.0.1", "ports": [port], "peers": [], "window": 0.1, "job_dir": ".clusterctl/jobs/j"}
+
+        def ports_now():
+            monkeypatch.setattr(sys, "argv", ["facts", json.dumps(params)])
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                provision_host.main()
+            return json.loads(out.getvalue().strip().splitlines()[-1])["ports"][str(port)]
+
+        assert ports_now().startswith("busy: ")  # no job dir at all
+        jobdir = tmp_path / ".clusterctl" / "jobs" / "j"
+        jobdir.mkdir(parents=True)
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        (jobdir / "state.json").write_text(json.dumps({"supervisor": {"pid": os.getpid(), "start_ticks": ticks}}))
+        assert ports_now() == "job: in use while the job runs"
+        (jobdir / "state.json").write_text(json.dumps({"supervisor": {"pid": os.getpid(), "start_ticks": ticks + 1}}))
+        assert ports_now().startswith("busy: ")  # that pid is another process now
+    assert port_problems("n0", {"6168": "job: in use while the job runs", "6169": "free"}) == []
+    assert port_problems("n0", {"6168": "busy: Address already in use"}) == [
+        "n0: job port 6168 is busy: Address already in use"]
