@@ -184,7 +184,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
             from ..console import err
 
-            # coreutils `timeout` (exec --timeout) exits 124 when the time is up, 137 when it had to kill
-            ended = f" (--timeout {args.timeout:g}s)" if args.timeout is not None and res.exit_code in (124, 137) else ""
+            # coreutils `timeout` (exec --timeout) exits 124 when the time is up, 137 when it had to kill; a command
+            # that exits so itself sooner is not said to have run out of time
+            ended = (f" (--timeout {args.timeout:g}s)" if args.timeout is not None and res.exit_code in (124, 137)
+                     and res.seconds >= args.timeout else "")
             err.print(f"[yellow]\\[{escape(host.label)}] exit {res.exit_code}{escape(ended)}[/]")
     return worst_exit_code(results)

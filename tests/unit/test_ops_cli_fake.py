@@ -166,6 +166,8 @@ def test_exec_runs_one_argv_everywhere_and_exits_with_the_worst_code(tmp_path, m
     assert "[n1] exit 3" in err
     code, out, err = cli(capsys, "exec", "--timeout", "0.5", c.spec_path, "--", "sleep", "20")
     assert code == 124 and "[n0] exit 124 (--timeout 0.5s)" in err
+    code, out, err = cli(capsys, "exec", "--timeout", "30", c.spec_path, "--", "sh", "-c", "exit 124")  # its own
+    assert code == 124 and "[n0] exit 124\n" in err and "--timeout" not in err
     code, out, err = cli(capsys, "exec", c.spec_path)
     assert code == 2 and "exec needs a command after --" in err
     code, out, err = cli(capsys, "exec", c.spec_path, "--", "")  # `-- "$CMD"`, CMD unset: was sent to every host
