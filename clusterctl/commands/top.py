@@ -153,7 +153,9 @@ def render_top(s: Snapshot, *, title: str | None = None, width: int | None = Non
                          ratio=1 if c == "metrics" else None, min_width=16 if c == "metrics" else None)
     for cells, end in lines:
         table.add_row(*(cells.get(c, "") for c in cols), end_section=end)
-    return Group(*alerts, table) if alerts else table
+    # an elastic job: which hosts run its attempt, the spares, the changes (`status` prints the same lines)
+    view = [Text(line) for line in (s.elastic or {}).get("lines", [])]
+    return Group(*alerts, table, *view) if alerts or view else table
 
 
 def run_top(spec, *, once: bool = False, as_json: bool = False, interval: float = DEFAULT_INTERVAL,

@@ -31,7 +31,7 @@ from ..plan import Host
 from ..progress import (STRAGGLER_SLICES, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, clean_progress, stragglers)
 from . import Session
 from .control import Direct, ask, control_command, over_bound
-from .job import STATE_ROOT, not_its_own, placement, shown_value
+from .job import STATE_ROOT, latest_view, not_its_own, placement, shown_value
 
 _JOB_STATES = frozenset(JobState)
 
@@ -104,6 +104,7 @@ class Snapshot:
     interval: float | None = None
     threshold: float = STRAGGLER_THRESHOLD
     window_s: float = STRAGGLER_WINDOW_S
+    elastic: dict | None = None  # an elastic job's view, as `status` reads it (job.latest_view)
 
     @property
     def unreachable(self) -> list:
@@ -115,7 +116,7 @@ class Snapshot:
         return {"job": self.job, "state": self.state, "taken_at": self.taken_at, "took_s": self.took_s,
                 "interval": self.interval, "straggler_rule": {"threshold": self.threshold, "window_s": self.window_s},
                 "stragglers": self.stragglers, "hosts": [asdict(h) for h in self.hosts],
-                "processes": [dict(asdict(r), name=r.name) for r in self.rows]}
+                "processes": [dict(asdict(r), name=r.name) for r in self.rows], "elastic": self.elastic}
 
 
 # ------------------------------------------------------------------------------------ replies (pure)
@@ -317,6 +318,9 @@ class Top:
             raise UsageError(f"top: the straggler window must be 6 to 180 seconds, not {window_s:g}")
         self.threshold, self.window_s, self.slices, self.gpu = threshold, window_s, slices, gpu
         self.job: str = source.plan.job
+        # an elastic job's state is its current attempt's hosts' (as `status` folds it): label -> address
+        self.elastic_hosts = {h.label: h.address for h in source.plan.hosts} if source.plan.min_hosts is not None \
+            else None
         # a host's request ends (unreachable) after the backend's deadline (ssh.command_timeout, ...), or this
         self.request = TopRequest(window_s / slices, slices, gpu, request_timeout)
         if isinstance(source, Session):
@@ -382,6 +386,13 @@ class Top:
         rows: list[ProcRow] = []
         hosts: list[HostRow] = []
         host_states: list[str] = []
+        view, senders = None, {}
+        if self.elastic_hosts is not None:  # the view `status` reads (job.latest_view), and who each answer is from
+            parsed = {label: HostStatus.from_json(ans.reply) for answers in self._answers.values()
+                      for label, ans in answers.items() if ans.status == "ok"}
+            view = latest_view(parsed, self.elastic_hosts, set(self.elastic_hosts.values()))
+            senders = {label: r.host or self.elastic_hosts.get(label, label) for label, r in parsed.items()}
+        members = set(view["members"]) if view is not None and view["members"] else None
         for i, a in enumerate(self.asks):
             answers = self._answers.get(i)
             if answers is None:
@@ -389,9 +400,13 @@ class Top:
                 continue
             for label, ans in answers.items():
                 age = round(now - ans.at, 3)
+                # a host outside an elastic job's attempt (lost and replaced, a spare) does not decide its state
+                counts = members is None or senders.get(label, self.elastic_hosts.get(label, label)) in members
                 if ans.status != "ok":
                     hosts.append(HostRow(label, ans.status, ans.error, age, ans.state))
-                    host_states.append(ans.state or (JobState.LOST if ans.status == "unreachable" else JobState.UNKNOWN))
+                    if counts:
+                        host_states.append(ans.state or (JobState.LOST if ans.status == "unreachable"
+                                                         else JobState.UNKNOWN))
                     continue
                 mine = rows_of(label, ans.reply)
                 row = host_row(label, ans.reply, mine)
@@ -400,8 +415,10 @@ class Top:
                 state = row.state or JobState.UNKNOWN
                 if state == JobState.STOPPING and ans.reply.get("restart_pending"):
                     state = JobState.RESTARTING
-                host_states.append(state)
+                if counts:
+                    host_states.append(state)
                 rows.extend(mine)
         found = mark_stragglers(rows, threshold=self.threshold, slices=self.slices)
         return Snapshot(self.job, job_state(host_states), rows, hosts, found, time.time(),
-                        round(now - t0, 3), interval, self.threshold, self.window_s)
+                        round(now - t0, 3), interval, self.threshold, self.window_s,
+                        None if view is None else {k: view[k] for k in ("attempt", "members", "lines")})

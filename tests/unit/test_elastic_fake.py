@@ -18,6 +18,7 @@ import yaml
 
 from clusterctl.ops.dispatch import dispatch
 from clusterctl.ops.job import logs, start, status, stop
+from clusterctl.ops.top import Top
 from clusterctl.commands.render import render_status
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -107,6 +108,11 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_job_finishes_there(tmp_pat
                 assert time.monotonic() - t0 < 30 and again.state == "succeeded"
             assert re.fullmatch(r"no answer in \d+\.\ds, not waited for: attempt 1 runs without it and its hosts all "
                                 r"answered", again.unreachable["n2"]), again.unreachable
+            # `top` folds the job's state as `status` does (it said `lost`: n2's own word) and shows the same lines
+            with Top(s) as top:
+                snap = top.snapshot()
+            assert (snap.state, snap.elastic["lines"]) == ("succeeded", done.elastic["lines"])
+            assert [h.state for h in snap.hosts if h.host == "n2"] == ["lost"]
             # the spare's logs are the job's logs too; the lost host's are gone with it (here: not answering)
             lines = collect(s)
             assert "[n3 trainer.2#1] rank 2 of 3 master 127.0.0.1 attempt 1" in lines
