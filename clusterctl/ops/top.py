@@ -30,8 +30,8 @@ from ..host.status import HostStatus, overall_state
 from ..plan import Host
 from ..progress import (STRAGGLER_SLICES, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, clean_progress, stragglers)
 from . import Session
-from .control import Direct, ask, control_command, over_bound
-from .job import STATE_ROOT, latest_view, not_its_own, placement, shown_value
+from .control import Direct, Enough, ask, control_command, over_bound
+from .job import STATE_ROOT, attempt_answered, latest_view, not_its_own, placement, shown_value
 
 _JOB_STATES = frozenset(JobState)
 
@@ -208,6 +208,9 @@ class TopRequest:
     slices: int
     gpu: bool = True
     timeout: float | None = None
+    # one whole snapshot of an elastic SSH job (`top --once`): {"enough": control.Enough} shared by its hosts' asks,
+    # so that a host outside the attempt is not waited for once the attempt's hosts answered (as `status`)
+    snapshot: dict = field(default_factory=dict, compare=False)
 
     def agent_args(self, jobdir: str) -> list[str]:
         """`agent top`'s argv after `agent` for the job dir `jobdir`."""
@@ -278,9 +281,9 @@ def _ask_ssh_host(session: Session, host: Host, request: TopRequest, placed: fro
     timeout = request.deadline(remote.control_timeout)
     args, agent = request.control_args(), request.agent_args(jobdir)
     res = ask(remote, control_command(jobdir, "top", args, agent), hosts=[host], timeout=timeout, what="top",
-              direct=Direct(session.plan.job, "top", args, agent))[host]
+              direct=Direct(session.plan.job, "top", args, agent), enough=request.snapshot.get("enough"))[host]
     if not res.answered:
-        if res.timed_out:
+        if res.timed_out and res.stderr.startswith("timed out after"):  # not a host the snapshot did not wait for
             why = f"did not answer within {timeout:g}s" + (
                 " (ssh.command_timeout)" if timeout == remote.control_timeout else "")
         else:
@@ -318,6 +321,7 @@ class Top:
             raise UsageError(f"top: the straggler window must be 6 to 180 seconds, not {window_s:g}")
         self.threshold, self.window_s, self.slices, self.gpu = threshold, window_s, slices, gpu
         self.job: str = source.plan.job
+        self.plan = source.plan
         # an elastic job's state is its current attempt's hosts' (as `status` folds it): label -> address
         self.elastic_hosts = {h.label: h.address for h in source.plan.hosts} if source.plan.min_hosts is not None \
             else None
@@ -358,8 +362,11 @@ class Top:
         return fut
 
     def snapshot(self, wait_s: float | None = None, *, interval: float | None = None) -> Snapshot:
-        """Ask every idle TopAsk, wait up to `wait_s` (None: for all), and fold the latest answers."""
+        """Ask every idle TopAsk, wait up to `wait_s` (None: for all; an elastic job's hosts outside its attempt only
+        until the attempt's hosts answered, as `status`), and fold the latest answers."""
         t0 = time.monotonic()
+        if wait_s is None and self.elastic_hosts is not None and not self._inflight:
+            self.request.snapshot["enough"] = Enough(attempt_answered(self.plan))
         for i, a in enumerate(self.asks):
             if i not in self._inflight and not self._closed:
                 self._inflight[i] = self._submit(a)
@@ -370,6 +377,7 @@ class Top:
             if left is not None and left <= 0:
                 break
             done, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+        self.request.snapshot.pop("enough", None)
         for i, fut in list(self._inflight.items()):
             if fut.done():
                 del self._inflight[i]

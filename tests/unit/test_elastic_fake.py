@@ -106,6 +106,12 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_job_finishes_there(tmp_pat
                 t0 = time.monotonic()
                 again = status(hung)
                 assert time.monotonic() - t0 < 30 and again.state == "succeeded"
+                with Top(hung) as top:  # nor does `top --once`'s snapshot
+                    t0 = time.monotonic()
+                    once = top.snapshot()
+                    assert time.monotonic() - t0 < 30 and once.state == "succeeded"
+                assert [(h.status, h.error.split(", ")[1]) for h in once.hosts if h.host == "n2"] == [
+                    ("unreachable", "not waited for: attempt 1 runs without it and its hosts all answered")]
             assert re.fullmatch(r"no answer in \d+\.\ds, not waited for: attempt 1 runs without it and its hosts all "
                                 r"answered", again.unreachable["n2"]), again.unreachable
             # `top` folds the job's state as `status` does (it said `lost`: n2's own word) and shows the same lines
