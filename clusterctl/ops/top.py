@@ -323,8 +323,8 @@ class Top:
         self.job: str = source.plan.job
         self.plan = source.plan
         # an elastic job's state is its current attempt's hosts' (as `status` folds it): label -> address
-        self.elastic_hosts = {h.label: h.address for h in source.plan.hosts} if source.plan.min_hosts is not None \
-            else None
+        self.elastic_hosts = ({h.label: h.address for h in source.plan.hosts} if source.plan.min_hosts is not None
+                              else None)
         # a host's request ends (unreachable) after the backend's deadline (ssh.command_timeout, ...), or this
         self.request = TopRequest(window_s / slices, slices, gpu, request_timeout)
         if isinstance(source, Session):
