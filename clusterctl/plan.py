@@ -395,13 +395,14 @@ def _mpi_launch(spec: ClusterSpec, hosts, trainer_slots, total: int, workdir: st
            "PADDLE_TRAINERS_NUM": str(total), **job.env}
     path = posixpath.join(".clusterctl", "jobs", spec.name, "hostfile")
     used = [(h, n) for h, n, _ in trainer_slots if n]
+    mpiexec = _mpiexec(spec)
     if job.mpi == "mpich":
         hostfile = "".join(f"{h.endpoint_address}:{n}\n" for h, n in used)
-        argv = [job.mpiexec, "-f", path, "-n", str(total), "-wdir", workdir, "-launcher", "ssh",
+        argv = [mpiexec, "-f", path, "-n", str(total), "-wdir", workdir, "-launcher", "ssh",
                 "-envlist", ",".join(env)]
     else:
         hostfile = "".join(f"{h.endpoint_address} slots={n}\n" for h, n in used)
-        argv = [job.mpiexec, "--hostfile", path, "-n", str(total), "--wdir", workdir, "--mca", "plm_rsh_agent", "ssh"]
+        argv = [mpiexec, "--hostfile", path, "-n", str(total), "--wdir", workdir, "--mca", "plm_rsh_agent", "ssh"]
         for k in env:
             argv += ["-x", k]
         if not any(a.lstrip("-").startswith(("map-by", "oversubscribe")) for a in job.mpi_args):
@@ -413,6 +414,17 @@ def _mpi_launch(spec: ClusterSpec, hosts, trainer_slots, total: int, workdir: st
         env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **env}
     argv += [*job.mpi_args, *job.entrypoint, *args]
     return MpiLaunch(hosts[0], tuple(argv), hostfile, path, env)
+
+
+def _mpiexec(spec: ClusterSpec) -> str:
+    """`job.mpiexec` as written; left out, where `provision.mpi` installs the job's MPI into `provision.python.venv`,
+    that venv's `bin/mpiexec` (the one its mpi4py agrees with: `mpiexec` on PATH was not found on a host whose MPI
+    is a venv's wheels). A venv under the home (`~/venv`, kept as `venv`) is relative to it, where mpiexec runs."""
+    job, prov = spec.job, spec.provision
+    mpi, python = getattr(prov, "mpi", None), getattr(prov, "python", None)
+    if "mpiexec" in job.model_fields_set or mpi is None or python is None or mpi.implementation != job.mpi:
+        return job.mpiexec
+    return posixpath.join(python.venv, "bin", "mpiexec")
 
 
 def _check_size(spec: ClusterSpec, hosts: tuple[Host, ...], trainer_slots) -> None:

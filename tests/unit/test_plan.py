@@ -147,3 +147,16 @@ def test_data_shards_dealt_by_index_mod_trainers():
         "data/part-00000:data/part-00002:data/part-00004",
         "data/part-00001:data/part-00003",
     ]
+
+
+def test_launcher_mpi_runs_the_provisioned_venvs_mpiexec_unless_the_spec_names_one():
+    """`provision.mpi` puts MPICH's wheels (bin/mpiexec with them) into `provision.python.venv`; with `job.mpiexec`
+    left out, `mpiexec` on PATH was not found on such hosts (`preflight: mpiexec not found in PATH=...`). That venv's
+    mpiexec is the default now: under the home (`~/venv` is `venv`, mpiexec runs from the home) or absolute."""
+    head = ("name: m\nhosts: [10.0.0.1, 10.0.0.2]\njob: {mode: collective, launcher: mpi, entrypoint: [python3, t.py]%s}\n"
+            "provision:\n  python: {venv: %s}\n  mpi: %s\n")
+    assert plan_of(head % ("", "~/venv", "mpich")).mpi.argv[0] == "venv/bin/mpiexec"
+    assert plan_of(head % ("", "/opt/v", "{implementation: mpich}")).mpi.argv[0] == "/opt/v/bin/mpiexec"
+    assert plan_of(head % (", mpiexec: /usr/bin/mpiexec.hydra", "~/venv", "mpich")).mpi.argv[0] == "/usr/bin/mpiexec.hydra"
+    assert plan_of(head % ("", "~/venv", "openmpi")).mpi.argv[0] == "mpiexec"  # another MPI than the job's launch
+    assert plan_of(head.split("provision:")[0] % "").mpi.argv[0] == "mpiexec"
