@@ -34,7 +34,10 @@ def _short(value: str) -> str:
 
 
 def host_ports(plan, host: Host) -> list[int]:
-    """The job's ports on `host`: its processes' ports, plus the control/master ports it carries."""
+    """The job's ports on `host`: its processes' ports, plus the control/master ports it carries. None under
+    `launcher: mpi`: one supervisor runs mpiexec, which picks its own ports (no coordinator, no rank binds the plan's)."""
+    if plan.mpi is not None:
+        return []
     ports = {p.port for p in plan.on_host(host)}
     ctl_addr, ctl_port = plan.control_endpoint.rsplit(":", 1)
     if host.endpoint_address == ctl_addr.strip("[]"):

@@ -431,6 +431,10 @@ def test_doctor_params_list_the_plans_ports_and_peers():
     p = host_params(plan, "/opt/v", plan.hosts[0])
     assert p["ports"] == [6168, 6169, 6180] and p["listen_port"] == 6168
     assert p["peers"] == [{"label": "10.0.0.2", "address": "10.0.0.2", "ssh_port": 22, "job_port": 6180}]
+    # launcher: mpi binds none of the plan's ports (mpiexec picks its own): a busy 6168 there was a false problem
+    mpi = make_plan(_spec(HEAD.replace("job:\n", "job:\n  mode: collective\n  launcher: mpi\n") + "  python: {venv: /opt/v}\n"))
+    p = host_params(mpi, "/opt/v", mpi.hosts[0])
+    assert (p["ports"], p["listen_port"], [q["job_port"] for q in p["peers"]]) == ([], None, [None])
 
 
 def test_cli_without_provision_section_is_one_clean_error(tmp_path):
