@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from . import __version__
 from .commands.core import PLAN_ROWS, cmd_exec, cmd_plan, cmd_validate, dumps_plan  # noqa: F401 (dumps_plan: API)
-from .console import error, output_error, setup_logging, to_devnull, tolerate_encoding
+from .console import error, hold_std_fds, output_error, setup_logging, to_devnull, tolerate_encoding
 from .errors import MAX_PROBLEMS_SHOWN, ClusterctlError, SpecError
 
 __all__ = ["main", "build_parser", "guarded"]
@@ -93,22 +92,10 @@ def _plugins_for(argv: list[str] | None) -> tuple[str, ...]:
     return _PLUGINS
 
 
-def hold_stdin() -> None:
-    """Started with its standard input closed (`clusterctl ... <&-`, some CI runners): /dev/null takes descriptor 0,
-    as OpenSSH's sanitise_stdfd does, so that no file opened later (a spec, a key, a cache) becomes descriptor 0 and
-    so the standard input of what clusterctl starts (ssh, rsync, kubectl)."""
-    try:
-        os.fstat(0)
-    except OSError:
-        fd = os.open(os.devnull, os.O_RDONLY)
-        if fd != 0:  # 0 was open after all (another thread): leave it
-            os.close(fd)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `clusterctl` console script."""
     argv = sys.argv[1:] if argv is None else argv
-    hold_stdin()
+    hold_std_fds()
     tolerate_encoding()
     if sys.stdout is None:  # started with `>&-`: `--help` was argparse's AttributeError traceback (see guarded)
         if sys.stderr is not None:
@@ -131,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 def guarded(fn) -> int:
     """Run `fn` (an operation's front end returning an exit code) and turn clusterctl's errors into their
     message on stderr and their exit code: the one place where errors meet the terminal (CLI and fab)."""
-    if sys.stdout is None or sys.stderr is None:  # started with `>&-` (or `2>&-`): nothing it says could be read
+    if sys.stdout is None or sys.stderr is None:  # started with `>&-` (`2>&-`: console.hold_std_fds, unless embedded)
         if sys.stderr is not None:
             error("standard output is closed")
         return 1

@@ -71,6 +71,24 @@ class _LazyRichHandler(logging.Handler):
         self._rich.handle(record)
 
 
+def hold_std_fds() -> None:
+    """Started with its standard input or error closed (`<&-`, `2>&-`: some CI runners, cron set-ups): /dev/null takes
+    descriptor 0 or 2, as OpenSSH's sanitise_stdfd does, so that no file opened later (a spec, a key, a cache, a
+    socket) becomes one of them, and so the standard input or error of what clusterctl starts (ssh, rsync, kubectl).
+    With its error closed a command runs as usual, its messages going nowhere and its exit code saying how it ended,
+    as `cp` or `git` do (it exited 1 doing nothing). A closed standard output is the caller's to refuse."""
+    for fd, flags in ((0, os.O_RDONLY), (2, os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, flags)
+            if null != fd:  # the lowest free descriptor: 1 when standard output is closed too (it stays closed)
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:  # Python found descriptor 2 closed at its start
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+
+
 def tolerate_encoding() -> None:
     """Standard output and error that cannot encode every character (`PYTHONIOENCODING=ascii`, a C locale without
     UTF-8 coercion) write what they cannot as escapes (`\\xb7`), instead of failing the command mid-table."""

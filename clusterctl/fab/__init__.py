@@ -36,13 +36,15 @@ def fabfile_dir() -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run Fabric's `fab` program with clusterctl's fabfile (unless the command line names another)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    from ..console import to_devnull, tolerate_encoding
+    from ..console import hold_std_fds, to_devnull, tolerate_encoding
 
+    hold_std_fds()
     tolerate_encoding()
     if sys.stdout is None:  # started with `>&-`: `--list`, `--where` and `--help` printed nothing and exited 0
         if sys.stderr is not None:
             sys.stderr.write(f"{PREFIX}standard output is closed\n")
         sys.exit(1)
+    args = _task_help_first(args)
     twice = _given_twice(args)
     if twice:  # Invoke took the second one's value for a task name: "no task 'b'"
         sys.stderr.write(f"{PREFIX}{twice} given twice: give it once ({'-H a,b' if twice == '-H' else twice + ' X'})\n")
@@ -64,6 +66,17 @@ def main(argv: list[str] | None = None) -> None:
         to_devnull(sys.stdout)  # what is left in stdout's buffer goes nowhere at exit
         sys.stderr.write(f"{PREFIX}cannot write the output: {exc.strerror or exc}\n")
         sys.exit(1)
+
+
+def _task_help_first(args: list[str]) -> list[str]:
+    """`exec --help` (or `-h`) as `--help exec`: Invoke took the flag for exec's command and ran `--help` on every
+    host; every other task's `--help` after its name is already its help. `exec --cmd --help` and a `--help` after
+    `--` are left as written."""
+    end = args.index("--") if "--" in args else len(args)
+    for i in range(1, end):
+        if args[i] in ("-h", "--help") and args[i - 1] == "exec":
+            return [*args[:i - 1], "--help", "exec", *args[i + 1:]]
+    return args
 
 
 _ONCE = {"-H": "-H", "--hosts": "-H", "--spec": "--spec", "-S": "-S", "--ssh-config": "-S"}  # core options, one value

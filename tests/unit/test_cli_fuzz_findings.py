@@ -128,7 +128,7 @@ def test_logs_follow_and_start_follow_end_when_their_reader_goes_away(tmp_path):
 def test_a_closed_standard_input_is_held_by_dev_null_so_no_file_opened_later_takes_it(tmp_path):
     """`clusterctl ... <&-`: the first file the command opened became descriptor 0, the standard input of every ssh,
     rsync or kubectl it started afterwards."""
-    probe = ("import os, sys\nfrom clusterctl import cli\ncli.hold_stdin()\nf = open(sys.argv[1])\n"
+    probe = ("import os, sys\nfrom clusterctl import console\nconsole.hold_std_fds()\nf = open(sys.argv[1])\n"
              "print(f.fileno(), os.readlink('/proc/self/fd/0'))\n")
     (tmp_path / "spec.yaml").write_text("name: t\n")
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "spec.yaml")], capture_output=True, text=True,
@@ -138,3 +138,26 @@ def test_a_closed_standard_input_is_held_by_dev_null_so_no_file_opened_later_tak
     validated = subprocess.run(f"exec {sys.executable} -m clusterctl.cli validate {tmp_path / 'spec.yaml'} <&-",
                                shell=True, capture_output=True, text=True, timeout=60)
     assert validated.returncode == 2 and "job: required key is missing" in validated.stderr, validated.stderr
+
+
+def test_a_closed_standard_error_is_dev_null_and_the_command_runs(tmp_path):
+    """`clusterctl ... 2>&-` (cron, some CI runners) exited 1 doing nothing, silently; and no descriptor may be taken
+    by a file opened later (every ssh's stderr). Now /dev/null takes descriptor 2 and the command runs: its output
+    on stdout, its exit code as ever, its messages nowhere."""
+    probe = ("import os, sys\nfrom clusterctl import console\nconsole.hold_std_fds()\nf = open(sys.argv[1])\n"
+             "print(f.fileno(), os.readlink('/proc/self/fd/2'), sys.stderr.fileno())\n")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: t\nhosts: [10.0.0.1]\njob: {entrypoint: [python3, t.py]}\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True,
+                         preexec_fn=lambda: os.close(2), timeout=60)
+    fileno, stderr, sys_stderr = out.stdout.split()
+    assert (int(fileno) != 2, stderr, sys_stderr) == (True, os.devnull, "2")
+    for script in ("clusterctl.cli", "clusterctl.fab"):
+        argv = ["validate", str(spec)] if script == "clusterctl.cli" else ["--spec", str(spec), "exec", "--help"]
+        ran = subprocess.run(f"exec {sys.executable} -m {script} {' '.join(argv)} 2>&-", shell=True,
+                             capture_output=True, text=True, timeout=60)
+        assert ran.returncode == 0 and ran.stdout.strip(), (script, ran.stdout, ran.stderr)
+    spec.write_text("name: t\n")
+    bad = subprocess.run(f"exec {sys.executable} -m clusterctl.cli validate {spec} 2>&-", shell=True,
+                         capture_output=True, text=True, timeout=60)
+    assert (bad.returncode, bad.stdout) == (2, "")

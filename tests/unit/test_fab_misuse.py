@@ -644,3 +644,12 @@ def test_a_core_option_given_twice_is_refused_not_taken_for_a_task(tmp_path, arg
     res = subprocess.run([sys.executable, "-m", "clusterctl.fab", *argv], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert _one_error(res) == said
+
+
+def test_exec_help_is_the_tasks_help_not_a_command_run_on_every_host(tmp_path):
+    """`clusterctl-fab -H h exec --help` (or `-h`): Invoke took the flag for exec's command, and `--help` ran on every
+    host (bash's usage from each); every other task's `--help` was already its help."""
+    for flag in ("--help", "-h"):
+        res = _clusterctl_fab("-H", "h.invalid", "exec", flag, cwd=tmp_path)
+        assert res.returncode == 0 and res.stdout.startswith("Usage: fab [--core-opts] exec [--options]"), res
+        assert "--cmd=STRING" in res.stdout and res.stderr == ""
