@@ -449,4 +449,6 @@ def _words(cmd: str) -> list[str]:
         raise UsageError(f"exec: cannot split the command {cmd!r}: {exc}") from None
     if not words:  # else the CLI's own hint, `clusterctl exec cluster.yaml -- hostname`
         raise UsageError("exec needs a command: exec --cmd 'hostname'")
+    if words in (["--help"], ["-h"]):  # plain `fab exec --help`: Invoke gave the flag as the command
+        raise UsageError(f"exec: {words[0]} is not a command to run on every host; exec's help: fab --help exec")
     return words

@@ -653,3 +653,6 @@ def test_exec_help_is_the_tasks_help_not_a_command_run_on_every_host(tmp_path):
         res = _clusterctl_fab("-H", "h.invalid", "exec", flag, cwd=tmp_path)
         assert res.returncode == 0 and res.stdout.startswith("Usage: fab [--core-opts] exec [--options]"), res
         assert "--cmd=STRING" in res.stdout and res.stderr == ""
+    # plain `fab` (its own parser): refused in one line, nothing run
+    assert _one_error(_fab("-H", "h.invalid", "exec", "--help", cwd=tmp_path), 2) == (
+        "exec: --help is not a command to run on every host; exec's help: fab --help exec")
