@@ -180,7 +180,7 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
 
     procs: list[ProcessStatus] = []
     host_states: list[str] = [JobState.LOST for label in unreachable if counts(label, None)]
-    reasons: list[str] = []
+    reasons: dict[str, list[str]] = {}  # a reason -> the hosts that give it: the job's verdict is every host's word
     attempt, restarts, attempts, attempts_total = 0, 0, [], 0
     for label, reply in parsed.items():
         if not counts(label, reply.host):  # an elastic job's host that is not in its current attempt
@@ -193,13 +193,15 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
         if (reply.attempt, reply.attempts_total) > (attempt, attempts_total):
             attempt, attempts, attempts_total = reply.attempt, reply.attempts, reply.attempts_total
         if reply.reason and reply.state not in (JobState.RUNNING, JobState.SUCCEEDED):
-            reasons.append(f"{label}: {reply.reason[:MAX_WORDS]}")
+            reasons.setdefault(reply.reason[:MAX_WORDS], []).append(label)
         procs.extend(progress_rows(reply, label))
     procs.sort(key=lambda p: (p.role != "pserver", p.id))
     found = job_stragglers(procs)
     state = overall_state(host_states)
     down = [label for label in unreachable if counts(label, None)]
-    reason = "; ".join(reasons) or ("unreachable: " + ", ".join(down) if down else None)
+    said = [f"{', '.join(by) if len(by) <= 3 else f'{by[0]}, {by[1]} and {len(by) - 2} more hosts'}: {text}"
+            for text, by in reasons.items()]
+    reason = "; ".join(said) or ("unreachable: " + ", ".join(down) if down else None)
     return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, [a.summary() for a in attempts],
                      stragglers=found, elastic=elastic)
 

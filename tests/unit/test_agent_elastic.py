@@ -340,3 +340,19 @@ def test_status_folds_an_elastic_job_from_its_current_attempts_hosts():
     assert (st.state, st.reason) == ("lost", "unreachable: B")
     only_d = fold_status("el", {"D": replies["D"]}, {}, addresses, elastic_job=True)
     assert only_d.elastic["lines"] == ["?[31mspoof"]
+
+
+def test_a_verdict_every_host_gives_is_said_once_with_who_gave_it():
+    """Each host of a failed job gives the job's verdict: status said it once per host (`n0: trainer.1 on n1 exited
+    with code 3; n1: trainer.1 on n1 exited with code 3`, 64 times at 64 hosts). Now once, with the hosts that said
+    it (two and a count past three); another verdict is said apart."""
+    from clusterctl.ops.job import fold_status
+
+    def failed(host, reason):
+        return {"ok": True, "job": "j", "host": host, "state": "failed", "reason": reason, "processes": []}
+
+    same = "trainer.1 on h1 exited with code 3"
+    st = fold_status("j", {f"h{i}": failed(f"h{i}", same) for i in range(2)}, {})
+    assert st.reason == f"h0, h1: {same}"
+    st = fold_status("j", {**{f"h{i}": failed(f"h{i}", same) for i in range(5)}, "h5": failed("h5", "other")}, {})
+    assert st.reason == f"h0, h1 and 3 more hosts: {same}; h5: other"

@@ -550,8 +550,8 @@ def test_slurm_status_folds_the_supervisors_replies_as_over_ssh():
     }
     st = slurm_status("j", dict(SJ, state="FAILED", exit_code="1:0"), replies, {})
     assert (st.backend, st.state) == ("slurm", "failed")
-    assert st.reason == ("Slurm job 7 FAILED (exit 1:0) on n0,n1; n0: trainer.1 on n1 exited with code 3; "
-                         "n1: trainer.1 on n1 exited with code 3")
+    # the same verdict from both hosts, said once (it was said once per host)
+    assert st.reason == "Slurm job 7 FAILED (exit 1:0) on n0,n1; n0, n1: trainer.1 on n1 exited with code 3"
     assert [(p.host, p.role, p.id, p.state, p.exit_code) for p in st.processes] == [
         ("n0", "trainer", 0, "stopped", -15), ("n1", "trainer", 1, "failed", 3)]
 
@@ -565,7 +565,7 @@ def test_a_job_slurm_ended_is_failed_though_its_supervisors_say_stopped(word, st
                          reason="stop requested on n0") for i, n in enumerate(("n0", "n1"))}
     st = slurm_status("j", dict(SJ, state=word, exit_code="143:0", reason="TimeLimit"), stopped, {})
     assert (st.state, st.reason) == (state, f"Slurm job 7 {word} (exit 143:0) on n0,n1: TimeLimit; "
-                                            "n0: stop requested on n0; n1: stop requested on n0")
+                                            "n0, n1: stop requested on n0")
 
 
 def test_slurm_status_before_and_without_supervisors():
