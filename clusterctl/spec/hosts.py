@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from ..transport.host import split_jump
 from .fields import Port, _jump_chain, _Model, _scalar_str, check_address, check_user, nonempty_path
 
 __all__ = ["SshSpec", "HostSpec"]
@@ -68,9 +69,13 @@ class HostSpec(_Model):
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, data: Any) -> Any:
-        # `hosts: [node0, 10.0.0.6]`: an entry that is only its address (as `fab -H` takes them)
+        # `hosts: [node0, ubuntu@10.0.0.6:2222]`: an entry that is only its address, with its user and port as
+        # `fab -H` takes them (an IPv6 address with a port in brackets: `[fe80::1]:2222`)
         if isinstance(data, str):
-            return {"address": data}
+            user, address, port = split_jump(data)
+            if "@" in data and not user:
+                raise ValueError(f"no user before '@' in {data!r}: expected [user@]host[:port]")
+            return {"address": address, **({"user": user} if user else {}), **({"port": port} if port else {})}
         if data is None or isinstance(data, (bool, int, float, list)):
             raise ValueError("expected a host address or a mapping (address:, slots:, ...)")
         return data

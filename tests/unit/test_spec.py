@@ -336,6 +336,18 @@ def test_a_host_may_be_its_address_alone(write_spec):
     assert [(p.line, p.column, p.path, p.message) for p in info.value.problems] == [
         (2, 16, "hosts[1].address", "not a host name or IP address: '-x'"),
         (2, 22, "hosts[2]", either), (2, 25, "hosts[3]", either)]
+    # with a user and a port, as `fab -H` takes them too (`fab -H ubuntu@gpu0:2222`: it was "not a host name")
+    spec = load_spec(write_spec(GOOD.replace("  - address: 10.0.0.2\n", "  - ubuntu@gpu0:2222\n  - '[fe80::1]:22'\n"
+                                             "  - fe80::2\n")))
+    assert [(h.address, h.user, h.port) for h in spec.hosts[1:]] == [("gpu0", "ubuntu", 2222), ("fe80::1", None, 22),
+                                                                     ("fe80::2", None, None)]
+    path = write_spec("name: x\nhosts: ['gpu0:99999', '@gpu0', 'a b@gpu0']\njob: {entrypoint: [t]}\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert [(p.path, p.message) for p in info.value.problems] == [
+        ("hosts[0]", "bad port in 'gpu0:99999': expected 1-65535"),
+        ("hosts[1]", "no user before '@' in '@gpu0': expected [user@]host[:port]"),
+        ("hosts[2].user", "not a valid user name: 'a b'")]
 
 
 def test_scalar_env_values_become_strings(write_spec):
