@@ -30,7 +30,7 @@ from ..remote import LineCallback, Remote, Result, Until
 from ..transport.base import TIMED_OUT, LineSplitter, cut_short
 from .hosttools import install_on, package_dir, tool_argv
 
-__all__ = ["control_command", "ask", "Enough", "agent_reply", "over_bound", "NEEDS_PACKAGE", "Direct", "remember", "recall", "forget"]
+__all__ = ["control_command", "ask", "Enough", "host_key", "agent_reply", "over_bound", "NEEDS_PACKAGE", "Direct", "remember", "recall", "forget"]
 
 # the line exits with this when the agent is needed and this version of the host package is not on the host
 NEEDS_PACKAGE = 97
@@ -97,17 +97,19 @@ class Direct:
         return agent_command(self.fallback(host) if callable(self.fallback) else self.fallback)
 
 
-def _key(host: Host) -> str:
+def host_key(host: Host) -> str:
+    """How this controller's caches name a host: the login, the name it connects to, the port."""
     return f"{host.user}@{host.connect_name}:{host.port}"
 
 
-def _cache_file(job: str) -> str | None:
+def cache_file(job: str, suffix: str = ".json") -> str | None:
+    """`job`'s file in this controller's control cache (0700), or None for a name that is no file name."""
     if not job or len(job) > 200 or not all(c.isalnum() or c in "._-" for c in job) or job[0] == ".":
         return None
     from ..cache import private_dir
 
     folder = private_dir(CONTROL_CACHE)
-    return None if folder is None else os.path.join(folder, f"{job}.json")
+    return None if folder is None else os.path.join(folder, f"{job}{suffix}")
 
 
 def _valid(entry) -> bool:
@@ -123,7 +125,7 @@ def recall(job: str) -> dict[str, dict]:
     """{host key: {port, client, server}} that `start` kept for `job` on this controller ({} when none)."""
     from ..cache import read_private
 
-    path = _cache_file(job)
+    path = cache_file(job)
     data = read_private(path, _MAX_CACHE) if path else None
     try:
         doc = json.loads(data) if data else {}
@@ -137,11 +139,11 @@ def remember(job: str, endpoints: dict[Host, dict]) -> None:
     of jobs started more than STALE_DAYS ago go (their next `status` asks with the line)."""
     from ..cache import write_private
 
-    path = _cache_file(job)
+    path = cache_file(job)
     if path is None:
         return
     with _CACHE_LOCK:
-        kept = {_key(h): {k: e[k] for k in ("port", "client", "server")} for h, e in endpoints.items() if _valid(e)}
+        kept = {host_key(h): {k: e[k] for k in ("port", "client", "server")} for h, e in endpoints.items() if _valid(e)}
         write_private(path, json.dumps(kept).encode())
         folder, old = os.path.dirname(path), time.time() - STALE_DAYS * 86400
         try:
@@ -158,10 +160,10 @@ def forget(job: str, hosts: Sequence[Host] | None = None) -> None:
     not answer as theirs would."""
     from ..cache import write_private
 
-    path = _cache_file(job)
+    path = cache_file(job)
     if path is None or not os.path.exists(path):
         return
-    drop = None if hosts is None else {_key(h) for h in hosts}
+    drop = None if hosts is None else {host_key(h) for h in hosts}
     with _CACHE_LOCK:
         left = {} if drop is None else {k: v for k, v in recall(job).items() if k not in drop}
         if left:
@@ -183,7 +185,7 @@ def _forwards(remote: Remote, hosts: Sequence[Host], direct: Direct) -> dict:
 
     forwards = {}
     for host in hosts:
-        entry = known.get(_key(host))
+        entry = known.get(host_key(host))
         control = remote.kept_control(host) if entry else None
         if control is not None:
             forwards[host] = Forward(control, entry["port"], f"{entry['client']} {direct.request(host)}\n".encode(),

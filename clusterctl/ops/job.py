@@ -16,19 +16,19 @@ from collections.abc import Callable
 from ..errors import HostFailure, JobError, RemoteError
 from ..plan import Host, JobPlan, factor_env
 from ..quoting import join, quote
-from ..remote import LineCallback, Result
+from ..remote import LineCallback
 from ..host.jobfile import build_job, coordinator_entry, parse_endpoint, process_entry
 from ..host.record import replace
 from ..host.states import JobState, ProcState
 from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from ..progress import clean_progress, stragglers
 from . import Session
-from .control import (MAX_CONTROL_REPLY, NEEDS_PACKAGE, Direct, Enough, agent_reply, ask, control_command, forget,
-                      remember)
+from .control import MAX_CONTROL_REPLY, NEEDS_PACKAGE, Direct, Enough, agent_reply, ask, control_command, forget, remember
+from .elasticview import attempt_answered, forget_left, latest_view, left_enough, note_left
 from .hosttools import ensure_tools, package_dir, tool_argv
 from ..host.jobfile import elastic_entry, with_elastic  # elastic jobs (hosts[].spare, job.min_hosts)
 
-__all__ = ["STATE_ROOT", "job_files", "start", "status", "fold_status", "latest_view", "attempt_answered", "not_its_own",
+__all__ = ["STATE_ROOT", "job_files", "start", "status", "fold_status", "not_its_own",
            "bounded_reply", "progress_rows", "job_stragglers", "shown_value", "stop", "logs", "JobStatus",
            "ProcessStatus", "overall_state"]
 
@@ -121,7 +121,7 @@ def status(session: Session) -> JobStatus:
     args, agent = {"progress_only": True}, ["top", jobdir, "--progress-only"]
     results = ask(remote, control_command(jobdir, "top", args, agent), timeout=remote.control_timeout,
                   what="status", direct=Direct(plan.job, "top", args, agent),
-                  enough=Enough(attempt_answered(plan)) if plan.min_hosts is not None else None)
+                  enough=Enough(attempt_answered(plan, not_its_own)) if plan.min_hosts is not None else None)
     replies: dict[str, dict] = {}
     unreachable: dict[str, str] = {}
     for host, res in results.items():
@@ -131,8 +131,11 @@ def status(session: Session) -> JobStatus:
             replies[host.label] = reply
         else:  # no status at all (the agent failed; a reply garbled, or over its bound): that host's, said, not dropped
             unreachable[host.label] = f"no status: {str(reply.get('error') or 'a reply without a state')[-300:]}"
-    return fold_status(plan.job, replies, unreachable, {h.label: h.address for h in plan.hosts},
-                       elastic_job=plan.min_hosts is not None, placed=placement(plan))
+    st = fold_status(plan.job, replies, unreachable, {h.label: h.address for h in plan.hosts},
+                     elastic_job=plan.min_hosts is not None, placed=placement(plan))
+    if plan.min_hosts is not None:  # the hosts the job left, for `logs` (elasticview.left_enough)
+        note_left(plan, st, [h for h, r in results.items() if r.answered])
+    return st
 
 
 def placement(plan) -> dict[str, frozenset] | None:
@@ -204,43 +207,6 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
     reason = "; ".join(said) or ("unreachable: " + ", ".join(down) if down else None)
     return JobStatus(job, state, reason, procs, dict(unreachable), attempt, restarts, [a.summary() for a in attempts],
                      stragglers=found, elastic=elastic)
-
-
-def latest_view(parsed: dict[str, HostStatus], addresses: dict[str, str] | None, known: set[str]) -> dict | None:
-    """An elastic job's view: the coordinator's of the latest attempt knows who runs it and who waits idle. Only one
-    that names known hosts alone (`known`: the plan's addresses), its sender among them (fold_status)."""
-    elastic, elastic_rank = None, None
-    for label, reply in parsed.items():
-        view = reply.elastic
-        sender = reply.host or (addresses or {}).get(label, label)
-        if view is not None and view["members"] and not (set(view["members"]) <= known and sender in view["members"]):
-            continue
-        if view is not None and (elastic_rank is None or (view["attempt"], reply.is_coordinator is True) > elastic_rank):
-            elastic, elastic_rank = view, (view["attempt"], reply.is_coordinator is True)
-    return elastic
-
-
-def attempt_answered(plan: JobPlan) -> Callable[[dict[Host, Result]], str | None]:
-    """For an elastic job's status (control.Enough): once every host of the current attempt and every idle one (the
-    view fold_status reads) has answered, why the others are not waited for: the job left them (a host lost for
-    good would cost every status its connect timeout)."""
-    addresses = {h.label: h.address for h in plan.hosts}
-    own: dict[str, HostStatus] = {}  # each answer read once, as it comes
-
-    def need(results: dict[Host, Result]) -> str | None:
-        done = {h for h, r in results.items() if r.exit_code != NEEDS_PACKAGE}
-        for h in done - {h for h in results if h.label in own}:
-            data = agent_reply(results[h]) if results[h].answered else {}
-            if "state" in data and not not_its_own(reply := HostStatus.from_json(data), plan.job, addresses[h.label]):
-                own[h.label] = reply
-        view = latest_view(own, addresses, set(addresses.values()))
-        if view is None or not view["members"]:
-            return None
-        wanted = set(view["members"]) | set(view["idle"])
-        if any(h.address in wanted and h not in done for h in plan.hosts):
-            return None
-        return f"attempt {view['attempt']} runs without it and its hosts all answered"
-    return need
 
 
 def progress_rows(reply: HostStatus, label: str) -> list[ProcessStatus]:
@@ -468,6 +434,7 @@ def start(session: Session, *, on_progress: Callable[[str], None] | None = None)
     # each supervisor's control endpoint (checked by control.remember): later commands on this controller ask the
     # supervisors straight through the kept connections
     remember(plan.job, endpoints)
+    forget_left(plan.job)  # a new job: no host left yet
     return fold_status(plan.job, {h.label: replies[h].get("status") or {} for h in hosts}, {},
                        {h.label: h.address for h in plan.hosts}, elastic_job=plan.min_hosts is not None)
 
@@ -572,7 +539,7 @@ def logs(
     # a running supervisor streams them over its control socket, elsewhere the agent reads the files; a follow
     # ends with the job, a plain read of (possibly large) logs gets a generous deadline
     results = ask(remote, cmd, hosts=targets, on_line=relay, timeout=None if follow else 10 * remote.control_timeout,
-                  what="logs", direct=direct)
+                  what="logs", direct=direct, enough=left_enough(plan, targets))
     # not reached, no host package to be had (no python3), timed out, or the agent failed (2: its JSON error above)
     unreachable = [f"{h.label}: {r.error() or r.stderr.strip() or f'exit {r.exit_code}'}" for h, r in results.items()
                    if not r.answered or r.exit_code not in (0, 2)]

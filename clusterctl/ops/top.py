@@ -31,7 +31,8 @@ from ..plan import Host
 from ..progress import (STRAGGLER_SLICES, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, clean_progress, stragglers)
 from . import Session
 from .control import Direct, Enough, ask, control_command, over_bound
-from .job import STATE_ROOT, attempt_answered, latest_view, not_its_own, placement, shown_value
+from .elasticview import attempt_answered, latest_view
+from .job import STATE_ROOT, not_its_own, placement, shown_value
 
 _JOB_STATES = frozenset(JobState)
 
@@ -366,7 +367,7 @@ class Top:
         until the attempt's hosts answered, as `status`), and fold the latest answers."""
         t0 = time.monotonic()
         if wait_s is None and self.elastic_hosts is not None and not self._inflight:
-            self.request.snapshot["enough"] = Enough(attempt_answered(self.plan))
+            self.request.snapshot["enough"] = Enough(attempt_answered(self.plan, not_its_own))
         for i, a in enumerate(self.asks):
             if i not in self._inflight and not self._closed:
                 self._inflight[i] = self._submit(a)

@@ -16,6 +16,7 @@ import time
 import pytest
 import yaml
 
+from clusterctl.errors import JobError
 from clusterctl.ops.dispatch import dispatch
 from clusterctl.ops.job import logs, start, status, stop
 from clusterctl.ops.top import Top
@@ -112,6 +113,14 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_job_finishes_there(tmp_pat
                     assert time.monotonic() - t0 < 30 and once.state == "succeeded"
                 assert [(h.status, h.error.split(", ")[1]) for h in once.hosts if h.host == "n2"] == [
                     ("unreachable", "not waited for: attempt 1 runs without it and its hosts all answered")]
+                # nor `logs`, whose replies carry no view: the last status noted n2 as left on this controller
+                t0 = time.monotonic()
+                with pytest.raises(JobError, match=r"logs incomplete:\nn2: no answer in \d+\.\ds, not waited for: "
+                                                   r"attempt 1 ran without it at the job's last status$"):
+                    collect(hung)
+                assert time.monotonic() - t0 < 30
+            assert "n2" not in status(s).unreachable  # it answers again: no longer noted, `logs` waits for it
+            assert "[n3 trainer.2#1] rank 2 of 3 master 127.0.0.1 attempt 1" in collect(s)
             assert re.fullmatch(r"no answer in \d+\.\ds, not waited for: attempt 1 runs without it and its hosts all "
                                 r"answered", again.unreachable["n2"]), again.unreachable
             # `top` folds the job's state as `status` does (it said `lost`: n2's own word) and shows the same lines
