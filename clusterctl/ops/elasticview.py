@@ -70,8 +70,9 @@ def _recall_left(job: str) -> dict[str, int]:
         doc = json.loads(data) if data else {}
     except ValueError:
         return {}
-    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)} \
-        if isinstance(doc, dict) else {}
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)}
 
 
 def note_left(plan: JobPlan, st: JobStatus, answered: Iterable[Host]) -> None:
@@ -99,7 +100,7 @@ def forget_left(job: str) -> None:
     try:
         if path is not None:
             os.unlink(path)
-    except FileNotFoundError:
+    except OSError:  # none (the usual case); one that cannot go is read as before, and answers correct it
         pass
 
 
@@ -108,7 +109,7 @@ def left_enough(plan: JobPlan, targets: Iterable[Host]) -> Enough | None:
     every other host answered, as long again plus a second); None where there are none."""
     if plan.min_hosts is None:
         return None
-    left = _recall_left(plan.job)
+    left, targets = _recall_left(plan.job), list(targets)
     gone = {h: left[host_key(h)] for h in targets if host_key(h) in left}
     if not gone:
         return None
