@@ -51,6 +51,12 @@ class FwdMaster:
             conn, _ = self.server.accept()
         except OSError:
             return
+        try:
+            self._answer(conn)
+        except OSError:  # the client went away first (one that had what it needed: ask_many's `stop`), as from a master
+            pass
+
+    def _answer(self, conn) -> None:
         with conn:
             _send(conn, mux.MUX_MSG_HELLO, 3 if self.mode == "version" else mux.PROTOCOL_VERSION)
             self.seen["hello"] = struct.unpack(">II", _packet(conn))
