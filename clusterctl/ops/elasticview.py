@@ -19,7 +19,7 @@ from ..plan import Host, JobPlan
 from ..remote import Result
 from .control import NEEDS_PACKAGE, Enough, agent_reply, cache_file, host_key
 
-__all__ = ["latest_view", "attempt_answered", "note_left", "forget_left", "left_enough"]
+__all__ = ["latest_view", "in_attempt", "attempt_answered", "note_left", "forget_left", "left_enough"]
 
 _MAX_LEFT = 1 << 20
 
@@ -36,6 +36,16 @@ def latest_view(parsed: dict[str, HostStatus], addresses: dict[str, str] | None,
         if view is not None and (elastic_rank is None or (view["attempt"], reply.is_coordinator is True) > elastic_rank):
             elastic, elastic_rank = view, (view["attempt"], reply.is_coordinator is True)
     return elastic
+
+
+def in_attempt(view: dict | None, addresses: dict[str, str] | None) -> Callable[[str, str | None], bool]:
+    """Whether a host (its label, and the address its reply names, if any) decides the job's state: every host
+    where there is no view, else the view's members only (a host lost and replaced, a spare, does not)."""
+    members = set(view["members"]) if view is not None and view["members"] else None
+
+    def counts(label: str, host: str | None = None) -> bool:
+        return members is None or (host or (addresses or {}).get(label, label)) in members
+    return counts
 
 
 def attempt_answered(plan: JobPlan, not_its_own: Callable[..., str | None]) -> Callable[[dict[Host, Result]], str | None]:

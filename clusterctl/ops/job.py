@@ -24,7 +24,7 @@ from ..host.status import HostStatus, JobStatus, ProcessStatus, overall_state
 from ..progress import clean_progress, stragglers
 from . import Session
 from .control import MAX_CONTROL_REPLY, NEEDS_PACKAGE, Direct, Enough, agent_reply, ask, control_command, forget, remember
-from .elasticview import attempt_answered, forget_left, latest_view, left_enough, note_left
+from .elasticview import attempt_answered, forget_left, in_attempt, latest_view, left_enough, note_left
 from .hosttools import ensure_tools, package_dir, tool_argv
 from ..host.jobfile import elastic_entry, with_elastic  # elastic jobs (hosts[].spare, job.min_hosts)
 
@@ -176,11 +176,7 @@ def fold_status(job: str, replies: dict[str, dict], unreachable: dict[str, str],
             parsed[label] = bounded_reply(reply)
     known = set((addresses or {}).values()) if addresses else set(parsed) | set(unreachable)
     elastic = latest_view(parsed, addresses, known) if elastic_job else None
-    members = set(elastic["members"]) if elastic is not None and elastic["members"] else None
-
-    def counts(label: str, host: str | None) -> bool:
-        return members is None or (host or (addresses or {}).get(label, label)) in members
-
+    counts = in_attempt(elastic, addresses)
     procs: list[ProcessStatus] = []
     host_states: list[str] = [JobState.LOST for label in unreachable if counts(label, None)]
     reasons: dict[str, list[str]] = {}  # a reason -> the hosts that give it: the job's verdict is every host's word

@@ -31,7 +31,7 @@ from ..plan import Host
 from ..progress import (STRAGGLER_SLICES, STRAGGLER_THRESHOLD, STRAGGLER_WINDOW_S, clean_progress, stragglers)
 from . import Session
 from .control import Direct, Enough, ask, control_command, over_bound
-from .elasticview import attempt_answered, latest_view
+from .elasticview import attempt_answered, in_attempt, latest_view
 from .job import STATE_ROOT, not_its_own, placement, shown_value
 
 _JOB_STATES = frozenset(JobState)
@@ -396,12 +396,12 @@ class Top:
         hosts: list[HostRow] = []
         host_states: list[str] = []
         view, senders = None, {}
-        if self.elastic_hosts is not None:  # the view `status` reads (job.latest_view), and who each answer is from
+        if self.elastic_hosts is not None:  # the view `status` reads (elasticview), and who each answer is from
             parsed = {label: HostStatus.from_json(ans.reply) for answers in self._answers.values()
                       for label, ans in answers.items() if ans.status == "ok"}
             view = latest_view(parsed, self.elastic_hosts, set(self.elastic_hosts.values()))
-            senders = {label: r.host or self.elastic_hosts.get(label, label) for label, r in parsed.items()}
-        members = set(view["members"]) if view is not None and view["members"] else None
+            senders = {label: r.host for label, r in parsed.items()}
+        in_view = in_attempt(view, self.elastic_hosts)
         for i, a in enumerate(self.asks):
             answers = self._answers.get(i)
             if answers is None:
@@ -410,7 +410,7 @@ class Top:
             for label, ans in answers.items():
                 age = round(now - ans.at, 3)
                 # a host outside an elastic job's attempt (lost and replaced, a spare) does not decide its state
-                counts = members is None or senders.get(label, self.elastic_hosts.get(label, label)) in members
+                counts = in_view(label, senders.get(label))
                 if ans.status != "ok":
                     hosts.append(HostRow(label, ans.status, ans.error, age, ans.state))
                     if counts:
